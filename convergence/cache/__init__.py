@@ -1,0 +1,1 @@
+"""Content-addressed cache of finished runs."""

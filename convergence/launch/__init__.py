@@ -1,0 +1,1 @@
+"""Launching jobs: torchrun (local) or srun+torchrun (Slurm), device pool, watchdog."""

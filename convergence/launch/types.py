@@ -1,0 +1,103 @@
+"""What a launcher is asked to do and what it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+#: Final states of a job.
+STATUSES = ("ok", "failed", "timeout", "hung", "stopped_early", "nan", "killed", "interrupted")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchRequest:
+    """One job to run under torchrun: ``torchrun [launcher opts] <entry>``."""
+
+    name: str
+    """Job name, used in messages and progress lines."""
+    entry: Sequence[str]
+    """What follows torchrun's own options, e.g. ``["-m", "convergence.trainer", "--config", ...]``
+    (an argv list, never a shell string)."""
+    nproc: int
+    """Processes (ranks) on this node."""
+    log_dir: Path
+    """Per-job folder: launcher log and one log per rank are written here."""
+    metrics_path: Path | None = None
+    """JSONL file the trainer appends a line to per step (read live for progress/watchdog)."""
+    stop_file: Path | None = None
+    """Touching this file asks the trainer to stop cleanly at the next step."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment (e.g. CUDA_VISIBLE_DEVICES from the device pool)."""
+    cwd: Path | None = None
+    wall_limit_s: float = 3600.0
+    """Hard wall-clock limit for the whole job."""
+    idle_limit_s: float = 600.0
+    """No-progress watchdog: end the job when no new metrics line came for this long."""
+    total_steps: int | None = None
+    """For progress and ETA."""
+    direct: bool = False
+    """Run ``entry`` as a plain command (no torchrun), e.g. a seed-checkpoint step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureInfo:
+    """Why a job did not finish normally."""
+
+    message: str
+    """One line for the terminal: what happened and, if known, on which rank."""
+    rank: int | None = None
+    signal: str | None = None
+    traceback: str = ""
+    """The failing rank's traceback (torchelastic error file or rank log tail)."""
+    step: int | None = None
+    """Step at which it happened (e.g. the first NaN loss)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobResult:
+    name: str
+    status: str
+    """One of :data:`STATUSES`."""
+    returncode: int | None
+    wall_s: float
+    log_dir: Path
+    metrics_path: Path | None = None
+    failure: FailureInfo | None = None
+    last_step: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("ok", "stopped_early")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    """A live progress event: the latest metrics line of a running job."""
+
+    name: str
+    step: int
+    total_steps: int | None
+    loss: float | None
+    elapsed_s: float
+
+    @property
+    def eta_s(self) -> float | None:
+        if not self.total_steps or self.step <= 0:
+            return None
+        return self.elapsed_s / self.step * max(self.total_steps - self.step, 0)
+
+
+#: Called with each new metrics record of a running job; returning True asks it to stop early.
+OnMetrics = Callable[[dict[str, float]], bool]
+OnProgress = Callable[[Progress], None]
+
+
+class Launcher(Protocol):
+    """Runs one job to completion (or until stopped) and never leaves a process behind."""
+
+    name: str
+
+    def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
+               on_progress: OnProgress | None = None) -> JobResult: ...

@@ -1,0 +1,1 @@
+"""Reports: terminal matrix, report.json/.md/.html and plots."""

@@ -1,0 +1,18 @@
+"""Specs: frozen dataclasses for layouts, techniques, jobs and pairs, plus TOML loading."""
+
+from __future__ import annotations
+
+from convergence.spec.errors import SpecError
+from convergence.spec.layout import PP_SCHEDULES, ParallelLayout, Techniques
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import ComparisonRule, PairSpec
+
+__all__ = [
+    "PP_SCHEDULES",
+    "ComparisonRule",
+    "JobSpec",
+    "PairSpec",
+    "ParallelLayout",
+    "SpecError",
+    "Techniques",
+]

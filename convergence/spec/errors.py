@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+
+class SpecError(ValueError):
+    """Invalid input, found before anything is launched.
+
+    The message always names the file, the key path and the fix, so a user can act on it
+    without reading our code.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None,
+                 fix: str | None = None) -> None:
+        self.file = file
+        self.key = key
+        self.fix = fix
+        self.detail = message
+        parts = []
+        if file:
+            parts.append(str(file))
+        if key:
+            parts.append(f"key '{key}'")
+        head = ": ".join(parts)
+        text = f"{head}: {message}" if head else message
+        if fix:
+            text += f"\n  fix: {fix}"
+        super().__init__(text)

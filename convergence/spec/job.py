@@ -1,0 +1,79 @@
+"""One side of a pair: what to train, on which layout, for how long."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from convergence.spec.errors import SpecError
+from convergence.spec.layout import ParallelLayout, Techniques
+
+BACKENDS: tuple[str, ...] = ("builtin", "torchtitan", "command")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """A training job, complete enough to launch and to hash for the run cache."""
+
+    name: str
+    """Human name (``fsdp2-tp2``); not part of the cache key."""
+    train_config: Path
+    """Absolute path of the train config TOML (built-in/torchtitan) the job starts from."""
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    """Degrees of the parallel mesh axes."""
+    techniques: Techniques = field(default_factory=Techniques)
+    """Toggled training techniques."""
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 42
+    """Seed of the weights (via the seed checkpoint) and of the data order."""
+    backend: str = "builtin"
+    """``builtin`` | ``torchtitan`` | ``command``."""
+    local_batch_size: int | None = None
+    """Samples per DP rank per microstep; ``None`` keeps the train config's value."""
+    hook: str | None = None
+    """``"package.module:function"`` applied to the model on every rank (runs user code)."""
+    overrides: tuple[tuple[str, str], ...] = ()
+    """Extra ``key.path=value`` settings passed to the backend verbatim (never via a shell)."""
+    backend_options: tuple[tuple[str, str], ...] = ()
+    """Backend-specific settings (command template, metric keys, torchtitan module)."""
+    source: str = ""
+    """Where this job was defined (file path), for error messages."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpecError(f"unknown backend {self.backend!r}", file=self.source, key="backend",
+                            fix=f"use one of {', '.join(BACKENDS)}")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise SpecError(f"steps must be a positive integer, got {self.steps!r}",
+                            file=self.source, key="steps", fix="set steps >= 1")
+        if self.local_batch_size is not None and self.local_batch_size < 1:
+            raise SpecError("local_batch_size must be >= 1", file=self.source,
+                            key="local_batch_size", fix="set local_batch_size >= 1")
+        if self.hook is not None and (":" not in self.hook or self.hook.count(":") != 1):
+            raise SpecError(f"hook {self.hook!r} is not 'package.module:function'",
+                            file=self.source, key="hook",
+                            fix="write it as \"my_pkg.parallel:apply_my_tp\"")
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def override_dict(self) -> dict[str, str]:
+        return dict(self.overrides)
+
+    def identity(self) -> dict[str, Any]:
+        """Everything that decides the job's result (the run-cache key covers this)."""
+        return {
+            "train_config": str(self.train_config),
+            "layout": self.layout.to_dict(),
+            "techniques": self.techniques.to_dict(),
+            "steps": self.steps,
+            "seed": self.seed,
+            "backend": self.backend,
+            "local_batch_size": self.local_batch_size,
+            "hook": self.hook,
+            "overrides": [list(kv) for kv in self.overrides],
+            "backend_options": [list(kv) for kv in self.backend_options],
+        }

@@ -1,0 +1,161 @@
+"""A parallel layout (the degree of each mesh axis) and the techniques a job toggles."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from convergence.spec.errors import SpecError
+
+#: Pipeline schedules the built-in trainer knows, by the name users write in TOML.
+#: "Interleaved*" and "LoopedBFS"/"ZBVZeroBubble" hold several stages per PP rank.
+PP_SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+)
+MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(
+    {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"}
+)
+
+#: Mesh axis names, outermost first (the order torchtitan uses).
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+AC_MODES: tuple[str, ...] = ("none", "full", "selective")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError(f"must be a positive integer, got {value!r}", key=name,
+                        fix=f"set {name} to 1 or more")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """Degree of each parallel mesh axis; their product is the world size."""
+
+    dp_replicate: int = 1
+    """Replicate axis: DDP on its own, the replicate axis of HSDP with ``dp_shard``."""
+    dp_shard: int = 1
+    """FSDP2 ``fully_shard`` axis."""
+    tp: int = 1
+    """Tensor parallel degree (DTensor ``parallelize_module``)."""
+    sequence_parallel: bool = False
+    """Shard norms/activations on the sequence dim between TP regions."""
+    pp: int = 1
+    """Pipeline parallel degree (number of PP ranks)."""
+    pp_schedule: str = "1F1B"
+    """One of :data:`PP_SCHEDULES`."""
+    pp_microbatches: int | None = None
+    """Microbatches per local batch; default: ``pp`` (``2*pp`` for multi-stage schedules)."""
+    pp_stages_per_rank: int | None = None
+    """Stages held by each PP rank; default 1, or 2 for multi-stage schedules."""
+    cp: int = 1
+    """Context parallel degree (the sequence dim of attention is sharded)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+            _positive(name, getattr(self, name))
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise SpecError(f"unknown PP schedule {self.pp_schedule!r}", key="pp_schedule",
+                            fix=f"use one of {', '.join(PP_SCHEDULES)}")
+        if self.pp_microbatches is not None:
+            _positive("pp_microbatches", self.pp_microbatches)
+        if self.pp_stages_per_rank is not None:
+            _positive("pp_stages_per_rank", self.pp_stages_per_rank)
+        if self.sequence_parallel and self.tp == 1:
+            raise SpecError("sequence_parallel needs tp > 1", key="sequence_parallel",
+                            fix="set tp >= 2 or drop sequence_parallel")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many distinct batches are read per microstep."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+    @property
+    def microbatches(self) -> int:
+        """PP microbatches per local batch (1 when PP is off)."""
+        if self.pp == 1:
+            return 1
+        if self.pp_microbatches is not None:
+            return self.pp_microbatches
+        return self.pp * self.stages_per_rank
+
+    def degrees(self) -> dict[str, int]:
+        return {axis: int(getattr(self, axis)) for axis in AXES}
+
+    def short_name(self) -> str:
+        """e.g. ``fsdp2-tp2-pp2``; DDP-only layouts read ``ddp2``."""
+        parts = []
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"ddp{self.dp_replicate}")
+        elif self.dp_shard > 1:
+            parts.append(f"fsdp{self.dp_shard}")
+        for axis in ("tp", "cp", "pp"):
+            degree = getattr(self, axis)
+            if degree > 1:
+                parts.append(f"{axis}{degree}")
+        return "-".join(parts) or "single"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Techniques:
+    """Training techniques a pair can toggle; none of them changes the math in fp32."""
+
+    param_dtype: str = "float32"
+    """Mixed-precision dtype of the unsharded parameters in compute."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduce-scatter / all-reduce."""
+    activation_checkpoint: str = "none"
+    """``none`` | ``full`` | ``selective``."""
+    compile: bool = False
+    """``torch.compile`` each block."""
+    reshard_after_forward: bool = True
+    """FSDP: free the unsharded params after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of parameters, gradients and optimizer state."""
+    grad_accum_steps: int = 1
+    """Microsteps accumulated per optimizer step."""
+    deterministic: bool = True
+    """Deterministic kernels and seeded everything (required for paired verdicts)."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise SpecError(f"unknown dtype {getattr(self, name)!r}", key=name,
+                                fix=f"use one of {', '.join(DTYPES)}")
+        if self.activation_checkpoint not in AC_MODES:
+            raise SpecError(f"unknown mode {self.activation_checkpoint!r}",
+                            key="activation_checkpoint", fix=f"use one of {', '.join(AC_MODES)}")
+        _positive("grad_accum_steps", self.grad_accum_steps)
+
+    @property
+    def bitwise_pairable(self) -> bool:
+        """True when two runs can be compared step by step at the fp32 noise floor."""
+        return self.deterministic and self.param_dtype == "float32" and not self.compile
+
+    def changed_from(self, other: Techniques) -> dict[str, Any]:
+        """The fields whose value differs from ``other`` (for report columns)."""
+        mine, theirs = asdict(self), asdict(other)
+        return {k: v for k, v in mine.items() if theirs[k] != v}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,95 @@
+"""A control/test pair and the rules that compare their metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+
+#: Metric names used throughout the library (backends map their own tags onto these).
+METRICS: tuple[str, ...] = ("loss", "grad_norm", "lr", "val_loss", "tokens_per_s", "peak_mem_mib")
+METHODS: tuple[str, ...] = ("exact", "allclose", "paired", "seed", "regression")
+REGIMES: tuple[str, ...] = ("paired", "seed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComparisonRule:
+    """How one metric of the test is judged against the control.
+
+    ``None`` parameters mean "the method's calibrated default" (see convergence.stats).
+    """
+
+    metric: str
+    """One of :data:`METRICS`."""
+    method: str
+    """``exact`` | ``allclose`` | ``paired`` | ``seed`` | ``regression``."""
+    gate: bool = True
+    """Whether a failure of this metric fails the pair (throughput/memory default to False)."""
+    rtol: float | None = None
+    """allclose: relative tolerance."""
+    atol: float | None = None
+    """allclose: absolute tolerance; paired: the noise floor at step 1."""
+    growth: float | None = None
+    """paired: how the tolerance grows with the step (multiplier of sqrt(step))."""
+    z: float | None = None
+    """seed: band half-width in standard deviations."""
+    alpha: float | None = None
+    """seed: level of the equivalence test (TOST) on the final window."""
+    margin: float | None = None
+    """seed: equivalence margin for the final-window mean difference."""
+    window: int | None = None
+    """seed: length of the final window (logged steps)."""
+    max_regression: float | None = None
+    """regression: allowed relative loss of the metric (0.1 = 10% slower / bigger)."""
+
+    def __post_init__(self) -> None:
+        if self.metric not in METRICS:
+            raise SpecError(f"unknown metric {self.metric!r}", key=f"compare.{self.metric}",
+                            fix=f"use one of {', '.join(METRICS)}")
+        if self.method not in METHODS:
+            raise SpecError(f"unknown comparison {self.method!r}", key=f"compare.{self.metric}",
+                            fix=f"use one of {', '.join(METHODS)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairSpec:
+    """A control job and a test job that must agree under ``rules``."""
+
+    pair_id: str
+    """Stable id, e.g. ``converging.toml::fsdp2-tp2`` (the pytest item name)."""
+    control: JobSpec
+    test: JobSpec
+    rules: tuple[ComparisonRule, ...]
+    regime: str = "paired"
+    """``paired`` (same seed checkpoint and data, bitwise-comparable) or ``seed`` (ensemble)."""
+    replicates: int = 3
+    """seed regime: number of control replicates (different seeds) forming the band."""
+    early_stop: bool = True
+    """Stop the test job once the verdict is decided."""
+    source: str = ""
+    tier: str = "quick"
+    """Which runs select it: ``quick`` (default ``-m convergence``), ``ci``, ``nightly``."""
+    probe_on_failure: bool = True
+    """Run the per-module numerics probe on both sides when a paired pair fails."""
+    golden: str | None = None
+    """Optional golden curve file to compare the test against instead of a control run."""
+    extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.regime not in REGIMES:
+            raise SpecError(f"unknown regime {self.regime!r}", file=self.source, key="regime",
+                            fix=f"use one of {', '.join(REGIMES)}")
+        if self.replicates < 2 and self.regime == "seed":
+            raise SpecError("the seed regime needs at least 2 control replicates",
+                            file=self.source, key="replicates", fix="set replicates >= 2")
+
+    @property
+    def name(self) -> str:
+        return self.pair_id.split("::")[-1]
+
+    def rule_for(self, metric: str) -> ComparisonRule | None:
+        for rule in self.rules:
+            if rule.metric == metric:
+                return rule
+        return None

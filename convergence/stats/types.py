@@ -1,0 +1,56 @@
+"""The verdict on one metric, and the Protocol every comparison method implements."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricVerdict:
+    """Outcome of comparing one metric of a test run with its control."""
+
+    metric: str
+    method: str
+    passed: bool
+    gate: bool
+    """Whether this verdict decides the pair (False: reported only, e.g. throughput)."""
+    steps_compared: int
+    first_divergent_step: int | None = None
+    """First logged step outside the tolerance/band (None when none is)."""
+    max_deviation: float = 0.0
+    """Largest |test - control| (or |test - band mean| for the seed regime)."""
+    max_deviation_step: int | None = None
+    tolerance: str = ""
+    """Human description of the tolerance or band used, e.g. ``atol 5e-07*(1+0.1*sqrt(step))``."""
+    tolerance_at_max: float | None = None
+    """The tolerance in force at ``max_deviation_step``."""
+    p_values: dict[str, float] = field(default_factory=dict)
+    """Statistical tests only, e.g. ``{"tost_lower": .., "tost_upper": ..}``."""
+    message: str = ""
+    """One line that says why it passed or failed."""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric, "method": self.method, "passed": self.passed,
+            "gate": self.gate, "steps_compared": self.steps_compared,
+            "first_divergent_step": self.first_divergent_step,
+            "max_deviation": self.max_deviation, "max_deviation_step": self.max_deviation_step,
+            "tolerance": self.tolerance, "tolerance_at_max": self.tolerance_at_max,
+            "p_values": self.p_values, "message": self.message, "details": self.details,
+        }
+
+
+class Comparison(Protocol):
+    """A comparison method (exact, allclose, paired band, seed band, regression)."""
+
+    method: str
+
+    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve) -> MetricVerdict:
+        """``controls`` holds one curve (paired methods) or K replicates (seed band)."""
+        ...
