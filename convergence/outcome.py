@@ -1,0 +1,66 @@
+"""What running a pair produced: per-side runs, per-metric verdicts, the pair's status.
+
+Reports (terminal matrix, JSON/MD/HTML, JUnit properties) are built from these alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from convergence.launch.types import JobResult
+from convergence.metrics.curve import RunMetrics
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import PairSpec
+from convergence.stats.types import MetricVerdict
+
+#: Pair statuses: passed/failed are verdicts; error means a job broke before a verdict.
+PAIR_STATUSES = ("passed", "failed", "error", "skipped")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SideOutcome:
+    """One side (control or test) of a pair after it ran (or was taken from the cache)."""
+
+    job: JobSpec
+    metrics: RunMetrics
+    """Curves by metric name. For the seed regime's control: the first replicate."""
+    result: JobResult | None = None
+    """The launch result; ``None`` when the run came from the cache."""
+    cached: bool = False
+    run_dir: Path | None = None
+    """Folder holding the run's metrics, logs and metadata."""
+    wall_s: float = 0.0
+    replicates: tuple[RunMetrics, ...] = ()
+    """Seed regime: all K control replicates (including the first)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Trainer metadata (seed checkpoint hash, entropy floor, world size, versions)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairOutcome:
+    pair: PairSpec
+    status: str
+    """One of :data:`PAIR_STATUSES`."""
+    control: SideOutcome | None
+    test: SideOutcome | None
+    verdicts: tuple[MetricVerdict, ...] = ()
+    error: str | None = None
+    """Why the pair errored (which job, rank, traceback head)."""
+    stopped_early_at: int | None = None
+    """Step at which the test job was stopped because the verdict was already decided."""
+    localisation: dict[str, Any] | None = None
+    """Numerics probe result: first differing module / parameter (paired failures)."""
+    plots: tuple[Path, ...] = ()
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def verdict(self, metric: str) -> MetricVerdict | None:
+        for v in self.verdicts:
+            if v.metric == metric:
+                return v
+        return None
