@@ -1,0 +1,309 @@
+"""The train config: TOML sections parsed once into frozen dataclasses, plus CLI overrides.
+
+    torchrun ... -m convergence.trainer --config train_configs/debug.toml --training.steps=50
+
+Section and key names follow torchtitan's JobConfig where one exists, so users can read both.
+Every unknown section or key is an error naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from convergence.spec.errors import SpecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    name: str = "llama"
+    """Model family; only the built-in Llama-style decoder ("llama") for now."""
+    vocab_size: int = 256
+    """Vocabulary size (256 = bytes for the text source)."""
+    dim: int = 64
+    """Hidden size."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Attention (query) heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_hidden_dim: int = 0
+    """SwiGLU hidden size; 0 = 8/3*dim rounded up to multiple_of."""
+    multiple_of: int = 32
+    """Rounding of the default SwiGLU hidden size."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    init_std: float = 0.02
+    """Std of the normal init of linear weights."""
+    tie_embeddings: bool = False
+    """Share the embedding and output weights."""
+    block_pattern: str = ""
+    """Comma-separated block kinds per layer (e.g. "tp,single,parallel"); "" = all standard."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str = "synthetic"
+    """"synthetic" (seeded Markov language with a known entropy floor) or "text" (a local file)."""
+    path: str = ""
+    """Text source: path of a local UTF-8 text file (relative to the config file's folder)."""
+    tokenizer: str = "byte"
+    """Text source: "byte" (vocab 256) or a path to a tokenizer.json file."""
+    seq_len: int = 64
+    """Tokens per sample (the model's context)."""
+    seed: int = 1234
+    """Seed of the synthetic language itself (its transition table), not the sample order."""
+    synthetic_concentration: float = 0.05
+    """Dirichlet concentration of each synthetic transition row: smaller = lower entropy floor."""
+    val_fraction: float = 0.05
+    """Text source: tail fraction held out for validation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    local_batch_size: int = 8
+    """Samples per data-parallel rank per microstep (PP splits it into microbatches)."""
+    grad_accum_steps: int = 1
+    """Microsteps accumulated per optimizer step."""
+    seed: int = 42
+    """Seed of the weights (seed checkpoint) and of the sample order."""
+    max_norm: float = 1.0
+    """Gradient clipping by global norm (0 = off)."""
+    param_dtype: str = "float32"
+    """FSDP mixed precision: compute dtype of the unsharded parameters."""
+    reduce_dtype: str = "float32"
+    """FSDP mixed precision: dtype of the gradient reduction."""
+    compile: bool = False
+    """torch.compile each block."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of params, grads and optimizer state."""
+    deterministic: bool = True
+    """Deterministic algorithms and seeded RNGs."""
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    name: str = "AdamW"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRSchedulerConfig:
+    warmup_steps: int = 10
+    """Linear warmup from 0 over this many steps."""
+    decay_type: str = "cosine"
+    """"cosine", "linear" or "none" after warmup."""
+    min_lr_factor: float = 0.1
+    """Final lr as a fraction of the peak."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 0
+    """0 = pp * stages per rank."""
+    pp_stages_per_rank: int = 0
+    """0 = 1, or 2 for multi-stage (interleaved) schedules."""
+    cp: int = 1
+    reshard_after_forward: bool = True
+    """FSDP: ZeRO-3 (True) or ZeRO-2-like (False)."""
+    hook: str = ""
+    """"package.module:function" applied to the model on every rank (see convergence.trainer.hooks)."""
+    hook_mode: str = "after"
+    """"after": call the hook after the built-in parallelisation; "replace_tp": the hook applies
+    tensor parallelism in place of the built-in TP plan (FSDP, AC, PP still built in)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointConfig:
+    mode: str = "none"
+    """"none", "full" (every block) or "selective" (every `selective_layer_freq`-th block)."""
+    selective_layer_freq: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    seed_checkpoint: str = ""
+    """Folder of the seed checkpoint (torch.distributed.checkpoint) to load; "" = random init."""
+    create_seed_checkpoint: bool = False
+    """Create the seed checkpoint in `seed_checkpoint` (single process) and exit."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    dump_folder: str = "outputs/run"
+    """Where metrics.jsonl, tb/ and run_meta.json go."""
+    log_freq: int = 1
+    """Log every N steps."""
+    enable_tensorboard: bool = True
+    val_every: int = 0
+    """Validation loss every N steps (0 = off)."""
+    val_batches: int = 2
+    """Validation batches (of the global batch size) per evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    source: str = ""
+    """The config file this came from (for messages); not a TOML key."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.pop("source", None)
+        return out
+
+
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(TrainConfig)[f.name]
+    for f in fields(TrainConfig) if f.name != "source"
+}
+
+
+def _coerce(value: Any, target: Any, *, file: str, key: str) -> Any:
+    """Check/convert a TOML or CLI value to the field's type; strings from the CLI are parsed."""
+    if isinstance(target, types.UnionType) or typing.get_origin(target) is typing.Union:
+        target = next(t for t in typing.get_args(target) if t is not type(None))
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif target is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif target is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif target is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - all fields are scalars
+        return value
+    raise SpecError(f"expected {target.__name__}, got {value!r}", file=file, key=key,
+                    fix=f"give {key} a {target.__name__} value")
+
+
+def _build_section(cls: type, data: dict[str, Any], *, file: str, section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{section}.{key}"
+        if key not in known:
+            raise SpecError("unknown key", file=file, key=path,
+                            fix=f"remove it; valid keys of [{section}]: {', '.join(sorted(known))}")
+        kwargs[key] = _coerce(value, hints[key], file=file, key=path)
+    return cls(**kwargs)
+
+
+def parse_overrides(args: list[str], *, file: str = "command line") -> dict[str, dict[str, str]]:
+    """``["--training.steps=5", "--parallelism.tp", "2"]`` -> {"training": {"steps": "5"}, ...}."""
+    out: dict[str, dict[str, str]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise SpecError(f"cannot read override {arg!r}", file=file, key=arg,
+                            fix="write overrides as --section.key=value")
+        if "=" in arg:
+            dotted, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise SpecError("override has no value", file=file, key=arg,
+                                fix="write it as --section.key=value")
+            dotted, value = arg[2:], args[i + 1]
+            i += 2
+        section, _, key = dotted.partition(".")
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a train config TOML and apply ``--section.key=value`` overrides on top."""
+    path = Path(path)
+    file = str(path)
+    if not path.is_file():
+        raise SpecError("train config not found", file=file, key="train_config",
+                        fix="point train_config at an existing file, e.g. train_configs/debug.toml")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"malformed TOML: {exc}", file=file,
+                        fix="fix the TOML syntax at the reported line") from None
+    return build_train_config(data, overrides or [], file=file)
+
+
+def build_train_config(data: dict[str, Any], overrides: list[str], *, file: str) -> TrainConfig:
+    merged: dict[str, dict[str, Any]] = {}
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise SpecError("unknown section", file=file, key=section,
+                            fix=f"use one of [{'], ['.join(SECTIONS)}]")
+        if not isinstance(body, dict):
+            raise SpecError("expected a table", file=file, key=section,
+                            fix=f"write it as [{section}] with key = value lines")
+        merged[section] = dict(body)
+    for section, body in parse_overrides(overrides).items():
+        if section not in SECTIONS:
+            raise SpecError("unknown section in override", file="command line", key=section,
+                            fix=f"use one of {', '.join(SECTIONS)}")
+        merged.setdefault(section, {}).update(body)
+    built = {name: _build_section(cls, merged.get(name, {}), file=file, section=name)
+             for name, cls in SECTIONS.items()}
+    return TrainConfig(**built, source=file)
+
+
+def to_overrides(values: dict[str, Any]) -> list[str]:
+    """{"training.steps": 5, "parallelism.sequence_parallel": True} -> CLI override strings."""
+    out = []
+    for dotted, value in values.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        out.append(f"--{dotted}={text}")
+    return out
