@@ -1,0 +1,73 @@
+"""The Backend Protocol: one per trainer (built-in, torchtitan, any command)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from convergence.metrics.curve import RunMetrics
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+
+
+class Backend(Protocol):
+    name: str
+
+    def version(self) -> str:
+        """Goes into the run-cache key: a new trainer version never reuses old runs."""
+        ...
+
+    def preflight(self, job: JobSpec) -> None:
+        """Validate the job without launching anything; raise SpecError naming file/key/fix."""
+        ...
+
+    def tokens_per_step(self, job: JobSpec) -> int:
+        """Tokens consumed per optimizer step (must match between control and test)."""
+        ...
+
+    def config_text(self, job: JobSpec) -> str:
+        """The train config's text (part of the cache key)."""
+        ...
+
+    def seed_identity(self, job: JobSpec) -> dict[str, Any] | None:
+        """What decides the seed checkpoint's content; None = this backend makes none."""
+        ...
+
+    def seed_entry(self, job: JobSpec, seed_dir: Path) -> list[str]:
+        """argv (after the python executable) that creates the seed checkpoint in one process."""
+        ...
+
+    def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
+        """argv after torchrun's own options, e.g. ``["-m", "convergence.trainer", ...]``."""
+        ...
+
+    def metrics_path(self, dump_dir: Path) -> Path | None:
+        """The JSONL file read live while the job runs (None: none, poll nothing)."""
+        ...
+
+    def read_metrics(self, dump_dir: Path) -> RunMetrics:
+        """All curves of a finished (or stopped) run, at full precision."""
+        ...
+
+
+def get_backend(name: str) -> Backend:
+    if name == "builtin":
+        from convergence.backends.builtin import BuiltinBackend
+
+        return BuiltinBackend()
+    if name == "torchtitan":
+        try:
+            from convergence.backends.torchtitan import TorchtitanBackend  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise SpecError(f"the torchtitan backend is not available: {exc}", key="backend",
+                            fix="pip install 'pytest-convergence[torchtitan]' (and triton)") from None
+        return TorchtitanBackend()  # type: ignore[no-any-return]
+    if name == "command":
+        try:
+            from convergence.backends.command import CommandBackend  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise SpecError(f"the command backend is not available: {exc}", key="backend",
+                            fix="use backend = \"builtin\"") from None
+        return CommandBackend()  # type: ignore[no-any-return]
+    raise SpecError(f"unknown backend {name!r}", key="backend",
+                    fix="use one of builtin, torchtitan, command")

@@ -1,0 +1,112 @@
+"""The built-in reference trainer (``python -m convergence.trainer``) as a backend."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import convergence
+from convergence.metrics.curve import RunMetrics
+from convergence.spec.job import JobSpec
+from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
+
+TRAINER_MODULE = "convergence.trainer"
+
+
+def job_overrides(job: JobSpec) -> list[str]:
+    """The trainer's ``--section.key=value`` settings that realise the job's spec."""
+    layout, tech = job.layout, job.techniques
+    values: dict[str, Any] = {
+        "training.steps": job.steps,
+        "training.seed": job.seed,
+        "parallelism.dp_replicate": layout.dp_replicate,
+        "parallelism.dp_shard": layout.dp_shard,
+        "parallelism.tp": layout.tp,
+        "parallelism.sequence_parallel": layout.sequence_parallel,
+        "parallelism.pp": layout.pp,
+        "parallelism.pp_schedule": layout.pp_schedule,
+        "parallelism.cp": layout.cp,
+        "parallelism.reshard_after_forward": tech.reshard_after_forward,
+        "training.param_dtype": tech.param_dtype,
+        "training.reduce_dtype": tech.reduce_dtype,
+        "training.compile": tech.compile,
+        "training.cpu_offload": tech.cpu_offload,
+        "training.grad_accum_steps": tech.grad_accum_steps,
+        "training.deterministic": tech.deterministic,
+        "activation_checkpoint.mode": tech.activation_checkpoint,
+    }
+    if layout.pp > 1:
+        values["parallelism.pp_microbatches"] = layout.microbatches
+        values["parallelism.pp_stages_per_rank"] = layout.stages_per_rank
+    if job.local_batch_size is not None:
+        values["training.local_batch_size"] = job.local_batch_size
+    if job.hook:
+        values["parallelism.hook"] = job.hook
+    # User overrides come last so they win over the spec-derived values.
+    return to_overrides(values) + [f"--{k}={v}" for k, v in job.overrides]
+
+
+class BuiltinBackend:
+    name = "builtin"
+
+    def version(self) -> str:
+        return f"builtin-{convergence.__version__}"
+
+    def effective_config(self, job: JobSpec) -> TrainConfig:
+        return load_train_config(job.train_config, job_overrides(job))
+
+    def preflight(self, job: JobSpec) -> None:
+        cfg = self.effective_config(job)
+        try:
+            from convergence.trainer.validate import check_config
+        except ImportError:  # pragma: no cover - trainer validation not present
+            return
+        check_config(cfg, job.world_size)
+
+    def tokens_per_step(self, job: JobSpec) -> int:
+        cfg = self.effective_config(job)
+        return (cfg.training.local_batch_size * job.layout.dp * cfg.training.grad_accum_steps
+                * cfg.data.seq_len)
+
+    def config_text(self, job: JobSpec) -> str:
+        return Path(job.train_config).read_text(encoding="utf-8")
+
+    def seed_identity(self, job: JobSpec) -> dict[str, Any] | None:
+        cfg = self.effective_config(job)
+        # The weights depend only on the model shape, the init and the seed: every layout of
+        # the same model and seed shares one seed checkpoint.
+        return {"backend": self.version(), "model": cfg.to_dict()["model"],
+                "seed": cfg.training.seed, "max_seq_len": cfg.data.seq_len}
+
+    def seed_entry(self, job: JobSpec, seed_dir: Path) -> list[str]:
+        return ["-m", TRAINER_MODULE, "--config", str(job.train_config), *job_overrides(job),
+                "--checkpoint.create_seed_checkpoint=true",
+                f"--checkpoint.seed_checkpoint={seed_dir}",
+                f"--metrics.dump_folder={seed_dir}/creator"]
+
+    def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
+        entry = ["-m", TRAINER_MODULE, "--config", str(job.train_config), *job_overrides(job),
+                 f"--metrics.dump_folder={dump_dir}"]
+        if seed_dir is not None:
+            entry.append(f"--checkpoint.seed_checkpoint={seed_dir}")
+        return entry
+
+    def metrics_path(self, dump_dir: Path) -> Path | None:
+        return dump_dir / "metrics.jsonl"
+
+    def read_metrics(self, dump_dir: Path) -> RunMetrics:
+        # The JSONL holds exact float64 reprs; TensorBoard carries the same values for users.
+        from convergence.metrics.jsonl import read_jsonl
+
+        return read_jsonl(dump_dir / "metrics.jsonl")
+
+    def read_meta(self, dump_dir: Path) -> dict[str, Any]:
+        path = dump_dir / "run_meta.json"
+        if not path.is_file():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return data if isinstance(data, dict) else {}

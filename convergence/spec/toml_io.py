@@ -1,0 +1,55 @@
+"""Reading TOML once at the boundary, with errors that name the file and the fix."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from convergence.spec.errors import SpecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise SpecError("file not found", file=str(path), fix="check the path")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"malformed TOML: {exc}", file=str(path),
+                        fix="fix the TOML syntax at the reported line and column") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"not UTF-8 text: {exc}", file=str(path),
+                        fix="save the file as UTF-8") from None
+
+
+def check_keys(table: Mapping[str, Any], allowed: Iterable[str], *, file: str, path: str) -> None:
+    """Unknown keys are errors: a typo like ``tensor_paralel`` must never be silently ignored."""
+    allowed = list(allowed)
+    for key in table:
+        if key not in allowed:
+            where = f"{path}.{key}" if path else key
+            raise SpecError("unknown key", file=file, key=where,
+                            fix=f"remove it or use one of: {', '.join(allowed)}")
+
+
+def expect(value: Any, kind: type | tuple[type, ...], *, file: str, key: str, what: str) -> Any:
+    """Type check one TOML value (bool is not an int here)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        raise SpecError(f"expected {what}, got {value!r}", file=file, key=key,
+                        fix=f"write {key} as {what}")
+    return value
+
+
+def expect_table(value: Any, *, file: str, key: str) -> dict[str, Any]:
+    return dict(expect(value, dict, file=file, key=key, what="a table ({ key = value, ... })"))
