@@ -49,6 +49,10 @@ class Backend(Protocol):
         """All curves of a finished (or stopped) run, at full precision."""
         ...
 
+    def read_meta(self, dump_dir: Path) -> dict[str, Any]:
+        """Run metadata (seed checkpoint hash, entropy floor, ...); {} when there is none."""
+        ...
+
 
 def get_backend(name: str) -> Backend:
     if name == "builtin":

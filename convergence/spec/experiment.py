@@ -1,0 +1,355 @@
+"""Experiment files (TOML) and the Python API, turned into validated PairSpecs.
+
+    [defaults]   shared by every job of the file (train_config, steps, seed, ...)
+    [control]    the trusted layout
+    [[test]]     one pair per test: the new layout or technique, compared with the control
+    [[sweep]]    a grid of tests: name template + base parallelism + grid of values
+
+Everything is checked here, before any job is launched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from convergence.spec.errors import SpecError
+from convergence.spec.job import BACKENDS, JobSpec
+from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
+from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
+
+TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
+
+JOB_KEYS = ("name", "train_config", "steps", "seed", "backend", "local_batch_size",
+            "parallelism", "techniques", "hook", "overrides", "backend_options")
+PAIR_KEYS = ("compare", "regime", "replicates", "early_stop", "golden", "tier",
+             "probe_on_failure")
+DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k != "name") + PAIR_KEYS
+TEST_KEYS = JOB_KEYS + PAIR_KEYS
+SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
+TOP_KEYS = ("experiment", "defaults", "control", "test", "sweep")
+EXPERIMENT_KEYS = ("description", "tier")
+RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule) if f.name != "metric")
+LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(ParallelLayout))
+TECHNIQUE_KEYS = tuple(f.name for f in dataclasses.fields(Techniques))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """One experiment file: a control and its tests, as pairs."""
+
+    source: str
+    """Path of the TOML file."""
+    description: str = ""
+    pairs: tuple[PairSpec, ...] = ()
+
+
+def load_experiment(path: Path, *, rootdir: Path) -> Experiment:
+    """Parse and validate an experiment file. Raises SpecError naming file, key and fix."""
+    file = str(path)
+    data = read_toml(path)
+    check_keys(data, TOP_KEYS, file=file, path="")
+    meta = expect_table(data.get("experiment", {}), file=file, key="experiment")
+    check_keys(meta, EXPERIMENT_KEYS, file=file, path="experiment")
+    defaults = expect_table(data.get("defaults", {}), file=file, key="defaults")
+    check_keys(defaults, DEFAULTS_KEYS, file=file, path="defaults")
+    if "tier" in meta:
+        defaults.setdefault("tier", meta["tier"])
+    if "control" not in data:
+        raise SpecError("no [control] table", file=file, key="control",
+                        fix="add a [control] table with the trusted layout, e.g. "
+                            "parallelism = { dp_shard = 2 }")
+    control = expect_table(data["control"], file=file, key="control")
+    check_keys(control, JOB_KEYS, file=file, path="control")
+    tests = _tests(data, file)
+    if not tests:
+        raise SpecError("no [[test]] or [[sweep]] entries", file=file, key="test",
+                        fix="add at least one [[test]] with the layout to verify")
+    pairs: list[PairSpec] = []
+    seen: set[str] = set()
+    for key, test in tests:
+        name = str(test.get("name", ""))
+        if name in seen:
+            raise SpecError(f"duplicate test name {name!r}", file=file, key=f"{key}.name",
+                            fix="give every test a unique name")
+        seen.add(name)
+        pairs.append(make_pair(name=name, control=control, test=test, defaults=defaults,
+                               source=file, rootdir=rootdir, key=key))
+    return Experiment(source=file, description=str(meta.get("description", "")),
+                      pairs=tuple(pairs))
+
+
+def _tests(data: Mapping[str, Any], file: str) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    raw_tests = expect(data.get("test", []), list, file=file, key="test",
+                       what="an array of tables ([[test]])")
+    for i, raw in enumerate(raw_tests):
+        key = f"test[{i}]"
+        test = expect_table(raw, file=file, key=key)
+        check_keys(test, TEST_KEYS, file=file, path=key)
+        if "name" not in test:
+            raise SpecError("test has no name", file=file, key=f"{key}.name",
+                            fix='add name = "fsdp2-tp2" (it becomes the pytest item name)')
+        out.append((key, test))
+    raw_sweeps = expect(data.get("sweep", []), list, file=file, key="sweep",
+                        what="an array of tables ([[sweep]])")
+    for i, raw in enumerate(raw_sweeps):
+        out.extend(_expand_sweep(expect_table(raw, file=file, key=f"sweep[{i}]"), f"sweep[{i}]",
+                                 file))
+    return out
+
+
+def _expand_sweep(sweep: dict[str, Any], key: str, file: str) -> list[tuple[str, dict[str, Any]]]:
+    """A grid over parallelism/technique keys; the name is a template like ``tp{tp}-pp{pp}``."""
+    check_keys(sweep, SWEEP_KEYS, file=file, path=key)
+    grid = expect_table(sweep.get("grid", {}), file=file, key=f"{key}.grid")
+    if not grid:
+        raise SpecError("empty grid", file=file, key=f"{key}.grid",
+                        fix="give lists of values, e.g. grid = { tp = [1, 2], pp = [1, 2] }")
+    template = str(sweep.get("name", "-".join(f"{k}{{{k}}}" for k in grid)))
+    axes = []
+    for name, values in grid.items():
+        if name not in LAYOUT_KEYS and name not in TECHNIQUE_KEYS:
+            raise SpecError("unknown grid key", file=file, key=f"{key}.grid.{name}",
+                            fix=f"use parallelism or technique keys: {', '.join(LAYOUT_KEYS)}")
+        axes.append((name, expect(values, list, file=file, key=f"{key}.grid.{name}",
+                                  what="a list of values")))
+    out = []
+    for combo in itertools.product(*(values for _, values in axes)):
+        chosen = dict(zip((name for name, _ in axes), combo))
+        test = {k: v for k, v in sweep.items() if k not in ("grid", "name")}
+        par = dict(test.get("parallelism", {}))
+        tech = dict(test.get("techniques", {}))
+        for name, value in chosen.items():
+            (par if name in LAYOUT_KEYS else tech)[name] = value
+        test["parallelism"], test["techniques"] = par, tech
+        try:
+            test["name"] = template.format(**chosen)
+        except KeyError as exc:
+            raise SpecError(f"name template uses {exc} which is not in the grid", file=file,
+                            key=f"{key}.name", fix="use only grid keys in {braces}") from None
+        out.append((f"{key}[{test['name']}]", test))
+    return out
+
+
+def _merge(defaults: Mapping[str, Any], side: Mapping[str, Any]) -> dict[str, Any]:
+    """Side values win; tables (parallelism, techniques, overrides, ...) merge key by key."""
+    out = dict(defaults)
+    for key, value in side.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_config(value: Any, *, file: str, key: str, rootdir: Path) -> Path:
+    text = expect(value, (str, Path), file=file, key=key, what="a path string")
+    path = Path(text)
+    candidates = [path] if path.is_absolute() else [Path(file).parent / path, rootdir / path]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise SpecError(f"train config {text!r} does not exist (looked in "
+                    f"{', '.join(str(c) for c in candidates)})", file=file, key=key,
+                    fix="point it at an existing TOML, e.g. train_configs/debug.toml")
+
+
+def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: Path) -> JobSpec:
+    if "train_config" not in table:
+        raise SpecError("no train_config", file=file, key=f"{key}.train_config",
+                        fix='set train_config = "train_configs/debug.toml" in [defaults]')
+    par = expect_table(table.get("parallelism", {}), file=file, key=f"{key}.parallelism")
+    check_keys(par, LAYOUT_KEYS, file=file, path=f"{key}.parallelism")
+    tech = expect_table(table.get("techniques", {}), file=file, key=f"{key}.techniques")
+    check_keys(tech, TECHNIQUE_KEYS, file=file, path=f"{key}.techniques")
+    overrides = expect_table(table.get("overrides", {}), file=file, key=f"{key}.overrides")
+    options = expect_table(table.get("backend_options", {}), file=file,
+                           key=f"{key}.backend_options")
+    try:
+        layout = ParallelLayout(**par)
+        techniques = Techniques(**tech)
+        hook = table.get("hook")
+        return JobSpec(
+            name=name,
+            train_config=_resolve_config(table["train_config"], file=file,
+                                         key=f"{key}.train_config", rootdir=rootdir),
+            layout=layout,
+            techniques=techniques,
+            steps=expect(table.get("steps", 100), int, file=file, key=f"{key}.steps",
+                         what="an integer"),
+            seed=expect(table.get("seed", 42), int, file=file, key=f"{key}.seed",
+                        what="an integer"),
+            backend=str(table.get("backend", "builtin")),
+            local_batch_size=table.get("local_batch_size"),
+            hook=None if hook is None else expect(hook, str, file=file, key=f"{key}.hook",
+                                                  what='"package.module:function"'),
+            overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
+            backend_options=tuple((str(k), _scalar_text(v)) for k, v in options.items()),
+            source=file,
+        )
+    except SpecError as exc:
+        if exc.file:
+            raise
+        sub = "parallelism" if exc.key in LAYOUT_KEYS else (
+            "techniques" if exc.key in TECHNIQUE_KEYS else "")
+        path = ".".join(p for p in (key, sub, exc.key or "") if p)
+        raise SpecError(exc.detail, file=file, key=path, fix=exc.fix) from None
+    except TypeError as exc:
+        raise SpecError(str(exc), file=file, key=key, fix="check the value types") from None
+
+
+def _scalar_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
+           ) -> tuple[ComparisonRule, ...]:
+    from convergence.stats.registry import default_rules
+
+    rules = {r.metric: r for r in default_rules(regime)}
+    for metric, spec in compare.items():
+        path = f"{key}.compare.{metric}"
+        if metric not in METRICS:
+            raise SpecError("unknown metric", file=file, key=path,
+                            fix=f"compare one of: {', '.join(METRICS)}")
+        if spec == "off":
+            rules.pop(metric, None)
+            continue
+        if isinstance(spec, str):
+            spec = {"method": spec}
+        spec = expect_table(spec, file=file, key=path)
+        check_keys(spec, RULE_KEYS, file=file, path=path)
+        if spec.get("method") not in METHODS:
+            raise SpecError(f"unknown comparison {spec.get('method')!r}", file=file,
+                            key=f"{path}.method", fix=f"use one of: {', '.join(METHODS)} or \"off\"")
+        gate_default = metric not in ("tokens_per_s", "peak_mem_mib")
+        rules[metric] = ComparisonRule(metric=metric, **{"gate": gate_default, **spec})
+    return tuple(rules.values())
+
+
+def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
+              test: Mapping[str, Any] | JobSpec, defaults: Mapping[str, Any] | None = None,
+              compare: Mapping[str, Any] | None = None, source: str = "<python>",
+              rootdir: Path, key: str = "test") -> PairSpec:
+    """Build a PairSpec from experiment-file tables (or ready JobSpecs): the Python API."""
+    defaults = dict(defaults or {})
+    file = source
+    test_table = dict(test) if isinstance(test, Mapping) else {}
+    if compare:
+        test_table["compare"] = {**test_table.get("compare", {}), **compare}
+    pair_conf = _merge({k: v for k, v in defaults.items() if k in PAIR_KEYS},
+                       {k: v for k, v in test_table.items() if k in PAIR_KEYS})
+    job_defaults = {k: v for k, v in defaults.items() if k in JOB_KEYS}
+    if isinstance(control, JobSpec):
+        control_job = control
+    else:
+        ctrl = _merge(job_defaults, control)
+        control_job = _job(str(ctrl.get("name", "control")), ctrl, file=file, key="control",
+                           rootdir=rootdir)
+    if isinstance(test, JobSpec):
+        test_job = test
+    else:
+        side = _merge(job_defaults, {k: v for k, v in test_table.items() if k in JOB_KEYS})
+        test_job = _job(name, side, file=file, key=key, rootdir=rootdir)
+
+    regime = pair_conf.get("regime") or _default_regime(control_job, test_job)
+    if regime not in REGIMES:
+        raise SpecError(f"unknown regime {regime!r}", file=file, key=f"{key}.regime",
+                        fix=f"use one of: {', '.join(REGIMES)}")
+    tier = pair_conf.get("tier", "quick")
+    if tier not in TIERS:
+        raise SpecError(f"unknown tier {tier!r}", file=file, key=f"{key}.tier",
+                        fix=f"use one of: {', '.join(TIERS)}")
+    compare_table = expect_table(pair_conf.get("compare", {}), file=file, key=f"{key}.compare")
+    pair = PairSpec(
+        pair_id=f"{Path(file).name}::{name}",
+        control=control_job,
+        test=test_job,
+        rules=_rules(compare_table, regime, file=file, key=key),
+        regime=regime,
+        replicates=int(pair_conf.get("replicates", 3)),
+        early_stop=bool(pair_conf.get("early_stop", True)),
+        source=file,
+        tier=tier,
+        probe_on_failure=bool(pair_conf.get("probe_on_failure", True)),
+        golden=pair_conf.get("golden"),
+    )
+    check_pair(pair, key=key)
+    return pair
+
+
+def _default_regime(control: JobSpec, test: JobSpec) -> str:
+    """Paired (step-by-step at the noise floor) only when the runs can be bitwise paired."""
+    pairable = (control.techniques.bitwise_pairable and test.techniques.bitwise_pairable
+                and control.seed == test.seed)
+    return "paired" if pairable else "seed"
+
+
+def check_pair(pair: PairSpec, *, key: str = "test") -> None:
+    """Invariants of a pair that need no devices: same data, same tokens per step, valid jobs."""
+    from convergence.backends import get_backend
+
+    file = pair.source
+    control, test = pair.control, pair.test
+    for side_key, job in (("control", control), (key, test)):
+        backend = get_backend(job.backend)
+        try:
+            backend.preflight(job)
+        except SpecError as exc:
+            raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
+                            file=exc.file or file, key=exc.key, fix=exc.fix) from None
+    if pair.regime == "paired" and control.seed != test.seed:
+        raise SpecError("paired comparison needs the same seed (same seed checkpoint and data)",
+                        file=file, key=f"{key}.seed",
+                        fix='use the same seed on both sides, or regime = "seed"')
+    if control.backend == test.backend:
+        backend = get_backend(control.backend)
+        ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
+        if ctrl_tokens != test_tokens:
+            raise SpecError(
+                f"tokens per optimizer step differ: control {ctrl_tokens} vs test {test_tokens} "
+                "(local batch x DP x grad accumulation x seq_len)", file=file,
+                key=f"{key}.local_batch_size",
+                fix=_batch_fix(control, test, ctrl_tokens, test_tokens))
+
+
+def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
+    from convergence.backends.builtin import BuiltinBackend
+
+    if test.backend != "builtin":
+        return "make local batch x DP x grad accumulation equal on both sides"
+    cfg = BuiltinBackend().effective_config(test)
+    per_sample = test.layout.dp * cfg.training.grad_accum_steps * cfg.data.seq_len
+    if ctrl_tokens % per_sample == 0:
+        return (f"set local_batch_size = {ctrl_tokens // per_sample} on the test "
+                f"(its DP degree is {test.layout.dp}, grad accumulation "
+                f"{cfg.training.grad_accum_steps})")
+    return ("change the test's local_batch_size or techniques.grad_accum_steps so that "
+            "local batch x DP x grad accumulation matches the control")
+
+
+def validate_devices(pair: PairSpec, *, available_devices: int | None) -> None:
+    """World size vs. the devices this session may use."""
+    if available_devices is None:
+        return
+    for side, job in (("control", pair.control), ("test", pair.test)):
+        if job.world_size > available_devices:
+            raise SpecError(
+                f"{side} {job.name!r} needs {job.world_size} devices "
+                f"({job.layout.short_name()}), only {available_devices} available",
+                file=pair.source, key=f"{side}.parallelism",
+                fix="lower the degrees, or raise --convergence-devices (CPU slots may "
+                    "oversubscribe cores)")
+
+
+def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:
+    check_pair(pair)
+    validate_devices(pair, available_devices=available_devices)
