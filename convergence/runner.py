@@ -7,13 +7,26 @@ Nothing here knows about pytest; the plugin and the CLI both call :func:`run_pai
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from convergence.launch.types import Progress
-from convergence.outcome import PairOutcome
+from convergence.backends import Backend, get_backend
+from convergence.launch.types import JobResult, LaunchRequest, Launcher, Progress
+from convergence.metrics.curve import RunMetrics
+from convergence.outcome import PairOutcome, SideOutcome
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.stats.types import MetricVerdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +54,247 @@ class RunSettings:
     idle_limit_s: float = 300.0
     on_progress: Callable[[Progress], None] | None = field(default=None, compare=False)
 
+    @property
+    def cache_root(self) -> Path:
+        return self.cache_dir or self.work_dir / "cache"
+
+
+class JobFailed(Exception):
+    """A job ended without usable metrics (crash, hang, timeout, signal)."""
+
+    def __init__(self, side: str, job: JobSpec, result: JobResult) -> None:
+        self.side, self.job, self.result = side, job, result
+        failure = result.failure
+        what = failure.message if failure else f"ended with status {result.status}"
+        text = f"{side} job {job.name!r} ({job.layout.short_name()}) {what}"
+        if failure and failure.traceback:
+            text += "\n" + failure.traceback.strip()
+        text += f"\n  logs: {result.log_dir}"
+        super().__init__(text)
+
+
+def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
+    """Session overrides (steps, backend, alpha) applied to a pair's jobs and rules."""
+    def job(j: JobSpec) -> JobSpec:
+        changes: dict[str, Any] = {}
+        if settings.steps is not None:
+            changes["steps"] = settings.steps
+        if settings.backend is not None:
+            changes["backend"] = settings.backend
+        return dataclasses.replace(j, **changes) if changes else j
+
+    rules = pair.rules
+    if settings.alpha is not None:
+        rules = tuple(dataclasses.replace(r, alpha=settings.alpha) if r.method == "seed" else r
+                      for r in rules)
+    return dataclasses.replace(pair, control=job(pair.control), test=job(pair.test), rules=rules)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80] or "run"
+
+
+def _hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Runner:
+    """Holds the session's launcher, device pool and cache; runs pairs one at a time."""
+
+    def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
+        from convergence.cache.store import RunCache
+        from convergence.launch.pool import DevicePool, detect_devices
+
+        self.settings = settings
+        settings.work_dir.mkdir(parents=True, exist_ok=True)
+        self.cache = RunCache(settings.cache_root)
+        devices, kind = detect_devices(settings.devices)
+        self.pool = DevicePool(settings.work_dir / "pool", devices, kind)
+        self.launcher = launcher or _make_launcher(settings.launcher)
+
+    # -- jobs ---------------------------------------------------------------------------
+    def _launch(self, request: LaunchRequest, world_size: int,
+                on_metrics: Callable[[dict[str, float]], bool] | None = None) -> JobResult:
+        with self.pool.lease(world_size, timeout=self.settings.wall_limit_s) as lease:
+            request = dataclasses.replace(request, env={**request.env, **lease.env})
+            return self.launcher.launch(request, on_metrics=on_metrics,
+                                        on_progress=self.settings.on_progress)
+
+    def seed_checkpoint(self, job: JobSpec, backend: Backend) -> Path | None:
+        """Create the seed checkpoint once (one process), shared by every layout and pair."""
+        identity = backend.seed_identity(job)
+        if identity is None:
+            return None
+        key = "seed-" + _hash(identity)
+        with self.cache.claim(key, refresh=False) as claim:
+            if claim.path is not None:
+                return claim.path / "seed"
+            build = self.settings.work_dir / "tmp" / f"{key}-{os.getpid()}"
+            shutil.rmtree(build, ignore_errors=True)
+            seed_dir = build / "seed"
+            request = LaunchRequest(
+                name=f"seed-checkpoint {job.name}", entry=backend.seed_entry(job, seed_dir),
+                nproc=1, log_dir=build / "logs", direct=True,
+                wall_limit_s=self.settings.wall_limit_s, idle_limit_s=self.settings.wall_limit_s,
+                cwd=Path.cwd())
+            result = self.launcher.launch(request)
+            if not result.ok:
+                raise JobFailed("seed-checkpoint", job, result)
+            entry = claim.commit(build)
+            shutil.rmtree(build, ignore_errors=True)
+            return entry / "seed"
+
+    def run_job(self, side: str, job: JobSpec, *, pair_dir: Path, cacheable: bool,
+                on_metrics: Callable[[dict[str, float]], bool] | None = None) -> SideOutcome:
+        backend = get_backend(job.backend)
+        seed_dir = self.seed_checkpoint(job, backend)
+        key = self._job_key(job, backend, seed_dir)
+        if cacheable:
+            with self.cache.claim(key, refresh=self.settings.refresh) as claim:
+                if claim.path is not None:
+                    return self._side_from_dir(job, backend, claim.path, cached=True)
+                run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir,
+                                                  key, on_metrics)
+                entry = claim.commit(run_dir)
+            return self._side_from_dir(job, backend, entry, cached=False, result=result)
+        run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir, key, on_metrics)
+        return self._side_from_dir(job, backend, run_dir, cached=False, result=result)
+
+    def _run_fresh(self, side: str, job: JobSpec, backend: Backend, seed_dir: Path | None,
+                   pair_dir: Path, key: str,
+                   on_metrics: Callable[[dict[str, float]], bool] | None
+                   ) -> tuple[Path, JobResult]:
+        run_dir = pair_dir / f"{side}-{_slug(job.name)}-{key[:10]}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        dump = run_dir / "dump"
+        request = LaunchRequest(
+            name=f"{job.name} {side}", entry=backend.train_entry(job, dump, seed_dir),
+            nproc=job.world_size, log_dir=run_dir / "logs",
+            metrics_path=backend.metrics_path(dump), stop_file=dump / "STOP",
+            wall_limit_s=self.settings.wall_limit_s, idle_limit_s=self.settings.idle_limit_s,
+            total_steps=job.steps, cwd=Path.cwd())
+        result = self._launch(request, job.world_size, on_metrics)
+        (run_dir / "job.json").write_text(json.dumps(
+            {"job": job.identity(), "name": job.name, "status": result.status,
+             "wall_s": result.wall_s, "key": key}, indent=2, default=str))
+        if not result.ok and result.status != "nan":
+            raise JobFailed(side, job, result)
+        return run_dir, result
+
+    def _side_from_dir(self, job: JobSpec, backend: Backend, run_dir: Path, *, cached: bool,
+                       result: JobResult | None = None) -> SideOutcome:
+        dump = run_dir / "dump"
+        wall = result.wall_s if result else _recorded_wall(run_dir)
+        return SideOutcome(job=job, metrics=backend.read_metrics(dump), result=result,
+                           cached=cached, run_dir=run_dir, wall_s=wall,
+                           meta=backend.read_meta(dump))
+
+    def _job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
+        from convergence.cache.key import cache_key, code_version, hardware_fingerprint
+        import torch
+
+        identity = dict(job.identity())
+        identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
+        identity["hook_source"] = _hook_source_hash(job.hook)
+        return cache_key(identity, train_config_text=backend.config_text(job),
+                         backend_version=backend.version(), code_version=code_version(),
+                         torch_version=str(torch.__version__), hardware=hardware_fingerprint())
+
+    # -- pairs --------------------------------------------------------------------------
+    def run_pair(self, pair: PairSpec) -> PairOutcome:
+        from convergence.stats.registry import compare_all
+        from convergence.stats.sequential import SequentialMonitor
+
+        started = time.monotonic()
+        pair = apply_settings(pair, self.settings)
+        pair_dir = self.settings.work_dir / "runs" / _slug(pair.pair_id)
+        control: SideOutcome | None = None
+        test: SideOutcome | None = None
+        try:
+            controls = self._controls(pair, pair_dir)
+            control = controls[0]
+            control_runs = [c.metrics for c in controls]
+            on_metrics = None
+            if pair.early_stop and self.settings.early_stop:
+                monitor = SequentialMonitor(pair.rules, control_runs)
+
+                def on_metrics(record: dict[str, float]) -> bool:
+                    return bool(monitor.update(int(record["step"]), record).decided)
+
+            test = self.run_job("test", pair.test, pair_dir=pair_dir, cacheable=False,
+                                on_metrics=on_metrics)
+        except (JobFailed, SpecError) as exc:
+            return PairOutcome(pair=pair, status="error", control=control, test=test,
+                               error=str(exc), wall_s=time.monotonic() - started)
+        verdicts = compare_all(pair.rules, control_runs, test.metrics)
+        stopped = test.result.last_step if (test.result and
+                                            test.result.status == "stopped_early") else None
+        return PairOutcome(pair=pair, status=_status(verdicts, test), control=control,
+                           test=dataclasses.replace(test, replicates=()),
+                           verdicts=tuple(verdicts), stopped_early_at=stopped,
+                           wall_s=time.monotonic() - started)
+
+    def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
+        if pair.golden:
+            from convergence.stats.golden import load_golden
+
+            golden = load_golden(Path(pair.golden))
+            return [SideOutcome(job=pair.control, metrics=golden, cached=True,
+                                run_dir=Path(pair.golden).parent)]
+        count = pair.replicates if pair.regime == "seed" else 1
+        sides = []
+        for i in range(count):
+            job = pair.control if i == 0 else dataclasses.replace(
+                pair.control, seed=pair.control.seed + i, name=f"{pair.control.name}-seed{i}")
+            sides.append(self.run_job("control", job, pair_dir=pair_dir, cacheable=True))
+        if count > 1:
+            sides[0] = dataclasses.replace(sides[0],
+                                           replicates=tuple(s.metrics for s in sides))
+        return sides
+
+
+def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> str:
+    if test.result is not None and test.result.status == "nan":
+        return "failed"
+    return "passed" if all(v.passed for v in verdicts if v.gate) else "failed"
+
+
+def _recorded_wall(run_dir: Path) -> float:
+    try:
+        return float(json.loads((run_dir / "job.json").read_text()).get("wall_s", 0.0))
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _hook_source_hash(hook: str | None) -> str | None:
+    """A user's hook is code we run: its source belongs in the cache key."""
+    if not hook:
+        return None
+    import importlib.util
+
+    module = hook.split(":", 1)[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
+
+
+def _make_launcher(name: str) -> Launcher:
+    if name == "local":
+        from convergence.launch.local import LocalLauncher
+
+        return LocalLauncher()
+    if name == "slurm":
+        from convergence.launch.slurm import SlurmLauncher  # type: ignore[import-not-found]
+
+        return SlurmLauncher()  # type: ignore[no-any-return]
+    raise SpecError(f"unknown launcher {name!r}", key="--convergence-launcher",
+                    fix="use local or slurm")
+
 
 def run_pair(pair: PairSpec, settings: RunSettings) -> PairOutcome:
     """Run ``pair`` and judge it. Never raises for a job failure: it becomes status "error"."""
-    raise NotImplementedError
+    return Runner(settings).run_pair(pair)
