@@ -1,0 +1,281 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+The structure mirrors torchtitan's llama so its parallel plans read the same here:
+
+    Transformer
+      tok_embeddings   nn.Embedding            (None on PP stages that do not own it)
+      layers           nn.ModuleDict "0".."n_layers-1" of TransformerBlock
+        attention_norm RMSNorm
+        attention      Attention: wq, wk, wv, wo (Linear, no bias) and a swappable `sdpa`
+        ffn_norm       RMSNorm
+        feed_forward   FeedForward: w1, w2, w3 (SwiGLU)
+      norm             RMSNorm                 (None on PP stages that do not own it)
+      output           nn.Linear               (None on PP stages that do not own it)
+
+Pipeline parallelism splits the model by deleting entries of `layers` and setting
+tok_embeddings / norm / output to None; `forward` copes with every such chunk.
+
+Build it on the meta device, shard it, then `to_empty(device=...)` and `init_weights()`: no
+rank ever holds the full unsharded weights of a large model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from convergence.trainer.config import ModelConfig
+
+#: Attention kernel on (batch, heads, seq, head_dim) tensors with causal semantics.
+SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+BLOCK_KINDS: tuple[str, ...] = ("standard", "parallel")
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Default attention: torch's fused causal SDPA (context parallel swaps this out)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Resolved model sizes (the config's 0 = default values filled in)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden_dim: int
+    norm_eps: float
+    rope_theta: float
+    init_std: float
+    max_seq_len: int
+    tie_embeddings: bool
+    block_kinds: tuple[str, ...]
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_config(cls, model: ModelConfig, *, seq_len: int) -> ModelArgs:
+        hidden = model.ffn_hidden_dim
+        if hidden == 0:
+            # Llama's rule: 2/3 of 4*dim (so SwiGLU's 3 matrices cost what a 4x MLP costs),
+            # rounded up to a multiple that keeps the matmuls friendly.
+            hidden = int(2 * (4 * model.dim) / 3)
+            hidden = model.multiple_of * math.ceil(hidden / model.multiple_of)
+        kinds = parse_block_pattern(model.block_pattern, model.n_layers)
+        return cls(vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers,
+                   n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden_dim=hidden,
+                   norm_eps=model.norm_eps, rope_theta=model.rope_theta,
+                   init_std=model.init_std, max_seq_len=seq_len,
+                   tie_embeddings=model.tie_embeddings, block_kinds=kinds)
+
+
+def parse_block_pattern(pattern: str, n_layers: int) -> tuple[str, ...]:
+    """"" -> all "standard"; otherwise one kind per layer, or a pattern repeated over layers."""
+    if not pattern.strip():
+        return ("standard",) * n_layers
+    kinds = tuple(p.strip() for p in pattern.split(",") if p.strip())
+    return tuple(kinds[i % len(kinds)] for i in range(n_layers))
+
+
+def rope_angles(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """Rotary angles, shape (max_seq_len, head_dim/2), real (cos/sin are taken in forward).
+
+    Real angles instead of a complex tensor: complex buffers do not mix well with DTensor.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, dtype=torch.float32)
+    return torch.outer(positions, inv_freq)
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x (batch, seq, heads, head_dim) by angles (seq, head_dim/2)."""
+    x_pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
+    cos = angles.cos()[None, :, None, :]
+    sin = angles.sin()[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Swappable kernel: context parallel replaces it with one that gathers K/V.
+        self.sdpa: SdpaFn = causal_sdpa
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        # -1 heads, not n_heads: under TP each rank holds n_heads/tp of them.
+        q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
+        q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        # Grouped-query attention: each K/V head serves n_rep query heads.
+        k = k.repeat_interleave(self.n_rep, dim=2)
+        v = v.repeat_interleave(self.n_rep, dim=2)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def init_weights(self, std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=std)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.kind = args.block_kinds[layer_id]
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Depth-scaled init of the output projections (as torchtitan does).
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+        # Set by parallelize.apply_activation_checkpointing. Checkpointing happens *inside*
+        # forward so FSDP's hooks on this module stay outside the recomputed region, and the
+        # parameter names do not change (no wrapper module).
+        self.activation_checkpoint = False
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        if self.activation_checkpoint and torch.is_grad_enabled():
+            out: torch.Tensor = torch.utils.checkpoint.checkpoint(
+                self._forward, x, angles, use_reentrant=False)
+            return out
+        return self._forward(x, angles)
+
+    def _forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        if self.kind == "parallel":
+            # GPT-J style: attention and MLP read the same input (one fewer TP sync point).
+            return (x + self.attention(self.attention_norm(x), angles)
+                    + self.feed_forward(self.ffn_norm(x)))
+        h = x + self.attention(self.attention_norm(x), angles)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Not persistent: it is a function of the config, so it stays out of checkpoints and
+        # is recomputed by init_buffers() after to_empty().
+        self.register_buffer("freqs_cis", rope_angles(args.head_dim, args.max_seq_len,
+                                                      args.rope_theta), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        """tokens (batch, seq) ids -> logits (batch, seq, vocab).
+
+        On a PP stage without tok_embeddings, `tokens` is the previous stage's hidden state
+        (batch, seq, dim); without `output` the hidden state is returned. `position_offset`
+        is the absolute position of the first token (context parallel rank r of a sequence of
+        length L*cp holds positions [r*L, (r+1)*L) and needs those rotary angles).
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq_len = h.shape[1]
+        angles = self.freqs_cis[position_offset:position_offset + seq_len]
+        for layer in self.layers.values():
+            h = layer(h, angles)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter in place (works on sharded DTensors too)."""
+        self.init_buffers()
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            assert isinstance(layer, TransformerBlock)
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.args.tie_embeddings:
+            # Scale with 1/sqrt(dim) so initial logits are O(1) and the first loss ~ log(vocab).
+            bound = 3 / self.args.dim ** 0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim ** -0.5,
+                                  a=-bound, b=bound)
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the rotary table on whatever device the model now lives on."""
+        device = self.freqs_cis.device
+        self.freqs_cis = rope_angles(self.args.head_dim, self.args.max_seq_len,
+                                     self.args.rope_theta).to(device)
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
+    """The full model, by default on the meta device (no memory, shapes only)."""
+    with torch.device(device):
+        return Transformer(args)
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of distinct parameters of the full model (sharded params count in full)."""
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel()
+    return total
