@@ -1,0 +1,124 @@
+"""Experiment TOML -> PairSpecs: defaults, sweeps, and errors that name file, key and fix."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from convergence.spec.errors import SpecError
+from convergence.spec.experiment import load_experiment, validate_devices
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "exp.toml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+GOOD = """
+[defaults]
+train_config = "{root}/train_configs/debug.toml"
+steps = 12
+seed = 7
+
+[control]
+name = "fsdp2"
+parallelism = {{ dp_shard = 2 }}
+
+[[test]]
+name = "fsdp2-tp2"
+parallelism = {{ dp_shard = 2, tp = 2 }}
+compare = {{ loss = "paired", grad_norm = {{ method = "allclose", rtol = 1e-3 }} }}
+
+[[sweep]]
+name = "fsdp2-pp{{pp}}-{{pp_schedule}}"
+parallelism = {{ dp_shard = 2 }}
+grid = {{ pp = [2], pp_schedule = ["1F1B", "Interleaved1F1B"] }}
+"""
+
+
+def test_pairs_from_tests_and_sweeps(tmp_path: Path) -> None:
+    exp = load_experiment(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
+    names = [p.name for p in exp.pairs]
+    assert names == ["fsdp2-tp2", "fsdp2-pp2-1F1B", "fsdp2-pp2-Interleaved1F1B"]
+    pair = exp.pairs[0]
+    assert pair.pair_id == "exp.toml::fsdp2-tp2"
+    assert pair.control.layout.dp_shard == 2 and pair.test.layout.tp == 2
+    assert pair.test.steps == 12 and pair.test.seed == 7
+    assert pair.regime == "paired"
+    assert pair.rule_for("loss").method == "paired"
+    grad = pair.rule_for("grad_norm")
+    assert grad.method == "allclose" and grad.rtol == 1e-3
+    assert exp.pairs[2].test.layout.pp_schedule == "Interleaved1F1B"
+
+
+def error_for(tmp_path: Path, body: str) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load_experiment(write(tmp_path, body), rootdir=ROOT)
+    return info.value
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    body = GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }",
+                                          "{ dp_shard = 2, tensor_paralel = 2 }")
+    err = error_for(tmp_path, body)
+    assert "exp.toml" in str(err)
+    assert "test[0].parallelism.tensor_paralel" in str(err)
+    assert "fix:" in str(err)
+
+
+def test_tokens_per_step_mismatch_suggests_batch(tmp_path: Path) -> None:
+    body = GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }", "{ tp = 2 }")
+    err = error_for(tmp_path, body)
+    assert "tokens per optimizer step differ" in str(err)
+    assert "local_batch_size = " in str(err)  # the fix says which batch makes them equal
+
+
+def test_missing_train_config(tmp_path: Path) -> None:
+    body = GOOD.format(root=ROOT).replace("train_configs/debug.toml", "train_configs/nope.toml")
+    err = error_for(tmp_path, body)
+    assert "defaults.train_config" in str(err) or "train_config" in str(err)
+    assert "does not exist" in str(err)
+
+
+def test_malformed_toml(tmp_path: Path) -> None:
+    err = error_for(tmp_path, "[control\nname = 1\n")
+    assert "malformed TOML" in str(err) and "exp.toml" in str(err)
+
+
+def test_wrong_type(tmp_path: Path) -> None:
+    err = error_for(tmp_path, GOOD.format(root=ROOT).replace("steps = 12", 'steps = "many"'))
+    assert "steps" in str(err) and "integer" in str(err)
+
+
+def test_bad_schedule(tmp_path: Path) -> None:
+    body = GOOD.format(root=ROOT).replace('"1F1B", "Interleaved1F1B"', '"Zigzag"')
+    err = error_for(tmp_path, body)
+    assert "pp_schedule" in str(err) and "Interleaved1F1B" in str(err)
+
+
+def test_degrees_that_do_not_divide_the_model(tmp_path: Path) -> None:
+    # debug.toml has 4 heads: tp=3 cannot split them.
+    body = GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }", "{ dp_shard = 2, tp = 3 }")
+    err = error_for(tmp_path, body)
+    assert "parallelism.tp" in str(err)
+
+
+def test_more_devices_than_available(tmp_path: Path) -> None:
+    exp = load_experiment(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
+    with pytest.raises(SpecError) as info:
+        validate_devices(exp.pairs[0], available_devices=2)
+    assert "needs 4 devices" in str(info.value) and "--convergence-devices" in str(info.value)
+
+
+def test_seed_regime_for_bf16(tmp_path: Path) -> None:
+    body = GOOD.format(root=ROOT).replace(
+        'name = "fsdp2-tp2"\n',
+        'name = "fsdp2-tp2"\ntechniques = { param_dtype = "bfloat16" }\n')
+    exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
+    assert exp.pairs[0].regime == "seed"
+    assert exp.pairs[0].rule_for("loss").method == "seed"
