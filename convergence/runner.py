@@ -108,8 +108,8 @@ class Runner:
         self.settings = settings
         settings.work_dir.mkdir(parents=True, exist_ok=True)
         self.cache = RunCache(settings.cache_root)
-        devices, kind = detect_devices(settings.devices)
-        self.pool = DevicePool(settings.work_dir / "pool", devices, kind)
+        device_set = detect_devices(settings.devices)
+        self.pool = DevicePool(settings.work_dir / "pool", device_set.devices, device_set.kind)
         self.launcher = launcher or _make_launcher(settings.launcher)
 
     # -- jobs ---------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def _hook_source_hash(hook: str | None) -> str | None:
 
 def _make_launcher(name: str) -> Launcher:
     if name == "local":
-        from convergence.launch.local import LocalLauncher
+        from convergence.launch.torchrun import LocalLauncher
 
         return LocalLauncher()
     if name == "slurm":
