@@ -170,9 +170,10 @@ class Runner:
         request = LaunchRequest(
             name=f"{job.name} {side}", entry=backend.train_entry(job, dump, seed_dir),
             nproc=job.world_size, log_dir=run_dir / "logs",
-            metrics_path=backend.metrics_path(dump), stop_file=dump / "STOP",
+            metrics_path=backend.metrics_path(job, dump), stop_file=dump / "STOP",
             wall_limit_s=self.settings.wall_limit_s, idle_limit_s=self.settings.idle_limit_s,
-            total_steps=job.steps, cwd=Path.cwd())
+            total_steps=job.steps, cwd=Path.cwd(),
+            direct=backend.launches_itself(job))
         result = self._launch(request, job.world_size, on_metrics)
         (run_dir / "job.json").write_text(json.dumps(
             {"job": job.identity(), "name": job.name, "status": result.status,
@@ -185,9 +186,9 @@ class Runner:
                        result: JobResult | None = None) -> SideOutcome:
         dump = run_dir / "dump"
         wall = result.wall_s if result else _recorded_wall(run_dir)
-        return SideOutcome(job=job, metrics=backend.read_metrics(dump), result=result,
+        return SideOutcome(job=job, metrics=backend.read_metrics(job, dump), result=result,
                            cached=cached, run_dir=run_dir, wall_s=wall,
-                           meta=backend.read_meta(dump))
+                           meta=backend.read_meta(job, dump))
 
     def _job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
         from convergence.cache.key import cache_key, code_version, hardware_fingerprint

@@ -41,15 +41,19 @@ class Backend(Protocol):
         """argv after torchrun's own options, e.g. ``["-m", "convergence.trainer", ...]``."""
         ...
 
-    def metrics_path(self, dump_dir: Path) -> Path | None:
+    def launches_itself(self, job: JobSpec) -> bool:
+        """True when the train entry is a whole command that starts its own ranks."""
+        ...
+
+    def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
         """The JSONL file read live while the job runs (None: none, poll nothing)."""
         ...
 
-    def read_metrics(self, dump_dir: Path) -> RunMetrics:
+    def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         """All curves of a finished (or stopped) run, at full precision."""
         ...
 
-    def read_meta(self, dump_dir: Path) -> dict[str, Any]:
+    def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         """Run metadata (seed checkpoint hash, entropy floor, ...); {} when there is none."""
         ...
 

@@ -92,16 +92,19 @@ class BuiltinBackend:
             entry.append(f"--checkpoint.seed_checkpoint={seed_dir}")
         return entry
 
-    def metrics_path(self, dump_dir: Path) -> Path | None:
+    def launches_itself(self, job: JobSpec) -> bool:
+        return False
+
+    def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
         return dump_dir / "metrics.jsonl"
 
-    def read_metrics(self, dump_dir: Path) -> RunMetrics:
+    def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         # The JSONL holds exact float64 reprs; TensorBoard carries the same values for users.
         from convergence.metrics.jsonl import read_jsonl
 
         return read_jsonl(dump_dir / "metrics.jsonl")
 
-    def read_meta(self, dump_dir: Path) -> dict[str, Any]:
+    def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         path = dump_dir / "run_meta.json"
         if not path.is_file():
             return {}

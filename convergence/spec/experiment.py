@@ -190,7 +190,7 @@ def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: P
             hook=None if hook is None else expect(hook, str, file=file, key=f"{key}.hook",
                                                   what='"package.module:function"'),
             overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
-            backend_options=tuple((str(k), _scalar_text(v)) for k, v in options.items()),
+            backend_options=tuple(_flatten(options)),
             source=file,
         )
     except SpecError as exc:
@@ -202,6 +202,17 @@ def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: P
         raise SpecError(exc.detail, file=file, key=path, fix=exc.fix) from None
     except TypeError as exc:
         raise SpecError(str(exc), file=file, key=key, fix="check the value types") from None
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings."""
+    out: list[tuple[str, str]] = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", _scalar_text(value)))
+    return out
 
 
 def _scalar_text(value: Any) -> str:

@@ -1,0 +1,144 @@
+"""Any trainer as a backend: a command template plus where its metrics land.
+
+    [control]
+    backend = "command"
+    backend_options = { command = "my_trainer.py --tp {tp} --steps {steps} --out {dump_dir}",
+                        metrics = "jsonl", metrics_file = "log.jsonl",
+                        keys = { loss = "train_loss", grad_norm = "gnorm" } }
+
+The template is split into argv words *before* placeholders are filled in, and it never goes
+through a shell: a value from TOML cannot inject a command. With ``launch = "torchrun"`` (the
+default) the words follow torchrun's own options (a script path or ``-m module``); with
+``launch = "direct"`` the words are the whole command (a trainer that starts its own ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from convergence.metrics.curve import RunMetrics
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+
+OPTION_KEYS = ("command", "launch", "metrics", "metrics_file", "version", "tokens_per_step")
+PLACEHOLDERS = ("nproc", "world_size", "dp_replicate", "dp_shard", "dp", "tp", "pp", "cp",
+                "pp_schedule", "pp_microbatches", "steps", "seed", "dump_dir",
+                "local_batch_size", "grad_accum_steps", "train_config")
+
+
+def _options(job: JobSpec) -> dict[str, str]:
+    return dict(job.backend_options)
+
+
+def _key_map(options: dict[str, str]) -> dict[str, str]:
+    """``keys.loss = "train_loss"`` -> {"train_loss": "loss"} (their name -> ours)."""
+    return {theirs: ours.split(".", 1)[1] for ours, theirs in
+            ((k, v) for k, v in options.items() if k.startswith("keys."))}
+
+
+def placeholders(job: JobSpec, dump_dir: Path) -> dict[str, str]:
+    layout = job.layout
+    return {
+        "nproc": str(job.world_size), "world_size": str(job.world_size),
+        "dp_replicate": str(layout.dp_replicate), "dp_shard": str(layout.dp_shard),
+        "dp": str(layout.dp), "tp": str(layout.tp), "pp": str(layout.pp), "cp": str(layout.cp),
+        "pp_schedule": layout.pp_schedule, "pp_microbatches": str(layout.microbatches),
+        "steps": str(job.steps), "seed": str(job.seed), "dump_dir": str(dump_dir),
+        "local_batch_size": str(job.local_batch_size or ""),
+        "grad_accum_steps": str(job.techniques.grad_accum_steps),
+        "train_config": str(job.train_config),
+    }
+
+
+class CommandBackend:
+    name = "command"
+
+    def version(self) -> str:
+        return "command-1"
+
+    def preflight(self, job: JobSpec) -> None:
+        options = _options(job)
+        file = job.source
+        for key in options:
+            if key not in OPTION_KEYS and not key.startswith("keys."):
+                raise SpecError("unknown backend option", file=file, key=f"backend_options.{key}",
+                                fix=f"use one of {', '.join(OPTION_KEYS)} or keys.<metric>")
+        template = options.get("command")
+        if not template:
+            raise SpecError("the command backend needs a command template", file=file,
+                            key="backend_options.command",
+                            fix='set backend_options = { command = "train.py --steps {steps} '
+                                '--out {dump_dir}" }')
+        try:
+            words = shlex.split(template)
+        except ValueError as exc:
+            raise SpecError(f"cannot split the command: {exc}", file=file,
+                            key="backend_options.command", fix="balance the quotes") from None
+        for word in words:
+            try:
+                word.format(**placeholders(job, Path("DUMP")))
+            except (KeyError, IndexError, ValueError) as exc:
+                raise SpecError(f"unknown placeholder {exc} in {word!r}", file=file,
+                                key="backend_options.command",
+                                fix=f"use only {{{'}, {'.join(PLACEHOLDERS)}}}") from None
+        if options.get("launch", "torchrun") not in ("torchrun", "direct"):
+            raise SpecError("launch must be torchrun or direct", file=file,
+                            key="backend_options.launch", fix='set launch = "torchrun"')
+        if options.get("metrics", "jsonl") not in ("jsonl", "tensorboard"):
+            raise SpecError("metrics must be jsonl or tensorboard", file=file,
+                            key="backend_options.metrics", fix='set metrics = "jsonl"')
+
+    def launches_itself(self, job: JobSpec) -> bool:
+        return _options(job).get("launch", "torchrun") == "direct"
+
+    def tokens_per_step(self, job: JobSpec) -> int:
+        # We cannot read another trainer's config: the user states it (or we skip the check
+        # by reporting a value that depends only on the DP degree and batch they gave).
+        stated = _options(job).get("tokens_per_step")
+        if stated:
+            return int(stated)
+        return (job.local_batch_size or 1) * job.layout.dp * job.techniques.grad_accum_steps
+
+    def config_text(self, job: JobSpec) -> str:
+        path = Path(job.train_config)
+        return path.read_text(encoding="utf-8") if path.is_file() else ""
+
+    def seed_identity(self, job: JobSpec) -> dict[str, Any] | None:
+        return None
+
+    def seed_entry(self, job: JobSpec, seed_dir: Path) -> list[str]:
+        raise NotImplementedError("the command backend makes no seed checkpoint")
+
+    def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
+        values = placeholders(job, dump_dir)
+        return [word.format(**values) for word in shlex.split(_options(job)["command"])]
+
+    def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
+        options = _options(job)
+        if options.get("metrics", "jsonl") != "jsonl":
+            return None
+        return dump_dir / options.get("metrics_file", "metrics.jsonl")
+
+    def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
+        options = _options(job)
+        key_map = _key_map(options)
+        if options.get("metrics", "jsonl") == "tensorboard":
+            from convergence.metrics.tensorboard import read_tensorboard
+
+            return read_tensorboard(dump_dir / options.get("metrics_file", ""),
+                                    tag_map=key_map or None)
+        from convergence.metrics.jsonl import read_jsonl
+
+        return read_jsonl(dump_dir / options.get("metrics_file", "metrics.jsonl"),
+                          key_map=key_map or None)
+
+    def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
+        path = dump_dir / "run_meta.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
