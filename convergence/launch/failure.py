@@ -1,0 +1,156 @@
+"""Why did a job fail: which rank, which signal, which traceback.
+
+Sources, best first (checked against torch 2.13):
+1. torchrun's "Root Cause (first observed failure)" block in the agent's output
+   (``<log_dir>/launcher.log``): global rank, local rank, exit code / signal, error file.
+2. The rank's torchelastic error file (``error.json``): torchrun sets
+   ``TORCHELASTIC_ERROR_FILE`` for every worker, but it is only written when the entrypoint is
+   wrapped in ``torch.distributed.elastic.multiprocessing.errors.record``.
+3. The rank's own stderr, which ``--redirects 3`` puts in
+   ``<log_dir>/ranks/<run_id>/attempt_<n>/<local_rank>/stderr.log``: the last Python traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal as _signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from convergence.launch.types import FailureInfo
+
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.M)
+_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.M)
+_ERRFILE_RE = re.compile(r"^\s*error_file\s*:\s*(\S+)", re.M)
+_SIGNAL_TEXT_RE = re.compile(r"Signal \d+ \((SIG[A-Z0-9]+)\)")
+_TRACEBACK_HEAD = "Traceback (most recent call last):"
+_TAIL_LINES = 40
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootCause:
+    """The fields of torchrun's root-cause block."""
+
+    rank: int
+    local_rank: int
+    exitcode: int | None
+    error_file: Path | None
+    signal: str | None
+
+
+def signal_name(returncode: int | None) -> str | None:
+    """``-9`` -> ``"SIGKILL"``; None for a normal exit code."""
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return _signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def parse_root_cause(agent_log: str) -> RootCause | None:
+    """Parse the last root-cause block torchrun printed, if any."""
+    idx = agent_log.rfind(_ROOT_CAUSE)
+    if idx < 0:
+        return None
+    block = agent_log[idx:]
+    rank_m = _RANK_RE.search(block)
+    if rank_m is None:
+        return None
+    exit_m = _EXIT_RE.search(block)
+    exitcode = int(exit_m.group(1)) if exit_m else None
+    file_m = _ERRFILE_RE.search(block)
+    error_file = Path(file_m.group(1)) if file_m and file_m.group(1) != "<N/A>" else None
+    sig_m = _SIGNAL_TEXT_RE.search(block)
+    sig = signal_name(exitcode) or (sig_m.group(1) if sig_m else None)
+    return RootCause(rank=int(rank_m.group(1)), local_rank=int(rank_m.group(2)),
+                     exitcode=exitcode, error_file=error_file, signal=sig)
+
+
+def last_traceback(text: str) -> str:
+    """The last Python traceback in ``text`` (to the end), or "" if there is none."""
+    idx = text.rfind(_TRACEBACK_HEAD)
+    return text[idx:].rstrip() + "\n" if idx >= 0 else ""
+
+
+def error_file_traceback(path: Path) -> str:
+    """The traceback a ``@record``-wrapped rank wrote to its torchelastic error file."""
+    try:
+        data = json.loads(_read(path))
+        msg = data["message"]
+        if isinstance(msg, dict):
+            extra = msg.get("extraInfo", {})
+            return str(extra.get("py_callstack") or msg.get("message", ""))
+        return str(msg)
+    except (ValueError, KeyError, TypeError):
+        return ""
+
+
+def rank_stderr_files(log_dir: Path, local_rank: int) -> list[Path]:
+    """The rank's stderr logs, newest attempt last."""
+    return sorted((log_dir / "ranks").glob(f"*/attempt_*/{local_rank}/stderr.log"),
+                  key=lambda p: p.stat().st_mtime)
+
+
+def _rank_traceback(log_dir: Path, cause: RootCause) -> str:
+    if cause.error_file is not None:
+        text = error_file_traceback(cause.error_file)
+        if text:
+            return text
+    for path in reversed(rank_stderr_files(log_dir, cause.local_rank)):
+        text = _read(path)
+        tb = last_traceback(text)
+        if tb:
+            return tb
+        if text.strip():
+            return "\n".join(text.rstrip().splitlines()[-_TAIL_LINES:]) + "\n"
+    return ""
+
+
+def _scan_ranks(log_dir: Path) -> tuple[int | None, str]:
+    """No root-cause block: take the first rank whose stderr holds a traceback."""
+    for path in sorted((log_dir / "ranks").glob("*/attempt_*/*/stderr.log")):
+        tb = last_traceback(_read(path))
+        if tb:
+            return int(path.parent.name), tb
+    return None, ""
+
+
+def _last_line(traceback: str) -> str:
+    lines = [ln.strip() for ln in traceback.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def diagnose(log_dir: Path, *, name: str, returncode: int | None,
+             direct: bool = False) -> FailureInfo:
+    """Build the :class:`FailureInfo` of a job that exited unsuccessfully by itself."""
+    agent_log = _read(log_dir / "launcher.log")
+    cause = None if direct else parse_root_cause(agent_log)
+    if cause is not None:
+        tb = _rank_traceback(log_dir, cause)
+        if cause.signal:
+            hint = " (out of memory?)" if cause.signal == "SIGKILL" else ""
+            message = f"job {name!r}: rank {cause.rank} was killed by {cause.signal}{hint}"
+        else:
+            what = _last_line(tb) or f"exit code {cause.exitcode}"
+            message = f"job {name!r}: rank {cause.rank} failed: {what}"
+        return FailureInfo(message=message, rank=cause.rank, signal=cause.signal, traceback=tb)
+    rank, tb = (None, "") if direct else _scan_ranks(log_dir)
+    tb = tb or last_traceback(agent_log)
+    sig = signal_name(returncode)
+    where = f"rank {rank}" if rank is not None else ("process" if direct else "torchrun")
+    if sig:
+        message = f"job {name!r}: {where} was killed by {sig}"
+    else:
+        what = _last_line(tb) or f"exit code {returncode}"
+        message = f"job {name!r}: {where} failed: {what} (see {log_dir / 'launcher.log'})"
+    return FailureInfo(message=message, rank=rank, signal=sig, traceback=tb)

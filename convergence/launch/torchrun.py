@@ -1,0 +1,153 @@
+"""Run a job as a local ``torchrun`` subprocess, watch it, and never leave a process behind.
+
+Rendezvous: ``--rdzv-backend c10d --rdzv-endpoint localhost:0`` is exactly what
+``--standalone`` expands to in torch 2.13 (``torch/distributed/run.py``): the agent hosts the
+c10d TCPStore on port 0, so the OS picks a free port atomically at bind time, and the workers
+reuse that store (``TORCHELASTIC_USE_AGENT_STORE``) instead of probing for a second port. Many
+jobs started at once therefore never race for a port (tested with 4 concurrent jobs). We spell
+the options out so the rendezvous id can carry the job name (it names the per-rank log folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from convergence.launch.failure import diagnose
+from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
+                                             terminate_tree)
+from convergence.launch.types import (FailureInfo, JobResult, LaunchRequest, OnMetrics,
+                                      OnProgress)
+from convergence.launch.watch import JobWatch, Verdict
+
+LAUNCHER_LOG = "launcher.log"
+RANKS_DIR = "ranks"
+PIDS_FILE = "pids.json"
+"""Written at the end of a job: the agent PID and every descendant PID seen (for audits)."""
+
+
+def _rdzv_id(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:64] or "job"
+
+
+def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable) -> list[str]:
+    """The argv that runs ``request`` (a list: never a shell string)."""
+    if request.direct:
+        return [python, *request.entry]
+    return [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc-per-node", str(request.nproc),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "localhost:0",
+        "--rdzv-id", _rdzv_id(request.name),
+        "--log-dir", str(request.log_dir / RANKS_DIR),
+        "--redirects", "3",  # per-rank stdout.log/stderr.log under --log-dir
+        "--max-restarts", "0",  # a convergence run that restarts is not the run we compare
+        *request.entry,
+    ]
+
+
+def job_env(request: LaunchRequest, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` + ``request.env`` + unbuffered output and one OpenMP thread per rank
+    unless the caller chose otherwise (many ranks share few cores here)."""
+    env = dict(os.environ if base is None else base)
+    env.update(request.env)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _write_pids(log_dir: Path, agent_pid: int, tracker: DescendantTracker) -> None:
+    data = {"agent": agent_pid, "descendants": sorted(tracker.pids)}
+    (log_dir / PIDS_FILE).write_text(json.dumps(data))
+
+
+class LocalLauncher:
+    """The ``local`` launcher: torchrun on this machine (see module docstring)."""
+
+    name = "local"
+
+    def __init__(self, *, python: str = sys.executable, poll_interval_s: float = 0.1,
+                 stop_grace_s: float = 30.0, kill_grace_s: float = 5.0,
+                 progress_interval_s: float = 1.0) -> None:
+        self.python = python
+        self.poll_interval_s = poll_interval_s
+        self.stop_grace_s = stop_grace_s
+        """After touching the stop file: how long the trainer gets to exit by itself."""
+        self.kill_grace_s = kill_grace_s
+        """After SIGTERM: how long before every process of the tree gets SIGKILL."""
+        self.progress_interval_s = progress_interval_s
+
+    def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
+               on_progress: OnProgress | None = None) -> JobResult:
+        request.log_dir.mkdir(parents=True, exist_ok=True)
+        if request.stop_file is not None:
+            request.stop_file.unlink(missing_ok=True)  # a stale one would stop us at step 1
+        argv = build_torchrun_argv(request, python=self.python)
+        start = time.monotonic()
+        with open(request.log_dir / LAUNCHER_LOG, "ab") as log:
+            log.write(f"# argv: {argv!r}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=job_env(request),
+                                    cwd=request.cwd, start_new_session=True)
+        tracker = DescendantTracker(proc.pid)
+        watch = JobWatch(request, start=start, on_metrics=on_metrics, on_progress=on_progress,
+                         progress_interval_s=self.progress_interval_s)
+        try:
+            status, returncode, failure = self._supervise(proc, tracker, watch)
+        except BaseException:
+            # KeyboardInterrupt or a raising callback: end the tree, then let it propagate.
+            terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
+            _write_pids(request.log_dir, proc.pid, tracker)
+            raise
+        kill_leftovers(tracker.processes)
+        _write_pids(request.log_dir, proc.pid, tracker)
+        return JobResult(name=request.name, status=status, returncode=returncode,
+                         wall_s=time.monotonic() - start, log_dir=request.log_dir,
+                         metrics_path=request.metrics_path, failure=failure,
+                         last_step=watch.last_step)
+
+    def _supervise(self, proc: subprocess.Popen[bytes], tracker: DescendantTracker,
+                   watch: JobWatch) -> tuple[str, int | None, FailureInfo | None]:
+        verdict: Verdict | None = None
+        stop_deadline: float | None = None
+        while proc.poll() is None:
+            tracker.poll()
+            now = time.monotonic()
+            new = watch.poll(now)
+            if new is not None and verdict is None:
+                verdict = new
+                if new.status == "stopped_early" and watch.request.stop_file is not None:
+                    watch.request.stop_file.touch()  # ask politely, then wait a grace period
+                    stop_deadline = now + self.stop_grace_s
+                else:
+                    stop_deadline = now
+            if stop_deadline is not None and now >= stop_deadline:
+                kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
+                assert verdict is not None
+                return verdict.status, kill.root_returncode, verdict.failure
+            time.sleep(self.poll_interval_s)
+        return self._exited(proc, watch, verdict)
+
+    def _exited(self, proc: subprocess.Popen[bytes], watch: JobWatch,
+                verdict: Verdict | None) -> tuple[str, int | None, FailureInfo | None]:
+        """The process ended by itself (perhaps after we asked it to stop)."""
+        returncode = proc.returncode
+        late = watch.finish(time.monotonic())
+        if verdict is not None and verdict.status == "stopped_early" and returncode == 0:
+            return "stopped_early", returncode, None
+        if late is not None:
+            return late.status, returncode, late.failure
+        if returncode == 0:
+            return "ok", returncode, None
+        req = watch.request
+        failure = diagnose(req.log_dir, name=req.name, returncode=returncode, direct=req.direct)
+        return ("killed" if failure.signal else "failed"), returncode, failure

@@ -1,0 +1,122 @@
+"""Reading a running job's metrics: callbacks, progress, NaN and no-progress detection.
+
+Pure bookkeeping (no processes): :class:`JobWatch` is fed the clock and returns what the
+launcher should do. Kept apart from the process handling so each can be read on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from convergence.launch._tail import JsonlTail
+from convergence.launch.types import (FailureInfo, LaunchRequest, OnMetrics, OnProgress,
+                                      Progress)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """The watch decided the job must end now (or be asked to stop)."""
+
+    status: str
+    """``stopped_early`` (ask via the stop file first), ``nan``, ``timeout`` or ``hung``."""
+    failure: FailureInfo | None = None
+
+
+def record_loss(record: dict[str, Any]) -> float | None:
+    """The loss of a metrics record: key ``loss``, else the first key ending in ``loss``
+    (torchtitan's ``loss_metrics/global_avg_loss``)."""
+    keys = ["loss"] + sorted(k for k in record if k != "loss" and k.endswith("loss"))
+    for key in keys:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+class JobWatch:
+    """Follows one job's metrics JSONL and applies the watchdog limits."""
+
+    def __init__(self, request: LaunchRequest, *, start: float,
+                 on_metrics: OnMetrics | None = None, on_progress: OnProgress | None = None,
+                 progress_interval_s: float = 1.0) -> None:
+        self.request = request
+        self.start = start
+        self.on_metrics = on_metrics
+        self.on_progress = on_progress
+        self.progress_interval_s = progress_interval_s
+        self._tail = JsonlTail(request.metrics_path) if request.metrics_path else None
+        self.last_step: int | None = None
+        self.last_loss: float | None = None
+        self._last_line_at = start  # counting from start: a job hanging before step 1 is hung
+        self._num_lines = 0
+        self._progress_at: float | None = None
+        self._progress_step: int | None = None
+        self.stopping = False
+        """Set once a verdict was returned: later records only update ``last_step``."""
+
+    def poll(self, now: float) -> Verdict | None:
+        """Read new records, run callbacks; return a verdict if the job must end."""
+        verdict: Verdict | None = None
+        for record in self._tail.poll() if self._tail else []:
+            verdict = self._take(record, now) or verdict
+        self._maybe_progress(now)
+        if verdict is not None or self.stopping:
+            return verdict
+        return self._limits(now)
+
+    def finish(self, now: float) -> Verdict | None:
+        """Drain the file after the process ended; a NaN there still counts."""
+        verdict = self.poll(now) if self._tail else None
+        self._maybe_progress(now, force=True)
+        return verdict if verdict is not None and verdict.status == "nan" else None
+
+    def _take(self, record: dict[str, Any], now: float) -> Verdict | None:
+        self._num_lines += 1
+        self._last_line_at = now
+        step_value = record.get("step")
+        step = int(step_value) if isinstance(step_value, (int, float)) else self._num_lines
+        self.last_step = step
+        self.last_loss = record_loss(record)
+        if self.stopping:
+            return None
+        if self.last_loss is not None and not math.isfinite(self.last_loss):
+            self.stopping = True
+            message = (f"job {self.request.name!r}: loss is {self.last_loss} at step {step} "
+                       f"({self.request.metrics_path})")
+            return Verdict(status="nan", failure=FailureInfo(message=message, step=step))
+        if self.on_metrics is not None and self.on_metrics(record):
+            self.stopping = True
+            return Verdict(status="stopped_early")
+        return None
+
+    def _limits(self, now: float) -> Verdict | None:
+        req = self.request
+        elapsed = now - self.start
+        at = f"last step {self.last_step}" if self.last_step is not None else "no step logged"
+        if elapsed > req.wall_limit_s:
+            self.stopping = True
+            msg = (f"job {req.name!r} exceeded its wall-clock limit of {req.wall_limit_s:g} s "
+                   f"({at}); raise wall_limit_s if the job is just slow")
+            return Verdict(status="timeout", failure=FailureInfo(message=msg, step=self.last_step))
+        # Without a metrics file there is no progress signal: only the wall limit applies.
+        if self._tail is not None and now - self._last_line_at > req.idle_limit_s:
+            self.stopping = True
+            msg = (f"job {req.name!r} hung: no new line in {req.metrics_path} for "
+                   f"{req.idle_limit_s:g} s ({at})")
+            return Verdict(status="hung", failure=FailureInfo(message=msg, step=self.last_step))
+        return None
+
+    def _maybe_progress(self, now: float, *, force: bool = False) -> None:
+        if self.on_progress is None or self.last_step is None:
+            return
+        if self._progress_step == self.last_step:
+            return
+        due = self._progress_at is None or now - self._progress_at >= self.progress_interval_s
+        if not (due or force):
+            return
+        self._progress_at, self._progress_step = now, self.last_step
+        self.on_progress(Progress(name=self.request.name, step=self.last_step,
+                                  total_steps=self.request.total_steps, loss=self.last_loss,
+                                  elapsed_s=now - self.start))

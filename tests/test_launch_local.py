@@ -1,0 +1,215 @@
+"""LocalLauncher end to end: real torchrun, real processes (tests/fixtures/fake_trainers)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from convergence.launch.process_tree import pid_alive
+from convergence.launch.torchrun import PIDS_FILE, LocalLauncher
+from convergence.launch.types import JobResult, LaunchRequest, Progress
+
+WRITER = Path(__file__).parent / "fixtures" / "fake_trainers" / "writer.py"
+
+
+def make_request(tmp_path: Path, mode: str, *, name: str = "job", nproc: int = 2,
+                 steps: int = 5, extra: tuple[str, ...] = (), **kw: object) -> LaunchRequest:
+    job_dir = tmp_path / name
+    entry = [str(WRITER), "--mode", mode, "--steps", str(steps),
+             "--metrics", str(job_dir / "metrics.jsonl"),
+             "--stop-file", str(job_dir / "STOP"),
+             "--pid-file", str(job_dir / "trainer_pids.txt"), *extra]
+    return LaunchRequest(name=name, entry=entry, nproc=nproc, log_dir=job_dir / "logs",
+                         metrics_path=job_dir / "metrics.jsonl", stop_file=job_dir / "STOP",
+                         total_steps=steps, **kw)  # type: ignore[arg-type]
+
+
+def all_pids(request: LaunchRequest) -> set[int]:
+    """Every PID of the job: agent + tracked descendants + what the ranks wrote themselves."""
+    data = json.loads((request.log_dir / PIDS_FILE).read_text())
+    pids = {int(data["agent"]), *map(int, data["descendants"])}
+    own = request.log_dir.parent / "trainer_pids.txt"
+    if own.exists():
+        pids |= {int(x) for x in own.read_text().split()}
+    return pids
+
+
+def assert_no_survivors(request: LaunchRequest, at_least: int) -> None:
+    pids = all_pids(request)
+    assert len(pids) >= at_least, pids
+    alive = [p for p in pids if pid_alive(p)]
+    assert alive == [], f"processes outlived job {request.name}: {alive}"
+
+
+def test_ok_run_reports_last_step_progress_and_leaves_nothing(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "ok", steps=5)
+    seen: list[dict[str, float]] = []
+    progress: list[Progress] = []
+    launcher = LocalLauncher(progress_interval_s=0.0)
+    result = launcher.launch(req, on_metrics=lambda r: seen.append(r) is not None,
+                             on_progress=progress.append)
+    assert result.status == "ok", result
+    assert result.ok and result.returncode == 0 and result.failure is None
+    assert result.last_step == 5
+    assert [r["step"] for r in seen] == [1, 2, 3, 4, 5]
+    assert progress and progress[-1].step == 5 and progress[-1].total_steps == 5
+    assert progress[-1].loss == pytest.approx(2.0)
+    assert (req.log_dir / "launcher.log").exists()
+    assert list((req.log_dir / "ranks").glob("*/attempt_0/1/stderr.log"))
+    assert_no_survivors(req, at_least=3)  # agent + 2 ranks
+
+
+def test_raising_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "raise_on_rank1", name="boom-job")
+    result = LocalLauncher().launch(req)
+    assert result.status == "failed"
+    assert result.failure is not None
+    assert result.failure.rank == 1
+    assert result.failure.signal is None
+    assert "RuntimeError: boom on rank 1 at step 2" in result.failure.traceback
+    assert "Traceback (most recent call last)" in result.failure.traceback
+    assert "rank 1" in result.failure.message and "boom-job" in result.failure.message
+    assert_no_survivors(req, at_least=3)
+
+
+def test_recorded_rank_traceback_comes_from_torchelastic_error_file(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "raise_on_rank1", extra=("--record",))
+    result = LocalLauncher().launch(req)
+    assert result.status == "failed" and result.failure is not None
+    assert result.failure.rank == 1
+    assert list(req.log_dir.glob("ranks/*/attempt_0/1/error.json"))
+    # py_callstack of the error file goes through @record's wrapper
+    assert "errors/__init__.py" in result.failure.traceback
+    assert "boom on rank 1" in result.failure.traceback
+
+
+def test_sigkilled_rank_is_reported_as_killed(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "sigkill_rank1")
+    result = LocalLauncher().launch(req)
+    assert result.status == "killed", result
+    assert result.failure is not None
+    assert result.failure.rank == 1 and result.failure.signal == "SIGKILL"
+    assert "rank 1 was killed by SIGKILL (out of memory?)" in result.failure.message
+    assert_no_survivors(req, at_least=3)
+
+
+def test_hanging_rank_is_hung_within_idle_limit_and_every_pid_ends(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "hang_rank1", name="hanger", idle_limit_s=6.0)
+    start = time.monotonic()
+    result = LocalLauncher(kill_grace_s=2.0).launch(req)
+    took = time.monotonic() - start
+    assert result.status == "hung", result
+    assert result.failure is not None and "hanger" in result.failure.message
+    assert result.last_step == 1
+    assert took < 6.0 + 2.0 + 8.0  # idle limit (from start) + kill grace + torchrun start
+    assert_no_survivors(req, at_least=3)
+
+
+def test_job_silent_from_the_start_is_hung(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "silent", name="mute", idle_limit_s=4.0)
+    result = LocalLauncher(kill_grace_s=1.0).launch(req)
+    assert result.status == "hung"
+    assert result.last_step is None
+    assert result.failure is not None and "no step logged" in result.failure.message
+    assert_no_survivors(req, at_least=3)
+
+
+def test_nan_loss_stops_the_job_with_its_step(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "nan_at_step", steps=200, extra=("--nan-step", "3"))
+    result = LocalLauncher(kill_grace_s=1.0).launch(req)
+    assert result.status == "nan", result
+    assert result.failure is not None and result.failure.step == 3
+    assert "nan" in result.failure.message
+    assert result.last_step is not None and result.last_step < 200
+    assert_no_survivors(req, at_least=3)
+
+
+def test_early_stop_goes_through_the_stop_file(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "slow", steps=100, extra=("--sleep", "0.1"))
+    result = LocalLauncher(stop_grace_s=20.0).launch(
+        req, on_metrics=lambda r: r["step"] >= 3)
+    assert result.status == "stopped_early", result
+    assert result.ok and result.returncode == 0  # exited by itself, not killed
+    assert result.last_step is not None and 3 <= result.last_step < 100
+    out = "".join(p.read_text() for p in req.log_dir.glob("ranks/*/attempt_0/*/stdout.log"))
+    assert "stop file seen" in out
+    assert_no_survivors(req, at_least=3)
+
+
+def test_worker_ignoring_sigterm_in_own_session_still_dies(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "ignore_sigterm", name="stubborn", steps=2, wall_limit_s=5.0,
+                       idle_limit_s=60.0)
+    result = LocalLauncher(kill_grace_s=1.0).launch(req)
+    assert result.status == "timeout", result
+    assert result.failure is not None and "stubborn" in result.failure.message
+    assert_no_survivors(req, at_least=3)
+
+
+def test_detached_grandchild_of_a_finished_job_is_ended(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "orphan", steps=4, extra=("--sleep", "0.3"))
+    result = LocalLauncher().launch(req)
+    assert result.status == "ok", result
+    trainer_pids = (req.log_dir.parent / "trainer_pids.txt").read_text().split()
+    assert len(trainer_pids) == 3  # 2 ranks + the grandchild
+    assert_no_survivors(req, at_least=4)
+
+
+def test_interrupt_while_waiting_ends_the_tree_and_propagates(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "slow", steps=100, extra=("--sleep", "0.1"))
+
+    def interrupt(record: dict[str, float]) -> bool:
+        if record["step"] >= 2:
+            raise KeyboardInterrupt
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        LocalLauncher(kill_grace_s=2.0).launch(req, on_metrics=interrupt)
+    assert_no_survivors(req, at_least=3)
+
+
+def test_direct_job_failure_is_read_from_its_output(tmp_path: Path) -> None:
+    script = tmp_path / "seed.py"
+    script.write_text("import sys\nprint('starting')\nraise SystemExit('no seed: bad config')\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    raise ValueError('bad seed config')\nf()\n")
+    ok = LocalLauncher().launch(LaunchRequest(name="seed", entry=[str(script)], nproc=1,
+                                              log_dir=tmp_path / "a", direct=True))
+    assert ok.status == "failed" and ok.returncode == 1
+    res = LocalLauncher().launch(LaunchRequest(name="seed2", entry=[str(bad)], nproc=1,
+                                               log_dir=tmp_path / "b", direct=True))
+    assert res.status == "failed" and res.failure is not None
+    assert "ValueError: bad seed config" in res.failure.message
+    assert res.failure.rank is None
+
+
+def test_four_concurrent_jobs_do_not_collide_on_ports(tmp_path: Path) -> None:
+    results: dict[str, JobResult] = {}
+
+    def run(i: int) -> None:
+        req = make_request(tmp_path, "ok", name=f"c{i}", steps=3)
+        results[req.name] = LocalLauncher().launch(req)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(results) == ["c0", "c1", "c2", "c3"]
+    bad = {k: (r.status, r.failure) for k, r in results.items() if r.status != "ok"}
+    assert bad == {}
+    assert all(r.last_step == 3 for r in results.values())
+
+
+def test_env_reaches_the_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "env.py"
+    script.write_text("import os\nprint('X=' + os.environ['MY_X'], 'OMP=' + "
+                      "os.environ['OMP_NUM_THREADS'], 'U=' + os.environ['PYTHONUNBUFFERED'])\n")
+    req = LaunchRequest(name="env", entry=[str(script)], nproc=1, log_dir=tmp_path / "l",
+                        env={"MY_X": "42"}, direct=True)
+    assert LocalLauncher(python=sys.executable).launch(req).status == "ok"
+    assert "X=42 OMP=1 U=1" in (tmp_path / "l" / "launcher.log").read_text()
