@@ -22,9 +22,9 @@ from convergence.launch.types import FailureInfo
 
 _ROOT_CAUSE = "Root Cause (first observed failure):"
 _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.M)
-_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)", re.M)
+_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(.*)$", re.M)
 _ERRFILE_RE = re.compile(r"^\s*error_file\s*:\s*(\S+)", re.M)
-_SIGNAL_TEXT_RE = re.compile(r"Signal \d+ \((SIG[A-Z0-9]+)\)")
+_SIGNAL_TEXT_RE = re.compile(r"\((SIG[A-Z0-9]+)\)")
 _TRACEBACK_HEAD = "Traceback (most recent call last):"
 _TAIL_LINES = 40
 
@@ -70,7 +70,8 @@ def parse_root_cause(agent_log: str) -> RootCause | None:
     exitcode = int(exit_m.group(1)) if exit_m else None
     file_m = _ERRFILE_RE.search(block)
     error_file = Path(file_m.group(1)) if file_m and file_m.group(1) != "<N/A>" else None
-    sig_m = _SIGNAL_TEXT_RE.search(block)
+    # Only the exitcode line: a traceback further down may mention any signal.
+    sig_m = _SIGNAL_TEXT_RE.search(exit_m.group(2)) if exit_m else None
     sig = signal_name(exitcode) or (sig_m.group(1) if sig_m else None)
     return RootCause(rank=int(rank_m.group(1)), local_rank=int(rank_m.group(2)),
                      exitcode=exitcode, error_file=error_file, signal=sig)

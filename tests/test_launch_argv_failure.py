@@ -1,0 +1,103 @@
+"""torchrun argv, environment, and parsing of torchrun's failure report (unit level)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from convergence.launch.failure import (diagnose, error_file_traceback, last_traceback,
+                                        parse_root_cause, signal_name)
+from convergence.launch.torchrun import build_torchrun_argv, job_env
+from convergence.launch.types import LaunchRequest
+from convergence.launch.watch import record_loss
+
+# Verbatim tail of torch 2.13's agent output when rank 1 was SIGKILLed (rank 0 then SIGTERMed).
+SIGKILL_REPORT = """\
+Failures:
+[1]:
+  time      : 2026-11-22_05:14:24
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 5028)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 5028
+--------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_05:14:24
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 5029)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 5029
+========================================================
+"""
+
+
+def test_torchrun_argv_is_a_list_with_free_port_rendezvous(tmp_path: Path) -> None:
+    req = LaunchRequest(name="fsdp2 tp2/x", entry=["-m", "convergence.trainer", "--config",
+                                                    "a b.toml"], nproc=4, log_dir=tmp_path)
+    argv = build_torchrun_argv(req, python="/py")
+    assert argv == ["/py", "-m", "torch.distributed.run", "--nnodes", "1",
+                    "--nproc-per-node", "4", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", "localhost:0", "--rdzv-id", "fsdp2-tp2-x",
+                    "--log-dir", str(tmp_path / "ranks"), "--redirects", "3",
+                    "--max-restarts", "0", "-m", "convergence.trainer", "--config", "a b.toml"]
+
+
+def test_direct_argv_skips_torchrun(tmp_path: Path) -> None:
+    req = LaunchRequest(name="seed", entry=["-m", "x.seed"], nproc=1, log_dir=tmp_path,
+                        direct=True)
+    assert build_torchrun_argv(req, python="/py") == ["/py", "-m", "x.seed"]
+
+
+def test_env_keeps_a_chosen_thread_count(tmp_path: Path) -> None:
+    req = LaunchRequest(name="j", entry=[], nproc=1, log_dir=tmp_path,
+                        env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    env = job_env(req, base={"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3", "PYTHONUNBUFFERED": "1",
+                   "OMP_NUM_THREADS": "1"}
+    assert job_env(req, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+
+
+def test_root_cause_block_names_the_killed_rank_not_the_terminated_one() -> None:
+    cause = parse_root_cause("noise\n" + SIGKILL_REPORT)
+    assert cause is not None
+    assert (cause.rank, cause.local_rank, cause.exitcode, cause.signal) == (1, 1, -9, "SIGKILL")
+    assert cause.error_file is None
+    assert parse_root_cause("no report here") is None
+
+
+def test_diagnose_reads_error_file_named_in_the_report(tmp_path: Path) -> None:
+    err = tmp_path / "ranks" / "r_1" / "attempt_0" / "1" / "error.json"
+    err.parent.mkdir(parents=True)
+    err.write_text(json.dumps({"message": {"message": "ValueError: x", "extraInfo": {
+        "py_callstack": "Traceback (most recent call last):\n  ...\nValueError: x\n"}}}))
+    report = SIGKILL_REPORT.replace("-9 (pid: 5029)  (SIGKILL)", "1 (pid: 5029)").replace(
+        "error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 5029",
+        f"error_file: {err}\n  traceback : Traceback (most recent call last):\n   "
+        "Signal 9 (SIGKILL) mentioned by user code")
+    (tmp_path / "launcher.log").write_text(report)
+    info = diagnose(tmp_path, name="j", returncode=1)
+    assert info.rank == 1 and info.signal is None
+    assert info.traceback.endswith("ValueError: x\n")
+    assert info.message == "job 'j': rank 1 failed: ValueError: x"
+
+
+def test_diagnose_without_report_scans_rank_logs(tmp_path: Path) -> None:
+    log = tmp_path / "ranks" / "r_1" / "attempt_0" / "3" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("warn\nTraceback (most recent call last):\n  File x\nKeyError: 'k'\n")
+    info = diagnose(tmp_path, name="j", returncode=1)
+    assert info.rank == 3 and "KeyError: 'k'" in info.message
+
+
+def test_helpers() -> None:
+    assert signal_name(-9) == "SIGKILL" and signal_name(1) is None and signal_name(None) is None
+    assert last_traceback("a\nTraceback (most recent call last):\nX\n") == \
+        "Traceback (most recent call last):\nX\n"
+    assert last_traceback("clean") == ""
+    assert error_file_traceback(Path("/nonexistent/error.json")) == ""
+    assert record_loss({"step": 1, "loss_metrics/global_avg_loss": 2.5}) == 2.5
+    assert record_loss({"step": 1, "loss": 1.0, "z_loss": 9.0}) == 1.0
+    assert record_loss({"step": 1, "lr": 0.1}) is None
