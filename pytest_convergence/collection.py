@@ -1,0 +1,145 @@
+"""Collecting experiment TOML files: one ``ConvergenceItem`` per control/test pair.
+
+A TOML file is an experiment file when it lies inside a folder named ``experiments`` (below the
+rootdir), when it is listed (or lies in a folder listed) in the ini option ``convergence_paths``,
+or when it is named on the command line. Item names are the test names:
+``experiments/converging.toml::fsdp2-tp2``. Every item carries the ``convergence`` marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from convergence.spec.errors import SpecError
+from convergence.spec.experiment import load_experiment, validate_pair
+from convergence.spec.pair import PairSpec
+from pytest_convergence.execute import check_outcome, execute_pair
+from pytest_convergence.failure import ConvergenceFailure, render_outcome
+from pytest_convergence.options import TIERS
+from pytest_convergence.stash import get_state
+
+MARKER = "convergence"
+MARKER_HELP = (
+    "convergence(**defaults): a loss-convergence test. TOML pairs carry it; on a Python test "
+    "its keyword arguments (train_config=, steps=, seed=, tier=, ...) are the defaults of the "
+    "convergence_pair fixture. Select with -m convergence.")
+
+
+def _under(path: Path, folder: Path) -> bool:
+    try:
+        path.relative_to(folder)
+    except ValueError:
+        return False
+    return True
+
+
+def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
+    if file_path.suffix != ".toml":
+        return False
+    root = config.rootpath
+    rel_parent = (file_path.parent.relative_to(root) if _under(file_path, root)
+                  else file_path.parent)
+    if "experiments" in rel_parent.parts:
+        return True
+    resolved = file_path.resolve()
+    for listed in config.getini("convergence_paths"):
+        listed = Path(listed).resolve()
+        if resolved == listed or (listed.is_dir() and _under(resolved, listed)):
+            return True
+    for arg in config.args:
+        arg_path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if arg_path == resolved:
+            return True
+    return False
+
+
+class ExperimentFile(pytest.File):
+    """An experiment TOML file; invalid input is a clean collection error (nothing runs)."""
+
+    def collect(self) -> Iterator[ConvergenceItem]:
+        try:
+            experiment = load_experiment(self.path, rootdir=self.config.rootpath)
+            devices = get_state(self.config).available_devices()
+            for pair in experiment.pairs:
+                validate_pair(pair, available_devices=devices)
+        except SpecError as exc:
+            # CollectError renders as its message only: file, key and fix, no traceback.
+            raise self.CollectError(f"invalid experiment (nothing was launched):\n{exc}") from None
+        for pair in experiment.pairs:
+            item = ConvergenceItem.from_parent(self, name=pair.name, pair=pair)
+            item.add_marker(MARKER)
+            yield item
+
+
+class ConvergenceItem(pytest.Item):
+    """One control/test pair from an experiment file."""
+
+    def __init__(self, *, pair: PairSpec, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pair = pair
+
+    def runtest(self) -> None:
+        check_outcome(execute_pair(self.config, self.pair, self.user_properties))
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> str | Any:
+        if isinstance(excinfo.value, ConvergenceFailure):
+            return render_outcome(excinfo.value.outcome)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        pair = self.pair
+        return (self.path, None, f"{pair.pair_id}: {pair.test.layout.short_name()} "
+                                 f"vs {pair.control.layout.short_name()}")
+
+
+def collect_file(file_path: Path, parent: pytest.Collector) -> ExperimentFile | None:
+    if not is_experiment_file(parent.config, file_path):
+        return None
+    return ExperimentFile.from_parent(parent, path=file_path)  # type: ignore[no-any-return]
+
+
+def item_tier(item: pytest.Item) -> str:
+    if isinstance(item, ConvergenceItem):
+        return item.pair.tier
+    marker = item.get_closest_marker(MARKER)
+    if marker is not None and "tier" in marker.kwargs:
+        return str(marker.kwargs["tier"])
+    return "quick"
+
+
+def mark_and_deselect(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Python tests using the fixture get the marker; pairs above the session tier are
+    deselected (counted per tier, reported in the header)."""
+    state = get_state(config)
+    limit = TIERS.index(state.options.tier)
+    keep, dropped = [], []
+    for item in items:
+        if "convergence_pair" in getattr(item, "fixturenames", ()):
+            if item.get_closest_marker(MARKER) is None:
+                item.add_marker(MARKER)
+        is_convergence = item.get_closest_marker(MARKER) is not None
+        tier = item_tier(item) if is_convergence else "quick"
+        if tier in TIERS and TIERS.index(tier) > limit:
+            dropped.append(item)
+            state.deselected_by_tier[tier] = state.deselected_by_tier.get(tier, 0) + 1
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def tier_note(config: pytest.Config) -> str | None:
+    state = get_state(config)
+    if not state.deselected_by_tier:
+        return None
+    counts = ", ".join(f"{n} {tier}" for tier, n in sorted(
+        state.deselected_by_tier.items(), key=lambda kv: TIERS.index(kv[0])))
+    highest = max(state.deselected_by_tier, key=TIERS.index)
+    return (f"convergence: deselected {counts} pair(s) above --convergence-tier "
+            f"{state.options.tier}; run them with --convergence-tier {highest}")

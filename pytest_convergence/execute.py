@@ -1,0 +1,88 @@
+"""Run one pair for a pytest test (TOML item or ``convergence_pair`` fixture) and record it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from convergence.outcome import PairOutcome
+from convergence.runner import run_pair
+from convergence.spec.pair import PairSpec
+from pytest_convergence.failure import ConvergenceFailure
+from pytest_convergence.progress import ProgressPrinter
+from pytest_convergence.stash import get_state
+
+OUTCOME_SUFFIX = ".outcome.json"
+
+
+def execute_pair(config: pytest.Config, pair: PairSpec,
+                 user_properties: list[tuple[str, object]]) -> PairOutcome:
+    """Run ``pair`` with live progress, record its outcome for the reports, and attach its
+    JUnit properties. KeyboardInterrupt passes through: the launcher ends the job trees."""
+    state = get_state(config)
+    printer = ProgressPrinter(config) if not state.is_worker else None
+    settings = dataclasses.replace(state.settings, on_progress=printer)
+    try:
+        outcome = run_pair(pair, settings)
+    finally:
+        if printer is not None:
+            printer.finish()
+    record_outcome(config, outcome)
+    user_properties.extend(_junit_properties(outcome))
+    return outcome
+
+
+def check_outcome(outcome: PairOutcome) -> None:
+    """Turn a non-passing outcome into the test's result."""
+    if outcome.status == "passed":
+        return
+    if outcome.status == "skipped":
+        pytest.skip(outcome.error or "pair skipped")
+    raise ConvergenceFailure(outcome)
+
+
+def _junit_properties(outcome: PairOutcome) -> list[tuple[str, object]]:
+    try:
+        from convergence.report import junit_properties  # type: ignore[attr-defined]
+    except ImportError:
+        return [("convergence.status", outcome.status)]
+    return [(str(k), v) for k, v in junit_properties(outcome)]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80] or "pair"
+
+
+def outcome_to_json(outcome: PairOutcome) -> dict[str, Any]:
+    from convergence.report.serialize import outcome_to_json as to_json  # type: ignore
+
+    return to_json(outcome)  # type: ignore[no-any-return]
+
+
+def record_outcome(config: pytest.Config, outcome: PairOutcome) -> None:
+    """Keep the outcome in memory and, for the controller and later ``convergence report``,
+    as JSON in the session folder (xdist workers share it with the controller)."""
+    state = get_state(config)
+    state.outcomes.append(outcome)
+    if state.share_dir is None:
+        return
+    state.share_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{_slug(outcome.pair.pair_id)}-{uuid.uuid4().hex[:8]}{OUTCOME_SUFFIX}"
+    tmp = state.share_dir / (name + ".tmp")
+    tmp.write_text(json.dumps(outcome_to_json(outcome), default=str), encoding="utf-8")
+    tmp.replace(state.share_dir / name)  # atomic: the controller never reads half a file
+
+
+def load_outcomes(folder: Path) -> list[PairOutcome]:
+    from convergence.report.serialize import outcome_from_json  # type: ignore
+
+    outcomes = []
+    for path in sorted(folder.glob(f"*{OUTCOME_SUFFIX}")):
+        outcomes.append(outcome_from_json(json.loads(path.read_text(encoding="utf-8"))))
+    return outcomes

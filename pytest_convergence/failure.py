@@ -1,0 +1,150 @@
+"""How a failed or broken pair reads in pytest's failure section (shared by TOML items and the
+``convergence_pair`` fixture)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from convergence.outcome import PairOutcome
+from convergence.stats.types import MetricVerdict
+
+TRACEBACK_HEAD_LINES = 25
+"""Lines of a broken job's traceback shown in the failure text; the rest is in the logs."""
+TABLE_AROUND = 3
+"""Steps shown before and after the first divergent step."""
+
+
+class ConvergenceFailure(pytest.fail.Exception):  # type: ignore[name-defined,misc]
+    """Raised by a test whose pair did not pass; carries the outcome for ``repr_failure``.
+
+    A ``pytest.fail`` exception without traceback: the failure section is the rendered
+    verdict, not our plumbing's stack.
+    """
+
+    def __init__(self, outcome: PairOutcome) -> None:
+        self.outcome = outcome
+        super().__init__(render_outcome(outcome), pytrace=False)
+
+
+def _num(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
+    return "-" if value is None else str(value)
+
+
+def _verdict_line(v: MetricVerdict) -> str:
+    state = "pass" if v.passed else "FAIL"
+    if not v.gate:
+        state += " (report only)"
+    parts = [f"  {v.metric:<12} {v.method:<10} {state:<6}"]
+    if v.first_divergent_step is not None:
+        parts.append(f"first divergent step {v.first_divergent_step}")
+    at = f" at step {v.max_deviation_step}" if v.max_deviation_step is not None else ""
+    parts.append(f"max |Δ| {_num(float(v.max_deviation))}{at}")
+    if v.tolerance_at_max is not None:
+        parts.append(f"(tolerance there {_num(float(v.tolerance_at_max))})")
+    if v.message:
+        parts.append(f"- {v.message}")
+    return "  ".join(parts)
+
+
+def _rows_from_curves(outcome: PairOutcome, metric: str, around: int
+                      ) -> list[tuple[int, float | None, float | None, float | None]]:
+    """step/control/test/Δ rows around the first divergent step, read from the curves."""
+    verdict = outcome.verdict(metric)
+    if outcome.control is None or outcome.test is None or verdict is None:
+        return []
+    ctrl = outcome.control.metrics.get(metric)
+    test = outcome.test.metrics.get(metric)
+    if ctrl is None or test is None:
+        return []
+    center = verdict.first_divergent_step or verdict.max_deviation_step
+    if center is None:
+        return []
+    c = dict(zip(ctrl.steps.tolist(), ctrl.values.tolist()))
+    t = dict(zip(test.steps.tolist(), test.values.tolist()))
+    steps = sorted(set(c) | set(t))
+    if center not in steps:
+        return []
+    i = steps.index(center)
+    rows = []
+    for step in steps[max(0, i - around): i + around + 1]:
+        cv, tv = c.get(step), t.get(step)
+        delta = tv - cv if cv is not None and tv is not None else None
+        rows.append((step, cv, tv, delta))
+    return rows
+
+
+def _table_rows(outcome: PairOutcome, metric: str, around: int) -> Sequence[Sequence[Any]]:
+    try:
+        from convergence.report import divergence_table  # type: ignore[attr-defined]
+    except ImportError:
+        return _rows_from_curves(outcome, metric, around)
+    rows = divergence_table(outcome, metric, around)
+    return [tuple(r.values()) if isinstance(r, dict) else tuple(r) for r in rows]
+
+
+def _table(outcome: PairOutcome, metric: str) -> list[str]:
+    rows = _table_rows(outcome, metric, TABLE_AROUND)
+    if not rows:
+        return []
+    out = [f"  {metric} around the divergence:",
+           f"    {'step':>6}  {'control':>16}  {'test':>16}  {'Δ':>12}"]
+    for row in rows:
+        step, cv, tv, delta = (list(row) + [None] * 4)[:4]
+        fmt = (lambda x: "-" if x is None else f"{float(x):.10g}")
+        d = "-" if delta is None else f"{float(delta):+.3e}"
+        out.append(f"    {step!s:>6}  {fmt(cv):>16}  {fmt(tv):>16}  {d:>12}")
+    return out
+
+
+def _paths(outcome: PairOutcome) -> list[str]:
+    out = []
+    for side_name, side in (("control", outcome.control), ("test", outcome.test)):
+        if side is None or side.run_dir is None:
+            continue
+        note = " (from cache)" if side.cached else ""
+        out.append(f"  {side_name} run: {side.run_dir}{note}")
+        if side.result is not None:
+            out.append(f"  {side_name} logs: {side.result.log_dir}")
+    for plot in outcome.plots:
+        out.append(f"  plot: {plot}")
+    return out
+
+
+def _traceback_head(text: str) -> str:
+    lines = text.rstrip().splitlines()
+    if len(lines) <= TRACEBACK_HEAD_LINES:
+        return "\n".join(lines)
+    rest = len(lines) - TRACEBACK_HEAD_LINES
+    return "\n".join(lines[:TRACEBACK_HEAD_LINES] + [f"... ({rest} more lines in the logs)"])
+
+
+def render_outcome(outcome: PairOutcome) -> str:
+    """The failure section of a pair: verdicts, the table around the divergence, paths."""
+    pair = outcome.pair
+    head = (f"convergence pair {pair.pair_id}: {outcome.status.upper()} "
+            f"(test {pair.test.name} [{pair.test.layout.short_name()}] vs control "
+            f"{pair.control.name} [{pair.control.layout.short_name()}], {pair.regime} regime)")
+    lines = [head]
+    if outcome.status == "error":
+        lines.append("a job broke before a verdict:")
+        lines.append(_traceback_head(outcome.error or "(no error text)"))
+    verdicts = sorted(outcome.verdicts, key=lambda v: (v.passed, not v.gate, v.metric != "loss"))
+    if verdicts:
+        lines.append("verdicts:")
+        lines.extend(_verdict_line(v) for v in verdicts)
+    if outcome.stopped_early_at is not None:
+        lines.append(f"  test stopped early at step {outcome.stopped_early_at} "
+                     "(verdict already decided)")
+    failing = [v for v in verdicts if not v.passed and v.gate]
+    if failing:
+        lines.extend(_table(outcome, failing[0].metric))
+    if outcome.localisation:
+        lines.append("localisation (numerics probe):")
+        lines.extend(f"  {k}: {v}" for k, v in outcome.localisation.items())
+    lines.extend(_paths(outcome))
+    return "\n".join(lines)

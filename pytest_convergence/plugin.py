@@ -1,0 +1,71 @@
+"""pytest-convergence: the pytest plugin (entry point ``pytest11: convergence``).
+
+Hooks only translate pytest concepts into library calls; the work lives in ``convergence``.
+Split by role: options, collection (TOML pairs), fixtures (Python API), progress (live lines),
+reporting (matrix, JUnit properties, report files), xdist (workers), stash (session state).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from convergence.runner import RunSettings
+from pytest_convergence.collection import (ConvergenceItem, ExperimentFile, MARKER, MARKER_HELP,
+                                           collect_file, mark_and_deselect, tier_note)
+from pytest_convergence.fixtures import convergence_pair
+from pytest_convergence.options import add_options, read_options
+from pytest_convergence.reporting import session_finish, terminal_summary
+from pytest_convergence.stash import STATE_KEY, SessionState
+from pytest_convergence.xdist import (is_distributing, is_worker, pytest_configure_node,
+                                      pytest_xdist_auto_num_workers, worker_share_dir)
+
+__all__ = ["ConvergenceItem", "ExperimentFile", "convergence_pair", "pytest_configure_node",
+           "pytest_xdist_auto_num_workers"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_HELP)
+    options = read_options(config)
+    worker = is_worker(config)
+    share_dir = worker_share_dir(config) if worker else (
+        options.workdir / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    settings = RunSettings(
+        work_dir=options.workdir, cache_dir=options.cache_dir, refresh=options.refresh,
+        early_stop=options.early_stop, launcher=options.launcher, devices=options.devices,
+        steps=options.steps, alpha=options.alpha, backend=options.backend)
+    config.stash[STATE_KEY] = SessionState(
+        options=options, settings=settings, share_dir=share_dir, is_worker=worker,
+        distributed=is_distributing(config))
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    return collect_file(file_path, parent)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: fixture users must carry the marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_and_deselect(config, items)
+
+
+def pytest_report_collectionfinish(config: pytest.Config, start_path: Path,
+                                   items: list[pytest.Item]) -> list[str]:
+    note = tier_note(config)
+    return [note] if note else []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
+    session_finish(session, exitstatus)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    terminal_summary(terminalreporter, config)

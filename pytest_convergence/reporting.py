@@ -1,0 +1,94 @@
+"""End of session: gather every outcome (all xdist workers), write the report files once
+(controller only; also after Ctrl-C, as a partial report), print the matrix."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from convergence.outcome import PairOutcome
+from pytest_convergence.execute import OUTCOME_SUFFIX, load_outcomes
+from pytest_convergence.stash import get_state
+
+KEEP_SESSIONS = 20
+"""Session folders (outcome JSON, input of ``convergence report --from``) kept in the workdir."""
+
+
+def environment(config: pytest.Config, *, interrupted: bool) -> dict[str, Any]:
+    import torch
+
+    state = get_state(config)
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "host": platform.node(),
+        "torch": str(torch.__version__),
+        "pytest": pytest.__version__,
+        "args": list(config.invocation_params.args),
+        "launcher": state.options.launcher,
+        "devices": state.options.devices,
+        "tier": state.options.tier,
+        "workers": os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+        "interrupted": interrupted,
+    }
+
+
+def gather_outcomes(config: pytest.Config) -> list[PairOutcome]:
+    """This process's outcomes, or (xdist controller) the ones the workers saved."""
+    state = get_state(config)
+    if state.distributed and state.share_dir is not None and state.share_dir.is_dir():
+        return load_outcomes(state.share_dir)
+    return list(state.outcomes)
+
+
+def _prune_sessions(current: Path | None) -> None:
+    if current is None or not current.parent.is_dir():
+        return
+    sessions = sorted((p for p in current.parent.iterdir() if p.is_dir()),
+                      key=lambda p: p.stat().st_mtime)
+    for old in sessions[:-KEEP_SESSIONS]:
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def session_finish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
+    config = session.config
+    state = get_state(config)
+    if state.is_worker:
+        return
+    state.all_outcomes = gather_outcomes(config)
+    if state.share_dir is not None and any(state.share_dir.glob(f"*{OUTCOME_SUFFIX}")):
+        _prune_sessions(state.share_dir)
+    report_dir = state.options.report_dir
+    if report_dir is None or not state.all_outcomes:
+        return
+    from convergence.report import write_reports  # type: ignore[attr-defined]
+
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    state.report_paths = dict(write_reports(
+        state.all_outcomes, report_dir, environment=environment(config, interrupted=interrupted)))
+
+
+def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    state = get_state(config)
+    if state.is_worker or not state.all_outcomes:
+        return
+    from convergence.report import render_matrix  # type: ignore[attr-defined]
+
+    tr = terminalreporter
+    tr.write_sep("=", f"convergence matrix ({len(state.all_outcomes)} pairs)")
+    for line in render_matrix(state.all_outcomes).rstrip("\n").splitlines():
+        tr.write_line(line)
+    if state.report_paths:
+        tr.write_line("reports:")
+        for kind, path in sorted(state.report_paths.items()):
+            tr.write_line(f"  {kind}: {path}")
+    if state.share_dir is not None and state.share_dir.is_dir():
+        tr.write_line(f"outcomes saved in {state.share_dir} "
+                      f"(rebuild reports: convergence report --from {state.share_dir} --out DIR)")

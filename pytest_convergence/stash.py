@@ -1,0 +1,52 @@
+"""Session state of the plugin, kept in ``config.stash`` under a typed key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from convergence.outcome import PairOutcome
+from convergence.runner import RunSettings
+from pytest_convergence.options import Options
+
+
+@dataclass(kw_only=True)
+class SessionState:
+    """Mutable per-session state (one per pytest process: controller or xdist worker)."""
+
+    options: Options
+    settings: RunSettings
+    """Run settings shared by every pair of the session (``on_progress`` is set per item)."""
+    share_dir: Path | None = None
+    """xdist: folder where workers drop each outcome as JSON for the controller."""
+    is_worker: bool = False
+    distributed: bool = False
+    """xdist controller: tests run in workers, outcomes come back through ``share_dir``."""
+    outcomes: list[PairOutcome] = field(default_factory=list)
+    """Outcomes of the pairs run in this process."""
+    deselected_by_tier: dict[str, int] = field(default_factory=dict)
+    """Tier -> number of items deselected because it is above ``--convergence-tier``."""
+    report_paths: dict[str, Path] = field(default_factory=dict)
+    all_outcomes: list[PairOutcome] = field(default_factory=list)
+    """Controller, at session finish: every outcome of the session (all workers)."""
+    _devices: int | None = None
+    _devices_known: bool = False
+
+    def available_devices(self) -> int | None:
+        """Devices a single job may use, for checks at collection (detected once, lazily:
+        importing torch costs seconds, so only sessions with convergence items pay it)."""
+        if not self._devices_known:
+            from convergence.launch.pool import detect_devices
+
+            self._devices = len(detect_devices(self.options.devices).devices)
+            self._devices_known = True
+        return self._devices
+
+
+STATE_KEY = pytest.StashKey[SessionState]()
+
+
+def get_state(config: pytest.Config) -> SessionState:
+    return config.stash[STATE_KEY]

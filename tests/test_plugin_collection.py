@@ -1,0 +1,195 @@
+"""The plugin at collection time: options, marker, TOML items, errors, tiers, -m selection.
+
+Nothing here launches a job (collection never does); the end-to-end runs are in
+test_plugin_e2e.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_CONFIG = REPO / "train_configs" / "debug.toml"
+
+EXPERIMENT = f"""
+[defaults]
+train_config = "{DEBUG_CONFIG}"
+steps = 8
+seed = 42
+
+[control]
+name = "fsdp2"
+parallelism = {{ dp_shard = 2 }}
+
+[[test]]
+name = "fsdp2-tp2"
+parallelism = {{ dp_shard = 2, tp = 2 }}
+
+[[test]]
+name = "fsdp2-nightly"
+parallelism = {{ dp_shard = 2, tp = 2 }}
+tier = "nightly"
+"""
+
+PY_TEST = f"""
+import pytest
+
+@pytest.mark.convergence(train_config="{DEBUG_CONFIG}", steps=8)
+def test_python_pair(convergence_pair):
+    pass
+
+def test_with_fixture_only(convergence_pair):
+    pass
+
+def test_plain():
+    pass
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeini("[pytest]\n")
+    (pytester.path / "experiments").mkdir()
+    (pytester.path / "experiments" / "exp.toml").write_text(EXPERIMENT)
+    return pytester
+
+
+def test_options_and_ini_keys_are_registered(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    out = result.stdout.str()
+    for flag in ("backend", "launcher", "devices", "steps", "cache-dir", "refresh", "report",
+                 "no-early-stop", "alpha", "tier", "workdir"):
+        assert f"--convergence-{flag}" in out
+        assert f"convergence_{flag.replace('-', '_')} " in out
+    assert "convergence_paths" in out
+
+
+def test_marker_registered_under_strict_markers(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("""
+        import pytest
+
+        @pytest.mark.convergence(steps=3)
+        def test_marked():
+            pass
+    """)
+    result = pytester.runpytest("--strict-markers", "-W", "error")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest("--markers")
+    result.stdout.fnmatch_lines(["@pytest.mark.convergence(**defaults): *"])
+
+
+def test_toml_pairs_become_items_with_the_test_names(project: pytest.Pytester) -> None:
+    result = project.runpytest("--collect-only", "-q", "--convergence-tier", "nightly")
+    result.stdout.fnmatch_lines(["experiments/exp.toml::fsdp2-tp2",
+                                 "experiments/exp.toml::fsdp2-nightly"])
+    assert result.ret == 0
+    # Nothing was launched: no run folders.
+    assert not (project.path / ".convergence" / "runs").exists()
+
+
+def test_higher_tiers_are_deselected_with_a_reason(project: pytest.Pytester) -> None:
+    result = project.runpytest("--collect-only", "-q")
+    out = result.stdout.str()
+    assert "experiments/exp.toml::fsdp2-tp2" in out
+    assert "fsdp2-nightly" not in out.split("convergence: deselected")[0]
+    result.stdout.fnmatch_lines(["*convergence: deselected 1 nightly pair(s) above "
+                                 "--convergence-tier quick; run them with "
+                                 "--convergence-tier nightly*", "*1 deselected*"])
+    result = project.runpytest("--collect-only", "-q", "--convergence-tier", "ci")
+    result.stdout.fnmatch_lines(["*1 deselected*"])
+
+
+def test_tier_from_ini(project: pytest.Pytester) -> None:
+    project.makeini("[pytest]\nconvergence_tier = nightly\n")
+    result = project.runpytest("--collect-only", "-q")
+    result.stdout.fnmatch_lines(["experiments/exp.toml::fsdp2-nightly"])
+    assert "deselected" not in result.stdout.str()
+
+
+def test_bad_ini_value_is_a_usage_error(project: pytest.Pytester) -> None:
+    project.makeini("[pytest]\nconvergence_devices = many\n")
+    result = project.runpytest("--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*convergence_devices*'many'*"])
+
+
+def test_marker_selection(project: pytest.Pytester) -> None:
+    project.makepyfile(test_api=PY_TEST)
+    result = project.runpytest("--collect-only", "-q", "-m", "convergence")
+    out = result.stdout.str()
+    assert "experiments/exp.toml::fsdp2-tp2" in out
+    assert "test_api.py::test_python_pair" in out
+    assert "test_api.py::test_with_fixture_only" in out  # marked because it uses the fixture
+    assert "test_plain" not in out
+    result = project.runpytest("--collect-only", "-q", "-m", "not convergence")
+    out = result.stdout.str()
+    assert "test_api.py::test_plain" in out
+    assert "exp.toml" not in out and "test_python_pair" not in out
+
+
+def test_unknown_key_is_a_collection_error_naming_file_and_key(
+        project: pytest.Pytester) -> None:
+    bad = EXPERIMENT.replace("parallelism = { dp_shard = 2, tp = 2 }\n",
+                             "parallelism = { dp_shard = 2, tensor_paralel = 2 }\n", 1)
+    (project.path / "experiments" / "exp.toml").write_text(bad)
+    result = project.runpytest("-m", "convergence")
+    result.assert_outcomes(errors=1)
+    out = result.stdout.str()
+    assert "exp.toml" in out and "tensor_paralel" in out and "fix:" in out
+    assert "nothing was launched" in out
+    assert "Traceback" not in out and "site-packages" not in out
+    assert not (project.path / ".convergence" / "runs").exists()
+
+
+def test_malformed_toml_is_a_collection_error(project: pytest.Pytester) -> None:
+    (project.path / "experiments" / "broken.toml").write_text("[control\nname = 1\n")
+    result = project.runpytest("--collect-only", "-q")
+    result.stdout.fnmatch_lines(["*broken.toml*malformed TOML*"])
+    assert result.ret == pytest.ExitCode.INTERRUPTED  # collection errors stop the session
+
+
+def test_too_few_devices_is_a_collection_error(project: pytest.Pytester) -> None:
+    result = project.runpytest("--collect-only", "-q", "--convergence-devices", "2")
+    out = result.stdout.str()
+    assert "only 2 available" in out and "parallelism" in out and "fix:" in out
+
+
+def test_toml_outside_experiments_needs_convergence_paths(pytester: pytest.Pytester) -> None:
+    (pytester.path / "pairs").mkdir()
+    (pytester.path / "pairs" / "mine.toml").write_text(EXPERIMENT)
+    (pytester.path / "other.toml").write_text("not = 'an experiment'\n")
+    pytester.makeini("[pytest]\n")
+    result = pytester.runpytest("--collect-only", "-q")
+    assert "mine.toml" not in result.stdout.str()
+    pytester.makeini("[pytest]\nconvergence_paths = pairs\n")
+    result = pytester.runpytest("--collect-only", "-q")
+    result.stdout.fnmatch_lines(["pairs/mine.toml::fsdp2-tp2"])
+    assert "other.toml" not in result.stdout.str()
+    # Named on the command line, a TOML file is collected wherever it is.
+    pytester.makeini("[pytest]\n")
+    result = pytester.runpytest("--collect-only", "-q", "pairs/mine.toml")
+    result.stdout.fnmatch_lines(["pairs/mine.toml::fsdp2-tp2"])
+
+
+def test_fixture_rejects_bad_input_before_launching(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(f"""
+        import pytest
+
+        @pytest.mark.convergence(train_config="{DEBUG_CONFIG}", steps=8)
+        def test_typo(convergence_pair):
+            convergence_pair(control={{"parallelism": {{"dp_shard": 2}}}},
+                             test={{"parallelism": {{"dp_shard": 2, "tensor_paralel": 2}}}})
+
+        @pytest.mark.convergence(train_config="{DEBUG_CONFIG}", stepz=8)
+        def test_bad_marker_key(convergence_pair):
+            convergence_pair(control={{"parallelism": {{"dp_shard": 2}}}},
+                             test={{"parallelism": {{"dp_shard": 2, "tp": 2}}}})
+    """)
+    result = pytester.runpytest("-m", "convergence")
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert "tensor_paralel" in out and "stepz" in out and "nothing was launched" in out
+    assert not (pytester.path / ".convergence" / "runs").exists()
