@@ -1,0 +1,49 @@
+"""``python -m convergence.trainer --config X.toml [--section.key=value ...]``."""
+
+from __future__ import annotations
+
+import sys
+
+from convergence.spec.errors import SpecError
+from convergence.trainer.config import load_train_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--config" not in args and not any(a.startswith("--config=") for a in args):
+        print("usage: python -m convergence.trainer --config X.toml [--section.key=value ...]",
+              file=sys.stderr)
+        return 2
+    config_path, rest = _split_config(args)
+    try:
+        cfg = load_train_config(config_path, rest)
+        from convergence.trainer import train  # torch import after cheap argument checks
+        if cfg.checkpoint.create_seed_checkpoint:
+            sha = train.create_seed(cfg)
+            print(f"seed checkpoint {cfg.checkpoint.seed_checkpoint} sha256={sha}")
+            return 0
+        status = train.train(cfg)
+    except SpecError as exc:
+        print(f"convergence.trainer: invalid config: {exc}", file=sys.stderr)
+        return 2
+    print(f"convergence.trainer: {status}", file=sys.stderr)
+    return 0 if status in ("finished", "stopped") else 1
+
+
+def _split_config(args: list[str]) -> tuple[str, list[str]]:
+    rest: list[str] = []
+    path = ""
+    i = 0
+    while i < len(args):
+        if args[i] == "--config":
+            path, i = args[i + 1], i + 2
+        elif args[i].startswith("--config="):
+            path, i = args[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(args[i])
+            i += 1
+    return path, rest
+
+
+if __name__ == "__main__":
+    sys.exit(main())

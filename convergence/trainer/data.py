@@ -1,0 +1,203 @@
+"""Training data addressed by global sample index, so every layout reads the same samples.
+
+Optimizer step s (1-based) with global batch B = local_batch_size * dp * grad_accum_steps reads
+samples [(s-1)*B, s*B) of the sample order; microstep m reads its contiguous slice of
+local_batch_size * dp samples, and dp rank r its contiguous local_batch_size slice of that.
+Whatever the DP degree, accumulation or microbatching, the union over ranks and microsteps of
+one optimizer step is the same set of samples -- the precondition for comparing layouts.
+
+Two sources:
+- "synthetic": a seeded Markov language. Its entropy floor sum_i pi_i H(P_i) (pi the stationary
+  distribution, P_i the transition row of token i) is the exact expected loss of the optimal
+  predictor, because every sample starts from a stationary draw: no correct run can go below.
+- "text": a local file, byte-level (vocab 256) or tokenised with a tokenizer.json file; windows
+  of seq_len+1 tokens in a seeded order per epoch; the tail `val_fraction` is held out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from convergence.spec.errors import SpecError
+from convergence.trainer.config import TrainConfig
+
+TRAIN, VAL = 0, 1
+#: Above this vocabulary the synthetic language uses sparse rows (this many successors each).
+DENSE_VOCAB_LIMIT = 1024
+SPARSE_SUCCESSORS = 64
+
+
+class SampleSource(Protocol):
+    """Samples by index: (n, seq_len+1) int64 tokens; inputs are [:, :-1], targets [:, 1:]."""
+
+    vocab_size: int
+    entropy_floor: float | None
+
+    def samples(self, indices: np.ndarray, split: int) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class MarkovLanguage:
+    """First-order Markov chain over `vocab_size` tokens with Dirichlet(concentration) rows."""
+
+    vocab_size: int
+    seq_len: int
+    successors: np.ndarray
+    """(vocab, k) int64: the tokens each token can be followed by."""
+    cum_probs: np.ndarray
+    """(vocab, k) float64: cumulative transition probabilities over `successors`."""
+    stationary: np.ndarray
+    """(vocab,) float64: stationary distribution pi."""
+    entropy_floor: float
+    """sum_i pi_i H(P_i) in nats/token."""
+    order_seed: int
+    """training.seed: picks which sample each global index is (the sample order)."""
+
+    @classmethod
+    def build(cls, *, vocab_size: int, seq_len: int, seed: int, concentration: float,
+              order_seed: int) -> MarkovLanguage:
+        rng = np.random.default_rng(seed)
+        k = vocab_size if vocab_size <= DENSE_VOCAB_LIMIT else SPARSE_SUCCESSORS
+        if k == vocab_size:
+            successors = np.tile(np.arange(vocab_size), (vocab_size, 1))
+        else:
+            successors = np.stack([rng.choice(vocab_size, size=k, replace=False)
+                                   for _ in range(vocab_size)])
+        probs = rng.dirichlet(np.full(k, concentration), size=vocab_size)
+        # A tiny floor keeps every row's support full, so the chain is irreducible and
+        # aperiodic and pi is unique; renormalised so rows sum to 1 exactly.
+        probs = probs + 1e-6
+        probs /= probs.sum(axis=1, keepdims=True)
+        stationary = _stationary(successors, probs, vocab_size)
+        row_entropy = -(probs * np.log(probs)).sum(axis=1)
+        cum = np.cumsum(probs, axis=1)
+        cum[:, -1] = 1.0
+        return cls(vocab_size=vocab_size, seq_len=seq_len, successors=successors,
+                   cum_probs=cum, stationary=stationary,
+                   entropy_floor=float(stationary @ row_entropy), order_seed=order_seed)
+
+    def samples(self, indices: np.ndarray, split: int) -> np.ndarray:
+        # One independent generator per (language, order seed, split, sample index): sample i
+        # is the same tokens whichever rank or microstep asks for it.
+        uniforms = np.stack([
+            np.random.default_rng([self.order_seed, split, int(i)]).random(self.seq_len + 1)
+            for i in indices])
+        stationary_cum = np.cumsum(self.stationary)
+        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        out[:, 0] = np.minimum(np.searchsorted(stationary_cum, uniforms[:, 0], side="right"),
+                               self.vocab_size - 1)
+        for t in range(1, self.seq_len + 1):
+            cum = self.cum_probs[out[:, t - 1]]
+            pick = (cum <= uniforms[:, t:t + 1]).sum(axis=1)
+            out[:, t] = self.successors[out[:, t - 1], np.minimum(pick, cum.shape[1] - 1)]
+        return out
+
+
+def _stationary(successors: np.ndarray, probs: np.ndarray, vocab: int) -> np.ndarray:
+    """pi with pi = pi P, by power iteration (converges: the chain is irreducible, aperiodic)."""
+    pi = np.full(vocab, 1.0 / vocab)
+    for _ in range(10_000):
+        new = np.bincount(successors.ravel(), weights=(pi[:, None] * probs).ravel(),
+                          minlength=vocab)
+        new /= new.sum()
+        if np.abs(new - pi).max() < 1e-15:
+            return new
+        pi = new
+    return pi
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextSource:
+    """Windows of a tokenised local file; a seeded permutation of windows per epoch."""
+
+    vocab_size: int
+    seq_len: int
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    order_seed: int
+    entropy_floor: float | None = None
+
+    def samples(self, indices: np.ndarray, split: int) -> np.ndarray:
+        tokens = self.train_tokens if split == TRAIN else self.val_tokens
+        num_windows = (len(tokens) - 1) // self.seq_len
+        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
+        for row, index in enumerate(indices):
+            epoch, pos = divmod(int(index), num_windows)
+            if split == TRAIN:
+                # A fresh permutation per epoch, the same one on every rank and layout.
+                pos = int(np.random.default_rng([self.order_seed, epoch]).permutation(
+                    num_windows)[pos])
+            start = pos * self.seq_len
+            out[row] = tokens[start:start + self.seq_len + 1]
+        return out
+
+
+def _tokenize(text: str, tokenizer: str, base: Path) -> tuple[np.ndarray, int]:
+    if tokenizer == "byte":
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64), 256
+    path = Path(tokenizer)
+    path = path if path.is_absolute() else base / path
+    try:
+        from tokenizers import Tokenizer  # optional dependency, only for tokenizer files
+    except ImportError:
+        raise SpecError("the 'tokenizers' package is needed for a tokenizer file",
+                        key="data.tokenizer", fix="pip install tokenizers, or use \"byte\"")
+    tok = Tokenizer.from_file(str(path))
+    return np.asarray(tok.encode(text).ids, dtype=np.int64), tok.get_vocab_size()
+
+
+def build_source(cfg: TrainConfig) -> SampleSource:
+    data = cfg.data
+    if data.source == "synthetic":
+        return MarkovLanguage.build(vocab_size=cfg.model.vocab_size, seq_len=data.seq_len,
+                                    seed=data.seed, concentration=data.synthetic_concentration,
+                                    order_seed=cfg.training.seed)
+    base = Path(cfg.source).parent if cfg.source else Path.cwd()
+    path = Path(data.path) if Path(data.path).is_absolute() else base / data.path
+    if not path.is_file():
+        raise SpecError(f"text file {str(path)!r} not found", file=cfg.source, key="data.path",
+                        fix="point data.path at a local UTF-8 text file")
+    tokens, vocab = _tokenize(path.read_text(encoding="utf-8"), data.tokenizer, base)
+    if vocab > cfg.model.vocab_size:
+        raise SpecError(f"tokenizer has {vocab} tokens but the model only {cfg.model.vocab_size}",
+                        file=cfg.source, key="model.vocab_size", fix=f"set it to >= {vocab}")
+    num_val = max(data.seq_len + 1, int(len(tokens) * data.val_fraction))
+    if len(tokens) - num_val < 2 * (data.seq_len + 1):
+        raise SpecError("text file too short for seq_len", file=cfg.source, key="data.path",
+                        fix="use a longer file or a smaller data.seq_len")
+    return TextSource(vocab_size=cfg.model.vocab_size, seq_len=data.seq_len,
+                      train_tokens=tokens[:-num_val], val_tokens=tokens[-num_val:],
+                      order_seed=cfg.training.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchPlan:
+    """Which global sample indices a rank reads: the arithmetic of the module docstring."""
+
+    local_batch_size: int
+    dp: int
+    dp_rank: int
+    grad_accum_steps: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.local_batch_size * self.dp * self.grad_accum_steps
+
+    def indices(self, step: int, microstep: int) -> np.ndarray:
+        """Sample indices of optimizer `step` (1-based), `microstep` (0-based), this rank."""
+        start = ((step - 1) * self.global_batch_size
+                 + microstep * self.local_batch_size * self.dp
+                 + self.dp_rank * self.local_batch_size)
+        return np.arange(start, start + self.local_batch_size)
+
+
+def get_batch(source: SampleSource, indices: np.ndarray, split: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (n, seq_len) int64 on `device`."""
+    tokens = torch.from_numpy(source.samples(indices, split))
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)

@@ -1,0 +1,123 @@
+"""The extension point: a new parallelism (or any model transformation) as a test case.
+
+Name a function in the train config (or as an override, or in an experiment's ``hook = ...``):
+
+    [parallelism]
+    hook = "my_project.parallel:apply_my_tp"
+    hook_mode = "replace_tp"        # or "after" (the default)
+
+The trainer imports it on every rank before building anything (a path that does not import
+fails at start, naming the key) and calls it once per model chunk (one chunk without PP, one
+per local stage with PP):
+
+    def apply(model: nn.Module, ctx: HookContext) -> nn.Module | None
+
+Return a new module to replace the chunk, or None after changing it in place.
+
+Modes:
+- "after": called after the built-in parallelisation (TP, activation checkpointing, compile,
+  FSDP/DDP) of the chunk: register tensor hooks, wrap modules, swap a kernel ...
+- "replace_tp": the built-in TP plan is skipped and the hook is called in its place, on the
+  still unsharded (meta-device) chunk, with ``ctx.tp_mesh``; activation checkpointing, FSDP and
+  PP stay built in. Parameters the hook turns into DTensors on ``ctx.tp_mesh`` are then sharded
+  by FSDP on the data-parallel mesh as usual, and the trainer's gradient norm and clipping cover
+  them (it reads each DTensor's placements).
+
+Worked example -- a hand-written tensor-parallel plan for the MLP only, as a test case against
+the built-in FSDP+TP layout::
+
+    # my_project/parallel.py
+    from torch import nn
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module)
+    from convergence.trainer.hooks import HookContext
+
+    def apply_my_tp(model: nn.Module, ctx: HookContext) -> None:
+        if ctx.tp_mesh is None:          # tp == 1: nothing to do
+            return None
+        for block in model.layers.values():
+            parallelize_module(block.feed_forward, ctx.tp_mesh, {
+                "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+        return None
+
+    # experiments/my_tp.toml
+    [[test]]
+    name = "my-mlp-tp"
+    parallelism = { dp_shard = 2, tp = 2 }
+    hook = "my_project.parallel:apply_my_tp"
+
+A hook in "after" mode that, say, scales a gradient with
+``p.register_hook(lambda g: 2 * g)`` changes the measured grad norm -- exactly the kind of
+bug a convergence pair is there to catch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from torch import nn
+
+from convergence.spec.errors import SpecError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from convergence.trainer.config import TrainConfig
+
+HOOK_MODES: tuple[str, ...] = ("after", "replace_tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookContext:
+    """What a hook gets besides the model chunk."""
+
+    mesh: Optional["DeviceMesh"]
+    """The world mesh, axes ("pp", "dp_replicate", "dp_shard", "cp", "tp"); None single-process."""
+    tp_mesh: Optional["DeviceMesh"]
+    """The 1D tensor-parallel mesh, or None when tp == 1."""
+    dp_mesh: Optional["DeviceMesh"]
+    """The data-parallel mesh FSDP/DDP use (1D, or 2D (dp_replicate, dp_shard_cp) for HSDP);
+    None when there is no data parallelism."""
+    config: "TrainConfig"
+    """The whole train config of this job."""
+    mode: str
+    """"after" or "replace_tp" (see the module docstring)."""
+    pp_rank: int = 0
+    """This rank's pipeline rank (0 without PP)."""
+    pp_size: int = 1
+    """Pipeline degree."""
+    stage_index: int = 0
+    """Index of this chunk's pipeline stage (0 without PP)."""
+    num_stages: int = 1
+    """Total pipeline stages (1 without PP)."""
+
+
+HookFn = Callable[[nn.Module, HookContext], Optional[nn.Module]]
+
+
+def load_hook(path: str, *, file: str | None = None) -> HookFn:
+    """Import "package.module:function"; raise SpecError naming parallelism.hook if it fails."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise SpecError(f"hook {path!r} is not \"package.module:function\"", file=file,
+                        key="parallelism.hook", fix="write it as package.module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error is the user's to see, with its cause
+        raise SpecError(f"cannot import hook module {module_name!r}: {exc!r}", file=file,
+                        key="parallelism.hook",
+                        fix="make the module importable on every rank (PYTHONPATH / install)"
+                        ) from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise SpecError(f"module {module_name!r} has no callable {attr!r}", file=file,
+                        key="parallelism.hook", fix="name an existing function after the ':'")
+    return fn  # type: ignore[no-any-return]
+
+
+def apply_hook(fn: HookFn, model: nn.Module, ctx: HookContext) -> nn.Module:
+    """Call the hook; a returned module replaces the chunk."""
+    result = fn(model, ctx)
+    return model if result is None else result

@@ -1,0 +1,69 @@
+"""Metrics of one run: metrics.jsonl (read live by the launcher), TensorBoard, run_meta.json.
+
+Only the rank holding the loss writes (global rank 0, or the first rank of the last PP stage);
+every other rank gets a writer that does nothing, so the loop has no `if rank == ...` noise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+#: TensorBoard tags, named as torchtitan names them so users can read both.
+TB_TAGS: dict[str, str] = {
+    "loss": "loss_metrics/global_avg_loss",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "tokens_per_s": "throughput(tps)",
+    "peak_mem_mib": "memory/max_reserved(MiB)",
+    "val_loss": "validation_metrics/loss",
+}
+
+
+class MetricsWriter:
+    def __init__(self, folder: str | Path, *, enabled: bool, tensorboard: bool) -> None:
+        self.folder = Path(folder)
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb: Any = None
+        if not enabled:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.folder / "metrics.jsonl", "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(log_dir=str(self.folder / "tb"))
+
+    def log(self, record: dict[str, float | int]) -> None:
+        """One JSON line per logged step, flushed and fsynced: the launcher reads it live."""
+        if not self.enabled or self._jsonl is None:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        os.fsync(self._jsonl.fileno())
+        if self._tb is not None:
+            step = int(record["step"])
+            for key, tag in TB_TAGS.items():
+                if key in record:
+                    # double_precision + new_style: the event stores the exact float64.
+                    self._tb.add_scalar(tag, float(record[key]), step, new_style=True,
+                                        double_precision=True)
+            self._tb.flush()
+
+    def write_meta(self, meta: dict[str, Any]) -> None:
+        """run_meta.json, replaced atomically so a reader never sees half a file."""
+        if not self.enabled:
+            return
+        tmp = self.folder / "run_meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.folder / "run_meta.json")
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

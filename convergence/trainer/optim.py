@@ -1,0 +1,102 @@
+"""AdamW, the lr schedule, and the global gradient norm / clipping across every mesh."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+
+from convergence.trainer.config import TrainConfig
+
+
+def build_optimizer(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
+    opt = cfg.optimizer
+    # Weight decay on every parameter (as torchtitan does); AdamW is elementwise, so sharding
+    # a parameter does not change its update -- one reason layouts can agree to fp32 noise.
+    return torch.optim.AdamW(list(params), lr=opt.lr, betas=(opt.beta1, opt.beta2),
+                             eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (1-based): linear warmup, then decay to min."""
+    peak, sched = cfg.optimizer.lr, cfg.lr_scheduler
+    warmup, total = sched.warmup_steps, cfg.training.steps
+    if step <= warmup:
+        return peak * step / warmup
+    if sched.decay_type == "none" or total <= warmup:
+        return peak
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    if sched.decay_type == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak * (sched.min_lr_factor + (1.0 - sched.min_lr_factor) * factor)
+
+
+def _shard_groups(grad: DTensor) -> tuple[ProcessGroup, ...]:
+    """Process groups of the mesh dims along which `grad` is sharded (not replicated)."""
+    groups = []
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise RuntimeError(f"gradient with a Partial placement on mesh dim {dim}: it has "
+                               "not been reduced, so its norm would be wrong")
+        if placement.is_shard():
+            groups.append(grad.device_mesh.get_group(dim))
+    return tuple(groups)
+
+
+@torch.no_grad()
+def global_grad_norm(params: Iterable[nn.Parameter], pp_group: ProcessGroup | None) -> torch.Tensor:
+    """L2 norm of the FULL gradient, whatever mixture of meshes the parameters live on.
+
+    The squared norm is a sum over every element of the global gradient. A DTensor gradient
+    holds a slice: its local sum of squares must be summed over the mesh dims it is *sharded*
+    on, and not over the dims it is *replicated* on (that would count it several times). So
+    parameters are bucketed by the tuple of groups to sum over -- e.g. (dp,) for a norm weight
+    under FSDP+TP, (dp, tp) for a TP-sharded linear -- each bucket is all-reduced over those
+    groups in turn (orthogonal mesh dims, so the result is the sum over their product), and
+    the buckets are added. Pipeline stages hold disjoint parameters: add over the pp group.
+    Plain-tensor gradients (single process, DDP) are complete on every rank.
+    Accumulated in float64 so the norm is not the noisiest number in the comparison.
+    """
+    buckets: dict[tuple[ProcessGroup, ...], torch.Tensor] = {}
+    device = None
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        groups: tuple[ProcessGroup, ...] = ()
+        local = grad
+        if isinstance(grad, DTensor):
+            groups, local = _shard_groups(grad), grad.to_local()
+        device = device or local.device
+        square = local.detach().double().pow(2).sum()
+        buckets[groups] = buckets[groups] + square if groups in buckets else square
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for groups, square in buckets.items():
+        for group in groups:
+            dist.all_reduce(square, group=group)
+        total = total + square
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every (local shard of every) gradient by min(1, max_norm / (norm + 1e-6)).
+
+    The same coefficient on every rank (the norm is global), as torch.nn.utils.clip_grad_norm_
+    would compute on the unsharded model.
+    """
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for param in params:
+        if param.grad is None:
+            continue
+        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        local.mul_(coef.to(device=local.device, dtype=local.dtype))

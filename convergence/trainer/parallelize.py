@@ -1,0 +1,183 @@
+"""The device mesh and the built-in parallelisation of one model chunk (torchtitan's recipe).
+
+One DeviceMesh holds every axis, outermost first: ("pp", "dp_replicate", "dp_shard", "cp",
+"tp"), all of them even when of size 1, so code can always index an axis by name. Flattened
+views, as in torchtitan:
+    "dp"          = dp_replicate x dp_shard       who reads distinct samples
+    "dp_shard_cp" = dp_shard x cp                 what FSDP shards over (CP ranks share weights)
+    "dp_cp"       = dp_replicate x dp_shard x cp  over which the logged loss is averaged
+
+Order of application to a chunk (still on the meta device, so nothing is allocated yet):
+    TP (or the user's "replace_tp" hook) -> activation checkpointing -> compile
+    -> FSDP / HSDP / DDP -> the user's "after" hook
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from convergence.spec.layout import AXES
+from convergence.trainer.config import TrainConfig
+from convergence.trainer.hooks import HookContext, HookFn, apply_hook
+from convergence.trainer.model import Transformer, TransformerBlock
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Meshes:
+    """The world mesh and the sub-meshes each parallelism uses (None when of degree 1)."""
+
+    world: DeviceMesh
+    tp: DeviceMesh | None
+    cp: DeviceMesh | None
+    pp: DeviceMesh | None
+    dp: DeviceMesh | None
+    """Mesh FSDP/DDP reduce gradients over: 1D, or 2D (dp_replicate, dp_shard_cp) for HSDP."""
+    dp_kind: str
+    """"none", "ddp", "fsdp" or "hsdp"."""
+    dp_cp: DeviceMesh
+    """Flattened dp_replicate x dp_shard x cp: the loss average."""
+    data: DeviceMesh
+    """Flattened dp_replicate x dp_shard: its local rank picks the samples."""
+
+
+def build_meshes(cfg: TrainConfig, device_type: str) -> Meshes:
+    par = cfg.parallelism
+    shape = (par.pp, par.dp_replicate, par.dp_shard, par.cp, par.tp)
+    world = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+    data = world["dp_replicate", "dp_shard"]._flatten("dp")
+    shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+    dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    num_shard = par.dp_shard * par.cp
+    if par.dp_replicate > 1 and num_shard == 1 and par.tp == 1:
+        dp_kind, dp = "ddp", world["dp_replicate"]
+    elif par.dp_replicate > 1:
+        # HSDP (also used for replicate-only with TP: replicate() does not take DTensors).
+        dp_kind, dp = "hsdp", world["dp_replicate", "dp_shard_cp"]
+    elif num_shard > 1:
+        dp_kind, dp = "fsdp", shard_cp
+    else:
+        dp_kind, dp = "none", None
+    return Meshes(world=world, tp=world["tp"] if par.tp > 1 else None,
+                  cp=world["cp"] if par.cp > 1 else None,
+                  pp=world["pp"] if par.pp > 1 else None, dp=dp, dp_kind=dp_kind,
+                  dp_cp=dp_cp, data=data)
+
+
+def tp_plan(model: Transformer, sequence_parallel: bool) -> tuple[dict[str, object],
+                                                                   dict[str, object]]:
+    """(plan of the root modules present in this chunk, plan of each block)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    root: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        # Embedding sharded over the vocab; its output is summed (and, with SP, scattered
+        # over the sequence) so every TP rank continues with the full hidden size.
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        root["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Logits gathered to every TP rank so the loss is computed locally, unsharded.
+        root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(),
+                                         use_local_output=True)
+    block: dict[str, object] = {
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sequence_parallel:
+        # Norms run on sequence shards; attention and MLP need the full sequence, gathered
+        # at their input (the angles argument stays a plain tensor).
+        block.update({
+            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+        })
+    return root, block
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    root, block_plan = tp_plan(model, sequence_parallel)
+    if root:
+        parallelize_module(model, tp_mesh, root)  # type: ignore[arg-type]
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)  # type: ignore[arg-type]
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str, freq: int) -> None:
+    """"full": every block; "selective": every `freq`-th block (by global layer id)."""
+    for block in model.layers.values():
+        assert isinstance(block, TransformerBlock)
+        block.activation_checkpoint = mode == "full" or (
+            mode == "selective" and block.layer_id % freq == 0)
+
+
+def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) -> None:
+    if meshes.dp_kind == "none":
+        return
+    assert meshes.dp is not None
+    if meshes.dp_kind == "ddp":
+        from torch.distributed._composable.replicate import replicate
+        replicate(model, device_mesh=meshes.dp)
+        return
+    train = cfg.training
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[train.param_dtype],
+                              reduce_dtype=DTYPES[train.reduce_dtype])
+    offload: OffloadPolicy = CPUOffloadPolicy() if train.cpu_offload else OffloadPolicy()
+    reshard = cfg.parallelism.reshard_after_forward
+    # One FSDP group per block (all-gathered just in time, freed after use), then the root
+    # group for the embeddings, final norm and output.
+    for block in model.layers.values():
+        fully_shard(block, mesh=meshes.dp, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard)
+    fully_shard(model, mesh=meshes.dp, mp_policy=mp, offload_policy=offload,
+                reshard_after_forward=reshard)
+
+
+def parallelize_chunk(model: Transformer, meshes: Meshes | None, cfg: TrainConfig,
+                      hook: HookFn | None, *, stage_index: int = 0,
+                      num_stages: int = 1) -> nn.Module:
+    """Apply TP, AC, compile, FSDP/DDP and the user hook to one (meta-device) chunk."""
+    par = cfg.parallelism
+    ctx = None
+    if hook is not None:
+        pp_rank = meshes.pp.get_local_rank() if meshes and meshes.pp else 0
+        ctx = HookContext(mesh=meshes.world if meshes else None,
+                          tp_mesh=meshes.tp if meshes else None,
+                          dp_mesh=meshes.dp if meshes else None, config=cfg,
+                          mode=par.hook_mode, pp_rank=pp_rank, pp_size=par.pp,
+                          stage_index=stage_index, num_stages=num_stages)
+    if hook is not None and ctx is not None and par.hook_mode == "replace_tp":
+        replaced = apply_hook(hook, model, ctx)
+        assert isinstance(replaced, Transformer), "a replace_tp hook must keep the Transformer"
+        model = replaced
+    elif meshes is not None and meshes.tp is not None:
+        apply_tp(model, meshes.tp, par.sequence_parallel)
+    ac = cfg.activation_checkpoint
+    if ac.mode != "none":
+        apply_activation_checkpointing(model, ac.mode, ac.selective_layer_freq)
+    if cfg.training.compile:
+        for block in model.layers.values():
+            block.compile()
+    if meshes is not None:
+        apply_data_parallel(model, meshes, cfg)
+    if hook is not None and ctx is not None and par.hook_mode == "after":
+        return apply_hook(hook, model, ctx)
+    return model

@@ -1,0 +1,386 @@
+"""The training loop of the reference trainer. Read it top to bottom.
+
+    torchrun --standalone --nproc-per-node N -m convergence.trainer --config X.toml [--a.b=c ...]
+
+Every layout (DDP, FSDP, HSDP, TP, SP, PP, CP, their products) runs this same loop on the same
+samples from the same weights, so the loss and the gradient norm of step s are the same numbers
+up to floating-point reduction order. That is what a convergence pair compares.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from convergence.trainer import checkpoint as ckpt
+from convergence.trainer.config import TrainConfig
+from convergence.trainer.data import TRAIN, VAL, BatchPlan, SampleSource, build_source, get_batch
+from convergence.trainer.hooks import HookFn, load_hook
+from convergence.trainer.metrics_writer import MetricsWriter
+from convergence.trainer.model import ModelArgs, Transformer, build_model, count_params
+from convergence.trainer.optim import build_optimizer, clip_grads_, global_grad_norm, lr_at
+from convergence.trainer.parallelize import Meshes, build_meshes, parallelize_chunk
+from convergence.trainer.validate import check_config, pp_microbatches, stages_per_rank
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup: process group, mesh, determinism
+
+
+def pick_device(cfg: TrainConfig) -> torch.device:
+    kind = cfg.training.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def set_determinism(cfg: TrainConfig, device: torch.device) -> None:
+    torch.manual_seed(cfg.training.seed)
+    if not cfg.training.deterministic:
+        return
+    if device.type == "cuda":
+        # cuBLAS needs a fixed workspace to be deterministic; must be set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
+def init_distributed(device: torch.device) -> bool:
+    """Join the torchrun world if there is one; a plain process runs without a process group."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Model: build on meta, parallelise, materialise, load the seed weights
+
+
+def materialize(chunk: nn.Module, cfg: TrainConfig, model_args: ModelArgs,
+                device: torch.device) -> None:
+    """Allocate the (sharded) chunk, recompute buffers, load the seed weights."""
+    # With CPU offload FSDP keeps the sharded parameters on the CPU.
+    chunk.to_empty(device="cpu" if cfg.training.cpu_offload else device)
+    for module in chunk.modules():
+        if isinstance(module, Transformer):
+            module.init_buffers()
+            module.freqs_cis = module.freqs_cis.to(device)
+    if cfg.checkpoint.seed_checkpoint:
+        ckpt.load_seed_checkpoint(chunk, cfg.checkpoint.seed_checkpoint)
+    else:
+        # Same weights as a seed checkpoint of training.seed would hold, in any layout.
+        ckpt.load_full_state(chunk, ckpt.full_model(model_args, cfg.training.seed).state_dict())
+
+
+def build_chunk(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes | None,
+                hook: HookFn | None, device: torch.device, *, stage_index: int = 0,
+                num_stages: int = 1, keep: Callable[[Transformer], None] | None = None
+                ) -> nn.Module:
+    """One model chunk ready to train: the whole model, or one PP stage (`keep` prunes it)."""
+    model = build_model(model_args, "meta")
+    if keep is not None:
+        keep(model)
+    if meshes is not None and meshes.cp is not None:
+        from convergence.trainer.context_parallel import make_cp_sdpa
+        cp_sdpa = make_cp_sdpa(meshes.cp)
+        for block in model.layers.values():
+            block.attention.sdpa = cp_sdpa
+    chunk = parallelize_chunk(model, meshes, cfg, hook, stage_index=stage_index,
+                              num_stages=num_stages)
+    materialize(chunk, cfg, model_args, device)
+    return chunk
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss. Why the division by grad_accum_steps (and nothing else) gives the global mean:
+#
+#   global mean loss = (1/N) * sum over all N tokens of the step, N = tokens per optimizer step.
+#   Each rank, each microstep, computes the MEAN over its n local tokens, divided by A (the
+#   accumulation steps); backward() sums these over the A microsteps, and FSDP/DDP then
+#   AVERAGE over the D = dp*cp data-parallel ranks. The result is
+#       (1/D) * sum_ranks sum_micro (1/(n*A)) * sum_tokens loss = (1/N) * sum loss   (N = D*A*n)
+#   -- exactly the gradient of the global mean, but only because every rank holds the same
+#   token count n (fixed-length samples, no padding); with ragged batches the average over
+#   ranks would weight tokens unequally. CP ranks hold seq_len/cp tokens each, also equal.
+#   With PP the schedule calls this per microbatch and scales gradients by 1/microbatches.
+
+
+def make_loss_fn(grad_accum_steps: int) -> LossFn:
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return ce / grad_accum_steps
+    return loss_fn
+
+
+@dataclass(kw_only=True)
+class Engine:
+    """What the loop needs from the parallel setup, whatever the layout."""
+
+    chunks: list[nn.Module]
+    """The model chunks this rank trains (one without PP)."""
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+    """Runs one microstep on the local batch; returns this rank's loss, None off the last stage."""
+    evaluate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None
+    """Validation loss of a local batch (no grad), None where it is not computed."""
+    holds_loss: bool
+    """Whether this rank computes the loss (the last PP stage)."""
+
+
+def plain_engine(chunk: nn.Module, loss_fn: LossFn, meshes: Meshes | None, seq_len: int,
+                 grad_accum_steps: int) -> Engine:
+    """Engine without PP: forward, loss, backward on the whole (sharded) model."""
+    cp = meshes.cp if meshes is not None else None
+
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+        offset = 0
+        if cp is not None:
+            from convergence.trainer.context_parallel import cp_position_offset, shard_sequence
+            inputs, targets = shard_sequence(inputs, cp), shard_sequence(targets, cp)
+            offset = cp_position_offset(seq_len, cp)
+        return loss_fn(chunk(inputs, position_offset=offset), targets), offset
+
+    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss, _ = run(inputs, targets)
+        loss.backward()
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss, _ = run(inputs, targets)
+        return loss.detach() * grad_accum_steps  # undo the accumulation scaling
+
+    return Engine(chunks=[chunk], forward_backward=forward_backward, evaluate=evaluate,
+                  holds_loss=True)
+
+
+def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hook: HookFn | None,
+                    device: torch.device, loss_fn: LossFn) -> Engine:
+    """Engine with PP: the pipeline module builds the schedule over our chunks."""
+    from convergence.trainer import pipeline
+
+    def make_model_chunk(stage_index: int, num_stages: int) -> nn.Module:
+        keep = pipeline.stage_pruner(model_args, stage_index, num_stages)
+        return build_chunk(cfg, model_args, meshes, hook, device, stage_index=stage_index,
+                           num_stages=num_stages, keep=keep)
+
+    assert meshes.pp is not None
+    pipe = pipeline.build_pipeline(model_args, cfg, meshes.pp, device, loss_fn,
+                                   make_model_chunk=make_model_chunk, cp_mesh=meshes.cp)
+    return Engine(chunks=list(pipe.chunks), forward_backward=pipe.step,
+                  evaluate=getattr(pipe, "eval_step", None), holds_loss=pipe.has_last_stage)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-rank agreement: the logged loss and the stop flag
+
+
+def average_over(value: torch.Tensor, meshes: Meshes | None) -> torch.Tensor:
+    """Mean of a per-rank scalar over the dp x cp ranks (gloo has no AVG: SUM / size)."""
+    if meshes is None or meshes.dp_cp.size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, group=meshes.dp_cp.get_group())
+    return value / meshes.dp_cp.size()
+
+
+class StopSignal:
+    """Set by SIGTERM or by the STOP file; agreed by all ranks so none is left in a collective."""
+
+    def __init__(self, stop_file: Path) -> None:
+        self.stop_file = stop_file
+        self.sigterm = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.sigterm = True
+
+    def should_stop(self, distributed: bool, device: torch.device) -> bool:
+        rank0 = not distributed or dist.get_rank() == 0
+        local = self.sigterm or (rank0 and self.stop_file.exists())
+        if not distributed:
+            return local
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+
+def peak_mem_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+
+
+def run_meta(cfg: TrainConfig, world_size: int, source: SampleSource, num_params: int,
+             tokens_per_step: int, device: torch.device, status: str,
+             last_step: int) -> dict[str, Any]:
+    par = cfg.parallelism
+    seed_ckpt = cfg.checkpoint.seed_checkpoint
+    return {
+        "world_size": world_size,
+        "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp,
+                   "cp": par.cp, "pp": par.pp, "pp_schedule": par.pp_schedule,
+                   "pp_microbatches": pp_microbatches(cfg) if par.pp > 1 else 0,
+                   "stages_per_rank": stages_per_rank(cfg),
+                   "sequence_parallel": par.sequence_parallel},
+        "seed_checkpoint": seed_ckpt,
+        "seed_checkpoint_sha256": ckpt.checkpoint_sha256(seed_ckpt) if seed_ckpt else None,
+        "entropy_floor": source.entropy_floor, "num_params": num_params,
+        "tokens_per_step": tokens_per_step, "torch_version": torch.__version__,
+        "device": str(device), "status": status, "last_step": last_step,
+        "config": cfg.to_dict(),
+    }
+
+
+def train(cfg: TrainConfig) -> str:
+    """Train per `cfg` on this process's share of the world; returns the final status."""
+    device = pick_device(cfg)
+    distributed = init_distributed(device)
+    world_size = dist.get_world_size() if distributed else 1
+    check_config(cfg, world_size)
+    hook = load_hook(cfg.parallelism.hook, file=cfg.source) if cfg.parallelism.hook else None
+    set_determinism(cfg, device)
+    par, training = cfg.parallelism, cfg.training
+
+    meshes = build_meshes(cfg, device.type) if distributed else None
+    dp = par.dp_replicate * par.dp_shard
+    dp_rank = meshes.data.get_local_rank() if meshes is not None else 0
+    plan = BatchPlan(local_batch_size=training.local_batch_size, dp=dp, dp_rank=dp_rank,
+                     grad_accum_steps=training.grad_accum_steps)
+    tokens_per_step = plan.global_batch_size * cfg.data.seq_len
+    source = build_source(cfg)
+
+    model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
+    loss_fn = make_loss_fn(training.grad_accum_steps)
+    if meshes is not None and meshes.pp is not None:
+        engine = pipeline_engine(cfg, model_args, meshes, hook, device, loss_fn)
+    else:
+        chunk = build_chunk(cfg, model_args, meshes, hook, device)
+        engine = plain_engine(chunk, loss_fn, meshes, cfg.data.seq_len, training.grad_accum_steps)
+    params = [p for chunk in engine.chunks for p in chunk.parameters()]
+    optimizer = build_optimizer(params, cfg)
+    pp_group = meshes.pp.get_group() if meshes is not None and meshes.pp is not None else None
+
+    # The one writer: global rank 0, or with PP the first rank of the last stage.
+    is_logger = not distributed or (engine.holds_loss and meshes is not None and all(
+        c == 0 for c in meshes.world.get_coordinate()[1:]))  # type: ignore[index]
+    dump = Path(cfg.metrics.dump_folder)
+    writer = MetricsWriter(dump, enabled=is_logger, tensorboard=cfg.metrics.enable_tensorboard)
+    num_params = count_params(build_model(model_args, "meta"))
+
+    def meta(status: str, last_step: int) -> dict[str, Any]:
+        return run_meta(cfg, world_size, source, num_params, tokens_per_step, device, status,
+                        last_step)
+
+    writer.write_meta(meta("running", 0))
+    stop = StopSignal(dump / "STOP")
+    status, step = "failed", 0
+    start = time.perf_counter()
+    try:
+        status = "finished"
+        for step in range(1, training.steps + 1):
+            step_start = time.perf_counter()
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+            # Forward/backward over the microsteps; gradients accumulate in .grad.
+            local_loss = torch.zeros((), device=device)
+            for micro in range(training.grad_accum_steps):
+                inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
+                loss = engine.forward_backward(inputs, targets)
+                if loss is not None:
+                    local_loss += loss.float()
+
+            # Norm of the full gradient (all shards, all stages), then clip by it.
+            grad_norm = global_grad_norm(params, pp_group)
+            if training.max_norm > 0:
+                clip_grads_(params, training.max_norm, grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+            # Every dp x cp rank saw different tokens: the global loss is their mean.
+            global_loss = average_over(local_loss, meshes) if engine.holds_loss else None
+            val_loss = None
+            if cfg.metrics.val_every and step % cfg.metrics.val_every == 0:
+                val_loss = validate(engine, source, plan, meshes, cfg, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            step_time = time.perf_counter() - step_start
+            if is_logger and global_loss is not None and (
+                    step % cfg.metrics.log_freq == 0 or step == training.steps):
+                record: dict[str, float | int] = {
+                    "step": step, "loss": global_loss.item(), "grad_norm": grad_norm.item(),
+                    "lr": lr, "tokens_per_s": tokens_per_step / step_time,
+                    "peak_mem_mib": peak_mem_mib(device),
+                    "wall_s": time.perf_counter() - start}
+                if val_loss is not None:
+                    record["val_loss"] = val_loss
+                writer.log(record)
+            if stop.should_stop(distributed, device):
+                status = "stopped"
+                break
+    except BaseException:
+        status = "failed"
+        raise
+    finally:
+        writer.write_meta(meta(status, step))
+        writer.close()
+        if distributed:
+            dist.destroy_process_group()
+    return status
+
+
+@torch.no_grad()
+def validate(engine: Engine, source: SampleSource, plan: BatchPlan, meshes: Meshes | None,
+             cfg: TrainConfig, device: torch.device) -> float | None:
+    """Mean loss over metrics.val_batches held-out batches of local_batch_size * dp samples."""
+    if engine.evaluate is None:
+        return None
+    val_plan = BatchPlan(local_batch_size=plan.local_batch_size, dp=plan.dp,
+                         dp_rank=plan.dp_rank, grad_accum_steps=1)
+    for chunk in engine.chunks:
+        chunk.eval()
+    total = torch.zeros((), device=device)
+    for batch in range(cfg.metrics.val_batches):
+        inputs, targets = get_batch(source, val_plan.indices(batch + 1, 0), VAL, device)
+        loss = engine.evaluate(inputs, targets)
+        if loss is not None:
+            total += loss.float()
+    for chunk in engine.chunks:
+        chunk.train()
+    if not engine.holds_loss:
+        return None
+    return float(average_over(total / cfg.metrics.val_batches, meshes).item())
+
+
+def create_seed(cfg: TrainConfig) -> str:
+    """`--checkpoint.create_seed_checkpoint=true`: write the seed checkpoint, one process."""
+    check_config(cfg, None)
+    folder = cfg.checkpoint.seed_checkpoint
+    if not folder:
+        from convergence.spec.errors import SpecError
+        raise SpecError("no folder to create the seed checkpoint in", file=cfg.source,
+                        key="checkpoint.seed_checkpoint", fix="set --checkpoint.seed_checkpoint=DIR")
+    model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
+    return ckpt.create_seed_checkpoint(model_args, cfg.training.seed, folder)

@@ -1,0 +1,166 @@
+"""Checks of a TrainConfig against the model and the world size, before anything is built.
+
+The library calls `check_config` at collection time (no process group, no torch.distributed),
+and the trainer calls it again at start, so a bad layout fails in seconds, naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NoReturn
+
+from convergence.spec.errors import SpecError
+from convergence.spec.layout import AC_MODES, DTYPES, MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+from convergence.trainer.config import TrainConfig
+from convergence.trainer.model import BLOCK_KINDS, parse_block_pattern
+
+#: fail(key, message, fix) raises the SpecError.
+Fail = Callable[[str, str, str], NoReturn]
+
+
+def stages_per_rank(cfg: TrainConfig) -> int:
+    """pp_stages_per_rank resolved: 0 means 2 for interleaved schedules, else 1."""
+    par = cfg.parallelism
+    if par.pp_stages_per_rank:
+        return par.pp_stages_per_rank
+    return 2 if par.pp > 1 and par.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def pp_microbatches(cfg: TrainConfig) -> int:
+    """pp_microbatches resolved: 0 means one per stage (pp * stages per rank)."""
+    par = cfg.parallelism
+    return par.pp_microbatches or par.pp * stages_per_rank(cfg)
+
+
+def world_size_of(cfg: TrainConfig) -> int:
+    par = cfg.parallelism
+    return par.dp_replicate * par.dp_shard * par.tp * par.pp * par.cp
+
+
+def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Raise SpecError naming the first violated key, its constraint and a fix."""
+    file = cfg.source or None
+    model, par, train, data = cfg.model, cfg.parallelism, cfg.training, cfg.data
+
+    def fail(key: str, message: str, fix: str) -> NoReturn:
+        raise SpecError(message, file=file, key=key, fix=fix)
+
+    for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+        if getattr(par, key) < 1:
+            fail(f"parallelism.{key}", "must be >= 1", f"set parallelism.{key} to 1 or more")
+    for key, value in (("model.dim", model.dim), ("model.n_layers", model.n_layers),
+                       ("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
+                       ("model.vocab_size", model.vocab_size), ("data.seq_len", data.seq_len),
+                       ("training.steps", train.steps),
+                       ("training.local_batch_size", train.local_batch_size),
+                       ("training.grad_accum_steps", train.grad_accum_steps)):
+        if value < 1:
+            fail(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
+    size = world_size_of(cfg)
+    if world_size is not None and size != world_size:
+        fail("parallelism", f"dp_replicate*dp_shard*tp*pp*cp = {size} but the world size is "
+             f"{world_size}", "make the product of the degrees equal the number of processes")
+    if model.n_heads % model.n_kv_heads:
+        fail("model.n_kv_heads", f"n_kv_heads={model.n_kv_heads} must divide "
+             f"n_heads={model.n_heads}", "pick n_kv_heads among the divisors of n_heads")
+    if model.dim % model.n_heads or (model.dim // model.n_heads) % 2:
+        fail("model.n_heads", f"dim={model.dim} / n_heads={model.n_heads} must be an even "
+             "integer head size (rotary rotates pairs)", "pick n_heads so dim/n_heads is even")
+    kinds = parse_block_pattern(model.block_pattern, model.n_layers)
+    for kind in kinds:
+        if kind not in BLOCK_KINDS:
+            fail("model.block_pattern", f"unknown block kind {kind!r}",
+                 f"use kinds among {', '.join(BLOCK_KINDS)}")
+    if model.name != "llama":
+        fail("model.name", f"unknown model {model.name!r}", "use \"llama\"")
+    if par.tp > 1:
+        for key, heads in (("model.n_heads", model.n_heads),
+                           ("model.n_kv_heads", model.n_kv_heads)):
+            if heads % par.tp:
+                fail("parallelism.tp", f"tp={par.tp} must divide {key}={heads} (each TP rank "
+                     "holds whole heads)", f"choose tp among the divisors of {heads}")
+        if cfg.model.ffn_hidden_dim and cfg.model.ffn_hidden_dim % par.tp:
+            fail("parallelism.tp", f"tp={par.tp} must divide model.ffn_hidden_dim",
+                 "choose tp dividing ffn_hidden_dim")
+    if par.sequence_parallel and par.tp == 1:
+        fail("parallelism.sequence_parallel", "sequence parallel needs tp > 1",
+             "set parallelism.tp >= 2 or sequence_parallel = false")
+    if par.sequence_parallel and (data.seq_len // par.cp) % par.tp:
+        fail("parallelism.sequence_parallel", f"tp={par.tp} must divide the local sequence "
+             f"length {data.seq_len // par.cp}", "choose seq_len divisible by tp*cp")
+    if model.tie_embeddings and (par.tp > 1 or par.pp > 1):
+        fail("model.tie_embeddings", "tied embeddings are not supported with tp or pp > 1",
+             "set model.tie_embeddings = false")
+    if data.seq_len % par.cp:
+        fail("parallelism.cp", f"cp={par.cp} must divide data.seq_len={data.seq_len}",
+             "choose cp among the divisors of seq_len")
+    if data.source not in ("synthetic", "text"):
+        fail("data.source", f"unknown source {data.source!r}", "use \"synthetic\" or \"text\"")
+    if data.source == "text" and not data.path:
+        fail("data.path", "the text source needs a file", "set data.path to a local text file")
+    if data.source == "text" and data.tokenizer == "byte" and model.vocab_size < 256:
+        fail("model.vocab_size", "byte-level text needs vocab_size >= 256", "set it to 256")
+    _check_pp(cfg, fail)
+    _check_techniques(cfg, fail)
+
+
+def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
+    par, model, train = cfg.parallelism, cfg.model, cfg.training
+    if par.pp_schedule not in PP_SCHEDULES:
+        fail("parallelism.pp_schedule", f"unknown schedule {par.pp_schedule!r}",
+             f"use one of {', '.join(PP_SCHEDULES)}")
+    if par.pp == 1:
+        return
+    spr = stages_per_rank(cfg)
+    multi = par.pp_schedule in MULTI_STAGE_SCHEDULES
+    if multi and spr < 2:
+        fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} needs >= 2 stages per rank",
+             "set pp_stages_per_rank = 2 (or 0 for the default)")
+    if not multi and spr != 1:
+        fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} runs 1 stage per rank",
+             "set pp_stages_per_rank = 1, or use Interleaved1F1B")
+    num_stages = par.pp * spr
+    if model.n_layers % num_stages:
+        fail("parallelism.pp", f"pp * stages_per_rank = {num_stages} must divide "
+             f"model.n_layers={model.n_layers}", "choose pp and pp_stages_per_rank so each "
+             "stage gets the same number of layers")
+    micro = pp_microbatches(cfg)
+    if train.local_batch_size % micro:
+        fail("parallelism.pp_microbatches", f"{micro} microbatches must divide "
+             f"training.local_batch_size={train.local_batch_size}",
+             "choose pp_microbatches among the divisors of local_batch_size")
+    if multi and micro % par.pp:
+        fail("parallelism.pp_microbatches", f"{par.pp_schedule} needs microbatches ({micro}) "
+             f"divisible by pp={par.pp}", "choose a multiple of pp")
+
+
+def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
+    train, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(train, key) not in DTYPES:
+            fail(f"training.{key}", f"unknown dtype {getattr(train, key)!r}",
+                 f"use one of {', '.join(DTYPES)}")
+    if ac.mode not in AC_MODES:
+        fail("activation_checkpoint.mode", f"unknown mode {ac.mode!r}",
+             f"use one of {', '.join(AC_MODES)}")
+    if ac.mode == "selective" and ac.selective_layer_freq < 1:
+        fail("activation_checkpoint.selective_layer_freq", "must be >= 1", "set it to 1 or more")
+    if train.device not in ("auto", "cpu", "cuda"):
+        fail("training.device", f"unknown device {train.device!r}", "use auto, cpu or cuda")
+    if train.cpu_offload and par.dp_shard * par.cp == 1:
+        fail("training.cpu_offload", "CPU offload is an FSDP feature and needs dp_shard*cp > 1",
+             "set parallelism.dp_shard >= 2 or cpu_offload = false")
+    if cfg.optimizer.name not in ("AdamW", "adamw"):
+        fail("optimizer.name", f"unknown optimizer {cfg.optimizer.name!r}", "use \"AdamW\"")
+    if cfg.lr_scheduler.decay_type not in ("cosine", "linear", "none"):
+        fail("lr_scheduler.decay_type", f"unknown decay {cfg.lr_scheduler.decay_type!r}",
+             "use cosine, linear or none")
+    if par.hook and ":" not in par.hook:
+        fail("parallelism.hook", f"hook {par.hook!r} is not \"package.module:function\"",
+             "write it as package.module:function")
+    if par.hook_mode not in ("after", "replace_tp"):
+        fail("parallelism.hook_mode", f"unknown mode {par.hook_mode!r}",
+             "use \"after\" or \"replace_tp\"")
+    if par.hook_mode == "replace_tp" and not par.hook:
+        fail("parallelism.hook_mode", "replace_tp needs a hook", "set parallelism.hook")
+    if cfg.metrics.log_freq < 1:
+        fail("metrics.log_freq", "must be >= 1", "set it to 1 or more")
