@@ -1,0 +1,154 @@
+"""RunCache: verified entries, atomic puts, cross-process claims, refresh, disk full."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from convergence.cache.store import MANIFEST, CacheError, RunCache
+
+WORKER = Path(__file__).parent / "fixtures" / "fake_trainers" / "cache_worker.py"
+KEY = "ab" + "0123456789abcdef" * 3 + "0123456789abcd"
+
+
+def make_run(folder: Path, payload: str = "x") -> Path:
+    (folder / "tb").mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n' * 50)
+    (folder / "run_meta.json").write_text(json.dumps({"payload": payload}))
+    (folder / "tb" / "events.out.tfevents.1").write_bytes(os.urandom(2048))
+    return folder
+
+
+def test_put_then_get_returns_verified_copy(tmp_path: Path) -> None:
+    cache = RunCache(tmp_path / "cache")
+    src = make_run(tmp_path / "run")
+    entry = cache.put(KEY, src)
+    assert entry == tmp_path / "cache" / "ab" / KEY
+    assert cache.get(KEY) == entry
+    assert (entry / "tb" / "events.out.tfevents.1").read_bytes() == \
+        (src / "tb" / "events.out.tfevents.1").read_bytes()
+    manifest = json.loads((entry / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"metrics.jsonl", "run_meta.json",
+                                      "tb/events.out.tfevents.1"}
+    assert list((tmp_path / "cache" / ".tmp").iterdir()) == []
+    assert cache.get("cd" + KEY[2:]) is None
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate_file", "delete_file",
+                                    "truncate_manifest", "delete_manifest"])
+def test_damaged_entry_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
+    cache = RunCache(tmp_path / "cache")
+    entry = cache.put(KEY, make_run(tmp_path / "run"))
+    events = entry / "tb" / "events.out.tfevents.1"
+    if damage == "flip_byte":  # same size: only the checksum can tell
+        data = bytearray(events.read_bytes())
+        data[100] ^= 0xFF
+        events.write_bytes(bytes(data))
+    elif damage == "truncate_file":
+        events.write_bytes(events.read_bytes()[:100])
+    elif damage == "delete_file":
+        (entry / "metrics.jsonl").unlink()
+    elif damage == "truncate_manifest":
+        text = (entry / MANIFEST).read_text()
+        (entry / MANIFEST).write_text(text[: len(text) // 2])
+    else:
+        (entry / MANIFEST).unlink()
+    assert cache.get(KEY) is None
+    assert not entry.exists()
+
+
+def test_corrupt_entry_is_rerun_through_claim(tmp_path: Path) -> None:
+    cache = RunCache(tmp_path / "cache")
+    entry = cache.put(KEY, make_run(tmp_path / "run", payload="old"))
+    (entry / "run_meta.json").write_text('{"payload": "tampered"}')
+    with cache.claim(KEY) as claim:
+        assert not claim.hit and claim.path is None
+        claim.commit(make_run(tmp_path / "run2", payload="new"))
+    with cache.claim(KEY) as again:
+        assert again.hit and again.path is not None
+        assert json.loads((again.path / "run_meta.json").read_text()) == {"payload": "new"}
+
+
+def test_failed_job_commits_nothing(tmp_path: Path) -> None:
+    cache = RunCache(tmp_path / "cache")
+    with pytest.raises(RuntimeError):
+        with cache.claim(KEY):
+            raise RuntimeError("job failed")
+    assert cache.get(KEY) is None
+    with cache.claim(KEY) as claim:  # the lock was released
+        assert claim.path is None
+
+
+def test_refresh_reruns_and_replaces(tmp_path: Path) -> None:
+    cache = RunCache(tmp_path / "cache")
+    cache.put(KEY, make_run(tmp_path / "a", payload="first"))
+    with cache.claim(KEY, refresh=True) as claim:
+        assert claim.path is None and not claim.hit
+        path = claim.commit(make_run(tmp_path / "b", payload="second"))
+    assert json.loads((path / "run_meta.json").read_text()) == {"payload": "second"}
+    assert cache.get(KEY) == path
+
+
+def test_two_processes_claiming_one_key_run_the_job_once(tmp_path: Path) -> None:
+    counter = tmp_path / "runs.txt"
+    argv = [sys.executable, str(WORKER), str(tmp_path / "cache"), KEY, str(counter),
+            str(tmp_path / "work")]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs == ["hit", "ran"]
+    assert len(counter.read_text().split()) == 1
+    refreshed = subprocess.run([*argv, "--refresh"], capture_output=True, text=True, timeout=60)
+    assert refreshed.stdout.strip() == "ran"
+    assert len(counter.read_text().split()) == 2
+
+
+def test_sweeps_temp_folders_of_dead_writers(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / "cache" / ".tmp" / f"{KEY}.{dead.pid}.deadbeef"
+    mine = tmp_path / "cache" / ".tmp" / f"{KEY}.{os.getpid()}.cafecafe"
+    stale.mkdir(parents=True)
+    mine.mkdir()
+    RunCache(tmp_path / "cache")
+    assert not stale.exists() and mine.exists()
+
+
+def test_bad_inputs_are_named(tmp_path: Path) -> None:
+    cache = RunCache(tmp_path / "cache")
+    with pytest.raises(ValueError, match="lowercase hex"):
+        cache.get("../../etc")
+    src = make_run(tmp_path / "run")
+    (src / MANIFEST).write_text("{}")
+    with pytest.raises(ValueError, match="may not hold a file named manifest.json"):
+        cache.put(KEY, src)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Path:
+    """A real 256 KiB tmpfs (needs root); skipped where mounting is not allowed."""
+    mnt = tmp_path / f"tiny-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                         capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_disk_full_during_put_leaves_no_half_entry(tmp_path: Path, tiny_fs: Path) -> None:
+    cache = RunCache(tiny_fs / "cache")
+    src = make_run(tmp_path / "run")
+    (src / "big.bin").write_bytes(os.urandom(1 << 20))  # 1 MiB > 256 KiB
+    with pytest.raises(CacheError, match="disk full.*nothing was stored"):
+        cache.put(KEY, src)
+    assert not cache.entry_dir(KEY).exists()
+    assert list((tiny_fs / "cache" / ".tmp").iterdir()) == []
+    assert cache.get(KEY) is None
