@@ -67,6 +67,11 @@ def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
     return DeviceSet(kind="cpu", devices=tuple(str(i) for i in range(slots)))
 
 
+def _owner(entry: dict[str, object]) -> int:
+    pid = entry.get("pid")
+    return pid if isinstance(pid, int) else -1
+
+
 class PoolTooSmall(ValueError):
     """A job asks for more devices than the pool will ever have."""
 
@@ -116,7 +121,7 @@ class DevicePool:
     def holders(self) -> dict[str, int]:
         """Current leases: device -> owner pid (live owners only)."""
         with self._lock:
-            return {d: int(v["pid"]) for d, v in self._live_state().items()}
+            return {d: _owner(v) for d, v in self._live_state().items()}
 
     def _acquire(self, n: int, timeout: float | None) -> Lease:
         lease_id = uuid.uuid4().hex
@@ -152,8 +157,7 @@ class DevicePool:
         if not isinstance(raw, dict):
             return {}
         return {d: v for d, v in raw.items()
-                if isinstance(v, dict) and isinstance(v.get("pid"), int)
-                and pid_alive(int(v["pid"]))}
+                if isinstance(v, dict) and isinstance(v.get("pid"), int) and pid_alive(_owner(v))}
 
     def _write(self, state: dict[str, dict[str, object]]) -> None:
         tmp = self.state_path.with_suffix(f".tmp{os.getpid()}")

@@ -49,6 +49,8 @@ def is_alive(proc: psutil.Process) -> bool:
 
 def pid_alive(pid: int) -> bool:
     """Like :func:`is_alive` for a bare PID (for tests and reports)."""
+    if pid <= 0:
+        return False
     try:
         return is_alive(psutil.Process(pid))
     except psutil.Error:
