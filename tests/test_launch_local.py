@@ -105,7 +105,7 @@ def test_hanging_rank_is_hung_within_idle_limit_and_every_pid_ends(tmp_path: Pat
     took = time.monotonic() - start
     assert result.status == "hung", result
     assert result.failure is not None and "hanger" in result.failure.message
-    assert result.last_step == 1
+    assert result.last_step in (None, 1)  # None only if torchrun took > 6 s to start (load)
     assert took < 6.0 + 2.0 + 8.0  # idle limit (from start) + kill grace + torchrun start
     assert_no_survivors(req, at_least=3)
 
