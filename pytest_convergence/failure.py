@@ -80,7 +80,7 @@ def _rows_from_curves(outcome: PairOutcome, metric: str, around: int
 
 def _table_rows(outcome: PairOutcome, metric: str, around: int) -> Sequence[Sequence[Any]]:
     try:
-        from convergence.report import divergence_table  # type: ignore[attr-defined]
+        from convergence.report.curves import divergence_table
     except ImportError:
         return _rows_from_curves(outcome, metric, around)
     rows = divergence_table(outcome, metric, around)

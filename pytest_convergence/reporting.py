@@ -79,7 +79,7 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = get_state(config)
     if state.is_worker or not state.all_outcomes:
         return
-    from convergence.report import render_matrix  # type: ignore[attr-defined]
+    from convergence.report.matrix import render_matrix
 
     tr = terminalreporter
     tr.write_sep("=", f"convergence matrix ({len(state.all_outcomes)} pairs)")

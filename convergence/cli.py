@@ -1,0 +1,235 @@
+"""``convergence``: the command line for work outside pytest.
+
+    convergence run EXPERIMENT.toml [--report DIR] [--steps N]   run every pair, print the matrix
+    convergence compare A B [--metric loss] [--method paired]     judge two finished runs
+    convergence report --from OUTCOMES_DIR --out DIR              rebuild reports from saved outcomes
+    convergence export-golden RUN_DIR OUT.json                     freeze a run as a golden curve
+
+Exit status: 0 when everything passed, 1 when a pair/metric failed, 2 for invalid input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from convergence.launch.types import Progress
+from convergence.metrics.curve import RunMetrics
+from convergence.spec.errors import SpecError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+OUTCOME_GLOBS = ("*.outcome.json", "*.json")
+LOG_FRACTION = 10
+
+
+def _print_err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+class _ProgressLog:
+    """One line per job every ~10% of its steps, on stderr (rank logs stay in run folders)."""
+
+    def __init__(self) -> None:
+        self._bucket: dict[str, int] = {}
+
+    def __call__(self, p: Progress) -> None:
+        if not p.total_steps:
+            return
+        bucket = p.step * LOG_FRACTION // p.total_steps
+        if self._bucket.get(p.name, -1) >= bucket:
+            return
+        self._bucket[p.name] = bucket
+        eta = "?" if p.eta_s is None else f"{int(p.eta_s) // 60}:{int(p.eta_s) % 60:02d}"
+        loss = "" if p.loss is None else f" loss {p.loss:.4g}"
+        _print_err(f"[{p.name}] step {p.step}/{p.total_steps}{loss} ETA {eta}")
+
+
+# -- run ------------------------------------------------------------------------------------
+
+def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, Any]) -> None:
+    from convergence.report import write_reports  # type: ignore[attr-defined]
+    from convergence.report.schema import default_environment
+
+    paths = write_reports(list(outcomes), out_dir,
+                          environment={**default_environment(), **extra_env})
+    for kind, path in sorted(dict(paths).items()):
+        print(f"  {kind}: {path}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from convergence.report.matrix import render_matrix
+    from convergence.runner import RunSettings, run_pair
+    from convergence.spec.experiment import load_experiment, validate_pair
+
+    from convergence.launch.pool import detect_devices
+
+    path = Path(args.experiment)
+    experiment = load_experiment(path, rootdir=Path(args.rootdir).resolve())
+    devices = len(detect_devices(args.devices).devices)
+    for pair in experiment.pairs:
+        validate_pair(pair, available_devices=devices)
+    settings = RunSettings(work_dir=Path(args.workdir).resolve(), refresh=args.refresh,
+                           early_stop=not args.no_early_stop, devices=args.devices,
+                           steps=args.steps, on_progress=_ProgressLog())
+    outcomes = []
+    for pair in experiment.pairs:
+        _print_err(f"running {pair.pair_id} ...")
+        outcome = run_pair(pair, settings)
+        _print_err(f"{pair.pair_id}: {outcome.status}")
+        if outcome.status == "error" and outcome.error:
+            _print_err(outcome.error)
+        outcomes.append(outcome)
+    print(render_matrix(outcomes))
+    if args.report:
+        _write_reports(outcomes, Path(args.report), {"args": sys.argv[1:]})
+    return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
+
+
+# -- compare --------------------------------------------------------------------------------
+
+def read_run(path: Path) -> RunMetrics:
+    """A run folder (``metrics.jsonl`` in it or in its ``dump/``), a JSONL file, or a golden
+    JSON file."""
+    if path.is_file() and path.suffix == ".json":
+        from convergence.stats.golden import load_golden  # type: ignore[import-not-found]
+
+        return load_golden(path)  # type: ignore[no-any-return]
+    from convergence.metrics.jsonl import read_jsonl  # type: ignore[import-not-found]
+
+    for candidate in (path, path / "metrics.jsonl", path / "dump" / "metrics.jsonl"):
+        if candidate.is_file():
+            return read_jsonl(candidate)  # type: ignore[no-any-return]
+    raise SpecError("no metrics found", file=str(path),
+                    fix="pass a run folder holding metrics.jsonl (or dump/metrics.jsonl), "
+                        "a metrics.jsonl file, or a golden JSON file")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from convergence.spec.pair import ComparisonRule
+    from convergence.stats.registry import compare_all  # type: ignore[import-not-found]
+
+    control, test = read_run(Path(args.a)), read_run(Path(args.b))
+    rules = [ComparisonRule(metric=m, method=args.method) for m in args.metric]
+    for rule in rules:
+        for name, run in (("A", control), ("B", test)):
+            if rule.metric not in run:
+                raise SpecError(f"run {name} has no {rule.metric!r} curve",
+                                file=args.a if name == "A" else args.b, key=rule.metric,
+                                fix=f"choose --metric among {', '.join(sorted(run))}")
+    verdicts = compare_all(rules, [control], test)
+    for v in verdicts:
+        state = "PASS" if v.passed else "FAIL"
+        first = (f", first divergent step {v.first_divergent_step}"
+                 if v.first_divergent_step is not None else "")
+        print(f"{v.metric:<10} {v.method:<9} {state}  max |Δ| {v.max_deviation:.3e}"
+              f"{first} over {v.steps_compared} steps ({v.tolerance})")
+        if v.message:
+            print(f"  {v.message}")
+    return EXIT_OK if all(v.passed for v in verdicts) else EXIT_FAILED
+
+
+# -- report ---------------------------------------------------------------------------------
+
+def load_outcome_files(folder: Path) -> list[Any]:
+    from convergence.report.serialize import OutcomeFormatError, outcome_from_json
+
+    if not folder.is_dir():
+        raise SpecError("not a folder", file=str(folder),
+                        fix="pass the session folder printed at the end of the pytest run "
+                            "(.convergence/sessions/<id>)")
+    files = sorted(folder.glob(OUTCOME_GLOBS[0])) or sorted(folder.glob(OUTCOME_GLOBS[1]))
+    outcomes = []
+    for path in files:
+        try:
+            outcomes.append(outcome_from_json(json.loads(path.read_text(encoding="utf-8"))))
+        except (OutcomeFormatError, ValueError, KeyError) as exc:
+            raise SpecError(f"not a saved pair outcome: {exc}", file=str(path),
+                            fix="point --from at a folder of *.outcome.json files") from None
+    if not outcomes:
+        raise SpecError("no saved outcomes (*.outcome.json) in it", file=str(folder),
+                        fix="run pytest -m convergence first; it saves them under "
+                            ".convergence/sessions/")
+    return outcomes
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from convergence.report.matrix import render_matrix
+
+    outcomes = load_outcome_files(Path(args.source))
+    print(render_matrix(outcomes))
+    _write_reports(outcomes, Path(args.out), {"rebuilt_from": str(args.source)})
+    return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
+
+
+# -- export-golden --------------------------------------------------------------------------
+
+def cmd_export_golden(args: argparse.Namespace) -> int:
+    from convergence.stats import golden  # type: ignore[attr-defined]
+
+    metrics = read_run(Path(args.run_dir))
+    save = getattr(golden, "save_golden", None) or getattr(golden, "export_golden")
+    save(metrics, Path(args.out))
+    print(f"golden curves ({', '.join(sorted(metrics))}) written to {args.out}")
+    return EXIT_OK
+
+
+# -- main -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convergence", description="loss-convergence tests outside pytest")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run every pair of an experiment file")
+    run.add_argument("experiment", help="experiment TOML file")
+    run.add_argument("--report", metavar="DIR", help="write report.json/.md/.html and plots")
+    run.add_argument("--steps", type=int, help="override every job's steps")
+    run.add_argument("--devices", type=int, help="devices (GPUs, or CPU slots); default detect")
+    run.add_argument("--workdir", default=".convergence", help="run folders and cache")
+    run.add_argument("--rootdir", default=".", help="where relative train_config paths are "
+                                                   "looked up (besides the experiment's folder)")
+    run.add_argument("--refresh", action="store_true", help="ignore cached control runs")
+    run.add_argument("--no-early-stop", action="store_true", help="run tests to the end")
+    run.set_defaults(func=cmd_run)
+
+    compare = sub.add_parser("compare", help="compare two finished runs (A = control)")
+    compare.add_argument("a", help="control: run folder, metrics.jsonl or golden JSON")
+    compare.add_argument("b", help="test: run folder or metrics.jsonl")
+    compare.add_argument("--metric", action="append", default=None,
+                         help="metric to compare (repeatable; default loss)")
+    compare.add_argument("--method", default="paired",
+                         choices=("exact", "allclose", "paired"), help="comparison method")
+    compare.set_defaults(func=cmd_compare)
+
+    report = sub.add_parser("report", help="rebuild the reports from saved outcomes")
+    report.add_argument("--from", dest="source", required=True, metavar="OUTCOMES_DIR",
+                        help="folder of *.outcome.json (e.g. .convergence/sessions/<id>)")
+    report.add_argument("--out", required=True, metavar="DIR", help="report folder")
+    report.set_defaults(func=cmd_report)
+
+    export = sub.add_parser("export-golden", help="save a run's curves as a golden file")
+    export.add_argument("run_dir", help="run folder (holding metrics.jsonl or dump/)")
+    export.add_argument("out", help="golden JSON file to write")
+    export.set_defaults(func=cmd_export_golden)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "metric", "unset") is None:
+        args.metric = ["loss"]
+    try:
+        return int(args.func(args))
+    except SpecError as exc:
+        _print_err(f"error: {exc}")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _print_err("interrupted: running jobs were stopped")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
