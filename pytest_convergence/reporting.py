@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import os
-import platform
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +19,17 @@ KEEP_SESSIONS = 20
 
 
 def environment(config: pytest.Config, *, interrupted: bool) -> dict[str, Any]:
-    import torch
+    from convergence.report.schema import default_environment
 
     state = get_state(config)
     return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "host": platform.node(),
-        "torch": str(torch.__version__),
+        **default_environment(),
         "pytest": pytest.__version__,
         "args": list(config.invocation_params.args),
         "launcher": state.options.launcher,
-        "devices": state.options.devices,
+        "devices_option": state.options.devices,
         "tier": state.options.tier,
-        "workers": os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+        "xdist_workers": os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
         "interrupted": interrupted,
     }
 

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+# In-process pytester runs forget the modules imported inside them; torch (imported by device
+# detection at collection) cannot be imported twice in one process, so import it here once.
+import torch  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "train_configs" / "debug.toml"
 
