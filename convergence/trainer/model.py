@@ -217,6 +217,9 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Sequence shards of a hidden-state input (tp under sequence parallel, set by
+        # parallelize.apply_tp): the rotary table must cover the whole local sequence.
+        self.hidden_seq_shards = 1
         # Not persistent: it is a function of the config, so it stays out of checkpoints and
         # is recomputed by init_buffers() after to_empty().
         self.register_buffer("freqs_cis", rope_angles(args.head_dim, args.max_seq_len,
@@ -230,8 +233,12 @@ class Transformer(nn.Module):
         is the absolute position of the first token (context parallel rank r of a sequence of
         length L*cp holds positions [r*L, (r+1)*L) and needs those rotary angles).
         """
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq_len = h.shape[1]
+        if self.tok_embeddings is not None:
+            seq_len = tokens.shape[1]
+            h = self.tok_embeddings(tokens)
+        else:
+            # A PP stage's input hidden state is sequence-sharded under sequence parallel.
+            h, seq_len = tokens, tokens.shape[1] * self.hidden_seq_shards
         angles = self.freqs_cis[position_offset:position_offset + seq_len]
         for layer in self.layers.values():
             h = layer(h, angles)

@@ -45,7 +45,8 @@ def _shard_groups(grad: DTensor) -> tuple[ProcessGroup, ...]:
         if placement.is_partial():
             raise RuntimeError(f"gradient with a Partial placement on mesh dim {dim}: it has "
                                "not been reduced, so its norm would be wrong")
-        if placement.is_shard():
+        # Not `is_shard()`: FSDP over a TP-sharded dim uses _StridedShard, which is no Shard.
+        if not placement.is_replicate():
             groups.append(grad.device_mesh.get_group(dim))
     return tuple(groups)
 

@@ -115,6 +115,7 @@ def tp_plan(model: Transformer, sequence_parallel: bool) -> tuple[dict[str, obje
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     root, block_plan = tp_plan(model, sequence_parallel)
+    model.hidden_seq_shards = tp_mesh.size() if sequence_parallel else 1
     if root:
         parallelize_module(model, tp_mesh, root)  # type: ignore[arg-type]
     for block in model.layers.values():

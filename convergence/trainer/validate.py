@@ -55,10 +55,6 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
                        ("training.grad_accum_steps", train.grad_accum_steps)):
         if value < 1:
             fail(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
-    size = world_size_of(cfg)
-    if world_size is not None and size != world_size:
-        fail("parallelism", f"dp_replicate*dp_shard*tp*pp*cp = {size} but the world size is "
-             f"{world_size}", "make the product of the degrees equal the number of processes")
     if model.n_heads % model.n_kv_heads:
         fail("model.n_kv_heads", f"n_kv_heads={model.n_kv_heads} must divide "
              f"n_heads={model.n_heads}", "pick n_kv_heads among the divisors of n_heads")
@@ -101,6 +97,11 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         fail("model.vocab_size", "byte-level text needs vocab_size >= 256", "set it to 256")
     _check_pp(cfg, fail)
     _check_techniques(cfg, fail)
+    # Last, so a degree that cannot work at all is reported as such, not as a count mismatch.
+    size = world_size_of(cfg)
+    if world_size is not None and size != world_size:
+        fail("parallelism", f"dp_replicate*dp_shard*tp*pp*cp = {size} but the world size is "
+             f"{world_size}", "make the product of the degrees equal the number of processes")
 
 
 def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
