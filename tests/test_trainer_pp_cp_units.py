@@ -74,3 +74,81 @@ def test_cp_model_matches_single_process(cp_results: dict[str, Any], kind: str) 
         pytest.skip("convergence.trainer.model is not importable")
     assert errs["loss_abs"] <= 1e-6 * max(1.0, errs["loss"]), errs
     assert errs["grad_rel"] <= 1e-5, errs
+
+
+# ---------------------------------------------------------------- pipeline parallel
+
+from convergence.trainer.config import ModelConfig  # noqa: E402
+from convergence.trainer.model import ModelArgs, build_model  # noqa: E402
+from convergence.trainer.pipeline import (SCHEDULES, is_last_stage_rank,  # noqa: E402
+                                          resolve_stages_per_rank, split_model_for_pp,
+                                          stage_ids_this_rank)
+
+TINY = ModelArgs.from_config(ModelConfig(vocab_size=32, dim=32, n_layers=8, n_heads=4,
+                                         n_kv_heads=2), seq_len=16)
+
+
+@pytest.mark.parametrize(("schedule", "rank", "expected"), [
+    ("1F1B", 1, [1]), ("Interleaved1F1B", 0, [0, 2]), ("Interleaved1F1B", 1, [1, 3]),
+    ("ZBVZeroBubble", 0, [0, 3]), ("ZBVZeroBubble", 1, [1, 2]), ("DualPipeV", 1, [1, 2]),
+])
+def test_stage_placement_loop_and_v(schedule: str, rank: int, expected: list[int]) -> None:
+    spr = resolve_stages_per_rank(schedule, 0)
+    assert stage_ids_this_rank(rank, 2, spr, schedule) == expected
+
+
+def test_loss_lives_on_rank0_for_v_schedules_else_last_rank() -> None:
+    assert [is_last_stage_rank(r, 2, "1F1B") for r in range(2)] == [False, True]
+    assert [is_last_stage_rank(r, 2, "Interleaved1F1B") for r in range(2)] == [False, True]
+    assert [is_last_stage_rank(r, 2, "ZBVZeroBubble") for r in range(2)] == [True, False]
+
+
+def test_split_keeps_contiguous_blocks_and_owned_modules() -> None:
+    chunks = split_model_for_pp(build_model, TINY, pp_rank=1, pp_size=2, stages_per_rank=2,
+                                schedule_name="Interleaved1F1B")
+    assert [i for i, _ in chunks] == [1, 3]
+    (_, first), (_, last) = chunks
+    assert list(first.layers) == ["2", "3"] and list(last.layers) == ["6", "7"]
+    assert first.tok_embeddings is None and first.norm is None and first.output is None
+    assert last.tok_embeddings is None and last.norm is not None and last.output is not None
+    assert all(p.is_meta for _, c in chunks for p in c.parameters())
+    (_, stage0), _ = split_model_for_pp(build_model, TINY, 0, 2, 2, "Interleaved1F1B")
+    assert stage0.tok_embeddings is not None and stage0.output is None
+
+
+@pytest.mark.parametrize(("schedule", "pp", "spr", "match"), [
+    ("1F1B", 2, 2, "one stage per rank"),
+    ("Interleaved1F1B", 2, 1, ">= 2 stages per rank"),
+    ("ZBVZeroBubble", 2, 4, "exactly 2"),
+    ("Interleaved1F1B", 3, 2, "n_layers=8 is not divisible by the 6"),
+    ("Zero", 2, 1, "unknown parallelism.pp_schedule"),
+])
+def test_split_rejects_bad_layouts_naming_the_key(schedule: str, pp: int, spr: int,
+                                                   match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        split_model_for_pp(build_model, TINY, 0, pp, spr, schedule)
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param((2, 1, 1, ",".join(SCHEDULES)), id="pp2"),
+    pytest.param((2, 2, 1, "GPipe,1F1B,Interleaved1F1B"), id="pp2-fsdp2"),
+    pytest.param((2, 1, 2, "GPipe,1F1B,Interleaved1F1B"), id="pp2-cp2"),
+])
+def pp_results(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pp, dp, cp, schedules = request.param
+    out = tmp_path_factory.mktemp(f"pp{pp}dp{dp}cp{cp}") / "result.json"
+    result = run_torchrun("pp_worker.py", pp * dp * cp, out, str(pp), str(dp), str(cp),
+                          schedules)
+    result["_schedules"] = schedules.split(",") + ["1F1B+accum"]
+    return result
+
+
+def test_pp_matches_single_process_loss_and_every_grad(pp_results: dict[str, Any]) -> None:
+    """Each schedule (and 1F1B over 2 accumulation microsteps): one step's loss and all
+    parameter gradients equal the un-pipelined model on the same batch."""
+    for schedule in pp_results["_schedules"]:
+        res = pp_results[schedule]
+        assert res["num_params_checked"] == res["num_params_model"], (schedule, res)
+        assert res["loss_rel"] <= 1e-5, (schedule, res)
+        assert res["grad_rel"] <= 1e-5, (schedule, res)

@@ -1,0 +1,233 @@
+"""Pipeline parallelism (PP) with torch.distributed.pipelining: split, stages, schedules.
+
+The model is cut into `num_stages = pp * stages_per_rank` stages of contiguous blocks; stage 0
+keeps `tok_embeddings`, the last stage keeps `norm` and `output` (torchtitan's
+pipeline_llama_manual_split). Which stages a PP rank holds depends on the schedule's style:
+
+    loop style  (GPipe, 1F1B: 1 stage/rank; Interleaved1F1B, LoopedBFS,
+                 InterleavedZeroBubble: >= 2 stages/rank)   rank r: r, r+pp, r+2pp, ...
+    V style     (ZBVZeroBubble, DualPipeV: exactly 2/rank)  rank r: r and 2pp-1-r
+
+so with V schedules the LAST stage (2pp-1) lives on PP rank 0, which then holds the loss.
+
+API (what the trainer calls, in order):
+
+    spr = resolve_stages_per_rank(schedule_name, cfg.parallelism.pp_stages_per_rank)
+    chunks = split_model_for_pp(build_model, model_args, pp_rank, pp, spr, schedule_name)
+        # -> [(stage_index, chunk_module), ...], chunk modules on the meta device, in the order
+        # of stage_ids_this_rank(). model_factory(model_args) must return the FULL model on the
+        # meta device (convergence.trainer.model.build_model does by default).
+    for _, chunk in chunks:                      # the trainer's own steps, per chunk:
+        tp(chunk); ac(chunk); fully_shard(blocks) + fully_shard(chunk)   # chunk = FSDP root
+        chunk.to_empty(device=device); chunk.init_weights() / load the seed checkpoint
+    schedule = build_schedule([c for _, c in chunks], [i for i, _ in chunks],
+                              num_stages=pp * spr, pp_group=mesh["pp"], device=device,
+                              n_microbatches=M, loss_fn=cross_entropy_loss,
+                              schedule_name=schedule_name)
+    # per microstep (tokens/targets: this DP rank's local batch, (local_batch, seq)):
+    loss = pipeline_forward_backward(schedule, tokens, targets,
+                                     has_first_stage=0 in stage_ids,
+                                     has_last_stage=num_stages - 1 in stage_ids)
+        # -> mean loss over the M microbatches (a detached scalar) on the rank holding the last
+        #    stage, None elsewhere; gradients are accumulated into the chunks' parameters.
+    is_last_stage_rank(pp_rank, pp, schedule_name)   # True where the loss lives (log there)
+
+Gradient scale: the schedule calls loss_fn once per microbatch and backpropagates each result,
+so parameter gradients are the SUM over microbatches. build_schedule therefore divides every
+microbatch loss by n_microbatches: sum_m grad(L_m / M) = grad(mean_m L_m), which is the
+gradient of the mean loss over the local batch (microbatches hold equal token counts) - the same
+gradient as the un-pipelined model on that batch. torch's own `scale_grads=True` is turned off
+on purpose: it divides `p.grad` in place after the step, which would also shrink gradients
+accumulated by earlier gradient-accumulation microsteps. The trainer divides by
+grad_accum_steps itself, and FSDP/DDP average over DP as usual.
+
+FSDP2 + PP (torch 2.13): PipelineStage detects an FSDPModule chunk and itself disables gradient
+sync and resharding-after-backward for each microbatch backward, then runs FSDP's post-backward
+(one reduce-scatter per step) after the last microbatch, so the chunk must be `fully_shard`ed as
+its own root. Nothing else is needed for correct gradients. `reshard_after_forward=True` is
+correct but re-all-gathers parameters for every microbatch (torchtitan turns it off under PP
+for speed); it stays the user's ZeRO-2/3 knob here.
+
+Loss value: the mean over microbatches on the last-stage rank; the trainer averages it over DP
+(and broadcasts/sends it to whoever logs). The grad norm must include all PP ranks' parameters
+(all-reduce the squared norm over the pp axis too).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
+                                                    PipelineScheduleSingle,
+                                                    _PipelineSchedule, get_schedule_class)
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+V_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
+"""Schedules whose rank r holds stages r and 2pp-1-r."""
+
+SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                              "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedule names accepted by parallelism.pp_schedule (torch's own names)."""
+
+
+def _schedule_class(schedule_name: str) -> type[_PipelineSchedule]:
+    if schedule_name not in SCHEDULES:
+        raise ValueError(f"unknown parallelism.pp_schedule {schedule_name!r}: "
+                         f"use one of {', '.join(SCHEDULES)}")
+    cls: type[_PipelineSchedule] = get_schedule_class(schedule_name)
+    return cls
+
+
+def is_multi_stage(schedule_name: str) -> bool:
+    """True for schedules that hold several stages per rank (interleaved, looped, V)."""
+    return issubclass(_schedule_class(schedule_name), PipelineScheduleMulti)
+
+
+def resolve_stages_per_rank(schedule_name: str, configured: int) -> int:
+    """parallelism.pp_stages_per_rank with 0 resolved (1 single-stage, 2 multi-stage), checked."""
+    multi = is_multi_stage(schedule_name)
+    spr = configured or (2 if multi else 1)
+    if not multi and spr != 1:
+        raise ValueError(f"parallelism.pp_schedule={schedule_name} runs one stage per rank, got "
+                         f"parallelism.pp_stages_per_rank={spr}: set it to 0 or 1")
+    if multi and spr < 2:
+        raise ValueError(f"parallelism.pp_schedule={schedule_name} needs >= 2 stages per rank, "
+                         f"got parallelism.pp_stages_per_rank={spr}: set it to 0 or >= 2")
+    if schedule_name in V_SCHEDULES and spr != 2:
+        raise ValueError(f"parallelism.pp_schedule={schedule_name} (V-shaped) needs exactly 2 "
+                         f"stages per rank, got {spr}: set parallelism.pp_stages_per_rank=2")
+    return spr
+
+
+def stage_ids_this_rank(pp_rank: int, pp_size: int, stages_per_rank: int,
+                        schedule_name: str) -> list[int]:
+    """Stage indices held by PP rank `pp_rank`, in the order the schedule expects."""
+    if schedule_name in V_SCHEDULES:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + i * pp_size for i in range(stages_per_rank)]
+
+
+def is_last_stage_rank(pp_rank: int, pp_size: int, schedule_name: str,
+                       stages_per_rank: int = 0) -> bool:
+    """Whether this PP rank holds the last stage, i.e. computes (and should log) the loss."""
+    spr = resolve_stages_per_rank(schedule_name, stages_per_rank)
+    return pp_size * spr - 1 in stage_ids_this_rank(pp_rank, pp_size, spr, schedule_name)
+
+
+def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: Any,
+                       pp_rank: int, pp_size: int, stages_per_rank: int,
+                       schedule_name: str) -> list[tuple[int, nn.Module]]:
+    """Build the full model (meta) and cut out this rank's stages: [(stage_index, chunk), ...].
+
+    Each chunk is a deep copy of the full model with the other stages' blocks deleted from
+    `layers` (keys keep their global names "i", so checkpoints load by name) and
+    tok_embeddings / norm / output set to None where the stage does not own them.
+    """
+    spr = resolve_stages_per_rank(schedule_name, stages_per_rank)
+    num_stages = pp_size * spr
+    whole = model_factory(model_args)
+    n_layers = len(whole.layers)
+    if n_layers % num_stages:
+        raise ValueError(f"model.n_layers={n_layers} is not divisible by the {num_stages} pipeline "
+                         f"stages (parallelism.pp={pp_size} x {spr} stages per rank): change "
+                         "model.n_layers, parallelism.pp or parallelism.pp_stages_per_rank")
+    if getattr(getattr(whole, "args", None), "tie_embeddings", False) and num_stages > 1:
+        raise ValueError("model.tie_embeddings=true cannot be split across pipeline stages "
+                         "(embedding and output live on different ranks): set it to false")
+    per_stage = n_layers // num_stages
+    chunks = []
+    for stage in stage_ids_this_rank(pp_rank, pp_size, spr, schedule_name):
+        chunk = whole if len(chunks) == spr - 1 else copy.deepcopy(whole)
+        keep = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
+        for name in [n for n in chunk.layers if n not in keep]:
+            del chunk.layers[name]
+        if stage != 0:
+            chunk.tok_embeddings = None
+        if stage != num_stages - 1:
+            chunk.norm = None
+            chunk.output = None
+        chunks.append((stage, chunk))
+    return chunks
+
+
+def _pp_group(pp_mesh: DeviceMesh | ProcessGroup | None) -> ProcessGroup | None:
+    if isinstance(pp_mesh, DeviceMesh):
+        return pp_mesh.get_group()
+    return pp_mesh
+
+
+def build_schedule(chunks: list[nn.Module], stage_indices: list[int], num_stages: int,
+                   pp_group: DeviceMesh | ProcessGroup | None, device: torch.device,
+                   n_microbatches: int, loss_fn: LossFn,
+                   schedule_name: str) -> _PipelineSchedule:
+    """PipelineStages for this rank's chunks and the named schedule driving them.
+
+    `loss_fn(logits, targets)` is the per-microbatch MEAN loss; it is divided by n_microbatches
+    here (see the module docstring for why).
+    """
+    if len(chunks) != len(stage_indices):
+        raise ValueError(f"{len(chunks)} chunks but {len(stage_indices)} stage indices")
+    group = _pp_group(pp_group)
+    stages = [PipelineStage(chunk, index, num_stages, device, group=group)
+              for chunk, index in zip(chunks, stage_indices)]
+
+    def scaled_loss(output: Tensor, target: Tensor) -> Tensor:
+        return loss_fn(output, target) / n_microbatches
+
+    cls = _schedule_class(schedule_name)
+    if issubclass(cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"parallelism.pp_schedule={schedule_name} takes one stage per rank, "
+                             f"got {len(stages)}")
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss,
+                   scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+
+
+def _run(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor, has_first_stage: bool,
+         has_last_stage: bool, train: bool, model_kwargs: dict[str, Any] | None) -> Tensor | None:
+    n_micro = schedule._n_microbatches
+    if has_first_stage and tokens.shape[0] % n_micro:
+        raise ValueError(f"local batch {tokens.shape[0]} is not divisible by "
+                         f"parallelism.pp_microbatches={n_micro}: change training.local_batch_size "
+                         "or parallelism.pp_microbatches")
+    losses: list[Tensor] = []
+    args = (tokens,) if has_first_stage else ()
+    kwargs: dict[str, Any] = dict(model_kwargs or {})
+    target = targets if has_last_stage else None
+    if train:
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    else:
+        schedule.eval(*args, target=target, losses=losses, **kwargs)
+    if not has_last_stage:
+        return None
+    # Each entry is L_m / M, so their sum is the mean of the microbatch losses.
+    return torch.stack([loss.detach() for loss in losses]).sum()
+
+
+def pipeline_forward_backward(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor,
+                              has_first_stage: bool, has_last_stage: bool,
+                              model_kwargs: dict[str, Any] | None = None) -> Tensor | None:
+    """One forward+backward over the local batch; grads accumulate into the chunks.
+
+    Returns the mean microbatch loss (detached scalar) on the rank holding the last stage, else
+    None. `model_kwargs` (e.g. {"position_offset": r*L} under CP) reach every stage's forward.
+    """
+    return _run(schedule, tokens, targets, has_first_stage, has_last_stage, True, model_kwargs)
+
+
+def pipeline_eval(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor,
+                  has_first_stage: bool, has_last_stage: bool,
+                  model_kwargs: dict[str, Any] | None = None) -> Tensor | None:
+    """Forward only (validation): mean microbatch loss on the last-stage rank, else None."""
+    with torch.no_grad():
+        return _run(schedule, tokens, targets, has_first_stage, has_last_stage, False,
+                    model_kwargs)
