@@ -52,6 +52,8 @@ class RunSettings:
     """Override every job's backend."""
     wall_limit_s: float = 3600.0
     idle_limit_s: float = 300.0
+    session_id: str = field(default_factory=lambda: f"{os.getpid()}-{time.time_ns()}")
+    """Identifies one pytest/CLI run (shared by its xdist workers): see ``refresh``."""
     on_progress: Callable[[Progress], None] | None = field(default=None, compare=False)
 
     @property
@@ -125,8 +127,8 @@ class Runner:
         identity = backend.seed_identity(job)
         if identity is None:
             return None
-        key = "seed-" + _hash(identity)
-        with self.cache.claim(key, refresh=False) as claim:
+        key = _hash({"seed_checkpoint": identity})
+        with self.cache.claim(key) as claim:
             if claim.path is not None:
                 return claim.path / "seed"
             build = self.settings.work_dir / "tmp" / f"{key}-{os.getpid()}"
@@ -150,8 +152,8 @@ class Runner:
         seed_dir = self.seed_checkpoint(job, backend)
         key = self._job_key(job, backend, seed_dir)
         if cacheable:
-            with self.cache.claim(key, refresh=self.settings.refresh) as claim:
-                if claim.path is not None:
+            with self.cache.claim(key) as claim:
+                if claim.path is not None and self._reusable(claim.path):
                     return self._side_from_dir(job, backend, claim.path, cached=True)
                 run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir,
                                                   key, on_metrics)
@@ -159,6 +161,13 @@ class Runner:
             return self._side_from_dir(job, backend, entry, cached=False, result=result)
         run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir, key, on_metrics)
         return self._side_from_dir(job, backend, run_dir, cached=False, result=result)
+
+    def _reusable(self, entry: Path) -> bool:
+        """With --refresh, an entry counts only if this very session produced it: a control
+        shared by many pairs still runs once per session."""
+        if not self.settings.refresh:
+            return True
+        return _recorded(entry, "session") == self.settings.session_id
 
     def _run_fresh(self, side: str, job: JobSpec, backend: Backend, seed_dir: Path | None,
                    pair_dir: Path, key: str,
@@ -177,7 +186,8 @@ class Runner:
         result = self._launch(request, job.world_size, on_metrics)
         (run_dir / "job.json").write_text(json.dumps(
             {"job": job.identity(), "name": job.name, "status": result.status,
-             "wall_s": result.wall_s, "key": key}, indent=2, default=str))
+             "wall_s": result.wall_s, "key": key, "session": self.settings.session_id},
+            indent=2, default=str))
         if not result.ok and result.status != "nan":
             raise JobFailed(side, job, result)
         return run_dir, result
@@ -260,11 +270,15 @@ def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> str:
     return "passed" if all(v.passed for v in verdicts if v.gate) else "failed"
 
 
-def _recorded_wall(run_dir: Path) -> float:
+def _recorded(run_dir: Path, key: str) -> Any:
     try:
-        return float(json.loads((run_dir / "job.json").read_text()).get("wall_s", 0.0))
-    except (OSError, ValueError):
-        return 0.0
+        return json.loads((run_dir / "job.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _recorded_wall(run_dir: Path) -> float:
+    return float(_recorded(run_dir, "wall_s") or 0.0)
 
 
 def _hook_source_hash(hook: str | None) -> str | None:
