@@ -220,19 +220,24 @@ class Transformer(nn.Module):
         # Sequence shards of a hidden-state input (tp under sequence parallel, set by
         # parallelize.apply_tp): the rotary table must cover the whole local sequence.
         self.hidden_seq_shards = 1
+        # Default rotary offset of forward (set per CP rank for PP stages).
+        self.position_offset = 0
         # Not persistent: it is a function of the config, so it stays out of checkpoints and
         # is recomputed by init_buffers() after to_empty().
         self.register_buffer("freqs_cis", rope_angles(args.head_dim, args.max_seq_len,
                                                       args.rope_theta), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_offset: int | None = None) -> torch.Tensor:
         """tokens (batch, seq) ids -> logits (batch, seq, vocab).
 
         On a PP stage without tok_embeddings, `tokens` is the previous stage's hidden state
         (batch, seq, dim); without `output` the hidden state is returned. `position_offset`
         is the absolute position of the first token (context parallel rank r of a sequence of
-        length L*cp holds positions [r*L, (r+1)*L) and needs those rotary angles).
+        length L*cp holds positions [r*L, (r+1)*L) and needs those rotary angles); None means
+        the attribute `self.position_offset` (how PP stages, which get no kwargs, learn it).
         """
+        if position_offset is None:
+            position_offset = self.position_offset
         if self.tok_embeddings is not None:
             seq_len = tokens.shape[1]
             h = self.tok_embeddings(tokens)

@@ -141,7 +141,10 @@ def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) ->
     train = cfg.training
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[train.param_dtype],
                               reduce_dtype=DTYPES[train.reduce_dtype])
-    offload: OffloadPolicy = CPUOffloadPolicy() if train.cpu_offload else OffloadPolicy()
+    # Pinned host memory needs an accelerator; on a CPU-only machine offload is unpinned.
+    pin = meshes.world.device_type == "cuda"
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=pin) if train.cpu_offload
+                              else OffloadPolicy())
     reshard = cfg.parallelism.reshard_after_forward
     # One FSDP group per block (all-gathered just in time, freed after use), then the root
     # group for the embeddings, final norm and output.

@@ -89,19 +89,16 @@ def materialize(chunk: nn.Module, cfg: TrainConfig, model_args: ModelArgs,
         ckpt.load_full_state(chunk, ckpt.full_model(model_args, cfg.training.seed).state_dict())
 
 
-def build_chunk(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes | None,
-                hook: HookFn | None, device: torch.device, *, stage_index: int = 0,
-                num_stages: int = 1, keep: Callable[[Transformer], None] | None = None
-                ) -> nn.Module:
-    """One model chunk ready to train: the whole model, or one PP stage (`keep` prunes it)."""
-    model = build_model(model_args, "meta")
-    if keep is not None:
-        keep(model)
+def prepare_chunk(model: Transformer, cfg: TrainConfig, model_args: ModelArgs,
+                  meshes: Meshes | None, hook: HookFn | None, device: torch.device, *,
+                  stage_index: int = 0, num_stages: int = 1) -> nn.Module:
+    """A meta-device chunk (the whole model, or one PP stage) -> ready to train."""
     if meshes is not None and meshes.cp is not None:
-        from convergence.trainer.context_parallel import make_cp_sdpa
+        from convergence.trainer.context_parallel import cp_position_offset, make_cp_sdpa
         cp_sdpa = make_cp_sdpa(meshes.cp)
         for block in model.layers.values():
             block.attention.sdpa = cp_sdpa
+        model.position_offset = cp_position_offset(cfg.data.seq_len, meshes.cp)
     chunk = parallelize_chunk(model, meshes, cfg, hook, stage_index=stage_index,
                               num_stages=num_stages)
     materialize(chunk, cfg, model_args, device)
@@ -143,28 +140,31 @@ class Engine:
     """Whether this rank computes the loss (the last PP stage)."""
 
 
-def plain_engine(chunk: nn.Module, loss_fn: LossFn, meshes: Meshes | None, seq_len: int,
+def shard_for_cp(inputs: torch.Tensor, targets: torch.Tensor,
+                 meshes: Meshes | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if meshes is None or meshes.cp is None:
+        return inputs, targets
+    from convergence.trainer.context_parallel import shard_sequence
+    return shard_sequence(inputs, meshes.cp), shard_sequence(targets, meshes.cp)
+
+
+def plain_engine(chunk: nn.Module, loss_fn: LossFn, meshes: Meshes | None,
                  grad_accum_steps: int) -> Engine:
     """Engine without PP: forward, loss, backward on the whole (sharded) model."""
-    cp = meshes.cp if meshes is not None else None
-
-    def run(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
-        offset = 0
-        if cp is not None:
-            from convergence.trainer.context_parallel import cp_position_offset, shard_sequence
-            inputs, targets = shard_sequence(inputs, cp), shard_sequence(targets, cp)
-            offset = cp_position_offset(seq_len, cp)
-        return loss_fn(chunk(inputs, position_offset=offset), targets), offset
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # CP: this rank keeps its contiguous chunk of every sequence; its rotary offset was
+        # set on the model (Transformer.position_offset) when the chunk was prepared.
+        inputs, targets = shard_for_cp(inputs, targets, meshes)
+        return loss_fn(chunk(inputs), targets)
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss, _ = run(inputs, targets)
+        loss = run(inputs, targets)
         loss.backward()
         return loss.detach()
 
     @torch.no_grad()
     def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss, _ = run(inputs, targets)
-        return loss.detach() * grad_accum_steps  # undo the accumulation scaling
+        return run(inputs, targets).detach() * grad_accum_steps  # undo the accumulation scale
 
     return Engine(chunks=[chunk], forward_backward=forward_backward, evaluate=evaluate,
                   holds_loss=True)
@@ -172,19 +172,36 @@ def plain_engine(chunk: nn.Module, loss_fn: LossFn, meshes: Meshes | None, seq_l
 
 def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hook: HookFn | None,
                     device: torch.device, loss_fn: LossFn) -> Engine:
-    """Engine with PP: the pipeline module builds the schedule over our chunks."""
-    from convergence.trainer import pipeline
-
-    def make_model_chunk(stage_index: int, num_stages: int) -> nn.Module:
-        keep = pipeline.stage_pruner(model_args, stage_index, num_stages)
-        return build_chunk(cfg, model_args, meshes, hook, device, stage_index=stage_index,
-                           num_stages=num_stages, keep=keep)
+    """Engine with PP: this rank's stages, each prepared like a whole model, in a schedule."""
+    from convergence.trainer import pipeline as pl
 
     assert meshes.pp is not None
-    pipe = pipeline.build_pipeline(model_args, cfg, meshes.pp, device, loss_fn,
-                                   make_model_chunk=make_model_chunk, cp_mesh=meshes.cp)
-    return Engine(chunks=list(pipe.chunks), forward_backward=pipe.step,
-                  evaluate=getattr(pipe, "eval_step", None), holds_loss=pipe.has_last_stage)
+    par = cfg.parallelism
+    spr = pl.resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
+    num_stages = par.pp * spr
+    pieces = pl.split_model_for_pp(lambda args: build_model(args, "meta"), model_args,
+                                   meshes.pp.get_local_rank(), par.pp, spr, par.pp_schedule)
+    stage_ids = [index for index, _ in pieces]
+    chunks = [prepare_chunk(piece, cfg, model_args, meshes, hook, device,
+                            stage_index=index, num_stages=num_stages)
+              for index, piece in pieces]  # type: ignore[arg-type]
+    schedule = pl.build_schedule(chunks, stage_ids, num_stages=num_stages, pp_group=meshes.pp,
+                                 device=device, n_microbatches=pp_microbatches(cfg),
+                                 loss_fn=loss_fn, schedule_name=par.pp_schedule)
+    first, last = 0 in stage_ids, num_stages - 1 in stage_ids
+    accum = cfg.training.grad_accum_steps
+
+    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        inputs, targets = shard_for_cp(inputs, targets, meshes)
+        return pl.pipeline_forward_backward(schedule, inputs, targets, first, last)
+
+    def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        inputs, targets = shard_for_cp(inputs, targets, meshes)
+        loss = pl.pipeline_eval(schedule, inputs, targets, first, last)
+        return None if loss is None else loss * accum
+
+    return Engine(chunks=chunks, forward_backward=forward_backward, evaluate=evaluate,
+                  holds_loss=last)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,8 +292,9 @@ def train(cfg: TrainConfig) -> str:
     if meshes is not None and meshes.pp is not None:
         engine = pipeline_engine(cfg, model_args, meshes, hook, device, loss_fn)
     else:
-        chunk = build_chunk(cfg, model_args, meshes, hook, device)
-        engine = plain_engine(chunk, loss_fn, meshes, cfg.data.seq_len, training.grad_accum_steps)
+        chunk = prepare_chunk(build_model(model_args, "meta"), cfg, model_args, meshes, hook,
+                              device)
+        engine = plain_engine(chunk, loss_fn, meshes, training.grad_accum_steps)
     params = [p for chunk in engine.chunks for p in chunk.parameters()]
     optimizer = build_optimizer(params, cfg)
     pp_group = meshes.pp.get_group() if meshes is not None and meshes.pp is not None else None

@@ -9,9 +9,15 @@ from __future__ import annotations
 from typing import Callable, NoReturn
 
 from convergence.spec.errors import SpecError
-from convergence.spec.layout import AC_MODES, DTYPES, MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+from convergence.spec.layout import AC_MODES, DTYPES, MULTI_STAGE_SCHEDULES
+from convergence.spec.layout import PP_SCHEDULES as SPEC_PP_SCHEDULES
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.model import BLOCK_KINDS, parse_block_pattern
+
+#: V-shaped schedules: rank r holds stages r and 2*pp-1-r (exactly 2 per rank).
+V_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
+PP_SCHEDULES: tuple[str, ...] = SPEC_PP_SCHEDULES + V_SCHEDULES
+MULTI_STAGE = MULTI_STAGE_SCHEDULES | frozenset(V_SCHEDULES)
 
 #: fail(key, message, fix) raises the SpecError.
 Fail = Callable[[str, str, str], NoReturn]
@@ -22,7 +28,7 @@ def stages_per_rank(cfg: TrainConfig) -> int:
     par = cfg.parallelism
     if par.pp_stages_per_rank:
         return par.pp_stages_per_rank
-    return 2 if par.pp > 1 and par.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+    return 2 if par.pp > 1 and par.pp_schedule in MULTI_STAGE else 1
 
 
 def pp_microbatches(cfg: TrainConfig) -> int:
@@ -112,10 +118,13 @@ def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
     if par.pp == 1:
         return
     spr = stages_per_rank(cfg)
-    multi = par.pp_schedule in MULTI_STAGE_SCHEDULES
+    multi = par.pp_schedule in MULTI_STAGE
     if multi and spr < 2:
         fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} needs >= 2 stages per rank",
              "set pp_stages_per_rank = 2 (or 0 for the default)")
+    if par.pp_schedule in V_SCHEDULES and spr != 2:
+        fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} holds exactly 2 stages per "
+             "rank", "set pp_stages_per_rank = 2 (or 0)")
     if not multi and spr != 1:
         fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} runs 1 stage per rank",
              "set pp_stages_per_rank = 1, or use Interleaved1F1B")
