@@ -24,6 +24,8 @@ class ConvergenceFailure(pytest.fail.Exception):  # type: ignore[name-defined,mi
     verdict, not our plumbing's stack.
     """
 
+    __module__ = "builtins"  # short summary reads "ConvergenceFailure: ...", as pytest's Failed
+
     def __init__(self, outcome: PairOutcome) -> None:
         self.outcome = outcome
         super().__init__(render_outcome(outcome), pytrace=False)
@@ -123,13 +125,30 @@ def _traceback_head(text: str) -> str:
     return "\n".join(lines[:TRACEBACK_HEAD_LINES] + [f"... ({rest} more lines in the logs)"])
 
 
+def headline(outcome: PairOutcome) -> str:
+    """One line (it is what pytest's short test summary shows)."""
+    pair = outcome.pair
+    if outcome.status == "error":
+        first = (outcome.error or "a job broke").strip().splitlines()[0]
+        return f"{pair.pair_id}: ERROR: {first}"
+    failing = [v for v in outcome.verdicts if not v.passed and v.gate]
+    if not failing:
+        return f"{pair.pair_id}: {outcome.status.upper()}"
+    parts = []
+    for v in failing:
+        where = (f"diverges from step {v.first_divergent_step}"
+                 if v.first_divergent_step is not None else "fails")
+        parts.append(f"{v.metric} {where} (max |Δ| {_num(float(v.max_deviation))})")
+    return f"{pair.pair_id}: " + "; ".join(parts)
+
+
 def render_outcome(outcome: PairOutcome) -> str:
     """The failure section of a pair: verdicts, the table around the divergence, paths."""
     pair = outcome.pair
-    head = (f"convergence pair {pair.pair_id}: {outcome.status.upper()} "
-            f"(test {pair.test.name} [{pair.test.layout.short_name()}] vs control "
-            f"{pair.control.name} [{pair.control.layout.short_name()}], {pair.regime} regime)")
-    lines = [head]
+    lines = [headline(outcome),
+             f"  {outcome.status.upper()}: test {pair.test.name} "
+             f"[{pair.test.layout.short_name()}] vs control {pair.control.name} "
+             f"[{pair.control.layout.short_name()}], {pair.regime} regime"]
     if outcome.status == "error":
         lines.append("a job broke before a verdict:")
         lines.append(_traceback_head(outcome.error or "(no error text)"))
