@@ -43,6 +43,7 @@ def job_overrides(job: JobSpec) -> list[str]:
         values["training.local_batch_size"] = job.local_batch_size
     if job.hook:
         values["parallelism.hook"] = job.hook
+        values["parallelism.hook_mode"] = job.hook_mode
     # User overrides come last so they win over the spec-derived values.
     return to_overrides(values) + [f"--{k}={v}" for k, v in job.overrides]
 

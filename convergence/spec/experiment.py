@@ -26,7 +26,7 @@ from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
 
 JOB_KEYS = ("name", "train_config", "steps", "seed", "backend", "local_batch_size",
-            "parallelism", "techniques", "hook", "overrides", "backend_options")
+            "parallelism", "techniques", "hook", "hook_mode", "overrides", "backend_options")
 PAIR_KEYS = ("compare", "regime", "replicates", "early_stop", "golden", "tier",
              "probe_on_failure")
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k != "name") + PAIR_KEYS
@@ -189,6 +189,7 @@ def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: P
             local_batch_size=table.get("local_batch_size"),
             hook=None if hook is None else expect(hook, str, file=file, key=f"{key}.hook",
                                                   what='"package.module:function"'),
+            hook_mode=str(table.get("hook_mode", "after")),
             overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
             backend_options=tuple(_flatten(options)),
             source=file,

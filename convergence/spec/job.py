@@ -34,6 +34,8 @@ class JobSpec:
     """Samples per DP rank per microstep; ``None`` keeps the train config's value."""
     hook: str | None = None
     """``"package.module:function"`` applied to the model on every rank (runs user code)."""
+    hook_mode: str = "after"
+    """``after`` (hook runs after the built-in parallelisation) or ``replace_tp``."""
     overrides: tuple[tuple[str, str], ...] = ()
     """Extra ``key.path=value`` settings passed to the backend verbatim (never via a shell)."""
     backend_options: tuple[tuple[str, str], ...] = ()
@@ -56,6 +58,10 @@ class JobSpec:
                             file=self.source, key="hook",
                             fix="write it as \"my_pkg.parallel:apply_my_tp\"")
 
+        if self.hook_mode not in ("after", "replace_tp"):
+            raise SpecError(f"unknown hook_mode {self.hook_mode!r}", file=self.source,
+                            key="hook_mode", fix='use "after" or "replace_tp"')
+
     @property
     def world_size(self) -> int:
         return self.layout.world_size
@@ -74,6 +80,7 @@ class JobSpec:
             "backend": self.backend,
             "local_batch_size": self.local_batch_size,
             "hook": self.hook,
+            "hook_mode": self.hook_mode,
             "overrides": [list(kv) for kv in self.overrides],
             "backend_options": [list(kv) for kv in self.backend_options],
         }
