@@ -132,7 +132,9 @@ def test_pair(request, name, passed, tmp_path):
 
 @pytest.mark.parametrize("workers", [None, "2"], ids=["single", "xdist"])
 def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pytester,
+                                                        monkeypatch: pytest.MonkeyPatch,
                                                         workers: str | None) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # the short summary line is cut to the width
     pytester.makepyfile(synth=SYNTH, test_session=SESSION_TEST)
     pytester.makeini("[pytest]\n")
     args = ["-p", "no:cacheprovider", "-m", "convergence"]
