@@ -1,0 +1,144 @@
+"""Numbers every report shows, computed once from an outcome's curves.
+
+The *reference* a test curve is compared with is the control curve (paired regime) or the mean
+of the control replicates (seed regime: the band centre), so |Δ| in every report means the same
+thing as the verdict's ``max_deviation``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from convergence.metrics.curve import Curve
+from convergence.outcome import PairOutcome, SideOutcome
+
+#: One row of a divergence table: (step, control, test, test - control); None where missing.
+DivergenceRow = tuple[int, float | None, float | None, float | None]
+
+DEFAULT_Z = 3.0
+"""Band half-width (in σ) drawn for the seed regime when neither verdict nor rule states one."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Band:
+    """Control replicates of one metric on their common steps."""
+
+    steps: npt.NDArray[np.int64]
+    mean: npt.NDArray[np.float64]
+    std: npt.NDArray[np.float64]
+    num_replicates: int
+
+
+def replicate_band(side: SideOutcome | None, metric: str) -> Band | None:
+    """Mean and σ over the control replicates (None unless there are at least 2)."""
+    if side is None:
+        return None
+    curves = [r[metric] for r in side.replicates if metric in r and len(r[metric])]
+    if len(curves) < 2:
+        return None
+    steps = curves[0].steps
+    for c in curves[1:]:
+        steps = np.intersect1d(steps, c.steps)
+    if steps.size == 0:
+        return None
+    stack = np.stack([c.values[np.searchsorted(c.steps, steps)] for c in curves])
+    return Band(steps=steps.astype(np.int64), mean=stack.mean(axis=0),
+                std=stack.std(axis=0, ddof=1), num_replicates=len(curves))
+
+
+def reference_curve(outcome: PairOutcome, metric: str) -> Curve | None:
+    """What the test is compared with: the replicate mean (seed regime) or the control curve."""
+    band = replicate_band(outcome.control, metric)
+    if band is not None:
+        return Curve(metric, band.steps, band.mean)
+    if outcome.control is None:
+        return None
+    curve = outcome.control.metrics.get(metric)
+    return curve if curve is not None and len(curve) else None
+
+
+def curve_of_test(outcome: PairOutcome, metric: str) -> Curve | None:
+    if outcome.test is None:
+        return None
+    curve = outcome.test.metrics.get(metric)
+    return curve if curve is not None and len(curve) else None
+
+
+def aligned_delta(outcome: PairOutcome, metric: str
+                  ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
+    """Steps logged by both sides and test - reference at those steps."""
+    ref, test = reference_curve(outcome, metric), curve_of_test(outcome, metric)
+    if ref is None or test is None:
+        return None
+    steps, ri, ti = np.intersect1d(ref.steps, test.steps, return_indices=True)
+    if steps.size == 0:
+        return None
+    return steps.astype(np.int64), test.values[ti] - ref.values[ri]
+
+
+def max_abs_delta(outcome: PairOutcome, metric: str) -> float | None:
+    """max |test - reference| over common steps; NaN when either side went non-finite."""
+    found = aligned_delta(outcome, metric)
+    if found is None:
+        return None
+    delta = np.abs(found[1])
+    if not np.all(np.isfinite(delta)):
+        return float("nan")
+    return float(delta.max())
+
+
+def side_stat(side: SideOutcome | None, metric: str, how: str) -> float | None:
+    """Summary of a per-step resource metric: ``median`` (throughput) or ``max`` (memory).
+
+    The first logged step is left out of the median when there are others: it includes
+    warm-up (allocator, compile) and would make every ratio noisy.
+    """
+    if side is None or metric not in side.metrics:
+        return None
+    values = side.metrics[metric].values
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return None
+    if how == "max":
+        return float(values.max())
+    return float(np.median(values[1:] if values.size > 1 else values))
+
+
+def ratio(test: float | None, control: float | None) -> float | None:
+    if test is None or control is None or control == 0:
+        return None
+    return test / control
+
+
+def divergence_table(outcome: PairOutcome, metric: str = "loss", around: int = 3
+                     ) -> list[DivergenceRow]:
+    """Rows around the first divergent step (else the step of the largest deviation).
+
+    ``control`` is the replicate mean for the seed regime. Empty when there is nothing to
+    centre on (no verdict for ``metric``, or no curves).
+    """
+    verdict = outcome.verdict(metric)
+    center = None
+    if verdict is not None:
+        center = verdict.first_divergent_step or verdict.max_deviation_step
+    ref, test = reference_curve(outcome, metric), curve_of_test(outcome, metric)
+    if center is None or (ref is None and test is None):
+        return []
+    ref_map = _as_map(ref)
+    test_map = _as_map(test)
+    steps = sorted(set(ref_map) | set(test_map))
+    i = min(int(np.searchsorted(np.asarray(steps), center)), len(steps) - 1)
+    rows: list[DivergenceRow] = []
+    for step in steps[max(0, i - around): i + around + 1]:
+        cv, tv = ref_map.get(step), test_map.get(step)
+        rows.append((step, cv, tv, None if cv is None or tv is None else tv - cv))
+    return rows
+
+
+def _as_map(curve: Curve | None) -> dict[int, float]:
+    if curve is None:
+        return {}
+    return dict(zip(curve.steps.tolist(), curve.values.tolist()))

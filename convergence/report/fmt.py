@@ -1,0 +1,81 @@
+"""Short text forms of report values, shared by the matrix, markdown, HTML and plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+VERDICTS = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP"}
+
+#: Short names for technique fields in the matrix (the report keeps full names).
+TECHNIQUE_ABBREV = {
+    "param_dtype": "param", "reduce_dtype": "reduce", "activation_checkpoint": "ac",
+    "compile": "compile", "reshard_after_forward": "reshard", "cpu_offload": "offload",
+    "grad_accum_steps": "accum", "deterministic": "determ", "hook": "hook",
+}
+DTYPE_ABBREV = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def fmt_deg(degree: int) -> str:
+    return "-" if degree == 1 else str(degree)
+
+
+def as_float(value: Any) -> float | None:
+    """A report number back to float (report dicts hold "NaN"/"Infinity" as strings)."""
+    return None if value is None else float(value)
+
+
+def fmt_num(value: float | str | None) -> str:
+    value = as_float(value)
+    if value is None:
+        return "-"
+    if math.isnan(value):
+        return "nan"
+    if value == 0:
+        return "0"
+    return f"{value:.1e}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.3g}"
+
+
+def fmt_amount(value: float | str | None) -> str:
+    """Throughput / memory: whole numbers with thousands separators once they are large."""
+    value = as_float(value)
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def fmt_ratio(value: float | str | None) -> str:
+    value = as_float(value)
+    return "-" if value is None or not math.isfinite(value) else f"{value:.2f}x"
+
+
+def fmt_wall(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 100:
+        return f"{seconds:.1f}s"
+    if seconds < 6000:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def fmt_techniques(changed: Mapping[str, Any]) -> str:
+    parts = []
+    for key, value in changed.items():
+        name = TECHNIQUE_ABBREV.get(key, key)
+        if value is True:
+            parts.append(name)
+        elif value is False:
+            parts.append(f"no-{name}")
+        elif key == "hook":
+            parts.append(f"hook:{str(value).rsplit(':', 1)[-1]}")
+        else:
+            parts.append(f"{name}:{DTYPE_ABBREV.get(str(value), value)}")
+    return ",".join(parts) or "-"
+
+
+def describe_test(short_name: str, changed: Mapping[str, Any]) -> str:
+    """``fsdp2-tp2`` or, for a technique pair on the same layout, ``fsdp2 +param:bf16``."""
+    techniques = fmt_techniques(changed)
+    return short_name if techniques == "-" else f"{short_name} +{techniques}"

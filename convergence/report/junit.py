@@ -1,0 +1,43 @@
+"""JUnit properties of one pair (the pytest plugin passes them to ``record_property``)."""
+
+from __future__ import annotations
+
+from convergence.outcome import PairOutcome
+from convergence.report.fmt import describe_test, fmt_num
+from convergence.report.records import first_divergent_step, techniques_changed
+
+PREFIX = "convergence."
+
+
+def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
+    """``(name, value)`` strings: layouts, status, per-metric verdicts, divergence, cache, wall."""
+    pair = o.pair
+    props: list[tuple[str, str]] = [
+        ("status", o.status),
+        ("regime", pair.regime),
+        ("control_layout", pair.control.layout.short_name()),
+        ("test_layout", describe_test(pair.test.layout.short_name(), techniques_changed(o))),
+        ("world_size", f"{pair.control.world_size}->{pair.test.world_size}"),
+    ]
+    for v in o.verdicts:
+        name = v.metric
+        props.append((f"{name}.verdict", f"{'pass' if v.passed else 'fail'} ({v.method}"
+                                         f"{'' if v.gate else ', not gating'})"))
+        props.append((f"{name}.max_deviation", fmt_num(v.max_deviation)
+                      + ("" if v.max_deviation_step is None else f" at step {v.max_deviation_step}")))
+        if v.tolerance_at_max is not None:
+            props.append((f"{name}.tolerance", fmt_num(v.tolerance_at_max)))
+        if v.first_divergent_step is not None:
+            props.append((f"{name}.first_divergent_step", str(v.first_divergent_step)))
+    step = first_divergent_step(o)
+    if step is not None:
+        props.append(("first_divergent_step", str(step)))
+    if o.stopped_early_at is not None:
+        props.append(("stopped_early_at", str(o.stopped_early_at)))
+    props.append(("control_cached", str(bool(o.control and o.control.cached)).lower()))
+    props.append(("wall_s", f"{o.wall_s:.2f}"))
+    if o.test is not None:
+        props.append(("test_wall_s", f"{o.test.wall_s:.2f}"))
+    if o.error:
+        props.append(("error", o.error.strip().splitlines()[0][:300]))
+    return [(PREFIX + k, v) for k, v in props]

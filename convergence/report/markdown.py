@@ -1,0 +1,175 @@
+"""report.md and the GitHub Actions step summary, rendered from the report.json document."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from convergence.report.fmt import as_float, fmt_num, fmt_wall
+from convergence.report.matrix import COLUMNS, RIGHT, record_row
+
+STEP_SUMMARY_LIMIT = 1024 * 1024
+"""GitHub rejects a step summary over 1 MiB (the whole file of one step)."""
+STEP_SUMMARY_MARGIN = 8 * 1024
+ERROR_LINES = 30
+ICONS = {"passed": "✅", "failed": "❌", "error": "💥", "skipped": "⏭️"}
+
+
+def cell(text: object) -> str:
+    """Escape a table cell: pipes split cells, newlines end rows."""
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]],
+          right: Sequence[bool] | None = None) -> list[str]:
+    right = right or [False] * len(header)
+    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
+             "|" + "|".join("---:" if r else ":---" for r in right) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def headline(summary: Mapping[str, int]) -> str:
+    bad = summary["failed"] + summary["errors"]
+    icon = "❌" if bad else "✅"
+    errors = summary["errors"]
+    parts = [f"{summary['passed']} passed", f"{summary['failed']} failed",
+             f"{errors} error{'' if errors == 1 else 's'}"]
+    if summary.get("skipped"):
+        parts.append(f"{summary['skipped']} skipped")
+    return f"## {icon} Convergence: {', '.join(parts)} ({summary['pairs']} pairs)"
+
+
+def matrix_table(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = []
+    for record in pairs:
+        row = record_row(record)
+        row["verdict"] = f"{ICONS.get(record['status'], '')} {row['verdict']}".strip()
+        rows.append([row[key] for key, _ in COLUMNS])
+    return table([title for _, title in COLUMNS], rows, [key in RIGHT for key, _ in COLUMNS])
+
+
+def divergence_lines(rows: Sequence[Mapping[str, Any]], reference: str) -> list[str]:
+    def num(value: Any) -> str:
+        v = as_float(value)
+        return "-" if v is None else f"{v:.10g}"
+
+    def delta(value: Any) -> str:
+        v = as_float(value)
+        return "-" if v is None else f"{v:+.3e}"
+
+    return table(["step", reference, "test", "Δ"],
+                 [[r["step"], num(r["control"]), num(r["test"]), delta(r["delta"])]
+                  for r in rows], [True] * 4)
+
+
+def verdict_lines(record: Mapping[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for v in record["verdicts"]:
+        if v["passed"]:
+            continue
+        gate = "" if v["gate"] else " (reported only, not gating)"
+        where = (f"first divergent step **{v['first_divergent_step']}**; "
+                 if v["first_divergent_step"] is not None else "")
+        tol = f" (tolerance {fmt_num(v['tolerance_at_max'])}: {v['tolerance']})" \
+            if v["tolerance"] else ""
+        lines.append(f"- **{v['metric']}** ({v['method']}){gate}: {where}max |Δ| "
+                     f"{fmt_num(v['max_deviation'])} at step {v['max_deviation_step']}{tol}")
+        if v["p_values"]:
+            lines.append("  p-values: " + ", ".join(f"{k}={fmt_num(p)}"
+                                                    for k, p in v["p_values"].items()))
+        if v["message"]:
+            lines.append(f"  > {v['message']}")
+    return lines
+
+
+def failure_section(record: Mapping[str, Any]) -> list[str]:
+    status = record["status"]
+    head = (f"### {ICONS.get(status, '')} `{record['name']}` — {status.upper()}  \n"
+            f"`{record['id']}` · control `{record['control']['short_name']}` vs test "
+            f"`{record['test']['short_name']}` · {record['regime']} regime")
+    lines = [head, ""]
+    if record["first_divergent_step"] is not None:
+        lines.append(f"**First divergent step: {record['first_divergent_step']}**")
+        lines.append("")
+    lines += verdict_lines(record)
+    reference = "control mean" if record.get("delta_reference", "").endswith("mean") \
+        else "control"
+    for metric, rows in record["divergence"].items():
+        lines += ["", f"{metric} around the divergence:", ""]
+        lines += divergence_lines(rows, reference)
+    if record["localisation"]:
+        loc = ", ".join(f"{k}={v}" for k, v in record["localisation"].items())
+        lines += ["", f"Localisation: {loc}"]
+    if record["error"]:
+        err = record["error"].rstrip().splitlines()
+        shown = err[:ERROR_LINES] + ([f"... ({len(err) - ERROR_LINES} more lines)"]
+                                     if len(err) > ERROR_LINES else [])
+        if lines[-1]:
+            lines.append("")
+        # A ``` inside the error would close the fence early.
+        lines += ["```text", *(line.replace("```", "ˋˋˋ") for line in shown), "```"]
+    return lines + [""]
+
+
+def environment_line(report: Mapping[str, Any]) -> str:
+    env = report["environment"]
+    parts = [f"python {env.get('python')}", f"torch {env.get('torch')}",
+             str(env.get("hostname") or env.get("host") or ""), str(env.get("platform", ""))]
+    if report.get("wall_s") is not None:
+        parts.append(f"wall {fmt_wall(as_float(report['wall_s']))}")
+    summary = report["summary"]
+    parts.append(f"{summary['cached_runs']} cached / {summary['fresh_runs']} fresh runs")
+    return "<sub>" + " · ".join(cell(p) for p in parts if p) + \
+        f" · generated {report['generated_at']}</sub>"
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """Headline, the matrix, then one section per failed/errored pair."""
+    pairs = report["pairs"]
+    lines = [headline(report["summary"]), "", environment_line(report), ""]
+    lines += matrix_table(pairs)
+    if any(p["stopped_early_at"] is not None for p in pairs):
+        lines += ["", "\\* stopped early: the verdict was decided before the last step."]
+    bad = [p for p in pairs if p["status"] in ("failed", "error")]
+    if bad:
+        lines += ["", "## Failures", ""]
+        for record in bad:
+            lines += failure_section(record)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    """At most ``max_bytes`` of UTF-8, cut at a line end (never inside a character)."""
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return text
+    cut = data[:max_bytes].decode("utf-8", errors="ignore")
+    return cut[: cut.rfind("\n") + 1] if "\n" in cut else cut
+
+
+def write_step_summary(md: str, env: Mapping[str, str] = os.environ) -> Path | None:
+    """Append ``md`` to $GITHUB_STEP_SUMMARY when set; returns the file (None when unset).
+
+    The file already holds earlier output of the same step, which counts against GitHub's
+    1 MiB limit, so only what is left is used (with a note when the report was cut).
+    """
+    target = env.get("GITHUB_STEP_SUMMARY")
+    if not target:
+        return None
+    path = Path(target)
+    used = path.stat().st_size if path.exists() else 0
+    budget = STEP_SUMMARY_LIMIT - STEP_SUMMARY_MARGIN - used
+    note = ("\n> **Note:** the convergence report was truncated to fit GitHub's 1 MiB step "
+            "summary limit; see report.md / report.html in the job's artifacts.\n")
+    text = md
+    if len(text.encode("utf-8")) > budget:
+        room = budget - len(note.encode("utf-8"))
+        if room <= 0:
+            return path  # the step's summary is already full: adding a note would break it
+        text = truncate_utf8(text, room) + note
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+    return path

@@ -1,0 +1,108 @@
+"""The terminal matrix: one row per pair, aligned plain text that fits 120 columns.
+
+    pair        rep shard tp cp pp techniques  verdict  |Δloss|  |Δgnorm|  tok/s  mem   wall   cache
+    fsdp2-tp2     -     2  2  -  -  -          PASS     2.5e-07  0         0.93x  0.59x 14.2s  ctrl cached
+
+Axis degrees are the test's; "-" means 1 (axis off). Ratios are test / control.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from convergence.outcome import PairOutcome
+from convergence.report.fmt import (
+    VERDICTS,
+    as_float,
+    fmt_deg,
+    fmt_num,
+    fmt_ratio,
+    fmt_techniques,
+    fmt_wall,
+)
+from convergence.report.records import pair_record
+
+AXIS_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("rep", "dp_replicate"), ("shard", "dp_shard"), ("tp", "tp"), ("cp", "cp"), ("pp", "pp"))
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    # (key, header); numbers right-aligned, text left-aligned.
+    ("pair", "pair"), ("rep", "rep"), ("shard", "shard"), ("tp", "tp"), ("cp", "cp"),
+    ("pp", "pp"), ("techniques", "techniques"), ("verdict", "verdict"),
+    ("dloss", "|Δloss|"), ("dgnorm", "|Δgnorm|"), ("tps", "tok/s"), ("mem", "mem"),
+    ("wall", "wall"), ("cache", "cache"),
+)
+RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "dloss", "dgnorm", "tps", "mem", "wall"})
+SHRINKABLE = ("techniques", "pair")
+"""Columns cut (with "…") when the table is too wide, in this order."""
+MIN_SHRINK = 8
+GAP = "  "
+
+def record_row(record: Mapping[str, Any]) -> dict[str, str]:
+    """Formatted cells of one pair, from its report record (see records.pair_record)."""
+    degrees = record["test"]["degrees"]
+    res = record["resources"]
+    wall = record["wall_s"]["test"] or record["wall_s"]["pair"] or None
+    cached = [name for name, key in (("ctrl", "control"), ("test", "test"))
+              if record["cached"][key]]
+    verdict = VERDICTS.get(record["status"], str(record["status"]).upper())
+    row = {"pair": record["name"]}
+    row.update({key: fmt_deg(int(degrees[axis])) for key, axis in AXIS_COLUMNS})
+    row.update({
+        "techniques": fmt_techniques(record["techniques_changed"]),
+        "verdict": verdict + ("*" if record["stopped_early_at"] is not None else ""),
+        "dloss": fmt_num(record["max_abs_delta"]["loss"]),
+        "dgnorm": fmt_num(record["max_abs_delta"]["grad_norm"]),
+        "tps": fmt_ratio(res["tokens_per_s"]["ratio"]),
+        "mem": fmt_ratio(res["peak_mem_mib"]["ratio"]),
+        "wall": fmt_wall(as_float(wall)),
+        "cache": "+".join(cached) + " cached" if cached else "-",
+    })
+    return row
+
+
+def matrix_rows(outcomes: Iterable[PairOutcome]) -> list[dict[str, str]]:
+    """One dict of formatted cells per pair, keyed by the column keys of :data:`COLUMNS`."""
+    return [record_row(pair_record(o, include_curves=False)) for o in outcomes]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def _widths(rows: Sequence[Mapping[str, str]], width: int) -> dict[str, int]:
+    widths = {key: max([len(header)] + [len(r[key]) for r in rows]) for key, header in COLUMNS}
+    excess = sum(widths.values()) + len(GAP) * (len(COLUMNS) - 1) - width
+    for key in SHRINKABLE:
+        if excess <= 0:
+            break
+        cut = min(excess, max(widths[key] - MIN_SHRINK, 0))
+        widths[key] -= cut
+        excess -= cut
+    return widths
+
+
+def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
+    """The matrix as aligned plain text (newline-terminated), with a one-line summary."""
+    outcomes = list(outcomes)
+    rows = matrix_rows(outcomes)
+    widths = _widths(rows, width)
+    header = {key: title for key, title in COLUMNS}
+    lines = []
+    for row in [header, *rows]:
+        cells = []
+        for key, _ in COLUMNS:
+            text = _cut(row[key], widths[key])
+            cells.append(text.rjust(widths[key]) if key in RIGHT else text.ljust(widths[key]))
+        lines.append(GAP.join(cells).rstrip())
+    lines.insert(1, "-" * min(max(len(line) for line in lines), width))
+    counts = {s: sum(o.status == s for o in outcomes) for s in VERDICTS}
+    summary = (f"{len(outcomes)} pairs: {counts['passed']} passed, {counts['failed']} failed, "
+               f"{counts['error']} error{'' if counts['error'] == 1 else 's'}")
+    if counts["skipped"]:
+        summary += f", {counts['skipped']} skipped"
+    if any(o.stopped_early_at is not None for o in outcomes):
+        summary += "  (* stopped early: verdict decided)"
+    lines.append(summary)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,321 @@
+"""PNG plots: one figure per pair (loss, residual, grad norm) and a heatmap over all pairs.
+
+Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas, never pyplot: no global
+state, no GUI backend, safe in xdist workers and threads, and ~0.3 s per figure.
+Every panel copes with a missing metric or side (errored pairs still get a figure).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from convergence.outcome import PairOutcome
+from convergence.report.curves import (
+    DEFAULT_Z,
+    Band,
+    aligned_delta,
+    curve_of_test,
+    reference_curve,
+    replicate_band,
+)
+from convergence.report.fmt import VERDICTS, describe_test
+from convergence.report.records import first_divergent_step, techniques_changed
+from convergence.spec.layout import AXES
+from convergence.stats.types import MetricVerdict
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+CONTROL_COLOR = "#1f77b4"
+TEST_COLOR = "#ff7f0e"
+DIVERGE_COLOR = "#d62728"
+DPI = 100
+
+#: ``atol A*(1+G*sqrt(step))``: the paired tolerance's description (see MetricVerdict.tolerance).
+_PAIRED_TOL = re.compile(r"atol\s*([0-9.eE+-]+)\s*\*\s*\(\s*1\s*\+\s*([0-9.eE+-]+)\s*\*\s*"
+                         r"sqrt\(\s*step\s*\)\s*\)")
+
+
+def _figure(width: float, height: float) -> Figure:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # Fixed margins (set by the callers), not constrained layout: that doubles the time.
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    """Write through a temp file so a crash never leaves a truncated PNG."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png", dpi=DPI)
+    tmp.replace(path)
+    return path
+
+
+def _note(ax: Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4",
+            fontsize=10, wrap=True)
+
+
+def tolerance_envelope(verdict: MetricVerdict | None, steps: npt.NDArray[np.int64],
+                       band: Band | None, z: float) -> tuple[npt.NDArray[np.float64], str] | None:
+    """Half-width of the allowed |Δ| per step, and how it was obtained.
+
+    In order: an explicit per-step envelope in ``verdict.details["envelope"]`` ({steps,
+    values}); the seed band (z·σ of the replicates); the paired formula parsed from the
+    tolerance text; the constant ``tolerance_at_max``.
+    """
+    if verdict is not None:
+        env = verdict.details.get("envelope") if verdict.details else None
+        if isinstance(env, dict) and "steps" in env and "values" in env:
+            values = np.interp(steps, np.asarray(env["steps"], dtype=float),
+                               np.asarray(env["values"], dtype=float))
+            return values, "tolerance"
+    if band is not None:
+        half = z * np.interp(steps, band.steps, band.std)
+        return half, f"band ±{z:g}σ"
+    if verdict is None:
+        return None
+    match = _PAIRED_TOL.search(verdict.tolerance or "")
+    if match:
+        atol, growth = float(match.group(1)), float(match.group(2))
+        return atol * (1 + growth * np.sqrt(steps.astype(float))), "tolerance"
+    if verdict.tolerance_at_max is not None and math.isfinite(verdict.tolerance_at_max):
+        return np.full(steps.shape, float(verdict.tolerance_at_max)), "tolerance (at max)"
+    return None
+
+
+def _band_z(outcome: PairOutcome, metric: str) -> float:
+    verdict = outcome.verdict(metric)
+    if verdict is not None and isinstance(verdict.details.get("z"), (int, float)):
+        return float(verdict.details["z"])
+    rule = outcome.pair.rule_for(metric)
+    return float(rule.z) if rule is not None and rule.z is not None else DEFAULT_Z
+
+
+def _mark_divergence(ax: Axes, step: int | None) -> None:
+    if step is not None:
+        ax.axvline(step, color=DIVERGE_COLOR, linestyle="--", linewidth=1.2,
+                   label=f"first divergence (step {step})")
+
+
+def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bool:
+    """Control (or replicate band) and test curves of ``metric``; False when neither exists."""
+    band = replicate_band(outcome.control, metric)
+    ctrl = reference_curve(outcome, metric)
+    test = curve_of_test(outcome, metric)
+    ax.set_title(title, loc="left", fontsize=10)
+    if ctrl is None and test is None:
+        _note(ax, f"no {metric} curve")
+        return False
+    if band is not None:
+        z = _band_z(outcome, metric)
+        ax.fill_between(band.steps, band.mean - z * band.std, band.mean + z * band.std,
+                        color=CONTROL_COLOR, alpha=0.2, linewidth=0,
+                        label=f"control band (mean ±{z:g}σ, {band.num_replicates} seeds)")
+        ax.plot(band.steps, band.mean, color=CONTROL_COLOR, linewidth=1.4, label="control mean")
+    elif ctrl is not None:
+        ax.plot(ctrl.steps, ctrl.values, color=CONTROL_COLOR, linewidth=1.6,
+                label=f"control ({outcome.pair.control.layout.short_name()})")
+    if test is not None:
+        ax.plot(test.steps, test.values, color=TEST_COLOR, linewidth=1.2, linestyle="-",
+                label=f"test ({outcome.pair.test.layout.short_name()})")
+    verdict = outcome.verdict(metric)
+    _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(alpha=0.3)
+    return True
+
+
+def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
+    reference = "control mean" if replicate_band(outcome.control, metric) else "control"
+    ax.set_title(f"residual: test − {reference} ({metric})", loc="left", fontsize=10)
+    found = aligned_delta(outcome, metric)
+    if found is None:
+        _note(ax, "no common steps to compare")
+        return
+    steps, delta = found
+    verdict = outcome.verdict(metric)
+    band = replicate_band(outcome.control, metric)
+    envelope = tolerance_envelope(verdict, steps, band, _band_z(outcome, metric))
+    if envelope is not None:
+        half, label = envelope
+        ax.fill_between(steps, -half, half, color="0.6", alpha=0.3, linewidth=0,
+                        label=f"±{label}")
+        _symlog_if_far(ax, delta, half)
+    color = DIVERGE_COLOR if verdict is not None and not verdict.passed else "0.15"
+    ax.plot(steps, delta, color=color, linewidth=1.2, marker=".", markersize=3, label="Δ")
+    ax.axhline(0, color="0.5", linewidth=0.6)
+    _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
+    if ax.get_yscale() == "linear":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+
+
+def _symlog_if_far(ax: Axes, delta: npt.NDArray[np.float64],
+                   half: npt.NDArray[np.float64]) -> None:
+    """A diverged residual can be 1e5x the tolerance; on a linear axis the envelope vanishes.
+
+    Symlog keeps the envelope linear (|y| < tolerance) and the divergence logarithmic.
+    """
+    finite_d = np.abs(delta[np.isfinite(delta)])
+    finite_h = half[np.isfinite(half) & (half > 0)]
+    if finite_d.size == 0 or finite_h.size == 0:
+        return
+    limit = float(finite_h.max())
+    top = float(finite_d.max())
+    if top <= 20 * limit:
+        return
+    ax.set_yscale("symlog", linthresh=limit, linscale=1.0)
+    # Explicit ticks: the default symlog ticks pile up (and overlap) inside the linear part.
+    decades = [10.0 ** k for k in range(math.floor(math.log10(limit)) + 1,
+                                        math.ceil(math.log10(top)) + 1)]
+    decades = [d for d in decades if d >= 5 * limit]  # none crowding the tolerance's tick
+    decades = decades[::-1][:: max(1, len(decades) // 5)]
+    ticks = sorted({0.0, limit, -limit, *decades,
+                    *(-d for d in decades if float(np.nanmin(delta)) < -limit)})
+    ax.set_yticks(ticks, [f"{t:.0e}" if t else "0" for t in ticks])
+    ax.minorticks_off()
+    ax.set_title(ax.get_title(loc="left") + "  [symlog: linear within the tolerance]",
+                 loc="left", fontsize=10)
+
+
+def _title(outcome: PairOutcome) -> str:
+    status = VERDICTS.get(outcome.status, outcome.status.upper())
+    pair = outcome.pair
+    test = describe_test(pair.test.layout.short_name(), techniques_changed(outcome))
+    text = (f"{pair.name} — {status}   control {pair.control.layout.short_name()} "
+            f"vs test {test} ({pair.regime} regime)")
+    step = first_divergent_step(outcome)
+    if step is not None:
+        text += f", diverges at step {step}"
+    return text
+
+
+def plot_pair(outcome: PairOutcome, path: Path) -> Path:
+    """Loss (with band / divergence), residual with tolerance envelope, grad norm."""
+    fig = _figure(9.0, 8.0)
+    axes = fig.subplots(3, 1, sharex=True, height_ratios=[1.3, 1.0, 1.0])
+    fig.subplots_adjust(left=0.09, right=0.98, top=0.94, bottom=0.07, hspace=0.28)
+    colour = {"passed": "#1a7f37", "failed": DIVERGE_COLOR}.get(outcome.status, "0.3")
+    fig.suptitle(_title(outcome), fontsize=11, color=colour)
+    _curves_panel(axes[0], outcome, "loss", "loss")
+    _residual_panel(axes[1], outcome, "loss")
+    _curves_panel(axes[2], outcome, "grad_norm", "grad norm")
+    axes[2].set_xlabel("step")
+    if outcome.error:
+        axes[0].text(0.01, 0.03, "error: " + outcome.error.strip().splitlines()[0][:110],
+                     transform=axes[0].transAxes, fontsize=8, color=DIVERGE_COLOR,
+                     va="bottom")
+    return _save(fig, path)
+
+
+# -- heatmap ----------------------------------------------------------------------------------
+def dimension(outcome: PairOutcome) -> str:
+    """What the pair verifies: the mesh axes whose degree changed, else technique/hook."""
+    ctrl, test = outcome.pair.control.layout.degrees(), outcome.pair.test.layout.degrees()
+    changed = [a for a in reversed(AXES) if ctrl[a] != test[a]]
+    if changed:
+        return "+".join(changed)
+    if outcome.pair.test.hook and outcome.pair.test.hook != outcome.pair.control.hook:
+        return "hook"
+    return "technique"
+
+
+def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:
+    seen: list[str] = []
+    for o in outcomes:
+        for v in o.verdicts:
+            if v.gate and v.metric not in seen:
+                seen.append(v.metric)
+    return seen or ["loss"]
+
+
+def _cell(outcome: PairOutcome, metric: str) -> tuple[float, str]:
+    """(log10 of max|Δ| / tolerance, annotation); NaN colour means no number to show."""
+    if outcome.status == "error":
+        return math.nan, "ERROR"
+    verdict = outcome.verdict(metric)
+    if verdict is None:
+        return math.nan, "-"
+    word = "PASS" if verdict.passed else "FAIL"
+    dev, tol = verdict.max_deviation, verdict.tolerance_at_max
+    label = f"{word}\n{dev:.1e}" if math.isfinite(dev) else f"{word}\nnan"
+    if not math.isfinite(dev):
+        return 3.0, label
+    if tol is None or not math.isfinite(tol) or tol <= 0:
+        return (-1.0 if verdict.passed else 1.0), label
+    ratio = max(dev, 1e-300) / tol
+    return float(np.clip(np.log10(ratio), -3, 3)), label
+
+
+def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
+    """Rows: pairs grouped by the dimension they verify; columns: gating metrics.
+
+    Colour is max|Δ| in units of the tolerance on a log scale (blue well inside, white at the
+    tolerance, red beyond) so one glance shows which pair failed and by how much.
+    """
+    from matplotlib import colormaps
+
+    ordered = sorted(outcomes, key=lambda o: (dimension(o), o.pair.name))
+    metrics = _heat_metrics(ordered)
+    cells = [[_cell(o, m) for m in metrics] for o in ordered]
+    data = np.array([[c[0] for c in row] for row in cells], dtype=float).reshape(
+        len(ordered), len(metrics))
+    labels = [f"{dimension(o)} │ {o.pair.name}" for o in ordered]
+    label_in = 0.3 + 0.075 * max((len(t) for t in labels), default=4)  # ~ 10 pt characters
+    width, height = label_in + 1.5 * len(metrics) + 1.4, 1.3 + 0.45 * max(len(ordered), 1)
+    fig = _figure(width, height)
+    ax = fig.add_subplot()
+    fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.75 / height,
+                        bottom=0.15 / height)
+    cmap = colormaps["RdBu_r"].copy()
+    cmap.set_bad("0.82")
+    image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-3, vmax=3, aspect="auto")
+    ax.set_xticks(range(len(metrics)), metrics)
+    ax.set_yticks(range(len(ordered)), labels)
+    ax.xaxis.tick_top()
+    for i, row in enumerate(cells):
+        for j, (value, label) in enumerate(row):
+            dark = math.isfinite(value) and abs(value) > 1.8
+            ax.text(j, i, label, ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black")
+    groups = [dimension(o) for o in ordered]
+    for i in range(1, len(groups)):
+        if groups[i] != groups[i - 1]:
+            ax.axhline(i - 0.5, color="black", linewidth=1.5)
+    bar = fig.colorbar(image, cax=fig.add_axes((1 - 1.1 / width, 0.15 / height, 0.15 / width,
+                                                1 - 0.9 / height)))
+    bar.set_label("log10(max|Δ| / tolerance)", fontsize=8)
+    ax.set_title("max |Δ| vs tolerance per pair (grey: error / not compared)", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_outcomes(outcomes: Sequence[PairOutcome], plot_dir: Path,
+                  names: dict[str, str]) -> tuple[dict[str, Path], dict[str, str]]:
+    """Plot every pair into ``plot_dir/<names[pair_id]>.png``.
+
+    Returns (paths by pair id, errors by pair id): a plotting bug in one pair is reported in
+    the report instead of losing the whole report.
+    """
+    paths: dict[str, Path] = {}
+    errors: dict[str, str] = {}
+    for o in outcomes:
+        pid = o.pair.pair_id
+        try:
+            paths[pid] = plot_pair(o, plot_dir / f"{names[pid]}.png")
+        except Exception as exc:  # noqa: BLE001 - see docstring
+            errors[pid] = f"{type(exc).__name__}: {exc}"
+    return paths, errors

@@ -1,0 +1,228 @@
+"""report.json: its versioned JSON Schema and :func:`build_report`.
+
+Bump :data:`REPORT_SCHEMA_VERSION` on any incompatible change (a removed or renamed key, a
+changed meaning); adding optional keys keeps the version.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import socket
+import sys
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from convergence.outcome import PAIR_STATUSES, PairOutcome
+from convergence.report.jsonable import NON_FINITE, jsonable
+from convergence.report.records import pair_record, relative_plot
+from convergence.spec.layout import AXES
+
+REPORT_SCHEMA_VERSION = 1
+
+_NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": list(NON_FINITE)}]}
+_OPT_NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": [*NON_FINITE, None]}]}
+_OPT_INT: dict[str, Any] = {"type": ["integer", "null"]}
+_OPT_STR: dict[str, Any] = {"type": ["string", "null"]}
+_CURVE: dict[str, Any] = {
+    "type": "object", "required": ["steps", "values"],
+    "properties": {"metric": {"type": "string"},
+                   "steps": {"type": "array", "items": {"type": "integer"}},
+                   "values": {"type": "array", "items": _NUM}},
+}
+_RUN_CURVES: dict[str, Any] = {"type": "object", "additionalProperties": {"$ref": "#/$defs/curve"}}
+
+_SIDE: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "short_name", "world_size", "degrees", "techniques", "ran", "cached",
+                 "wall_s", "status"],
+    "properties": {
+        "name": {"type": "string"}, "short_name": {"type": "string"},
+        "world_size": {"type": "integer", "minimum": 1},
+        "degrees": {"type": "object", "required": list(AXES), "additionalProperties": False,
+                    "properties": {a: {"type": "integer", "minimum": 1} for a in AXES}},
+        "pp_schedule": _OPT_STR, "sequence_parallel": {"type": "boolean"},
+        "techniques": {"type": "object"}, "hook": _OPT_STR,
+        "steps": {"type": "integer"}, "seed": {"type": "integer"}, "backend": {"type": "string"},
+        "ran": {"type": "boolean"}, "cached": {"type": "boolean"}, "wall_s": _OPT_NUM,
+        "status": _OPT_STR, "run_dir": _OPT_STR, "last_step": _OPT_INT,
+        "num_replicates": {"type": "integer", "minimum": 0},
+    },
+}
+
+_VERDICT: dict[str, Any] = {
+    "type": "object",
+    "required": ["metric", "method", "passed", "gate", "first_divergent_step", "max_deviation",
+                 "max_deviation_step", "tolerance", "p_values", "message"],
+    "properties": {
+        "metric": {"type": "string"}, "method": {"type": "string"},
+        "passed": {"type": "boolean"}, "gate": {"type": "boolean"},
+        "steps_compared": {"type": "integer"}, "first_divergent_step": _OPT_INT,
+        "max_deviation": _NUM, "max_deviation_step": _OPT_INT,
+        "tolerance": {"type": "string"}, "tolerance_at_max": _OPT_NUM,
+        "p_values": {"type": "object", "additionalProperties": _NUM},
+        "message": {"type": "string"},
+    },
+}
+
+_RESOURCE: dict[str, Any] = {
+    "type": "object", "required": ["control", "test", "ratio"],
+    "properties": {"control": _OPT_NUM, "test": _OPT_NUM, "ratio": _OPT_NUM},
+}
+
+_DIVERGENCE_ROW: dict[str, Any] = {
+    "type": "object", "required": ["step", "control", "test", "delta"],
+    "properties": {"step": {"type": "integer"}, "control": _OPT_NUM, "test": _OPT_NUM,
+                   "delta": _OPT_NUM},
+}
+
+_PAIR: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "name", "source", "status", "regime", "control", "test",
+                 "techniques_changed", "verdicts", "first_divergent_step", "max_abs_delta",
+                 "resources", "wall_s", "cached", "stopped_early_at", "error", "localisation",
+                 "divergence", "plots"],
+    "properties": {
+        "id": {"type": "string"}, "name": {"type": "string"}, "source": {"type": "string"},
+        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": ["paired", "seed"]},
+        "tier": {"type": "string"},
+        "control": {"$ref": "#/$defs/side"}, "test": {"$ref": "#/$defs/side"},
+        "techniques_changed": {"type": "object"},
+        "verdicts": {"type": "array", "items": {"$ref": "#/$defs/verdict"}},
+        "first_divergent_step": _OPT_INT,
+        "max_abs_delta": {"type": "object", "required": ["loss", "grad_norm"],
+                          "additionalProperties": _OPT_NUM},
+        "delta_reference": {"type": "string"},
+        "resources": {"type": "object", "required": ["tokens_per_s", "peak_mem_mib"],
+                      "additionalProperties": {"$ref": "#/$defs/resource"}},
+        "wall_s": {"type": "object", "required": ["pair", "control", "test"],
+                   "properties": {"pair": _NUM, "control": _OPT_NUM, "test": _OPT_NUM}},
+        "cached": {"type": "object", "required": ["control", "test"],
+                   "properties": {"control": {"type": "boolean"}, "test": {"type": "boolean"}}},
+        "stopped_early_at": _OPT_INT, "error": _OPT_STR,
+        "localisation": {"type": ["object", "null"]},
+        "divergence": {"type": "object", "additionalProperties": {
+            "type": "array", "items": {"$ref": "#/$defs/divergence_row"}}},
+        "plots": {"type": "object", "additionalProperties": {"type": "string"}},
+        "plot_error": _OPT_STR,
+        "curves": {"type": "object", "required": ["control", "test", "control_replicates"],
+                   "properties": {
+                       "control": _RUN_CURVES, "test": _RUN_CURVES,
+                       "control_replicates": {"type": "array", "items": _RUN_CURVES}}},
+    },
+}
+
+REPORT_JSON_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "$id": "https://pytest-convergence/report.schema.json",
+    "title": "pytest-convergence report",
+    "type": "object",
+    "required": ["schema_version", "generated_at", "started_at", "wall_s", "environment",
+                 "summary", "pairs"],
+    "properties": {
+        "schema_version": {"const": REPORT_SCHEMA_VERSION},
+        "generated_at": {"type": "string"}, "started_at": _OPT_STR, "wall_s": _OPT_NUM,
+        "environment": {"type": "object",
+                        "required": ["python", "torch", "platform", "hostname"]},
+        "summary": {
+            "type": "object",
+            "required": ["pairs", "passed", "failed", "errors", "skipped", "cached_runs",
+                         "fresh_runs"],
+            "properties": {k: {"type": "integer", "minimum": 0} for k in
+                           ("pairs", "passed", "failed", "errors", "skipped", "cached_runs",
+                            "fresh_runs", "stopped_early")},
+        },
+        "plots": {"type": "object", "additionalProperties": {"type": "string"}},
+        "pairs": {"type": "array", "items": {"$ref": "#/$defs/pair"}},
+    },
+    "$defs": {"curve": _CURVE, "side": _SIDE, "verdict": _VERDICT, "resource": _RESOURCE,
+              "divergence_row": _DIVERGENCE_ROW, "pair": _PAIR},
+}
+
+
+def default_environment() -> dict[str, Any]:
+    """What is cheap to know about this machine (torch's version without importing it)."""
+    torch_mod = sys.modules.get("torch")
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": str(getattr(torch_mod, "__version__", "")) or _version("torch"),
+        "numpy": _version("numpy"),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "pytest_convergence": _version("pytest-convergence"),
+    }
+    if torch_mod is not None and getattr(torch_mod, "cuda", None) is not None:
+        try:
+            if torch_mod.cuda.is_available():
+                env["devices"] = [torch_mod.cuda.get_device_name(i)
+                                  for i in range(torch_mod.cuda.device_count())]
+        except Exception:  # noqa: BLE001 - a broken driver must not break the report
+            pass
+    return env
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _iso(value: float | dt.datetime | str | None) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dt.datetime):
+        return value.astimezone(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.fromtimestamp(float(value), dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def summarize(outcomes: Iterable[PairOutcome]) -> dict[str, int]:
+    outcomes = list(outcomes)
+    sides = [s for o in outcomes for s in (o.control, o.test) if s is not None]
+    return {
+        "pairs": len(outcomes),
+        "passed": sum(o.status == "passed" for o in outcomes),
+        "failed": sum(o.status == "failed" for o in outcomes),
+        "errors": sum(o.status == "error" for o in outcomes),
+        "skipped": sum(o.status == "skipped" for o in outcomes),
+        "cached_runs": sum(s.cached for s in sides),
+        "fresh_runs": sum(not s.cached for s in sides),
+        "stopped_early": sum(o.stopped_early_at is not None for o in outcomes),
+    }
+
+
+def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, Any],
+                 started_at: float | dt.datetime | str | None, wall_s: float | None,
+                 plots: Mapping[str, Mapping[str, str]] | None = None,
+                 plot_errors: Mapping[str, str] | None = None,
+                 report_dir: Path | None = None, include_curves: bool = True) -> dict[str, Any]:
+    """The report.json document (valid against :data:`REPORT_JSON_SCHEMA`).
+
+    ``environment`` adds to/overrides :func:`default_environment`. ``plots`` maps a pair id to
+    ``{kind: path relative to the report folder}``, plus the key ``""`` for report-wide plots
+    (the heatmap); without it the outcomes' own ``plots`` are used, relative to ``report_dir``.
+    """
+    outcomes = list(outcomes)
+    plots = plots or {}
+    records = []
+    for o in outcomes:
+        own = plots.get(o.pair.pair_id)
+        if own is None:
+            own = {f"plot{i}" if i else "pair": relative_plot(p, report_dir)
+                   for i, p in enumerate(o.plots)}
+        records.append(pair_record(o, plots=own, include_curves=include_curves,
+                                   plot_error=(plot_errors or {}).get(o.pair.pair_id)))
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "generated_at": _iso(dt.datetime.now(dt.timezone.utc)),
+        "started_at": _iso(started_at),
+        "wall_s": jsonable(wall_s),
+        "environment": jsonable({**default_environment(), **environment}),
+        "summary": summarize(outcomes),
+        "plots": dict(plots.get("", {})),
+        "pairs": records,
+    }

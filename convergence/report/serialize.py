@@ -1,0 +1,207 @@
+"""PairOutcome <-> JSON, so reports can be rebuilt later from saved outcomes.
+
+Curves are saved in full at float64 precision (``repr`` round-trips exactly); non-finite values
+are written as strings (see :mod:`convergence.report.jsonable`) so the files are strict JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convergence.launch.types import FailureInfo, JobResult
+from convergence.metrics.curve import Curve, RunMetrics
+from convergence.outcome import PairOutcome, SideOutcome
+from convergence.report.jsonable import jsonable, read_float, read_opt_float
+from convergence.spec.job import JobSpec
+from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.pair import ComparisonRule, PairSpec
+from convergence.stats.types import MetricVerdict
+
+OUTCOME_FORMAT = "convergence.outcome/1"
+"""Written into every outcome; bump when the shape changes incompatibly."""
+
+
+class OutcomeFormatError(ValueError):
+    """A saved outcome cannot be read (wrong version, missing or malformed key)."""
+
+
+# -- to JSON ----------------------------------------------------------------------------------
+def curve_to_json(curve: Curve) -> dict[str, Any]:
+    return {"metric": curve.metric, "steps": [int(s) for s in curve.steps.tolist()],
+            "values": jsonable(curve.values.tolist())}
+
+
+def metrics_to_json(metrics: RunMetrics) -> dict[str, Any]:
+    return {name: curve_to_json(curve) for name, curve in metrics.items()}
+
+
+def job_to_json(job: JobSpec) -> dict[str, Any]:
+    return {
+        "name": job.name, "train_config": str(job.train_config), "layout": job.layout.to_dict(),
+        "techniques": job.techniques.to_dict(), "steps": job.steps, "seed": job.seed,
+        "backend": job.backend, "local_batch_size": job.local_batch_size, "hook": job.hook,
+        "overrides": [list(kv) for kv in job.overrides],
+        "backend_options": [list(kv) for kv in job.backend_options], "source": job.source,
+    }
+
+
+def pair_to_json(pair: PairSpec) -> dict[str, Any]:
+    return {
+        "pair_id": pair.pair_id, "control": job_to_json(pair.control),
+        "test": job_to_json(pair.test), "rules": [jsonable(asdict(r)) for r in pair.rules],
+        "regime": pair.regime, "replicates": pair.replicates, "early_stop": pair.early_stop,
+        "source": pair.source, "tier": pair.tier, "probe_on_failure": pair.probe_on_failure,
+        "golden": pair.golden, "extra": [list(kv) for kv in pair.extra],
+    }
+
+
+def result_to_json(result: JobResult | None) -> dict[str, Any] | None:
+    if result is None:
+        return None
+    return jsonable({
+        "name": result.name, "status": result.status, "returncode": result.returncode,
+        "wall_s": result.wall_s, "log_dir": result.log_dir, "metrics_path": result.metrics_path,
+        "failure": None if result.failure is None else asdict(result.failure),
+        "last_step": result.last_step,
+    })  # type: ignore[no-any-return]
+
+
+def side_to_json(side: SideOutcome | None) -> dict[str, Any] | None:
+    if side is None:
+        return None
+    return {
+        "job": job_to_json(side.job), "metrics": metrics_to_json(side.metrics),
+        "result": result_to_json(side.result), "cached": side.cached,
+        "run_dir": None if side.run_dir is None else str(side.run_dir),
+        "wall_s": jsonable(side.wall_s),
+        "replicates": [metrics_to_json(r) for r in side.replicates],
+        "meta": jsonable(side.meta),
+    }
+
+
+def verdict_to_json(verdict: MetricVerdict) -> dict[str, Any]:
+    return jsonable(verdict.to_json())  # type: ignore[no-any-return]
+
+
+def outcome_to_json(o: PairOutcome) -> dict[str, Any]:
+    """A strict-JSON dict holding everything in ``o`` (read back by :func:`outcome_from_json`)."""
+    return {
+        "format": OUTCOME_FORMAT, "pair": pair_to_json(o.pair), "status": o.status,
+        "control": side_to_json(o.control), "test": side_to_json(o.test),
+        "verdicts": [verdict_to_json(v) for v in o.verdicts], "error": o.error,
+        "stopped_early_at": o.stopped_early_at, "localisation": jsonable(o.localisation),
+        "plots": [str(p) for p in o.plots], "wall_s": jsonable(o.wall_s),
+    }
+
+
+# -- from JSON --------------------------------------------------------------------------------
+def curve_from_json(data: Mapping[str, Any], metric: str | None = None) -> Curve:
+    values = np.asarray([read_float(v) for v in data["values"]], dtype=np.float64)
+    steps = np.asarray(data["steps"], dtype=np.int64)
+    return Curve(str(data.get("metric", metric)), steps, values)
+
+
+def metrics_from_json(data: Mapping[str, Any]) -> RunMetrics:
+    return {str(name): curve_from_json(c, name) for name, c in data.items()}
+
+
+def job_from_json(data: Mapping[str, Any]) -> JobSpec:
+    return JobSpec(
+        name=data["name"], train_config=Path(data["train_config"]),
+        layout=ParallelLayout(**data["layout"]), techniques=Techniques(**data["techniques"]),
+        steps=int(data["steps"]), seed=int(data["seed"]), backend=data["backend"],
+        local_batch_size=data.get("local_batch_size"), hook=data.get("hook"),
+        overrides=tuple((str(k), str(v)) for k, v in data.get("overrides", [])),
+        backend_options=tuple((str(k), str(v)) for k, v in data.get("backend_options", [])),
+        source=data.get("source", ""),
+    )
+
+
+def _rule_from_json(data: Mapping[str, Any]) -> ComparisonRule:
+    known = {f.name for f in fields(ComparisonRule)}
+    return ComparisonRule(**{k: v for k, v in data.items() if k in known})
+
+
+def pair_from_json(data: Mapping[str, Any]) -> PairSpec:
+    return PairSpec(
+        pair_id=data["pair_id"], control=job_from_json(data["control"]),
+        test=job_from_json(data["test"]),
+        rules=tuple(_rule_from_json(r) for r in data.get("rules", [])),
+        regime=data.get("regime", "paired"), replicates=int(data.get("replicates", 3)),
+        early_stop=bool(data.get("early_stop", True)), source=data.get("source", ""),
+        tier=data.get("tier", "quick"), probe_on_failure=bool(data.get("probe_on_failure", True)),
+        golden=data.get("golden"),
+        extra=tuple((str(k), str(v)) for k, v in data.get("extra", [])),
+    )
+
+
+def result_from_json(data: Mapping[str, Any] | None) -> JobResult | None:
+    if data is None:
+        return None
+    failure = data.get("failure")
+    return JobResult(
+        name=data["name"], status=data["status"], returncode=data.get("returncode"),
+        wall_s=read_float(data.get("wall_s", 0.0)), log_dir=Path(data["log_dir"]),
+        metrics_path=None if data.get("metrics_path") is None else Path(data["metrics_path"]),
+        failure=None if failure is None else FailureInfo(**failure),
+        last_step=data.get("last_step"),
+    )
+
+
+def side_from_json(data: Mapping[str, Any] | None) -> SideOutcome | None:
+    if data is None:
+        return None
+    return SideOutcome(
+        job=job_from_json(data["job"]), metrics=metrics_from_json(data.get("metrics", {})),
+        result=result_from_json(data.get("result")), cached=bool(data.get("cached", False)),
+        run_dir=None if data.get("run_dir") is None else Path(data["run_dir"]),
+        wall_s=read_float(data.get("wall_s", 0.0)),
+        replicates=tuple(metrics_from_json(r) for r in data.get("replicates", [])),
+        meta=dict(data.get("meta", {})),
+    )
+
+
+def verdict_from_json(data: Mapping[str, Any]) -> MetricVerdict:
+    return MetricVerdict(
+        metric=data["metric"], method=data["method"], passed=bool(data["passed"]),
+        gate=bool(data["gate"]), steps_compared=int(data.get("steps_compared", 0)),
+        first_divergent_step=data.get("first_divergent_step"),
+        max_deviation=read_float(data.get("max_deviation", 0.0)),
+        max_deviation_step=data.get("max_deviation_step"),
+        tolerance=data.get("tolerance", ""),
+        tolerance_at_max=read_opt_float(data.get("tolerance_at_max")),
+        p_values={str(k): read_float(v) for k, v in data.get("p_values", {}).items()},
+        message=data.get("message", ""), details=dict(data.get("details", {})),
+    )
+
+
+def outcome_from_json(d: Mapping[str, Any]) -> PairOutcome:
+    """Rebuild a PairOutcome saved by :func:`outcome_to_json`.
+
+    Raises OutcomeFormatError naming the missing/invalid key when the data is not such an
+    outcome (e.g. written by an incompatible version).
+    """
+    fmt = d.get("format") if isinstance(d, Mapping) else None
+    if fmt != OUTCOME_FORMAT:
+        raise OutcomeFormatError(
+            f"not a saved outcome of format {OUTCOME_FORMAT!r} (found format={fmt!r}); "
+            "fix: re-run the pairs with this version of pytest-convergence")
+    try:
+        return PairOutcome(
+            pair=pair_from_json(d["pair"]), status=d["status"],
+            control=side_from_json(d.get("control")), test=side_from_json(d.get("test")),
+            verdicts=tuple(verdict_from_json(v) for v in d.get("verdicts", [])),
+            error=d.get("error"), stopped_early_at=d.get("stopped_early_at"),
+            localisation=d.get("localisation"), plots=tuple(Path(p) for p in d.get("plots", [])),
+            wall_s=read_float(d.get("wall_s", 0.0)),
+        )
+    except KeyError as exc:
+        raise OutcomeFormatError(f"saved outcome has no key {exc}; fix: re-run the pairs with "
+                                 "this version of pytest-convergence") from None
+    except (TypeError, ValueError) as exc:
+        raise OutcomeFormatError(f"saved outcome is malformed: {exc}") from None

@@ -1,0 +1,192 @@
+"""Example PairOutcomes for the report tests: what the runner returns, built by hand.
+
+- ``passing_pair``: FSDP2 vs FSDP2+TP, paired, agreeing at the fp32 noise floor (control cached).
+- ``failing_pair``: FSDP2 vs FSDP2+PP, paired, the loss leaves the tolerance at step 17 and the
+  grad norm doubles (a wrongly scaled gradient).
+- ``errored_pair``: the CP test job crashed on rank 1; no verdicts.
+- ``seed_pair``: bf16 test against 3 fp32 control replicates (seed regime), inside the band.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from convergence.launch.types import FailureInfo, JobResult
+from convergence.metrics.curve import Curve, RunMetrics
+from convergence.outcome import PairOutcome, SideOutcome
+from convergence.spec.job import JobSpec
+from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.pair import ComparisonRule, PairSpec
+from convergence.stats.types import MetricVerdict
+
+STEPS = 40
+DIVERGES_AT = 17
+SOURCE = "experiments/converging.toml"
+CONFIG = Path("/work/main/train_configs/debug.toml")
+TOL = "atol 5e-07*(1+0.1*sqrt(step))"
+
+
+def _tol(step: int) -> float:
+    return 5e-7 * (1 + 0.1 * np.sqrt(step))
+
+
+def _job(name: str, seed: int = 42, techniques: Techniques | None = None,
+         **degrees: int) -> JobSpec:
+    return JobSpec(name=name, train_config=CONFIG, layout=ParallelLayout(**degrees),
+                   techniques=techniques or Techniques(), steps=STEPS, seed=seed, source=SOURCE)
+
+
+def _rules(regime: str) -> tuple[ComparisonRule, ...]:
+    method = "paired" if regime == "paired" else "seed"
+    return (ComparisonRule(metric="loss", method=method),
+            ComparisonRule(metric="grad_norm", method=method),
+            ComparisonRule(metric="tokens_per_s", method="regression", gate=False,
+                           max_regression=0.2))
+
+
+def _pair(name: str, control: JobSpec, test: JobSpec, regime: str = "paired") -> PairSpec:
+    return PairSpec(pair_id=f"converging.toml::{name}", control=control, test=test,
+                    rules=_rules(regime), regime=regime, source=SOURCE)
+
+
+def run_metrics(seed: int, *, tps: float = 1000.0, mem: float = 512.0,
+                loss_shift: np.ndarray | None = None, gnorm_scale: np.ndarray | None = None,
+                noise: float = 1.0) -> RunMetrics:
+    """A plausible run: decaying loss with seed noise, grad norm, lr, throughput, memory."""
+    rng = np.random.default_rng(seed)
+    steps = np.arange(1, STEPS + 1, dtype=np.int64)
+    loss = 3.0 * np.exp(-steps / 12.0) + 2.0 + noise * 0.02 * rng.standard_normal(STEPS)
+    gnorm = 1.5 * np.exp(-steps / 20.0) + 0.3 + noise * 0.01 * rng.standard_normal(STEPS)
+    if loss_shift is not None:
+        loss = loss + loss_shift
+    if gnorm_scale is not None:
+        gnorm = gnorm * gnorm_scale
+    return {
+        "loss": Curve("loss", steps, loss),
+        "grad_norm": Curve("grad_norm", steps, gnorm),
+        "lr": Curve("lr", steps, np.minimum(steps / 5.0, 1.0) * 3e-4),
+        "tokens_per_s": Curve("tokens_per_s", steps, tps + rng.normal(0, 5, STEPS)),
+        "peak_mem_mib": Curve("peak_mem_mib", steps, np.full(STEPS, mem)),
+    }
+
+
+def _side(job: JobSpec, metrics: RunMetrics, *, cached: bool = False, wall_s: float = 12.5,
+          status: str = "ok", failure: FailureInfo | None = None,
+          replicates: tuple[RunMetrics, ...] = ()) -> SideOutcome:
+    run_dir = Path(f"/tmp/conv/runs/{job.name}")
+    result = None if cached else JobResult(
+        name=job.name, status=status, returncode=0 if status == "ok" else 1, wall_s=wall_s,
+        log_dir=run_dir / "logs", metrics_path=run_dir / "dump" / "metrics.jsonl",
+        failure=failure, last_step=STEPS if status == "ok" else 3)
+    return SideOutcome(job=job, metrics=metrics, result=result, cached=cached, run_dir=run_dir,
+                       wall_s=wall_s, replicates=replicates,
+                       meta={"world_size": job.world_size, "seed_checkpoint": "abc123"})
+
+
+def _tps_verdict(ratio: float) -> MetricVerdict:
+    return MetricVerdict(metric="tokens_per_s", method="regression", passed=ratio >= 0.8,
+                         gate=False, steps_compared=STEPS, max_deviation=1 - ratio,
+                         tolerance="max_regression 0.2",
+                         message=f"throughput {ratio:.2f}x control")
+
+
+def passing_pair() -> PairOutcome:
+    control, test = _job("fsdp2", dp_shard=2), _job("fsdp2-tp2", dp_shard=2, tp=2)
+    rng = np.random.default_rng(7)
+    noise = 1e-7 * rng.standard_normal(STEPS)
+    ctrl_m = run_metrics(1)
+    test_m = run_metrics(1, tps=930.0, mem=300.0, loss_shift=noise)
+    worst = int(np.argmax(np.abs(noise)))
+    verdicts = (
+        MetricVerdict(metric="loss", method="paired", passed=True, gate=True,
+                      steps_compared=STEPS, max_deviation=float(abs(noise[worst])),
+                      max_deviation_step=worst + 1, tolerance=TOL,
+                      tolerance_at_max=float(_tol(worst + 1)),
+                      message="|Δloss| within the fp32 noise floor at every step"),
+        MetricVerdict(metric="grad_norm", method="paired", passed=True, gate=True,
+                      steps_compared=STEPS, max_deviation=0.0, max_deviation_step=1,
+                      tolerance=TOL, tolerance_at_max=float(_tol(1)),
+                      message="grad norm identical"),
+        _tps_verdict(0.93),
+    )
+    return PairOutcome(pair=_pair("fsdp2-tp2", control, test), status="passed",
+                       control=_side(control, ctrl_m, cached=True, wall_s=11.0),
+                       test=_side(test, test_m, wall_s=14.2), verdicts=verdicts, wall_s=14.9)
+
+
+def failing_pair() -> PairOutcome:
+    control, test = _job("fsdp2", dp_shard=2), _job("fsdp2-pp2", dp_shard=2, pp=2)
+    steps = np.arange(1, STEPS + 1)
+    shift = np.where(steps >= DIVERGES_AT, 2e-3 * (steps - DIVERGES_AT + 1), 0.0)
+    scale = np.where(steps >= DIVERGES_AT, 2.0, 1.0)
+    ctrl_m = run_metrics(1)
+    test_m = run_metrics(1, tps=1100.0, mem=700.0, loss_shift=shift, gnorm_scale=scale)
+    dev = float(shift[-1])
+    gdev = float(np.max(np.abs(test_m["grad_norm"].values - ctrl_m["grad_norm"].values)))
+    verdicts = (
+        MetricVerdict(metric="loss", method="paired", passed=False, gate=True,
+                      steps_compared=STEPS, first_divergent_step=DIVERGES_AT,
+                      max_deviation=dev, max_deviation_step=STEPS, tolerance=TOL,
+                      tolerance_at_max=float(_tol(STEPS)),
+                      message=f"loss leaves the tolerance at step {DIVERGES_AT} "
+                              f"(|Δ|=2.000e-03 > 7.06e-07)"),
+        MetricVerdict(metric="grad_norm", method="paired", passed=False, gate=True,
+                      steps_compared=STEPS, first_divergent_step=DIVERGES_AT,
+                      max_deviation=gdev, max_deviation_step=DIVERGES_AT, tolerance=TOL,
+                      tolerance_at_max=float(_tol(DIVERGES_AT)),
+                      message="grad norm doubles from step 17: a wrongly scaled gradient?"),
+        _tps_verdict(1.1),
+    )
+    return PairOutcome(pair=_pair("fsdp2-pp2", control, test), status="failed",
+                       control=_side(control, ctrl_m, wall_s=10.5),
+                       test=_side(test, test_m, wall_s=16.0), verdicts=verdicts,
+                       localisation={"module": "layers.1.attention.wo", "parameter": "weight",
+                                     "max_abs_diff": 3.2e-4},
+                       wall_s=27.1)
+
+
+def errored_pair() -> PairOutcome:
+    control, test = _job("fsdp2", dp_shard=2), _job("fsdp2-cp2", dp_shard=2, cp=2)
+    failure = FailureInfo(message="rank 1 exited with code 1", rank=1,
+                          traceback="Traceback (most recent call last):\n"
+                                    "RuntimeError: shapes do not match <q> & \"k\"", step=3)
+    error = ("test job 'fsdp2-cp2' (fsdp2-cp2) rank 1 exited with code 1\n"
+             "RuntimeError: shapes do not match <q> & \"k\"\n  logs: /tmp/conv/runs/logs")
+    return PairOutcome(pair=_pair("fsdp2-cp2", control, test), status="error",
+                       control=_side(control, run_metrics(1), cached=True), test=None,
+                       error=error, wall_s=3.5)
+
+
+def seed_pair() -> PairOutcome:
+    bf16 = Techniques(param_dtype="bfloat16", deterministic=False)
+    control = _job("fsdp2", dp_shard=2)
+    test = _job("fsdp2-bf16", dp_shard=2, techniques=bf16)
+    reps = tuple(run_metrics(10 + i) for i in range(3))
+    test_m = run_metrics(20, tps=1500.0, mem=400.0, noise=0.4)
+
+    def band_verdict(metric: str, message: str, p_values: dict[str, float]) -> MetricVerdict:
+        stack = np.stack([r[metric].values for r in reps])
+        dev = np.abs(test_m[metric].values - stack.mean(axis=0))
+        half = 3.0 * stack.std(axis=0, ddof=1)
+        worst = int(np.argmax(dev))
+        return MetricVerdict(metric=metric, method="seed", passed=True, gate=True,
+                             steps_compared=STEPS, max_deviation=float(dev[worst]),
+                             max_deviation_step=worst + 1, tolerance="mean ± 3σ band",
+                             tolerance_at_max=float(half[worst]), p_values=p_values,
+                             message=message, details={"z": 3.0})
+
+    verdicts = (
+        band_verdict("loss", "inside the band; equivalent on the final window (p=0.003)",
+                     {"tost_lower": 0.001, "tost_upper": 0.003}),
+        band_verdict("grad_norm", "inside the band", {"tost_lower": 0.01, "tost_upper": 0.02}),
+    )
+    return PairOutcome(pair=_pair("fsdp2-bf16", control, test, regime="seed"), status="passed",
+                       control=_side(control, reps[0], cached=True, replicates=reps),
+                       test=_side(test, test_m, wall_s=9.0), verdicts=verdicts,
+                       stopped_early_at=None, wall_s=9.8)
+
+
+def all_examples() -> list[PairOutcome]:
+    return [passing_pair(), failing_pair(), errored_pair(), seed_pair()]
