@@ -105,7 +105,9 @@ class LocalLauncher:
             status, returncode, failure = self._supervise(proc, tracker, watch)
         except BaseException:
             # KeyboardInterrupt or a raising callback: end the tree, then let it propagate.
-            terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
+            kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
+            if proc.returncode is None:
+                proc.returncode = kill.root_returncode if kill.root_returncode is not None else -9
             _write_pids(request.log_dir, proc.pid, tracker)
             raise
         kill_leftovers(tracker.processes)
@@ -132,6 +134,9 @@ class LocalLauncher:
                     stop_deadline = now
             if stop_deadline is not None and now >= stop_deadline:
                 kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
+                # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
+                # wait again (it would read the status as 0) or warn that it is still running.
+                proc.returncode = kill.root_returncode if kill.root_returncode is not None else -9
                 assert verdict is not None
                 return verdict.status, kill.root_returncode, verdict.failure
             time.sleep(self.poll_interval_s)
