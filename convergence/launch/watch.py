@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from convergence.launch._tail import JsonlTail
 from convergence.launch.types import (FailureInfo, LaunchRequest, OnMetrics, OnProgress,
                                       Progress)
+from convergence.metrics.jsonl import JsonlTail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +73,10 @@ class JobWatch:
         return verdict if verdict is not None and verdict.status == "nan" else None
 
     def _take(self, record: dict[str, Any], now: float) -> Verdict | None:
-        self._num_lines += 1
         self._last_line_at = now
+        if "event" in record:
+            return None  # an annotation (restart, stop): alive, but not a metrics step
+        self._num_lines += 1
         step_value = record.get("step")
         step = int(step_value) if isinstance(step_value, (int, float)) else self._num_lines
         self.last_step = step

@@ -1,0 +1,83 @@
+"""JobWatch bookkeeping with a real JSONL file and an explicit clock (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from convergence.launch.types import LaunchRequest, Progress
+from convergence.launch.watch import JobWatch
+
+
+def setup(tmp_path: Path, **kw: Any) -> tuple[LaunchRequest, Path]:
+    metrics = tmp_path / "m.jsonl"
+    req = LaunchRequest(name="w", entry=[], nproc=1, log_dir=tmp_path, metrics_path=metrics,
+                        total_steps=10, **kw)
+    return req, metrics
+
+
+def append(path: Path, *records: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_progress_is_throttled_and_events_are_not_steps(tmp_path: Path) -> None:
+    req, metrics = setup(tmp_path)
+    seen: list[Progress] = []
+    watch = JobWatch(req, start=0.0, on_progress=seen.append, progress_interval_s=1.0)
+    append(metrics, {"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0})
+    assert watch.poll(0.1) is None
+    append(metrics, {"step": 3, "loss": 1.5}, {"event": "restart"})
+    assert watch.poll(0.5) is None  # within 1 s of the last progress event
+    assert [p.step for p in seen] == [2]
+    assert watch.last_step == 3
+    assert watch.poll(1.2) is None
+    assert [p.step for p in seen] == [2, 3] and seen[-1].loss == 1.5
+    assert seen[-1].eta_s is not None
+
+
+def test_non_finite_torchtitan_loss_is_nan_verdict_with_step(tmp_path: Path) -> None:
+    req, metrics = setup(tmp_path)
+    watch = JobWatch(req, start=0.0)
+    append(metrics, {"step": 1, "loss_metrics/global_avg_loss": 2.0})
+    metrics.open("a").write('{"step": 2, "loss_metrics/global_avg_loss": Infinity}\n')
+    verdict = watch.poll(0.1)
+    assert verdict is not None and verdict.status == "nan"
+    assert verdict.failure is not None and verdict.failure.step == 2
+    assert "inf" in verdict.failure.message
+
+
+def test_idle_counts_from_start_and_from_each_line(tmp_path: Path) -> None:
+    req, metrics = setup(tmp_path, idle_limit_s=5.0, wall_limit_s=100.0)
+    watch = JobWatch(req, start=0.0)
+    assert watch.poll(4.9) is None
+    append(metrics, {"step": 1, "loss": 1.0})
+    assert watch.poll(5.1) is None  # a line just came
+    hung = watch.poll(10.2)
+    assert hung is not None and hung.status == "hung" and "last step 1" in hung.failure.message
+
+
+def test_no_metrics_file_means_only_the_wall_limit(tmp_path: Path) -> None:
+    req = LaunchRequest(name="seed", entry=[], nproc=1, log_dir=tmp_path, idle_limit_s=1.0,
+                        wall_limit_s=10.0)
+    watch = JobWatch(req, start=0.0)
+    assert watch.poll(5.0) is None
+    late = watch.poll(10.5)
+    assert late is not None and late.status == "timeout"
+
+
+def test_on_metrics_true_asks_to_stop_once(tmp_path: Path) -> None:
+    req, metrics = setup(tmp_path)
+    calls: list[int] = []
+
+    def decide(record: dict[str, float]) -> bool:
+        calls.append(int(record["step"]))
+        return record["step"] >= 2
+
+    watch = JobWatch(req, start=0.0, on_metrics=decide)
+    append(metrics, *({"step": s, "loss": 1.0} for s in (1, 2, 3)))
+    verdict = watch.poll(0.1)
+    assert verdict is not None and verdict.status == "stopped_early"
+    assert calls == [1, 2] and watch.last_step == 3
