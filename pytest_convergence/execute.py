@@ -7,8 +7,6 @@ import json
 import re
 import uuid
 from pathlib import Path
-from typing import Any
-
 import pytest
 
 from convergence.outcome import PairOutcome
@@ -33,8 +31,7 @@ def execute_pair(config: pytest.Config, pair: PairSpec,
     finally:
         if printer is not None:
             printer.finish()
-    record_outcome(config, outcome)
-    user_properties.extend(_junit_properties(outcome))
+    record_outcome(config, outcome, user_properties)
     return outcome
 
 
@@ -48,10 +45,8 @@ def check_outcome(outcome: PairOutcome) -> None:
 
 
 def _junit_properties(outcome: PairOutcome) -> list[tuple[str, object]]:
-    try:
-        from convergence.report import junit_properties  # type: ignore[attr-defined]
-    except ImportError:
-        return [("convergence.status", outcome.status)]
+    from convergence.report import junit_properties
+
     return [(str(k), v) for k, v in junit_properties(outcome)]
 
 
@@ -59,28 +54,28 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80] or "pair"
 
 
-def outcome_to_json(outcome: PairOutcome) -> dict[str, Any]:
-    from convergence.report.serialize import outcome_to_json as to_json  # type: ignore
-
-    return to_json(outcome)  # type: ignore[no-any-return]
-
-
-def record_outcome(config: pytest.Config, outcome: PairOutcome) -> None:
+def record_outcome(config: pytest.Config, outcome: PairOutcome,
+                   user_properties: list[tuple[str, object]] | None = None) -> None:
     """Keep the outcome in memory and, for the controller and later ``convergence report``,
-    as JSON in the session folder (xdist workers share it with the controller)."""
+    as JSON in the session folder (xdist workers share it with the controller); attach its
+    JUnit properties to the test."""
     state = get_state(config)
     state.outcomes.append(outcome)
+    if user_properties is not None:
+        user_properties.extend(_junit_properties(outcome))
     if state.share_dir is None:
         return
     state.share_dir.mkdir(parents=True, exist_ok=True)
     name = f"{_slug(outcome.pair.pair_id)}-{uuid.uuid4().hex[:8]}{OUTCOME_SUFFIX}"
     tmp = state.share_dir / (name + ".tmp")
-    tmp.write_text(json.dumps(outcome_to_json(outcome), default=str), encoding="utf-8")
+    from convergence.report import outcome_to_json
+
+    tmp.write_text(json.dumps(outcome_to_json(outcome)), encoding="utf-8")
     tmp.replace(state.share_dir / name)  # atomic: the controller never reads half a file
 
 
 def load_outcomes(folder: Path) -> list[PairOutcome]:
-    from convergence.report.serialize import outcome_from_json  # type: ignore
+    from convergence.report import outcome_from_json
 
     outcomes = []
     for path in sorted(folder.glob(f"*{OUTCOME_SUFFIX}")):

@@ -53,40 +53,10 @@ def _verdict_line(v: MetricVerdict) -> str:
     return "  ".join(parts)
 
 
-def _rows_from_curves(outcome: PairOutcome, metric: str, around: int
-                      ) -> list[tuple[int, float | None, float | None, float | None]]:
-    """step/control/test/Δ rows around the first divergent step, read from the curves."""
-    verdict = outcome.verdict(metric)
-    if outcome.control is None or outcome.test is None or verdict is None:
-        return []
-    ctrl = outcome.control.metrics.get(metric)
-    test = outcome.test.metrics.get(metric)
-    if ctrl is None or test is None:
-        return []
-    center = verdict.first_divergent_step or verdict.max_deviation_step
-    if center is None:
-        return []
-    c = dict(zip(ctrl.steps.tolist(), ctrl.values.tolist()))
-    t = dict(zip(test.steps.tolist(), test.values.tolist()))
-    steps = sorted(set(c) | set(t))
-    if center not in steps:
-        return []
-    i = steps.index(center)
-    rows = []
-    for step in steps[max(0, i - around): i + around + 1]:
-        cv, tv = c.get(step), t.get(step)
-        delta = tv - cv if cv is not None and tv is not None else None
-        rows.append((step, cv, tv, delta))
-    return rows
-
-
 def _table_rows(outcome: PairOutcome, metric: str, around: int) -> Sequence[Sequence[Any]]:
-    try:
-        from convergence.report.curves import divergence_table
-    except ImportError:
-        return _rows_from_curves(outcome, metric, around)
-    rows = divergence_table(outcome, metric, around)
-    return [tuple(r.values()) if isinstance(r, dict) else tuple(r) for r in rows]
+    from convergence.report import divergence_table
+
+    return [tuple(row) for row in divergence_table(outcome, metric, around)]
 
 
 def _table(outcome: PairOutcome, metric: str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +64,24 @@ def session_finish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -
     report_dir = state.options.report_dir
     if report_dir is None or not state.all_outcomes:
         return
-    from convergence.report import write_reports  # type: ignore[attr-defined]
+    from convergence.report import write_reports, write_step_summary
 
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
     state.report_paths = dict(write_reports(
-        state.all_outcomes, report_dir, environment=environment(config, interrupted=interrupted)))
+        state.all_outcomes, report_dir, environment=environment(config, interrupted=interrupted),
+        started_at=state.started_at, wall_s=time.time() - state.started_at))
+    markdown = state.report_paths.get("markdown")
+    if markdown is not None:
+        summary = write_step_summary(markdown.read_text(encoding="utf-8"))
+        if summary is not None:
+            state.report_paths["step summary"] = summary
 
 
 def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = get_state(config)
     if state.is_worker or not state.all_outcomes:
         return
-    from convergence.report.matrix import render_matrix
+    from convergence.report import render_matrix
 
     tr = terminalreporter
     tr.write_sep("=", f"convergence matrix ({len(state.all_outcomes)} pairs)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ class SessionState:
     report_paths: dict[str, Path] = field(default_factory=dict)
     all_outcomes: list[PairOutcome] = field(default_factory=list)
     """Controller, at session finish: every outcome of the session (all workers)."""
+    started_at: float = field(default_factory=time.time)
     _devices: int | None = None
     _devices_known: bool = False
 

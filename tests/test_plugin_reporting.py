@@ -125,7 +125,7 @@ from pytest_convergence.execute import check_outcome, record_outcome
 @pytest.mark.parametrize("name,passed", [("fsdp2-tp2", True), ("fsdp2-pp2", False)])
 def test_pair(request, name, passed, tmp_path):
     outcome = make_outcome(name, passed=passed, run_root=tmp_path)
-    record_outcome(request.config, outcome)
+    record_outcome(request.config, outcome, request.node.user_properties)
     check_outcome(outcome)
 """
 
@@ -137,7 +137,10 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
     monkeypatch.setenv("COLUMNS", "200")  # the short summary line is cut to the width
     pytester.makepyfile(synth=SYNTH, test_session=SESSION_TEST)
     pytester.makeini("[pytest]\n")
-    args = ["-p", "no:cacheprovider", "-m", "convergence"]
+    summary = pytester.path / "step_summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    args = ["-p", "no:cacheprovider", "-m", "convergence", "--convergence-report", "report",
+            "--junitxml", "junit.xml"]
     if workers:
         args += ["-n", workers]
     result = pytester.runpytest_subprocess(*args)
@@ -155,3 +158,19 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
     assert len(saved) == 2
     assert {json.loads(p.read_text())["pair"]["pair_id"] for p in saved} == {
         "synthetic.toml::fsdp2-tp2", "synthetic.toml::fsdp2-pp2"}
+    # Report files, written once by the controller.
+    import jsonschema
+    from convergence.report import REPORT_JSON_SCHEMA
+
+    report_dir = pytester.path / "report"
+    report = json.loads((report_dir / "report.json").read_text())
+    jsonschema.validate(report, REPORT_JSON_SCHEMA)
+    assert len(report["pairs"]) == 2
+    assert (report_dir / "report.md").is_file() and (report_dir / "report.html").is_file()
+    assert len(list((report_dir / "plots").glob("*.png"))) >= 3  # 2 pairs + heatmap
+    assert "fsdp2-pp2" in summary.read_text()
+    assert "report.json" in out
+    # JUnit properties per pair (set in the worker, written by the controller).
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="convergence.status" value="failed"' in junit
+    assert 'name="convergence.loss.first_divergent_step" value="5"' in junit
