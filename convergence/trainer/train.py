@@ -372,24 +372,25 @@ def train(cfg: TrainConfig) -> str:
 @torch.no_grad()
 def validate(engine: Engine, source: SampleSource, plan: BatchPlan, meshes: Meshes | None,
              cfg: TrainConfig, device: torch.device) -> float | None:
-    """Mean loss over metrics.val_batches held-out batches of local_batch_size * dp samples."""
+    """Mean held-out loss over metrics.val_batches global batches (the training batch plan on
+    the validation split, so every layout evaluates the same samples)."""
     if engine.evaluate is None:
         return None
-    val_plan = BatchPlan(local_batch_size=plan.local_batch_size, dp=plan.dp,
-                         dp_rank=plan.dp_rank, grad_accum_steps=1)
     for chunk in engine.chunks:
         chunk.eval()
     total = torch.zeros((), device=device)
     for batch in range(cfg.metrics.val_batches):
-        inputs, targets = get_batch(source, val_plan.indices(batch + 1, 0), VAL, device)
-        loss = engine.evaluate(inputs, targets)
-        if loss is not None:
-            total += loss.float()
+        for micro in range(plan.grad_accum_steps):
+            inputs, targets = get_batch(source, plan.indices(batch + 1, micro), VAL, device)
+            loss = engine.evaluate(inputs, targets)
+            if loss is not None:
+                total += loss.float()
     for chunk in engine.chunks:
         chunk.train()
     if not engine.holds_loss:
         return None
-    return float(average_over(total / cfg.metrics.val_batches, meshes).item())
+    num = cfg.metrics.val_batches * plan.grad_accum_steps
+    return float(average_over(total / num, meshes).item())
 
 
 def create_seed(cfg: TrainConfig) -> str:
