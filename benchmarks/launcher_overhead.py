@@ -115,9 +115,10 @@ def main() -> None:
         f"Machine: {machine()}; no GPU. 1-min load average {load_before:.1f} before, "
         f"{load_after:.1f} after (the machine is shared: wall times are noisy, the supervisor "
         f"CPU row is not).\n\n{text}\n\n"
-        "The launcher polls every 0.1 s (exit, metrics, descendants), so its fixed cost is up "
-        "to ~0.1 s of exit-detection latency plus the leftover sweep; per-job wall time is "
-        "dominated by torchrun's own start (~2-3 s here).\n")
+        "The launcher polls exit and metrics every 0.1 s and scans descendants every 0.5 s, "
+        "so its fixed cost is up to ~0.1 s of exit-detection latency plus the leftover sweep; "
+        "per-job wall time is dominated by torchrun's own start (2-3 s on an idle 2-core "
+        "machine, much more under load).\n")
     bench = REPO / "BENCHMARKS.md"
     with bench.open("a") as f:
         if bench.stat().st_size == 0:

@@ -76,9 +76,13 @@ class LocalLauncher:
 
     def __init__(self, *, python: str = sys.executable, poll_interval_s: float = 0.1,
                  stop_grace_s: float = 30.0, kill_grace_s: float = 5.0,
-                 progress_interval_s: float = 1.0) -> None:
+                 progress_interval_s: float = 1.0, track_interval_s: float = 0.5) -> None:
         self.python = python
         self.poll_interval_s = poll_interval_s
+        self.track_interval_s = track_interval_s
+        """How often the descendant list is refreshed (a /proc scan: the supervisor's main CPU
+        cost). terminate_tree collects again at kill time, so this only matters for processes
+        that are re-parented away between two scans."""
         self.stop_grace_s = stop_grace_s
         """After touching the stop file: how long the trainer gets to exit by itself."""
         self.kill_grace_s = kill_grace_s
@@ -121,9 +125,12 @@ class LocalLauncher:
                    watch: JobWatch) -> tuple[str, int | None, FailureInfo | None]:
         verdict: Verdict | None = None
         stop_deadline: float | None = None
+        tracked_at = -float("inf")
         while proc.poll() is None:
-            tracker.poll()
             now = time.monotonic()
+            if now - tracked_at >= self.track_interval_s:
+                tracker.poll()
+                tracked_at = now
             new = watch.poll(now)
             if new is not None and verdict is None:
                 verdict = new
