@@ -1,0 +1,136 @@
+"""The plugin end to end on CPU/gloo: real torchrun, the built-in trainer, real verdicts.
+
+Each test is one or two pytest sessions in a subprocess (pytester), 8 steps of the debug model
+on 2 ranks per job.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "train_configs" / "debug.toml"
+
+# The planted bug lives in the test project's own folder (the ranks import it from their cwd).
+GRAD_BUG = '''
+from torch import nn
+
+
+def double_ffn_grad(model: nn.Module, ctx) -> None:
+    """Layer 0's MLP output weight gets twice its gradient (a wrongly scaled reduction)."""
+    layers = getattr(model, "layers", None)
+    if layers is None or "0" not in layers:
+        return None
+    layers["0"].feed_forward.w2.weight.register_hook(lambda grad: grad * 2)
+    return None
+'''
+
+EXPERIMENT = f"""
+[defaults]
+train_config = "{CONFIG}"
+steps = 8
+seed = 3
+
+[control]
+name = "fsdp2"
+parallelism = {{ dp_shard = 2 }}
+
+[[test]]
+name = "ddp2"
+parallelism = {{ dp_replicate = 2 }}
+
+[[test]]
+name = "fsdp2-bug"
+parallelism = {{ dp_shard = 2 }}
+hook = "grad_bug:double_ffn_grad"
+early_stop = false
+"""
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(grad_bug=GRAD_BUG)
+    return pytester
+
+
+def _saved_outcomes(project: pytest.Pytester) -> list[dict]:  # type: ignore[type-arg]
+    sessions = sorted((project.path / ".convergence" / "sessions").iterdir())
+    return [json.loads(p.read_text()) for p in sorted(sessions[-1].glob("*.outcome.json"))]
+
+
+def test_toml_pairs_under_xdist_share_one_control(project: pytest.Pytester) -> None:
+    import jsonschema
+
+    from convergence.report import REPORT_JSON_SCHEMA
+
+    (project.path / "experiments").mkdir()
+    (project.path / "experiments" / "pairs.toml").write_text(EXPERIMENT)
+    result = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-m", "convergence", "-n", "2",
+        "--convergence-report", "report", "--junitxml", "junit.xml", timeout=540)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    # The planted bug: the grad norm is off from the first step; the failure says where.
+    result.stdout.fnmatch_lines([
+        "*pairs.toml::fsdp2-bug: grad_norm diverges from step 1*",
+        "*grad_norm around the divergence:*",
+        "*step*control*test*Δ*",
+    ])
+    assert "PASSED experiments/pairs.toml::ddp2" in out or "1 passed" in out
+    # The matrix, once, from the controller.
+    assert out.count("convergence matrix (2 pairs)") == 1
+    # The shared control ran once: one fresh control run, the other pair took it from the cache.
+    saved = _saved_outcomes(project)
+    assert len(saved) == 2
+    fresh_controls = [o for o in saved if not o["control"]["cached"]]
+    assert len(fresh_controls) == 1
+    control_runs = list((project.path / ".convergence" / "runs").glob("*/control-*"))
+    assert len(control_runs) == 1, control_runs
+    # Report files, valid against the schema.
+    report = json.loads((project.path / "report" / "report.json").read_text())
+    jsonschema.validate(report, REPORT_JSON_SCHEMA)
+    assert {p["status"] for p in report["pairs"]} == {"passed", "failed"}
+    assert (project.path / "report" / "report.html").stat().st_size > 1000
+    assert 'name="convergence.status" value="failed"' in (project.path / "junit.xml").read_text()
+
+
+PY_API = f"""
+import pytest
+
+LAYOUTS = {{"ddp2": {{"dp_replicate": 2}}}}
+
+@pytest.mark.convergence(train_config={str(CONFIG)!r}, steps=8, seed=3)
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_layouts(convergence_pair, layout):
+    outcome = convergence_pair(control={{"name": "fsdp2", "parallelism": {{"dp_shard": 2}}}},
+                               test={{"parallelism": layout}})
+    assert outcome.verdict("loss").steps_compared == 8
+
+
+def test_not_a_convergence_test():
+    pass
+"""
+
+
+def test_python_api_progress_and_cached_control(project: pytest.Pytester) -> None:
+    project.makepyfile(test_api=PY_API)
+    result = project.runpytest_subprocess("-p", "no:cacheprovider", "-m", "convergence",
+                                          timeout=540)
+    result.assert_outcomes(passed=1, deselected=1)
+    # Live progress, one line per ~10% of each job's steps (not a tty here), no rank logs.
+    result.stdout.fnmatch_lines(["[[]fsdp2 control[]] step 1/8 loss * ETA *",
+                                 "[[]test_layouts[[]ddp2[]] test[]] step 8/8 loss * ETA 0:00"])
+    assert "Traceback" not in result.stdout.str()
+    assert _saved_outcomes(project)[0]["control"]["cached"] is False
+    # Second session: the control comes from the run cache.
+    result = project.runpytest_subprocess("-p", "no:cacheprovider", "-m", "convergence",
+                                          timeout=540)
+    result.assert_outcomes(passed=1, deselected=1)
+    assert "[fsdp2 control]" not in result.stdout.str()
+    assert _saved_outcomes(project)[0]["control"]["cached"] is True
