@@ -71,23 +71,25 @@ def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
-def _widths(rows: Sequence[Mapping[str, str]], width: int) -> dict[str, int]:
+def _layout(rows: Sequence[Mapping[str, str]], width: int) -> tuple[dict[str, int], str]:
+    """Column widths and the gap: cut the name columns first, then narrow the gaps."""
     widths = {key: max([len(header)] + [len(r[key]) for r in rows]) for key, header in COLUMNS}
-    excess = sum(widths.values()) + len(GAP) * (len(COLUMNS) - 1) - width
+    gaps = len(COLUMNS) - 1
+    excess = sum(widths.values()) + len(GAP) * gaps - width
     for key in SHRINKABLE:
         if excess <= 0:
             break
         cut = min(excess, max(widths[key] - MIN_SHRINK, 0))
         widths[key] -= cut
         excess -= cut
-    return widths
+    return widths, (GAP if excess <= 0 else " ")
 
 
 def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
     """The matrix as aligned plain text (newline-terminated), with a one-line summary."""
     outcomes = list(outcomes)
     rows = matrix_rows(outcomes)
-    widths = _widths(rows, width)
+    widths, gap = _layout(rows, width)
     header = {key: title for key, title in COLUMNS}
     lines = []
     for row in [header, *rows]:
@@ -95,7 +97,7 @@ def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
         for key, _ in COLUMNS:
             text = _cut(row[key], widths[key])
             cells.append(text.rjust(widths[key]) if key in RIGHT else text.ljust(widths[key]))
-        lines.append(GAP.join(cells).rstrip())
+        lines.append(gap.join(cells).rstrip())
     lines.insert(1, "-" * min(max(len(line) for line in lines), width))
     counts = {s: sum(o.status == s for o in outcomes) for s in VERDICTS}
     summary = (f"{len(outcomes)} pairs: {counts['passed']} passed, {counts['failed']} failed, "

@@ -281,8 +281,7 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
     ax = fig.add_subplot()
     fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.75 / height,
                         bottom=0.15 / height)
-    cmap = colormaps["RdBu_r"].copy()
-    cmap.set_bad("0.82")
+    cmap = colormaps["RdBu_r"].with_extremes(bad="0.82")
     image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-3, vmax=3, aspect="auto")
     ax.set_xticks(range(len(metrics)), metrics)
     ax.set_yticks(range(len(ordered)), labels)

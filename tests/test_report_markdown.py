@@ -1,0 +1,61 @@
+"""report.md details and the GitHub step summary (append, 1 MiB limit)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from convergence.report import build_report, render_markdown, write_step_summary
+from convergence.report.markdown import STEP_SUMMARY_LIMIT, cell
+from report_examples import passing_pair, seed_pair
+
+
+def _md(outcomes: list) -> str:
+    return render_markdown(build_report(outcomes, environment={}, started_at=None,
+                                        wall_s=None, include_curves=False))
+
+
+def test_all_passing_has_no_failure_section() -> None:
+    md = _md([passing_pair(), seed_pair()])
+    assert md.startswith("## ✅ Convergence: 2 passed, 0 failed, 0 errors (2 pairs)")
+    assert "## Failures" not in md
+    assert md.count("\n| fsdp2-") == 2
+
+
+def test_cells_are_escaped() -> None:
+    assert cell("a|b\nc") == "a\\|b c"
+
+
+def test_step_summary_unset_does_nothing(tmp_path: Path) -> None:
+    assert write_step_summary("# hi\n", env={}) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_step_summary_appends(tmp_path: Path) -> None:
+    target = tmp_path / "summary.md"
+    target.write_text("earlier step output\n", encoding="utf-8")
+    md = _md([passing_pair()])
+    assert write_step_summary(md, env={"GITHUB_STEP_SUMMARY": str(target)}) == target
+    text = target.read_text(encoding="utf-8")
+    assert text == "earlier step output\n" + md
+
+
+def test_step_summary_is_truncated_below_the_limit(tmp_path: Path) -> None:
+    target = tmp_path / "summary.md"
+    target.write_text("x" * 1000 + "\n", encoding="utf-8")
+    # Multi-byte characters: the cut must not split one.
+    big = "".join(f"| row {i} | Δ ✅ |\n" for i in range(120_000))
+    assert len(big.encode("utf-8")) > STEP_SUMMARY_LIMIT
+    write_step_summary(big, env={"GITHUB_STEP_SUMMARY": str(target)})
+    data = target.read_bytes()
+    assert len(data) < STEP_SUMMARY_LIMIT
+    text = data.decode("utf-8")  # valid UTF-8
+    assert "truncated" in text.splitlines()[-1]
+    body = text.splitlines()[1:-2]
+    assert body[-1].endswith("|")  # cut at a line end
+
+
+def test_step_summary_already_full_is_left_alone(tmp_path: Path) -> None:
+    target = tmp_path / "summary.md"
+    target.write_bytes(b"x" * STEP_SUMMARY_LIMIT)
+    write_step_summary("## more\n", env={"GITHUB_STEP_SUMMARY": str(target)})
+    assert target.stat().st_size == STEP_SUMMARY_LIMIT

@@ -1,0 +1,88 @@
+"""PairOutcome <-> JSON: exact round trip (float64 curves, non-finite values), clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from convergence.metrics.curve import Curve
+from convergence.outcome import PairOutcome
+from convergence.report.serialize import (
+    OUTCOME_FORMAT,
+    OutcomeFormatError,
+    outcome_from_json,
+    outcome_to_json,
+)
+from report_examples import all_examples, failing_pair, seed_pair
+
+
+def _roundtrip(o: PairOutcome) -> PairOutcome:
+    text = json.dumps(outcome_to_json(o), allow_nan=False)  # strict JSON: no NaN literals
+    return outcome_from_json(json.loads(text))
+
+
+@pytest.mark.parametrize("outcome", all_examples(), ids=lambda o: o.pair.name)
+def test_roundtrip_keeps_everything(outcome: PairOutcome) -> None:
+    back = _roundtrip(outcome)
+    assert outcome_to_json(back) == outcome_to_json(outcome)
+    assert back.pair == outcome.pair  # frozen dataclasses compare field by field
+    assert back.verdicts == outcome.verdicts
+    assert (back.status, back.error, back.stopped_early_at, back.localisation) == (
+        outcome.status, outcome.error, outcome.stopped_early_at, outcome.localisation)
+    for side_name in ("control", "test"):
+        side, side_back = getattr(outcome, side_name), getattr(back, side_name)
+        if side is None:
+            assert side_back is None
+            continue
+        assert side_back.result == side.result
+        assert (side_back.cached, side_back.run_dir, side_back.meta) == (
+            side.cached, side.run_dir, side.meta)
+        for name, curve in side.metrics.items():
+            # Bit-exact float64: a paired verdict lives at 1e-7 and must be re-judgeable.
+            assert side_back.metrics[name].values.tobytes() == curve.values.tobytes()
+            assert np.array_equal(side_back.metrics[name].steps, curve.steps)
+
+
+def test_seed_replicates_survive() -> None:
+    o = seed_pair()
+    back = _roundtrip(o)
+    assert back.control is not None and o.control is not None
+    assert len(back.control.replicates) == 3
+    for a, b in zip(back.control.replicates, o.control.replicates):
+        assert a["loss"].values.tobytes() == b["loss"].values.tobytes()
+
+
+def test_non_finite_values_roundtrip_as_strict_json() -> None:
+    o = failing_pair()
+    assert o.test is not None
+    loss = o.test.metrics["loss"]
+    values = loss.values.copy()
+    values[-3:] = [math.nan, math.inf, -math.inf]
+    test = dataclasses.replace(o.test, metrics={**o.test.metrics,
+                                                "loss": Curve("loss", loss.steps, values)})
+    verdict = dataclasses.replace(o.verdicts[0], max_deviation=math.nan,
+                                  p_values={"tost": math.inf})
+    o = dataclasses.replace(o, test=test, verdicts=(verdict, *o.verdicts[1:]))
+    data = outcome_to_json(o)
+    text = json.dumps(data, allow_nan=False)
+    assert '"NaN"' in text and '"Infinity"' in text and '"-Infinity"' in text
+    back = outcome_from_json(json.loads(text))
+    assert back.test is not None
+    got = back.test.metrics["loss"].values
+    assert math.isnan(got[-3]) and got[-2] == math.inf and got[-1] == -math.inf
+    assert math.isnan(back.verdicts[0].max_deviation)
+    assert back.verdicts[0].p_values == {"tost": math.inf}
+
+
+def test_wrong_format_is_a_clear_error() -> None:
+    data = outcome_to_json(failing_pair())
+    with pytest.raises(OutcomeFormatError, match="format"):
+        outcome_from_json({**data, "format": "convergence.outcome/0"})
+    broken = {**data, "pair": {k: v for k, v in data["pair"].items() if k != "pair_id"}}
+    with pytest.raises(OutcomeFormatError, match="pair_id"):
+        outcome_from_json(broken)
+    assert data["format"] == OUTCOME_FORMAT
