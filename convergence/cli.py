@@ -51,7 +51,7 @@ class _ProgressLog:
 # -- run ------------------------------------------------------------------------------------
 
 def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, Any]) -> None:
-    from convergence.report import write_reports  # type: ignore[attr-defined]
+    from convergence.report import write_reports
     from convergence.report.schema import default_environment
 
     paths = write_reports(list(outcomes), out_dir,
@@ -95,14 +95,14 @@ def read_run(path: Path) -> RunMetrics:
     """A run folder (``metrics.jsonl`` in it or in its ``dump/``), a JSONL file, or a golden
     JSON file."""
     if path.is_file() and path.suffix == ".json":
-        from convergence.stats.golden import load_golden  # type: ignore[import-not-found]
+        from convergence.stats.golden import load_golden
 
-        return load_golden(path)  # type: ignore[no-any-return]
-    from convergence.metrics.jsonl import read_jsonl  # type: ignore[import-not-found]
+        return load_golden(path)
+    from convergence.metrics.jsonl import read_jsonl
 
     for candidate in (path, path / "metrics.jsonl", path / "dump" / "metrics.jsonl"):
         if candidate.is_file():
-            return read_jsonl(candidate)  # type: ignore[no-any-return]
+            return read_jsonl(candidate)
     raise SpecError("no metrics found", file=str(path),
                     fix="pass a run folder holding metrics.jsonl (or dump/metrics.jsonl), "
                         "a metrics.jsonl file, or a golden JSON file")
@@ -110,7 +110,7 @@ def read_run(path: Path) -> RunMetrics:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from convergence.spec.pair import ComparisonRule
-    from convergence.stats.registry import compare_all  # type: ignore[import-not-found]
+    from convergence.stats.registry import compare_all
 
     control, test = read_run(Path(args.a)), read_run(Path(args.b))
     rules = [ComparisonRule(metric=m, method=args.method) for m in args.metric]
@@ -168,7 +168,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 # -- export-golden --------------------------------------------------------------------------
 
 def cmd_export_golden(args: argparse.Namespace) -> int:
-    from convergence.stats import golden  # type: ignore[attr-defined]
+    from convergence.stats import golden
 
     metrics = read_run(Path(args.run_dir))
     save = getattr(golden, "save_golden", None) or getattr(golden, "export_golden")

@@ -100,7 +100,7 @@ class ConvergenceItem(pytest.Item):
 def collect_file(file_path: Path, parent: pytest.Collector) -> ExperimentFile | None:
     if not is_experiment_file(parent.config, file_path):
         return None
-    return ExperimentFile.from_parent(parent, path=file_path)  # type: ignore[no-any-return]
+    return ExperimentFile.from_parent(parent, path=file_path)
 
 
 def item_tier(item: pytest.Item) -> str:

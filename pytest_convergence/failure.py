@@ -59,6 +59,10 @@ def _table_rows(outcome: PairOutcome, metric: str, around: int) -> Sequence[Sequ
     return [tuple(row) for row in divergence_table(outcome, metric, around)]
 
 
+def _value(x: Any) -> str:
+    return "-" if x is None else f"{float(x):.10g}"
+
+
 def _table(outcome: PairOutcome, metric: str) -> list[str]:
     rows = _table_rows(outcome, metric, TABLE_AROUND)
     if not rows:
@@ -67,9 +71,8 @@ def _table(outcome: PairOutcome, metric: str) -> list[str]:
            f"    {'step':>6}  {'control':>16}  {'test':>16}  {'Δ':>12}"]
     for row in rows:
         step, cv, tv, delta = (list(row) + [None] * 4)[:4]
-        fmt = (lambda x: "-" if x is None else f"{float(x):.10g}")
         d = "-" if delta is None else f"{float(delta):+.3e}"
-        out.append(f"    {step!s:>6}  {fmt(cv):>16}  {fmt(tv):>16}  {d:>12}")
+        out.append(f"    {step!s:>6}  {_value(cv):>16}  {_value(tv):>16}  {d:>12}")
     return out
 
 

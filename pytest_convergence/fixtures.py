@@ -117,4 +117,4 @@ class PairRunner:
 @pytest.fixture
 def convergence_pair(request: pytest.FixtureRequest) -> PairRunner:
     """Run a control/test pair from a Python test; see the module docstring."""
-    return PairRunner(request.node)  # type: ignore[arg-type]
+    return PairRunner(request.node)

@@ -197,3 +197,10 @@ def test_fixture_rejects_bad_input_before_launching(pytester: pytest.Pytester) -
     out = result.stdout.str()
     assert "tensor_paralel" in out and "stepz" in out and "nothing was launched" in out
     assert not (pytester.path / ".convergence" / "runs").exists()
+
+
+def test_xdist_auto_workers_from_devices_and_world_size(project: pytest.Pytester) -> None:
+    # The largest job is fsdp2-tp2 (4 ranks): 8 devices give 2 workers.
+    result = project.runpytest_subprocess("--collect-only", "-q", "-n", "auto",
+                                          "--convergence-devices", "8", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(["*created: 2/2 workers*"])
