@@ -1,0 +1,71 @@
+"""Helpers shared by the comparison methods: aligning curves and building verdicts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule
+from convergence.stats.types import MetricVerdict
+
+Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Aligned:
+    """Test and control values at the steps both logged."""
+
+    steps: Ints
+    test: Floats
+    control: Floats
+
+
+def align(control: Curve, test: Curve) -> Aligned:
+    steps, ci, ti = np.intersect1d(control.steps, test.steps, assume_unique=True,
+                                   return_indices=True)
+    return Aligned(steps=steps.astype(np.int64), test=test.values[ti],
+                   control=control.values[ci])
+
+
+def incomplete(controls: Sequence[Curve], test: Curve) -> str | None:
+    """Why the test cannot pass on coverage alone (None when it covers the controls).
+
+    A pass needs the whole run: a test that stopped (or crashed) before the control's last
+    logged step is not equivalent, however well its first steps agree.
+    """
+    if not controls or not any(len(c) for c in controls):
+        return "the control has no values"
+    if len(test) == 0:
+        return "the test has no values"
+    control_end = min(int(c.steps[-1]) for c in controls if len(c))
+    test_end = int(test.steps[-1])
+    if test_end < control_end:
+        return f"the test ends at step {test_end}, the control at step {control_end}"
+    return None
+
+
+def failed(rule: ComparisonRule, method: str, message: str, *,
+           steps_compared: int = 0, **extra: Any) -> MetricVerdict:
+    """A verdict that could not be computed, or failed before any per-step check."""
+    return MetricVerdict(metric=rule.metric, method=method, passed=False, gate=rule.gate,
+                         steps_compared=steps_compared, message=f"{rule.metric}: {message}",
+                         **extra)
+
+
+def worst(deviation: Floats, steps: Ints) -> tuple[float, int | None, int | None]:
+    """(max deviation, its step, its index); NaN counts as the worst."""
+    if deviation.size == 0:
+        return 0.0, None, None
+    nan = np.isnan(deviation)
+    index = int(np.argmax(nan)) if nan.any() else int(np.argmax(deviation))
+    return float(deviation[index]), int(steps[index]), index
+
+
+def first_true(mask: npt.NDArray[np.bool_], steps: Ints) -> int | None:
+    return int(steps[int(np.argmax(mask))]) if mask.any() else None

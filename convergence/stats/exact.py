@@ -1,0 +1,43 @@
+"""``exact``: the test equals the control bit for bit at every common step.
+
+For fully deterministic setups (same layout, same kernels, a refactor that must not change the
+math). Bitwise, so -0.0 != 0.0 and a NaN only equals the very same NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule
+from convergence.stats._common import align, failed, first_true, incomplete, worst
+from convergence.stats.types import MetricVerdict
+
+
+class Exact:
+    method = "exact"
+
+    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+                ) -> MetricVerdict:
+        problem = incomplete(controls, test)
+        if problem:
+            return failed(rule, self.method, problem, tolerance="bitwise equal")
+        pairs = align(controls[0], test)
+        if pairs.steps.size == 0:
+            return failed(rule, self.method, "no step logged by both runs",
+                          tolerance="bitwise equal")
+        differs = pairs.test.view(np.int64) != pairs.control.view(np.int64)
+        deviation = np.abs(pairs.test - pairs.control)
+        max_dev, max_step, _ = worst(np.where(differs, deviation, 0.0), pairs.steps)
+        first = first_true(differs, pairs.steps)
+        passed = first is None
+        message = (f"{rule.metric}: bitwise equal at all {pairs.steps.size} steps" if passed else
+                   f"{rule.metric}: differs at {int(differs.sum())} of {pairs.steps.size} steps, "
+                   f"first at step {first} (max |diff| {max_dev:.3g} at step {max_step})")
+        return MetricVerdict(metric=rule.metric, method=self.method, passed=passed,
+                             gate=rule.gate, steps_compared=int(pairs.steps.size),
+                             first_divergent_step=first, max_deviation=max_dev,
+                             max_deviation_step=max_step if not passed else None,
+                             tolerance="bitwise equal", tolerance_at_max=0.0, message=message)

@@ -1,0 +1,121 @@
+"""``paired``: a per-step band around the control, sized by the numerical noise floor.
+
+The paired regime runs control and test from the same seed checkpoint, on the same samples in
+the same order, with deterministic kernels. The only legitimate difference is then the order of
+floating-point reductions (a TP all-reduce sums partial matmuls in another order than one
+device; FSDP reduce-scatters gradients in buckets). That noise is tiny and measurable: here, in
+fp32 on CPU, |loss(FSDP) - loss(FSDP+TP)| <= 5e-7 over 100 steps, with losses of ~2-10.
+
+    tol(step) = atol * (1 + growth * sqrt(step)) + rtol * |control(step)|
+
+- ``atol`` is the floor at step 1. Rounding differences feed back through the optimizer and
+  accumulate roughly like a random walk, hence the sqrt(step) growth rather than linear.
+- ``rtol`` keeps the band meaningful for metrics whose scale is not ~1 (float32 spacing is
+  relative: a value of 10 carries 10x the rounding of a value of 1).
+
+Defaults for the loss: atol 1e-5, growth 0.1, rtol 1e-6. At step 100 that is ~2.5e-5 for a
+loss of 3: 50x the measured floor, so reduction-order noise never fails a pair; at step 1000 it
+is ~4.5e-5, still 200x below 1e-2. A real bug is far outside: a gradient scaled by 2 under Adam
+moves the loss by ~1e-2 (Adam normalizes the scale away, almost) -- 400x the tolerance -- while
+it doubles the grad norm.
+
+The grad norm is judged relatively (rtol 2e-3): its scale varies over orders of magnitude
+during training (spikes, clipping), and its reduction-order noise is relative (a sum of squares
+over shards). 0.2% is >100x the fp32 noise of a sharded norm, and a doubling is 500x outside.
+
+The learning rate comes from the schedule, not from the model: it must agree to float64
+rounding. ``rule.atol`` / ``rule.growth`` / ``rule.rtol`` override each default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule
+from convergence.stats._common import Floats, Ints, align, failed, first_true, incomplete, worst
+from convergence.stats.types import MetricVerdict
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairedTolerance:
+    atol: float
+    growth: float
+    rtol: float
+
+    def at(self, steps: Ints, control: Floats) -> Floats:
+        floor = self.atol * (1.0 + self.growth * np.sqrt(steps.astype(np.float64)))
+        return floor + self.rtol * np.abs(control)
+
+    def describe(self) -> str:
+        return (f"atol {self.atol:g}*(1+{self.growth:g}*sqrt(step)) "
+                f"+ rtol {self.rtol:g}*|control|")
+
+
+_LOSS = PairedTolerance(atol=1e-5, growth=0.1, rtol=1e-6)
+#: Calibrated defaults per metric (see the module docstring); other metrics use the loss's.
+PAIRED_DEFAULTS: dict[str, PairedTolerance] = {
+    "loss": _LOSS,
+    "val_loss": _LOSS,
+    "grad_norm": PairedTolerance(atol=1e-6, growth=0.1, rtol=2e-3),
+    "lr": PairedTolerance(atol=1e-12, growth=0.0, rtol=1e-9),
+}
+
+
+def paired_tolerance(rule: ComparisonRule) -> PairedTolerance:
+    """The rule's tolerance: its own parameters where set, else the metric's defaults."""
+    base = PAIRED_DEFAULTS.get(rule.metric, _LOSS)
+    return PairedTolerance(atol=base.atol if rule.atol is None else rule.atol,
+                           growth=base.growth if rule.growth is None else rule.growth,
+                           rtol=base.rtol if rule.rtol is None else rule.rtol)
+
+
+class PairedBand:
+    method = "paired"
+
+    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+                ) -> MetricVerdict:
+        tol = paired_tolerance(rule)
+        described = tol.describe()
+        problem = incomplete(controls, test)
+        if problem:
+            return failed(rule, self.method, problem, tolerance=described)
+        pairs = align(controls[0], test)
+        if pairs.steps.size == 0:
+            return failed(rule, self.method, "no step logged by both runs", tolerance=described)
+        tolerance = tol.at(pairs.steps, pairs.control)
+        deviation = np.abs(pairs.test - pairs.control)
+        outside = ~(deviation <= tolerance)  # NaN is outside
+        max_dev, max_step, index = worst(deviation, pairs.steps)
+        # The step closest to its limit says more than the largest raw deviation.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(np.isnan(deviation), np.inf, deviation / tolerance)
+        first = first_true(outside, pairs.steps)
+        passed = first is None
+        if passed:
+            message = (f"{rule.metric}: within the paired band at all {pairs.steps.size} steps "
+                       f"(max |diff| {max_dev:.3g} at step {max_step}, "
+                       f"{float(ratio.max()):.2g}x of the tolerance at worst)")
+        else:
+            first_i = int(np.argmax(outside))
+            message = (f"{rule.metric}: outside the paired band at {int(outside.sum())} of "
+                       f"{pairs.steps.size} steps, first at step {first} "
+                       f"(|diff| {deviation[first_i]:.3g} > tol {tolerance[first_i]:.3g}); "
+                       f"max |diff| {max_dev:.3g} at step {max_step}")
+        return MetricVerdict(metric=rule.metric, method=self.method, passed=passed,
+                             gate=rule.gate, steps_compared=int(pairs.steps.size),
+                             first_divergent_step=first, max_deviation=max_dev,
+                             max_deviation_step=max_step, tolerance=described,
+                             tolerance_at_max=None if index is None else float(tolerance[index]),
+                             message=message,
+                             details={"max_ratio": _json_float(float(ratio.max())), "atol": tol.atol,
+                                      "growth": tol.growth, "rtol": tol.rtol,
+                                      "steps_outside": int(outside.sum())})
+
+
+def _json_float(value: float) -> float | None:
+    """JSON has no inf/NaN: a NaN test value makes the ratio infinite."""
+    return value if np.isfinite(value) else None
