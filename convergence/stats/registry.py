@@ -1,0 +1,73 @@
+"""Which comparison implements a method, the default rules per regime, and comparing a run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from convergence.metrics.curve import Curve, RunMetrics
+from convergence.spec.pair import METHODS, REGIMES, ComparisonRule
+from convergence.stats.allclose import AllClose
+from convergence.stats.exact import Exact
+from convergence.stats.paired import PairedBand
+from convergence.stats.regression import Regression
+from convergence.stats.seed import SeedBand
+from convergence.stats.types import Comparison, MetricVerdict
+
+_COMPARISONS: dict[str, Comparison] = {
+    c.method: c for c in (Exact(), AllClose(), PairedBand(), SeedBand(), Regression())
+}
+#: Performance metrics: compared one-sided and reported, not gating, by default.
+PERFORMANCE_RULES: tuple[ComparisonRule, ...] = (
+    ComparisonRule(metric="tokens_per_s", method="regression", gate=False),
+    ComparisonRule(metric="peak_mem_mib", method="regression", gate=False),
+)
+
+
+def get_comparison(method: str) -> Comparison:
+    try:
+        return _COMPARISONS[method]
+    except KeyError:
+        raise ValueError(f"unknown comparison method {method!r}; use one of "
+                         f"{', '.join(METHODS)}") from None
+
+
+def default_rules(regime: str) -> tuple[ComparisonRule, ...]:
+    """Loss and grad norm judged by the regime's method (a wrongly scaled gradient can leave
+    an Adam loss almost unchanged but doubles the grad norm), plus throughput and memory."""
+    if regime not in REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; use one of {', '.join(REGIMES)}")
+    return (ComparisonRule(metric="loss", method=regime),
+            ComparisonRule(metric="grad_norm", method=regime)) + PERFORMANCE_RULES
+
+
+def compare_all(rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics],
+                test: RunMetrics) -> tuple[MetricVerdict, ...]:
+    """One verdict per rule. Paired methods use the first control run; ``seed`` uses all."""
+    return tuple(compare_one(rule, control_runs, test) for rule in rules)
+
+
+def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
+                test: RunMetrics) -> MetricVerdict:
+    controls: list[Curve] = [run[rule.metric] for run in control_runs if rule.metric in run]
+    curve = test.get(rule.metric)
+    if curve is None or not controls:
+        return _missing(rule, control_runs, test, in_test=curve is not None)
+    if rule.method != "seed":
+        controls = controls[:1]
+    return get_comparison(rule.method).compare(rule, controls, curve)
+
+
+def _missing(rule: ComparisonRule, control_runs: Sequence[RunMetrics], test: RunMetrics,
+             *, in_test: bool) -> MetricVerdict:
+    """The loss must be there (a run without a loss proves nothing); other metrics are
+    reported as not compared, without failing the pair."""
+    side = "control" if in_test else "test"
+    run = (control_runs[0] if control_runs else {}) if in_test else test
+    found = ", ".join(sorted(run)) or "nothing"
+    fix = ("check the backend's key/tag map (keys.loss = \"...\")" if rule.metric == "loss"
+           else f"log it, or set compare.{rule.metric} = \"off\"")
+    is_loss = rule.metric == "loss"
+    return MetricVerdict(metric=rule.metric, method=rule.method, passed=False,
+                         gate=is_loss and rule.gate, steps_compared=0,
+                         message=f"{rule.metric}: missing in the {side} run (found: {found}); "
+                                 f"{'cannot compare' if is_loss else 'not compared'}: {fix}")

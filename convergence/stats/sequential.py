@@ -1,0 +1,152 @@
+"""Early stopping: decide a test run's failure while it is still training.
+
+A broken parallelism usually shows within a few dozen steps; letting it run 1000 more wastes
+the machine. The monitor is fed each logged record and says when the verdict is already known:
+
+- a NaN/inf loss fails at once (nothing after it can recover the comparison);
+- a gating metric that is *clearly* outside its tolerance -- beyond CLEAR_FACTOR (2x) the
+  paired/allclose tolerance or the seed band's half-width -- for ``patience`` consecutive
+  logged steps, counted from ``min_step`` on, fails. Twice the tolerance and several steps in a
+  row, because a single step at the edge of the band is what noise does; the final verdict
+  still judges the whole run at 1x. The first ``min_step`` steps are skipped: the first
+  optimizer steps of a seed ensemble are the noisiest (and least informative).
+
+It never decides "pass" early: a pass needs the whole run (a divergence can start late).
+Regression rules (throughput, memory) are judged on a median over the run and never stop a job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from convergence.metrics.curve import Curve, RunMetrics
+from convergence.metrics.tags import JSONL_KEYS, resolve_map
+from convergence.spec.pair import ComparisonRule
+from convergence.stats.allclose import DEFAULT_ATOL, DEFAULT_RTOL
+from convergence.stats.paired import paired_tolerance
+from convergence.stats.seed import DEFAULT_Z, seed_band
+
+CLEAR_FACTOR = 2.0
+DEFAULT_MIN_STEP = 5
+DEFAULT_PATIENCE = 3
+
+#: (step, test value) -> (|deviation|, tolerance), or None when the control has no such step.
+Check = Callable[[int, float], "tuple[float, float] | None"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What the monitor knows after a record. ``decided`` implies the test has failed."""
+
+    decided: bool
+    failed: bool = False
+    reason: str = ""
+    metric: str | None = None
+    step: int | None = None
+
+
+UNDECIDED = Decision(decided=False)
+
+
+class SequentialMonitor:
+    """Feeds on the test's records as they are logged; see the module docstring."""
+
+    def __init__(self, rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics], *,
+                 min_step: int = DEFAULT_MIN_STEP, patience: int = DEFAULT_PATIENCE,
+                 key_map: Mapping[str, str] | None = None) -> None:
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1, got {patience}")
+        self.min_step = min_step
+        self.patience = patience
+        self._sources = resolve_map(JSONL_KEYS, key_map)
+        self._checks: dict[str, Check] = {}
+        for rule in rules:
+            check = _check_for(rule, [run[rule.metric] for run in control_runs
+                                      if rule.metric in run])
+            if rule.gate and check is not None:
+                self._checks[rule.metric] = check
+        self._streak: dict[str, list[int]] = {metric: [] for metric in self._checks}
+        self.decision = UNDECIDED
+
+    def update(self, step: int, record: Mapping[str, object]) -> Decision:
+        if self.decision.decided:
+            return self.decision
+        values = self._values(record)
+        loss = values.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            return self._decide("loss", step, f"loss is {loss} at step {step}")
+        if step < self.min_step:
+            return self.decision
+        for metric, check in self._checks.items():
+            value = values.get(metric)
+            found = None if value is None else check(step, value)
+            if found is None:
+                continue  # nothing to compare at this step: neither evidence for nor against
+            deviation, tolerance = found
+            streak = self._streak[metric]
+            if not deviation <= CLEAR_FACTOR * tolerance:  # NaN counts as outside
+                streak.append(step)
+            else:
+                streak.clear()
+            if len(streak) >= self.patience:
+                return self._decide(metric, step, (
+                    f"{metric} outside {CLEAR_FACTOR:g}x its tolerance for {len(streak)} "
+                    f"consecutive logged steps ({streak[0]}..{step}); at step {step}: "
+                    f"|diff| {deviation:.3g} > {CLEAR_FACTOR:g} x {tolerance:.3g}"))
+        return self.decision
+
+    def _values(self, record: Mapping[str, object]) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for source, metric in self._sources.items():
+            value = record.get(source)
+            if metric not in values and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                values[metric] = float(value)
+        return values
+
+    def _decide(self, metric: str, step: int, reason: str) -> Decision:
+        self.decision = Decision(decided=True, failed=True, reason=reason, metric=metric,
+                                 step=step)
+        return self.decision
+
+
+def _check_for(rule: ComparisonRule, controls: list[Curve]) -> Check | None:
+    if not controls or rule.method == "regression":
+        return None
+    if rule.method == "seed":
+        if len(controls) < 2:
+            return None
+        band = seed_band(controls, DEFAULT_Z if rule.z is None else rule.z)
+        lookup = {s: (c, h) for s, c, h in zip(band.steps.tolist(), band.center.tolist(),
+                                               band.half_width.tolist())}
+
+        def seed_check(step: int, value: float) -> tuple[float, float] | None:
+            found = lookup.get(step)
+            return None if found is None else (abs(value - found[0]), found[1])
+        return seed_check
+    control = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist()))
+    tolerance = _tolerance(rule)
+
+    def point_check(step: int, value: float) -> tuple[float, float] | None:
+        reference = control.get(step)
+        if reference is None:
+            return None
+        if rule.method == "exact":
+            same = np.float64(value).tobytes() == np.float64(reference).tobytes()
+            return (0.0 if same else max(abs(value - reference), math.ulp(reference))), 0.0
+        return abs(value - reference), tolerance(step, reference)
+    return point_check
+
+
+def _tolerance(rule: ComparisonRule) -> Callable[[int, float], float]:
+    if rule.method == "paired":
+        tol = paired_tolerance(rule)
+        return lambda step, ref: float(tol.at(np.array([step], dtype=np.int64),
+                                              np.array([ref]))[0])
+    atol = DEFAULT_ATOL if rule.atol is None else rule.atol
+    rtol = DEFAULT_RTOL if rule.rtol is None else rule.rtol
+    return lambda step, ref: atol + rtol * abs(ref)
