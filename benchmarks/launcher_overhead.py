@@ -101,6 +101,9 @@ def main() -> None:
     table += [f"| {name} | {total:.2f} | {med:.2f} |" for name, total, med in rows]
     table.append(f"| overhead | {sum(wrapped) - sum(raw):+.2f} ({overhead:+.1f} %) | "
                  f"{per_job:+.3f} per job |")
+    diffs = [w - r for w, r in zip(wrapped, raw)]
+    table.append(f"| paired difference (launcher - raw) | median {statistics.median(diffs):+.2f}"
+                 f" | min {min(diffs):+.2f}, max {max(diffs):+.2f} |")
     table.append(f"| supervisor CPU | {sum(cpu):.2f} | {statistics.median(cpu):.3f} per job |")
     text = "\n".join(table)
     print(text)

@@ -237,3 +237,13 @@ def test_env_reaches_the_ranks(tmp_path: Path) -> None:
                         env={"MY_X": "42"}, direct=True)
     assert LocalLauncher(python=sys.executable).launch(req).status == "ok"
     assert "X=42 OMP=1 U=1" in (tmp_path / "l" / "launcher.log").read_text()
+
+
+def test_relaunch_in_same_folder_does_not_reuse_old_failure(tmp_path: Path) -> None:
+    failed = LocalLauncher().launch(make_request(tmp_path, "raise_on_rank1", name="again"))
+    assert failed.status == "failed"
+    ok = LocalLauncher().launch(make_request(tmp_path, "ok", name="again"))
+    assert ok.status == "ok"
+    text = (ok.log_dir / "launcher.log").read_text()
+    assert "Root Cause" not in text and "boom" not in text
+    assert len(list((ok.log_dir / "ranks").glob("*/attempt_0"))) == 1

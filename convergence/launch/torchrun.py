@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -92,11 +93,14 @@ class LocalLauncher:
     def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
                on_progress: OnProgress | None = None) -> JobResult:
         request.log_dir.mkdir(parents=True, exist_ok=True)
+        # One launch = one set of logs: an earlier attempt's rank logs or root-cause report in
+        # the same folder would be mistaken for this run's when diagnosing a failure.
+        shutil.rmtree(request.log_dir / RANKS_DIR, ignore_errors=True)
         if request.stop_file is not None:
             request.stop_file.unlink(missing_ok=True)  # a stale one would stop us at step 1
         argv = build_torchrun_argv(request, python=self.python)
         start = time.monotonic()
-        with open(request.log_dir / LAUNCHER_LOG, "ab") as log:
+        with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
             log.write(f"# argv: {argv!r}\n".encode())
             log.flush()
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
