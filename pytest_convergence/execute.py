@@ -24,6 +24,7 @@ def execute_pair(config: pytest.Config, pair: PairSpec,
     """Run ``pair`` with live progress, record its outcome for the reports, and attach its
     JUnit properties. KeyboardInterrupt passes through: the launcher ends the job trees."""
     state = get_state(config)
+    _ignore_in_git(state.settings.work_dir)
     printer = ProgressPrinter(config) if not state.is_worker else None
     settings = dataclasses.replace(state.settings, on_progress=printer)
     try:
@@ -33,6 +34,14 @@ def execute_pair(config: pytest.Config, pair: PairSpec,
             printer.finish()
     record_outcome(config, outcome, user_properties)
     return outcome
+
+
+def _ignore_in_git(work_dir: Path) -> None:
+    """The workdir (runs, cache) sits in the user's checkout by default: keep it out of git."""
+    marker = work_dir / ".gitignore"
+    if not marker.exists():
+        work_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text("# written by pytest-convergence: run folders and cache\n*\n")
 
 
 def check_outcome(outcome: PairOutcome) -> None:

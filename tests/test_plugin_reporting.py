@@ -174,3 +174,50 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
     junit = (pytester.path / "junit.xml").read_text()
     assert 'name="convergence.status" value="failed"' in junit
     assert 'name="convergence.loss.first_divergent_step" value="5"' in junit
+
+
+def test_progress_redraws_in_place_on_a_terminal(pytester: pytest.Pytester) -> None:
+    """On a tty: lines redrawn in place (cursor moves), erased at the end, pytest's own
+    result written after them on its line."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    pytester.makepyfile("""
+        import time
+        from convergence.launch.types import Progress
+        from pytest_convergence.progress import ProgressPrinter
+
+        def test_progress(request):
+            printer = ProgressPrinter(request.config)
+            for step in range(1, 5):
+                for name in ("fsdp2 control", "fsdp2-tp2 test"):
+                    printer(Progress(name=name, step=step, total_steps=8, loss=3.0,
+                                     elapsed_s=step))
+                time.sleep(0.3)
+            printer.finish()
+    """)
+    main, secondary = pty.openpty()
+    env = {**os.environ, "COLUMNS": "100", "TERM": "xterm", "PY_COLORS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
+                             "-p", "no:xdist"], cwd=pytester.path, stdout=secondary,
+                            stderr=secondary, env=env)
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=120) == 0
+    os.close(main)
+    out = b"".join(chunks).decode("utf-8", "replace")
+    assert "[fsdp2 control] step 1/8 loss 3 ETA 0:07" in out
+    assert "[fsdp2-tp2 test] step 2/8" in out
+    assert "\x1b[1A" in out  # the two lines were redrawn in place
+    tail = out.split("[fsdp2-tp2 test] step")[-1]
+    assert "\x1b[J" in tail and "PASSED" in tail  # erased, then pytest's result
