@@ -61,8 +61,14 @@ def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
     """GPUs if torch sees any, else ``cpu_slots`` (default :func:`default_cpu_slots`) slots."""
     import torch  # lazy: importing torch costs seconds
 
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return DeviceSet(kind="gpu", devices=tuple(str(i) for i in range(torch.cuda.device_count())))
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count > 0:
+        # A lease's CUDA_VISIBLE_DEVICES replaces the parent's, so names must be what the
+        # parent saw: with CUDA_VISIBLE_DEVICES=2,3 set, "0" would wrongly mean physical GPU 0.
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                   if d.strip()]
+        names = visible[:count] if len(visible) >= count else [str(i) for i in range(count)]
+        return DeviceSet(kind="gpu", devices=tuple(names))
     slots = cpu_slots if cpu_slots is not None else default_cpu_slots()
     return DeviceSet(kind="cpu", devices=tuple(str(i) for i in range(slots)))
 
