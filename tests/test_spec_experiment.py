@@ -117,8 +117,11 @@ def test_more_devices_than_available(tmp_path: Path) -> None:
 
 def test_seed_regime_for_bf16(tmp_path: Path) -> None:
     body = GOOD.format(root=ROOT).replace(
-        'name = "fsdp2-tp2"\n',
-        'name = "fsdp2-tp2"\ntechniques = { param_dtype = "bfloat16" }\n')
+        'grid = {',
+        'techniques = { param_dtype = "bfloat16" }\ngrid = {')
     exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
-    assert exp.pairs[0].regime == "seed"
-    assert exp.pairs[0].rule_for("loss").method == "seed"
+    assert exp.pairs[0].regime == "paired"   # fp32 test: step-by-step comparison
+    bf16 = exp.pairs[1]
+    assert bf16.regime == "seed"
+    assert bf16.rule_for("loss").method == "seed"
+    assert bf16.rule_for("grad_norm").method == "seed"
