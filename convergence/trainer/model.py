@@ -256,7 +256,9 @@ class Transformer(nn.Module):
         """Initialise every parameter in place (works on sharded DTensors too)."""
         self.init_buffers()
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
+            # Tied weights double as the output projection: scale them so logits start O(1).
+            std = self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
             assert isinstance(layer, TransformerBlock)
             layer.init_weights()
@@ -267,6 +269,11 @@ class Transformer(nn.Module):
             bound = 3 / self.args.dim ** 0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim ** -0.5,
                                   a=-bound, b=bound)
+
+    def retie(self) -> None:
+        """Share the output and embedding weights again (to_empty() unties them)."""
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
     def init_buffers(self) -> None:

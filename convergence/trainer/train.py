@@ -80,6 +80,7 @@ def materialize(chunk: nn.Module, cfg: TrainConfig, model_args: ModelArgs,
     chunk.to_empty(device="cpu" if cfg.training.cpu_offload else device)
     for module in chunk.modules():
         if isinstance(module, Transformer):
+            module.retie()
             module.init_buffers()
             module.freqs_cis = module.freqs_cis.to(device)
     if cfg.checkpoint.seed_checkpoint:

@@ -89,9 +89,9 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if par.sequence_parallel and (data.seq_len // par.cp) % par.tp:
         fail("parallelism.sequence_parallel", f"tp={par.tp} must divide the local sequence "
              f"length {data.seq_len // par.cp}", "choose seq_len divisible by tp*cp")
-    if model.tie_embeddings and (par.tp > 1 or par.pp > 1):
-        fail("model.tie_embeddings", "tied embeddings are not supported with tp or pp > 1",
-             "set model.tie_embeddings = false")
+    if model.tie_embeddings and (par.tp > 1 or par.pp > 1 or par.dp_shard * par.cp > 1):
+        fail("model.tie_embeddings", "tied embeddings are supported single-process and with "
+             "DDP only (not with FSDP, TP or PP sharding)", "set model.tie_embeddings = false")
     if data.seq_len % par.cp:
         fail("parallelism.cp", f"cp={par.cp} must divide data.seq_len={data.seq_len}",
              "choose cp among the divisors of seq_len")
