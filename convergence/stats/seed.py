@@ -8,7 +8,7 @@ replicates with different seeds show how far seeds alone move the curve.
    Savitzky-Golay filter (local quadratic over SMOOTH_WINDOW logged steps). A quadratic fit,
    not a moving average, because a moving average is biased where the curve bends (the steep
    first steps of a loss) and that bias alone would leave a good run outside the band.
-   Spread: the per-step variance across replicates, averaged over the same window (pools
+   Spread: the per-step variance across replicates, averaged over VAR_WINDOW steps (pools
    degrees of freedom: with K=3 one step's variance has 2). Floor: the fast (per-step) noise
    of a single run, measured from each replicate's residuals around its own smoothed curve
    (robust MAD, corrected for the fit). Why a floor: three replicates can agree by chance at
@@ -16,9 +16,13 @@ replicates with different seeds show how far seeds alone move the curve.
    own batch noise, so the band can never get narrower than that.
    Half-width: q * sigma * sqrt(1 + 1/K). sqrt(1 + 1/K) because the centre is a mean of K
    runs, itself uncertain: a new run deviates from it with variance sigma^2 (1 + 1/K).
-   q is the Student-t quantile matching z (same one-sided tail) with the pooled degrees of
-   freedom (K-1)*SMOOTH_WINDOW/2 -- halved because neighbouring steps are correlated -- so
-   few replicates widen the band instead of trusting a poorly known sigma.
+   q is the Student-t quantile matching z (same one-sided tail) with (K-1) * n_eff degrees of
+   freedom, n_eff the number of independent steps the pooling window is worth (Bartlett's
+   formula on the replicates' autocorrelation: when a seed's offset wanders slowly, 21 steps
+   are worth ~2, and the band widens accordingly). Few replicates thus widen the band instead
+   of trusting a poorly known sigma. Calibrated on simulated ensembles (convergence/stats/
+   simulate.py; benchmarks/stats_false_alarm.py): z=3 keeps the band's false alarms at or
+   below ~2% even when the slow seed wander dominates; z=2.5 reached 7-10% there.
    Rule: the test passes the band when at most MAX_OUTSIDE_FRACTION of its steps are outside
    and never MAX_CONSECUTIVE in a row. A few isolated excursions are what z=3 over hundreds
    of steps produces by chance; a real divergence is sustained, so the run-length rule is
@@ -183,7 +187,7 @@ def _fast_noise(matrix: Floats) -> float:
     residuals = matrix - _smooth(matrix)
     mad = float(np.median(np.abs(residuals - np.median(residuals))))
     centre_weight = float(_filters()[0][SMOOTH_WINDOW // 2])
-    return 1.4826 * mad / np.sqrt(1.0 - centre_weight)
+    return float(1.4826 * mad / np.sqrt(1.0 - centre_weight))
 
 
 @dataclass(frozen=True, kw_only=True)
