@@ -101,3 +101,15 @@ def test_helpers() -> None:
     assert record_loss({"step": 1, "loss_metrics/global_avg_loss": 2.5}) == 2.5
     assert record_loss({"step": 1, "loss": 1.0, "z_loss": 9.0}) == 1.0
     assert record_loss({"step": 1, "lr": 0.1}) is None
+
+
+def test_a_sigtermed_root_cause_gives_way_to_the_real_failure() -> None:
+    # torchrun's tie on whole-second timestamps can name the rank it terminated itself.
+    swapped = SIGKILL_REPORT.replace("rank      : 0 (local_rank: 0)", "rank      : @").replace(
+        "rank      : 1 (local_rank: 1)", "rank      : 0 (local_rank: 0)").replace(
+        "rank      : @", "rank      : 1 (local_rank: 1)")
+    swapped = swapped.replace("exitcode  : -15 (pid: 5028)  (SIGTERM)", "exitcode  : @").replace(
+        "exitcode  : -9 (pid: 5029)  (SIGKILL)", "exitcode  : -15 (pid: 5028)  (SIGTERM)").replace(
+        "exitcode  : @", "exitcode  : -9 (pid: 5029)  (SIGKILL)")
+    cause = parse_root_cause(swapped)
+    assert cause is not None and (cause.rank, cause.signal) == (1, "SIGKILL")

@@ -25,6 +25,7 @@ _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.M)
 _EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(.*)$", re.M)
 _ERRFILE_RE = re.compile(r"^\s*error_file\s*:\s*(\S+)", re.M)
 _SIGNAL_TEXT_RE = re.compile(r"\((SIG[A-Z0-9]+)\)")
+_ENTRY_SPLIT = re.compile(r"^\s*\[\d+\]:\s*$", re.M)
 _TRACEBACK_HEAD = "Traceback (most recent call last):"
 _TAIL_LINES = 40
 
@@ -57,12 +58,7 @@ def _read(path: Path) -> str:
         return ""
 
 
-def parse_root_cause(agent_log: str) -> RootCause | None:
-    """Parse the last root-cause block torchrun printed, if any."""
-    idx = agent_log.rfind(_ROOT_CAUSE)
-    if idx < 0:
-        return None
-    block = agent_log[idx:]
+def _parse_entry(block: str) -> RootCause | None:
     rank_m = _RANK_RE.search(block)
     if rank_m is None:
         return None
@@ -75,6 +71,32 @@ def parse_root_cause(agent_log: str) -> RootCause | None:
     sig = signal_name(exitcode) or (sig_m.group(1) if sig_m else None)
     return RootCause(rank=int(rank_m.group(1)), local_rank=int(rank_m.group(2)),
                      exitcode=exitcode, error_file=error_file, signal=sig)
+
+
+def parse_failures(agent_log: str) -> tuple[RootCause | None, list[RootCause]]:
+    """torchrun's root cause and every other failure of its last report."""
+    idx = agent_log.rfind(_ROOT_CAUSE)
+    if idx < 0:
+        return None, []
+    start = agent_log.rfind("Failures:", 0, idx)
+    others = [e for e in map(_parse_entry, _ENTRY_SPLIT.split(agent_log[start:idx]))
+              if e is not None] if start >= 0 else []
+    return _parse_entry(agent_log[idx:]), others
+
+
+def parse_root_cause(agent_log: str) -> RootCause | None:
+    """The rank that really failed first, from torchrun's last failure report.
+
+    torchrun's "first observed failure" compares timestamps in whole seconds, so a rank the
+    agent itself SIGTERMed after the real failure can tie and be named instead. A SIGTERMed
+    root cause therefore gives way to another failure that was not a SIGTERM.
+    """
+    cause, others = parse_failures(agent_log)
+    if cause is not None and cause.signal == "SIGTERM":
+        real = [o for o in others if o.signal != "SIGTERM"]
+        if real:
+            return min(real, key=lambda o: (o.error_file is None, o.rank))
+    return cause
 
 
 def last_traceback(text: str) -> str:
