@@ -1,4 +1,5 @@
-"""Example PairOutcomes for the report tests: what the runner returns, built by hand.
+"""Example PairOutcomes for the report tests: what the runner returns, built by hand from
+synthetic curves; the verdicts come from the real comparison methods (convergence.stats).
 
 - ``passing_pair``: FSDP2 vs FSDP2+TP, paired, agreeing at the fp32 noise floor (control cached).
 - ``failing_pair``: FSDP2 vs FSDP2+PP, paired, the loss leaves the tolerance at step 17 and the
@@ -19,19 +20,13 @@ from convergence.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec
+from convergence.stats.registry import compare_all
 from convergence.stats.types import MetricVerdict
 
 STEPS = 40
 DIVERGES_AT = 17
 SOURCE = "experiments/converging.toml"
 CONFIG = Path("/work/main/train_configs/debug.toml")
-TOL = "atol 5e-07*(1+0.1*sqrt(step))"
-
-
-def _tol(step: int) -> float:
-    return 5e-7 * (1 + 0.1 * np.sqrt(step))
-
-
 def _job(name: str, seed: int = 42, techniques: Techniques | None = None,
          **degrees: int) -> JobSpec:
     return JobSpec(name=name, train_config=CONFIG, layout=ParallelLayout(**degrees),
@@ -85,11 +80,10 @@ def _side(job: JobSpec, metrics: RunMetrics, *, cached: bool = False, wall_s: fl
                        meta={"world_size": job.world_size, "seed_checkpoint": "abc123"})
 
 
-def _tps_verdict(ratio: float) -> MetricVerdict:
-    return MetricVerdict(metric="tokens_per_s", method="regression", passed=ratio >= 0.8,
-                         gate=False, steps_compared=STEPS, max_deviation=1 - ratio,
-                         tolerance="max_regression 0.2",
-                         message=f"throughput {ratio:.2f}x control")
+def judge(pair: PairSpec, controls: list[RunMetrics], test: RunMetrics
+          ) -> tuple[MetricVerdict, ...]:
+    """The verdicts the runner would give: the real comparison methods of convergence.stats."""
+    return tuple(compare_all(pair.rules, controls, test))
 
 
 def passing_pair() -> PairOutcome:
@@ -98,20 +92,10 @@ def passing_pair() -> PairOutcome:
     noise = 1e-7 * rng.standard_normal(STEPS)
     ctrl_m = run_metrics(1)
     test_m = run_metrics(1, tps=930.0, mem=300.0, loss_shift=noise)
-    worst = int(np.argmax(np.abs(noise)))
-    verdicts = (
-        MetricVerdict(metric="loss", method="paired", passed=True, gate=True,
-                      steps_compared=STEPS, max_deviation=float(abs(noise[worst])),
-                      max_deviation_step=worst + 1, tolerance=TOL,
-                      tolerance_at_max=float(_tol(worst + 1)),
-                      message="|Δloss| within the fp32 noise floor at every step"),
-        MetricVerdict(metric="grad_norm", method="paired", passed=True, gate=True,
-                      steps_compared=STEPS, max_deviation=0.0, max_deviation_step=1,
-                      tolerance=TOL, tolerance_at_max=float(_tol(1)),
-                      message="grad norm identical"),
-        _tps_verdict(0.93),
-    )
-    return PairOutcome(pair=_pair("fsdp2-tp2", control, test), status="passed",
+    pair = _pair("fsdp2-tp2", control, test)
+    verdicts = judge(pair, [ctrl_m], test_m)
+    assert all(v.passed for v in verdicts), verdicts
+    return PairOutcome(pair=pair, status="passed",
                        control=_side(control, ctrl_m, cached=True, wall_s=11.0),
                        test=_side(test, test_m, wall_s=14.2), verdicts=verdicts, wall_s=14.9)
 
@@ -123,23 +107,10 @@ def failing_pair() -> PairOutcome:
     scale = np.where(steps >= DIVERGES_AT, 2.0, 1.0)
     ctrl_m = run_metrics(1)
     test_m = run_metrics(1, tps=1100.0, mem=700.0, loss_shift=shift, gnorm_scale=scale)
-    dev = float(shift[-1])
-    gdev = float(np.max(np.abs(test_m["grad_norm"].values - ctrl_m["grad_norm"].values)))
-    verdicts = (
-        MetricVerdict(metric="loss", method="paired", passed=False, gate=True,
-                      steps_compared=STEPS, first_divergent_step=DIVERGES_AT,
-                      max_deviation=dev, max_deviation_step=STEPS, tolerance=TOL,
-                      tolerance_at_max=float(_tol(STEPS)),
-                      message=f"loss leaves the tolerance at step {DIVERGES_AT} "
-                              f"(|Δ|=2.000e-03 > 7.06e-07)"),
-        MetricVerdict(metric="grad_norm", method="paired", passed=False, gate=True,
-                      steps_compared=STEPS, first_divergent_step=DIVERGES_AT,
-                      max_deviation=gdev, max_deviation_step=DIVERGES_AT, tolerance=TOL,
-                      tolerance_at_max=float(_tol(DIVERGES_AT)),
-                      message="grad norm doubles from step 17: a wrongly scaled gradient?"),
-        _tps_verdict(1.1),
-    )
-    return PairOutcome(pair=_pair("fsdp2-pp2", control, test), status="failed",
+    pair = _pair("fsdp2-pp2", control, test)
+    verdicts = judge(pair, [ctrl_m], test_m)
+    assert [v.first_divergent_step for v in verdicts if not v.passed] == [DIVERGES_AT] * 2
+    return PairOutcome(pair=pair, status="failed",
                        control=_side(control, ctrl_m, wall_s=10.5),
                        test=_side(test, test_m, wall_s=16.0), verdicts=verdicts,
                        localisation={"module": "layers.1.attention.wo", "parameter": "weight",
@@ -166,23 +137,10 @@ def seed_pair() -> PairOutcome:
     reps = tuple(run_metrics(10 + i) for i in range(3))
     test_m = run_metrics(20, tps=1500.0, mem=400.0, noise=0.4)
 
-    def band_verdict(metric: str, message: str, p_values: dict[str, float]) -> MetricVerdict:
-        stack = np.stack([r[metric].values for r in reps])
-        dev = np.abs(test_m[metric].values - stack.mean(axis=0))
-        half = 3.0 * stack.std(axis=0, ddof=1)
-        worst = int(np.argmax(dev))
-        return MetricVerdict(metric=metric, method="seed", passed=True, gate=True,
-                             steps_compared=STEPS, max_deviation=float(dev[worst]),
-                             max_deviation_step=worst + 1, tolerance="mean ± 3σ band",
-                             tolerance_at_max=float(half[worst]), p_values=p_values,
-                             message=message, details={"z": 3.0})
-
-    verdicts = (
-        band_verdict("loss", "inside the band; equivalent on the final window (p=0.003)",
-                     {"tost_lower": 0.001, "tost_upper": 0.003}),
-        band_verdict("grad_norm", "inside the band", {"tost_lower": 0.01, "tost_upper": 0.02}),
-    )
-    return PairOutcome(pair=_pair("fsdp2-bf16", control, test, regime="seed"), status="passed",
+    pair = _pair("fsdp2-bf16", control, test, regime="seed")
+    verdicts = judge(pair, list(reps), test_m)
+    assert all(v.passed for v in verdicts), verdicts
+    return PairOutcome(pair=pair, status="passed",
                        control=_side(control, reps[0], cached=True, replicates=reps),
                        test=_side(test, test_m, wall_s=9.0), verdicts=verdicts,
                        stopped_early_at=None, wall_s=9.8)

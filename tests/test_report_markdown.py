@@ -54,6 +54,18 @@ def test_step_summary_is_truncated_below_the_limit(tmp_path: Path) -> None:
     assert body[-1].endswith("|")  # cut at a line end
 
 
+def test_write_reports_appends_the_summary_only_when_asked(tmp_path: Path) -> None:
+    from convergence.report import write_reports
+
+    target = tmp_path / "summary.md"
+    env = {"GITHUB_STEP_SUMMARY": str(target)}
+    paths = write_reports([passing_pair()], tmp_path / "a", environment={})
+    assert "step_summary" not in paths and not target.exists()
+    paths = write_reports([passing_pair()], tmp_path / "b", environment={}, step_summary_env=env)
+    assert paths["step_summary"] == target
+    assert target.read_text(encoding="utf-8") == paths["markdown"].read_text(encoding="utf-8")
+
+
 def test_step_summary_already_full_is_left_alone(tmp_path: Path) -> None:
     target = tmp_path / "summary.md"
     target.write_bytes(b"x" * STEP_SUMMARY_LIMIT)

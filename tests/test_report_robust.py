@@ -13,6 +13,7 @@ import numpy as np
 from convergence.metrics.curve import Curve
 from convergence.outcome import PairOutcome
 from convergence.report import REPORT_JSON_SCHEMA, divergence_table, render_matrix, write_reports
+from convergence.stats.seed import seed_band
 from report_examples import DIVERGES_AT, errored_pair, failing_pair, seed_pair
 
 
@@ -61,10 +62,12 @@ def test_divergence_table_edges() -> None:
     assert delta == test - control and abs(delta - 2e-3) < 1e-12
     assert divergence_table(errored_pair()) == []  # no verdict to centre on
     assert divergence_table(failing_pair(), "val_loss") == []
-    # Seed regime: the reference is the replicate mean.
+    # Seed regime: the reference is the seed method's band centre (smoothed mean).
     seed = seed_pair()
     rows = divergence_table(seed, "loss", 0)
     assert seed.control is not None and len(rows) == 1
     step = rows[0][0]
+    band = seed_band([r["loss"] for r in seed.control.replicates])
+    assert rows[0][1] == band.center[step - 1]
     mean = np.mean([r["loss"].values[step - 1] for r in seed.control.replicates])
-    assert rows[0][1] == mean
+    assert rows[0][1] != mean

@@ -1,7 +1,8 @@
 """Numbers every report shows, computed once from an outcome's curves.
 
-The *reference* a test curve is compared with is the control curve (paired regime) or the mean
-of the control replicates (seed regime: the band centre), so |Δ| in every report means the same
+The *reference* a test curve is compared with is the control curve (paired regime) or the
+centre of the control replicates' band (seed regime: their smoothed mean, built by
+convergence.stats.seed exactly as the verdict built it), so |Δ| in every report means the same
 thing as the verdict's ``max_deviation``.
 """
 
@@ -19,41 +20,60 @@ from convergence.outcome import PairOutcome, SideOutcome
 DivergenceRow = tuple[int, float | None, float | None, float | None]
 
 DEFAULT_Z = 3.0
-"""Band half-width (in σ) drawn for the seed regime when neither verdict nor rule states one."""
+"""Band z when neither verdict nor rule states one (the seed method's default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Band:
-    """Control replicates of one metric on their common steps."""
+    """The control replicates' band of one metric at their common steps."""
 
     steps: npt.NDArray[np.int64]
-    mean: npt.NDArray[np.float64]
-    std: npt.NDArray[np.float64]
+    center: npt.NDArray[np.float64]
+    half_width: npt.NDArray[np.float64]
     num_replicates: int
+    z: float
+    exact: bool
+    """True: the seed method's own band (smoothed centre, t-quantile half-width) -- the one
+    the verdict used; False: plain mean ± z·σ (the stats module could not build it)."""
 
 
-def replicate_band(side: SideOutcome | None, metric: str) -> Band | None:
-    """Mean and σ over the control replicates (None unless there are at least 2)."""
+def band_z(outcome: PairOutcome, metric: str) -> float:
+    rule = outcome.pair.rule_for(metric)
+    return float(rule.z) if rule is not None and rule.z is not None else DEFAULT_Z
+
+
+def replicate_band(side: SideOutcome | None, metric: str, z: float = DEFAULT_Z) -> Band | None:
+    """The band over the control replicates (None unless there are at least 2)."""
     if side is None:
         return None
     curves = [r[metric] for r in side.replicates if metric in r and len(r[metric])]
     if len(curves) < 2:
         return None
+    try:
+        from convergence.stats.seed import seed_band
+
+        band = seed_band(curves, z)
+        if band.steps.size:
+            return Band(steps=band.steps, center=band.center, half_width=band.half_width,
+                        num_replicates=band.num_replicates, z=z, exact=True)
+    except Exception:  # noqa: BLE001 - e.g. too few steps to smooth: draw the plain band
+        pass
     steps = curves[0].steps
     for c in curves[1:]:
         steps = np.intersect1d(steps, c.steps)
     if steps.size == 0:
         return None
     stack = np.stack([c.values[np.searchsorted(c.steps, steps)] for c in curves])
-    return Band(steps=steps.astype(np.int64), mean=stack.mean(axis=0),
-                std=stack.std(axis=0, ddof=1), num_replicates=len(curves))
+    return Band(steps=steps.astype(np.int64), center=stack.mean(axis=0),
+                half_width=z * stack.std(axis=0, ddof=1), num_replicates=len(curves), z=z,
+                exact=False)
 
 
 def reference_curve(outcome: PairOutcome, metric: str) -> Curve | None:
-    """What the test is compared with: the replicate mean (seed regime) or the control curve."""
-    band = replicate_band(outcome.control, metric)
+    """What the test is compared with: the band centre (seed regime) or the control curve."""
+    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
     if band is not None:
-        return Curve(metric, band.steps, band.mean)
+        return Curve(metric, band.steps, band.center)
     if outcome.control is None:
         return None
     curve = outcome.control.metrics.get(metric)
@@ -117,7 +137,8 @@ def divergence_table(outcome: PairOutcome, metric: str = "loss", around: int = 3
                      ) -> list[DivergenceRow]:
     """Rows around the first divergent step (else the step of the largest deviation).
 
-    ``control`` is the replicate mean for the seed regime. Empty when there is nothing to
+    ``control`` is the band centre (smoothed replicate mean) for the seed regime. Empty when
+    there is nothing to
     centre on (no verdict for ``metric``, or no curves).
     """
     verdict = outcome.verdict(metric)

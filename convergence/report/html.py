@@ -136,8 +136,7 @@ def verdicts_html(record: Mapping[str, Any]) -> str:
 
 def divergence_html(record: Mapping[str, Any]) -> str:
     parts = []
-    reference = "control mean" if record.get("delta_reference", "").endswith("mean") \
-        else "control"
+    reference = str(record.get("delta_reference") or "control")
     for metric, rows in record["divergence"].items():
         def num(x: Any) -> str:
             v = as_float(x)
@@ -224,7 +223,7 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
 <h2>Matrix</h2>
 {matrix_html(pairs)}
 <div class="sub">Axis degrees are the test's ("-" = 1). |Δ| = max |test − control| (seed regime:
- − control replicate mean). tok/s and mem: test / control. * = stopped early.</div>
+ − centre of the control replicates' band). tok/s and mem: test / control. * = stopped early.</div>
 {heat}
 <h2>Pairs</h2>
 {sections}

@@ -95,8 +95,7 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
         lines.append(f"**First divergent step: {record['first_divergent_step']}**")
         lines.append("")
     lines += verdict_lines(record)
-    reference = "control mean" if record.get("delta_reference", "").endswith("mean") \
-        else "control"
+    reference = str(record.get("delta_reference") or "control")
     for metric, rows in record["divergence"].items():
         lines += ["", f"{metric} around the divergence:", ""]
         lines += divergence_lines(rows, reference)

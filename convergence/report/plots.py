@@ -18,8 +18,8 @@ import numpy.typing as npt
 
 from convergence.outcome import PairOutcome
 from convergence.report.curves import (
-    DEFAULT_Z,
     Band,
+    band_z,
     aligned_delta,
     curve_of_test,
     reference_curve,
@@ -42,6 +42,7 @@ DPI = 100
 #: ``atol A*(1+G*sqrt(step))``: the paired tolerance's description (see MetricVerdict.tolerance).
 _PAIRED_TOL = re.compile(r"atol\s*([0-9.eE+-]+)\s*\*\s*\(\s*1\s*\+\s*([0-9.eE+-]+)\s*\*\s*"
                          r"sqrt\(\s*step\s*\)\s*\)")
+_RTOL = re.compile(r"rtol\s*([0-9.eE+-]+)\s*\*\s*\|control\|")
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -69,39 +70,50 @@ def _note(ax: Axes, text: str) -> None:
 
 
 def tolerance_envelope(verdict: MetricVerdict | None, steps: npt.NDArray[np.int64],
-                       band: Band | None, z: float) -> tuple[npt.NDArray[np.float64], str] | None:
-    """Half-width of the allowed |Δ| per step, and how it was obtained.
+                       reference: npt.NDArray[np.float64], band: Band | None
+                       ) -> tuple[npt.NDArray[np.float64], str] | None:
+    """Half-width of the allowed |Δ| per step, and its legend label.
 
     In order: an explicit per-step envelope in ``verdict.details["envelope"]`` ({steps,
-    values}); the seed band (z·σ of the replicates); the paired formula parsed from the
-    tolerance text; the constant ``tolerance_at_max``.
+    values}); the seed band's half-width; the paired formula from the verdict's details
+    (``atol*(1+growth*sqrt(step)) + rtol*|control|``, see convergence.stats.paired) or, for
+    outcomes saved without details, parsed from its tolerance text; the constant
+    ``tolerance_at_max``.
     """
-    if verdict is not None:
-        env = verdict.details.get("envelope") if verdict.details else None
-        if isinstance(env, dict) and "steps" in env and "values" in env:
-            values = np.interp(steps, np.asarray(env["steps"], dtype=float),
-                               np.asarray(env["values"], dtype=float))
-            return values, "tolerance"
+    details = verdict.details if verdict is not None else {}
+    env = details.get("envelope")
+    if isinstance(env, dict) and "steps" in env and "values" in env:
+        values = np.interp(steps, np.asarray(env["steps"], dtype=float),
+                           np.asarray(env["values"], dtype=float))
+        return values, "tolerance"
     if band is not None:
-        half = z * np.interp(steps, band.steps, band.std)
-        return half, f"band ±{z:g}σ"
+        return np.interp(steps, band.steps, band.half_width), f"band (z {band.z:g})"
     if verdict is None:
         return None
-    match = _PAIRED_TOL.search(verdict.tolerance or "")
-    if match:
-        atol, growth = float(match.group(1)), float(match.group(2))
-        return atol * (1 + growth * np.sqrt(steps.astype(float))), "tolerance"
+    params = _paired_params(verdict)
+    if params is not None:
+        atol, growth, rtol = params
+        floor = atol * (1 + growth * np.sqrt(steps.astype(float)))
+        return floor + rtol * np.abs(reference), "tolerance"
     if verdict.tolerance_at_max is not None and math.isfinite(verdict.tolerance_at_max):
         return np.full(steps.shape, float(verdict.tolerance_at_max)), "tolerance (at max)"
     return None
 
 
-def _band_z(outcome: PairOutcome, metric: str) -> float:
-    verdict = outcome.verdict(metric)
-    if verdict is not None and isinstance(verdict.details.get("z"), (int, float)):
-        return float(verdict.details["z"])
-    rule = outcome.pair.rule_for(metric)
-    return float(rule.z) if rule is not None and rule.z is not None else DEFAULT_Z
+def _paired_params(verdict: MetricVerdict) -> tuple[float, float, float] | None:
+    if verdict.method != "paired":
+        return None
+    d = verdict.details or {}
+    if all(isinstance(d.get(k), (int, float)) for k in ("atol", "growth")):
+        rtol = d.get("rtol")
+        return (float(d["atol"]), float(d["growth"]),
+                float(rtol) if isinstance(rtol, (int, float)) else 0.0)
+    match = _PAIRED_TOL.search(verdict.tolerance or "")
+    if match is None:
+        return None
+    rtol_match = _RTOL.search(verdict.tolerance)
+    return (float(match.group(1)), float(match.group(2)),
+            float(rtol_match.group(1)) if rtol_match else 0.0)
 
 
 def _mark_divergence(ax: Axes, step: int | None) -> None:
@@ -112,7 +124,7 @@ def _mark_divergence(ax: Axes, step: int | None) -> None:
 
 def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bool:
     """Control (or replicate band) and test curves of ``metric``; False when neither exists."""
-    band = replicate_band(outcome.control, metric)
+    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
     ctrl = reference_curve(outcome, metric)
     test = curve_of_test(outcome, metric)
     ax.set_title(title, loc="left", fontsize=10)
@@ -120,13 +132,15 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
         _note(ax, f"no {metric} curve")
         return False
     if band is not None:
-        z = _band_z(outcome, metric)
-        ax.fill_between(band.steps, band.mean - z * band.std, band.mean + z * band.std,
+        what = "smoothed mean" if band.exact else "mean"
+        ax.fill_between(band.steps, band.center - band.half_width, band.center + band.half_width,
                         color=CONTROL_COLOR, alpha=0.2, linewidth=0,
-                        label=f"control band (mean ±{z:g}σ, {band.num_replicates} seeds)")
-        ax.plot(band.steps, band.mean, color=CONTROL_COLOR, linewidth=1.4, label="control mean")
+                        label=f"control band (z {band.z:g}, {band.num_replicates} seeds)")
+        ax.plot(band.steps, band.center, color=CONTROL_COLOR, linewidth=1.4,
+                label=f"control {what}")
     elif ctrl is not None:
-        ax.plot(ctrl.steps, ctrl.values, color=CONTROL_COLOR, linewidth=1.6,
+        # Wide under the narrow test line: two agreeing curves both stay visible.
+        ax.plot(ctrl.steps, ctrl.values, color=CONTROL_COLOR, linewidth=3.0, alpha=0.7,
                 label=f"control ({outcome.pair.control.layout.short_name()})")
     if test is not None:
         ax.plot(test.steps, test.values, color=TEST_COLOR, linewidth=1.2, linestyle="-",
@@ -139,23 +153,26 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
 
 
 def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
-    reference = "control mean" if replicate_band(outcome.control, metric) else "control"
+    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
+    reference = "control band centre" if band is not None else "control"
     ax.set_title(f"residual: test − {reference} ({metric})", loc="left", fontsize=10)
     found = aligned_delta(outcome, metric)
-    if found is None:
+    ref = reference_curve(outcome, metric)
+    if found is None or ref is None:
         _note(ax, "no common steps to compare")
         return
     steps, delta = found
     verdict = outcome.verdict(metric)
-    band = replicate_band(outcome.control, metric)
-    envelope = tolerance_envelope(verdict, steps, band, _band_z(outcome, metric))
+    ref_values = ref.values[np.searchsorted(ref.steps, steps)]
+    envelope = tolerance_envelope(verdict, steps, ref_values, band)
     if envelope is not None:
         half, label = envelope
         ax.fill_between(steps, -half, half, color="0.6", alpha=0.3, linewidth=0,
                         label=f"±{label}")
         _symlog_if_far(ax, delta, half)
     color = DIVERGE_COLOR if verdict is not None and not verdict.passed else "0.15"
-    ax.plot(steps, delta, color=color, linewidth=1.2, marker=".", markersize=3, label="Δ")
+    marker = "." if steps.size <= 200 else None  # dots help on short runs, smear long ones
+    ax.plot(steps, delta, color=color, linewidth=1.2, marker=marker, markersize=3, label="Δ")
     ax.axhline(0, color="0.5", linewidth=0.6)
     _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
     if ax.get_yscale() == "linear":
@@ -255,9 +272,14 @@ def _cell(outcome: PairOutcome, metric: str) -> tuple[float, str]:
     label = f"{word}\n{dev:.1e}" if math.isfinite(dev) else f"{word}\nnan"
     if not math.isfinite(dev):
         return 3.0, label
-    if tol is None or not math.isfinite(tol) or tol <= 0:
+    stated = verdict.details.get("max_ratio") if verdict.details else None
+    if isinstance(stated, (int, float)) and math.isfinite(stated):
+        ratio = float(stated)  # the paired method's own worst |Δ|/tolerance over all steps
+    elif tol is None or not math.isfinite(tol) or tol <= 0:
         return (-1.0 if verdict.passed else 1.0), label
-    ratio = max(dev, 1e-300) / tol
+    else:
+        ratio = dev / tol
+    ratio = max(ratio, 1e-300)
     return float(np.clip(np.log10(ratio), -3, 3)), label
 
 

@@ -63,12 +63,13 @@ def pair_to_json(pair: PairSpec) -> dict[str, Any]:
 def result_to_json(result: JobResult | None) -> dict[str, Any] | None:
     if result is None:
         return None
-    return jsonable({
+    data: dict[str, Any] = jsonable({
         "name": result.name, "status": result.status, "returncode": result.returncode,
         "wall_s": result.wall_s, "log_dir": result.log_dir, "metrics_path": result.metrics_path,
         "failure": None if result.failure is None else asdict(result.failure),
         "last_step": result.last_step,
-    })  # type: ignore[no-any-return]
+    })
+    return data
 
 
 def side_to_json(side: SideOutcome | None) -> dict[str, Any] | None:

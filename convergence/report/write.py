@@ -19,7 +19,7 @@ from convergence.outcome import PairOutcome
 from convergence.report.curves import DivergenceRow
 from convergence.report.curves import divergence_table as _divergence_table
 from convergence.report.html import render_html
-from convergence.report.markdown import render_markdown
+from convergence.report.markdown import render_markdown, write_step_summary
 from convergence.report.plots import plot_heatmap, plot_outcomes
 from convergence.report.schema import build_report
 
@@ -74,9 +74,15 @@ def plot_names(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
 
 def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
                   environment: Mapping[str, Any], started_at: float | None = None,
-                  wall_s: float | None = None) -> dict[str, Path]:
+                  wall_s: float | None = None,
+                  step_summary_env: Mapping[str, str] | None = None) -> dict[str, Path]:
     """Write the reports into ``out_dir``; returns ``{"json", "markdown", "html", "heatmap",
-    "plots"}`` paths (``plots`` is the folder of per-pair PNGs)."""
+    "plots"}`` paths (``plots`` is the folder of per-pair PNGs).
+
+    ``step_summary_env`` (e.g. ``os.environ``) also appends report.md to
+    ``$GITHUB_STEP_SUMMARY`` when that is set (path under ``"step_summary"``). It is opt-in:
+    a test suite that writes example reports inside CI must not fill the job's summary.
+    """
     outcomes = list(outcomes)
     out_dir = Path(out_dir)
     plot_dir = out_dir / PLOT_DIR
@@ -92,12 +98,17 @@ def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
                           started_at=started_at,
                           wall_s=wall_s, plots=rel, plot_errors=plot_errors, report_dir=out_dir)
     plot_files = {f"{PLOT_DIR}/{p.name}": p for p in [*paths.values(), heatmap]}
+    markdown = render_markdown(report)
     written = {
         "plots": plot_dir,
         "heatmap": heatmap,
         "json": atomic_write(out_dir / "report.json",
                              json.dumps(report, indent=1, allow_nan=False) + "\n"),
-        "markdown": atomic_write(out_dir / "report.md", render_markdown(report)),
+        "markdown": atomic_write(out_dir / "report.md", markdown),
         "html": atomic_write(out_dir / "report.html", render_html(report, plot_files)),
     }
+    if step_summary_env is not None:
+        summary = write_step_summary(markdown, env=step_summary_env)
+        if summary is not None:
+            written["step_summary"] = summary
     return written
