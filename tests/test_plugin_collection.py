@@ -10,10 +10,6 @@ from pathlib import Path
 
 import pytest
 
-# In-process pytester runs forget the modules imported inside them; torch (imported by device
-# detection at collection) cannot be imported twice in one process, so import it here once.
-import torch  # noqa: F401
-
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "train_configs" / "debug.toml"
 
@@ -50,6 +46,22 @@ def test_with_fixture_only(convergence_pair):
 def test_plain():
     pass
 """
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_imports(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """In-process pytester runs forget the modules imported inside them, and C extensions
+    (torch, numpy.fft) cannot be imported twice in one process: load an experiment here once,
+    before any pytester snapshot, so every module collection needs is already imported."""
+    from convergence.launch.pool import detect_devices
+    from convergence.spec.experiment import load_experiment, validate_pair
+    import convergence.report  # noqa: F401
+    import convergence.runner  # noqa: F401
+
+    path = tmp_path_factory.mktemp("warm") / "exp.toml"
+    path.write_text(EXPERIMENT)
+    for pair in load_experiment(path, rootdir=REPO).pairs:
+        validate_pair(pair, available_devices=len(detect_devices().devices))
 
 
 @pytest.fixture
@@ -201,6 +213,9 @@ def test_fixture_rejects_bad_input_before_launching(pytester: pytest.Pytester) -
 
 def test_xdist_auto_workers_from_devices_and_world_size(project: pytest.Pytester) -> None:
     # The largest job is fsdp2-tp2 (4 ranks): 8 devices give 2 workers.
-    result = project.runpytest_subprocess("--collect-only", "-q", "-n", "auto",
+    # (xdist does not distribute --collect-only: run a plain test, deselecting the pairs.)
+    project.makepyfile("def test_plain():\n    pass\n")
+    result = project.runpytest_subprocess("-n", "auto", "-m", "not convergence",
                                           "--convergence-devices", "8", "-p", "no:cacheprovider")
     result.stdout.fnmatch_lines(["*created: 2/2 workers*"])
+    result.assert_outcomes(passed=1)
