@@ -227,7 +227,8 @@ class Runner:
             control_runs = [c.metrics for c in controls]
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
-                monitor = SequentialMonitor(pair.rules, control_runs)
+                keys = get_backend(pair.test.backend).record_keys(pair.test)
+                monitor = SequentialMonitor(pair.rules, control_runs, key_map=keys)
 
                 def on_metrics(record: dict[str, float]) -> bool:
                     return bool(monitor.update(int(record["step"]), record).decided)

@@ -49,6 +49,10 @@ class Backend(Protocol):
         """The JSONL file read live while the job runs (None: none, poll nothing)."""
         ...
 
+    def record_keys(self, job: JobSpec) -> dict[str, str] | None:
+        """Map of the live JSONL's key names to ours (None: they are ours already)."""
+        ...
+
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         """All curves of a finished (or stopped) run, at full precision."""
         ...

@@ -99,6 +99,9 @@ class BuiltinBackend:
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
         return dump_dir / "metrics.jsonl"
 
+    def record_keys(self, job: JobSpec) -> dict[str, str] | None:
+        return None
+
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         # The JSONL holds exact float64 reprs; TensorBoard carries the same values for users.
         from convergence.metrics.jsonl import read_jsonl

@@ -122,6 +122,9 @@ class CommandBackend:
             return None
         return dump_dir / options.get("metrics_file", "metrics.jsonl")
 
+    def record_keys(self, job: JobSpec) -> dict[str, str] | None:
+        return _key_map(_options(job)) or None
+
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         options = _options(job)
         key_map = _key_map(options)
