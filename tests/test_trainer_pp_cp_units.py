@@ -131,7 +131,7 @@ def test_split_rejects_bad_layouts_naming_the_key(schedule: str, pp: int, spr: i
 
 @pytest.fixture(scope="module", params=[
     pytest.param((2, 1, 1, ",".join(SCHEDULES)), id="pp2"),
-    pytest.param((2, 2, 1, "GPipe,1F1B,Interleaved1F1B"), id="pp2-fsdp2"),
+    pytest.param((2, 2, 1, "GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble"), id="pp2-fsdp2"),
     pytest.param((2, 1, 2, "GPipe,1F1B,Interleaved1F1B"), id="pp2-cp2"),
 ])
 def pp_results(request: pytest.FixtureRequest,
@@ -146,9 +146,20 @@ def pp_results(request: pytest.FixtureRequest,
 
 def test_pp_matches_single_process_loss_and_every_grad(pp_results: dict[str, Any]) -> None:
     """Each schedule (and 1F1B over 2 accumulation microsteps): one step's loss and all
-    parameter gradients equal the un-pipelined model on the same batch."""
+    parameter gradients equal the un-pipelined model on the same batch, with 4 microbatches."""
     for schedule in pp_results["_schedules"]:
         res = pp_results[schedule]
         assert res["num_params_checked"] == res["num_params_model"], (schedule, res)
         assert res["loss_rel"] <= 1e-5, (schedule, res)
         assert res["grad_rel"] <= 1e-5, (schedule, res)
+        # The validation (forward-only) path returns the same loss and leaves grads alone
+        # (the worker checks the grads above after running it).
+        assert res["eval_rel"] <= 1e-6, (schedule, res)
+
+
+def test_zero_bubble_with_nested_fsdp_is_refused(pp_results: dict[str, Any]) -> None:
+    """torch 2.13 loses nested-FSDP grads under split backward: build_schedule says so."""
+    res = pp_results.get("ZBVZeroBubble+nested_fsdp")
+    if res is None:
+        pytest.skip("only the FSDP layout builds nested FSDP units")
+    assert res["rejected"] and "fully_shard to the whole chunk" in res["rejected"], res

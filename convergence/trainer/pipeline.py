@@ -18,7 +18,9 @@ API (what the trainer calls, in order):
         # of stage_ids_this_rank(). model_factory(model_args) must return the FULL model on the
         # meta device (convergence.trainer.model.build_model does by default).
     for _, chunk in chunks:                      # the trainer's own steps, per chunk:
-        tp(chunk); ac(chunk); fully_shard(blocks) + fully_shard(chunk)   # chunk = FSDP root
+        tp(chunk); ac(chunk)
+        fully_shard(each block) only if fsdp_per_block_ok(schedule_name)  # see its docstring
+        fully_shard(chunk)                        # the chunk must be its own FSDP root
         chunk.to_empty(device=device); chunk.init_weights() / load the seed checkpoint
     schedule = build_schedule([c for _, c in chunks], [i for i, _ in chunks],
                               num_stages=pp * spr, pp_group=mesh["pp"], device=device,
@@ -31,6 +33,7 @@ API (what the trainer calls, in order):
         # -> mean loss over the M microbatches (a detached scalar) on the rank holding the last
         #    stage, None elsewhere; gradients are accumulated into the chunks' parameters.
     is_last_stage_rank(pp_rank, pp, schedule_name)   # True where the loss lives (log there)
+    pipeline_eval(schedule, tokens, targets, has_first_stage, has_last_stage)   # validation
 
 Gradient scale: the schedule calls loss_fn once per microbatch and backpropagates each result,
 so parameter gradients are the SUM over microbatches. build_schedule therefore divides every
@@ -63,15 +66,21 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
-                                                    PipelineScheduleSingle,
-                                                    _PipelineSchedule, get_schedule_class)
+                                                    PipelineScheduleSingle, ScheduleDualPipeV,
+                                                    ScheduleZBVZeroBubble, _PipelineSchedule,
+                                                    get_schedule_class)
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 V_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
 """Schedules whose rank r holds stages r and 2pp-1-r."""
+
+ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble",
+                                                   "DualPipeV"})
+"""Schedules that split backward into input-grad and weight-grad passes (see fsdp_per_block_ok)."""
 
 SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
                               "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -84,6 +93,18 @@ def _schedule_class(schedule_name: str) -> type[_PipelineSchedule]:
                          f"use one of {', '.join(SCHEDULES)}")
     cls: type[_PipelineSchedule] = get_schedule_class(schedule_name)
     return cls
+
+
+def fsdp_per_block_ok(schedule_name: str) -> bool:
+    """Whether each block of a chunk may be its own FSDP unit under this schedule.
+
+    False for the zero-bubble schedules: on torch 2.13 their split backward (weight grads
+    computed after the input grads) loses the gradients of parameters in nested FSDP units -
+    measured on gloo, pp=2 x dp_shard=2: p.grad None (ZBVZeroBubble, InterleavedZeroBubble) or
+    100% off (DualPipeV) - while `fully_shard` on the chunk alone gives exact gradients. So for
+    these schedules the trainer shards each chunk as ONE FSDP unit (more memory per rank).
+    """
+    return schedule_name not in ZERO_BUBBLE_SCHEDULES
 
 
 def is_multi_stage(schedule_name: str) -> bool:
@@ -134,7 +155,7 @@ def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: An
     spr = resolve_stages_per_rank(schedule_name, stages_per_rank)
     num_stages = pp_size * spr
     whole = model_factory(model_args)
-    n_layers = len(whole.layers)
+    n_layers = len(_layers(whole))
     if n_layers % num_stages:
         raise ValueError(f"model.n_layers={n_layers} is not divisible by the {num_stages} pipeline "
                          f"stages (parallelism.pp={pp_size} x {spr} stages per rank): change "
@@ -143,19 +164,41 @@ def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: An
         raise ValueError("model.tie_embeddings=true cannot be split across pipeline stages "
                          "(embedding and output live on different ranks): set it to false")
     per_stage = n_layers // num_stages
-    chunks = []
+    chunks: list[tuple[int, nn.Module]] = []
     for stage in stage_ids_this_rank(pp_rank, pp_size, spr, schedule_name):
         chunk = whole if len(chunks) == spr - 1 else copy.deepcopy(whole)
+        layers = _layers(chunk)
         keep = {str(i) for i in range(stage * per_stage, (stage + 1) * per_stage)}
-        for name in [n for n in chunk.layers if n not in keep]:
-            del chunk.layers[name]
+        for name in [n for n in layers if n not in keep]:
+            del layers[name]
+        # setattr, not nn.Module deletion: forward checks `is None` (the model's contract).
         if stage != 0:
-            chunk.tok_embeddings = None
+            setattr(chunk, "tok_embeddings", None)
         if stage != num_stages - 1:
-            chunk.norm = None
-            chunk.output = None
+            setattr(chunk, "norm", None)
+            setattr(chunk, "output", None)
         chunks.append((stage, chunk))
     return chunks
+
+
+def _check_no_nested_fsdp(chunks: list[nn.Module], schedule_name: str) -> None:
+    for chunk in chunks:
+        nested = [name for name, m in chunk.named_modules()
+                  if name and isinstance(m, FSDPModule)]
+        if nested:
+            raise ValueError(
+                f"parallelism.pp_schedule={schedule_name} splits the backward into input and "
+                f"weight passes, which loses gradients of nested FSDP units on torch "
+                f"{torch.__version__} (here: {nested[0]!r}): apply fully_shard to the whole "
+                "chunk only (see pipeline.fsdp_per_block_ok), or use GPipe/1F1B/Interleaved1F1B")
+
+
+def _layers(model: nn.Module) -> nn.ModuleDict:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError(f"{type(model).__name__}.layers must be an nn.ModuleDict of blocks "
+                        "for pipeline splitting (see convergence.trainer.model)")
+    return layers
 
 
 def _pp_group(pp_mesh: DeviceMesh | ProcessGroup | None) -> ProcessGroup | None:
@@ -175,6 +218,8 @@ def build_schedule(chunks: list[nn.Module], stage_indices: list[int], num_stages
     """
     if len(chunks) != len(stage_indices):
         raise ValueError(f"{len(chunks)} chunks but {len(stage_indices)} stage indices")
+    if not fsdp_per_block_ok(schedule_name):
+        _check_no_nested_fsdp(chunks, schedule_name)
     group = _pp_group(pp_group)
     stages = [PipelineStage(chunk, index, num_stages, device, group=group)
               for chunk, index in zip(chunks, stage_indices)]
@@ -182,14 +227,17 @@ def build_schedule(chunks: list[nn.Module], stage_indices: list[int], num_stages
     def scaled_loss(output: Tensor, target: Tensor) -> Tensor:
         return loss_fn(output, target) / n_microbatches
 
-    cls = _schedule_class(schedule_name)
+    cls: Any = _schedule_class(schedule_name)
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
             raise ValueError(f"parallelism.pp_schedule={schedule_name} takes one stage per rank, "
                              f"got {len(stages)}")
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss,
-                   scale_grads=False)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+        single: _PipelineSchedule = cls(stages[0], n_microbatches=n_microbatches,
+                                        loss_fn=scaled_loss, scale_grads=False)
+        return single
+    multi: _PipelineSchedule = cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss,
+                                   scale_grads=False)
+    return multi
 
 
 def _run(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor, has_first_stage: bool,
@@ -227,7 +275,32 @@ def pipeline_forward_backward(schedule: _PipelineSchedule, tokens: Tensor, targe
 def pipeline_eval(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor,
                   has_first_stage: bool, has_last_stage: bool,
                   model_kwargs: dict[str, Any] | None = None) -> Tensor | None:
-    """Forward only (validation): mean microbatch loss on the last-stage rank, else None."""
-    with torch.no_grad():
-        return _run(schedule, tokens, targets, has_first_stage, has_last_stage, False,
-                    model_kwargs)
+    """Validation: mean microbatch loss on the last-stage rank, else None; grads untouched.
+
+    Two torch 2.13 pitfalls handled here (both measured on gloo):
+    - `schedule.eval()` still ends with the stage's FSDP post-backward, which drops the
+      sharded gradients of an FSDP chunk (p.grad becomes None): gradients are saved and put
+      back around the call.
+    - `schedule.eval()` fails on the V schedules (ZBVZeroBubble, DualPipeV: "can't
+      steal_bwd_input if this stage doesn't have backward"): for those a full training step runs
+      on the validation batch instead (same loss, wasted backward; validation is rare).
+    """
+    train = isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV))
+    params = [p for stage in _stages(schedule) for p in stage.submod.parameters()]
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        with torch.set_grad_enabled(train):
+            return _run(schedule, tokens, targets, has_first_stage, has_last_stage, train,
+                        model_kwargs)
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+
+
+def _stages(schedule: _PipelineSchedule) -> list[Any]:
+    if isinstance(schedule, PipelineScheduleSingle):
+        return [schedule._stage]
+    assert isinstance(schedule, PipelineScheduleMulti)
+    return list(schedule._stages)
