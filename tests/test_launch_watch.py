@@ -42,7 +42,7 @@ def test_non_finite_torchtitan_loss_is_nan_verdict_with_step(tmp_path: Path) -> 
     req, metrics = setup(tmp_path)
     watch = JobWatch(req, start=0.0)
     append(metrics, {"step": 1, "loss_metrics/global_avg_loss": 2.0})
-    metrics.open("a").write('{"step": 2, "loss_metrics/global_avg_loss": Infinity}\n')
+    append(metrics, {"step": 2, "loss_metrics/global_avg_loss": float("inf")})  # "Infinity"
     verdict = watch.poll(0.1)
     assert verdict is not None and verdict.status == "nan"
     assert verdict.failure is not None and verdict.failure.step == 2
