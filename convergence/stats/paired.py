@@ -19,9 +19,13 @@ is ~4.5e-5, still 200x below 1e-2. A real bug is far outside: a gradient scaled 
 moves the loss by ~1e-2 (Adam normalizes the scale away, almost) -- 400x the tolerance -- while
 it doubles the grad norm.
 
-The grad norm is judged relatively (rtol 2e-3): its scale varies over orders of magnitude
-during training (spikes, clipping), and its reduction-order noise is relative (a sum of squares
-over shards). 0.2% is >100x the fp32 noise of a sharded norm, and a doubling is 500x outside.
+The grad norm is judged mostly relatively (rtol 2e-5 plus a small growing atol): its scale
+varies during training (spikes, clipping) and its reduction-order noise is relative (a sum of
+squares over shards). Measured here in fp32 on CPU over 100 steps of the debug model: FSDP2 vs
+FSDP2+TP differ by at most 2e-8 relative, DDP vs FSDP by 2e-16. 2e-5 is ~1000x that floor. It
+has to be that tight: a planted bug that doubles ONE weight's gradient (layer 0's MLP output)
+moves the total grad norm by only 2.7e-4 relative and leaves an Adam loss curve bit-identical
+(Adam's update is invariant to the gradient's scale), so the grad norm is the only witness.
 
 The learning rate comes from the schedule, not from the model: it must agree to float64
 rounding. ``rule.atol`` / ``rule.growth`` / ``rule.rtol`` override each default.
@@ -60,7 +64,7 @@ _LOSS = PairedTolerance(atol=1e-5, growth=0.1, rtol=1e-6)
 PAIRED_DEFAULTS: dict[str, PairedTolerance] = {
     "loss": _LOSS,
     "val_loss": _LOSS,
-    "grad_norm": PairedTolerance(atol=1e-6, growth=0.1, rtol=2e-3),
+    "grad_norm": PairedTolerance(atol=1e-7, growth=0.1, rtol=2e-5),
     "lr": PairedTolerance(atol=1e-12, growth=0.0, rtol=1e-9),
 }
 
