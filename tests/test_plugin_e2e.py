@@ -20,11 +20,19 @@ from torch import nn
 
 
 def double_ffn_grad(model: nn.Module, ctx) -> None:
-    """Layer 0's MLP output weight gets twice its gradient (a wrongly scaled reduction)."""
+    """The gradient flowing into layer 0 is doubled (a wrongly scaled reduction): the
+    forward is untouched, the gradients of layer 0 and the embedding are 2x.
+
+    A hook on an activation, not on a parameter: FSDP2 writes the sharded parameters'
+    gradients directly, so a tensor hook on them would never run."""
     layers = getattr(model, "layers", None)
     if layers is None or "0" not in layers:
         return None
-    layers["0"].feed_forward.w2.weight.register_hook(lambda grad: grad * 2)
+
+    def double_grad(module, args, output):
+        output.register_hook(lambda grad: 2 * grad)
+
+    layers["0"].register_forward_hook(double_grad)
     return None
 '''
 
