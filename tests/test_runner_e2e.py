@@ -90,9 +90,11 @@ def test_command_backend_pair(runner: Runner, tmp_path: Path) -> None:
         train_config = "{ROOT}/train_configs/debug.toml"
         steps = 6
         backend = "command"
-        backend_options = {{ command = "{script} --steps {{steps}} --seed {{seed}} --out {{dump_dir}}",
-                             metrics_file = "log.jsonl",
-                             keys = {{ loss = "train_loss", grad_norm = "gnorm" }} }}
+
+        [defaults.backend_options]
+        command = "{script} --steps {{steps}} --seed {{seed}} --out {{dump_dir}}"
+        metrics_file = "log.jsonl"
+        keys = {{ loss = "train_loss", grad_norm = "gnorm" }}
 
         [control]
         name = "ddp1"
