@@ -64,9 +64,17 @@ def session_finish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -
     report_dir = state.options.report_dir
     if report_dir is None or not state.all_outcomes:
         return
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    try:
+        _write(config, report_dir, interrupted=interrupted)
+    except Exception as exc:  # noqa: BLE001 - a broken report must not hide the test results
+        state.report_error = f"{type(exc).__name__}: {exc}"
+
+
+def _write(config: pytest.Config, report_dir: Path, *, interrupted: bool) -> None:
     from convergence.report import write_reports, write_step_summary
 
-    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    state = get_state(config)
     state.report_paths = dict(write_reports(
         state.all_outcomes, report_dir, environment=environment(config, interrupted=interrupted),
         started_at=state.started_at, wall_s=time.time() - state.started_at))
@@ -87,6 +95,8 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     tr.write_sep("=", f"convergence matrix ({len(state.all_outcomes)} pairs)")
     for line in render_matrix(state.all_outcomes).rstrip("\n").splitlines():
         tr.write_line(line)
+    if state.report_error:
+        tr.write_line(f"convergence: writing the reports failed: {state.report_error}", red=True)
     if state.report_paths:
         tr.write_line("reports:")
         for kind, path in sorted(state.report_paths.items()):

@@ -30,6 +30,7 @@ class SessionState:
     deselected_by_tier: dict[str, int] = field(default_factory=dict)
     """Tier -> number of items deselected because it is above ``--convergence-tier``."""
     report_paths: dict[str, Path] = field(default_factory=dict)
+    report_error: str | None = None
     all_outcomes: list[PairOutcome] = field(default_factory=list)
     """Controller, at session finish: every outcome of the session (all workers)."""
     started_at: float = field(default_factory=time.time)
