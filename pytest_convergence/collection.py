@@ -18,7 +18,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment, validate_pair
 from convergence.spec.pair import PairSpec
 from pytest_convergence.execute import check_outcome, execute_pair
-from pytest_convergence.failure import ConvergenceFailure, render_outcome
+from pytest_convergence.failure import ConvergenceFailure
 from pytest_convergence.options import TIERS
 from pytest_convergence.stash import get_state
 
@@ -83,12 +83,12 @@ class ConvergenceItem(pytest.Item):
         self.pair = pair
 
     def runtest(self) -> None:
-        check_outcome(execute_pair(self.config, self.pair, self.user_properties))
+        check_outcome(execute_pair(self.config, self.pair, self.user_properties), self.config)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
                      style: Any = None) -> str | Any:
         if isinstance(excinfo.value, ConvergenceFailure):
-            return render_outcome(excinfo.value.outcome)
+            return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
 
     def reportinfo(self) -> tuple[Path, int | None, str]:

@@ -44,13 +44,16 @@ def _ignore_in_git(work_dir: Path) -> None:
         marker.write_text("# written by pytest-convergence: run folders and cache\n*\n")
 
 
-def check_outcome(outcome: PairOutcome) -> None:
+def check_outcome(outcome: PairOutcome, config: pytest.Config | None = None) -> None:
     """Turn a non-passing outcome into the test's result."""
     if outcome.status == "passed":
         return
     if outcome.status == "skipped":
         pytest.skip(outcome.error or "pair skipped")
-    raise ConvergenceFailure(outcome)
+    report_dir = None
+    if config is not None:
+        report_dir = get_state(config).options.report_dir
+    raise ConvergenceFailure(outcome, report_dir=report_dir)
 
 
 def _junit_properties(outcome: PairOutcome) -> list[tuple[str, object]]:

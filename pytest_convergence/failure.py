@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,9 +27,9 @@ class ConvergenceFailure(pytest.fail.Exception):  # type: ignore[name-defined,mi
 
     __module__ = "builtins"  # short summary reads "ConvergenceFailure: ...", as pytest's Failed
 
-    def __init__(self, outcome: PairOutcome) -> None:
+    def __init__(self, outcome: PairOutcome, *, report_dir: Path | None = None) -> None:
         self.outcome = outcome
-        super().__init__(render_outcome(outcome), pytrace=False)
+        super().__init__(render_outcome(outcome, report_dir=report_dir), pytrace=False)
 
 
 def _num(value: Any) -> str:
@@ -115,7 +116,7 @@ def headline(outcome: PairOutcome) -> str:
     return f"{pair.pair_id}: " + "; ".join(parts)
 
 
-def render_outcome(outcome: PairOutcome) -> str:
+def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None) -> str:
     """The failure section of a pair: verdicts, the table around the divergence, paths."""
     pair = outcome.pair
     lines = [headline(outcome),
@@ -139,4 +140,9 @@ def render_outcome(outcome: PairOutcome) -> str:
         lines.append("localisation (numerics probe):")
         lines.extend(f"  {k}: {v}" for k, v in outcome.localisation.items())
     lines.extend(_paths(outcome))
+    if report_dir is not None and not outcome.plots:
+        from convergence.report.write import PLOT_DIR, plot_names
+
+        name = plot_names([outcome])[outcome.pair.pair_id]
+        lines.append(f"  plot: {report_dir / PLOT_DIR / name}.png (written at session end)")
     return "\n".join(lines)

@@ -110,7 +110,7 @@ class PairRunner:
                         pytrace=False)
         outcome = execute_pair(self._node.config, pair, self._node.user_properties)
         self.outcomes.append(outcome)
-        check_outcome(outcome)
+        check_outcome(outcome, self._node.config)
         return outcome
 
 

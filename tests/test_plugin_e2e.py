@@ -105,6 +105,9 @@ def test_toml_pairs_under_xdist_share_one_control(project: pytest.Pytester) -> N
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
     assert {p["status"] for p in report["pairs"]} == {"passed", "failed"}
     assert (project.path / "report" / "report.html").stat().st_size > 1000
+    # The failure text points at the pair's plot, which the controller wrote at the end.
+    plot = project.path / "report" / "plots" / "pairs.toml_fsdp2-bug.png"
+    assert f"plot: {plot}" in out and plot.stat().st_size > 1000
     assert 'name="convergence.status" value="failed"' in (project.path / "junit.xml").read_text()
 
 
