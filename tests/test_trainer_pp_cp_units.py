@@ -17,7 +17,11 @@ from typing import Any
 import pytest
 import torch
 
+from convergence.trainer.config import ModelConfig
 from convergence.trainer.context_parallel import causal_mask_with_offset
+from convergence.trainer.model import ModelArgs, build_model
+from convergence.trainer.pipeline import (SCHEDULES, is_last_stage_rank, resolve_stages_per_rank,
+                                          split_model_for_pp, stage_ids_this_rank)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ppcp"
 REPO = Path(__file__).resolve().parents[1]
@@ -78,12 +82,6 @@ def test_cp_model_matches_single_process(cp_results: dict[str, Any], kind: str) 
 
 # ---------------------------------------------------------------- pipeline parallel
 
-from convergence.trainer.config import ModelConfig  # noqa: E402
-from convergence.trainer.model import ModelArgs, build_model  # noqa: E402
-from convergence.trainer.pipeline import (SCHEDULES, is_last_stage_rank,  # noqa: E402
-                                          resolve_stages_per_rank, split_model_for_pp,
-                                          stage_ids_this_rank)
-
 TINY = ModelArgs.from_config(ModelConfig(vocab_size=32, dim=32, n_layers=8, n_heads=4,
                                          n_kv_heads=2), seq_len=16)
 
@@ -129,9 +127,19 @@ def test_split_rejects_bad_layouts_naming_the_key(schedule: str, pp: int, spr: i
         split_model_for_pp(build_model, TINY, 0, pp, spr, schedule)
 
 
+PP_DEFAULT = "GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble"
+PP_MORE = "LoopedBFS,InterleavedZeroBubble,DualPipeV"
+
+
+def test_every_schedule_is_checked_somewhere() -> None:
+    """The first four run by default, the rest under -m slow (pp2-more)."""
+    assert set(PP_DEFAULT.split(",")) | set(PP_MORE.split(",")) == set(SCHEDULES)
+
+
 @pytest.fixture(scope="module", params=[
-    pytest.param((2, 1, 1, ",".join(SCHEDULES)), id="pp2"),
-    pytest.param((2, 2, 1, "GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble"), id="pp2-fsdp2"),
+    pytest.param((2, 1, 1, PP_DEFAULT), id="pp2"),
+    pytest.param((2, 1, 1, PP_MORE), id="pp2-more", marks=pytest.mark.slow),
+    pytest.param((2, 2, 1, PP_DEFAULT), id="pp2-fsdp2"),
     pytest.param((2, 1, 2, "GPipe,1F1B,Interleaved1F1B"), id="pp2-cp2"),
 ])
 def pp_results(request: pytest.FixtureRequest,
@@ -140,7 +148,8 @@ def pp_results(request: pytest.FixtureRequest,
     out = tmp_path_factory.mktemp(f"pp{pp}dp{dp}cp{cp}") / "result.json"
     result = run_torchrun("pp_worker.py", pp * dp * cp, out, str(pp), str(dp), str(cp),
                           schedules)
-    result["_schedules"] = schedules.split(",") + ["1F1B+accum"]
+    names = schedules.split(",")
+    result["_schedules"] = names + (["1F1B+accum"] if "1F1B" in names else [])
     return result
 
 
