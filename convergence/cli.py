@@ -97,7 +97,12 @@ def read_run(path: Path) -> RunMetrics:
     if path.is_file() and path.suffix == ".json":
         from convergence.stats.golden import load_golden
 
-        return load_golden(path)
+        try:
+            return load_golden(path)
+        except ValueError as exc:
+            raise SpecError(f"not a golden file: {exc}", file=str(path),
+                            fix="create it with: convergence export-golden RUN_DIR OUT.json"
+                            ) from None
     from convergence.metrics.jsonl import read_jsonl
 
     for candidate in (path, path / "metrics.jsonl", path / "dump" / "metrics.jsonl"):
@@ -168,11 +173,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 # -- export-golden --------------------------------------------------------------------------
 
 def cmd_export_golden(args: argparse.Namespace) -> int:
-    from convergence.stats import golden
+    from convergence.stats.golden import export_golden
 
     metrics = read_run(Path(args.run_dir))
-    save = getattr(golden, "save_golden", None) or getattr(golden, "export_golden")
-    save(metrics, Path(args.out))
+    export_golden(metrics, Path(args.out), metadata={"source": str(args.run_dir)})
     print(f"golden curves ({', '.join(sorted(metrics))}) written to {args.out}")
     return EXIT_OK
 

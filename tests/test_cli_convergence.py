@@ -92,3 +92,13 @@ def test_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "FAIL" in out and "first divergent step 21" in out
     assert main(["compare", str(a), str(tmp_path / "missing")]) == 2
     assert "no metrics found" in capsys.readouterr().err
+    # A frozen golden curve stands in for the control run.
+    golden = tmp_path / "golden.json"
+    assert main(["export-golden", str(a), str(golden)]) == 0
+    assert main(["compare", str(golden), str(b), "--metric", "loss",
+                 "--metric", "grad_norm"]) == 0
+    assert main(["compare", str(golden), str(bug)]) == 1
+    capsys.readouterr()
+    golden.write_text("{}")
+    assert main(["compare", str(golden), str(b)]) == 2
+    assert "not a golden file" in capsys.readouterr().err
