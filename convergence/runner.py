@@ -241,7 +241,11 @@ class Runner:
         verdicts = compare_all(pair.rules, control_runs, test.metrics)
         stopped = test.result.last_step if (test.result and
                                             test.result.status == "stopped_early") else None
+        error = None
+        if test.result is not None and test.result.status == "nan" and test.result.failure:
+            error = f"test job {pair.test.name!r}: {test.result.failure.message}"
         return PairOutcome(pair=pair, status=_status(verdicts, test), control=control,
+                           error=error,
                            test=dataclasses.replace(test, replicates=()),
                            verdicts=tuple(verdicts), stopped_early_at=stopped,
                            wall_s=time.monotonic() - started)
