@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from convergence.cache.key import hardware_fingerprint
 from convergence.launch.torchrun import LocalLauncher, build_torchrun_argv, job_env
 from convergence.launch.types import LaunchRequest
+
+from _report import machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 WRITER = REPO / "tests" / "fixtures" / "fake_trainers" / "writer.py"
@@ -65,31 +65,6 @@ def run_launcher(req: LaunchRequest) -> tuple[float, float]:
     if result.status != "ok" or result.last_step != req.total_steps:
         raise SystemExit(f"launcher job {req.name}: {result.status} {result.failure}")
     return took, cpu
-
-
-BEGIN, END = "<!-- launcher_overhead:begin -->", "<!-- launcher_overhead:end -->"
-
-
-def write_section(bench: Path, section: str) -> None:
-    """Replace this script's own section (between its markers) or append it; other sections
-    of the file, written by other scripts, are left as they are."""
-    block = f"{BEGIN}{section}{END}\n"
-    text = bench.read_text() if bench.exists() else \
-        "# Benchmarks\n\nEach section is written by a script in benchmarks/.\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    bench.write_text(text)
-
-
-def machine() -> str:
-    import torch
-
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"{hardware_fingerprint()}, torch {torch.__version__}, Python "
-            f"{platform.python_version()}")
 
 
 def main() -> None:
@@ -135,7 +110,7 @@ def main() -> None:
         f"--nproc {args.nproc}` — {args.jobs} fake-trainer jobs of {args.nproc} ranks x "
         f"{args.steps} steps (stdlib-only ranks, 20 ms/step), alternating raw torchrun and "
         f"LocalLauncher with the same argv/env.\n\n"
-        f"Machine: {machine()}; no GPU. 1-min load average {load_before:.1f} before, "
+        f"Machine: {machine()}. 1-min load average {load_before:.1f} before, "
         f"{load_after:.1f} after (the machine is shared: wall times are noisy, the supervisor "
         f"CPU row is not).\n\n{text}\n\n"
         "The launcher polls exit and metrics every 0.1 s and scans descendants every 0.5 s, "
@@ -143,7 +118,7 @@ def main() -> None:
         "per-job wall time is dominated by torchrun's own start (2-3 s on an idle 2-core "
         "machine, much more under load). Read the supervisor CPU row for the launcher's own "
         "cost; wall rows only mean something on an otherwise idle machine.\n")
-    write_section(REPO / "BENCHMARKS.md", section)
+    write_section("launcher_overhead", section)
     print(f"wrote the launcher section of {REPO / 'BENCHMARKS.md'}")
 
 

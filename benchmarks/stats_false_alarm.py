@@ -15,8 +15,6 @@ Prints the tables and writes its section of BENCHMARKS.md (replacing an earlier 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import platform
 import time
 from pathlib import Path
 
@@ -26,9 +24,9 @@ from convergence.spec.pair import ComparisonRule
 from convergence.stats.seed import SeedBand
 from convergence.stats.simulate import NoiseModel, simulate_case
 
+from _report import machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
-BEGIN = "<!-- stats_false_alarm:begin -->"
-END = "<!-- stats_false_alarm:end -->"
 REPLICATES = (3, 5, 8)
 SHIFTS = (0.0, 1.0, 2.0, 3.0, 4.0)
 MODELS = {
@@ -80,31 +78,21 @@ def main() -> None:
     print(text)
     print(f"({elapsed:.1f} s)")
     if not args.no_write:
-        write_section(text, elapsed, args.cases)
+        write_report(text, elapsed, args.cases)
 
 
-def write_section(text: str, elapsed: float, cases: int) -> None:
-    machine = (f"2-core CPU ({platform.processor() or platform.machine()}), "
-               f"torch {importlib.metadata.version('torch')} CPU, Python {platform.python_version()}")
+def write_report(text: str, elapsed: float, cases: int) -> None:
     section = "\n".join([
-        BEGIN, "## Seed band: false alarms and power (benchmarks/stats_false_alarm.py)", "",
-        f"Machine: {machine}. {cases} null cases per K, {cases // 2} per shift; α = 0.05, "
+        "## Seed band: false alarms and power (benchmarks/stats_false_alarm.py)", "",
+        f"Machine: {machine()}. {cases} null cases per K, {cases // 2} per shift; α = 0.05, "
         f"z = 3, window 20; σ = one run's per-step std. Took {elapsed:.1f} s.", "",
         text.rstrip(), "",
         "Reading: false alarms stay near or below α = 0.05 (the sampling error of 200 cases "
         "is ±0.015; the TOST's derived margin spends α/2, the band most of the rest), also "
         "when the slow seed wander dominates. A sustained 3σ shift is found almost always; "
         "2σ most of the time for K ≥ 5. Smaller shifts need more replicates or an explicit "
-        "`margin`.", END, ""])
-    path = REPO / "BENCHMARKS.md"
-    current = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n\n"
-    if BEGIN in current and END in current:
-        head, rest = current.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        current = head + section + ("\n" + tail if tail else "")
-    else:
-        current = current.rstrip("\n") + "\n\n" + section
-    path.write_text(current, encoding="utf-8")
+        "`margin`."])
+    write_section("stats_false_alarm", section)
 
 
 if __name__ == "__main__":

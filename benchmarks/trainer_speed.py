@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -20,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+
+from _report import machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "train_configs" / "debug.toml"
@@ -67,13 +67,6 @@ def measure(nproc: int, overrides: list[str], steps: int) -> tuple[float, float,
     return tps, rows[-1]["loss"], wall
 
 
-def machine() -> str:
-    cores = os.cpu_count()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cores}-core CPU ({platform.processor() or platform.machine()}), {gpu}, "
-            f"torch {torch.__version__}, Python {platform.python_version()}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
@@ -87,7 +80,7 @@ def main() -> None:
               f"launch {wall:5.1f} s", flush=True)
     base = rows[0][2]
     lines = [
-        "", f"## Trainer speed: debug.toml on CPU ({time.strftime('%Y-%m-%d')})", "",
+        f"## Trainer speed: debug.toml on CPU ({time.strftime('%Y-%m-%d')})", "",
         f"Machine: {machine()}. `python benchmarks/trainer_speed.py --steps {args.steps}`: "
         f"gloo, fp32, OMP_NUM_THREADS=1, 1024 tokens per optimizer step in every layout; "
         f"tokens/s is the median per-step value after {WARMUP} warm-up steps. With more "
@@ -103,8 +96,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:
-        with open(REPO / "BENCHMARKS.md", "a", encoding="utf-8") as out:
-            out.write(text)
+        write_section("trainer_speed", text)
 
 
 if __name__ == "__main__":
