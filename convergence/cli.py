@@ -4,6 +4,9 @@
     convergence compare A B [--metric loss] [--method paired]     judge two finished runs
     convergence report --from OUTCOMES_DIR --out DIR              rebuild reports from saved outcomes
     convergence export-golden RUN_DIR OUT.json                     freeze a run as a golden curve
+    convergence nightly --experiments PATH... --out DIR             write the nightly sbatch script
+    convergence record REPORT.json HISTORY.jsonl                   append a night to the history
+    convergence trend HISTORY.jsonl --out DIR                       trend report across nights
 
 Exit status: 0 when everything passed, 1 when a pair/metric failed, 2 for invalid input.
 """
@@ -218,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="run folder (holding metrics.jsonl or dump/)")
     export.add_argument("out", help="golden JSON file to write")
     export.set_defaults(func=cmd_export_golden)
+
+    # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly.py --
+    from convergence.nightly import add_subcommands as add_nightly_subcommands
+
+    add_nightly_subcommands(sub)
     return parser
 
 

@@ -37,17 +37,23 @@ def _rdzv_id(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:64] or "job"
 
 
-def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable) -> list[str]:
-    """The argv that runs ``request`` (a list: never a shell string)."""
+def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable,
+                        nnodes: int = 1, nproc_per_node: int | None = None,
+                        rdzv_endpoint: str = "localhost:0",
+                        rdzv_id: str | None = None) -> list[str]:
+    """The argv that runs ``request`` (a list: never a shell string).
+
+    The keyword options exist for multi-node launchers (Slurm): the defaults are the local,
+    one-node rendezvous described in the module docstring."""
     if request.direct:
         return [python, *request.entry]
     return [
         python, "-m", "torch.distributed.run",
-        "--nnodes", "1",
-        "--nproc-per-node", str(request.nproc),
+        "--nnodes", str(nnodes),
+        "--nproc-per-node", str(request.nproc if nproc_per_node is None else nproc_per_node),
         "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "localhost:0",
-        "--rdzv-id", _rdzv_id(request.name),
+        "--rdzv-endpoint", rdzv_endpoint,
+        "--rdzv-id", rdzv_id or _rdzv_id(request.name),
         "--log-dir", str(request.log_dir / RANKS_DIR),
         "--redirects", "3",  # per-rank stdout.log/stderr.log under --log-dir
         "--max-restarts", "0",  # a convergence run that restarts is not the run we compare
@@ -98,7 +104,7 @@ class LocalLauncher:
         shutil.rmtree(request.log_dir / RANKS_DIR, ignore_errors=True)
         if request.stop_file is not None:
             request.stop_file.unlink(missing_ok=True)  # a stale one would stop us at step 1
-        argv = build_torchrun_argv(request, python=self.python)
+        argv = self.build_argv(request)
         start = time.monotonic()
         with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
             log.write(f"# argv: {argv!r}\n".encode())
@@ -124,6 +130,10 @@ class LocalLauncher:
                          wall_s=time.monotonic() - start, log_dir=request.log_dir,
                          metrics_path=request.metrics_path, failure=failure,
                          last_step=watch.last_step)
+
+    def build_argv(self, request: LaunchRequest) -> list[str]:
+        """The command of one job; a subclass (the Slurm launcher) wraps it in ``srun``."""
+        return build_torchrun_argv(request, python=self.python)
 
     def _supervise(self, proc: subprocess.Popen[bytes], tracker: DescendantTracker,
                    watch: JobWatch) -> tuple[str, int | None, FailureInfo | None]:

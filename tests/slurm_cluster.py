@@ -1,0 +1,235 @@
+"""A real one-node Slurm for tests: Debian's munge + slurmctld + slurmd, no systemd.
+
+:func:`start_cluster` writes a private ``slurm.conf`` (this host, 2 CPUs, one partition), a
+private munge key and socket (a system munged, if any, is left alone), starts ``munged``,
+``slurmctld -D`` and ``slurmd -D`` in the background as root, and waits until the node is idle.
+:meth:`SlurmCluster.stop` ends exactly those PIDs. Everything lives in one temporary folder;
+clients find it through ``SLURM_CONF`` (see :meth:`SlurmCluster.env`).
+
+Installing (CI does this once, in ``.ci/run``)::
+
+    apt-get update && apt-get install -y --no-install-recommends slurmctld slurmd munge slurm-client
+
+When the binaries are missing, :func:`ensure_installed` tries that apt-get line itself (root
+only) unless ``CONVERGENCE_SLURM_NO_INSTALL=1``; every reason Slurm cannot run here is raised as
+:class:`SlurmUnavailable` so the tests can skip with it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "salloc", "scontrol", "squeue",
+            "scancel")
+APT_PACKAGES = ("slurmctld", "slurmd", "munge", "slurm-client")
+INSTALL_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 60.0
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm cannot be installed or started here (the message says why)."""
+
+
+def missing_binaries() -> list[str]:
+    return [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+
+
+def _which(name: str) -> str:
+    found = shutil.which(name) or str(Path("/usr/sbin", name))
+    return found
+
+
+def ensure_installed() -> None:
+    """Install the Debian packages if a binary is missing (root + apt-get), else raise."""
+    if not missing_binaries():
+        return
+    if os.environ.get("CONVERGENCE_SLURM_NO_INSTALL") == "1":
+        raise SlurmUnavailable(f"Slurm binaries missing ({', '.join(missing_binaries())}) and "
+                               "CONVERGENCE_SLURM_NO_INSTALL=1")
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("Slurm is not installed and installing it needs root "
+                               f"(apt-get install {' '.join(APT_PACKAGES)})")
+    if shutil.which("apt-get") is None:
+        raise SlurmUnavailable("Slurm is not installed and there is no apt-get to install it")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for argv in (["apt-get", "update"],
+                 ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]):
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                                  timeout=INSTALL_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SlurmUnavailable(f"{' '.join(argv)} failed: {exc}") from None
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise SlurmUnavailable(f"{' '.join(argv)} failed: {' | '.join(tail)}")
+    if missing_binaries():
+        raise SlurmUnavailable(f"still missing after apt-get: {', '.join(missing_binaries())}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _slurm_conf(root: Path, node: str, ctld_port: int, slurmd_port: int,
+                munge_socket: Path) -> str:
+    # Why these settings: no cgroups or systemd in containers (proctrack/linuxproc,
+    # task/none); root runs everything; short KillWait/MinJobAge so cancelled steps and ended
+    # jobs disappear quickly; config_overrides so a sandbox that reports odd CPU topology
+    # still registers the node with the CPUs written here.
+    return f"""\
+ClusterName=convergence-test
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+KillWait=2
+MinJobAge=10
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName={node} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@dataclass(kw_only=True)
+class SlurmCluster:
+    """A running one-node cluster (see module docstring)."""
+
+    root: Path
+    node: str
+    conf: Path
+    pids: dict[str, int] = field(default_factory=dict)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def env(self) -> dict[str, str]:
+        """Environment for Slurm clients (srun, sbatch, ...) to reach this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *argv: str, timeout: float = 60.0,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(list(argv), env=self.env(), capture_output=True, text=True,
+                              timeout=timeout)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): "
+                               f"{done.stderr.strip()} {done.stdout.strip()}")
+        return done
+
+    def log_tail(self, lines: int = 15) -> str:
+        out = []
+        for name in ("munged.log", "slurmctld.log", "slurmd.log"):
+            path = self.root / name
+            if path.exists():
+                text = path.read_text(errors="replace").strip().splitlines()[-lines:]
+                out.append(f"--- {name}\n" + "\n".join(text))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        """End the daemons this cluster started (by PID: SIGTERM, then SIGKILL)."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5.0)
+
+
+def _spawn(cluster: SlurmCluster, name: str, argv: list[str]) -> None:
+    log = open(cluster.root / f"{name}.out", "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=cluster.env(),
+                            start_new_session=True)
+    log.close()
+    cluster.procs.append(proc)
+    cluster.pids[name] = proc.pid
+
+
+def _wait_for(cluster: SlurmCluster, what: str, check: "callable[[], bool]",
+              timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, proc in zip(cluster.pids, cluster.procs):
+            if proc.poll() is not None:
+                raise SlurmUnavailable(f"{name} exited with {proc.returncode} while waiting "
+                                       f"for {what}\n{cluster.log_tail()}")
+        if check():
+            return
+        time.sleep(0.2)
+    raise SlurmUnavailable(f"timed out waiting for {what}\n{cluster.log_tail()}")
+
+
+def _node_idle(cluster: SlurmCluster) -> bool:
+    try:
+        done = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False, timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0 and done.stdout.strip() in ("idle", "mixed")
+
+
+def start_cluster(root: Path) -> SlurmCluster:
+    """Install if needed, then start munged, slurmctld and slurmd; raise SlurmUnavailable."""
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("starting slurmd/slurmctld needs root")
+    ensure_installed()
+    root.mkdir(parents=True, exist_ok=True)
+    for sub in ("state", "spool", "munge"):
+        (root / sub).mkdir(exist_ok=True)
+    node = socket.gethostname().split(".")[0]
+    munge_dir = root / "munge"
+    os.chmod(root, 0o755)
+    os.chmod(munge_dir, 0o700)
+    key = munge_dir / "munge.key"
+    key.write_bytes(os.urandom(128))
+    os.chmod(key, 0o600)
+    munge_socket = munge_dir / "munge.socket"
+    conf = root / "slurm.conf"
+    conf.write_text(_slurm_conf(root, node, _free_port(), _free_port(), munge_socket))
+    cluster = SlurmCluster(root=root, node=node, conf=conf)
+    try:
+        _spawn(cluster, "munged", [_which("munged"), "-F", "--force", f"--key-file={key}",
+                                   f"--socket={munge_socket}",
+                                   f"--pid-file={munge_dir / 'munged.pid'}",
+                                   f"--log-file={root / 'munged.log'}",
+                                   f"--seed-file={munge_dir / 'munged.seed'}"])
+        _wait_for(cluster, "munged's socket", munge_socket.exists, timeout=20)
+        _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(conf)])
+        _spawn(cluster, "slurmd", [_which("slurmd"), "-D", "-N", node, "-f", str(conf)])
+        _wait_for(cluster, "the node to become idle", lambda: _node_idle(cluster))
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
