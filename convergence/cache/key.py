@@ -78,10 +78,17 @@ def sources_hash(root: Path) -> str:
     return digest.hexdigest()
 
 
+#: The parts of the package that decide what a run computes. Editing the statistics, the
+#: reports or the plugin must not throw away every cached control run; editing the trainer or
+#: how a job becomes a command must.
+RESULT_PACKAGES: tuple[str, ...] = ("trainer", "backends")
+
+
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """Hash of the convergence package's sources (computed once per process)."""
-    return sources_hash(_PACKAGE_ROOT)
+    """Hash of the sources that decide a run's result (computed once per process)."""
+    return hashlib.sha256("".join(sources_hash(_PACKAGE_ROOT / name)
+                                  for name in RESULT_PACKAGES).encode()).hexdigest()
 
 
 def _cpu_model() -> str:
