@@ -415,6 +415,19 @@ def _one_process(job: JobSpec) -> JobSpec:
     return dataclasses.replace(job, layout=ParallelLayout(), techniques=Techniques(), steps=1)
 
 
+#: torchtitan settings derived from the spec -> the experiment key that set them.
+SPEC_KEYS = {
+    "mixed_precision_param": "techniques.param_dtype",
+    "mixed_precision_reduce": "techniques.reduce_dtype",
+    "pipeline_parallel_schedule": "parallelism.pp_schedule",
+    "pipeline_parallel_microbatch_size": "parallelism.pp_microbatches",
+    "local_batch_size": "local_batch_size",
+    "context_parallel_degree": "parallelism.cp",
+    "tensor_parallel_degree": "parallelism.tp",
+    "pipeline_parallel_degree": "parallelism.pp",
+}
+
+
 def _blame(job: JobSpec, message: str) -> str:
     """The experiment key a parser message is about: a user override when it names one."""
     text = message.replace("-", "_")
@@ -425,6 +438,9 @@ def _blame(job: JobSpec, message: str) -> str:
     for key, dotted in keys:
         if re.search(rf"\b{re.escape(dotted.rsplit('.', 1)[-1])}\b", text):
             return f"overrides.{key}"
+    for theirs, ours in SPEC_KEYS.items():  # a value the spec put there
+        if theirs in text:
+            return ours
     if "Config function" in message or "config_registry" in message:
         return "backend_options.config" if "Config function" in message else \
             "backend_options.module"

@@ -1,0 +1,265 @@
+"""The torchtitan backend against the real torchtitan 0.3.0: its own config parser (CPU, no
+process group) accepts the argv built for each layout and rejects bad overrides at collection;
+TensorBoard output in torchtitan's layout is read back; training itself needs CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed "
+                    "(pip install 'pytest-convergence[torchtitan]' triton)")
+
+import torch  # noqa: E402
+
+from convergence.backends import get_backend  # noqa: E402
+from convergence.backends.torchtitan import (  # noqa: E402
+    SEED_FOLDER, SEED_STEP, TorchtitanBackend, ensure_assets, parse)
+from convergence.spec.errors import SpecError  # noqa: E402
+from convergence.spec.experiment import load_experiment  # noqa: E402
+from convergence.spec.job import JobSpec  # noqa: E402
+from convergence.spec.layout import ParallelLayout, Techniques  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted((ROOT / "experiments" / "torchtitan").glob("*.toml"))
+BACKEND = TorchtitanBackend()
+
+
+def job(layout: ParallelLayout | None = None, **changes: Any) -> JobSpec:
+    base = JobSpec(name="j", train_config=ROOT / "pyproject.toml", backend="torchtitan",
+                   layout=layout or ParallelLayout(dp_shard=2), local_batch_size=8, steps=7,
+                   seed=5, overrides=(("training.seq_len", "256"),), source="exp.toml")
+    return dataclasses.replace(base, **changes)
+
+
+def train_config(j: JobSpec, dump: Path, seed: Path | None = None) -> Any:
+    """What torchtitan itself makes of the train entry (after ``-m torchtitan.train``)."""
+    entry = BACKEND.train_entry(j, dump, seed)
+    assert entry[:2] == ["-m", "torchtitan.train"]
+    return parse(tuple(entry[2:]))
+
+
+LAYOUTS = {
+    "fsdp": ParallelLayout(dp_shard=4),
+    "hsdp": ParallelLayout(dp_replicate=2, dp_shard=2),
+    "fsdp-tp-sp": ParallelLayout(dp_shard=2, tp=2, sequence_parallel=True),
+    "fsdp-tp-pp": ParallelLayout(dp_shard=2, tp=2, pp=2, pp_schedule="Interleaved1F1B"),
+    "fsdp-pp-gpipe": ParallelLayout(dp_shard=2, pp=2, pp_schedule="GPipe", pp_microbatches=8),
+    "cp": ParallelLayout(dp_shard=2, cp=2),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_real_parser_accepts_layout(name: str, tmp_path: Path) -> None:
+    layout = LAYOUTS[name]
+    j = job(layout)
+    BACKEND.preflight(j)
+    cfg = train_config(j, tmp_path / "dump", tmp_path / "seed")
+    par = cfg.parallelism
+    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
+            par.tensor_parallel_degree, par.pipeline_parallel_degree,
+            par.context_parallel_degree) == (layout.dp_replicate, layout.dp_shard, layout.tp,
+                                             layout.pp, layout.cp)
+    assert par.enable_sequence_parallel is layout.sequence_parallel
+    assert par.pipeline_parallel_schedule == layout.pp_schedule
+    if layout.pp > 1:
+        # local batch 8 split into the layout's microbatches
+        assert par.pipeline_parallel_microbatch_size == 8 // layout.microbatches
+        assert cfg.training.disable_cuda_graphs
+    assert cfg.training.steps == 7 and cfg.training.local_batch_size == 8
+    assert cfg.training.seq_len == 256
+    assert cfg.debug.seed == 5 and cfg.debug.deterministic
+    assert cfg.metrics.enable_tensorboard and cfg.metrics.log_freq == 1
+    assert cfg.dump_folder == str(tmp_path / "dump")
+    assert cfg.activation_checkpoint is None  # Techniques default "none"
+    assert cfg.checkpoint.enable and cfg.checkpoint.load_only
+    assert cfg.checkpoint.initial_load_path == str(tmp_path / "seed" / SEED_FOLDER / SEED_STEP)
+    assert BACKEND.tokens_per_step(j) == 8 * layout.dp * 256
+
+
+def test_techniques_map_to_torchtitan(tmp_path: Path) -> None:
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    tech = Techniques(activation_checkpoint="full", compile=True, param_dtype="bfloat16",
+                      reshard_after_forward=False, grad_accum_steps=2, deterministic=False,
+                      cpu_offload=True)
+    j = job(techniques=tech, overrides=(("training.seq_len", "256"),
+                                        ("activation_checkpoint.preserve_rng_state", "true")))
+    BACKEND.preflight(j)
+    cfg = train_config(j, tmp_path)
+    assert isinstance(cfg.activation_checkpoint, FullAC.Config)
+    assert cfg.activation_checkpoint.preserve_rng_state is True  # override after the subcommand
+    assert cfg.compile.enable and cfg.training.enable_cpu_offload
+    assert cfg.training.mixed_precision_param == "bfloat16"
+    assert cfg.parallelism.fsdp_reshard_after_forward == "never"
+    assert not cfg.debug.deterministic
+    assert cfg.training.global_batch_size == 8 * 2 * 2  # local x DP x accumulation
+    assert BACKEND.tokens_per_step(j) == 8 * 2 * 2 * 256
+
+
+def test_user_overrides_win_and_booleans_become_flags(tmp_path: Path) -> None:
+    j = job(overrides=(("training.seq_len", "128"), ("debug.deterministic", "false"),
+                       ("metrics.log_freq", "3")))
+    cfg = train_config(j, tmp_path)
+    assert cfg.training.seq_len == 128 and not cfg.debug.deterministic
+    assert cfg.metrics.log_freq == 3
+    assert BACKEND.tokens_per_step(j) == 8 * 2 * 128
+
+
+def test_seed_entry_is_one_process_creating_the_checkpoint(tmp_path: Path) -> None:
+    j = job(LAYOUTS["fsdp-tp-pp"], backend_options=(("assets_dir", str(tmp_path / "a")),))
+    entry = BACKEND.seed_entry(j, tmp_path / "seed")
+    start = entry.index("torchtitan.train")
+    assert entry[:start + 1] == ["-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node=1", "-m", "torchtitan.train"]
+    cfg = parse(tuple(entry[start + 1:]))
+    assert cfg.checkpoint.enable and cfg.checkpoint.create_seed_checkpoint
+    assert cfg.checkpoint.folder == str(tmp_path / "seed" / SEED_FOLDER)
+    par = cfg.parallelism
+    assert (par.data_parallel_shard_degree, par.tensor_parallel_degree,
+            par.pipeline_parallel_degree) == (1, 1, 1)
+    assert cfg.debug.seed == 5
+    # One seed checkpoint per model and seed, whatever the layout.
+    assert BACKEND.seed_identity(j) == BACKEND.seed_identity(job(ParallelLayout(dp_shard=2)))
+    assert BACKEND.seed_identity(j) != BACKEND.seed_identity(job(seed=6))
+    assert (tmp_path / "a" / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_generated_assets_feed_torchtitans_tokenizer_and_dataset(tmp_path: Path) -> None:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    root = ensure_assets(tmp_path / "assets")
+    tokenizer = HuggingFaceTokenizer(tokenizer_path=str(root / "tokenizer"))
+    assert tokenizer.bos_id == 1 and tokenizer.eos_id == 2
+    assert tokenizer.get_vocab_size() <= 2048  # the debug model's vocabulary
+    dataset = HuggingFaceTextDataset(dataset_name="c4_test", dataset_path=str(root / "corpus"),
+                                     tokenizer=tokenizer, seq_len=64)
+    sample = next(iter(dataset))
+    tokens = sample[0]["input"] if isinstance(sample[0], dict) else sample[0]
+    assert tokens.shape[-1] == 64
+    assert int(tokens.min()) >= 1  # no <unk> (id 0): every corpus word is in the vocabulary
+
+
+def error_of(j: JobSpec) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        BACKEND.preflight(j)
+    return info.value
+
+
+def test_unknown_override_fails_with_torchtitans_message() -> None:
+    err = error_of(job(overrides=(("training.stepz", "3"),)))
+    assert err.file == "exp.toml" and err.key == "overrides.training.stepz"
+    assert "Unrecognized options" in str(err) and "--training.steps" in str(err)
+
+
+def test_bad_override_value_fails_with_torchtitans_message() -> None:
+    err = error_of(job(overrides=(("training.seq_len", "long"),)))
+    assert err.key == "overrides.training.seq_len"
+    assert "invalid literal for int()" in str(err)
+
+
+def test_technique_torchtitan_refuses_names_our_key() -> None:
+    err = error_of(job(techniques=Techniques(param_dtype="float16")))
+    assert err.key == "techniques.param_dtype" and "float16" in str(err)
+
+
+def test_bad_options_fail() -> None:
+    err = error_of(job(backend_options=(("config", "llama3_nosuch"),)))
+    assert err.key == "backend_options.config" and "llama3_debugmodel" in str(err)
+    err = error_of(job(backend_options=(("modul", "llama3"),)))
+    assert err.key == "backend_options.modul"
+    err = error_of(job(LAYOUTS["fsdp-tp-pp"], local_batch_size=6))
+    assert err.key == "local_batch_size" and "microbatches" in str(err)
+
+
+def test_bad_override_fails_the_pair_at_collection(tmp_path: Path) -> None:
+    path = tmp_path / "tt.toml"
+    path.write_text(textwrap.dedent("""
+        [defaults]
+        backend = "torchtitan"
+        train_config = "tt.toml"
+        local_batch_size = 8
+
+        [control]
+        name = "fsdp2"
+        parallelism = { dp_shard = 2 }
+
+        [[test]]
+        name = "fsdp2-tp2"
+        parallelism = { dp_shard = 2, tp = 2 }
+        overrides = { "parallelism.tensor_paralel_degree" = 2 }
+        """))
+    with pytest.raises(SpecError) as info:
+        load_experiment(path, rootdir=tmp_path)
+    err = info.value
+    assert err.file == str(path)
+    assert err.key == "overrides.parallelism.tensor_paralel_degree"
+    assert "fsdp2-tp2" in str(err) and "--parallelism.tensor-parallel-degree" in str(err)
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.name for p in EXPERIMENTS])
+def test_shipped_experiments_validate_at_collection(path: Path) -> None:
+    exp = load_experiment(path, rootdir=ROOT)
+    assert exp.pairs
+    for pair in exp.pairs:
+        assert pair.tier == "nightly"  # needs CUDA: not in the default run
+        assert pair.control.backend == pair.test.backend == "torchtitan"
+        assert BACKEND.tokens_per_step(pair.control) == BACKEND.tokens_per_step(pair.test)
+
+
+def test_get_backend_returns_it() -> None:
+    backend = get_backend("torchtitan")
+    assert backend.name == "torchtitan" and backend.version() == "torchtitan-0.3.0"
+
+
+def write_scalars(folder: Path, tags: dict[str, list[float]]) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(folder))
+    for tag, values in tags.items():
+        for step, value in enumerate(values, start=1):
+            writer.add_scalar(tag, value, step)
+    writer.close()
+
+
+def test_read_metrics_from_torchtitans_tensorboard_layout(tmp_path: Path) -> None:
+    dump = tmp_path / "dump"
+    # save_for_all_ranks under PP: rank 0 (first stage) logs the -1 placeholder loss.
+    write_scalars(dump / "tb" / "20260101-1200" / "rank_0",
+                  {"loss_metrics/global_avg_loss": [-1.0, -1.0, -1.0]})
+    write_scalars(dump / "tb" / "20260101-1200" / "rank_1",
+                  {"loss_metrics/global_avg_loss": [7.5, 7.25, 7.0],
+                   "grad_norm": [1.5, 1.25, 1.0], "memory/max_reserved(GiB)": [2.0, 2.0, 2.0]})
+    metrics = BACKEND.read_metrics(job(), dump)
+    assert metrics["loss"].steps.tolist() == [1, 2, 3]
+    assert metrics["loss"].values.tolist() == [7.5, 7.25, 7.0]
+    assert metrics["grad_norm"].values.tolist() == [1.5, 1.25, 1.0]
+    assert metrics["peak_mem_mib"].values.tolist() == [2048.0] * 3
+    assert BACKEND.metrics_path(job(), dump) is None and BACKEND.read_meta(job(), dump) == {}
+
+
+def test_config_text_keys_module_config_and_file() -> None:
+    a = json.loads(BACKEND.config_text(job()))
+    b = json.loads(BACKEND.config_text(job(backend_options=(("config", "x"),))))
+    assert a["config"] == "llama3_debugmodel" and b["config"] == "x"
+    assert "[project]" in a["train_config"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torchtitan trains on CUDA only (no CUDA device here)")
+def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
+    from convergence.runner import RunSettings, run_pair
+
+    exp = load_experiment(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml",
+                          rootdir=ROOT)
+    outcome = run_pair(exp.pairs[0], RunSettings(work_dir=tmp_path, steps=30))
+    assert outcome.status == "passed", outcome.error or outcome.verdicts
+    loss = outcome.control.metrics["loss"] if outcome.control else None
+    assert loss is not None and len(loss) == 30 and loss.values[-1] < loss.values[0]
