@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,14 +156,22 @@ class SlurmCluster:
         return "\n".join(out)
 
     def stop(self) -> None:
-        """End the daemons this cluster started (by PID: SIGTERM, then SIGKILL)."""
+        """Cancel this cluster's jobs, then end the daemons it started, by PID, one at a time
+        (slurmd, slurmctld, munged: each still needs the next while it shuts down)."""
+        if self.procs and all(p.poll() is None for p in self.procs):
+            try:
+                self.run("scancel", "--full", "--user", "root", check=False, timeout=20)
+                deadline = time.monotonic() + 20.0
+                while time.monotonic() < deadline and self.run(
+                        "squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.strip():
+                    time.sleep(0.2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10.0
-        for proc in reversed(self.procs):
             try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                proc.wait(timeout=10.0)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5.0)
@@ -178,7 +187,7 @@ def _spawn(cluster: SlurmCluster, name: str, argv: list[str]) -> None:
     cluster.pids[name] = proc.pid
 
 
-def _wait_for(cluster: SlurmCluster, what: str, check: "callable[[], bool]",
+def _wait_for(cluster: SlurmCluster, what: str, check: Callable[[], bool],
               timeout: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
