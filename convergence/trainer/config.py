@@ -169,6 +169,16 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProbeConfig:
+    enable: bool = False
+    """Numerics probe instead of training: one forward+backward from the seed weights on the
+    batch of `step`, then probe.json (per-module output norms, per-parameter gradient norms of
+    the full tensors) in the dump folder. See convergence.trainer.probe."""
+    step: int = 1
+    """Whose batch the probe runs on (1-based optimizer step)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -180,6 +190,7 @@ class TrainConfig:
         default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     source: str = ""
     """The config file this came from (for messages); not a TOML key."""
 

@@ -303,6 +303,14 @@ def train(cfg: TrainConfig) -> str:
     # The one writer: global rank 0, or with PP the first rank of the last stage.
     is_logger = not distributed or (engine.holds_loss and meshes is not None and all(
         c == 0 for c in meshes.world.get_coordinate()[1:]))  # type: ignore[index]
+    if cfg.probe.enable:
+        # The numerics probe replaces training: one forward+backward, norms to probe.json.
+        from convergence.trainer.probe import run_probe
+        try:
+            return run_probe(cfg, engine, meshes, source, plan, device, is_writer=is_logger)
+        finally:
+            if distributed:
+                dist.destroy_process_group()
     dump = Path(cfg.metrics.dump_folder)
     writer = MetricsWriter(dump, enabled=is_logger, tensorboard=cfg.metrics.enable_tensorboard)
     num_params = count_params(build_model(model_args, "meta"))
