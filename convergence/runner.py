@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends import Backend, get_backend
+from convergence.cache.store import CacheError
 from convergence.launch.types import JobResult, LaunchRequest, Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.outcome import PairOutcome, SideOutcome
@@ -188,7 +189,9 @@ class Runner:
             {"job": job.identity(), "name": job.name, "status": result.status,
              "wall_s": result.wall_s, "key": key, "session": self.settings.session_id},
             indent=2, default=str))
-        if not result.ok and result.status != "nan":
+        # A NaN test job still gives a verdict (its curve up to the NaN); a NaN control must
+        # not: it would be cached and trusted as the reference for every later session.
+        if not result.ok and (result.status != "nan" or side != "test"):
             raise JobFailed(side, job, result)
         return run_dir, result
 
@@ -235,9 +238,13 @@ class Runner:
 
             test = self.run_job("test", pair.test, pair_dir=pair_dir, cacheable=False,
                                 on_metrics=on_metrics)
-        except (JobFailed, SpecError) as exc:
+        except (JobFailed, SpecError, CacheError) as exc:
             return PairOutcome(pair=pair, status="error", control=control, test=test,
                                error=str(exc), wall_s=time.monotonic() - started)
+        except OSError as exc:  # our own writes (run folder, logs, metrics): e.g. disk full
+            return PairOutcome(pair=pair, status="error", control=control, test=test,
+                               error=_os_error_text(exc, self.settings.work_dir),
+                               wall_s=time.monotonic() - started)
         verdicts = compare_all(pair.rules, control_runs, test.metrics)
         stopped = test.result.last_step if (test.result and
                                             test.result.status == "stopped_early") else None
@@ -267,6 +274,15 @@ class Runner:
             sides[0] = dataclasses.replace(sides[0],
                                            replicates=tuple(s.metrics for s in sides))
         return sides
+
+
+def _os_error_text(exc: OSError, work_dir: Path) -> str:
+    import errno
+
+    if exc.errno == errno.ENOSPC:
+        return (f"disk full while writing {exc.filename or 'a run file'} ({exc}); free space "
+                f"in {work_dir} or move it elsewhere (--convergence-workdir DIR)")
+    return f"I/O error: {exc} (work folder {work_dir})"
 
 
 def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> str:
@@ -308,9 +324,9 @@ def _make_launcher(name: str) -> Launcher:
 
         return LocalLauncher()
     if name == "slurm":
-        from convergence.launch.slurm import SlurmLauncher  # type: ignore[import-not-found]
+        from convergence.launch.slurm import SlurmLauncher
 
-        return SlurmLauncher()  # type: ignore[no-any-return]
+        return SlurmLauncher()
     raise SpecError(f"unknown launcher {name!r}", key="--convergence-launcher",
                     fix="use local or slurm")
 
