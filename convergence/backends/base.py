@@ -69,17 +69,14 @@ def get_backend(name: str) -> Backend:
         return BuiltinBackend()
     if name == "torchtitan":
         try:
-            from convergence.backends.torchtitan import TorchtitanBackend  # type: ignore[import-not-found]
+            from convergence.backends.torchtitan import TorchtitanBackend
         except ImportError as exc:
             raise SpecError(f"the torchtitan backend is not available: {exc}", key="backend",
                             fix="pip install 'pytest-convergence[torchtitan]' (and triton)") from None
-        return TorchtitanBackend()  # type: ignore[no-any-return]
+        return TorchtitanBackend()
     if name == "command":
-        try:
-            from convergence.backends.command import CommandBackend  # type: ignore[import-not-found]
-        except ImportError as exc:
-            raise SpecError(f"the command backend is not available: {exc}", key="backend",
-                            fix="use backend = \"builtin\"") from None
-        return CommandBackend()  # type: ignore[no-any-return]
+        from convergence.backends.command import CommandBackend
+
+        return CommandBackend()
     raise SpecError(f"unknown backend {name!r}", key="backend",
                     fix="use one of builtin, torchtitan, command")
