@@ -251,11 +251,22 @@ class Runner:
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
-        return PairOutcome(pair=pair, status=_status(verdicts, test), control=control,
-                           error=error,
+        status = _status(verdicts, test)
+        return PairOutcome(pair=pair, status=status, control=control,
+                           error=error, localisation=self._localise(pair, status, pair_dir),
                            test=dataclasses.replace(test, replicates=()),
                            verdicts=tuple(verdicts), stopped_early_at=stopped,
                            wall_s=time.monotonic() - started)
+
+    # -- numerics probe (failure localisation; see convergence.probe_run) ----------------
+    def _localise(self, pair: PairSpec, status: str, pair_dir: Path) -> dict[str, Any] | None:
+        """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair)."""
+        from convergence.probe_run import localise, wants_probe
+
+        if not wants_probe(pair, status):
+            return None
+        return localise(pair, pair_dir, launch=self._launch, seed_checkpoint=self.seed_checkpoint,
+                        wall_limit_s=self.settings.wall_limit_s)
 
     def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
         if pair.golden:

@@ -105,6 +105,8 @@ def headline(outcome: PairOutcome) -> str:
     if outcome.status == "error":
         first = (outcome.error or "a job broke").strip().splitlines()[0]
         return f"{pair.pair_id}: ERROR: {first}"
+    if outcome.error:  # e.g. the test job's loss became NaN: that is the news, not the Δ
+        return f"{pair.pair_id}: {outcome.error.strip().splitlines()[0]}"
     failing = [v for v in outcome.verdicts if not v.passed and v.gate]
     if not failing:
         return f"{pair.pair_id}: {outcome.status.upper()}"
@@ -126,6 +128,8 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None) -> s
     if outcome.status == "error":
         lines.append("a job broke before a verdict:")
         lines.append(_traceback_head(outcome.error or "(no error text)"))
+    elif outcome.error:
+        lines.append(f"  {outcome.error.strip()}")
     verdicts = sorted(outcome.verdicts, key=lambda v: (v.passed, not v.gate, v.metric != "loss"))
     if verdicts:
         lines.append("verdicts:")
@@ -138,7 +142,9 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None) -> s
         lines.extend(_table(outcome, failing[0].metric))
     if outcome.localisation:
         lines.append("localisation (numerics probe):")
-        lines.extend(f"  {k}: {v}" for k, v in outcome.localisation.items())
+        from convergence.probe_compare import summary_items  # per-module tables: the report
+
+        lines.extend(f"  {k}: {v}" for k, v in summary_items(outcome.localisation))
     lines.extend(_paths(outcome))
     if report_dir is not None and not outcome.plots:
         from convergence.report.write import PLOT_DIR, plot_names

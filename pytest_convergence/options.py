@@ -48,6 +48,10 @@ _OPTIONS: tuple[_Opt, ...] = (
          default="quick"),
     _Opt(name="workdir", help="run folders, device-pool state and cache "
          "(default: <rootdir>/.convergence)"),
+    _Opt(name="idle-limit", help="watchdog: end a job when no new metrics line came for this "
+         "many seconds (a rank hung in a collective); default 300", kind="float"),
+    _Opt(name="wall-limit", help="end a job after this many seconds in all; default 3600",
+         kind="float"),
 )
 
 
@@ -97,6 +101,10 @@ class Options:
     alpha: float | None
     tier: str
     workdir: Path
+    idle_limit_s: float | None = None
+    """No-progress watchdog per job (None: the library default)."""
+    wall_limit_s: float | None = None
+    """Wall-clock limit per job (None: the library default)."""
 
 
 def _raw(config: pytest.Config, opt: _Opt) -> tuple[Any, Path]:
@@ -144,10 +152,14 @@ def read_options(config: pytest.Config) -> Options:
         raise pytest.UsageError("--convergence-devices must be >= 1")
     if v["steps"] is not None and v["steps"] < 1:
         raise pytest.UsageError("--convergence-steps must be >= 1")
+    for name in ("idle-limit", "wall-limit"):
+        if v[name] is not None and not v[name] > 0:
+            raise pytest.UsageError(f"--convergence-{name} must be > 0 seconds, got {v[name]}")
     return Options(
         backend=v["backend"], launcher=v["launcher"], devices=v["devices"], steps=v["steps"],
         cache_dir=_path(v["cache-dir"], base["cache-dir"]), refresh=bool(v["refresh"]),
         report_dir=_path(v["report"], base["report"]), early_stop=not v["no-early-stop"],
         alpha=v["alpha"], tier=v["tier"],
         workdir=_path(v["workdir"], base["workdir"]) or config.rootpath / ".convergence",
+        idle_limit_s=v["idle-limit"], wall_limit_s=v["wall-limit"],
     )

@@ -38,10 +38,12 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = is_worker(config)
     share_dir = worker_share_dir(config) if worker else (
         options.workdir / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    limits = {k: v for k, v in (("idle_limit_s", options.idle_limit_s),
+                                ("wall_limit_s", options.wall_limit_s)) if v is not None}
     settings = RunSettings(
         work_dir=options.workdir, cache_dir=options.cache_dir, refresh=options.refresh,
         early_stop=options.early_stop, launcher=options.launcher, devices=options.devices,
-        steps=options.steps, alpha=options.alpha, backend=options.backend)
+        steps=options.steps, alpha=options.alpha, backend=options.backend, **limits)
     config.stash[STATE_KEY] = SessionState(
         options=options, settings=settings, share_dir=share_dir, is_worker=worker,
         distributed=is_distributing(config))

@@ -58,6 +58,10 @@ class BuiltinBackend:
         return load_train_config(job.train_config, job_overrides(job))
 
     def preflight(self, job: JobSpec) -> None:
+        if job.hook:  # located, not imported: see find_hook_module
+            from convergence.trainer.hooks import find_hook_module
+
+            find_hook_module(job.hook, file=job.source, key="hook")
         cfg = self.effective_config(job)
         try:
             from convergence.trainer.validate import check_config

@@ -153,7 +153,7 @@ class RunCache:
                 raise CacheError(
                     f"run cache {self.root}: disk full while storing run {key[:12]} from "
                     f"{src_dir}; nothing was stored. Free space or move the cache elsewhere "
-                    "(--convergence-cache DIR)") from exc
+                    "(--convergence-cache-dir DIR)") from exc
             if isinstance(exc, OSError):
                 raise CacheError(f"run cache {self.root}: could not store run {key[:12]} from "
                                  f"{src_dir}: {exc}; nothing was stored") from exc

@@ -6,8 +6,9 @@ Name a function in the train config (or as an override, or in an experiment's ``
     hook = "my_project.parallel:apply_my_tp"
     hook_mode = "replace_tp"        # or "after" (the default)
 
-The trainer imports it on every rank before building anything (a path that does not import
-fails at start, naming the key) and calls it once per model chunk (one chunk without PP, one
+At collection, :func:`find_hook_module` checks that the module can be found (without importing
+it: no user code runs in the pytest process); the trainer imports it on every rank before
+building anything (a missing function fails at start, naming the key) and calls it once per model chunk (one chunk without PP, one
 per local stage with PP):
 
     def apply(model: nn.Module, ctx: HookContext) -> nn.Module | None
@@ -54,6 +55,10 @@ bug a convergence pair is there to catch.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -115,6 +120,57 @@ def load_hook(path: str, *, file: str | None = None) -> HookFn:
         raise SpecError(f"module {module_name!r} has no callable {attr!r}", file=file,
                         key="parallelism.hook", fix="name an existing function after the ':'")
     return fn  # type: ignore[no-any-return]
+
+
+def find_hook_module(path: str, *, file: str | None = None, key: str = "hook") -> None:
+    """Check at collection that the hook's module exists where the ranks will look for it,
+    *without importing it*: raise SpecError naming ``key`` if it does not.
+
+    Why not import: importing runs the user's module-level code in the pytest process at
+    collection, before anything was asked to run (and once per xdist worker). Locating it is
+    enough to catch the common mistakes (a typo, a missing PYTHONPATH); the function inside is
+    checked when the ranks import the module at start (:func:`load_hook`). Parent packages of a
+    dotted name are not imported either: each level is looked up in its parent's folder.
+
+    The ranks run with the session's working directory and ``PYTHONPATH``, so those are
+    searched besides ``sys.path`` (and any installed finder, e.g. editable installs)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise SpecError(f"hook {path!r} is not \"package.module:function\"", file=file, key=key,
+                        fix="write it as package.module:function")
+    if module_name in sys.modules:
+        return  # already imported here (e.g. os.path, or the project's own package)
+    parts = module_name.split(".")
+    extra = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    locations: list[str] | None = None
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        spec = _locate(name, locations, extra)
+        if spec is None:
+            where = "the working directory, PYTHONPATH or sys.path" if depth == 1 else (
+                f"package {'.'.join(parts[:depth - 1])!r}")
+            raise SpecError(f"hook module {module_name!r} cannot be imported: no {name!r} in "
+                            f"{where}", file=file, key=key,
+                            fix="fix the module path, or make it importable on every rank "
+                                "(run pytest from its folder, or set PYTHONPATH / install it)")
+        locations = list(spec.submodule_search_locations or [])
+        if depth < len(parts) and not locations:
+            raise SpecError(f"hook module {module_name!r}: {name!r} is a module, not a package",
+                            file=file, key=key, fix="fix the dotted module path")
+
+
+def _locate(name: str, parent_locations: list[str] | None,
+            extra: list[str]) -> importlib.machinery.ModuleSpec | None:
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__spec__", None) is not None:
+        return module.__spec__  # type: ignore[no-any-return]
+    if parent_locations is not None:  # a submodule: look only in the parent package's folders
+        return importlib.machinery.PathFinder.find_spec(name, parent_locations)
+    try:
+        spec = importlib.util.find_spec(name)  # top level: nothing is executed
+    except (ImportError, ValueError):
+        spec = None
+    return spec or importlib.machinery.PathFinder.find_spec(name, extra)
 
 
 def apply_hook(fn: HookFn, model: nn.Module, ctx: HookContext) -> nn.Module:
