@@ -149,6 +149,26 @@ def divergence_html(record: Mapping[str, Any]) -> str:
     return "".join(parts)
 
 
+def probe_html(record: Mapping[str, Any]) -> str:
+    """The numerics probe's per-module and per-parameter tables ("" without a probe)."""
+    from convergence.report import probe_table as pt
+
+    if not pt.has_probe_table(record):
+        return ""
+    loc = record["localisation"]
+    parts = [f"<h4>Numerics probe</h4><p>{escape(pt.summary_text(loc))}</p>"]
+    for key, title in pt.TABLES:
+        entries = loc.get(key) or []
+        if not entries:
+            continue
+        cells = [[escape(c) for c in row] for row in pt.rows(entries)]
+        classes = ["bad" if e.get("differs") else "" for e in entries]
+        parts.append(f"<details{' open' if key == 'modules' else ''}><summary>{escape(title)}"
+                     f"</summary>{_table([escape(h) for h in pt.HEADER], cells, right=pt.RIGHT, row_class=classes)}"
+                     "</details>")
+    return "".join(parts)
+
+
 def _resource(entry: Mapping[str, Any]) -> str:
     return (f"{fmt_amount(entry['test'])} / {fmt_amount(entry['control'])} = "
             f"{fmt_ratio(entry['ratio'])}")
@@ -177,8 +197,10 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
     if record["stopped_early_at"] is not None:
         items.append(("stopped early at step", str(record["stopped_early_at"])))
     if record["localisation"]:
+        from convergence.probe_compare import summary_items
+
         items.append(("localisation", escape(", ".join(
-            f"{k}={v}" for k, v in record["localisation"].items()))))
+            f"{k}={v}" for k, v in summary_items(record["localisation"])))))
     error = f"<pre>{escape(record['error'])}</pre>" if record["error"] else ""
     plot_error = (f'<p class="bad">plot failed: {escape(record["plot_error"])}</p>'
                   if record.get("plot_error") else "")
@@ -189,6 +211,7 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
             f"{escape(status.upper())}</span></h3>"
             f'<div class="sub">{escape(record["id"])}</div>'
             f"{_kv(items)}{error}{verdicts_html(record)}{divergence_html(record)}"
+            f"{probe_html(record)}"
             f"{plot_error}{plots}</section>")
 
 

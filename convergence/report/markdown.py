@@ -100,7 +100,9 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
         lines += ["", f"{metric} around the divergence:", ""]
         lines += divergence_lines(rows, reference)
     if record["localisation"]:
-        loc = ", ".join(f"{k}={v}" for k, v in record["localisation"].items())
+        from convergence.probe_compare import summary_items
+
+        loc = ", ".join(f"{k}={v}" for k, v in summary_items(record["localisation"]))
         lines += ["", f"Localisation: {loc}"]
     if record["error"]:
         err = record["error"].rstrip().splitlines()
@@ -110,6 +112,19 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
             lines.append("")
         # A ``` inside the error would close the fence early.
         lines += ["```text", *(line.replace("```", "ˋˋˋ") for line in shown), "```"]
+    return lines + [""]
+
+
+def probe_section(record: Mapping[str, Any]) -> list[str]:
+    """The numerics probe of one pair: summary line and the per-module/parameter tables."""
+    from convergence.report import probe_table as pt
+
+    loc = record["localisation"]
+    lines = [f"### `{record['name']}`", "", pt.summary_text(loc)]
+    for key, title in pt.TABLES:
+        if loc.get(key):
+            lines += ["", f"{title}:", ""]
+            lines += table(pt.HEADER, pt.rows(loc[key]), list(pt.RIGHT))
     return lines + [""]
 
 
@@ -137,6 +152,13 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += ["", "## Failures", ""]
         for record in bad:
             lines += failure_section(record)
+    from convergence.report.probe_table import has_probe_table
+
+    probed = [p for p in pairs if has_probe_table(p)]
+    if probed:
+        lines += ["", "## Numerics probe", ""]
+        for record in probed:
+            lines += probe_section(record)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -28,7 +28,9 @@ TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
 JOB_KEYS = ("name", "train_config", "steps", "seed", "backend", "local_batch_size",
             "parallelism", "techniques", "hook", "hook_mode", "overrides", "backend_options")
 PAIR_KEYS = ("compare", "regime", "replicates", "early_stop", "golden", "tier",
-             "probe_on_failure")
+             "probe_on_failure", "probe")
+#: Values of the pair key ``probe``: when the numerics probe runs on both sides.
+PROBE_MODES = ("on_failure", "always", "off")
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k != "name") + PAIR_KEYS
 TEST_KEYS = JOB_KEYS + PAIR_KEYS
 SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
@@ -281,6 +283,10 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         raise SpecError(f"unknown tier {tier!r}", file=file, key=f"{key}.tier",
                         fix=f"use one of: {', '.join(TIERS)}")
     compare_table = expect_table(pair_conf.get("compare", {}), file=file, key=f"{key}.compare")
+    probe = pair_conf.get("probe", "on_failure")
+    if probe not in PROBE_MODES:
+        raise SpecError(f"unknown probe mode {probe!r}", file=file, key=f"{key}.probe",
+                        fix=f"use one of: {', '.join(PROBE_MODES)}")
     pair = PairSpec(
         pair_id=f"{Path(file).name}::{name}",
         control=control_job,
@@ -291,7 +297,8 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         early_stop=bool(pair_conf.get("early_stop", True)),
         source=file,
         tier=tier,
-        probe_on_failure=bool(pair_conf.get("probe_on_failure", True)),
+        probe_on_failure=bool(pair_conf.get("probe_on_failure", True)) and probe != "off",
+        probe_always=probe == "always",
         golden=pair_conf.get("golden"),
     )
     check_pair(pair, key=key)

@@ -72,6 +72,9 @@ class PairSpec:
     """Which runs select it: ``quick`` (default ``-m convergence``), ``ci``, ``nightly``."""
     probe_on_failure: bool = True
     """Run the per-module numerics probe on both sides when a paired pair fails."""
+    probe_always: bool = False
+    """Run the numerics probe on both sides whatever the verdict (experiment key
+    ``probe = "always"``): the per-module table lands in the report."""
     golden: str | None = None
     """Optional golden curve file to compare the test against instead of a control run."""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
