@@ -15,15 +15,20 @@ import pytest
 pytest.importorskip("torchtitan", reason="torchtitan is not installed "
                     "(pip install 'pytest-convergence[torchtitan]' triton)")
 
-import torch  # noqa: E402
+import torch
 
-from convergence.backends import get_backend  # noqa: E402
-from convergence.backends.torchtitan import (  # noqa: E402
-    SEED_FOLDER, SEED_STEP, TorchtitanBackend, ensure_assets, parse)
-from convergence.spec.errors import SpecError  # noqa: E402
-from convergence.spec.experiment import load_experiment  # noqa: E402
-from convergence.spec.job import JobSpec  # noqa: E402
-from convergence.spec.layout import ParallelLayout, Techniques  # noqa: E402
+from convergence.backends import get_backend
+from convergence.backends.torchtitan import (
+    SEED_FOLDER,
+    SEED_STEP,
+    TorchtitanBackend,
+    ensure_assets,
+    parse,
+)
+from convergence.spec.errors import SpecError
+from convergence.spec.experiment import load_experiment
+from convergence.spec.job import JobSpec
+from convergence.spec.layout import ParallelLayout, Techniques
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments" / "torchtitan").glob("*.toml"))

@@ -234,7 +234,7 @@ def parse(argv: tuple[str, ...]) -> Any:
             return manager.parse_args(list(argv))
     except SystemExit:
         raise ParseError(_clean(sink.getvalue())) from None
-    except Exception as exc:  # torchtitan's own checks (module/config lookup, __post_init__)
+    except Exception as exc:  # noqa: BLE001 - torchtitan's own checks (lookup, __post_init__)
         raise ParseError(f"{type(exc).__name__}: {exc}") from None
 
 
@@ -334,7 +334,7 @@ class TorchtitanBackend:
                                 key=f"backend_options.{key}",
                                 fix=f"use one of {', '.join(OPTION_KEYS)}")
         try:
-            base = self.base_config(job)
+            self.base_config(job)  # module/config alone first: its error names that option
             self.effective_config(job)
         except ParseError as exc:
             raise SpecError(f"torchtitan rejects the job's configuration:\n{exc.text}",
@@ -342,7 +342,6 @@ class TorchtitanBackend:
                             fix="fix the override (see torchtitan's message above; "
                                 "`python -m torchtitan.config.manager --module M --config C "
                                 "--help` lists every key)") from None
-        del base
         layout = job.layout
         if layout.pp > 1 and self.local_batch_size(job) % layout.microbatches:
             raise SpecError(
