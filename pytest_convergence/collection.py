@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import load_experiment, validate_pair
+from convergence.spec.experiment import load_experiment, validate_devices
 from convergence.spec.pair import PairSpec
 from pytest_convergence.execute import check_outcome, execute_pair
 from pytest_convergence.failure import ConvergenceFailure
@@ -62,10 +62,13 @@ class ExperimentFile(pytest.File):
 
     def collect(self) -> Iterator[ConvergenceItem]:
         try:
-            experiment = load_experiment(self.path, rootdir=self.config.rootpath)
-            devices = get_state(self.config).available_devices()
+            state = get_state(self.config)
+            experiment = load_experiment(self.path, rootdir=self.config.rootpath,
+                                         max_tier=state.options.tier)
+            devices = state.available_devices()
             for pair in experiment.pairs:
-                validate_pair(pair, available_devices=devices)
+                if TIERS.index(pair.tier) <= TIERS.index(state.options.tier):
+                    validate_devices(pair, available_devices=devices)
         except SpecError as exc:
             # CollectError renders as its message only: file, key and fix, no traceback.
             raise self.CollectError(f"invalid experiment (nothing was launched):\n{exc}") from None

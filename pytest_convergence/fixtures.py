@@ -52,7 +52,7 @@ import pytest
 from convergence.outcome import PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import (DEFAULTS_KEYS, JOB_KEYS, TEST_KEYS, make_pair,
-                                         validate_pair)
+                                         validate_devices)
 from convergence.spec.pair import PairSpec
 from convergence.spec.toml_io import check_keys
 from pytest_convergence.collection import MARKER
@@ -97,7 +97,7 @@ class PairRunner:
         pair = make_pair(name=pair_name, control=control, test=test_table, defaults=defaults,
                          compare=compare, source=source, rootdir=self._node.config.rootpath)
         devices = get_state(self._node.config).available_devices()
-        validate_pair(pair, available_devices=devices)
+        validate_devices(pair, available_devices=devices)
         return pair
 
     def __call__(self, control: Mapping[str, Any], test: Mapping[str, Any], *,

@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
-"""Tiers in increasing cost; ``--convergence-tier ci`` runs ``quick`` and ``ci`` pairs."""
+from convergence.spec.experiment import TIERS  # quick < ci < nightly
 
 
 @dataclass(frozen=True, kw_only=True)
