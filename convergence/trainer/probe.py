@@ -244,13 +244,26 @@ def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: Samp
     """One forward+backward on the batch of ``cfg.probe.step``; probe.json from the writer."""
     step = cfg.probe.step
     chunks = stage_chunks(engine.chunks, cfg, meshes)
+
+    def forward_backward() -> torch.Tensor | None:
+        local_loss: torch.Tensor | None = None
+        for micro in range(cfg.training.grad_accum_steps):
+            inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
+            loss = engine.forward_backward(inputs, targets)
+            if loss is not None:
+                local_loss = loss.float() if local_loss is None else local_loss + loss.float()
+        return local_loss
+
+    if meshes is not None and meshes.pp is not None:
+        # A pipeline schedule's first step also runs each stage's forward once more to infer
+        # the shapes it sends (on a real microbatch, or on uninitialised buffers): a warm-up
+        # step, whose gradients are dropped, keeps those calls out of the records.
+        forward_backward()
+        for _, chunk in chunks:
+            for param in chunk.parameters():
+                param.grad = None
     recorder = OutputRecorder(chunks)
-    local_loss: torch.Tensor | None = None
-    for micro in range(cfg.training.grad_accum_steps):
-        inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
-        loss = engine.forward_backward(inputs, targets)
-        if loss is not None:
-            local_loss = loss.float() if local_loss is None else local_loss + loss.float()
+    local_loss = forward_backward()
     recorder.remove()
     losses = dp_losses(local_loss if engine.holds_loss else None, meshes)
     modules = module_sumsq(recorder, meshes, device)

@@ -1,0 +1,179 @@
+"""The numerics probe: comparison rules (plain Python) and, end to end on CPU/gloo, that a
+planted bug in one layer's TP plan is named by the probe through Runner.run_pair."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from convergence.probe_compare import (compare_probe_files, compare_probes, load_probe,
+                                       summary_items)
+from convergence.spec.errors import SpecError
+from convergence.spec.experiment import load_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKS = Path(__file__).parent / "fixtures" / "hooks"
+BUGGY_MODULE = "layers.1.attention.wo"
+
+
+def probe(norms: dict[str, float], grads: dict[str, float], *, loss: float = 5.0,
+          dtype: str = "float32") -> dict[str, Any]:
+    return {"version": 1, "step": 1, "param_dtype": dtype, "loss": loss, "dp_losses": [loss],
+            "modules": [{"name": k, "norm": v, "calls": 1} for k, v in norms.items()],
+            "grads": [{"name": k, "norm": v} for k, v in grads.items()]}
+
+
+NORMS = {"tok_embeddings": 250.0, "layers.0.attention.wo": 1.2, "layers.0": 251.0,
+         "output": 40.0}
+GRADS = {"tok_embeddings.weight": 3e-2, "layers.0.attention.wo.weight": 2e-4}
+
+
+def test_fp32_noise_passes_and_first_differing_module_is_named() -> None:
+    noisy = {k: v * (1 + 1e-7) for k, v in NORMS.items()}
+    same = compare_probes(probe(NORMS, GRADS), probe(noisy, GRADS))
+    assert same["module"] is None and same["parameter"] is None
+    assert same["modules_differing"] == 0 and same["modules_compared"] == 4
+    # Everything from layers.0.attention.wo on is off by 1e-4 relative: wo is named, not the
+    # later (also differing) modules; the max |diff| is that module's.
+    bad = dict(NORMS, **{"layers.0.attention.wo": 1.2 * (1 + 1e-4), "layers.0": 251.1,
+                         "output": 40.1})
+    loc = compare_probes(probe(NORMS, GRADS), probe(bad, dict(GRADS, **{
+        "layers.0.attention.wo.weight": 4e-4}), loss=5.1))
+    assert loc["module"] == "layers.0.attention.wo"
+    assert loc["parameter"] == "layers.0.attention.wo.weight"
+    assert loc["max_abs_diff"] == pytest.approx(1.2e-4)
+    assert loc["loss_differs"] and loc["modules_differing"] == 3
+    assert [r["name"] for r in loc["modules"]] == list(NORMS)  # forward order kept
+
+
+def test_bf16_tolerance_is_looser_and_the_looser_side_decides() -> None:
+    off = {k: v * (1 + 1e-3) for k, v in NORMS.items()}
+    assert compare_probes(probe(NORMS, GRADS), probe(off, GRADS))["module"] == "tok_embeddings"
+    loc = compare_probes(probe(NORMS, GRADS), probe(off, GRADS, dtype="bfloat16"))
+    assert loc["module"] is None and loc["dtype"] == "bfloat16"
+
+
+def test_unmatched_names_and_summary_leave_out_tables(tmp_path: Path) -> None:
+    other = dict(NORMS)
+    other["layers.0._odd_wrapper"] = other.pop("layers.0")
+    loc = compare_probes(probe(NORMS, GRADS), probe(other, GRADS))
+    assert loc["unmatched"] == ["layers.0", "layers.0._odd_wrapper"]
+    keys = [k for k, _ in summary_items(loc)]
+    assert "modules" not in keys and "unmatched" not in keys and "module" in keys
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"loss": 1.0}))
+    with pytest.raises(ValueError, match="is not a probe.json"):
+        load_probe(path)
+    with pytest.raises(ValueError, match="no probe result"):
+        load_probe(tmp_path / "missing.json")
+
+
+def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
+    path = tmp_path / "probe_e2e.toml"
+    path.write_text(textwrap.dedent(f"""
+        [defaults]
+        train_config = "{ROOT}/train_configs/debug.toml"
+        steps = 2
+        seed = 5
+        early_stop = false
+
+        [control]
+        name = "ddp2"
+        parallelism = {{ dp_replicate = 2 }}
+
+        [[test]]
+        name = "fsdp2-tp2"
+        parallelism = {{ dp_shard = 2, tp = 2 }}
+        probe = "{probe_mode}"
+
+        [[test]]
+        name = "fsdp2-tp2-bug"
+        parallelism = {{ dp_shard = 2, tp = 2 }}
+        hook = "planted_tp_bugs:tp_without_wo_reduce"
+        hook_mode = "replace_tp"
+    """))
+    return path
+
+
+def _hooks_on_path() -> None:
+    # The hook module must import here (collection checks it) and in the trainer's ranks.
+    if str(HOOKS) not in os.environ.get("PYTHONPATH", ""):
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)
+    if str(HOOKS) not in sys.path:
+        sys.path.insert(0, str(HOOKS))
+
+
+def test_probe_key_is_validated(tmp_path: Path) -> None:
+    _hooks_on_path()
+    exp = load_experiment(_experiment(tmp_path, "always"), rootdir=ROOT)
+    pairs = {p.name: p for p in exp.pairs}
+    assert pairs["fsdp2-tp2"].probe_always and not pairs["fsdp2-tp2-bug"].probe_always
+    with pytest.raises(SpecError, match=r"probe"):
+        load_experiment(_experiment(tmp_path, "sometimes"), rootdir=ROOT)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from convergence.runner import RunSettings, Runner
+
+    _hooks_on_path()
+    exp = load_experiment(_experiment(tmp_path_factory.mktemp("exp"), "always"), rootdir=ROOT)
+    runner = Runner(RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180,
+                                wall_limit_s=600))
+    return {p.name: runner.run_pair(p) for p in exp.pairs}
+
+
+def test_full_tensor_norms_agree_between_ddp_and_fsdp_tp(outcomes: dict[str, Any]) -> None:
+    outcome = outcomes["fsdp2-tp2"]
+    assert outcome.status == "passed", outcome.error
+    loc = outcome.localisation
+    assert loc is not None and "error" not in loc, loc
+    assert loc["module"] is None and loc["parameter"] is None, summary_items(loc)
+    # Every module of the model, and every parameter, matched by name across the layouts.
+    assert loc["modules_compared"] == 51 and len(loc["parameters"]) == 39
+    assert "unmatched" not in loc
+    worst = max(r["rel_diff"] for r in loc["modules"] + loc["parameters"])
+    assert worst < 1e-6  # local-shard norms would be off by ~30% (half the elements)
+    assert loc["dp_losses_control"] == pytest.approx(loc["dp_losses_test"], rel=1e-6)
+    assert len(loc["dp_losses_test"]) == 2
+
+
+def test_planted_tp_plan_bug_is_localised(outcomes: dict[str, Any]) -> None:
+    outcome = outcomes["fsdp2-tp2-bug"]
+    assert outcome.status == "failed"
+    loc = outcome.localisation
+    assert loc is not None and "error" not in loc, loc
+    assert loc["module"] == BUGGY_MODULE
+    rows = {r["name"]: r for r in loc["modules"]}
+    # Everything before the buggy module agrees (same weights, same batch).
+    before = [r for r in loc["modules"][: [r["name"] for r in loc["modules"]].index(
+        BUGGY_MODULE)]]
+    assert before and not any(r["differs"] for r in before)
+    assert rows[BUGGY_MODULE]["differs"] and rows["output"]["differs"]
+    probe_dir = Path(loc["probe_dir"])
+    again = compare_probe_files(probe_dir / "control/dump/probe.json",
+                                probe_dir / "test/dump/probe.json")
+    assert again["module"] == BUGGY_MODULE
+
+
+def test_failure_text_and_reports_name_the_module(outcomes: dict[str, Any],
+                                                  tmp_path: Path) -> None:
+    from convergence.report.write import write_reports
+    from pytest_convergence.failure import render_outcome
+
+    text = render_outcome(outcomes["fsdp2-tp2-bug"])
+    assert f"module: {BUGGY_MODULE}" in text
+    assert "'abs_diff'" not in text  # the tables stay out of the failure message
+    write_reports(list(outcomes.values()), tmp_path, environment={"python": "3"})
+    md = (tmp_path / "report.md").read_text()
+    assert "## Numerics probe" in md and f"first differing module `{BUGGY_MODULE}`" in md
+    assert "| layers.1.attention.wo |" in md and "all 51 module outputs" in md
+    html = (tmp_path / "report.html").read_text()
+    assert "Numerics probe" in html and '<tr class="bad"><td>layers.1.attention.wo' in html
