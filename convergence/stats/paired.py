@@ -55,6 +55,8 @@ class PairedTolerance:
         return floor + self.rtol * np.abs(control)
 
     def describe(self) -> str:
+        if self.growth == 0:
+            return f"atol {self.atol:g} + rtol {self.rtol:g}*|control|"
         return (f"atol {self.atol:g}*(1+{self.growth:g}*sqrt(step)) "
                 f"+ rtol {self.rtol:g}*|control|")
 
@@ -77,47 +79,54 @@ def paired_tolerance(rule: ComparisonRule) -> PairedTolerance:
                            rtol=base.rtol if rule.rtol is None else rule.rtol)
 
 
+def envelope_verdict(rule: ComparisonRule, method: str, controls: Sequence[Curve], test: Curve,
+                     tol: PairedTolerance, *, band: str) -> MetricVerdict:
+    """Pointwise check ``|test - control| <= tol(step)`` at every common step (paired and
+    allclose share it: allclose is the envelope without growth)."""
+    described = tol.describe()
+    problem = incomplete(controls, test)
+    if problem:
+        return failed(rule, method, problem, tolerance=described)
+    pairs = align(controls[0], test)
+    if pairs.steps.size == 0:
+        return failed(rule, method, "no step logged by both runs", tolerance=described)
+    tolerance = tol.at(pairs.steps, pairs.control)
+    deviation = np.abs(pairs.test - pairs.control)
+    outside = ~(deviation <= tolerance)  # NaN is outside
+    max_dev, max_step, index = worst(deviation, pairs.steps)
+    # The step closest to its limit says more than the largest raw deviation.
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(np.isnan(deviation), np.inf, deviation / tolerance)
+    first = first_true(outside, pairs.steps)
+    passed = first is None
+    if passed:
+        message = (f"{rule.metric}: within {band} at all {pairs.steps.size} steps "
+                   f"(max |diff| {max_dev:.3g} at step {max_step}, "
+                   f"{float(ratio.max()):.2g}x of the tolerance at worst)")
+    else:
+        first_i = int(np.argmax(outside))
+        message = (f"{rule.metric}: outside {band} at {int(outside.sum())} of "
+                   f"{pairs.steps.size} steps, first at step {first} "
+                   f"(|diff| {deviation[first_i]:.3g} > tol {tolerance[first_i]:.3g}); "
+                   f"max |diff| {max_dev:.3g} at step {max_step}")
+    return MetricVerdict(metric=rule.metric, method=method, passed=passed,
+                         gate=rule.gate, steps_compared=int(pairs.steps.size),
+                         first_divergent_step=first, max_deviation=max_dev,
+                         max_deviation_step=max_step, tolerance=described,
+                         tolerance_at_max=None if index is None else float(tolerance[index]),
+                         message=message,
+                         details={"max_ratio": _json_float(float(ratio.max())), "atol": tol.atol,
+                                  "growth": tol.growth, "rtol": tol.rtol,
+                                  "steps_outside": int(outside.sum())})
+
+
 class PairedBand:
     method = "paired"
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:
-        tol = paired_tolerance(rule)
-        described = tol.describe()
-        problem = incomplete(controls, test)
-        if problem:
-            return failed(rule, self.method, problem, tolerance=described)
-        pairs = align(controls[0], test)
-        if pairs.steps.size == 0:
-            return failed(rule, self.method, "no step logged by both runs", tolerance=described)
-        tolerance = tol.at(pairs.steps, pairs.control)
-        deviation = np.abs(pairs.test - pairs.control)
-        outside = ~(deviation <= tolerance)  # NaN is outside
-        max_dev, max_step, index = worst(deviation, pairs.steps)
-        # The step closest to its limit says more than the largest raw deviation.
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(np.isnan(deviation), np.inf, deviation / tolerance)
-        first = first_true(outside, pairs.steps)
-        passed = first is None
-        if passed:
-            message = (f"{rule.metric}: within the paired band at all {pairs.steps.size} steps "
-                       f"(max |diff| {max_dev:.3g} at step {max_step}, "
-                       f"{float(ratio.max()):.2g}x of the tolerance at worst)")
-        else:
-            first_i = int(np.argmax(outside))
-            message = (f"{rule.metric}: outside the paired band at {int(outside.sum())} of "
-                       f"{pairs.steps.size} steps, first at step {first} "
-                       f"(|diff| {deviation[first_i]:.3g} > tol {tolerance[first_i]:.3g}); "
-                       f"max |diff| {max_dev:.3g} at step {max_step}")
-        return MetricVerdict(metric=rule.metric, method=self.method, passed=passed,
-                             gate=rule.gate, steps_compared=int(pairs.steps.size),
-                             first_divergent_step=first, max_deviation=max_dev,
-                             max_deviation_step=max_step, tolerance=described,
-                             tolerance_at_max=None if index is None else float(tolerance[index]),
-                             message=message,
-                             details={"max_ratio": _json_float(float(ratio.max())), "atol": tol.atol,
-                                      "growth": tol.growth, "rtol": tol.rtol,
-                                      "steps_outside": int(outside.sum())})
+        return envelope_verdict(rule, self.method, controls, test, paired_tolerance(rule),
+                                band="the paired band")
 
 
 def _json_float(value: float) -> float | None:
