@@ -52,9 +52,11 @@ def _table(control: Sequence[Mapping[str, Any]], test: Sequence[Mapping[str, Any
         if other is None:
             continue
         c, t = row.get("norm"), other.get("norm")
-        diff = abs(c - t) if c is not None and t is not None else None
-        rel = diff / max(abs(c), abs(t)) if diff is not None and max(abs(c), abs(t)) > 0 \
-            else (0.0 if diff == 0 else None)
+        diff = rel = None
+        if c is not None and t is not None:
+            diff = abs(c - t)
+            scale = max(abs(c), abs(t))
+            rel = diff / scale if scale > 0 else 0.0
         rows.append({"name": row["name"], "control": c, "test": t, "abs_diff": diff,
                      "rel_diff": rel, "differs": _differs(c, t, rtol, atol)})
     names_c = {row["name"] for row in control}

@@ -1,7 +1,7 @@
 """Failure localisation: run the numerics probe on both sides of a pair and compare.
 
 When a paired pair fails (or always, for pairs with ``probe = "always"``), each side runs once
-more in probe mode -- same launcher, same device pool, same seed checkpoint, overrides
+more in probe mode -- same launcher, same device pool, same seed checkpoint, the run cache, overrides
 ``--probe.enable=true --probe.step=S --training.steps=1`` -- and the two probe.json files are
 compared (convergence.probe_compare). The result becomes ``PairOutcome.localisation``.
 
@@ -11,6 +11,8 @@ A probe never changes a verdict: whatever goes wrong here is recorded as
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,19 +62,45 @@ def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, launch: LaunchFn,
     return path
 
 
-def localise(pair: PairSpec, pair_dir: Path, *, launch: LaunchFn, seed_checkpoint: SeedFn,
-             wall_limit_s: float, step: int = 1) -> dict[str, Any]:
-    """Probe both sides and compare; errors are returned in the dict, never raised."""
+def cached_probe(runner: Any, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
+    """probe.json of ``job``, from the run cache when this job was probed before.
+
+    ``runner`` is the :class:`convergence.runner.Runner` (its cache, launcher, pool and seed
+    checkpoints). The key extends the job's run-cache key, so a control shared by many pairs
+    is probed once, and ``--refresh`` reprobes once per session as it reruns jobs.
+    """
+    from convergence.backends import get_backend
+    from convergence.trainer.probe import PROBE_FILE
+
+    backend = get_backend(job.backend)
+    job_key = runner._job_key(job, backend, runner.seed_checkpoint(job, backend))
+    key = hashlib.sha256(json.dumps({"probe_step": step, "job": job_key}).encode()).hexdigest()
+    with runner.cache.claim(key) as claim:
+        if claim.path is not None and runner._reusable(claim.path):
+            cached: Path = claim.path / "dump" / PROBE_FILE
+            if cached.is_file():
+                return cached
+        path = run_probe_job(side, job, probe_dir, launch=runner._launch,
+                             seed_checkpoint=runner.seed_checkpoint,
+                             wall_limit_s=runner.settings.wall_limit_s, step=step)
+        side_dir = path.parent.parent
+        (side_dir / "job.json").write_text(json.dumps(
+            {"job": job.identity(), "name": job.name, "probe_step": step,
+             "session": runner.settings.session_id}, default=str))
+        entry: Path = claim.commit(side_dir)
+        return entry / "dump" / PROBE_FILE
+
+
+def localise(pair: PairSpec, pair_dir: Path, *, runner: Any, step: int = 1) -> dict[str, Any]:
+    """Probe both sides (cached) and compare; errors are returned in the dict, never raised."""
     from convergence.probe_compare import compare_probe_files
 
     probe_dir = pair_dir / "probe"
     try:
-        paths = [run_probe_job(side, job, probe_dir, launch=launch,
-                               seed_checkpoint=seed_checkpoint, wall_limit_s=wall_limit_s,
-                               step=step)
+        paths = [cached_probe(runner, side, job, probe_dir, step)
                  for side, job in (("control", pair.control), ("test", pair.test))]
         result = compare_probe_files(paths[0], paths[1])
-    except Exception as exc:  # a probe must never turn a verdict into an error
+    except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
         return {"error": f"numerics probe failed: {exc}", "step": step}
-    result["probe_dir"] = str(probe_dir)
+    result["probe_files"] = f"{paths[0]} vs {paths[1]}"
     return result

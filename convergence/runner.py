@@ -265,8 +265,7 @@ class Runner:
 
         if not wants_probe(pair, status):
             return None
-        return localise(pair, pair_dir, launch=self._launch, seed_checkpoint=self.seed_checkpoint,
-                        wall_limit_s=self.settings.wall_limit_s)
+        return localise(pair, pair_dir, runner=self)
 
     def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
         if pair.golden:

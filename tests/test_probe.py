@@ -12,8 +12,12 @@ from typing import Any
 
 import pytest
 
-from convergence.probe_compare import (compare_probe_files, compare_probes, load_probe,
-                                       summary_items)
+from convergence.probe_compare import (
+    compare_probe_files,
+    compare_probes,
+    load_probe,
+    summary_items,
+)
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 
@@ -121,7 +125,7 @@ def test_probe_key_is_validated(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from convergence.runner import RunSettings, Runner
+    from convergence.runner import Runner, RunSettings
 
     _hooks_on_path()
     exp = load_experiment(_experiment(tmp_path_factory.mktemp("exp"), "always"), rootdir=ROOT)
@@ -157,9 +161,8 @@ def test_planted_tp_plan_bug_is_localised(outcomes: dict[str, Any]) -> None:
         BUGGY_MODULE)]]
     assert before and not any(r["differs"] for r in before)
     assert rows[BUGGY_MODULE]["differs"] and rows["output"]["differs"]
-    probe_dir = Path(loc["probe_dir"])
-    again = compare_probe_files(probe_dir / "control/dump/probe.json",
-                                probe_dir / "test/dump/probe.json")
+    control_file, test_file = (Path(p) for p in loc["probe_files"].split(" vs "))
+    again = compare_probe_files(control_file, test_file)
     assert again["module"] == BUGGY_MODULE
 
 

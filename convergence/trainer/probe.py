@@ -110,8 +110,7 @@ class OutputRecorder:
             with torch.no_grad():
                 for t in _tensors(output):
                     full = isinstance(t, DTensor)
-                    local = t.full_tensor() if full else t
-                    x = local.detach().double()
+                    x = (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
                     record.calls.append((x.pow(2).sum().item(), x.sum().item(), full))
         return hook
 
@@ -146,7 +145,7 @@ def module_sumsq(recorder: OutputRecorder, meshes: Meshes | None,
     else:
         per_call = flat[:, 0]
     counts = [len(r.calls) for r in records]
-    per_module = torch.stack([chunk.sum() for chunk in per_call.split(counts)])
+    per_module = torch.stack([chunk.sum() for chunk in torch.split(per_call, counts)])
     if meshes is not None and meshes.dp_cp.size() > 1:
         dist.all_reduce(per_module, group=meshes.dp_cp.get_group())
     return [{"name": r.name, "stage": r.stage, "order": r.order, "sumsq": float(v),
