@@ -245,9 +245,12 @@ class Runner:
             return PairOutcome(pair=pair, status="error", control=control, test=test,
                                error=_os_error_text(exc, self.settings.work_dir),
                                wall_s=time.monotonic() - started)
+        stopped = _stopped_at(test)
+        if stopped is not None:
+            # A test stopped early is judged on the steps it ran: the sequential monitor already
+            # saw a gating metric clearly outside; "incomplete" must not fail the others.
+            control_runs = [{m: c.upto(stopped) for m, c in run.items()} for run in control_runs]
         verdicts = compare_all(pair.rules, control_runs, test.metrics)
-        stopped = test.result.last_step if (test.result and
-                                            test.result.status == "stopped_early") else None
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
@@ -293,6 +296,18 @@ def _os_error_text(exc: OSError, work_dir: Path) -> str:
         return (f"disk full while writing {exc.filename or 'a run file'} ({exc}); free space "
                 f"in {work_dir} or move it elsewhere (--convergence-workdir DIR)")
     return f"I/O error: {exc} (work folder {work_dir})"
+
+
+def _stopped_at(test: SideOutcome) -> int | None:
+    """Last step of a test job that was stopped early (None when it ran to the end)."""
+    if test.result is None or test.result.status != "stopped_early":
+        return None
+    # The trainer finishes the step it is in after the stop request: its metrics may hold a
+    # step more than the launcher saw.
+    loss = test.metrics.get("loss")
+    if loss is not None and len(loss):
+        return int(loss.steps[-1])
+    return test.result.last_step
 
 
 def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> str:

@@ -49,7 +49,8 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         name = "fsdp2-bug"
         parallelism = {{ dp_shard = 2 }}
         hook = "planted_bugs:double_ffn_grad"
-        early_stop = false
+        steps = 40
+        probe = "off"   # localisation has its own tests (test_probe.py)
     """))
     exp = load_experiment(path, rootdir=ROOT)
     return {p.name: p for p in exp.pairs}
@@ -76,6 +77,11 @@ def test_planted_bug_fails_with_first_divergent_step(runner: Runner,
     grad = outcome.verdict("grad_norm")
     assert grad is not None and not grad.passed
     assert grad.first_divergent_step == 1  # the doubled gradient shows at the first step
+    # Early stopping ended the hopeless test long before its 40 steps; the verdict is judged on
+    # the steps that ran, so the (bit-identical under Adam) loss is not failed for stopping.
+    assert outcome.stopped_early_at is not None and outcome.stopped_early_at < 20
+    loss = outcome.verdict("loss")
+    assert loss is not None and loss.passed, loss.message
     # No process of the jobs outlives them.
     me = psutil.Process()
     assert not [c for c in me.children(recursive=True) if c.is_running()
