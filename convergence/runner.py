@@ -22,7 +22,6 @@ from typing import Any
 from convergence.backends import Backend, get_backend
 from convergence.cache.store import CacheError
 from convergence.launch.types import JobResult, LaunchRequest, Launcher, Progress
-from convergence.metrics.curve import RunMetrics
 from convergence.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec

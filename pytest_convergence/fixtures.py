@@ -44,7 +44,6 @@ the pair does not pass. Tests using the fixture get the ``convergence`` marker a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.spec.errors import SpecError
-from convergence.spec.job import BACKENDS, JobSpec
+from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
