@@ -99,8 +99,15 @@ def parse_root_cause(agent_log: str) -> RootCause | None:
     return cause
 
 
+_RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:[ ]?", re.M)
+
+
 def last_traceback(text: str) -> str:
-    """The last Python traceback in ``text`` (to the end), or "" if there is none."""
+    """The last Python traceback in ``text`` (to the end), or "" if there is none.
+
+    torch prefixes a rank's stderr lines with ``[rank1]: ``; the prefix is dropped so the
+    traceback and its last line read as Python printed them."""
+    text = _RANK_PREFIX.sub("", text)
     idx = text.rfind(_TRACEBACK_HEAD)
     return text[idx:].rstrip() + "\n" if idx >= 0 else ""
 
