@@ -7,6 +7,7 @@ reporting (matrix, JUnit properties, report files), xdist (workers), stash (sess
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -38,12 +39,14 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = is_worker(config)
     share_dir = worker_share_dir(config) if worker else (
         options.workdir / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    limits = {k: v for k, v in (("idle_limit_s", options.idle_limit_s),
-                                ("wall_limit_s", options.wall_limit_s)) if v is not None}
     settings = RunSettings(
         work_dir=options.workdir, cache_dir=options.cache_dir, refresh=options.refresh,
         early_stop=options.early_stop, launcher=options.launcher, devices=options.devices,
-        steps=options.steps, alpha=options.alpha, backend=options.backend, **limits)
+        steps=options.steps, alpha=options.alpha, backend=options.backend)
+    if options.idle_limit_s is not None:
+        settings = dataclasses.replace(settings, idle_limit_s=options.idle_limit_s)
+    if options.wall_limit_s is not None:
+        settings = dataclasses.replace(settings, wall_limit_s=options.wall_limit_s)
     config.stash[STATE_KEY] = SessionState(
         options=options, settings=settings, share_dir=share_dir, is_worker=worker,
         distributed=is_distributing(config))

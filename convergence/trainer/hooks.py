@@ -163,7 +163,7 @@ def _locate(name: str, parent_locations: list[str] | None,
             extra: list[str]) -> importlib.machinery.ModuleSpec | None:
     module = sys.modules.get(name)
     if module is not None and getattr(module, "__spec__", None) is not None:
-        return module.__spec__  # type: ignore[no-any-return]
+        return module.__spec__
     if parent_locations is not None:  # a submodule: look only in the parent package's folders
         return importlib.machinery.PathFinder.find_spec(name, parent_locations)
     try:
