@@ -245,6 +245,19 @@ def peak_mem_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def peak_mem_over_ranks(device: torch.device, distributed: bool) -> float:
+    """Peak memory per rank (MiB), the largest over all ranks: the rank that runs out first.
+
+    GPU: the caching allocator's peak reserved bytes. CPU: the process's peak resident set,
+    which includes the Python/torch runtime (~400 MiB) besides the tensors. Every rank must
+    call this (it is a collective), not only the rank that logs.
+    """
+    peak = torch.tensor([peak_mem_mib(device)], dtype=torch.float64, device=device)
+    if distributed:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())
+
+
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -354,12 +367,13 @@ def train(cfg: TrainConfig) -> str:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             step_time = time.perf_counter() - step_start
-            if is_logger and global_loss is not None and (
-                    step % cfg.metrics.log_freq == 0 or step == training.steps):
+            log_now = step % cfg.metrics.log_freq == 0 or step == training.steps
+            peak_mem = peak_mem_over_ranks(device, distributed) if log_now else 0.0
+            if is_logger and global_loss is not None and log_now:
                 record: dict[str, float | int] = {
                     "step": step, "loss": global_loss.item(), "grad_norm": grad_norm.item(),
                     "lr": lr, "tokens_per_s": tokens_per_step / step_time,
-                    "peak_mem_mib": peak_mem_mib(device),
+                    "peak_mem_mib": peak_mem,
                     "wall_s": time.perf_counter() - start}
                 if val_loss is not None:
                     record["val_loss"] = val_loss
