@@ -51,7 +51,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share the embedding and output weights."""
     block_pattern: str = ""
-    """Comma-separated block kinds per layer (e.g. "tp,single,parallel"); "" = all standard."""
+    """Comma-separated block kinds, repeated over the layers (e.g. "standard,single_sync,parallel");
+    "" = all standard. See convergence.trainer.model (BLOCK_KINDS)."""
+    parallel_groups: int = 2
+    """"parallel" blocks: independent slices of the hidden state (block-diagonal weights); under
+    TP each rank computes parallel_groups/tp of them with no communication."""
 
 
 @dataclass(frozen=True, kw_only=True)

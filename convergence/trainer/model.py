@@ -15,6 +15,20 @@ The structure mirrors torchtitan's llama so its parallel plans read the same her
 Pipeline parallelism splits the model by deleting entries of `layers` and setting
 tok_embeddings / norm / output to None; `forward` copes with every such chunk.
 
+Block kinds (`model.block_pattern`, for the reduced-communication study). The math of each kind
+is fixed by the config, never by the TP degree, so tp=1 and tp=2 compute the same function;
+what TP communicates per block (see parallelize.tp_plan) is in the comments:
+
+    standard     h = x + attn(norm1(x)); out = h + mlp(norm2(h))        2 all-reduces forward
+    single_sync  n = norm(x); out = x + attn(n) + mlp(n)  (GPT-J)       1 all-reduce forward
+                 -- both row-parallel outputs stay partial, summed, then reduced once
+    parallel     `standard` on each of `parallel_groups` slices of the hidden state, with
+                 block-diagonal weights (no mixing across slices)        0 (block-local)
+                 -- under TP the residual stream stays sharded on the hidden dim through a run
+                 of parallel blocks; only entering a non-parallel block (or the final norm)
+                 all-gathers it. Their MLP is widened so a block keeps about the parameter
+                 count of a standard one (ModelArgs.parallel_ffn_hidden_dim).
+
 Build it on the meta device, shard it, then `to_empty(device=...)` and `init_weights()`: no
 rank ever holds the full unsharded weights of a large model.
 """
@@ -28,13 +42,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from convergence.trainer.config import ModelConfig
 
 #: Attention kernel on (batch, heads, seq, head_dim) tensors with causal semantics.
 SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-BLOCK_KINDS: tuple[str, ...] = ("standard", "parallel")
+BLOCK_KINDS: tuple[str, ...] = ("standard", "single_sync", "parallel")
 
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -58,6 +73,10 @@ class ModelArgs:
     max_seq_len: int
     tie_embeddings: bool
     block_kinds: tuple[str, ...]
+    parallel_groups: int = 1
+    """Slices of the hidden state a "parallel" block computes independently."""
+    parallel_ffn_hidden_dim: int = 0
+    """SwiGLU hidden size of each slice of a "parallel" block."""
 
     @property
     def head_dim(self) -> int:
@@ -72,11 +91,20 @@ class ModelArgs:
             hidden = int(2 * (4 * model.dim) / 3)
             hidden = model.multiple_of * math.ceil(hidden / model.multiple_of)
         kinds = parse_block_pattern(model.block_pattern, model.n_layers)
+        groups = max(model.parallel_groups, 1)
+        head_dim = model.dim // model.n_heads
+        # A parallel block's attention has 1/groups of the dense parameters (block-diagonal);
+        # widen each slice's MLP by what was lost so the block keeps a standard block's size.
+        attn = model.dim * head_dim * 2 * (model.n_heads + model.n_kv_heads)
+        lost = attn * (groups - 1) // groups
+        wide = hidden + lost // (3 * model.dim)
+        wide = model.multiple_of * round(wide / model.multiple_of)
         return cls(vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers,
                    n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden_dim=hidden,
                    norm_eps=model.norm_eps, rope_theta=model.rope_theta,
                    init_std=model.init_std, max_seq_len=seq_len,
-                   tie_embeddings=model.tie_embeddings, block_kinds=kinds)
+                   tie_embeddings=model.tie_embeddings, block_kinds=kinds,
+                   parallel_groups=groups, parallel_ffn_hidden_dim=max(wide, 1))
 
 
 def parse_block_pattern(pattern: str, n_layers: int) -> tuple[str, ...]:
@@ -107,29 +135,77 @@ def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a TP-sharded DTensor, or a plain tensor as it is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm over the last dim, or (groups > 1) over each of `groups` equal slices of it."""
+
+    def __init__(self, dim: int, eps: float, groups: int = 1) -> None:
         super().__init__()
         self.eps = eps
+        self.group_dim = dim // groups
+        self.groups = groups
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        if self.groups == 1:
+            return self._norm(x.float()).type_as(x) * self.weight
+        # Grouped: x holds whole slices (all of them, or this TP rank's); each is normalised on
+        # its own, so a rank never needs another rank's slice.
+        normed = self._norm(x.float().unflatten(-1, (-1, self.group_dim))).flatten(-2)
+        return normed.type_as(x) * local(self.weight)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
 
+class GroupedLinear(nn.Module):
+    """`groups` independent Linears, i.e. one Linear with a block-diagonal weight.
+
+    The weight is stored as (groups * out_features, in_features), group after group along
+    dim 0: TP shards dim 0 into whole groups (Shard(0)) and FSDP shards dim 0 as it does for
+    any Linear. Input (..., g * in_features) -> output (..., g * out_features), where g is the
+    number of groups present locally (all of them, or this TP rank's).
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(groups * out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = local(self.weight).unflatten(0, (-1, self.out_features))
+        x = x.unflatten(-1, (-1, self.in_features))
+        return torch.einsum("...gi,goi->...go", x, weight).flatten(-2)
+
+
+def make_linear(in_features: int, out_features: int, groups: int) -> nn.Module:
+    """A Linear from `in_features*groups` to `out_features*groups` (block-diagonal if groups>1)."""
+    if groups == 1:
+        return nn.Linear(in_features, out_features, bias=False)
+    return GroupedLinear(in_features, out_features, groups)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Grouped-query attention; with groups > 1 each slice of the hidden state has its own
+    n_heads/groups heads (the heads of all slices just run side by side)."""
+
+    def __init__(self, args: ModelArgs, groups: int = 1) -> None:
         super().__init__()
         self.n_rep = args.n_heads // args.n_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        dim, hd = args.dim // groups, args.head_dim
+        q_heads, kv_heads = args.n_heads // groups, args.n_kv_heads // groups
+        self.wq = make_linear(dim, q_heads * hd, groups)
+        self.wk = make_linear(dim, kv_heads * hd, groups)
+        self.wv = make_linear(dim, kv_heads * hd, groups)
+        self.wo = make_linear(q_heads * hd, dim, groups)
         # Swappable kernel: context parallel replaces it with one that gathers K/V.
         self.sdpa: SdpaFn = causal_sdpa
 
@@ -153,11 +229,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    """SwiGLU; with groups > 1, one per slice of the hidden state (`hidden_dim` each)."""
+
+    def __init__(self, dim: int, hidden_dim: int, groups: int = 1) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = make_linear(dim // groups, hidden_dim, groups)
+        self.w2 = make_linear(hidden_dim, dim // groups, groups)
+        self.w3 = make_linear(dim // groups, hidden_dim, groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -168,15 +246,31 @@ class FeedForward(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=std)
 
 
+class SyncPoint(nn.Module):
+    """The identity in the model's math; the TP plan turns it into the one communication point
+    of a single_sync block (parallelize.tp_plan), so the model itself stays TP-agnostic."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: ModelArgs) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.kind = args.block_kinds[layer_id]
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        groups = args.parallel_groups if self.kind == "parallel" else 1
+        hidden = args.parallel_ffn_hidden_dim if self.kind == "parallel" else args.ffn_hidden_dim
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, groups)
+        self.attention = Attention(args, groups)
+        # single_sync: one norm feeds attention and MLP (GPT-J), so under TP one replicated
+        # input serves both and its gradient is all-reduced once.
+        self.ffn_norm: RMSNorm | None = (None if self.kind == "single_sync"
+                                         else RMSNorm(args.dim, args.norm_eps, groups))
+        self.feed_forward = FeedForward(args.dim, hidden, groups)
+        if self.kind == "single_sync":
+            self.sync_in = SyncPoint()
+            self.sync_out = SyncPoint()
         # Depth-scaled init of the output projections (as torchtitan does).
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
         # Set by parallelize.apply_activation_checkpointing. Checkpointing happens *inside*
@@ -192,16 +286,21 @@ class TransformerBlock(nn.Module):
         return self._forward(x, angles)
 
     def _forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        if self.kind == "parallel":
-            # GPT-J style: attention and MLP read the same input (one fewer TP sync point).
-            return (x + self.attention(self.attention_norm(x), angles)
-                    + self.feed_forward(self.ffn_norm(x)))
+        if self.kind == "single_sync":
+            # Attention and MLP side by side from the same normed input (GPT-J); under TP both
+            # row-parallel outputs stay partial sums, added, then reduced once in sync_out.
+            normed = self.sync_in(self.attention_norm(x))
+            mixed = self.attention(normed, angles) + self.feed_forward(normed)
+            return x + self.sync_out(mixed)
+        # standard, and parallel (the same code on block-diagonal, grouped modules).
+        assert self.ffn_norm is not None
         h = x + self.attention(self.attention_norm(x), angles)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
         self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
+        if self.ffn_norm is not None:
+            self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 

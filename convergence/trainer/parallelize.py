@@ -20,9 +20,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -81,7 +82,11 @@ def build_meshes(cfg: TrainConfig, device_type: str) -> Meshes:
 
 def tp_plan(model: Transformer, sequence_parallel: bool) -> tuple[dict[str, object],
                                                                    dict[str, object]]:
-    """(plan of the root modules present in this chunk, plan of each block)."""
+    """(plan of the root modules present in this chunk, plan of a *standard* block).
+
+    Hooks that replace the built-in TP (hook_mode = "replace_tp") start from these; the
+    built-in TP plans each block by its kind (block_tp_plan).
+    """
     seq = Shard(1) if sequence_parallel else Replicate()
     root: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -90,36 +95,121 @@ def tp_plan(model: Transformer, sequence_parallel: bool) -> tuple[dict[str, obje
         root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if model.norm is not None and sequence_parallel:
         root["norm"] = SequenceParallel()
+    elif model.norm is not None and model.args.block_kinds[-1] == "parallel":
+        # The last block left the residual stream sharded on the hidden dim: gather it.
+        root["norm"] = PrepareModuleInput(input_layouts=(Shard(2),),
+                                          desired_input_layouts=(Replicate(),),
+                                          use_local_output=True)
     if model.output is not None:
         # Logits gathered to every TP rank so the loss is computed locally, unsharded.
         root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(),
                                          use_local_output=True)
+    return root, _standard_block_plan(sequence_parallel)
+
+
+def _replicated_input(sequence_parallel: bool, *, with_angles: bool) -> PrepareModuleInput:
+    """One replicated DTensor as the input of a TP region (Megatron's "f"): all its
+    column-parallel consumers add their partial input gradients into it, and it is all-reduced
+    (SP: reduce-scattered) ONCE in backward, instead of once per consumer Linear."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if with_angles:  # the angles argument stays a plain tensor
+        return PrepareModuleInput(input_layouts=(seq, None),
+                                  desired_input_layouts=(Replicate(), None))
+    return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+
+
+def _standard_block_plan(sequence_parallel: bool) -> dict[str, object]:
+    seq = Shard(1) if sequence_parallel else Replicate()
     block: dict[str, object] = {
+        # Attention and MLP each: one replicated input, column-parallel in, row-parallel out
+        # with its all-reduce (SP: reduce-scatter) -> 2 collectives forward, 2 backward.
+        "attention": _replicated_input(sequence_parallel, with_angles=True),
+        "feed_forward": _replicated_input(sequence_parallel, with_angles=False),
         "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
         "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:
-        # Norms run on sequence shards; attention and MLP need the full sequence, gathered
-        # at their input (the angles argument stays a plain tensor).
-        block.update({
-            "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-        })
-    return root, block
+        # Norms run on sequence shards; attention and MLP gather the full sequence at input.
+        block.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+    return block
+
+
+def _single_sync_block_plan(sequence_parallel: bool) -> dict[str, object]:
+    seq = Shard(1) if sequence_parallel else Replicate()
+    block: dict[str, object] = {
+        # sync_in: the normed input, one replicated DTensor shared by attention and MLP (their
+        # five column-parallel Linears): one all-reduce of its gradient in backward.
+        "sync_in": _replicated_input(sequence_parallel, with_angles=False),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        # Row-parallel outputs left as Partial DTensors (no reduction); the block adds them...
+        "attention.wo": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+        # ...and sync_out reduces the sum once (SP: reduce-scatter). Its backward is local.
+        "sync_out": PrepareModuleInput(input_layouts=(Partial(),), desired_input_layouts=(seq,),
+                                       use_local_output=True),
+    }
+    if sequence_parallel:
+        block["attention_norm"] = SequenceParallel()
+    return block
+
+
+class BlockDiagonalParallel(ParallelStyle):
+    """Every parameter of a "parallel" block sharded on dim 0, i.e. into whole slices (groups):
+    each TP rank holds parallel_groups/tp slices and computes them with no communication."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(submodule.named_parameters(recurse=False)):
+                sharded = distribute_tensor(param, mesh, [Shard(0)])
+                submodule.register_parameter(pname, nn.Parameter(sharded))
+        return distribute_module(module, device_mesh, partition)
+
+
+def block_tp_plan(block: TransformerBlock, kinds: tuple[str, ...], sequence_parallel: bool
+                  ) -> tuple[ParallelStyle | None, dict[str, object]]:
+    """(style of the block itself: its input's layout change, or None; plan of its submodules).
+
+    Between blocks the residual stream is a local tensor: replicated (SP: sequence-sharded),
+    or, after a "parallel" block, sharded on the hidden dim (Shard(2)). A block converts its
+    input when the previous block (by global layer id, so PP stage boundaries are covered)
+    leaves another layout: entering a parallel block slices (no forward communication,
+    all-gather of the gradient in backward); leaving one all-gathers forward (local backward).
+    """
+    full = Shard(1) if sequence_parallel else Replicate()
+    after_parallel = block.layer_id > 0 and kinds[block.layer_id - 1] == "parallel"
+    entry: ParallelStyle | None = None
+    if block.kind == "parallel":
+        if not after_parallel:
+            entry = PrepareModuleInput(input_layouts=(full, None),
+                                       desired_input_layouts=(Shard(2), None),
+                                       use_local_output=True)
+        return entry, {}
+    if after_parallel:
+        entry = PrepareModuleInput(input_layouts=(Shard(2), None),
+                                   desired_input_layouts=(full, None), use_local_output=True)
+    if block.kind == "single_sync":
+        return entry, _single_sync_block_plan(sequence_parallel)
+    return entry, _standard_block_plan(sequence_parallel)
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    root, block_plan = tp_plan(model, sequence_parallel)
+    root, _ = tp_plan(model, sequence_parallel)
     model.hidden_seq_shards = tp_mesh.size() if sequence_parallel else 1
     if root:
         parallelize_module(model, tp_mesh, root)  # type: ignore[arg-type]
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)  # type: ignore[arg-type]
+        assert isinstance(block, TransformerBlock)
+        entry, plan = block_tp_plan(block, model.args.block_kinds, sequence_parallel)
+        if block.kind == "parallel":
+            parallelize_module(block, tp_mesh, BlockDiagonalParallel())
+        if plan:
+            parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+        if entry is not None:
+            parallelize_module(block, tp_mesh, entry)
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str, freq: int) -> None:

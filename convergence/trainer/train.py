@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from convergence.trainer import checkpoint as ckpt
+from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import TRAIN, VAL, BatchPlan, SampleSource, build_source, get_batch
 from convergence.trainer.hooks import HookFn, load_hook
@@ -328,9 +329,12 @@ def train(cfg: TrainConfig) -> str:
     writer = MetricsWriter(dump, enabled=is_logger, tensorboard=cfg.metrics.enable_tensorboard)
     num_params = count_params(build_model(model_args, "meta"))
 
+    collectives: dict[str, Any] | None = None  # counted on step 1 (comm_count)
+
     def meta(status: str, last_step: int) -> dict[str, Any]:
-        return run_meta(cfg, world_size, source, num_params, tokens_per_step, device, status,
-                        last_step)
+        return {**run_meta(cfg, world_size, source, num_params, tokens_per_step, device, status,
+                           last_step), META_KEY: collectives,
+                "block_pattern": cfg.model.block_pattern or "standard"}
 
     writer.write_meta(meta("running", 0))
     stop = StopSignal(dump / "STOP")
@@ -346,11 +350,16 @@ def train(cfg: TrainConfig) -> str:
 
             # Forward/backward over the microsteps; gradients accumulate in .grad.
             local_loss = torch.zeros((), device=device)
-            for micro in range(training.grad_accum_steps):
-                inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
-                loss = engine.forward_backward(inputs, targets)
-                if loss is not None:
-                    local_loss += loss.float()
+            # Step 1's collectives (forward + backward of every microstep) are counted once.
+            count_now = step == 1 and not training.compile
+            with count_collectives(count_now) as comm:
+                for micro in range(training.grad_accum_steps):
+                    inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
+                    loss = engine.forward_backward(inputs, targets)
+                    if loss is not None:
+                        local_loss += loss.float()
+            if count_now:
+                collectives = comm.to_dict()
 
             # Norm of the full gradient (all shards, all stages), then clip by it.
             grad_norm = global_grad_norm(params, pp_group)

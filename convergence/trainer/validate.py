@@ -67,11 +67,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if model.dim % model.n_heads or (model.dim // model.n_heads) % 2:
         fail("model.n_heads", f"dim={model.dim} / n_heads={model.n_heads} must be an even "
              "integer head size (rotary rotates pairs)", "pick n_heads so dim/n_heads is even")
-    kinds = parse_block_pattern(model.block_pattern, model.n_layers)
-    for kind in kinds:
-        if kind not in BLOCK_KINDS:
-            fail("model.block_pattern", f"unknown block kind {kind!r}",
-                 f"use kinds among {', '.join(BLOCK_KINDS)}")
+    _check_blocks(cfg, fail)
     if model.name != "llama":
         fail("model.name", f"unknown model {model.name!r}", "use \"llama\"")
     if par.tp > 1:
@@ -108,6 +104,39 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     if world_size is not None and size != world_size:
         fail("parallelism", f"dp_replicate*dp_shard*tp*pp*cp = {size} but the world size is "
              f"{world_size}", "make the product of the degrees equal the number of processes")
+
+
+def _check_blocks(cfg: TrainConfig, fail: Fail) -> None:
+    """Block kinds of model.block_pattern, and what "parallel" blocks need."""
+    model, par = cfg.model, cfg.parallelism
+    kinds = parse_block_pattern(model.block_pattern, model.n_layers)
+    for kind in kinds:
+        if kind not in BLOCK_KINDS:
+            fail("model.block_pattern", f"unknown block kind {kind!r}",
+                 f"use kinds among {', '.join(BLOCK_KINDS)} (comma-separated, repeated over "
+                 "the layers)")
+    if "parallel" not in kinds:
+        return
+    groups = model.parallel_groups
+    if groups < 1:
+        fail("model.parallel_groups", f"must be >= 1, got {groups}", "set it to 2 or more")
+    for key, size in (("model.dim", model.dim), ("model.n_heads", model.n_heads),
+                      ("model.n_kv_heads", model.n_kv_heads)):
+        if size % groups:
+            fail("model.parallel_groups", f"parallel_groups={groups} must divide {key}={size} "
+                 "(each slice of a parallel block holds whole heads)",
+                 f"choose parallel_groups among the divisors of {size}")
+    if groups % par.tp:
+        fail("model.parallel_groups", f"tp={par.tp} must divide parallel_groups={groups} "
+             "(each TP rank computes whole slices of a parallel block, without communication)",
+             f"set model.parallel_groups to a multiple of {par.tp}")
+    if par.sequence_parallel:
+        # The residual stream of a parallel block is sharded on the hidden dim; with SP it is
+        # sequence-sharded elsewhere, and switching between the two is an all-to-all that the
+        # built-in plan does not do.
+        fail("parallelism.sequence_parallel", "\"parallel\" blocks (model.block_pattern) do not "
+             "support sequence parallel", "set sequence_parallel = false, or use standard/"
+             "single_sync blocks only")
 
 
 def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
