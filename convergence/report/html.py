@@ -13,6 +13,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from convergence.report.dimensions import html_section as dimensions_html
 from convergence.report.fmt import as_float, fmt_amount, fmt_num, fmt_ratio, fmt_wall
 from convergence.report.matrix import COLUMNS, RIGHT, record_row
 
@@ -247,6 +248,7 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
 {matrix_html(pairs)}
 <div class="sub">Axis degrees are the test's ("-" = 1). |Δ| = max |test − control| (seed regime:
  − centre of the control replicates' band). tok/s and mem: test / control. * = stopped early.</div>
+{dimensions_html(pairs)}
 {heat}
 <h2>Pairs</h2>
 {sections}

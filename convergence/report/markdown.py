@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from convergence.report.dimensions import markdown_lines as dimension_lines
 from convergence.report.fmt import as_float, fmt_num, fmt_wall
 from convergence.report.matrix import COLUMNS, RIGHT, record_row
 
@@ -147,6 +148,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines += matrix_table(pairs)
     if any(p["stopped_early_at"] is not None for p in pairs):
         lines += ["", "\\* stopped early: the verdict was decided before the last step."]
+    lines += dimension_lines(pairs)
     bad = [p for p in pairs if p["status"] in ("failed", "error")]
     if bad:
         lines += ["", "## Failures", ""]

@@ -1,0 +1,158 @@
+"""The matrix per dimension: pairs grouped by what their test adds over its control.
+
+A dimension is the change from control to test: the mesh axes whose degree differs, and the
+techniques that differ, e.g. ``+tp2``, ``+tp2+pp2``, ``+cp4``, ``shard2→4``, ``-rep2+shard2``
+(DDP -> FSDP), ``+tp2 +hook:apply_my_tp``, ``+ac:full``. Pairs of one dimension are one row:
+how many passed, failed, broke, and the worst |Δloss| among them (and which pair it was), so a
+reader sees at a glance that, say, everything with PP fails while TP alone is fine.
+
+Rendered from report records (convergence.report.records.pair_record, or report.json's pairs)
+for the terminal (:func:`render_dimensions`), report.md (:func:`markdown_lines`) and report.html
+(:func:`html_section`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from convergence.outcome import PairOutcome
+from convergence.report.fmt import as_float, fmt_num, fmt_techniques
+
+#: Short axis names, as the matrix's columns.
+AXIS_NAMES: tuple[tuple[str, str], ...] = (
+    ("dp_replicate", "rep"), ("dp_shard", "shard"), ("tp", "tp"), ("cp", "cp"), ("pp", "pp"))
+SAME = "same layout"
+"""The dimension of a pair whose test changes nothing a record shows (e.g. a seed check)."""
+
+HEADER: tuple[str, ...] = ("dimension", "pairs", "pass", "fail", "error", "skip",
+                           "worst |Δloss|", "worst pair")
+RIGHT: tuple[bool, ...] = (False, True, True, True, True, True, True, False)
+
+
+@dataclass(kw_only=True)
+class DimensionRow:
+    """The pairs of one dimension."""
+
+    dimension: str
+    pairs: list[str] = field(default_factory=list)
+    """Pair names, in report order."""
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"passed": 0, "failed": 0, "error": 0, "skipped": 0})
+    worst_dloss: float | None = None
+    """Largest max |Δloss| of the pairs (NaN when a pair's is NaN); None when none has one."""
+    worst_pair: str | None = None
+
+
+def _axis_change(name: str, control: int, test: int) -> str:
+    if control == 1:
+        return f"+{name}{test}"
+    if test == 1:
+        return f"-{name}{control}"
+    return f"{name}{control}→{test}"
+
+
+def dimension_of(record: Mapping[str, Any]) -> str:
+    """``+tp2+pp2``, ``+cp4``, ``+tp2 +ac:full``, ... (see the module docstring)."""
+    control, test = record["control"], record["test"]
+    axes = "".join(_axis_change(name, int(control["degrees"][axis]), int(test["degrees"][axis]))
+                   for axis, name in AXIS_NAMES
+                   if int(control["degrees"][axis]) != int(test["degrees"][axis]))
+    parts = [axes] if axes else []
+    if int(test["degrees"]["pp"]) > 1 and control.get("pp_schedule") not in (
+            None, test.get("pp_schedule")):
+        parts.append(f"pp:{test.get('pp_schedule')}")
+    if bool(test.get("sequence_parallel")) != bool(control.get("sequence_parallel")):
+        parts.append("+sp" if test.get("sequence_parallel") else "-sp")
+    techniques = fmt_techniques(record.get("techniques_changed") or {})
+    if techniques != "-":
+        parts += [f"+{t}" for t in techniques.split(",")]
+    return " ".join(parts) or SAME
+
+
+def _worse(value: float | None, than: float | None) -> bool:
+    if value is None:
+        return False
+    if than is None or math.isnan(value):
+        return than is None or not math.isnan(than)
+    return not math.isnan(than) and value > than
+
+
+def group_by_dimension(records: Iterable[Mapping[str, Any]]) -> list[DimensionRow]:
+    """One row per dimension, in the order the dimensions first appear."""
+    rows: dict[str, DimensionRow] = {}
+    for record in records:
+        dim = dimension_of(record)
+        row = rows.setdefault(dim, DimensionRow(dimension=dim))
+        row.pairs.append(str(record["name"]))
+        status = str(record["status"])
+        row.counts[status] = row.counts.get(status, 0) + 1
+        dloss = as_float((record.get("max_abs_delta") or {}).get("loss"))
+        if _worse(dloss, row.worst_dloss):
+            row.worst_dloss, row.worst_pair = dloss, str(record["name"])
+    return list(rows.values())
+
+
+def cells(row: DimensionRow) -> list[str]:
+    """The row's cells, in :data:`HEADER` order."""
+    c = row.counts
+    return [row.dimension, str(len(row.pairs)), str(c["passed"]), str(c["failed"]),
+            str(c["error"]), str(c["skipped"]), fmt_num(row.worst_dloss), row.worst_pair or "-"]
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def render_dimensions(records: Iterable[Mapping[str, Any]], width: int = 120) -> str:
+    """The per-dimension block for the terminal (aligned text, each line within ``width``)."""
+    table = [list(HEADER)] + [cells(r) for r in group_by_dimension(records)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(HEADER))]
+    # The text columns (dimension, worst pair) give way when the block is too wide.
+    for i in (len(HEADER) - 1, 0):
+        excess = sum(widths) + 2 * (len(HEADER) - 1) - width
+        if excess > 0:
+            widths[i] = max(widths[i] - excess, len(HEADER[i]))
+    lines = []
+    for row in table:
+        text = [_cut(v, w).rjust(w) if right else _cut(v, w).ljust(w)
+                for v, w, right in zip(row, widths, RIGHT)]
+        lines.append("  ".join(text).rstrip()[:width])
+    lines.insert(1, "-" * max(len(line) for line in lines))
+    return "\n".join(lines) + "\n"
+
+
+def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
+    """:func:`render_dimensions` of outcomes (the terminal summary's input)."""
+    from convergence.report.records import pair_record
+
+    return render_dimensions((pair_record(o, include_curves=False) for o in outcomes), width)
+
+
+def markdown_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """report.md's "By dimension" section (empty for fewer than two pairs)."""
+    if len(records) < 2:
+        return []
+    from convergence.report.markdown import table
+
+    rows = group_by_dimension(records)
+    return ["", "### By dimension", "",
+            *table(HEADER, [cells(r) for r in rows], list(RIGHT))]
+
+
+def html_section(records: Sequence[Mapping[str, Any]]) -> str:
+    """report.html's "By dimension" table ("" for fewer than two pairs)."""
+    if len(records) < 2:
+        return ""
+    from html import escape
+
+    from convergence.report.html import _table
+
+    rows = group_by_dimension(records)
+    status = ["failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed"
+              for r in rows]
+    body = [[escape(c) for c in cells(r)] for r in rows]
+    return ("<h3>By dimension</h3>" + _table([escape(h) for h in HEADER], body, right=RIGHT,
+                                             row_class=status))
