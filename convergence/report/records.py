@@ -61,6 +61,9 @@ def side_record(job: JobSpec, side: SideOutcome | None) -> dict[str, Any]:
         "last_step": side.result.last_step if side and side.result else None,
         "num_replicates": len(side.replicates) if side else 0,
     })
+    from convergence.report.comm_table import side_facts  # block pattern, collectives, params
+
+    record["run_facts"] = side_facts(side)
     return record
 
 

@@ -98,6 +98,12 @@ def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
                           started_at=started_at,
                           wall_s=wall_s, plots=rel, plot_errors=plot_errors, report_dir=out_dir)
     plot_files = {f"{PLOT_DIR}/{p.name}": p for p in [*paths.values(), heatmap]}
+    from convergence.report.comm_table import PLOT_KEY, write_plot
+
+    comm_plot = write_plot(report["pairs"], plot_dir)  # reduced-communication study, if any
+    if comm_plot is not None:
+        report["plots"][PLOT_KEY] = f"{PLOT_DIR}/{comm_plot.name}"
+        plot_files[report["plots"][PLOT_KEY]] = comm_plot
     markdown = render_markdown(report)
     written = {
         "plots": plot_dir,

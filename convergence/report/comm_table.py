@@ -1,0 +1,250 @@
+"""The "Reduced-communication blocks" table and plot (experiments/comm_reduction.toml).
+
+A pair belongs to the study when its test's block pattern (`model.block_pattern`) differs from
+its control's. One table per experiment file and control: the control (the all-standard TP
+model, the baseline) first, then each test with its block pattern, the collectives it issued
+in one step (counted by the trainer, convergence.trainer.comm_count), its parameter count, its
+final validation loss and the difference to the baseline's, its tokens/s, and the verdict (the
+validation-loss threshold rule of the pair). The plot puts the collectives per step against
+the final validation loss and against tokens/s.
+
+Rendered from report.json pair records: each side's ``run_facts`` (filled from the trainer's
+run_meta.json by :func:`side_facts`) and ``resources``.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from convergence.report.fmt import VERDICTS, as_float, fmt_amount
+
+if TYPE_CHECKING:
+    from convergence.outcome import SideOutcome
+
+TITLE = "Reduced-communication blocks"
+PLOT_NAME = "comm_reduction.png"
+PLOT_KEY = "comm_reduction"
+HEADER: tuple[str, ...] = ("config", "block pattern", "collectives/step", "fwd / bwd", "params",
+                           "final val loss", "Δ val loss", "tokens/s", "Δ tokens/s", "verdict")
+RIGHT: tuple[bool, ...] = (False, False, True, True, True, True, True, True, True, False)
+NOTE = ("Collectives issued in one optimizer step (forward + backward, all ranks alike; "
+        "counted with CommDebugMode on step 1), parameters of the full model, validation "
+        "loss at the last evaluation, Δ against the baseline (the control), median tokens/s. "
+        "The verdict is the pair's: the validation-loss threshold rule of the experiment.")
+
+
+def side_facts(side: SideOutcome | None) -> dict[str, Any]:
+    """What the study shows of one run: from its run_meta.json and its validation curve."""
+    if side is None:
+        return {}
+    meta = side.meta
+    val = side.metrics.get("val_loss")
+    final_val = None
+    if val is not None and len(val):
+        finite = val.values[np.isfinite(val.values)]
+        final_val = float(finite[-1]) if finite.size else None
+    return {"num_params": meta.get("num_params"), "block_pattern": meta.get("block_pattern"),
+            "collectives": meta.get("collectives"), "final_val_loss": final_val}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommRow:
+    config: str
+    role: str
+    """"baseline" (the control) or "test"."""
+    block_pattern: str
+    collectives: int | None
+    forward: int | None
+    backward: int | None
+    num_params: int | None
+    val_loss: float | None
+    val_loss_delta: float | None
+    tokens_per_s: float | None
+    tokens_per_s_rel: float | None
+    verdict: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommTable:
+    source: str
+    rows: tuple[CommRow, ...]
+
+
+def _facts(side: Mapping[str, Any]) -> Mapping[str, Any]:
+    facts = side.get("run_facts")
+    return facts if isinstance(facts, Mapping) else {}
+
+
+def _pattern(side: Mapping[str, Any]) -> str | None:
+    value = _facts(side).get("block_pattern")
+    return str(value) if value else None
+
+
+def in_study(record: Mapping[str, Any]) -> bool:
+    """Test and control ran with different block patterns."""
+    test, control = _pattern(record["test"]), _pattern(record["control"])
+    return test is not None and control is not None and test != control
+
+
+def _count(facts: Mapping[str, Any], key: str) -> int | None:
+    counts = facts.get("collectives")
+    value = counts.get(key) if isinstance(counts, Mapping) else None
+    return int(value) if isinstance(value, (int, float)) else None
+
+
+def _row(name: str, role: str, side: Mapping[str, Any], *, tokens: float | None,
+         tokens_rel: float | None, baseline_val: float | None, verdict: str) -> CommRow:
+    facts = _facts(side)
+    val = as_float(facts.get("final_val_loss"))
+    params = facts.get("num_params")
+    return CommRow(
+        config=name, role=role, block_pattern=str(facts.get("block_pattern") or "-"),
+        collectives=_count(facts, "total"), forward=_count(facts, "forward"),
+        backward=_count(facts, "backward"),
+        num_params=int(params) if isinstance(params, (int, float)) else None, val_loss=val,
+        val_loss_delta=(val - baseline_val if val is not None and baseline_val is not None
+                        and role != "baseline" else None),
+        tokens_per_s=tokens, tokens_per_s_rel=tokens_rel, verdict=verdict)
+
+
+def _verdict(record: Mapping[str, Any], baseline_val: float | None) -> str:
+    """"PASS (limit +2.0%)": the pair's verdict and its val_loss threshold, relative."""
+    status = VERDICTS.get(str(record["status"]), str(record["status"]))
+    for verdict in record.get("verdicts") or []:
+        if verdict.get("metric") != "val_loss":
+            continue
+        limit = as_float(verdict.get("tolerance_at_max"))
+        if verdict.get("method") == "regression" and limit is not None and baseline_val:
+            return f"{status} (limit {limit / abs(baseline_val) * 100:+.1f}%)"
+        return f"{status} ({verdict.get('method')})"
+    return status
+
+
+def tables(pairs: Sequence[Mapping[str, Any]]) -> list[CommTable]:
+    """One table per (experiment file, control), the baseline row first."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    for record in pairs:
+        if in_study(record):
+            groups.setdefault((str(record["source"]), str(record["control"]["name"])),
+                              []).append(record)
+    out = []
+    for (source, _), records in groups.items():
+        first = records[0]
+        tokens = (first.get("resources") or {}).get("tokens_per_s") or {}
+        baseline_val = as_float(_facts(first["control"]).get("final_val_loss"))
+        rows = [_row(str(first["control"]["name"]), "baseline", first["control"],
+                     tokens=as_float(tokens.get("control")), tokens_rel=None,
+                     baseline_val=baseline_val, verdict="baseline")]
+        for record in records:
+            entry = (record.get("resources") or {}).get("tokens_per_s") or {}
+            ratio = as_float(entry.get("ratio"))
+            rows.append(_row(str(record["test"]["name"]), "test", record["test"],
+                             tokens=as_float(entry.get("test")),
+                             tokens_rel=None if ratio is None else ratio - 1.0,
+                             baseline_val=baseline_val,
+                             verdict=_verdict(record, baseline_val)))
+        out.append(CommTable(source=source, rows=tuple(rows)))
+    return out
+
+
+def _int(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _delta(row: CommRow) -> str:
+    if row.val_loss_delta is None or row.val_loss is None:
+        return "-"
+    base = row.val_loss - row.val_loss_delta
+    rel = f" ({row.val_loss_delta / base * 100:+.2f}%)" if base else ""
+    return f"{row.val_loss_delta:+.4f}{rel}"
+
+
+def cells(row: CommRow) -> list[str]:
+    fwd_bwd = "-" if row.forward is None else f"{row.forward} / {row.backward}"
+    rel = "-" if row.tokens_per_s_rel is None else f"{row.tokens_per_s_rel * 100:+.1f}%"
+    return [row.config, row.block_pattern, _int(row.collectives), fwd_bwd, _int(row.num_params),
+            "-" if row.val_loss is None else f"{row.val_loss:.4f}", _delta(row),
+            fmt_amount(row.tokens_per_s), rel, row.verdict]
+
+
+def markdown_lines(report: Mapping[str, Any]) -> list[str]:
+    """The section of report.md ([] when no pair of the report is in the study)."""
+    from convergence.report.markdown import cell, table
+
+    found = tables(report["pairs"])
+    if not found:
+        return []
+    lines = ["", f"## {TITLE}", "", NOTE]
+    for t in found:
+        lines += ["", f"### {cell(Path(t.source).name)}", ""]
+        lines += table(HEADER, [cells(r) for r in t.rows], list(RIGHT))
+    plot = (report.get("plots") or {}).get(PLOT_KEY)
+    if plot:
+        lines += ["", f"![collectives per step vs validation loss and tokens/s]({plot})"]
+    return lines
+
+
+def html_section(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
+    """The section of report.html ("" when no pair of the report is in the study)."""
+    found = tables(report["pairs"])
+    if not found:
+        return ""
+    parts = [f'<h2>{escape(TITLE)}</h2><p class="sub">{escape(NOTE)}</p>']
+    head = "".join(f"<th>{escape(h)}</th>" for h in HEADER)
+    for t in found:
+        body = []
+        for row in t.rows:
+            tds = "".join(f'<td class="num">{escape(c)}</td>' if right else
+                          f"<td>{escape(c)}</td>" for c, right in zip(cells(row), RIGHT))
+            body.append(f"<tr>{tds}</tr>")
+        parts.append(f"<h3>{escape(Path(t.source).name)}</h3><table><thead><tr>{head}</tr>"
+                     f"</thead><tbody>{''.join(body)}</tbody></table>")
+    rel = (report.get("plots") or {}).get(PLOT_KEY)
+    path = plot_files.get(rel) if rel else None
+    if path is not None and path.is_file():
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
+        parts.append(f'<img src="data:image/png;base64,{data}" '
+                     'alt="collectives per step vs validation loss and tokens/s">')
+    return "".join(parts)
+
+
+def write_plot(pairs: Sequence[Mapping[str, Any]], plot_dir: Path) -> Path | None:
+    """PNG: collectives per step vs final validation loss (left) and tokens/s (right), one
+    series per experiment file; None when no pair is in the study."""
+    found = tables(pairs)
+    if not found:
+        return None
+    from convergence.report.plots import _figure, _save
+
+    fig = _figure(11.0, 4.2)
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.88, bottom=0.13, wspace=0.25)
+    for t in found:
+        rows = [r for r in t.rows if r.collectives is not None]
+        label = Path(t.source).name
+        for ax, values in ((left, [r.val_loss for r in rows]),
+                           (right, [r.tokens_per_s for r in rows])):
+            points = [(r, v) for r, v in zip(rows, values) if v is not None and math.isfinite(v)]
+            if not points:
+                continue
+            ax.plot([r.collectives for r, _ in points], [v for _, v in points], "o", label=label)
+            for r, v in points:
+                marker = "*" if r.role == "baseline" else ""
+                ax.annotate(f"{marker}{r.config}", (r.collectives, v), fontsize=7,
+                            textcoords="offset points", xytext=(4, 4))
+    for ax, name in ((left, "final validation loss"), (right, "tokens/s (median)")):
+        ax.set_xlabel("collectives per step (forward + backward)")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.margins(x=0.2, y=0.15)  # room for the labels
+    left.legend(fontsize=7)
+    fig.suptitle(f"{TITLE}: communication vs quality and speed (* = baseline)", fontsize=10)
+    return _save(fig, plot_dir / PLOT_NAME)
