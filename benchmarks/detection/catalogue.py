@@ -1,0 +1,131 @@
+"""The detection benchmark's cases: planted bugs that must fail, correct pairs that must pass.
+
+Every case is one test side against a control of the same group (same seed, same precision):
+FSDP on 2 ranks, the debug model, 16 samples of 64 tokens per optimizer step. Bugs name a hook
+in the ``detection_bugs`` package (next to this file) and the metric(s) expected to catch them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PKG = "detection_bugs"
+STEPS = 30
+SEED = 7
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    name: str
+    kind: str
+    """"bug" (must fail) or "correct" (must pass)."""
+    parallelism: dict[str, Any]
+    techniques: dict[str, Any] = field(default_factory=dict)
+    local_batch_size: int | None = None
+    """Samples per DP rank per microstep; None: the train config's (8)."""
+    hook: str | None = None
+    hook_mode: str = "after"
+    seed: int = SEED
+    precision: str = "fp32"
+    """Control group: "fp32" (paired regime) or "bf16" (seed regime, 3 control replicates)."""
+    expect: tuple[str, ...] = ()
+    """Bugs: the gating metrics expected to fail (each of them)."""
+    note: str = ""
+    """What the bug is (one line for the table); details in the hook's docstring."""
+
+
+FSDP2 = {"dp_shard": 2}
+FSDP2_TP2 = {"dp_shard": 2, "tp": 2}
+FSDP2_TP2_SP = {"dp_shard": 2, "tp": 2, "sequence_parallel": True}
+ACCUM2 = {"grad_accum_steps": 2}
+
+BUGS: tuple[Case, ...] = (
+    Case(name="tp-sp-norm-grad-not-synced", kind="bug", parallelism=FSDP2_TP2_SP,
+         hook=f"{PKG}.tensor_parallel:norm_grad_not_synced", expect=("grad_norm",),
+         note="SP norm weight grad stays a TP-local partial sum (weight.to_local())"),
+    Case(name="tp-sp-norm-grad-reduced-twice", kind="bug", parallelism=FSDP2_TP2_SP,
+         hook=f"{PKG}.tensor_parallel:norm_grad_reduced_twice", expect=("grad_norm",),
+         note="SP norm weight grad all-reduced over TP twice (x tp, norm weights only)"),
+    Case(name="tp-rowwise-not-reduced", kind="bug", parallelism=FSDP2_TP2,
+         hook=f"{PKG}.tensor_parallel:rowwise_output_not_reduced", hook_mode="replace_tp",
+         expect=("loss",), note="row-wise linear (layer 1 wo) without its all-reduce"),
+    Case(name="fsdp-dp-rank-dropped", kind="bug", parallelism=FSDP2,
+         hook=f"{PKG}.gradient_scale:drop_one_dp_rank", expect=("grad_norm",),
+         note="gradient reduction misses DP rank 1's contribution"),
+    Case(name="ddp-sum-not-average", kind="bug", parallelism={"dp_replicate": 2},
+         hook=f"{PKG}.gradient_scale:sum_instead_of_average", expect=("grad_norm",),
+         note="DP gradients summed, not averaged (x dp)"),
+    Case(name="hsdp-sum-not-average", kind="bug",
+         parallelism={"dp_replicate": 2, "dp_shard": 2}, local_batch_size=4,
+         hook=f"{PKG}.gradient_scale:sum_instead_of_average", expect=("grad_norm",),
+         note="HSDP gradients summed over all 4 DP ranks (x dp)"),
+    Case(name="fsdp-tp-divided-by-world", kind="bug", parallelism=FSDP2_TP2,
+         hook=f"{PKG}.gradient_scale:divided_by_world_size", expect=("grad_norm",),
+         note="gradient divided by world size (4), not dp degree (2)"),
+    Case(name="dp-ranks-read-same-shard", kind="bug", parallelism=FSDP2,
+         hook=f"{PKG}.sequence_and_data:every_dp_rank_reads_rank0_shard",
+         expect=("loss",), note="every DP rank reads rank 0's samples (inputs and labels)"),
+    Case(name="pp-microbatch-loss-summed", kind="bug",
+         parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"},
+         hook=f"{PKG}.gradient_scale:pp_microbatch_loss_summed", expect=("grad_norm",),
+         note="PP microbatch losses summed, not averaged (grads x microbatches)"),
+    Case(name="cp-mask-ignores-offset", kind="bug", parallelism={"dp_shard": 2, "cp": 2},
+         hook=f"{PKG}.sequence_and_data:cp_mask_without_offset", expect=("loss",),
+         note="CP causal mask built without the rank's sequence offset"),
+    Case(name="grad-accum-not-divided", kind="bug", parallelism=FSDP2, techniques=ACCUM2,
+         local_batch_size=4, hook=f"{PKG}.gradient_scale:accumulation_not_divided",
+         expect=("grad_norm",), note="accumulated microstep gradients not divided (x 2)"),
+    Case(name="lr-stepped-per-microbatch", kind="bug", parallelism=FSDP2, techniques=ACCUM2,
+         local_batch_size=4, hook=f"{PKG}.schedule:lr_stepped_per_microbatch",
+         expect=("loss",), note="LR scheduler stepped per microbatch (schedule 2x fast)"),
+)
+
+CORRECT: tuple[Case, ...] = (
+    Case(name="fsdp2-noop-hook", kind="correct", parallelism=FSDP2,
+         hook=f"{PKG}.correct:noop"),
+    Case(name="ddp2", kind="correct", parallelism={"dp_replicate": 2}),
+    Case(name="fsdp4", kind="correct", parallelism={"dp_shard": 4}, local_batch_size=4),
+    Case(name="hsdp2x2", kind="correct", parallelism={"dp_replicate": 2, "dp_shard": 2},
+         local_batch_size=4),
+    Case(name="fsdp2-tp2", kind="correct", parallelism=FSDP2_TP2),
+    Case(name="fsdp2-tp2-sp", kind="correct", parallelism=FSDP2_TP2_SP),
+    Case(name="fsdp2-tp2-sp-local-norm", kind="correct", parallelism=FSDP2_TP2_SP,
+         hook=f"{PKG}.correct:norm_on_local_shard"),
+    Case(name="tp2", kind="correct", parallelism={"tp": 2}, local_batch_size=16),
+    Case(name="fsdp2-pp2-gpipe", kind="correct",
+         parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "GPipe"}),
+    Case(name="fsdp2-pp2-1f1b", kind="correct",
+         parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"}),
+    Case(name="fsdp2-pp2-interleaved1f1b", kind="correct",
+         parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "Interleaved1F1B"}),
+    Case(name="fsdp2-pp2-zerobubble", kind="correct",
+         parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "InterleavedZeroBubble"}),
+    Case(name="fsdp2-cp2", kind="correct", parallelism={"dp_shard": 2, "cp": 2}),
+    Case(name="tp2-cp2", kind="correct", parallelism={"tp": 2, "cp": 2}, local_batch_size=16),
+    Case(name="fsdp2-accum2", kind="correct", parallelism=FSDP2, techniques=ACCUM2,
+         local_batch_size=4),
+    Case(name="fsdp2-ac-full", kind="correct", parallelism=FSDP2,
+         techniques={"activation_checkpoint": "full"}),
+    Case(name="fsdp2-tp2-pp2", kind="correct",
+         parallelism={"dp_shard": 2, "tp": 2, "pp": 2, "pp_schedule": "1F1B"}),
+    # Other seeds (another seed checkpoint and sample order, another control).
+    Case(name="fsdp2-tp2-seed1", kind="correct", parallelism=FSDP2_TP2, seed=1),
+    Case(name="ddp2-seed1", kind="correct", parallelism={"dp_replicate": 2}, seed=1),
+    Case(name="fsdp2-cp2-seed2", kind="correct", parallelism={"dp_shard": 2, "cp": 2},
+         seed=2),
+    Case(name="fsdp2-pp2-1f1b-seed2", kind="correct",
+         parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"}, seed=2),
+    # bf16 mixed precision (FSDP param_dtype): not bitwise pairable -> the seed regime.
+    Case(name="bf16-fsdp2-tp2", kind="correct", parallelism=FSDP2_TP2,
+         techniques={"param_dtype": "bfloat16"}, precision="bf16"),
+)
+
+ALL: tuple[Case, ...] = BUGS + CORRECT
+
+
+def by_name(name: str) -> Case:
+    for case in ALL:
+        if case.name == name:
+            return case
+    raise KeyError(f"no detection case {name!r}")

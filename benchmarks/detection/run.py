@@ -1,0 +1,174 @@
+"""Detection power and false-alarm rate of the default verdict, measured.
+
+Runs every planted bug of the catalogue (must fail) and every correct pair (must pass) with the
+default comparison rules and early stopping, through the library's Runner (what the pytest
+plugin calls per item), on the built-in trainer (CPU/gloo, debug model). Prints a table and
+writes it into BENCHMARKS.md (section "detection").
+
+    python benchmarks/detection/run.py                 # the whole catalogue (~20-40 min, 2 cores)
+    python benchmarks/detection/run.py --only ddp2 dp-ranks-read-same-shard --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))          # catalogue, pairs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _report
+
+from _report import machine, write_section  # noqa: E402
+from catalogue import ALL, STEPS, Case  # noqa: E402
+from pairs import build_pairs  # noqa: E402
+
+from convergence.outcome import PairOutcome  # noqa: E402
+from convergence.runner import Runner, RunSettings  # noqa: E402
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    case: Case
+    outcome: PairOutcome
+    wall_s: float
+
+    @property
+    def failing(self) -> list[str]:
+        return [v.metric for v in self.outcome.verdicts if v.gate and not v.passed]
+
+    @property
+    def first_step(self) -> int | None:
+        steps = [v.first_divergent_step for v in self.outcome.verdicts
+                 if v.gate and not v.passed and v.first_divergent_step is not None]
+        return min(steps) if steps else None
+
+    @property
+    def caught(self) -> bool:
+        return self.outcome.status == "failed"
+
+    def worst_ratio(self, metric: str) -> str:
+        verdict = self.outcome.verdict(metric)
+        if verdict is None:
+            return "-"
+        ratio = verdict.details.get("max_ratio")
+        if ratio is not None:
+            return f"{ratio:.2g}"
+        return "pass" if verdict.passed else "FAIL"
+
+    @property
+    def test_s(self) -> float:
+        test = self.outcome.test
+        return test.wall_s if test is not None else float("nan")
+
+
+def run_cases(cases: list[Case], *, steps: int, early_stop: bool, work: Path) -> list[Row]:
+    pairs = build_pairs(cases, work, steps=steps)
+    runner = Runner(RunSettings(work_dir=work / "work", early_stop=early_stop,
+                                idle_limit_s=300, wall_limit_s=1200))
+    rows = []
+    for case in cases:
+        start = time.monotonic()
+        outcome = runner.run_pair(pairs[case.name])
+        row = Row(case=case, outcome=outcome, wall_s=time.monotonic() - start)
+        print(_line(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _line(row: Row) -> str:
+    o = row.outcome
+    what = ("caught" if row.caught else "MISSED") if row.case.kind == "bug" else (
+        "passed" if o.status == "passed" else f"FALSE ALARM ({o.status})")
+    extra = f" error: {o.error.splitlines()[0]}" if o.error else ""
+    return (f"{row.case.kind:7s} {row.case.name:32s} {what:12s} failing={row.failing} "
+            f"first={row.first_step} stopped={o.stopped_early_at} test_s={row.test_s:.1f}"
+            f"{extra}")
+
+
+def bug_table(rows: list[Row], steps: int) -> str:
+    out = ["| planted bug | layout | caught | expected metric | failing metrics | "
+           "first divergent step | stopped at step | test job s | what it is |",
+           "|---|---|---|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        o = r.outcome
+        expected_ok = all(m in r.failing for m in r.case.expect)
+        caught = "yes" if r.caught else f"**no** ({o.status})"
+        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | {caught} | "
+                   f"{', '.join(r.case.expect)}{'' if expected_ok else ' (not failed)'} | "
+                   f"{', '.join(r.failing) or '-'} | {r.first_step or '-'} | "
+                   f"{o.stopped_early_at or f'ran {steps}'} | {r.test_s:.1f} | {r.case.note} |")
+    return "\n".join(out)
+
+
+def correct_table(rows: list[Row]) -> str:
+    out = ["| correct pair | layout | seed | regime | verdict | worst loss / tolerance | "
+           "worst grad norm / tolerance | test job s |", "|---|---|---:|---|---|---:|---:|---:|"]
+    for r in rows:
+        o = r.outcome
+        verdict = "pass" if o.status == "passed" else f"**{o.status.upper()}**"
+        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | {r.case.seed} | "
+                   f"{o.pair.regime} | {verdict} | {r.worst_ratio('loss')} | "
+                   f"{r.worst_ratio('grad_norm')} | {r.test_s:.1f} |")
+    return "\n".join(out)
+
+
+def summary(bugs: list[Row], correct: list[Row], steps: int, total_s: float) -> str:
+    caught = sum(r.caught for r in bugs)
+    quarter = sum(1 for r in bugs if r.first_step is not None and r.first_step <= steps / 4)
+    alarms = sum(r.outcome.status != "passed" for r in correct)
+    lines = []
+    if bugs:
+        lines.append(f"Detection rate: **{caught}/{len(bugs)}** planted bugs caught by the "
+                     f"default rules ({quarter} of them diverging within the first quarter of "
+                     f"the {steps} steps).")
+    if correct:
+        lines.append(f"False-alarm rate: **{alarms}/{len(correct)}** correct pairs failed.")
+    lines.append(f"Whole run: {total_s / 60:.1f} min.")
+    return " ".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--only", nargs="*", help="case names (default: all)")
+    parser.add_argument("--kind", choices=("bug", "correct"), help="only bugs / correct pairs")
+    parser.add_argument("--no-early-stop", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
+    args = parser.parse_args()
+    cases = [c for c in ALL if (not args.only or c.name in args.only)
+             and (args.kind is None or c.kind == args.kind)]
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="detection-") as tmp:
+        rows = run_cases(cases, steps=args.steps, early_stop=not args.no_early_stop,
+                         work=Path(tmp))
+    total = time.monotonic() - start
+    bugs = [r for r in rows if r.case.kind == "bug"]
+    correct = [r for r in rows if r.case.kind == "correct"]
+    command = "python benchmarks/detection/run.py" + (
+        f" --steps {args.steps}" if args.steps != STEPS else "") + (
+        " --no-early-stop" if args.no_early_stop else "")
+    body = "\n\n".join(part for part in (
+        "## Verdict quality: detection power and false alarms (benchmarks/detection/run.py)",
+        f"Machine: {machine()}. `{command}`: debug model, {args.steps} steps, control FSDP(2) "
+        "per seed and precision, default comparison rules (loss and grad norm, paired regime "
+        "for fp32, seed regime with 3 control replicates for bf16), early stopping on. Planted "
+        "bugs are parallelism hooks in benchmarks/detection/detection_bugs/ (each docstring "
+        "names the real bug it stands for). \"test job s\" is the time to verdict once the "
+        "control is cached.",
+        summary(bugs, correct, args.steps, total),
+        bug_table(bugs, args.steps) if bugs else "",
+        correct_table(correct) if correct else "",
+    ) if part)
+    print("\n" + body)
+    if not args.no_write and not args.only and args.kind is None:
+        write_section("detection", body)
+    missed = sum(not r.caught for r in bugs)
+    alarms = sum(r.outcome.status != "passed" for r in correct)
+    return 1 if missed or alarms else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
