@@ -2,8 +2,17 @@
 
 When a paired pair fails (or always, for pairs with ``probe = "always"``), each side runs once
 more in probe mode -- same launcher, same device pool, same seed checkpoint, the run cache, overrides
-``--probe.enable=true --probe.step=S --training.steps=1`` -- and the two probe.json files are
-compared (convergence.probe_compare). The result becomes ``PairOutcome.localisation``.
+``--probe.enable=true --probe.step=S`` -- and the two probe.json files are compared
+(convergence.probe_compare). The result becomes ``PairOutcome.localisation``.
+
+Two steps are probed, the second only when needed:
+1. step 1, from the seed weights: a wrong parallel plan shows here, for the cost of one step;
+2. when step 1 agrees everywhere but the curves part later (a bug that needs optimizer steps:
+   an LR schedule, optimizer-state sharding, accumulation, ...), the first divergent step K of
+   the verdicts. The probe job replays steps 1..K-1 of the run (see convergence.trainer.probe
+   for why a replay and not a checkpoint) and records step K; the replayed losses are compared
+   with the run's (``replay_loss_max_abs_diff``, 0.0 when the replay was exact). Cost: K steps
+   per side, at most a rerun of the pair up to the divergence; the control's probe is cached.
 
 A probe never changes a verdict: whatever goes wrong here is recorded as
 ``{"error": "..."}`` in the localisation, never raised.
@@ -13,13 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from convergence.launch.types import JobResult, LaunchRequest
+from convergence.metrics.curve import RunMetrics
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.stats.types import MetricVerdict
 
 LaunchFn = Callable[[LaunchRequest, int], JobResult]
 SeedFn = Callable[[JobSpec, Any], "Path | None"]
@@ -35,7 +46,15 @@ def wants_probe(pair: PairSpec, status: str) -> bool:
 
 
 def probe_overrides(step: int) -> list[str]:
-    return ["--probe.enable=true", f"--probe.step={step}", "--training.steps=1"]
+    # training.steps stays the job's: the LR schedule of the replayed steps depends on it.
+    return ["--probe.enable=true", f"--probe.step={step}", "--metrics.enable_tensorboard=false"]
+
+
+def first_divergent_step(verdicts: Sequence[MetricVerdict]) -> int | None:
+    """Earliest first-divergent step over the failing gate verdicts (None when none says)."""
+    steps = [v.first_divergent_step for v in verdicts
+             if v.gate and not v.passed and v.first_divergent_step is not None]
+    return min(steps) if steps else None
 
 
 def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, launch: LaunchFn,
@@ -91,16 +110,65 @@ def cached_probe(runner: Any, side: str, job: JobSpec, probe_dir: Path, step: in
         return entry / "dump" / PROBE_FILE
 
 
-def localise(pair: PairSpec, pair_dir: Path, *, runner: Any, step: int = 1) -> dict[str, Any]:
-    """Probe both sides (cached) and compare; errors are returned in the dict, never raised."""
+def _probe_step(pair: PairSpec, pair_dir: Path, runner: Any,
+                step: int) -> tuple[dict[str, Any], list[Path]]:
+    """Probe both sides (cached) at ``step`` and compare; errors in the dict, never raised."""
     from convergence.probe_compare import compare_probe_files
 
-    probe_dir = pair_dir / "probe"
+    probe_dir = pair_dir / "probe" / f"step{step}"
     try:
         paths = [cached_probe(runner, side, job, probe_dir, step)
                  for side, job in (("control", pair.control), ("test", pair.test))]
         result = compare_probe_files(paths[0], paths[1])
     except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
-        return {"error": f"numerics probe failed: {exc}", "step": step}
+        return {"error": f"numerics probe failed: {exc}", "step": step}, []
     result["probe_files"] = f"{paths[0]} vs {paths[1]}"
-    return result
+    return result, paths
+
+
+def agrees(result: Mapping[str, Any]) -> bool:
+    """A probe comparison that found no differing module or gradient (and no error)."""
+    return "error" not in result and result.get("module") is None and (
+        result.get("parameter") is None)
+
+
+def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
+                     step: int) -> float | None:
+    """Largest |replayed loss - run's loss| over the steps before ``step`` (both sides).
+
+    The probe job's metrics.jsonl (beside probe.json) holds the replayed steps; None when
+    there is nothing to compare (e.g. log_freq skipped them all)."""
+    from convergence.metrics.jsonl import read_jsonl
+
+    worst: float | None = None
+    for path, run in zip(probe_files, runs):
+        replay, original = read_jsonl(path.parent / "metrics.jsonl").get("loss"), run.get("loss")
+        if replay is None or original is None:
+            continue
+        logged = dict(zip(original.steps.tolist(), original.values.tolist()))
+        for s, value in zip(replay.steps.tolist(), replay.values.tolist()):
+            if s < step and s in logged:
+                diff = abs(value - logged[s])
+                worst = diff if worst is None or diff > worst else worst
+    return worst
+
+
+def localise(pair: PairSpec, pair_dir: Path, *, runner: Any,
+             divergent_step: int | None = None,
+             runs: Sequence[RunMetrics] = ()) -> dict[str, Any]:
+    """Probe at step 1; when all agrees there, at ``divergent_step`` (see the module doc).
+
+    ``runs``: the control's and the test's metrics, to check the replay against.
+    """
+    first, _ = _probe_step(pair, pair_dir, runner, 1)
+    if divergent_step is not None:
+        first["first_divergent_step"] = divergent_step
+    if divergent_step is None or divergent_step <= 1 or not agrees(first):
+        return first
+    later, paths = _probe_step(pair, pair_dir, runner, divergent_step)
+    head: dict[str, Any] = {"first_divergent_step": divergent_step, "step_1_agrees": True}
+    if paths and runs:
+        head["replay_loss_max_abs_diff"] = replay_deviation(paths, runs, divergent_step)
+    # Scalars first (the failure message prints them in order), then the tables.
+    return {**{k: v for k, v in later.items() if not isinstance(v, list)}, **head,
+            **{k: v for k, v in later.items() if isinstance(v, list)}}

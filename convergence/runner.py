@@ -22,6 +22,7 @@ from typing import Any
 from convergence.backends import Backend, get_backend
 from convergence.cache.store import CacheError
 from convergence.launch.types import JobResult, LaunchRequest, Launcher, Progress
+from convergence.metrics.curve import RunMetrics
 from convergence.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -167,7 +168,7 @@ class Runner:
         shared by many pairs still runs once per session."""
         if not self.settings.refresh:
             return True
-        return _recorded(entry, "session") == self.settings.session_id
+        return bool(_recorded(entry, "session") == self.settings.session_id)
 
     def _run_fresh(self, side: str, job: JobSpec, backend: Backend, seed_dir: Path | None,
                    pair_dir: Path, key: str,
@@ -254,20 +255,26 @@ class Runner:
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
         status = _status(verdicts, test)
+        localisation = self._localise(pair, status, pair_dir, verdicts,
+                                      (control_runs[0], test.metrics))
         return PairOutcome(pair=pair, status=status, control=control,
-                           error=error, localisation=self._localise(pair, status, pair_dir),
+                           error=error, localisation=localisation,
                            test=dataclasses.replace(test, replicates=()),
                            verdicts=tuple(verdicts), stopped_early_at=stopped,
                            wall_s=time.monotonic() - started)
 
     # -- numerics probe (failure localisation; see convergence.probe_run) ----------------
-    def _localise(self, pair: PairSpec, status: str, pair_dir: Path) -> dict[str, Any] | None:
-        """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair)."""
-        from convergence.probe_run import localise, wants_probe
+    def _localise(self, pair: PairSpec, status: str, pair_dir: Path,
+                  verdicts: Sequence[MetricVerdict],
+                  runs: Sequence[RunMetrics]) -> dict[str, Any] | None:
+        """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
+        step 1, and at the first divergent step when step 1 shows nothing."""
+        from convergence.probe_run import first_divergent_step, localise, wants_probe
 
         if not wants_probe(pair, status):
             return None
-        return localise(pair, pair_dir, runner=self)
+        return localise(pair, pair_dir, runner=self,
+                        divergent_step=first_divergent_step(verdicts), runs=runs)
 
     def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
         if pair.golden:

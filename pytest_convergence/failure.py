@@ -141,9 +141,11 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None) -> s
     if failing:
         lines.extend(_table(outcome, failing[0].metric))
     if outcome.localisation:
-        lines.append("localisation (numerics probe):")
-        from convergence.probe_compare import summary_items  # per-module tables: the report
+        # One-line entries here; the per-module tables are in the report.
+        from convergence.probe_compare import summary_items
+        from convergence.report.probe_table import failure_line
 
+        lines.append(f"localisation (numerics probe): {failure_line(outcome.localisation)}")
         lines.extend(f"  {k}: {v}" for k, v in summary_items(outcome.localisation))
     lines.extend(_paths(outcome))
     if report_dir is not None and not outcome.plots:

@@ -1,5 +1,6 @@
 """The numerics probe: comparison rules (plain Python) and, end to end on CPU/gloo, that a
-planted bug in one layer's TP plan is named by the probe through Runner.run_pair."""
+planted bug in one layer's TP plan is named by the probe through Runner.run_pair, and that a
+bug invisible at step 1 is named by a probe at the first divergent step."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
     path.write_text(textwrap.dedent(f"""
         [defaults]
         train_config = "{ROOT}/train_configs/debug.toml"
-        steps = 2
+        steps = 4
         seed = 5
         early_stop = false
 
@@ -101,6 +102,11 @@ def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
         parallelism = {{ dp_shard = 2, tp = 2 }}
         hook = "planted_tp_bugs:tp_without_wo_reduce"
         hook_mode = "replace_tp"
+
+        [[test]]
+        name = "fsdp2-late-bug"
+        parallelism = {{ dp_shard = 2 }}
+        hook = "planted_late_bugs:double_ffn_grad_from_step3"
     """))
     return path
 
@@ -180,3 +186,86 @@ def test_failure_text_and_reports_name_the_module(outcomes: dict[str, Any],
     assert "| layers.1.attention.wo |" in md and "all 51 module outputs" in md
     html = (tmp_path / "report.html").read_text()
     assert "Numerics probe" in html and '<tr class="bad"><td>layers.1.attention.wo' in html
+
+
+# -- probing at the first divergent step (a bug invisible at step 1) ---------------------------
+
+LATE_PARAMETER = "layers.0.feed_forward.w2.weight"  # planted_late_bugs.BUGGY_PARAMETER
+LATE_STEP = 3  # planted_late_bugs.FIRST_BAD_STEP
+
+
+def test_first_divergent_step_and_failure_line() -> None:
+    from convergence.probe_run import agrees, first_divergent_step
+    from convergence.report.probe_table import failure_line, summary_text
+    from convergence.stats.types import MetricVerdict
+
+    def verdict(metric: str, passed: bool, first: int | None, gate: bool = True) -> Any:
+        return MetricVerdict(metric=metric, method="paired", passed=passed, gate=gate,
+                             steps_compared=9, first_divergent_step=first)
+
+    assert first_divergent_step([verdict("loss", False, 4), verdict("grad_norm", False, 3),
+                                 verdict("tokens_per_s", False, 1, gate=False),
+                                 verdict("lr", True, None)]) == 3
+    assert first_divergent_step([verdict("loss", True, None)]) is None
+    late = {"module": None, "parameter": LATE_PARAMETER, "step": 3, "first_divergent_step": 3,
+            "step_1_agrees": True, "modules_compared": 51, "replay_loss_max_abs_diff": 0.0}
+    assert not agrees(late) and agrees({"module": None, "parameter": None})
+    assert not agrees({"error": "boom"})
+    assert failure_line(late) == ("first divergence at step 3; probe at step 3: module outputs "
+                                  f"agree, first differing gradient {LATE_PARAMETER}")
+    text = summary_text(late)
+    assert text.startswith("step 3 (first divergent step; step 1 agreed): ") and "NOT" not in text
+    off = summary_text(dict(late, replay_loss_max_abs_diff=1e-3))
+    assert "did NOT reproduce the run" in off
+    # The step-1 probe found the module although the curves part at step 5 only.
+    early = {"module": BUGGY_MODULE, "parameter": None, "step": 1, "first_divergent_step": 5}
+    assert failure_line(early).startswith(
+        f"first divergence at step 5; probe at step 1: first differing module {BUGGY_MODULE}")
+    assert summary_text(early).startswith("step 1 (curves part at step 5): ")
+
+
+@pytest.fixture(scope="module")
+def late_outcome(outcomes: dict[str, Any]) -> Any:
+    # In the shared experiment: the DDP control's run, seed checkpoint and step-1 probe are
+    # reused, so this pair costs its test run and three probe jobs.
+    return outcomes["fsdp2-late-bug"]
+
+
+def test_late_bug_invisible_at_step1_is_localised_at_the_divergent_step(late_outcome: Any
+                                                                        ) -> None:
+    outcome = late_outcome
+    assert outcome.status == "failed", outcome.error
+    assert outcome.verdict("grad_norm").first_divergent_step == LATE_STEP
+    loc = outcome.localisation
+    assert loc is not None and "error" not in loc, loc
+    # Step 1 agreed everywhere, so the probe ran again at the first divergent step ...
+    assert loc["step_1_agrees"] and loc["step"] == LATE_STEP
+    assert loc["first_divergent_step"] == LATE_STEP
+    # ... on exactly the state both runs had there (the replayed steps 1-2 are bitwise the run's).
+    assert loc["replay_loss_max_abs_diff"] == 0.0
+    # The forward of step 3 still agrees (same weights); the doubled gradient alone differs.
+    assert loc["module"] is None and loc["modules_differing"] == 0
+    assert loc["parameter"] == LATE_PARAMETER
+    assert [r["name"] for r in loc["parameters"] if r["differs"]] == [LATE_PARAMETER]
+    row = next(r for r in loc["parameters"] if r["name"] == LATE_PARAMETER)
+    assert row["test"] == pytest.approx(2 * row["control"], rel=1e-5)
+
+
+def test_late_localisation_in_failure_text_and_reports(late_outcome: Any,
+                                                       tmp_path: Path) -> None:
+    from convergence.report.write import write_reports
+    from pytest_convergence.failure import render_outcome
+
+    text = render_outcome(late_outcome)
+    assert (f"first divergence at step {LATE_STEP}; probe at step {LATE_STEP}: module outputs "
+            f"agree, first differing gradient {LATE_PARAMETER}") in text
+    write_reports([late_outcome], tmp_path, environment={"python": "3"})
+    md = (tmp_path / "report.md").read_text()
+    assert f"step {LATE_STEP} (first divergent step; step 1 agreed)" in md
+    assert f"| {LATE_PARAMETER} |" in md
+    report = json.loads((tmp_path / "report.json").read_text())
+    (record,) = report["pairs"]
+    assert record["localisation"]["step"] == LATE_STEP
+    assert record["localisation"]["parameter"] == LATE_PARAMETER
+    html = (tmp_path / "report.html").read_text()
+    assert f"step {LATE_STEP} (first divergent step; step 1 agreed)" in html

@@ -22,19 +22,52 @@ def has_probe_table(record: Mapping[str, Any]) -> bool:
     return isinstance(loc, Mapping) and isinstance(loc.get("modules"), list)
 
 
+def step_text(loc: Mapping[str, Any]) -> str:
+    """Which step was probed, and why: "step 3 (first divergent step; step 1 agreed)"."""
+    step, first = loc.get("step"), loc.get("first_divergent_step")
+    notes = []
+    if first is not None and first == step and step != 1:
+        notes.append("first divergent step")
+    elif first is not None and first != step:
+        notes.append(f"curves part at step {first}")
+    if loc.get("step_1_agrees"):
+        notes.append("step 1 agreed")
+    return f"step {step}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def summary_text(loc: Mapping[str, Any]) -> str:
     """One line: the first differing module/parameter, or agreement, or the probe's error."""
+    where = step_text(loc)
     if loc.get("error"):
-        return f"numerics probe failed: {loc['error']}"
-    step = loc.get("step")
+        return f"{where}: numerics probe failed: {loc['error']}"
+    replay = loc.get("replay_loss_max_abs_diff")
+    caveat = (f"; the replay did NOT reproduce the run (loss off by up to {fmt_num(replay)} "
+              "before this step)" if isinstance(replay, (int, float)) and replay > 0 else "")
     if loc.get("module") is None and loc.get("parameter") is None:
-        return (f"step {step}: all {loc.get('modules_compared')} module outputs and gradients "
-                f"agree (rtol {loc.get('rtol')}, atol {loc.get('atol')})")
-    return (f"step {step}: first differing module `{loc.get('module')}` "
+        return (f"{where}: all {loc.get('modules_compared')} module outputs and gradients "
+                f"agree (rtol {loc.get('rtol')}, atol {loc.get('atol')}){caveat}")
+    return (f"{where}: first differing module `{loc.get('module')}` "
             f"(|Δ norm| {fmt_num(loc.get('max_abs_diff'))}), first differing gradient "
             f"`{loc.get('parameter')}`; {loc.get('modules_differing')} of "
             f"{loc.get('modules_compared')} modules differ; loss {fmt_num(loc.get('loss_control'))}"
-            f" vs {fmt_num(loc.get('loss_test'))}")
+            f" vs {fmt_num(loc.get('loss_test'))}{caveat}")
+
+
+def failure_line(loc: Mapping[str, Any]) -> str:
+    """The failure message's line: "first divergence at step 3; probe at step 3: first
+    differing module X, first differing gradient Y"."""
+    first = loc.get("first_divergent_step")
+    head = f"first divergence at step {first}; " if first is not None else ""
+    probe = "probe" if loc.get("step") is None else f"probe at step {loc.get('step')}"
+    if loc.get("error"):
+        return f"{head}{probe} failed (see below)"
+    module, parameter = loc.get("module"), loc.get("parameter")
+    if module is None and parameter is None:
+        earlier = " (and at step 1)" if loc.get("step_1_agrees") else ""
+        return f"{head}{probe}{earlier}: every module output and gradient agrees"
+    found = [f"first differing module {module}" if module else "module outputs agree",
+             f"first differing gradient {parameter}" if parameter else "gradients agree"]
+    return f"{head}{probe}: " + ", ".join(found)
 
 
 def rows(entries: Sequence[Mapping[str, Any]]) -> list[list[str]]:

@@ -175,11 +175,12 @@ class MetricsConfig:
 @dataclass(frozen=True, kw_only=True)
 class ProbeConfig:
     enable: bool = False
-    """Numerics probe instead of training: one forward+backward from the seed weights on the
-    batch of `step`, then probe.json (per-module output norms, per-parameter gradient norms of
-    the full tensors) in the dump folder. See convergence.trainer.probe."""
+    """Numerics probe: train steps 1..`step`-1 as usual, then, in place of `step`, one
+    forward+backward on its batch, write probe.json (per-module output norms, per-parameter
+    gradient norms of the full tensors) in the dump folder and stop. See
+    convergence.trainer.probe."""
     step: int = 1
-    """Whose batch the probe runs on (1-based optimizer step)."""
+    """The optimizer step (1-based) probed; 1 = from the seed weights."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,17 @@
 """The numerics probe: one forward+backward, every module's output norm and every gradient norm.
 
-    torchrun ... -m convergence.trainer --config X.toml --probe.enable=true --probe.step=1
+    torchrun ... -m convergence.trainer --config X.toml --probe.enable=true --probe.step=K
 
-Instead of training, the trainer loads the seed weights, runs ONE optimizer step's worth of
-forward+backward (all microsteps, all microbatches) on the fixed batch of `probe.step`, and
-writes `probe.json` to the dump folder (from the rank that logs the loss):
+The trainer trains steps 1..K-1 as usual (the same loop, data, LR schedule and optimizer as the
+run being probed), then, in place of step K, runs ONE optimizer step's worth of forward+backward
+(all microsteps, all microbatches) on the batch of step K, writes `probe.json` to the dump
+folder (from the rank that logs the loss) and stops. K = 1 probes the seed weights.
+
+Why replay rather than a checkpoint of step K-1: the step to probe (the first divergent one) is
+only known after the run, so a checkpoint would have to be saved at every step; runs are
+deterministic (same seed checkpoint, same samples, deterministic kernels), so K-1 steps of the
+same loop rebuild that state exactly -- the replayed steps' metrics (metrics.jsonl beside
+probe.json) equal the run's, which convergence.probe_run checks -- for the cost of K steps.
 
     {"version": 1, "step": 1, "param_dtype": "float32", "layout": {...},
      "loss": 5.54, "dp_losses": [5.55, 5.53],                  # per data-parallel rank
@@ -239,8 +246,14 @@ def stage_chunks(chunks: list[nn.Module], cfg: TrainConfig,
 
 
 def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: SampleSource,
-              plan: BatchPlan, device: torch.device, *, is_writer: bool) -> str:
-    """One forward+backward on the batch of ``cfg.probe.step``; probe.json from the writer."""
+              plan: BatchPlan, device: torch.device, *, is_writer: bool,
+              warm_up: bool = True) -> str:
+    """One forward+backward on the batch of ``cfg.probe.step``; probe.json from the writer.
+
+    Called by the training loop in place of step ``cfg.probe.step``, so the weights and the
+    optimizer are those the run had there. ``warm_up``: whether a pipeline schedule still has
+    its first (shape-inferring) call ahead, i.e. the probe is at step 1.
+    """
     step = cfg.probe.step
     chunks = stage_chunks(engine.chunks, cfg, meshes)
 
@@ -253,7 +266,7 @@ def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: Samp
                 local_loss = loss.float() if local_loss is None else local_loss + loss.float()
         return local_loss
 
-    if meshes is not None and meshes.pp is not None:
+    if warm_up and meshes is not None and meshes.pp is not None:
         # A pipeline schedule's first step also runs each stage's forward once more to infer
         # the shapes it sends (on a real microbatch, or on uninitialised buffers): a warm-up
         # step, whose gradients are dropped, keeps those calls out of the records.

@@ -317,14 +317,6 @@ def train(cfg: TrainConfig) -> str:
     # The one writer: global rank 0, or with PP the first rank of the last stage.
     is_logger = not distributed or (engine.holds_loss and meshes is not None and all(
         c == 0 for c in meshes.world.get_coordinate()[1:]))  # type: ignore[index]
-    if cfg.probe.enable:
-        # The numerics probe replaces training: one forward+backward, norms to probe.json.
-        from convergence.trainer.probe import run_probe
-        try:
-            return run_probe(cfg, engine, meshes, source, plan, device, is_writer=is_logger)
-        finally:
-            if distributed:
-                dist.destroy_process_group()
     dump = Path(cfg.metrics.dump_folder)
     writer = MetricsWriter(dump, enabled=is_logger, tensorboard=cfg.metrics.enable_tensorboard)
     num_params = count_params(build_model(model_args, "meta"))
@@ -343,6 +335,14 @@ def train(cfg: TrainConfig) -> str:
     try:
         status = "finished"
         for step in range(1, training.steps + 1):
+            if cfg.probe.enable and step == cfg.probe.step:
+                # The numerics probe replaces this step: one forward+backward, norms to
+                # probe.json, then stop. Steps before it ran this very loop, so the probe sees
+                # exactly the state this run had at this step (same data, LR, optimizer).
+                from convergence.trainer.probe import run_probe
+                status = run_probe(cfg, engine, meshes, source, plan, device,
+                                   is_writer=is_logger, warm_up=step == 1)
+                break
             step_start = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
