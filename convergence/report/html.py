@@ -237,6 +237,8 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
     ordered = failing + [p for p in pairs if p not in failing]
     sections = "".join(pair_html(r, plot_files) for r in ordered)
     from convergence.report.comm_table import html_section as comm_html
+    from convergence.report.tradeoff import html_section as tradeoff_html
+
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -251,6 +253,7 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
  − centre of the control replicates' band). tok/s and mem: test / control. * = stopped early.</div>
 {dimensions_html(pairs)}
 {heat}
+{tradeoff_html(pairs)}
 {comm_html(report, plot_files)}
 <h2>Pairs</h2>
 {sections}

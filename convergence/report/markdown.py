@@ -149,6 +149,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if any(p["stopped_early_at"] is not None for p in pairs):
         lines += ["", "\\* stopped early: the verdict was decided before the last step."]
     lines += dimension_lines(pairs)
+    from convergence.report.tradeoff import markdown_lines as tradeoff_lines
+
+    lines += tradeoff_lines(pairs)
     from convergence.report.comm_table import markdown_lines as comm_lines
 
     lines += comm_lines(report)

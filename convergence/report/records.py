@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from convergence.outcome import PairOutcome, SideOutcome
 from convergence.report.curves import (
     divergence_table,
@@ -84,11 +86,27 @@ def first_divergent_step(outcome: PairOutcome) -> int | None:
     return min(steps) if steps else None
 
 
+def step_time_s(side: SideOutcome | None) -> float | None:
+    """Median seconds per optimizer step: the run's tokens per step (its run_meta) / tokens/s
+    of each step, the first step left out as in :func:`side_stat`. None without the meta."""
+    tokens = side.meta.get("tokens_per_step") if side is not None else None
+    if side is None or not isinstance(tokens, (int, float)) or tokens <= 0 \
+            or "tokens_per_s" not in side.metrics:
+        return None
+    values = side.metrics["tokens_per_s"].values
+    values = values[np.isfinite(values) & (values > 0)]
+    if values.size == 0:
+        return None
+    return float(np.median(float(tokens) / (values[1:] if values.size > 1 else values)))
+
+
 def resources(outcome: PairOutcome) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for metric, how in RESOURCES:
         ctrl, test = side_stat(outcome.control, metric, how), side_stat(outcome.test, metric, how)
         out[metric] = {"control": ctrl, "test": test, "ratio": ratio(test, ctrl)}
+    ctrl, test = step_time_s(outcome.control), step_time_s(outcome.test)
+    out["step_time_s"] = {"control": ctrl, "test": test, "ratio": ratio(test, ctrl)}
     return out
 
 
