@@ -259,6 +259,18 @@ def peak_mem_over_ranks(device: torch.device, distributed: bool) -> float:
     return float(peak.item())
 
 
+def add_counts(total: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, Any]:
+    """Two collective counts (``CollectiveCount.to_dict()``) added; ``total`` None: ``more``."""
+    if total is None:
+        return more
+    by_op = dict(total["by_op"])
+    for name, num in more["by_op"].items():
+        by_op[name] = by_op.get(name, 0) + num
+    return {"forward": total["forward"] + more["forward"],
+            "backward": total["backward"] + more["backward"],
+            "total": total["total"] + more["total"], "by_op": dict(sorted(by_op.items()))}
+
+
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -350,16 +362,20 @@ def train(cfg: TrainConfig) -> str:
 
             # Forward/backward over the microsteps; gradients accumulate in .grad.
             local_loss = torch.zeros((), device=device)
-            # Step 1's collectives (forward + backward of every microstep) are counted once.
-            count_now = step == 1 and not training.compile
-            with count_collectives(count_now) as comm:
-                for micro in range(training.grad_accum_steps):
+            # One step's collectives (forward + backward of every microstep) are counted once:
+            # step 1, or step 2 under PP (a dispatch mode breaks the schedule's first-step
+            # shape inference; with PP each rank sees only its own stages' collectives).
+            count_now = step == (2 if par.pp > 1 else 1) and not training.compile
+            for micro in range(training.grad_accum_steps):
+                # One counting scope per microstep: CommDebugMode's module tracker raises
+                # IndexError on a second forward inside one scope (any grad accumulation).
+                with count_collectives(count_now) as comm:
                     inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
                     loss = engine.forward_backward(inputs, targets)
                     if loss is not None:
                         local_loss += loss.float()
-            if count_now:
-                collectives = comm.to_dict()
+                if count_now:
+                    collectives = add_counts(collectives, comm.to_dict())
 
             # Norm of the full gradient (all shards, all stages), then clip by it.
             grad_norm = global_grad_norm(params, pp_group)
