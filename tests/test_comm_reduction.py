@@ -184,3 +184,45 @@ def test_side_facts_from_run_meta_and_val_curve() -> None:
     assert facts == {"num_params": 123, "block_pattern": "single_sync",
                      "collectives": side.meta["collectives"], "final_val_loss": 5.25}
     assert comm_table.side_facts(None) == {}
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer: block kinds under FSDP + TP, TP + PP and sequence parallel match one process
+
+TRAIN_COMMON = ["--training.steps=5", "--metrics.val_every=5", "--metrics.val_batches=1",
+                "--metrics.enable_tensorboard=false"]
+MIXED = "--model.block_pattern=single_sync,parallel,parallel,standard"
+
+
+def _train(nproc: int, dump: Path, overrides: list[str]) -> list[dict[str, Any]]:
+    module = ["-m", "convergence.trainer", "--config", str(REPO / "train_configs" / "debug.toml"),
+              f"--metrics.dump_folder={dump}", *TRAIN_COMMON, *overrides]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *module] if nproc > 1 else [sys.executable, *module])
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pattern", "nproc", "layout"), [
+    # PP 2 x 1F1B: the stage boundary (after layer 1) carries a hidden-dim-sharded state.
+    (MIXED, 4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.pp_schedule=1F1B",
+                "--training.local_batch_size=16"]),
+    (MIXED, 4, ["--parallelism.dp_shard=2", "--parallelism.tp=2",
+                "--training.local_batch_size=8"]),
+    ("--model.block_pattern=single_sync,standard", 4,
+     ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.sequence_parallel=true",
+      "--training.local_batch_size=8"]),
+], ids=["tp2-pp2", "fsdp2-tp2", "fsdp2-tp2-sp"])
+def test_trainer_layouts_match_one_process(pattern: str, nproc: int, layout: list[str],
+                                           tmp_path: Path) -> None:
+    ref = _train(1, tmp_path / "ref", [pattern, "--training.local_batch_size=16"])
+    test = _train(nproc, tmp_path / "test", [pattern, *layout])
+    for r, t in zip(ref, test, strict=True):
+        assert abs(t["loss"] - r["loss"]) <= 1e-5 and \
+            abs(t["grad_norm"] - r["grad_norm"]) <= 1e-4 * r["grad_norm"], (r, t)
+    assert abs(test[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-5
+    meta = json.loads((tmp_path / "test" / "run_meta.json").read_text())
+    assert meta["collectives"]["total"] > 0 and meta["block_pattern"] == pattern.split("=")[1]

@@ -1,19 +1,22 @@
-"""Count the collectives a training step actually issues (torch's CommDebugMode).
+"""Count the collectives a training step actually issues.
 
-CommDebugMode is a dispatch mode: it sees every collective op that runs in its scope, the
-functional collectives DTensor issues for TP redistributions as well as the c10d ops FSDP2 calls
-(all-gather, reduce-scatter), and tells forward from backward with its module tracker. It works on
-CPU/gloo. Point-to-point sends and receives (pipeline parallelism) are not collectives and are
-not counted.
+A dispatch mode sees every collective op that runs in its scope: the functional collectives
+DTensor issues for TP redistributions as well as the c10d ops FSDP2 calls (all-gather,
+reduce-scatter). It counts the same ops as torch's CommDebugMode
+(torch.distributed.tensor.debug), but without CommDebugMode's module tracker, whose hooks on
+every module break a second forward in one scope (gradient accumulation: IndexError) and the
+pipeline schedule's `autograd.grad`. Forward and backward are told apart by whether the
+autograd engine is running. Works on CPU/gloo. Point-to-point sends and receives (pipeline
+parallelism) are not collectives and are not counted.
 
-The trainer counts one optimizer step (step 1: every microstep's forward and backward) and
-stores the result in run_meta.json under "collectives":
+The trainer counts one optimizer step (every microstep's forward and backward) and stores the
+result in run_meta.json under "collectives":
 
     {"forward": 26, "backward": 25, "total": 51,
      "by_op": {"all_reduce": 49, "all_gather_into_tensor": 2}}
 
-The counting costs a little time on that one step (each op is looked at in Python), which is
-why only one step is counted; the regression rule's warm-up already skips step 1's throughput.
+Counting costs a Python call per op on that one step, which is why only one step is counted;
+the regression rule's warm-up already skips that step's throughput.
 """
 
 from __future__ import annotations
@@ -43,9 +46,55 @@ class CollectiveCount:
                 "by_op": dict(sorted(self.by_op.items()))}
 
 
-def _op_name(op: Any) -> str:
-    # An OpOverloadPacket such as c10d_functional.all_reduce or c10d.allgather_ -> "all_reduce".
-    return str(getattr(op, "__name__", op)).split(".")[-1].rstrip("_")
+#: Collective ops by namespace (functional collectives: what DTensor issues; c10d: what
+#: FSDP2 and plain torch.distributed calls issue). wait_tensor, barriers and p2p are not counted.
+_FUNCTIONAL = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
+               "all_reduce_coalesced", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
+               "reduce_scatter_tensor_coalesced"}
+COLLECTIVE_OPS: dict[str, frozenset[str]] = {
+    "_c10d_functional": frozenset(_FUNCTIONAL | {f"{n}_" for n in _FUNCTIONAL}),
+    "c10d_functional": frozenset(_FUNCTIONAL),
+    "_c10d_functional_autograd": frozenset(_FUNCTIONAL),
+    "c10d": frozenset({"_allgather_base_", "_reduce_scatter_base_", "allgather_",
+                       "allgather_coalesced_", "allgather_into_tensor_coalesced_", "allreduce_",
+                       "allreduce_coalesced_", "alltoall_", "alltoall_base_", "broadcast_",
+                       "gather_", "scatter_", "reduce_", "reduce_scatter_",
+                       "reduce_scatter_tensor_coalesced_"}),
+}
+
+
+def _op_name(name: str) -> str:
+    """A backend-neutral name: c10d "allreduce_" and functional "all_reduce" read alike."""
+    name = name.strip("_")
+    return {"allreduce": "all_reduce", "allgather": "all_gather", "allgather_base":
+            "all_gather_into_tensor", "reduce_scatter_base": "reduce_scatter_tensor",
+            "alltoall": "all_to_all", "alltoall_base": "all_to_all_single"}.get(name, name)
+
+
+def _counting_mode(count: CollectiveCount) -> Any:
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountingMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            if any(t is DTensor for t in types):
+                # Let DTensor run first: it desugars into the collectives seen next.
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            name = getattr(getattr(func, "_overloadpacket", None), "__name__", "")
+            if name in COLLECTIVE_OPS.get(getattr(func, "namespace", ""), ()):
+                # Inside backward the autograd engine is running a graph task.
+                if torch._C._current_graph_task_id() != -1:
+                    count.backward += 1
+                else:
+                    count.forward += 1
+                key = _op_name(name)
+                count.by_op[key] = count.by_op.get(key, 0) + 1
+            return out
+
+    return CountingMode()
 
 
 @contextmanager
@@ -55,14 +104,5 @@ def count_collectives(enabled: bool = True) -> Iterator[CollectiveCount]:
     if not enabled:
         yield count
         return
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    mode = CommDebugMode()
-    with mode:
+    with _counting_mode(count):
         yield count
-    counts = mode.comm_module_counts.get("Global", {})
-    count.forward = sum(counts.get("forward", {}).values())
-    count.backward = sum(counts.get("backward", {}).values())
-    for op, num in mode.get_comm_counts().items():
-        name = _op_name(op)
-        count.by_op[name] = count.by_op.get(name, 0) + num

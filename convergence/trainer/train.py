@@ -367,8 +367,7 @@ def train(cfg: TrainConfig) -> str:
             # shape inference; with PP each rank sees only its own stages' collectives).
             count_now = step == (2 if par.pp > 1 else 1) and not training.compile
             for micro in range(training.grad_accum_steps):
-                # One counting scope per microstep: CommDebugMode's module tracker raises
-                # IndexError on a second forward inside one scope (any grad accumulation).
+                # One counting scope per microstep, added up (comm_count.py).
                 with count_collectives(count_now) as comm:
                     inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
                     loss = engine.forward_backward(inputs, targets)
