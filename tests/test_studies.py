@@ -254,7 +254,9 @@ def test_logged_peak_memory_is_the_max_over_ranks(tmp_path: Path) -> None:
 # -- the CPU sizes end to end through the plugin ----------------------------------------------
 def test_cpu_studies_pass_through_the_plugin_with_the_table(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shipped CPU files, unchanged, in a fresh project (3 steps instead of 8-10)."""
+    """The shipped CPU files, unchanged, in a fresh project: 3 steps instead of 8-10, and one
+    pair of each file (5 launches, not 8: CI runs every pair of both files at full size
+    anyway, through the ci tier; this test is about the plugin -> report table path)."""
     monkeypatch.setenv("COLUMNS", "200")
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
     pytester.makeini("[pytest]\n")
@@ -263,8 +265,9 @@ def test_cpu_studies_pass_through_the_plugin_with_the_table(
         shutil.copy(REPO / rel, pytester.path / rel)
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-m", "convergence", "--convergence-tier", "ci",
-        "--convergence-steps", "3", "--convergence-report", "report", timeout=900)
-    result.assert_outcomes(passed=4)
+        "--convergence-steps", "3", "--convergence-report", "report",
+        "-k", "tp2-accum4 or fsdp2-cpu-offload", timeout=900)
+    result.assert_outcomes(passed=2)
     md = (pytester.path / "report" / "report.md").read_text(encoding="utf-8")
     assert "## Resources" in md
     section = md[md.index("## Resources"):]
@@ -272,9 +275,9 @@ def test_cpu_studies_pass_through_the_plugin_with_the_table(
     assert "### zero_stages.toml — control ddp2" in section
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
             for line in section.splitlines() if line.startswith("| ")}
+    assert "fsdp2-no-reshard" not in rows  # deselected: not run, not in the table
     for job, layout in (("ddp2-accum2", "ddp2 +accum:2"), ("tp2-accum4", "tp2 +accum:4"),
-                        ("ddp2", "ddp2"), ("fsdp2-no-reshard", "fsdp2 +no-reshard"),
-                        ("fsdp2-reshard", "fsdp2"), ("fsdp2-cpu-offload", "fsdp2 +offload")):
+                        ("ddp2", "ddp2"), ("fsdp2-cpu-offload", "fsdp2 +offload")):
         cells = rows[job]
         assert cells[2] == layout
         assert all(c != "-" for c in (cells[4], cells[6], cells[8])), cells  # ran, measured
