@@ -64,7 +64,7 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from convergence.report.matrix import render_matrix
+    from convergence.report.dimensions import render_summary
     from convergence.runner import RunSettings, run_pair
     from convergence.spec.experiment import load_experiment, validate_pair
 
@@ -86,7 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if outcome.status == "error" and outcome.error:
             _print_err(outcome.error)
         outcomes.append(outcome)
-    print(render_matrix(outcomes))
+    print(render_summary(outcomes))
     if args.report:
         _write_reports(outcomes, Path(args.report), {"args": sys.argv[1:]})
     return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
@@ -165,10 +165,10 @@ def load_outcome_files(folder: Path) -> list[Any]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from convergence.report.matrix import render_matrix
+    from convergence.report.dimensions import render_summary
 
     outcomes = load_outcome_files(Path(args.source))
-    print(render_matrix(outcomes))
+    print(render_summary(outcomes))
     _write_reports(outcomes, Path(args.out), {"rebuilt_from": str(args.source)})
     return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
 

@@ -89,18 +89,12 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = get_state(config)
     if state.is_worker or not state.all_outcomes:
         return
-    from convergence.report import render_matrix
+    from convergence.report.dimensions import render_summary
 
     tr = terminalreporter
     tr.write_sep("=", f"convergence matrix ({len(state.all_outcomes)} pairs)")
-    for line in render_matrix(state.all_outcomes).rstrip("\n").splitlines():
+    for line in render_summary(state.all_outcomes).rstrip("\n").splitlines():
         tr.write_line(line)
-    if len(state.all_outcomes) > 1:
-        from convergence.report.dimensions import render_outcome_dimensions
-
-        tr.write_line("by dimension (what each test adds over its control):")
-        for line in render_outcome_dimensions(state.all_outcomes).rstrip("\n").splitlines():
-            tr.write_line(line)
     if state.report_error:
         tr.write_line(f"convergence: writing the reports failed: {state.report_error}", red=True)
     if state.report_paths:

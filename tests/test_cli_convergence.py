@@ -43,6 +43,7 @@ def test_report_rebuilds_reports_from_saved_outcomes(tmp_path: Path,
     assert code == 1  # one pair failed
     out = capsys.readouterr().out
     assert "fsdp2-tp2" in out and "FAIL" in out and "report.json" in out
+    assert "by dimension" in out  # the same summary as the plugin's: matrix, then dimensions
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
     assert {p["id"] for p in report["pairs"]} == {"synthetic.toml::fsdp2-tp2",

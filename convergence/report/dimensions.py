@@ -131,6 +131,19 @@ def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120)
     return render_dimensions((pair_record(o, include_curves=False) for o in outcomes), width)
 
 
+def render_summary(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
+    """The terminal summary shared by the plugin and the CLI: the matrix, then (for two pairs
+    or more) the per-dimension block under it."""
+    from convergence.report.matrix import render_matrix
+
+    outcomes = list(outcomes)
+    text = render_matrix(outcomes, width)
+    if len(outcomes) > 1:
+        text = (text.rstrip("\n") + "\nby dimension (what each test adds over its control):\n"
+                + render_outcome_dimensions(outcomes, width))
+    return text
+
+
 def markdown_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """report.md's "By dimension" section (empty for fewer than two pairs)."""
     if len(records) < 2:
