@@ -118,7 +118,8 @@ def correct_table(rows: list[Row]) -> str:
 def summary(bugs: list[Row], correct: list[Row], steps: int, total_s: float) -> str:
     caught = sum(r.caught for r in bugs)
     quarter = sum(1 for r in bugs if r.first_step is not None and r.first_step <= steps / 4)
-    alarms = sum(r.outcome.status != "passed" for r in correct)
+    alarms = sum(r.outcome.status == "failed" for r in correct)
+    errors = sum(r.outcome.status == "error" for r in [*bugs, *correct])
     lines = []
     if bugs:
         lines.append(f"Detection rate: **{caught}/{len(bugs)}** planted bugs caught by the "
@@ -126,6 +127,9 @@ def summary(bugs: list[Row], correct: list[Row], steps: int, total_s: float) -> 
                      f"the {steps} steps).")
     if correct:
         lines.append(f"False-alarm rate: **{alarms}/{len(correct)}** correct pairs failed.")
+    if errors:
+        lines.append(f"{errors} pair(s) ended in an error (a job crashed: no verdict, counted "
+                     "neither way; see the tables).")
     lines.append(f"Whole run: {total_s / 60:.1f} min.")
     return " ".join(lines)
 
@@ -166,7 +170,7 @@ def main() -> int:
     if not args.no_write and not args.only and args.kind is None:
         write_section("detection", body)
     missed = sum(not r.caught for r in bugs)
-    alarms = sum(r.outcome.status != "passed" for r in correct)
+    alarms = sum(r.outcome.status != "passed" for r in correct)  # errors fail the script
     return 1 if missed or alarms else 0
 
 
