@@ -37,6 +37,10 @@ def cfg(*overrides: str):  # type: ignore[no-untyped-def]
     (["--parallelism.dp_shard=2"], 4, "parallelism", "world size"),
     (["--parallelism.sequence_parallel=true"], None, "parallelism.sequence_parallel", "tp"),
     (["--training.cpu_offload=true"], None, "training.cpu_offload", "dp_shard"),
+    (["--parallelism.dp_replicate=2", "--training.param_dtype=bfloat16"], 2,
+     "training.param_dtype", "silently train in float32"),
+    (["--parallelism.tp=2", "--training.reduce_dtype=bfloat16"], 2, "training.reduce_dtype",
+     "no FSDP"),
     (["--parallelism.hook=nocolon"], None, "parallelism.hook", "package.module:function"),
     (["--model.n_kv_heads=3"], None, "model.n_kv_heads", "divide"),
     (["--activation_checkpoint.mode=some"], None, "activation_checkpoint.mode", "mode"),
@@ -55,6 +59,7 @@ def test_check_config_accepts_the_tested_layouts() -> None:
     check_config(cfg("--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.pp=2",
                      "--parallelism.cp=2", "--parallelism.sequence_parallel=true"), 16)
     check_config(cfg("--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B"), 2)
+    check_config(cfg("--parallelism.dp_shard=2", "--training.param_dtype=bfloat16"), 2)
 
 
 def test_markov_entropy_floor_is_the_empirical_optimum() -> None:

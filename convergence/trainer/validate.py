@@ -185,6 +185,15 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
         fail("activation_checkpoint.selective_layer_freq", "must be >= 1", "set it to 1 or more")
     if train.device not in ("auto", "cpu", "cuda"):
         fail("training.device", f"unknown device {train.device!r}", "use auto, cpu or cuda")
+    if par.dp_shard * par.cp == 1:
+        # Mixed precision is FSDP2's MixedPrecisionPolicy; DDP and TP/PP without FSDP have no
+        # such policy, so a bf16 request there would silently train in fp32.
+        for key in ("param_dtype", "reduce_dtype"):
+            if getattr(train, key) != "float32":
+                fail(f"training.{key}", f"{getattr(train, key)} is applied through FSDP2 "
+                     "(MixedPrecisionPolicy), and this layout has no FSDP (dp_shard*cp = 1): it "
+                     "would silently train in float32",
+                     "set parallelism.dp_shard >= 2 (FSDP/HSDP), or keep float32 here")
     if train.cpu_offload and par.dp_shard * par.cp == 1:
         fail("training.cpu_offload", "CPU offload is an FSDP feature and needs dp_shard*cp > 1",
              "set parallelism.dp_shard >= 2 or cpu_offload = false")
