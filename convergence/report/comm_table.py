@@ -14,7 +14,6 @@ run_meta.json by :func:`side_facts`) and ``resources``.
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -197,22 +196,15 @@ def html_section(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> s
     found = tables(report["pairs"])
     if not found:
         return ""
+    from convergence.report.html import img, table
+
     parts = [f'<h2>{escape(TITLE)}</h2><p class="sub">{escape(NOTE)}</p>']
-    head = "".join(f"<th>{escape(h)}</th>" for h in HEADER)
     for t in found:
-        body = []
-        for row in t.rows:
-            tds = "".join(f'<td class="num">{escape(c)}</td>' if right else
-                          f"<td>{escape(c)}</td>" for c, right in zip(cells(row), RIGHT))
-            body.append(f"<tr>{tds}</tr>")
-        parts.append(f"<h3>{escape(Path(t.source).name)}</h3><table><thead><tr>{head}</tr>"
-                     f"</thead><tbody>{''.join(body)}</tbody></table>")
-    rel = (report.get("plots") or {}).get(PLOT_KEY)
-    path = plot_files.get(rel) if rel else None
-    if path is not None and path.is_file():
-        data = base64.b64encode(path.read_bytes()).decode("ascii")
-        parts.append(f'<img src="data:image/png;base64,{data}" '
-                     'alt="collectives per step vs validation loss and tokens/s">')
+        body = [[escape(c) for c in cells(row)] for row in t.rows]
+        parts.append(f"<h3>{escape(Path(t.source).name)}</h3>"
+                     + table([escape(h) for h in HEADER], body, right=RIGHT))
+    parts.append(img((report.get("plots") or {}).get(PLOT_KEY), plot_files,
+                     "collectives per step vs validation loss and tokens/s"))
     return "".join(parts)
 
 

@@ -161,11 +161,11 @@ def html_section(records: Sequence[Mapping[str, Any]]) -> str:
         return ""
     from html import escape
 
-    from convergence.report.html import _table
+    from convergence.report.html import table
 
     rows = group_by_dimension(records)
     status = ["failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed"
               for r in rows]
     body = [[escape(c) for c in cells(r)] for r in rows]
-    return ("<h3>By dimension</h3>" + _table([escape(h) for h in HEADER], body, right=RIGHT,
-                                             row_class=status))
+    return ("<h3>By dimension</h3>" + table([escape(h) for h in HEADER], body, right=RIGHT,
+                                            row_class=status))

@@ -55,7 +55,7 @@ def _data_uri(path: Path) -> str | None:
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
 
 
-def _img(rel: str | None, plot_files: Mapping[str, Path], alt: str) -> str:
+def img(rel: str | None, plot_files: Mapping[str, Path], alt: str) -> str:
     if not rel:
         return ""
     path = plot_files.get(rel)
@@ -65,10 +65,11 @@ def _img(rel: str | None, plot_files: Mapping[str, Path], alt: str) -> str:
     return f'<img src="{uri}" alt="{escape(alt)}">'
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool],
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool],
            row_class: Sequence[str] | None = None, cell_class: Mapping[int, str] | None = None
            ) -> str:
-    """Cells are already-escaped HTML."""
+    """An HTML table; header and cells are already-escaped HTML (shared by the report's
+    section modules)."""
     head = "".join(f"<th>{h}</th>" for h in header)
     body = []
     for i, row in enumerate(rows):
@@ -90,7 +91,7 @@ def matrix_html(pairs: Sequence[Mapping[str, Any]]) -> str:
         cells = [escape(row[k]) for k in keys]
         cells[0] = f'<a href="#{escape(_anchor(record))}">{cells[0]}</a>'
         rows.append(cells)
-    return _table([escape(t) for _, t in COLUMNS], rows, right=[k in RIGHT for k in keys],
+    return table([escape(t) for _, t in COLUMNS], rows, right=[k in RIGHT for k in keys],
                   row_class=[str(r["status"]) for r in pairs],
                   cell_class={keys.index("verdict"): "verdict"})
 
@@ -131,7 +132,7 @@ def verdicts_html(record: Mapping[str, Any]) -> str:
         return '<p class="sub">no verdicts</p>'
     header = ["metric", "method", "verdict", "gate", "first divergent step", "max |Δ|",
               "at step", "tolerance", "p-values", "message"]
-    return _table(header, rows, right=[False] * 4 + [True, True, True] + [False] * 3,
+    return table(header, rows, right=[False] * 4 + [True, True, True] + [False] * 3,
                   cell_class={7: "wrap", 9: "wrap"})
 
 
@@ -146,7 +147,7 @@ def divergence_html(record: Mapping[str, Any]) -> str:
         body = [[str(r["step"]), num(r["control"]), num(r["test"]),
                  "-" if r["delta"] is None else f"{float(r['delta']):+.3e}"] for r in rows]
         parts.append(f"<p><b>{escape(metric)}</b> around the divergence</p>"
-                     + _table(["step", reference, "test", "Δ"], body, right=[True] * 4))
+                     + table(["step", reference, "test", "Δ"], body, right=[True] * 4))
     return "".join(parts)
 
 
@@ -165,7 +166,7 @@ def probe_html(record: Mapping[str, Any]) -> str:
         cells = [[escape(c) for c in row] for row in pt.rows(entries)]
         classes = ["bad" if e.get("differs") else "" for e in entries]
         parts.append(f"<details{' open' if key == 'modules' else ''}><summary>{escape(title)}"
-                     f"</summary>{_table([escape(h) for h in pt.HEADER], cells, right=pt.RIGHT, row_class=classes)}"
+                     f"</summary>{table([escape(h) for h in pt.HEADER], cells, right=pt.RIGHT, row_class=classes)}"
                      "</details>")
     return "".join(parts)
 
@@ -205,7 +206,7 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
     error = f"<pre>{escape(record['error'])}</pre>" if record["error"] else ""
     plot_error = (f'<p class="bad">plot failed: {escape(record["plot_error"])}</p>'
                   if record.get("plot_error") else "")
-    plots = "".join(_img(rel, plot_files, f"{record['name']} {kind}")
+    plots = "".join(img(rel, plot_files, f"{record['name']} {kind}")
                     for kind, rel in record["plots"].items())
     return (f'<section class="pair {escape(status)}" id="{escape(_anchor(record))}">'
             f'<h3>{escape(record["name"])} <span class="badge {escape(status)}">'
@@ -232,7 +233,7 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
     wall = ("" if report.get("wall_s") is None
             else f" · wall {escape(fmt_wall(as_float(report['wall_s'])))}")
     env = _kv([(str(k), escape(str(v))) for k, v in report["environment"].items()])
-    heat = _img(report.get("plots", {}).get("heatmap"), plot_files, "heatmap")
+    heat = img(report.get("plots", {}).get("heatmap"), plot_files, "heatmap")
     failing = [p for p in pairs if p["status"] in ("failed", "error")]
     ordered = failing + [p for p in pairs if p not in failing]
     sections = "".join(pair_html(r, plot_files) for r in ordered)

@@ -156,17 +156,15 @@ def title(table: TradeoffTable) -> str:
 
 def markdown_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
     """The "## Resources" section of report.md ([] when no pair ran)."""
-    from convergence.report.markdown import cell
+    from convergence.report.markdown import cell, table
 
     found = tables(pairs)
     if not found:
         return []
     lines = ["", "## Resources", "", NOTE]
-    for table in found:
-        lines += ["", f"### {cell(title(table))}", "",
-                  "| " + " | ".join(cell(h) for h in HEADER) + " |",
-                  "|" + "|".join("---:" if r else ":---" for r in RIGHT) + "|"]
-        lines += ["| " + " | ".join(cell(c) for c in cells(row)) + " |" for row in table.rows]
+    for found_table in found:
+        lines += ["", f"### {cell(title(found_table))}", ""]
+        lines += table(HEADER, [cells(row) for row in found_table.rows], RIGHT)
     return lines
 
 
@@ -175,14 +173,12 @@ def html_section(pairs: Sequence[Mapping[str, Any]]) -> str:
     found = tables(pairs)
     if not found:
         return ""
+    from convergence.report.html import table
+
     parts = [f'<h2>Resources</h2><p class="sub">{escape(NOTE)}</p>']
-    head = "".join(f"<th>{escape(h)}</th>" for h in HEADER)
-    for table in found:
-        body = []
-        for row in table.rows:
-            tds = "".join(f'<td class="num">{escape(c)}</td>' if right else
-                          f"<td>{escape(c)}</td>" for c, right in zip(cells(row), RIGHT))
-            body.append(f'<tr class="{escape(row.role)}">{tds}</tr>')
-        parts.append(f"<h3>{escape(title(table))}</h3><table><thead><tr>{head}</tr></thead>"
-                     f"<tbody>{''.join(body)}</tbody></table>")
+    for found_table in found:
+        body = [[escape(c) for c in cells(row)] for row in found_table.rows]
+        parts.append(f"<h3>{escape(title(found_table))}</h3>" + table(
+            [escape(h) for h in HEADER], body, right=RIGHT,
+            row_class=[row.role for row in found_table.rows]))
     return "".join(parts)
