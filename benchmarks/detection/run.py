@@ -130,8 +130,23 @@ def summary(bugs: list[Row], correct: list[Row], steps: int, total_s: float) -> 
     if errors:
         lines.append(f"{errors} pair(s) ended in an error (a job crashed: no verdict, counted "
                      "neither way; see the tables).")
+    ratios = {m: [r.outcome.verdict(m).details.get("max_ratio") for r in correct
+                  if r.outcome.verdict(m) is not None] for m in ("loss", "grad_norm")}
+    worst = {m: max((x for x in v if x is not None), default=None) for m, v in ratios.items()}
+    if worst["loss"] is not None and worst["grad_norm"] is not None:
+        # Headroom: how close the correct pairs came to a false alarm (1.0 = at the tolerance).
+        lines.append(f"Headroom: the worst correct pair used {worst['loss']:.1%} of its loss "
+                     f"tolerance and {worst['grad_norm']:.2%} of its grad-norm tolerance.")
     lines.append(f"Whole run: {total_s / 60:.1f} min.")
     return " ".join(lines)
+
+
+def _commit() -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=Path(__file__).parent, check=False)
+    return done.stdout.strip() or "unknown"
 
 
 def main() -> int:
@@ -156,7 +171,7 @@ def main() -> int:
         " --no-early-stop" if args.no_early_stop else "")
     body = "\n\n".join(part for part in (
         "## Verdict quality: detection power and false alarms (benchmarks/detection/run.py)",
-        f"Machine: {machine()}. `{command}`: debug model, {args.steps} steps, control FSDP(2) "
+        f"Machine: {machine()}. Commit {_commit()}. `{command}`: debug model, {args.steps} steps, control FSDP(2) "
         "per seed and precision, default comparison rules (loss and grad norm, paired regime "
         "for fp32, seed regime with 3 control replicates for bf16), early stopping on. Planted "
         "bugs are parallelism hooks in benchmarks/detection/detection_bugs/ (each docstring "
