@@ -222,6 +222,11 @@ def test_first_divergent_step_and_failure_line() -> None:
     assert failure_line(early).startswith(
         f"first divergence at step 5; probe at step 1: first differing module {BUGGY_MODULE}")
     assert summary_text(early).startswith("step 1 (curves part at step 5): ")
+    # Per-DP-rank losses are shown where a side has DP > 1 (a data-sharding bug shows there).
+    ranks = dict(early, dp_losses_control=[5.5, 5.25], dp_losses_test=[5.5, 5.5])
+    assert summary_text(ranks).endswith("per-DP-rank loss [5.5, 5.25] vs [5.5, 5.5]")
+    assert "per-DP-rank" not in summary_text(dict(early, dp_losses_control=[5.5],
+                                                  dp_losses_test=[5.5]))
 
 
 @pytest.fixture(scope="module")

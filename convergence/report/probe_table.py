@@ -43,6 +43,7 @@ def summary_text(loc: Mapping[str, Any]) -> str:
     replay = loc.get("replay_loss_max_abs_diff")
     caveat = (f"; the replay did NOT reproduce the run (loss off by up to {fmt_num(replay)} "
               "before this step)" if isinstance(replay, (int, float)) and replay > 0 else "")
+    caveat += dp_losses_text(loc)
     if loc.get("module") is None and loc.get("parameter") is None:
         return (f"{where}: all {loc.get('modules_compared')} module outputs and gradients "
                 f"agree (rtol {loc.get('rtol')}, atol {loc.get('atol')}){caveat}")
@@ -51,6 +52,20 @@ def summary_text(loc: Mapping[str, Any]) -> str:
             f"`{loc.get('parameter')}`; {loc.get('modules_differing')} of "
             f"{loc.get('modules_compared')} modules differ; loss {fmt_num(loc.get('loss_control'))}"
             f" vs {fmt_num(loc.get('loss_test'))}{caveat}")
+
+
+def dp_losses_text(loc: Mapping[str, Any]) -> str:
+    """"; per-DP-rank loss control [a, b] vs test [c, d]" where either side has DP > 1 (a
+    data-sharding bug shows as per-rank losses that differ while their mean may not)."""
+    ctrl, test = loc.get("dp_losses_control"), loc.get("dp_losses_test")
+    if not any(isinstance(x, list) and len(x) > 1 for x in (ctrl, test)):
+        return ""
+
+    def listed(values: Any) -> str:
+        return "-" if not isinstance(values, list) else (
+            "[" + ", ".join(fmt_num(v) for v in values) + "]")
+
+    return f"; per-DP-rank loss {listed(ctrl)} vs {listed(test)}"
 
 
 def failure_line(loc: Mapping[str, Any]) -> str:
