@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from convergence.runner import RunSettings
-from pytest_convergence.collection import (ConvergenceItem, ExperimentFile, MARKER, MARKER_HELP,
+from pytest_convergence.collection import (ConvergenceItem, ExperimentFile, MARKER_HELP,
                                            collect_file, mark_and_deselect, tier_note)
 from pytest_convergence.fixtures import convergence_pair
 from pytest_convergence.options import add_options, read_options

@@ -120,9 +120,6 @@ def failing_pair() -> PairOutcome:
 
 def errored_pair() -> PairOutcome:
     control, test = _job("fsdp2", dp_shard=2), _job("fsdp2-cp2", dp_shard=2, cp=2)
-    failure = FailureInfo(message="rank 1 exited with code 1", rank=1,
-                          traceback="Traceback (most recent call last):\n"
-                                    "RuntimeError: shapes do not match <q> & \"k\"", step=3)
     error = ("test job 'fsdp2-cp2' (fsdp2-cp2) rank 1 exited with code 1\n"
              "RuntimeError: shapes do not match <q> & \"k\"\n  logs: /tmp/conv/runs/logs")
     return PairOutcome(pair=_pair("fsdp2-cp2", control, test), status="error",

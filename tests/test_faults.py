@@ -218,8 +218,8 @@ def test_a_hung_rank_is_ended_by_the_watchdog(faults: Session) -> None:
     out = proc.stdout
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
     assert "1 failed" in out.splitlines()[-1], out
-    assert (f"hang.toml::hang-rank1: ERROR: test job 'hang-rank1' (ddp2) job 'hang-rank1 test' "
-            f"hung: no new line in") in out, out
+    assert ("hang.toml::hang-rank1: ERROR: test job 'hang-rank1' (ddp2) job 'hang-rank1 test' "
+            "hung: no new line in") in out, out
     assert f"for {IDLE_LIMIT_S} s" in out
     assert wall < 300, "the wall limit, not the idle limit, ended it"
     run = faults.run_dir("hang-rank1")
