@@ -187,7 +187,8 @@ class Runner:
         result = self._launch(request, job.world_size, on_metrics)
         (run_dir / "job.json").write_text(json.dumps(
             {"job": job.identity(), "name": job.name, "status": result.status,
-             "wall_s": result.wall_s, "key": key, "session": self.settings.session_id},
+             "wall_s": result.wall_s, "key": key, "session": self.settings.session_id,
+             "note": result.failure.message if result.ok and result.failure else None},
             indent=2, default=str))
         # A NaN test job still gives a verdict (its curve up to the NaN); a NaN control must
         # not: it would be cached and trusted as the reference for every later session.

@@ -184,3 +184,41 @@ def diagnose(log_dir: Path, *, name: str, returncode: int | None,
         what = _last_line(tb) or f"exit code {returncode}"
         message = f"job {name!r}: {where} failed: {what} (see {log_dir / 'launcher.log'})"
     return FailureInfo(message=message, rank=rank, signal=sig, traceback=tb)
+
+
+#: Signals a rank may die of in interpreter/C++ teardown once its work is done.
+_TEARDOWN_SIGNALS = ("SIGABRT", "SIGSEGV")
+
+
+def finished_then_aborted(failure: FailureInfo, *, last_step: int | None,
+                          total_steps: int | None) -> bool:
+    """A rank died of a teardown signal after the job had logged its last step.
+
+    Why such a run is kept as finished: the logging rank writes the last step's metrics only
+    after that step's collectives (loss and grad-norm reductions) completed on every rank, so
+    every rank got through all its steps; what died is the process's exit path (gloo/c10d
+    threads destroyed during interpreter finalization: "terminate called without an active
+    exception"). Nothing after the last step feeds a verdict, and throwing the run away would
+    turn a flake of the runtime into a lost result. A Python traceback, a plain non-zero exit
+    code, or an unknown step count is never read as a teardown abort.
+    """
+    if total_steps is None or last_step is None or last_step < total_steps:
+        return False
+    if failure.signal not in _TEARDOWN_SIGNALS:
+        return False
+    return _TRACEBACK_HEAD not in failure.traceback
+
+
+def note_teardown_abort(log_dir: Path, failure: FailureInfo, *, steps: int | None
+                        ) -> FailureInfo:
+    """Record a teardown abort in ``launcher.log`` and return the note for the result."""
+    where = f"rank {failure.rank}" if failure.rank is not None else "a rank"
+    message = (f"{where} was killed by {failure.signal} at exit, after all {steps} steps were "
+               "logged (teardown abort; the run is complete and kept)")
+    try:
+        with open(log_dir / "launcher.log", "a", encoding="utf-8") as log:
+            log.write(f"\n# convergence: {message}\n")
+    except OSError:
+        pass
+    return FailureInfo(message=message, rank=failure.rank, signal=failure.signal,
+                       traceback=failure.traceback, step=steps)

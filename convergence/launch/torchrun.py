@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from convergence.launch.failure import diagnose
+from convergence.launch.failure import diagnose, finished_then_aborted, note_teardown_abort
 from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
                                              terminate_tree)
 from convergence.launch.types import (FailureInfo, JobResult, LaunchRequest, OnMetrics,
@@ -176,4 +176,10 @@ class LocalLauncher:
             return "ok", returncode, None
         req = watch.request
         failure = diagnose(req.log_dir, name=req.name, returncode=returncode, direct=req.direct)
+        if finished_then_aborted(failure, last_step=watch.last_step,
+                                 total_steps=req.total_steps):
+            # Kept, not thrown away: see finished_then_aborted. The failure stays attached to
+            # the ok result so the runner and the logs can say what happened.
+            return "ok", returncode, note_teardown_abort(req.log_dir, failure,
+                                                         steps=req.total_steps)
         return ("killed" if failure.signal else "failed"), returncode, failure

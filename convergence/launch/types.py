@@ -65,6 +65,9 @@ class JobResult:
     log_dir: Path
     metrics_path: Path | None = None
     failure: FailureInfo | None = None
+    """Why it did not finish normally; on an ``ok`` result, a rank that died in teardown after
+    the last step was logged (the run is complete: see ``launch.failure.finished_then_aborted``).
+    """
     last_step: int | None = None
 
     @property

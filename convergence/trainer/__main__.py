@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
+from convergence.dist_exit import run_and_exit
 from convergence.spec.errors import SpecError
 from convergence.trainer.config import load_train_config
 
@@ -46,20 +46,6 @@ def _split_config(args: list[str]) -> tuple[str, list[str]]:
     return path, rest
 
 
-def exit_now(code: int) -> None:
-    """Leave without interpreter finalization, once every output is written and closed.
-
-    Why: at finalization, gloo's worker threads (and DDP's reducer) can still hold work objects
-    whose destruction needs the GIL while the interpreter is being torn down; the C++ runtime
-    then aborts ("terminate called without an active exception", SIGABRT) *after* the run
-    finished. The launcher would rightly report a rank killed by SIGABRT, and a finished run
-    would be lost. The trainer has closed its metrics and run_meta.json and destroyed the
-    process group by now, so nothing is left for finalization to do but crash.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    # Leave without interpreter finalization once outputs are closed: see convergence.dist_exit.
+    run_and_exit(main)
