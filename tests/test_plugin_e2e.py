@@ -138,8 +138,10 @@ def test_python_api_progress_and_cached_control(project: pytest.Pytester) -> Non
     result = project.runpytest_subprocess("-p", "no:cacheprovider", "-m", "convergence",
                                           timeout=540)
     result.assert_outcomes(passed=1, deselected=1)
-    # Live progress, one line per ~10% of each job's steps (not a tty here), no rank logs.
-    result.stdout.fnmatch_lines(["[[]fsdp2 control[]] step 1/8 loss * ETA *",
+    # Live progress (not a tty here), no rank logs. Which steps show depends on the launcher's
+    # progress throttle and the machine's speed; the control shows some step, and the test's
+    # last step is always shown (the launcher forces a final progress event).
+    result.stdout.fnmatch_lines(["[[]fsdp2 control[]] step */8 loss * ETA *",
                                  "[[]test_layouts[[]ddp2[]] test[]] step 8/8 loss * ETA 0:00"])
     assert "Traceback" not in result.stdout.str()
     assert _saved_outcomes(project)[0]["control"]["cached"] is False
@@ -160,7 +162,6 @@ def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester)
     import signal
     import subprocess
     import sys
-    import time
 
     import psutil
 
@@ -184,8 +185,8 @@ def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester)
     proc.send_signal(signal.SIGINT)
     out = "".join(lines) + proc.stdout.read()
     assert proc.wait(timeout=120) == pytest.ExitCode.INTERRUPTED, out
-    time.sleep(1)
-    assert not [p for p in descendants if p.is_running() and p.status() != "zombie"], out
+    _, alive = psutil.wait_procs(descendants, timeout=30)
+    assert not [p for p in alive if p.status() != "zombie"], out
     report = json.loads((project.path / "report" / "report.json").read_text())
     assert [p["name"] for p in report["pairs"]] == ["ddp2"]
     assert report["environment"]["interrupted"] is True
