@@ -1,2 +1,48 @@
+"""Project-wide test configuration (not part of the plugin)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
 # The plugin's own tests drive pytest in a temporary folder with `pytester`.
 pytest_plugins = ["pytester"]
+
+# Lines that say which rank broke and how: torchrun's root cause, our launcher's diagnosis,
+# the C++ runtime's teardown abort, a Python exception's last line.
+_TELLING = re.compile(
+    r"(rank \d+\b.*(killed|failed|aborted|exitcode)|exitcode\s*:|SIGABRT|SIGSEGV|SIGKILL"
+    r"|terminate called|hung:|timed? ?out|^E\s+\w+(Error|Exception)\b)", re.IGNORECASE)
+_MAX_LINES = 4
+
+
+def _telling_lines(text: str) -> list[str]:
+    seen: list[str] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and _TELLING.search(line) and line not in seen:
+            seen.append(line[:200])
+        if len(seen) >= _MAX_LINES:
+            break
+    return seen
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """A red run read in seconds: per failed test, the lines naming the rank and the abort.
+
+    Printed after pytest's tracebacks and before its short summary and closing line.
+    """
+    reports = [*terminalreporter.stats.get("failed", ()), *terminalreporter.stats.get("error", ())]
+    if not reports:
+        return
+    terminalreporter.section("failures at a glance", sep="=", bold=True)
+    for report in reports:
+        when = "" if report.when == "call" else f" ({report.when})"
+        terminalreporter.write_line(f"{report.nodeid}{when}")
+        # The assertion/exception lines of the traceback ("E  ..."), not its source lines,
+        # then whatever the test printed (a job's failure message, a rank's stderr tail).
+        errors = [ln for ln in report.longreprtext.splitlines() if ln.startswith("E ")]
+        printed = "\n".join(content for _, content in report.sections)
+        lines = _telling_lines("\n".join(errors) + "\n" + printed) or errors[-1:]
+        for line in lines or ["(no error line)"]:
+            terminalreporter.write_line(f"    {line}")
