@@ -31,7 +31,7 @@ LAYOUTS = [("fsdp2-tp2", "{ dp_shard = 2, tp = 2 }"), ("fsdp2-pp2", "{ dp_shard 
 def experiment(folder: Path, tests: int, steps: int) -> Path:
     body = [f"""
         [defaults]
-        train_config = "{REPO}/train_configs/debug.toml"
+        train_config = "{REPO}/convergence/configs/debug.toml"
         steps = {steps}
         seed = 11
 

@@ -1,4 +1,4 @@
-"""Tokens/s of the built-in trainer on train_configs/debug.toml: one process vs each layout.
+"""Tokens/s of the built-in trainer on the shipped debug config: one process vs each layout.
 
     python benchmarks/trainer_speed.py [--steps 30] [--no-write]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from _report import machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "train_configs" / "debug.toml"
+DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 WARMUP = 5
 
 LAYOUTS: list[tuple[str, int, list[str]]] = [

@@ -7,6 +7,8 @@
     convergence nightly --experiments PATH... --out DIR             write the nightly sbatch script
     convergence record REPORT.json HISTORY.jsonl                   append a night to the history
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
+    convergence configs                                             list the shipped train configs
+    convergence --version
 
 Exit status: 0 when everything passed, 1 when a pair/metric failed, 2 for invalid input.
 """
@@ -184,11 +186,36 @@ def cmd_export_golden(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -- configs / version ----------------------------------------------------------------------
+
+def cmd_configs(args: argparse.Namespace) -> int:
+    from convergence.configs import describe
+
+    print(describe())
+    return EXIT_OK
+
+
+def _version() -> str:
+    """The installed distribution's version (what pip installed), else the source's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from convergence import __version__
+
+    try:
+        return version("pytest-convergence")
+    except PackageNotFoundError:
+        return __version__
+
+
 # -- main -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="convergence", description="loss-convergence tests outside pytest")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    configs = sub.add_parser("configs", help="list the shipped train configs (by short name)")
+    configs.set_defaults(func=cmd_configs)
 
     run = sub.add_parser("run", help="run every pair of an experiment file")
     run.add_argument("experiment", help="experiment TOML file")

@@ -1,13 +1,17 @@
 """Collecting experiment TOML files: one ``ConvergenceItem`` per control/test pair.
 
-A TOML file is an experiment file when it lies inside a folder named ``experiments`` (below the
-rootdir), when it is listed (or lies in a folder listed) in the ini option ``convergence_paths``,
-or when it is named on the command line. Item names are the test names:
+A TOML file is collected as an experiment when it is listed (or lies in a folder listed) in the
+ini option ``convergence_paths``, when it is named on the command line, or when it lies inside a
+folder named ``experiments`` *and declares itself* (a ``[control]`` table, ``[[test]]`` or
+``[[sweep]]``). Anything else under ``experiments/`` -- a torchtitan job config, a train config
+next to an experiment -- is not ours and is silently left alone: installing the plugin must never
+break another repository's collection. Item names are the test names:
 ``experiments/converging.toml::fsdp2-tp2``. Every item carries the ``convergence`` marker.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,7 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
     root = config.rootpath
     rel_parent = (file_path.parent.relative_to(root) if _under(file_path, root)
                   else file_path.parent)
-    if "experiments" in rel_parent.parts:
+    if "experiments" in rel_parent.parts and declares_experiment(file_path):
         return True
     resolved = file_path.resolve()
     for listed in config.getini("convergence_paths"):
@@ -55,6 +59,19 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
         if arg_path == resolved:
             return True
     return False
+
+
+# The tables only an experiment file has. Matched on the raw text, so a file that declares
+# itself but does not parse is still ours (and its syntax error is reported).
+_DECLARES = re.compile(r"^[ \t]*(\[[ \t]*control\b|\[\[[ \t]*(test|sweep)\b)", re.MULTILINE)
+
+
+def declares_experiment(file_path: Path) -> bool:
+    try:
+        text = file_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return _DECLARES.search(text) is not None
 
 
 class ExperimentFile(pytest.File):

@@ -5,7 +5,7 @@ file; relative paths are looked up next to the test file, then in the rootdir)::
 
     import pytest
 
-    @pytest.mark.convergence(train_config="train_configs/debug.toml", steps=50)
+    @pytest.mark.convergence(train_config="debug", steps=50)
     def test_fsdp_vs_tp(convergence_pair):
         convergence_pair(control={"parallelism": {"dp_shard": 2}},
                          test={"parallelism": {"dp_shard": 2, "tp": 2}})
@@ -18,7 +18,7 @@ A matrix of layouts is a parametrised test; each layout is its own test and repo
         "fsdp2-cp2": {"dp_shard": 2, "cp": 2},
     }
 
-    @pytest.mark.convergence(train_config="train_configs/debug.toml", steps=50)
+    @pytest.mark.convergence(train_config="debug", steps=50)
     @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
     def test_layouts(convergence_pair, layout):
         convergence_pair(control={"parallelism": {"dp_shard": 2}},
@@ -33,7 +33,7 @@ on every rank and applied to the model with the device mesh)::
             test={"parallelism": {"dp_shard": 2, "tp": 2}},
             hook="my_project.parallel:apply_my_tp",
             compare={"loss": "paired", "grad_norm": "paired"},
-            train_config="train_configs/debug.toml", steps=50)
+            train_config="debug", steps=50)
         assert outcome.verdict("loss").max_deviation < 1e-5   # optional extra checks
 
 The call runs both jobs (the control from the cache when an identical one ran before), records

@@ -45,8 +45,8 @@ _OPTIONS: tuple[_Opt, ...] = (
     _Opt(name="tier", help="run pairs up to this tier: quick < ci < nightly (default quick); "
          "pairs of higher tiers are deselected", kind="choice", choices=TIERS,
          default="quick"),
-    _Opt(name="workdir", help="run folders, device-pool state and cache "
-         "(default: <rootdir>/.convergence)"),
+    _Opt(name="workdir", help="run folders, device-pool state and cache (default: "
+         "<rootdir>/.convergence when pytest found a config file, else ./.convergence)"),
     _Opt(name="idle-limit", help="watchdog: end a job when no new metrics line came for this "
          "many seconds (a rank hung in a collective); default 300", kind="float"),
     _Opt(name="wall-limit", help="end a job after this many seconds in all; default 3600",
@@ -143,6 +143,15 @@ def _path(value: str | None, base: Path) -> Path | None:
     return path if path.is_absolute() else base / path
 
 
+def default_workdir(config: pytest.Config) -> Path:
+    """``<rootdir>/.convergence`` when pytest found a config file (the rootdir is then the
+    project's), else ``<invocation dir>/.convergence``: without an ini file pytest takes the
+    common ancestor of the path arguments as rootdir, which may be a parent folder shared with
+    other work, or a report folder named on the command line."""
+    base = config.rootpath if config.inipath is not None else config.invocation_params.dir
+    return base / ".convergence"
+
+
 def read_options(config: pytest.Config) -> Options:
     raw = {opt.name: _raw(config, opt) for opt in _OPTIONS}
     v = {opt.name: _convert(opt, raw[opt.name][0]) for opt in _OPTIONS}
@@ -159,6 +168,6 @@ def read_options(config: pytest.Config) -> Options:
         cache_dir=_path(v["cache-dir"], base["cache-dir"]), refresh=bool(v["refresh"]),
         report_dir=_path(v["report"], base["report"]), early_stop=not v["no-early-stop"],
         alpha=v["alpha"], tier=v["tier"],
-        workdir=_path(v["workdir"], base["workdir"]) or config.rootpath / ".convergence",
+        workdir=_path(v["workdir"], base["workdir"]) or default_workdir(config),
         idle_limit_s=v["idle-limit"], wall_limit_s=v["wall-limit"],
     )

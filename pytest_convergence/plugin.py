@@ -52,6 +52,14 @@ def pytest_configure(config: pytest.Config) -> None:
         distributed=is_distributing(config))
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    options = config.stash[STATE_KEY].options
+    lines = [f"convergence: run state in {options.workdir}"]
+    if options.report_dir is not None:
+        lines.append(f"convergence: report to {options.report_dir}")
+    return lines
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     return collect_file(file_path, parent)
 

@@ -26,7 +26,7 @@ from convergence.stats.types import MetricVerdict
 STEPS = 40
 DIVERGES_AT = 17
 SOURCE = "experiments/converging.toml"
-CONFIG = Path("/work/main/train_configs/debug.toml")
+CONFIG = Path(__file__).resolve().parents[1] / "convergence" / "configs" / "debug.toml"
 def _job(name: str, seed: int = 42, techniques: Techniques | None = None,
          **degrees: int) -> JobSpec:
     return JobSpec(name=name, train_config=CONFIG, layout=ParallelLayout(**degrees),

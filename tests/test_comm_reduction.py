@@ -174,7 +174,7 @@ def test_markdown_and_html_sections(tmp_path: Path) -> None:
 
 
 def test_side_facts_from_run_meta_and_val_curve() -> None:
-    job = JobSpec(name="t", train_config=REPO / "train_configs" / "debug.toml")
+    job = JobSpec(name="t", train_config=REPO / "convergence" / "configs" / "debug.toml")
     val = Curve(metric="val_loss", steps=np.array([10, 20], dtype=np.int64),
                 values=np.array([5.5, 5.25]))
     side = SideOutcome(job=job, metrics={"val_loss": val}, meta={
@@ -195,7 +195,7 @@ MIXED = "--model.block_pattern=single_sync,parallel,parallel,standard"
 
 
 def _train(nproc: int, dump: Path, overrides: list[str]) -> list[dict[str, Any]]:
-    module = ["-m", "convergence.trainer", "--config", str(REPO / "train_configs" / "debug.toml"),
+    module = ["-m", "convergence.trainer", "--config", str(REPO / "convergence" / "configs" / "debug.toml"),
               f"--metrics.dump_folder={dump}", *TRAIN_COMMON, *overrides]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}", *module] if nproc > 1 else [sys.executable, *module])

@@ -39,7 +39,7 @@ from faulty_project import (NOTE, FaultyTest, alive, experiment, job_pids,  # no
 from convergence.cache.store import MANIFEST, RunCache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "train_configs" / "debug.toml"
+DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -83,7 +83,7 @@ def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
     path = tmp_path / "probe_e2e.toml"
     path.write_text(textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
+        train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = 4
         seed = 5
         early_stop = false

@@ -33,7 +33,7 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     path = tmp_path_factory.mktemp("exp") / "e2e.toml"
     path.write_text(textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
+        train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = {STEPS}
         seed = 3
 
@@ -93,7 +93,7 @@ def test_command_backend_pair(runner: Runner, tmp_path: Path) -> None:
     path = tmp_path / "cmd.toml"
     path.write_text(textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
+        train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = 6
         backend = "command"
 

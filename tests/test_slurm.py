@@ -47,7 +47,7 @@ def _experiment(folder: Path) -> Path:
     path = folder / "slurm_cmd.toml"
     path.write_text(textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
+        train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = {STEPS}
         seed = 7
         backend = "command"

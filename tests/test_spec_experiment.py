@@ -21,7 +21,7 @@ def write(tmp_path: Path, body: str) -> Path:
 
 GOOD = """
 [defaults]
-train_config = "{root}/train_configs/debug.toml"
+train_config = "{root}/convergence/configs/debug.toml"
 steps = 12
 seed = 7
 
@@ -79,7 +79,7 @@ def test_tokens_per_step_mismatch_suggests_batch(tmp_path: Path) -> None:
 
 
 def test_missing_train_config(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace("train_configs/debug.toml", "train_configs/nope.toml")
+    body = GOOD.format(root=ROOT).replace("convergence/configs/debug.toml", "convergence/configs/nope.toml")
     err = error_for(tmp_path, body)
     assert "defaults.train_config" in str(err) or "train_config" in str(err)
     assert "does not exist" in str(err)

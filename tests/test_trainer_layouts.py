@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "train_configs" / "debug.toml"
+DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 STEPS = 20
 COMMON = [f"--training.steps={STEPS}", "--metrics.val_every=10", "--metrics.val_batches=1",
           "--metrics.enable_tensorboard=false"]

@@ -18,7 +18,7 @@ from convergence.trainer.optim import clip_grads_, global_grad_norm, lr_at
 from convergence.trainer.validate import check_config
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "train_configs" / "debug.toml"
+DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 
 
 def cfg(*overrides: str):  # type: ignore[no-untyped-def]

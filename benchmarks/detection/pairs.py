@@ -58,7 +58,8 @@ def _job_lines(case_like: dict[str, Any]) -> list[str]:
 
 def experiment_text(cases: Sequence[Case], *, seed: int, precision: str, steps: int) -> str:
     techniques = {"param_dtype": "bfloat16"} if precision == "bf16" else {}
-    lines = ["[defaults]", f"train_config = {_value(str(REPO / 'train_configs/debug.toml'))}",
+    config = REPO / 'convergence' / 'configs' / 'debug.toml'
+    lines = ["[defaults]", f"train_config = {_value(str(config))}",
              f"steps = {steps}", f"seed = {seed}",
              # Localisation is a separate feature (and costs two probe jobs per failure).
              'probe = "off"', "", "[control]", 'name = "fsdp2"',

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from convergence.configs import shipped_configs
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
@@ -156,21 +157,43 @@ def _merge(defaults: Mapping[str, Any], side: Mapping[str, Any]) -> dict[str, An
 
 
 def _resolve_config(value: Any, *, file: str, key: str, rootdir: Path) -> Path:
-    text = expect(value, (str, Path), file=file, key=key, what="a path string")
+    """A shipped config by short name (``"debug"``), or a path: absolute, or relative to the
+    experiment file's folder, then to each parent folder up to (and including) the rootdir."""
+    text = expect(value, (str, Path), file=file, key=key, what="a short name or a path string")
     path = Path(text)
-    candidates = [path] if path.is_absolute() else [Path(file).parent / path, rootdir / path]
+    shipped = shipped_configs()
+    if not path.suffix and len(path.parts) == 1:  # a bare name: only the shipped configs
+        if text in shipped:
+            return shipped[text]
+        raise SpecError(f"no shipped train config named {text!r}", file=file, key=key,
+                        fix=f"use one of {', '.join(map(repr, shipped))} (`convergence "
+                        "configs` lists them), or a path to your own TOML")
+    candidates = [path] if path.is_absolute() else [
+        folder / path for folder in _folders_up(Path(file).resolve().parent, rootdir.resolve())]
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
     raise SpecError(f"train config {text!r} does not exist (looked in "
                     f"{', '.join(str(c) for c in candidates)})", file=file, key=key,
-                    fix="point it at an existing TOML, e.g. train_configs/debug.toml")
+                    fix=f"point it at an existing TOML, or name a shipped config: "
+                    f"{', '.join(map(repr, shipped))}")
+
+
+def _folders_up(start: Path, stop: Path) -> list[Path]:
+    """``start`` and its parents up to ``stop`` (just ``start`` when it is not below it)."""
+    folders = [start]
+    if stop != start and stop in start.parents:
+        for parent in start.parents:
+            folders.append(parent)
+            if parent == stop:
+                break
+    return folders
 
 
 def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: Path) -> JobSpec:
     if "train_config" not in table:
         raise SpecError("no train_config", file=file, key=f"{key}.train_config",
-                        fix='set train_config = "train_configs/debug.toml" in [defaults]')
+                        fix='set train_config = "debug" (a shipped config) in [defaults]')
     par = expect_table(table.get("parallelism", {}), file=file, key=f"{key}.parallelism")
     check_keys(par, LAYOUT_KEYS, file=file, path=f"{key}.parallelism")
     tech = expect_table(table.get("techniques", {}), file=file, key=f"{key}.techniques")

@@ -1,6 +1,6 @@
 """The train config: TOML sections parsed once into frozen dataclasses, plus CLI overrides.
 
-    torchrun ... -m convergence.trainer --config train_configs/debug.toml --training.steps=50
+    torchrun ... -m convergence.trainer --config debug --training.steps=50
 
 Section and key names follow torchtitan's JobConfig where one exists, so users can read both.
 Every unknown section or key is an error naming the file and the key.
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from convergence.configs import shipped_config, shipped_configs
 from convergence.spec.errors import SpecError
 
 if sys.version_info >= (3, 11):
@@ -284,10 +285,13 @@ def parse_overrides(args: list[str], *, file: str = "command line") -> dict[str,
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     """Read a train config TOML and apply ``--section.key=value`` overrides on top."""
     path = Path(path)
+    if not path.is_file() and shipped_config(str(path)) is not None:
+        path = shipped_config(str(path)) or path  # `--config debug`: a shipped config
     file = str(path)
     if not path.is_file():
         raise SpecError("train config not found", file=file, key="train_config",
-                        fix="point train_config at an existing file, e.g. train_configs/debug.toml")
+                        fix="point --config at an existing file or name a shipped config: "
+                        + ", ".join(shipped_configs()))
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
