@@ -21,6 +21,7 @@ from pytest_convergence.collection import (ConvergenceItem, ExperimentFile, MARK
 from pytest_convergence.fixtures import convergence_pair
 from pytest_convergence.options import add_options, read_options
 from pytest_convergence.reporting import session_finish, terminal_summary
+from pytest_convergence.signals import restore_sigterm, sigterm_as_interrupt
 from pytest_convergence.stash import STATE_KEY, SessionState
 from pytest_convergence.xdist import (is_distributing, is_worker, pytest_configure_node,
                                       pytest_xdist_auto_num_workers, worker_share_dir)
@@ -35,6 +36,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
+    sigterm_as_interrupt(forward_to_workers=is_distributing(config))
     options = read_options(config)
     worker = is_worker(config)
     share_dir = worker_share_dir(config) if worker else (
@@ -58,6 +60,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if options.report_dir is not None:
         lines.append(f"convergence: report to {options.report_dir}")
     return lines
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    restore_sigterm()
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:

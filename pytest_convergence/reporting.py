@@ -62,9 +62,11 @@ def session_finish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -
     if state.share_dir is not None and any(state.share_dir.glob(f"*{OUTCOME_SUFFIX}")):
         _prune_sessions(state.share_dir)
     report_dir = state.options.report_dir
-    if report_dir is None or not state.all_outcomes:
-        return
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    # An interrupted session writes its report even with no pair finished: the record that it
+    # was interrupted (SIGTERM from scancel or a CI timeout, Ctrl-C) is what a reviewer needs.
+    if report_dir is None or not (state.all_outcomes or interrupted):
+        return
     try:
         _write(config, report_dir, interrupted=interrupted)
     except Exception as exc:  # noqa: BLE001 - a broken report must not hide the test results

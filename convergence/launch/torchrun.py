@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
 from convergence.launch.types import (FailureInfo, JobResult, LaunchRequest, OnMetrics,
                                       OnProgress)
 from convergence.launch.watch import JobWatch, Verdict
+from convergence.process_lifetime import child_dies_with_us
 
 LAUNCHER_LOG = "launcher.log"
 RANKS_DIR = "ranks"
@@ -111,7 +113,8 @@ class LocalLauncher:
             log.flush()
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, env=job_env(request),
-                                    cwd=request.cwd, start_new_session=True)
+                                    cwd=request.cwd, start_new_session=True,
+                                    preexec_fn=child_dies_with_us(signal.SIGTERM))
         tracker = DescendantTracker(proc.pid)
         watch = JobWatch(request, start=start, on_metrics=on_metrics, on_progress=on_progress,
                          progress_interval_s=self.progress_interval_s)

@@ -9,6 +9,7 @@ up to floating-point reduction order. That is what a convergence pair compares.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import resource
 import signal
@@ -22,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from convergence.process_lifetime import die_with_parent
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
@@ -62,8 +64,14 @@ def set_determinism(cfg: TrainConfig, device: torch.device) -> None:
 
 def init_distributed(device: torch.device) -> bool:
     """Join the torchrun world if there is one; a plain process runs without a process group."""
+    # A native crash (SIGSEGV in a kernel, SIGABRT from C++) prints every thread's Python stack
+    # to this rank's stderr log, which the launcher's failure message quotes.
+    faulthandler.enable(all_threads=True)
     if "WORLD_SIZE" not in os.environ:
         return False
+    # The agent ends us politely (SIGTERM) when it is told to stop; if the agent itself is
+    # killed outright, nobody would: die with it (convergence.process_lifetime).
+    die_with_parent(signal.SIGKILL)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -1,0 +1,109 @@
+"""A job never outlives the pytest that launched it: SIGTERM (scancel, CI timeouts, kill) is
+handled like Ctrl-C with a report, and SIGKILL leaves no orphan thanks to the parent-death
+signal. Real pytest sessions in subprocesses, real torchrun jobs on gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+# A pair whose test trains (practically) forever, so the signal always lands mid-job.
+EXPERIMENT = """
+[defaults]
+train_config = "debug"
+steps = 100000
+seed = 3
+
+[control]
+name = "ddp2"
+parallelism = { dp_replicate = 2 }
+steps = 2
+
+[[test]]
+name = "fsdp2-long"
+parallelism = { dp_shard = 2 }
+early_stop = false
+"""
+
+
+def _start(project: Path, *extra: str) -> subprocess.Popen[str]:
+    """pytest in a subprocess (output to project/out.txt); returns once the long job has
+    logged a training step (read from its metrics file: xdist workers print no progress)."""
+    (project / "experiments").mkdir(exist_ok=True)
+    (project / "experiments" / "forever.toml").write_text(EXPERIMENT)
+    with open(project / "out.txt", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence",
+             "--convergence-report", "report", *extra], cwd=project, stdout=out,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(p.stat().st_size for p in
+               project.glob(".convergence/runs/*/test-*/dump/metrics.jsonl")):
+            return proc
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("the long job never logged a step:\n" + _output(project))
+
+
+def _output(project: Path) -> str:
+    return (project / "out.txt").read_text()[-3000:]
+
+
+def _job_processes(proc: subprocess.Popen[str]) -> list[psutil.Process]:
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert any("torch" in " ".join(p.cmdline()) for p in children), children
+    return children
+
+
+def _survivors(processes: list[psutil.Process], timeout: float = 15.0) -> list[str]:
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    left = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    for p in left:  # never leave them to the next test
+        p.kill()
+    return [" ".join(p.cmdline())[:120] for p in left]
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester) -> Path:
+    pytester.makeini("[pytest]\n")
+    return pytester.path
+
+
+def test_sigterm_ends_jobs_and_writes_an_interrupted_report(project: Path) -> None:
+    proc = _start(project)
+    jobs = _job_processes(proc)
+    proc.send_signal(signal.SIGTERM)  # to pytest alone, as a CI runner's timeout does
+    assert proc.wait(timeout=120) == pytest.ExitCode.INTERRUPTED, _output(project)
+    assert _survivors(jobs) == [], _output(project)
+    out = _output(project)
+    report = json.loads((project / "report" / "report.json").read_text())
+    assert report["environment"]["interrupted"] is True
+    assert "received SIGTERM" in out
+
+
+def test_sigkill_of_pytest_leaves_no_job_behind(project: Path) -> None:
+    proc = _start(project)
+    jobs = _job_processes(proc)
+    proc.kill()  # no handler runs: only the kernel's parent-death signal can end the job
+    proc.wait(timeout=60)
+    assert _survivors(jobs) == []
+
+
+def test_sigterm_under_xdist_ends_workers_and_jobs(project: Path) -> None:
+    pytest.importorskip("xdist")
+    proc = _start(project, "-n", "2")
+    jobs = _job_processes(proc)
+    os.kill(proc.pid, signal.SIGTERM)  # the controller only; its workers are its children
+    proc.wait(timeout=180)
+    assert _survivors(jobs, timeout=30) == [], _output(project)
+    report = json.loads((project / "report" / "report.json").read_text())
+    assert report["environment"]["interrupted"] is True
