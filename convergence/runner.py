@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +157,8 @@ class Runner:
         key = self._job_key(job, backend, seed_dir)
         if cacheable:
             with self.cache.claim(key) as claim:
-                if claim.path is not None and self._reusable(claim.path):
+                if (claim.path is not None and self._complete(claim.path, job, backend)
+                        and self._reusable(claim.path)):
                     return self._side_from_dir(job, backend, claim.path, cached=True)
                 run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir,
                                                   key, on_metrics)
@@ -162,6 +166,16 @@ class Runner:
             return self._side_from_dir(job, backend, entry, cached=False, result=result)
         run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir, key, on_metrics)
         return self._side_from_dir(job, backend, run_dir, cached=False, result=result)
+
+    @staticmethod
+    def _complete(entry: Path, job: JobSpec, backend: Backend) -> bool:
+        """A cached run counts only if it holds what a run must: its metrics file and our job
+        record (the cache verifies the files against the manifest; this, that they exist)."""
+        metrics = backend.metrics_path(job, entry / "dump")
+        if (entry / "job.json").is_file() and (metrics is None or metrics.is_file()):
+            return True
+        log.warning("run cache: entry %s lacks its metrics or job record; running again", entry)
+        return False
 
     def _reusable(self, entry: Path) -> bool:
         """With --refresh, an entry counts only if this very session produced it: a control

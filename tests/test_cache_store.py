@@ -41,7 +41,8 @@ def test_put_then_get_returns_verified_copy(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate_file", "delete_file",
-                                    "truncate_manifest", "delete_manifest"])
+                                    "truncate_manifest", "delete_manifest", "empty_manifest",
+                                    "manifest_omits_metrics"])
 def test_damaged_entry_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
     cache = RunCache(tmp_path / "cache")
     entry = cache.put(KEY, make_run(tmp_path / "run"))
@@ -57,6 +58,16 @@ def test_damaged_entry_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> 
     elif damage == "truncate_manifest":
         text = (entry / MANIFEST).read_text()
         (entry / MANIFEST).write_text(text[: len(text) // 2])
+    elif damage in ("empty_manifest", "manifest_omits_metrics"):
+        # A valid manifest that vouches for less than the entry holds proves nothing: with it,
+        # an edited (or missing) metrics file would be trusted as the control's.
+        manifest = json.loads((entry / MANIFEST).read_text())
+        if damage == "empty_manifest":
+            manifest["files"] = {}
+        else:
+            del manifest["files"]["metrics.jsonl"]
+            (entry / "metrics.jsonl").write_text('{"step": 1, "loss": 0.1}\n')
+        (entry / MANIFEST).write_text(json.dumps(manifest))
     else:
         (entry / MANIFEST).unlink()
     assert cache.get(KEY) is None

@@ -71,3 +71,27 @@ def test_step_summary_already_full_is_left_alone(tmp_path: Path) -> None:
     target.write_bytes(b"x" * STEP_SUMMARY_LIMIT)
     write_step_summary("## more\n", env={"GITHUB_STEP_SUMMARY": str(target)})
     assert target.stat().st_size == STEP_SUMMARY_LIMIT
+
+
+def test_hostile_names_and_messages_are_escaped() -> None:
+    """report.md is rendered by GitHub (step summaries): names come from experiment files and
+    messages from job output, so neither may inject HTML."""
+    import dataclasses
+
+    from report_examples import errored_pair, failing_pair
+
+    hostile = "<img src=x onerror=alert(1)>"
+    failing = failing_pair()
+    pair = dataclasses.replace(failing.pair,
+                               test=dataclasses.replace(failing.pair.test, name=hostile))
+    failing = dataclasses.replace(failing, pair=pair,
+                                  localisation={"module": "<script>alert(2)</script>",
+                                                "parameter": "weight", "max_abs_diff": 1e-3})
+    errored = dataclasses.replace(errored_pair(), error="boom <script>alert(3)</script>")
+    md = _md([failing, errored])
+    # Fenced code blocks (the error text) are shown literally by every renderer: only the rest
+    # must be free of raw HTML.
+    outside_fences = "".join(md.split("```")[0::2])
+    assert "<img" not in outside_fences and "<script" not in outside_fences, md
+    assert "```text\nboom <script>alert(3)</script>\n```" in md
+    assert "&lt;img src=x onerror=alert(1)&gt;" in md  # shown, as text

@@ -79,7 +79,7 @@ def test_tokens_per_step_mismatch_suggests_batch(tmp_path: Path) -> None:
 
 
 def test_missing_train_config(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace("convergence/configs/debug.toml", "convergence/configs/nope.toml")
+    body = GOOD.format(root=ROOT).replace("configs/debug.toml", "configs/nope.toml")
     err = error_for(tmp_path, body)
     assert "defaults.train_config" in str(err) or "train_config" in str(err)
     assert "does not exist" in str(err)
@@ -125,3 +125,40 @@ def test_seed_regime_for_bf16(tmp_path: Path) -> None:
     assert bf16.regime == "seed"
     assert bf16.rule_for("loss").method == "seed"
     assert bf16.rule_for("grad_norm").method == "seed"
+
+
+@pytest.mark.parametrize(("old", "new", "words"), [
+    ("seed = 7", "seed = -1", ("seed", "[0, 2**32)")),
+    ("seed = 7", "seed = 4294967296", ("seed", "[0, 2**32)")),
+    ('name = "fsdp2-tp2"', 'name = ""', ("name", "non-empty")),
+    ('name = "fsdp2-tp2"', 'name = "a::b"', ("name", "'::'")),
+    ('name = "fsdp2-tp2"', 'name = "../escape"', ("name", "'/'")),
+    ("steps = 12", "steps = 1000000000", ("steps", "[1, 10000000]")),
+])
+def test_values_that_would_break_later_fail_at_collection(
+        tmp_path: Path, old: str, new: str, words: tuple[str, ...]) -> None:
+    err = error_for(tmp_path, GOOD.format(root=ROOT).replace(old, new, 1))
+    for word in words:
+        assert word in str(err), err
+    assert "exp.toml" in str(err) and "fix:" in str(err)
+
+
+def test_shipped_config_by_short_name_and_a_helpful_error(tmp_path: Path) -> None:
+    body = GOOD.format(root=ROOT).replace(f'"{ROOT}/convergence/configs/debug.toml"', '"debug"')
+    exp = load_experiment(write(tmp_path, body), rootdir=tmp_path)
+    assert exp.pairs[0].control.train_config.name == "debug.toml"
+    err = error_for(tmp_path, body.replace('"debug"', '"debgu"'))
+    assert "no shipped train config named 'debgu'" in str(err) and "'debug'" in str(err)
+
+
+def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) -> None:
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "mine.toml").write_text((ROOT / "convergence" / "configs" /
+                                                     "debug.toml").read_text())
+    nested = tmp_path / "experiments" / "team"
+    nested.mkdir(parents=True)
+    body = GOOD.format(root=ROOT).replace(f'"{ROOT}/convergence/configs/debug.toml"',
+                                          '"configs/mine.toml"')
+    (nested / "exp.toml").write_text(textwrap.dedent(body))
+    exp = load_experiment(nested / "exp.toml", rootdir=tmp_path)
+    assert exp.pairs[0].control.train_config == (tmp_path / "configs" / "mine.toml").resolve()

@@ -119,6 +119,15 @@ class RunCache:
                 return "unknown manifest version"
         except (OSError, ValueError, KeyError, TypeError) as exc:
             return f"unreadable {MANIFEST}: {exc}"
+        # The manifest must account for the whole entry: one that lists nothing, or omits a
+        # file (a metrics file lost, or one edited after the fact), proves nothing about it.
+        if not files:
+            return f"{MANIFEST} lists no files"
+        present = {p.relative_to(entry).as_posix() for p in entry.rglob("*")
+                   if p.is_file() and p.name != MANIFEST}
+        unlisted = sorted(present - set(files))
+        if unlisted:
+            return f"files not in {MANIFEST}: {', '.join(unlisted[:3])}"
         for rel, meta in files.items():
             path = entry / rel
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,9 +19,21 @@ ERROR_LINES = 30
 ICONS = {"passed": "✅", "failed": "❌", "error": "💥", "skipped": "⏭️"}
 
 
-def cell(text: object) -> str:
-    """Escape a table cell: pipes split cells, newlines end rows."""
-    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+def text(value: object) -> str:
+    """Plain markdown text: HTML escaped. report.md is rendered by GitHub (step summaries, PR
+    comments), and names and messages come from experiment files and job output."""
+    return html.escape(str(value), quote=False)
+
+
+def code(value: object) -> str:
+    """An inline code span; a backtick inside would end it early (entities are not decoded
+    inside code spans, so escaping cannot help there)."""
+    return "`" + str(value).replace("`", "ˋ").replace("\n", " ") + "`"
+
+
+def cell(value: object) -> str:
+    """Escape a table cell: HTML, pipes split cells, newlines end rows."""
+    return text(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]],
@@ -82,15 +95,15 @@ def verdict_lines(record: Mapping[str, Any]) -> list[str]:
             lines.append("  p-values: " + ", ".join(f"{k}={fmt_num(p)}"
                                                     for k, p in v["p_values"].items()))
         if v["message"]:
-            lines.append(f"  > {v['message']}")
+            lines.append(f"  > {text(v['message'])}")
     return lines
 
 
 def failure_section(record: Mapping[str, Any]) -> list[str]:
     status = record["status"]
-    head = (f"### {ICONS.get(status, '')} `{record['name']}` — {status.upper()}  \n"
-            f"`{record['id']}` · control `{record['control']['short_name']}` vs test "
-            f"`{record['test']['short_name']}` · {record['regime']} regime")
+    head = (f"### {ICONS.get(status, '')} {code(record['name'])} — {status.upper()}  \n"
+            f"{code(record['id'])} · control {code(record['control']['short_name'])} vs test "
+            f"{code(record['test']['short_name'])} · {text(record['regime'])} regime")
     lines = [head, ""]
     if record["first_divergent_step"] is not None:
         lines.append(f"**First divergent step: {record['first_divergent_step']}**")
@@ -104,7 +117,7 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
         from convergence.probe_compare import summary_items
 
         loc = ", ".join(f"{k}={v}" for k, v in summary_items(record["localisation"]))
-        lines += ["", f"Localisation: {loc}"]
+        lines += ["", f"Localisation: {text(loc)}"]
     if record["error"]:
         err = record["error"].rstrip().splitlines()
         shown = err[:ERROR_LINES] + ([f"... ({len(err) - ERROR_LINES} more lines)"]
@@ -121,7 +134,7 @@ def probe_section(record: Mapping[str, Any]) -> list[str]:
     from convergence.report import probe_table as pt
 
     loc = record["localisation"]
-    lines = [f"### `{record['name']}`", "", pt.summary_text(loc)]
+    lines = [f"### {code(record['name'])}", "", text(pt.summary_text(loc))]
     for key, title in pt.TABLES:
         if loc.get(key):
             lines += ["", f"{title}:", ""]

@@ -12,6 +12,10 @@ from convergence.spec.layout import ParallelLayout, Techniques
 BACKENDS: tuple[str, ...] = ("builtin", "torchtitan", "command")
 
 
+#: A sanity bound, not a budget: a typo like ``steps = 1000000000`` is caught at collection.
+MAX_STEPS = 10_000_000
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
     """A training job, complete enough to launch and to hash for the run cache."""
@@ -44,12 +48,26 @@ class JobSpec:
     """Where this job was defined (file path), for error messages."""
 
     def __post_init__(self) -> None:
+        # The name becomes part of a pytest node id (``file.toml::name``) and of run folder
+        # names: "::" would split the id, a path separator would escape the folder.
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise SpecError("a job needs a non-empty name", file=self.source, key="name",
+                            fix='set name = "fsdp2-tp2" (letters, digits, -, _, .)')
+        bad = [s for s in ("::", "/", "\\") if s in self.name]
+        if bad:
+            raise SpecError(f"name {self.name!r} contains {bad[0]!r}", file=self.source,
+                            key="name", fix="use letters, digits, '-', '_' or '.' in names")
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise SpecError(f"seed must be an integer in [0, 2**32), got {self.seed!r}",
+                            file=self.source, key="seed", fix="set seed = 42 (any 0..4294967295)")
         if self.backend not in BACKENDS:
             raise SpecError(f"unknown backend {self.backend!r}", file=self.source, key="backend",
                             fix=f"use one of {', '.join(BACKENDS)}")
-        if not isinstance(self.steps, int) or self.steps < 1:
-            raise SpecError(f"steps must be a positive integer, got {self.steps!r}",
-                            file=self.source, key="steps", fix="set steps >= 1")
+        if not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_STEPS:
+            raise SpecError(f"steps must be an integer in [1, {MAX_STEPS}], got {self.steps!r}",
+                            file=self.source, key="steps",
+                            fix="set steps >= 1 (a convergence test rarely needs more than a "
+                            "few thousand; the wall limit ends a job that runs too long)")
         if self.local_batch_size is not None and self.local_batch_size < 1:
             raise SpecError("local_batch_size must be >= 1", file=self.source,
                             key="local_batch_size", fix="set local_batch_size >= 1")
