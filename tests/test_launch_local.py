@@ -244,3 +244,26 @@ def test_relaunch_in_same_folder_does_not_reuse_old_failure(tmp_path: Path) -> N
     text = (ok.log_dir / "launcher.log").read_text()
     assert "Root Cause" not in text and "boom" not in text
     assert len(list((ok.log_dir / "ranks").glob("*/attempt_0"))) == 1
+
+
+def test_stopped_agent_after_the_last_step_keeps_the_run(tmp_path: Path) -> None:
+    """The agent is stopped (SIGSTOP) once the last step is logged, so the job never exits:
+    the idle watchdog ends it, and the complete run is kept, not thrown away as hung."""
+    import signal
+
+    import psutil
+
+    req = make_request(tmp_path, "ok", steps=3, idle_limit_s=5.0)
+
+    def stop_agent_at_last_step(record: dict[str, float]) -> bool:
+        if record.get("step") == 3:
+            for child in psutil.Process().children():
+                if "torch.distributed.run" in " ".join(child.cmdline()):
+                    child.send_signal(signal.SIGSTOP)
+        return False
+
+    result = LocalLauncher(kill_grace_s=2.0).launch(req, on_metrics=stop_agent_at_last_step)
+    assert result.status == "ok", result
+    assert result.last_step == 3
+    assert result.failure is not None and "logged all 3 steps" in result.failure.message
+    assert_no_survivors(req, at_least=1)

@@ -81,3 +81,14 @@ def test_on_metrics_true_asks_to_stop_once(tmp_path: Path) -> None:
     verdict = watch.poll(0.1)
     assert verdict is not None and verdict.status == "stopped_early"
     assert calls == [1, 2] and watch.last_step == 3
+
+
+def test_a_job_idle_after_its_last_step_is_complete_not_hung(tmp_path: Path) -> None:
+    """Every step logged, then no exit (a stopped torchrun agent): the run is kept."""
+    req, metrics = setup(tmp_path, idle_limit_s=5.0, wall_limit_s=100.0)
+    watch = JobWatch(req, start=0.0)
+    append(metrics, *({"step": k, "loss": 1.0 / k} for k in range(1, 11)))
+    assert watch.poll(1.0) is None
+    verdict = watch.poll(7.0)
+    assert verdict is not None and verdict.status == "ok"
+    assert verdict.failure is not None and "logged all 10 steps" in verdict.failure.message

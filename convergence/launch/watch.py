@@ -20,7 +20,8 @@ class Verdict:
     """The watch decided the job must end now (or be asked to stop)."""
 
     status: str
-    """``stopped_early`` (ask via the stop file first), ``nan``, ``timeout`` or ``hung``."""
+    """``stopped_early`` (ask via the stop file first), ``nan``, ``timeout``, ``hung``, or
+    ``ok`` for a job that logged every step but did not exit (its failure says so)."""
     failure: FailureInfo | None = None
 
 
@@ -105,6 +106,12 @@ class JobWatch:
         # Without a metrics file there is no progress signal: only the wall limit applies.
         if self._tail is not None and now - self._last_line_at > req.idle_limit_s:
             self.stopping = True
+            if req.total_steps is not None and (self.last_step or 0) >= req.total_steps:
+                # Every step is logged but the job does not exit (a stopped or stuck torchrun
+                # agent, a rank stuck in teardown): the run is complete; end it, keep it.
+                msg = (f"job {req.name!r} logged all {req.total_steps} steps but did not exit "
+                       f"within {req.idle_limit_s:g} s; it was ended and its run kept")
+                return Verdict(status="ok", failure=FailureInfo(message=msg, step=self.last_step))
             msg = (f"job {req.name!r} hung: no new line in {req.metrics_path} for "
                    f"{req.idle_limit_s:g} s ({at})")
             return Verdict(status="hung", failure=FailureInfo(message=msg, step=self.last_step))
