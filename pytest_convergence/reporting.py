@@ -94,7 +94,8 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     from convergence.report.dimensions import render_summary
 
     tr = terminalreporter
-    tr.write_sep("=", f"convergence matrix ({len(state.all_outcomes)} pairs)")
+    count = len(state.all_outcomes)
+    tr.write_sep("=", f"convergence matrix ({count} pair{'' if count == 1 else 's'})")
     for line in render_summary(state.all_outcomes).rstrip("\n").splitlines():
         tr.write_line(line)
     if state.report_error:

@@ -162,3 +162,19 @@ def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) 
     (nested / "exp.toml").write_text(textwrap.dedent(body))
     exp = load_experiment(nested / "exp.toml", rootdir=tmp_path)
     assert exp.pairs[0].control.train_config == (tmp_path / "configs" / "mine.toml").resolve()
+
+
+@pytest.mark.parametrize(("techniques", "regime"), [
+    ("{}", "paired"),
+    ('{ reduce_dtype = "bfloat16" }', "seed"),
+    ('{ param_dtype = "bfloat16" }', "seed"),
+    ("{ compile = true }", "seed"),
+    ("{ deterministic = false }", "seed"),
+])
+def test_default_regime_is_paired_only_for_deterministic_fp32(
+        tmp_path: Path, techniques: str, regime: str) -> None:
+    body = GOOD.format(root=ROOT).replace(
+        "parallelism = { dp_shard = 2, tp = 2 }\n",
+        f"parallelism = {{ dp_shard = 2, tp = 2 }}\ntechniques = {techniques}\n", 1)
+    exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
+    assert exp.pairs[0].regime == regime

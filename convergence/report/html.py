@@ -228,7 +228,8 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
     bad = summary["failed"] + summary["errors"]
     errors = summary["errors"]
     title = (f"Convergence: {summary['passed']} passed, {summary['failed']} failed, "
-             f"{errors} error{'' if errors == 1 else 's'} ({summary['pairs']} pairs)")
+             f"{errors} error{'' if errors == 1 else 's'} "
+             f"({summary['pairs']} pair{'' if summary['pairs'] == 1 else 's'})")
     overall = "failed" if bad else "passed"
     wall = ("" if report.get("wall_s") is None
             else f" · wall {escape(fmt_wall(as_float(report['wall_s'])))}")

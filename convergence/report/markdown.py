@@ -53,7 +53,8 @@ def headline(summary: Mapping[str, int]) -> str:
              f"{errors} error{'' if errors == 1 else 's'}"]
     if summary.get("skipped"):
         parts.append(f"{summary['skipped']} skipped")
-    return f"## {icon} Convergence: {', '.join(parts)} ({summary['pairs']} pairs)"
+    count = summary["pairs"]
+    return f"## {icon} Convergence: {', '.join(parts)} ({count} pair{'' if count == 1 else 's'})"
 
 
 def matrix_table(pairs: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -149,8 +149,11 @@ class Techniques:
 
     @property
     def bitwise_pairable(self) -> bool:
-        """True when two runs can be compared step by step at the fp32 noise floor."""
-        return self.deterministic and self.param_dtype == "float32" and not self.compile
+        """True when two runs can be compared step by step at the fp32 noise floor: fp32
+        compute *and* fp32 gradient reductions (a bf16 reduce-scatter rounds every gradient,
+        and the rounding depends on the layout), deterministic kernels, no compile."""
+        return (self.deterministic and self.param_dtype == "float32"
+                and self.reduce_dtype == "float32" and not self.compile)
 
     def changed_from(self, other: Techniques) -> dict[str, Any]:
         """The fields whose value differs from ``other`` (for report columns)."""
