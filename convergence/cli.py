@@ -42,6 +42,9 @@ class _ProgressLog:
         self._bucket: dict[str, int] = {}
 
     def __call__(self, p: Progress) -> None:
+        if p.note:
+            _print_err(f"[{p.name}] {p.note}")
+            return
         if not p.total_steps:
             return
         bucket = p.step * LOG_FRACTION // p.total_steps

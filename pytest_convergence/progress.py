@@ -34,6 +34,8 @@ def format_eta(seconds: float | None) -> str:
 
 
 def format_progress(p: Progress) -> str:
+    if p.note:
+        return f"[{p.name}] {p.note}"
     total = f"/{p.total_steps}" if p.total_steps else ""
     loss = f" loss {p.loss:.4g}" if p.loss is not None else ""
     return f"[{p.name}] step {p.step}{total}{loss} ETA {format_eta(p.eta_s)}"
@@ -74,6 +76,10 @@ class ProgressPrinter:
                 self._on_log(progress)
 
     def _on_log(self, p: Progress) -> None:
+        if p.note:
+            with self._uncaptured():
+                self._reporter.write_line(format_progress(p))
+            return
         if not p.total_steps:
             return
         bucket = p.step * LOG_FRACTION // p.total_steps

@@ -92,3 +92,26 @@ def test_a_job_idle_after_its_last_step_is_complete_not_hung(tmp_path: Path) -> 
     verdict = watch.poll(7.0)
     assert verdict is not None and verdict.status == "ok"
     assert verdict.failure is not None and "logged all 10 steps" in verdict.failure.message
+
+
+def test_eta_comes_from_the_pace_since_the_first_step_not_from_launch() -> None:
+    """torchrun's start-up (here 30 s before step 1) must not inflate the ETA."""
+    def at(step: int, elapsed: float) -> Progress:
+        return Progress(name="j", step=step, total_steps=100, loss=1.0, elapsed_s=elapsed,
+                        first_step=1, first_step_elapsed_s=30.0)
+
+    assert at(1, 30.0).eta_s is None and at(2, 30.5).eta_s is None  # too few intervals
+    assert at(3, 31.0).eta_s == 0.5 * 97  # 0.5 s per step since step 1, 97 steps to go
+    assert at(100, 79.5).eta_s == 0.0
+
+
+def test_launch_announces_the_job_before_torchrun_starts(tmp_path: Path) -> None:
+    from convergence.launch.torchrun import LocalLauncher
+
+    script = tmp_path / "quiet.py"
+    script.write_text("print('done')\n")
+    seen: list[Progress] = []
+    req = LaunchRequest(name="seed", entry=[str(script)], nproc=1, log_dir=tmp_path / "l",
+                        direct=True)
+    assert LocalLauncher().launch(req, on_progress=seen.append).ok
+    assert seen and seen[0].note == "starting (1 process, local launcher)"

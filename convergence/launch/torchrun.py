@@ -25,7 +25,7 @@ from convergence.launch.failure import diagnose, finished_then_aborted, note_tea
 from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
                                              terminate_tree)
 from convergence.launch.types import (FailureInfo, JobResult, LaunchRequest, OnMetrics,
-                                      OnProgress)
+                                      OnProgress, Progress)
 from convergence.launch.watch import JobWatch, Verdict
 from convergence.process_lifetime import child_dies_with_us
 
@@ -116,6 +116,11 @@ class LocalLauncher:
                                     cwd=request.cwd, start_new_session=True,
                                     preexec_fn=child_dies_with_us(signal.SIGTERM))
         tracker = DescendantTracker(proc.pid)
+        if on_progress is not None:  # torchrun's start-up is silent for many seconds
+            what = "1 process" if request.direct else f"{request.nproc} ranks"
+            on_progress(Progress(name=request.name, step=0, total_steps=request.total_steps,
+                                 loss=None, elapsed_s=0.0,
+                                 note=f"starting ({what}, {self.name} launcher)"))
         watch = JobWatch(request, start=start, on_metrics=on_metrics, on_progress=on_progress,
                          progress_interval_s=self.progress_interval_s)
         try:

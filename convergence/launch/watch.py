@@ -54,6 +54,8 @@ class JobWatch:
         self._num_lines = 0
         self._progress_at: float | None = None
         self._progress_step: int | None = None
+        self._first: tuple[int, float] | None = None
+        """(step, elapsed) of the first logged step: the ETA's starting point."""
         self.stopping = False
         """Set once a verdict was returned: later records only update ``last_step``."""
 
@@ -81,6 +83,8 @@ class JobWatch:
         step_value = record.get("step")
         step = int(step_value) if isinstance(step_value, (int, float)) else self._num_lines
         self.last_step = step
+        if self._first is None:
+            self._first = (step, now - self.start)
         self.last_loss = record_loss(record)
         if self.stopping:
             return None
@@ -126,6 +130,8 @@ class JobWatch:
         if not (due or force):
             return
         self._progress_at, self._progress_step = now, self.last_step
+        first_step, first_elapsed = self._first if self._first else (None, None)
         self.on_progress(Progress(name=self.request.name, step=self.last_step,
                                   total_steps=self.request.total_steps, loss=self.last_loss,
-                                  elapsed_s=now - self.start))
+                                  elapsed_s=now - self.start, first_step=first_step,
+                                  first_step_elapsed_s=first_elapsed))
