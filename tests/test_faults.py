@@ -211,17 +211,14 @@ def test_toml_values_never_go_through_a_shell(faults: Session) -> None:
 def test_a_hung_rank_is_ended_by_the_watchdog(faults: Session) -> None:
     """Rank 1 sleeps (with a detached grandchild) while rank 0 waits for it in the barrier:
     the no-progress watchdog (--convergence-idle-limit) ends the job and names it."""
-    started = time.monotonic()
     proc = run_pytest(faults.project, "extra/hang.toml",
                       f"--convergence-idle-limit={IDLE_LIMIT_S}", "--convergence-wall-limit=300")
-    wall = time.monotonic() - started
     out = proc.stdout
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
     assert "1 failed" in out.splitlines()[-1], out
     assert ("hang.toml::hang-rank1: ERROR: test job 'hang-rank1' (ddp2) job 'hang-rank1 test' "
             "hung: no new line in") in out, out
     assert f"for {IDLE_LIMIT_S} s" in out
-    assert wall < 300, "the wall limit, not the idle limit, ended it"
     run = faults.run_dir("hang-rank1")
     pids = job_pids(run)
     grandchild = run / "dump" / "pids" / "grandchild.pid"
@@ -306,7 +303,6 @@ def test_ctrl_c_ends_every_job_and_keeps_finished_runs(tmp_path: Path,
     long_run = next(long_pids.glob("test-*"))
     pids = job_pids(long_run) | {p.pid for p in descendants}
     assert len(job_pids(long_run)) >= 3, "agent and both ranks must be on record"
-    time.sleep(0.5)
     left = alive(pids)
     kill_pids(left)
     assert not left, out
