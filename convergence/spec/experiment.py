@@ -311,11 +311,24 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     return pair
 
 
+#: Train-config overrides that take a job out of the fp32 deterministic regime unless they
+#: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
+_PAIRABLE_OVERRIDES: dict[str, str] = {
+    "training.param_dtype": "float32", "training.reduce_dtype": "float32",
+    "training.compile": "false", "training.deterministic": "true"}
+
+
 def _default_regime(control: JobSpec, test: JobSpec) -> str:
-    """Paired (step-by-step at the noise floor) only when the runs can be bitwise paired."""
-    pairable = (control.techniques.bitwise_pairable and test.techniques.bitwise_pairable
-                and control.seed == test.seed)
-    return "paired" if pairable else "seed"
+    """Paired (step-by-step at the noise floor) only when both runs are deterministic fp32
+    (compute and reduction), uncompiled and share the seed, as the README promises."""
+    def pairable(job: JobSpec) -> bool:
+        overrides = job.override_dict()
+        return job.techniques.bitwise_pairable and all(
+            str(overrides[k]).lower() == v for k, v in _PAIRABLE_OVERRIDES.items()
+            if k in overrides)
+
+    paired = pairable(control) and pairable(test) and control.seed == test.seed
+    return "paired" if paired else "seed"
 
 
 def check_pair(pair: PairSpec, *, key: str = "test") -> None:

@@ -149,8 +149,15 @@ class Techniques:
 
     @property
     def bitwise_pairable(self) -> bool:
-        """True when two runs can be compared step by step at the fp32 noise floor."""
-        return self.deterministic and self.param_dtype == "float32" and not self.compile
+        """True when two runs can be compared step by step at the fp32 noise floor.
+
+        Any dtype below fp32 (compute *or* gradient reduction: a bf16 reduce-scatter rounds
+        every gradient), compiled kernels (fusions reorder float arithmetic) and
+        nondeterministic kernels each add noise far above that floor, so the paired tolerance
+        would fail a correct run.
+        """
+        return (self.deterministic and self.param_dtype == "float32"
+                and self.reduce_dtype == "float32" and not self.compile)
 
     def changed_from(self, other: Techniques) -> dict[str, Any]:
         """The fields whose value differs from ``other`` (for report columns)."""
