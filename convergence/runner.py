@@ -273,6 +273,8 @@ class Runner:
 
         if not wants_probe(pair, status):
             return None
+        if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
+            return None  # the sides read different data: a numerics probe has nothing to add
         return localise(pair, pair_dir, runner=self,
                         divergent_step=first_divergent_step(verdicts), runs=runs)
 

@@ -57,3 +57,14 @@ def test_anything_but_deterministic_fp32_is_not_paired(tmp_path: Path, extra: st
 def test_an_explicit_regime_wins(tmp_path: Path) -> None:
     extra = 'techniques = { reduce_dtype = "bfloat16" }\nregime = "paired"'
     assert regime_of(tmp_path, extra) == "paired"
+
+
+def test_data_rule_comes_first_and_only_with_the_same_seed(tmp_path: Path) -> None:
+    path = tmp_path / "exp.toml"
+    path.write_text(textwrap.dedent(BODY.format(root=ROOT, extra="")))
+    (pair,) = load_experiment(path, rootdir=ROOT).pairs
+    assert pair.rules[0].metric == "data_fingerprint" and pair.rules[0].gate
+    other_seed = BODY.format(root=ROOT, extra='seed = 43\nregime = "seed"')
+    path.write_text(textwrap.dedent(other_seed))
+    (pair,) = load_experiment(path, rootdir=ROOT).pairs
+    assert "data_fingerprint" not in [rule.metric for rule in pair.rules]

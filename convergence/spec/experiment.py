@@ -296,7 +296,8 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         pair_id=f"{Path(file).name}::{name}",
         control=control_job,
         test=test_job,
-        rules=_rules(compare_table, regime, file=file, key=key),
+        rules=_same_data_rules(_rules(compare_table, regime, file=file, key=key),
+                               control_job, test_job),
         regime=regime,
         replicates=int(pair_conf.get("replicates", 3)),
         early_stop=bool(pair_conf.get("early_stop", True)),
@@ -329,6 +330,16 @@ def _default_regime(control: JobSpec, test: JobSpec) -> str:
 
     paired = pairable(control) and pairable(test) and control.seed == test.seed
     return "paired" if paired else "seed"
+
+
+def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec
+                     ) -> tuple[ComparisonRule, ...]:
+    """The data fingerprint is compared only where both sides must read the same samples:
+    the seed picks the sample order, so a test with another seed reads other data. Put first:
+    a data difference is named before any numerics."""
+    data = [rule for rule in rules if rule.metric == "data_fingerprint"]
+    rest = tuple(rule for rule in rules if rule.metric != "data_fingerprint")
+    return (*data, *rest) if control.seed == test.seed else rest
 
 
 def check_pair(pair: PairSpec, *, key: str = "test") -> None:
