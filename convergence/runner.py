@@ -227,6 +227,10 @@ class Runner:
         try:
             controls = self._controls(pair, pair_dir)
             control = controls[0]
+            unhealthy = None if pair.golden else _control_problem(control)
+            if unhealthy:
+                return PairOutcome(pair=pair, status="error", control=control, error=unhealthy,
+                                   wall_s=time.monotonic() - started)
             control_runs = [c.metrics for c in controls]
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
@@ -295,6 +299,16 @@ class Runner:
             sides[0] = dataclasses.replace(sides[0],
                                            replicates=tuple(s.metrics for s in sides))
         return sides
+
+
+def _control_problem(control: SideOutcome) -> str | None:
+    """A control that did not learn or undercut the entropy floor is no reference (stats.health)."""
+    from convergence.stats.health import control_problem
+
+    floor = (control.meta or {}).get("entropy_floor")
+    problem = control_problem(control.metrics.get("loss"),
+                              float(floor) if isinstance(floor, (int, float)) else None)
+    return f"control job {control.job.name!r}: {problem}" if problem else None
 
 
 def _os_error_text(exc: OSError, work_dir: Path) -> str:
