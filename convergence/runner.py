@@ -242,6 +242,10 @@ class Runner:
         try:
             controls = self._controls(pair, pair_dir)
             control = controls[0]
+            unhealthy = None if pair.golden else _control_problem(control)
+            if unhealthy:
+                return PairOutcome(pair=pair, status="error", control=control, error=unhealthy,
+                                   wall_s=time.monotonic() - started)
             control_runs = [c.metrics for c in controls]
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
@@ -288,6 +292,8 @@ class Runner:
 
         if not wants_probe(pair, status):
             return None
+        if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
+            return None  # the sides read different data: a numerics probe has nothing to add
         return localise(pair, pair_dir, runner=self,
                         divergent_step=first_divergent_step(verdicts), runs=runs)
 
@@ -308,6 +314,16 @@ class Runner:
             sides[0] = dataclasses.replace(sides[0],
                                            replicates=tuple(s.metrics for s in sides))
         return sides
+
+
+def _control_problem(control: SideOutcome) -> str | None:
+    """A control that did not learn or undercut the entropy floor is no reference (stats.health)."""
+    from convergence.stats.health import control_problem
+
+    floor = (control.meta or {}).get("entropy_floor")
+    problem = control_problem(control.metrics.get("loss"),
+                              float(floor) if isinstance(floor, (int, float)) else None)
+    return f"control job {control.job.name!r}: {problem}" if problem else None
 
 
 def _os_error_text(exc: OSError, work_dir: Path) -> str:

@@ -319,7 +319,8 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         pair_id=f"{Path(file).name}::{name}",
         control=control_job,
         test=test_job,
-        rules=_rules(compare_table, regime, file=file, key=key),
+        rules=_same_data_rules(_rules(compare_table, regime, file=file, key=key),
+                               control_job, test_job),
         regime=regime,
         replicates=int(pair_conf.get("replicates", 3)),
         early_stop=bool(pair_conf.get("early_stop", True)),
@@ -334,11 +335,34 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     return pair
 
 
+#: Train-config overrides that take a job out of the fp32 deterministic regime unless they
+#: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
+_PAIRABLE_OVERRIDES: dict[str, str] = {
+    "training.param_dtype": "float32", "training.reduce_dtype": "float32",
+    "training.compile": "false", "training.deterministic": "true"}
+
+
 def _default_regime(control: JobSpec, test: JobSpec) -> str:
-    """Paired (step-by-step at the noise floor) only when the runs can be bitwise paired."""
-    pairable = (control.techniques.bitwise_pairable and test.techniques.bitwise_pairable
-                and control.seed == test.seed)
-    return "paired" if pairable else "seed"
+    """Paired (step-by-step at the noise floor) only when both runs are deterministic fp32
+    (compute and reduction), uncompiled and share the seed, as the README promises."""
+    def pairable(job: JobSpec) -> bool:
+        overrides = job.override_dict()
+        return job.techniques.bitwise_pairable and all(
+            str(overrides[k]).lower() == v for k, v in _PAIRABLE_OVERRIDES.items()
+            if k in overrides)
+
+    paired = pairable(control) and pairable(test) and control.seed == test.seed
+    return "paired" if paired else "seed"
+
+
+def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec
+                     ) -> tuple[ComparisonRule, ...]:
+    """The data fingerprint is compared only where both sides must read the same samples:
+    the seed picks the sample order, so a test with another seed reads other data. Put first:
+    a data difference is named before any numerics."""
+    data = [rule for rule in rules if rule.metric == "data_fingerprint"]
+    rest = tuple(rule for rule in rules if rule.metric != "data_fingerprint")
+    return (*data, *rest) if control.seed == test.seed else rest
 
 
 def check_pair(pair: PairSpec, *, key: str = "test") -> None:

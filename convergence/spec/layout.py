@@ -149,9 +149,13 @@ class Techniques:
 
     @property
     def bitwise_pairable(self) -> bool:
-        """True when two runs can be compared step by step at the fp32 noise floor: fp32
-        compute *and* fp32 gradient reductions (a bf16 reduce-scatter rounds every gradient,
-        and the rounding depends on the layout), deterministic kernels, no compile."""
+        """True when two runs can be compared step by step at the fp32 noise floor.
+
+        Any dtype below fp32 (compute *or* gradient reduction: a bf16 reduce-scatter rounds
+        every gradient), compiled kernels (fusions reorder float arithmetic) and
+        nondeterministic kernels each add noise far above that floor, so the paired tolerance
+        would fail a correct run.
+        """
         return (self.deterministic and self.param_dtype == "float32"
                 and self.reduce_dtype == "float32" and not self.compile)
 

@@ -8,6 +8,8 @@ from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import METHODS, REGIMES, ComparisonRule
 from convergence.stats.allclose import AllClose
 from convergence.stats.exact import Exact
+from convergence.stats.fingerprint import METRIC as FINGERPRINT
+from convergence.stats.fingerprint import compare_fingerprints, not_logged
 from convergence.stats.paired import PairedBand
 from convergence.stats.regression import Regression
 from convergence.stats.seed import SeedBand
@@ -21,6 +23,12 @@ PERFORMANCE_RULES: tuple[ComparisonRule, ...] = (
     ComparisonRule(metric="tokens_per_s", method="regression", gate=False),
     ComparisonRule(metric="peak_mem_mib", method="regression", gate=False),
 )
+
+
+#: The data each step read, compared exactly and first: a data bug is named as one before any
+#: numerics (stats/fingerprint.py). The pair builder moves it first (so its verdict is the
+#: first line of a failure) and drops it when the seeds (= sample orders) differ.
+DATA_RULE = ComparisonRule(metric=FINGERPRINT, method="exact", gate=True)
 
 
 def get_comparison(method: str) -> Comparison:
@@ -37,7 +45,7 @@ def default_rules(regime: str) -> tuple[ComparisonRule, ...]:
     if regime not in REGIMES:
         raise ValueError(f"unknown regime {regime!r}; use one of {', '.join(REGIMES)}")
     return (ComparisonRule(metric="loss", method=regime),
-            ComparisonRule(metric="grad_norm", method=regime)) + PERFORMANCE_RULES
+            ComparisonRule(metric="grad_norm", method=regime), DATA_RULE) + PERFORMANCE_RULES
 
 
 def compare_all(rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics],
@@ -50,10 +58,14 @@ def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
                 test: RunMetrics) -> MetricVerdict:
     controls: list[Curve] = [run[rule.metric] for run in control_runs if rule.metric in run]
     curve = test.get(rule.metric)
+    if rule.metric == FINGERPRINT and (curve is None or not controls):
+        return not_logged(rule)  # a backend without fingerprints: nothing to hold against it
     if curve is None or not controls:
         return _missing(rule, control_runs, test, in_test=curve is not None)
     if rule.method != "seed":
         controls = controls[:1]
+    if rule.metric == FINGERPRINT and rule.method == "exact":
+        return compare_fingerprints(rule, controls, curve)
     return get_comparison(rule.method).compare(rule, controls, curve)
 
 

@@ -75,6 +75,9 @@ class DataConfig:
     """Dirichlet concentration of each synthetic transition row: smaller = lower entropy floor."""
     val_fraction: float = 0.05
     """Text source: tail fraction held out for validation."""
+    pad_fraction: float = 0.0
+    """Synthetic source: fraction of samples cut at a random length, their remaining labels set to
+    ignore_index (-100) as padding would; ranks then hold different numbers of valid tokens."""
 
 
 @dataclass(frozen=True, kw_only=True)

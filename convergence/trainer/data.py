@@ -12,6 +12,15 @@ Two sources:
   predictor, because every sample starts from a stationary draw: no correct run can go below.
 - "text": a local file, byte-level (vocab 256) or tokenised with a tokenizer.json file; windows
   of seq_len+1 tokens in a seeded order per epoch; the tail `val_fraction` is held out.
+
+Padding (`data.pad_fraction`, synthetic): a sample may be cut at a seeded random length; the
+positions after the cut hold IGNORE_INDEX, so its targets there are ignored by the loss and its
+inputs there are token 0. Ranks then hold different numbers of valid tokens, which is what the
+trainer's global token weighting (train.py) must get right.
+
+The loop, validation and the numerics probe all read an optimizer step through `read_step`, which
+also returns the step's data fingerprint: one path, so a data bug shows in the fingerprint that
+the verdict compares, and the probe sees the very batches the loop trained on.
 """
 
 from __future__ import annotations
@@ -20,13 +29,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import hashlib
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from convergence.spec.errors import SpecError
 from convergence.trainer.config import TrainConfig
 
 TRAIN, VAL = 0, 1
+#: Label of a position that carries no loss (padding): torch's cross_entropy default.
+IGNORE_INDEX = -100
+#: Per-sample hashes are this many bits, so a sum over 2**15 samples times 2**15 ranks still
+#: fits an int64 all-reduce without overflow, and the result (mod 2**48) is exact as a float64
+#: in metrics.jsonl.
+FINGERPRINT_BITS = 48
 #: Above this vocabulary the synthetic language uses sparse rows (this many successors each).
 DENSE_VOCAB_LIMIT = 1024
 SPARSE_SUCCESSORS = 64
@@ -57,10 +75,12 @@ class MarkovLanguage:
     """sum_i pi_i H(P_i) in nats/token."""
     order_seed: int
     """training.seed: picks which sample each global index is (the sample order)."""
+    pad_fraction: float = 0.0
+    """Fraction of samples cut short with IGNORE_INDEX after the cut (module docstring)."""
 
     @classmethod
     def build(cls, *, vocab_size: int, seq_len: int, seed: int, concentration: float,
-              order_seed: int) -> MarkovLanguage:
+              order_seed: int, pad_fraction: float = 0.0) -> MarkovLanguage:
         rng = np.random.default_rng(seed)
         k = vocab_size if vocab_size <= DENSE_VOCAB_LIMIT else SPARSE_SUCCESSORS
         if k == vocab_size:
@@ -79,7 +99,8 @@ class MarkovLanguage:
         cum[:, -1] = 1.0
         return cls(vocab_size=vocab_size, seq_len=seq_len, successors=successors,
                    cum_probs=cum, stationary=stationary,
-                   entropy_floor=float(stationary @ row_entropy), order_seed=order_seed)
+                   entropy_floor=float(stationary @ row_entropy), order_seed=order_seed,
+                   pad_fraction=pad_fraction)
 
     def samples(self, indices: np.ndarray, split: int) -> np.ndarray:
         # One independent generator per (language, order seed, split, sample index): sample i
@@ -95,7 +116,23 @@ class MarkovLanguage:
             cum = self.cum_probs[out[:, t - 1]]
             pick = (cum <= uniforms[:, t:t + 1]).sum(axis=1)
             out[:, t] = self.successors[out[:, t - 1], np.minimum(pick, cum.shape[1] - 1)]
+        if self.pad_fraction > 0:
+            pad_tail(out, indices, self.pad_fraction, [self.order_seed, split])
         return out
+
+
+def pad_tail(out: np.ndarray, indices: np.ndarray, fraction: float, seed: list[int]) -> None:
+    """Cut a seeded `fraction` of the samples after 1..seq_len valid targets (in place).
+
+    Own generator per sample (not the token stream's), so padding never changes the tokens
+    before the cut and a sample is padded alike whichever rank reads it.
+    """
+    seq_len = out.shape[1] - 1
+    for row, index in enumerate(indices):
+        rng = np.random.default_rng([*seed, int(index), 1])
+        if rng.random() < fraction:
+            num_valid = int(rng.integers(1, seq_len + 1))
+            out[row, num_valid + 1:] = IGNORE_INDEX
 
 
 def _stationary(successors: np.ndarray, probs: np.ndarray, vocab: int) -> np.ndarray:
@@ -153,10 +190,16 @@ def _tokenize(text: str, tokenizer: str, base: Path) -> tuple[np.ndarray, int]:
 
 def build_source(cfg: TrainConfig) -> SampleSource:
     data = cfg.data
+    if not 0.0 <= data.pad_fraction < 1.0:
+        raise SpecError(f"pad_fraction={data.pad_fraction} is not in [0, 1)", file=cfg.source,
+                        key="data.pad_fraction", fix="use 0 (no padding) up to 0.99")
     if data.source == "synthetic":
         return MarkovLanguage.build(vocab_size=cfg.model.vocab_size, seq_len=data.seq_len,
                                     seed=data.seed, concentration=data.synthetic_concentration,
-                                    order_seed=cfg.training.seed)
+                                    order_seed=cfg.training.seed, pad_fraction=data.pad_fraction)
+    if data.pad_fraction:
+        raise SpecError("pad_fraction applies to the synthetic source only", file=cfg.source,
+                        key="data.pad_fraction", fix="remove it, or use data.source = \"synthetic\"")
     base = Path(cfg.source).parent if cfg.source else Path.cwd()
     path = Path(data.path) if Path(data.path).is_absolute() else base / data.path
     if not path.is_file():
@@ -196,8 +239,55 @@ class BatchPlan:
         return np.arange(start, start + self.local_batch_size)
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
 def get_batch(source: SampleSource, indices: np.ndarray, split: int,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each (n, seq_len) int64 on `device`."""
+              device: torch.device) -> Batch:
+    """(inputs, targets), each (n, seq_len) int64 on `device`; padded inputs read token 0."""
     tokens = torch.from_numpy(source.samples(indices, split))
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    return tokens[:, :-1].clamp(min=0).to(device), tokens[:, 1:].to(device)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepData:
+    """What one optimizer step (or one validation batch) reads, on this rank."""
+
+    batches: list[Batch]
+    """(inputs, targets) of every microstep, this data-parallel rank's samples."""
+    num_tokens: int
+    """Valid targets (!= IGNORE_INDEX) of the whole global batch, all ranks and microsteps."""
+    fingerprint: int
+    """Order-independent hash of the global batch's inputs and targets (FINGERPRINT_BITS)."""
+
+
+def sample_hash(inputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """Sum over the rows of a per-sample 48-bit hash of its inputs and targets, mod 2**48.
+
+    A sum, so the same samples give the same value whichever rank or microstep holds them; a
+    sample read twice (or another sample read instead) changes it.
+    """
+    rows = torch.cat([inputs, targets], dim=1).cpu().numpy().astype("<i8")
+    total = 0
+    for row in rows:
+        digest = hashlib.blake2b(row.tobytes(), digest_size=8).digest()
+        total += int.from_bytes(digest, "little") >> (64 - FINGERPRINT_BITS)
+    return total % 2**FINGERPRINT_BITS
+
+
+def read_step(source: SampleSource, plan: BatchPlan, step: int, split: int,
+              device: torch.device, data_group: dist.ProcessGroup | None) -> StepData:
+    """Every microstep's batch of optimizer `step` (1-based), plus the global valid-token count
+    and fingerprint: one int64 all-reduce over the data-parallel ranks (`data_group`, None when
+    there is one). Ranks that share samples (TP, CP, PP peers) reduce in their own data group,
+    so each counts the samples once."""
+    batches = [get_batch(source, plan.indices(step, micro), split, device)
+               for micro in range(plan.grad_accum_steps)]
+    num_tokens = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches)
+    fingerprint = sum(sample_hash(inputs, targets) for inputs, targets in batches)
+    totals = torch.tensor([num_tokens, fingerprint % 2**FINGERPRINT_BITS], dtype=torch.int64,
+                          device=device)
+    if data_group is not None:
+        dist.all_reduce(totals, group=data_group)
+    return StepData(batches=batches, num_tokens=int(totals[0]),
+                    fingerprint=int(totals[1]) % 2**FINGERPRINT_BITS)

@@ -53,9 +53,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from convergence.trainer.config import TrainConfig
-from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, get_batch
+from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, read_step
 from convergence.trainer.optim import _shard_groups
 from convergence.trainer.parallelize import Meshes
+from convergence.trainer.train import data_group
 
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -258,9 +259,12 @@ def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: Samp
     chunks = stage_chunks(engine.chunks, cfg, meshes)
 
     def forward_backward() -> torch.Tensor | None:
+        # The training loop's own data path (read_step + the token weight): the probe sees the
+        # very batches the step would have trained on, so a data bug shows here too.
+        data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
+        engine.weight.use(data.num_tokens)
         local_loss: torch.Tensor | None = None
-        for micro in range(cfg.training.grad_accum_steps):
-            inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
+        for inputs, targets in data.batches:
             loss = engine.forward_backward(inputs, targets)
             if loss is not None:
                 local_loss = loss.float() if local_loss is None else local_loss + loss.float()

@@ -27,7 +27,8 @@ from convergence.process_lifetime import die_with_parent
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
-from convergence.trainer.data import TRAIN, VAL, BatchPlan, SampleSource, build_source, get_batch
+from convergence.trainer.data import (IGNORE_INDEX, TRAIN, VAL, BatchPlan, SampleSource, StepData,
+                                      build_source, read_step)
 from convergence.trainer.hooks import HookFn, load_hook
 from convergence.trainer.metrics_writer import MetricsWriter
 from convergence.trainer.model import ModelArgs, Transformer, build_model, count_params
@@ -116,23 +117,42 @@ def prepare_chunk(model: Transformer, cfg: TrainConfig, model_args: ModelArgs,
 
 
 # ----------------------------------------------------------------------------------------------
-# The loss. Why the division by grad_accum_steps (and nothing else) gives the global mean:
+# The loss: the mean over every valid token of the global batch, whatever the layout.
 #
-#   global mean loss = (1/N) * sum over all N tokens of the step, N = tokens per optimizer step.
-#   Each rank, each microstep, computes the MEAN over its n local tokens, divided by A (the
-#   accumulation steps); backward() sums these over the A microsteps, and FSDP/DDP then
-#   AVERAGE over the D = dp*cp data-parallel ranks. The result is
-#       (1/D) * sum_ranks sum_micro (1/(n*A)) * sum_tokens loss = (1/N) * sum loss   (N = D*A*n)
-#   -- exactly the gradient of the global mean, but only because every rank holds the same
-#   token count n (fixed-length samples, no padding); with ragged batches the average over
-#   ranks would weight tokens unequally. CP ranks hold seq_len/cp tokens each, also equal.
-#   With PP the schedule calls this per microbatch and scales gradients by 1/microbatches.
+#   global mean loss = (1/N) * sum over the N valid tokens of the step (labels != IGNORE_INDEX),
+#   N counted over all data-parallel ranks and microsteps before the step's forward (read_step).
+#   Each rank, each microstep, computes the SUM of its local token losses times w = D/N, where
+#   D = dp*cp is the number of ranks FSDP/DDP AVERAGE gradients over; backward() sums the
+#   microsteps and the gradient reduction divides by D:
+#       (1/D) * sum_ranks sum_micro (D/N) * sum_tokens loss = (1/N) * sum loss
+#   -- the gradient of the global mean, also when ranks hold different numbers of valid tokens
+#   (padding, CP chunks of a padded sample). A per-rank mean averaged over ranks would weight
+#   the tokens of a sparsely filled rank more: not the single-device loss. The logged loss is
+#   the same sum: the all-reduce over dp x cp of the local (D/N)-weighted sums, divided by D.
+#   With PP the schedule divides each microbatch loss by the number of microbatches M
+#   (pipeline.build_schedule), so the PP loss function multiplies by M to undo it.
 
 
-def make_loss_fn(grad_accum_steps: int) -> LossFn:
+@dataclass
+class TokenWeight:
+    """w = D/N of the step (or validation pass) running now; read by the loss function."""
+
+    num_ranks: int
+    """D: the ranks that gradients (and the logged loss) are averaged over (dp x cp)."""
+    value: float = 1.0
+
+    def use(self, num_tokens: int) -> None:
+        """Weight for a global batch holding `num_tokens` valid targets."""
+        # A batch without any valid target contributes nothing (0 * sum of nothing = 0).
+        self.value = self.num_ranks / max(num_tokens, 1)
+
+
+def make_loss_fn(weight: TokenWeight, undo_divisor: int = 1) -> LossFn:
+    """Weighted sum of the token losses; `undo_divisor` cancels a division applied later."""
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return ce / grad_accum_steps
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                             ignore_index=IGNORE_INDEX, reduction="sum")
+        return ce * (weight.value * undo_divisor)
     return loss_fn
 
 
@@ -148,6 +168,8 @@ class Engine:
     """Validation loss of a local batch (no grad), None where it is not computed."""
     holds_loss: bool
     """Whether this rank computes the loss (the last PP stage)."""
+    weight: TokenWeight
+    """Set per global batch (TokenWeight.use) before its forward: the loss function reads it."""
 
 
 def shard_for_cp(inputs: torch.Tensor, targets: torch.Tensor,
@@ -158,9 +180,10 @@ def shard_for_cp(inputs: torch.Tensor, targets: torch.Tensor,
     return shard_sequence(inputs, meshes.cp), shard_sequence(targets, meshes.cp)
 
 
-def plain_engine(chunk: nn.Module, loss_fn: LossFn, meshes: Meshes | None,
-                 grad_accum_steps: int) -> Engine:
+def plain_engine(chunk: nn.Module, weight: TokenWeight, meshes: Meshes | None) -> Engine:
     """Engine without PP: forward, loss, backward on the whole (sharded) model."""
+    loss_fn = make_loss_fn(weight)
+
     def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # CP: this rank keeps its contiguous chunk of every sequence; its rotary offset was
         # set on the model (Transformer.position_offset) when the chunk was prepared.
@@ -174,14 +197,14 @@ def plain_engine(chunk: nn.Module, loss_fn: LossFn, meshes: Meshes | None,
 
     @torch.no_grad()
     def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return run(inputs, targets).detach() * grad_accum_steps  # undo the accumulation scale
+        return run(inputs, targets).detach()
 
     return Engine(chunks=[chunk], forward_backward=forward_backward, evaluate=evaluate,
-                  holds_loss=True)
+                  holds_loss=True, weight=weight)
 
 
 def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hook: HookFn | None,
-                    device: torch.device, loss_fn: LossFn) -> Engine:
+                    device: torch.device, weight: TokenWeight) -> Engine:
     """Engine with PP: this rank's stages, each prepared like a whole model, in a schedule."""
     from convergence.trainer import pipeline as pl
 
@@ -195,11 +218,12 @@ def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hoo
     chunks = [prepare_chunk(piece, cfg, model_args, meshes, hook, device,
                             stage_index=index, num_stages=num_stages)
               for index, piece in pieces]  # type: ignore[arg-type]
+    num_micro = pp_microbatches(cfg)
     schedule = pl.build_schedule(chunks, stage_ids, num_stages=num_stages, pp_group=meshes.pp,
-                                 device=device, n_microbatches=pp_microbatches(cfg),
-                                 loss_fn=loss_fn, schedule_name=par.pp_schedule)
+                                 device=device, n_microbatches=num_micro,
+                                 loss_fn=make_loss_fn(weight, undo_divisor=num_micro),
+                                 schedule_name=par.pp_schedule)
     first, last = 0 in stage_ids, num_stages - 1 in stage_ids
-    accum = cfg.training.grad_accum_steps
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         inputs, targets = shard_for_cp(inputs, targets, meshes)
@@ -207,15 +231,21 @@ def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hoo
 
     def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         inputs, targets = shard_for_cp(inputs, targets, meshes)
-        loss = pl.pipeline_eval(schedule, inputs, targets, first, last)
-        return None if loss is None else loss * accum
+        return pl.pipeline_eval(schedule, inputs, targets, first, last)
 
     return Engine(chunks=chunks, forward_backward=forward_backward, evaluate=evaluate,
-                  holds_loss=last)
+                  holds_loss=last, weight=weight)
 
 
 # ----------------------------------------------------------------------------------------------
 # Cross-rank agreement: the logged loss and the stop flag
+
+
+def data_group(meshes: Meshes | None) -> dist.ProcessGroup | None:
+    """The ranks holding different samples (dp), for the step's token count and fingerprint."""
+    if meshes is None or meshes.data.size() == 1:
+        return None
+    return meshes.data.get_group()
 
 
 def average_over(value: torch.Tensor, meshes: Meshes | None) -> torch.Tensor:
@@ -323,13 +353,13 @@ def train(cfg: TrainConfig) -> str:
     source = build_source(cfg)
 
     model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
-    loss_fn = make_loss_fn(training.grad_accum_steps)
+    weight = TokenWeight(num_ranks=meshes.dp_cp.size() if meshes is not None else 1)
     if meshes is not None and meshes.pp is not None:
-        engine = pipeline_engine(cfg, model_args, meshes, hook, device, loss_fn)
+        engine = pipeline_engine(cfg, model_args, meshes, hook, device, weight)
     else:
         chunk = prepare_chunk(build_model(model_args, "meta"), cfg, model_args, meshes, hook,
                               device)
-        engine = plain_engine(chunk, loss_fn, meshes, training.grad_accum_steps)
+        engine = plain_engine(chunk, weight, meshes)
     params = [p for chunk in engine.chunks for p in chunk.parameters()]
     optimizer = build_optimizer(params, cfg)
     pp_group = meshes.pp.get_group() if meshes is not None and meshes.pp is not None else None
@@ -368,16 +398,18 @@ def train(cfg: TrainConfig) -> str:
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            # Forward/backward over the microsteps; gradients accumulate in .grad.
+            # The step's batches, its global valid-token count (-> the loss weight) and its
+            # data fingerprint; then forward/backward over the microsteps into .grad.
+            data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
+            engine.weight.use(data.num_tokens)
             local_loss = torch.zeros((), device=device)
             # One step's collectives (forward + backward of every microstep) are counted once:
             # step 1, or step 2 under PP (a dispatch mode breaks the schedule's first-step
             # shape inference; with PP each rank sees only its own stages' collectives).
             count_now = step == (2 if par.pp > 1 else 1) and not training.compile
-            for micro in range(training.grad_accum_steps):
+            for inputs, targets in data.batches:
                 # One counting scope per microstep, added up (comm_count.py).
                 with count_collectives(count_now) as comm:
-                    inputs, targets = get_batch(source, plan.indices(step, micro), TRAIN, device)
                     loss = engine.forward_backward(inputs, targets)
                     if loss is not None:
                         local_loss += loss.float()
@@ -391,7 +423,7 @@ def train(cfg: TrainConfig) -> str:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            # Every dp x cp rank saw different tokens: the global loss is their mean.
+            # Every dp x cp rank holds (D/N) * its token-loss sum: their mean is the global mean.
             global_loss = average_over(local_loss, meshes) if engine.holds_loss else None
             val_loss = None
             if cfg.metrics.val_every and step % cfg.metrics.val_every == 0:
@@ -406,7 +438,9 @@ def train(cfg: TrainConfig) -> str:
                     "step": step, "loss": global_loss.item(), "grad_norm": grad_norm.item(),
                     "lr": lr, "tokens_per_s": tokens_per_step / step_time,
                     "peak_mem_mib": peak_mem,
-                    "wall_s": time.perf_counter() - start}
+                    "wall_s": time.perf_counter() - start,
+                    # < 2**48: exact as a JSON number / float64 (data.FINGERPRINT_BITS).
+                    "data_fingerprint": data.fingerprint}
                 if val_loss is not None:
                     record["val_loss"] = val_loss
                 writer.log(record)
@@ -433,10 +467,13 @@ def validate(engine: Engine, source: SampleSource, plan: BatchPlan, meshes: Mesh
         return None
     for chunk in engine.chunks:
         chunk.eval()
+    # All validation batches form one pool: the weight is D / (their valid tokens in total).
+    steps: list[StepData] = [read_step(source, plan, batch + 1, VAL, device, data_group(meshes))
+                             for batch in range(cfg.metrics.val_batches)]
+    engine.weight.use(sum(data.num_tokens for data in steps))
     total = torch.zeros((), device=device)
-    for batch in range(cfg.metrics.val_batches):
-        for micro in range(plan.grad_accum_steps):
-            inputs, targets = get_batch(source, plan.indices(batch + 1, micro), VAL, device)
+    for data in steps:
+        for inputs, targets in data.batches:
             loss = engine.evaluate(inputs, targets)
             if loss is not None:
                 total += loss.float()
@@ -444,8 +481,7 @@ def validate(engine: Engine, source: SampleSource, plan: BatchPlan, meshes: Mesh
         chunk.train()
     if not engine.holds_loss:
         return None
-    num = cfg.metrics.val_batches * plan.grad_accum_steps
-    return float(average_over(total / num, meshes).item())
+    return float(average_over(total, meshes).item())
 
 
 def create_seed(cfg: TrainConfig) -> str:
