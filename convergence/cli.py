@@ -1,7 +1,7 @@
 """``convergence``: the command line for work outside pytest.
 
     convergence run EXPERIMENT.toml [--report DIR] [--steps N]   run every pair, print the matrix
-    convergence compare A B [--metric loss] [--method paired]     judge two finished runs
+    convergence compare A B [--metric M] [--method paired]        judge two finished runs
     convergence report --from OUTCOMES_DIR --out DIR              rebuild reports from saved outcomes
     convergence export-golden RUN_DIR OUT.json                     freeze a run as a golden curve
     convergence nightly --experiments PATH... --out DIR             write the nightly sbatch script
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from convergence.compare_cli import add_compare_parser, add_export_parser
 from convergence.launch.types import Progress
-from convergence.metrics.curve import RunMetrics
 from convergence.spec.errors import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -97,54 +97,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
 
 
-# -- compare --------------------------------------------------------------------------------
-
-def read_run(path: Path) -> RunMetrics:
-    """A run folder (``metrics.jsonl`` in it or in its ``dump/``), a JSONL file, or a golden
-    JSON file."""
-    if path.is_file() and path.suffix == ".json":
-        from convergence.stats.golden import load_golden
-
-        try:
-            return load_golden(path)
-        except ValueError as exc:
-            raise SpecError(f"not a golden file: {exc}", file=str(path),
-                            fix="create it with: convergence export-golden RUN_DIR OUT.json"
-                            ) from None
-    from convergence.metrics.jsonl import read_jsonl
-
-    for candidate in (path, path / "metrics.jsonl", path / "dump" / "metrics.jsonl"):
-        if candidate.is_file():
-            return read_jsonl(candidate)
-    raise SpecError("no metrics found", file=str(path),
-                    fix="pass a run folder holding metrics.jsonl (or dump/metrics.jsonl), "
-                        "a metrics.jsonl file, or a golden JSON file")
-
-
-def cmd_compare(args: argparse.Namespace) -> int:
-    from convergence.spec.pair import ComparisonRule
-    from convergence.stats.registry import compare_all
-
-    control, test = read_run(Path(args.a)), read_run(Path(args.b))
-    rules = [ComparisonRule(metric=m, method=args.method) for m in args.metric]
-    for rule in rules:
-        for name, run in (("A", control), ("B", test)):
-            if rule.metric not in run:
-                raise SpecError(f"run {name} has no {rule.metric!r} curve",
-                                file=args.a if name == "A" else args.b, key=rule.metric,
-                                fix=f"choose --metric among {', '.join(sorted(run))}")
-    verdicts = compare_all(rules, [control], test)
-    for v in verdicts:
-        state = "PASS" if v.passed else "FAIL"
-        first = (f", first divergent step {v.first_divergent_step}"
-                 if v.first_divergent_step is not None else "")
-        print(f"{v.metric:<10} {v.method:<9} {state}  max |Δ| {v.max_deviation:.3e}"
-              f"{first} over {v.steps_compared} steps ({v.tolerance})")
-        if v.message:
-            print(f"  {v.message}")
-    return EXIT_OK if all(v.passed for v in verdicts) else EXIT_FAILED
-
-
 # -- report ---------------------------------------------------------------------------------
 
 def load_outcome_files(folder: Path) -> list[Any]:
@@ -176,17 +128,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(render_summary(outcomes))
     _write_reports(outcomes, Path(args.out), {"rebuilt_from": str(args.source)})
     return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
-
-
-# -- export-golden --------------------------------------------------------------------------
-
-def cmd_export_golden(args: argparse.Namespace) -> int:
-    from convergence.stats.golden import export_golden
-
-    metrics = read_run(Path(args.run_dir))
-    export_golden(metrics, Path(args.out), metadata={"source": str(args.run_dir)})
-    print(f"golden curves ({', '.join(sorted(metrics))}) written to {args.out}")
-    return EXIT_OK
 
 
 # -- configs / version ----------------------------------------------------------------------
@@ -232,14 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-early-stop", action="store_true", help="run tests to the end")
     run.set_defaults(func=cmd_run)
 
-    compare = sub.add_parser("compare", help="compare two finished runs (A = control)")
-    compare.add_argument("a", help="control: run folder, metrics.jsonl or golden JSON")
-    compare.add_argument("b", help="test: run folder or metrics.jsonl")
-    compare.add_argument("--metric", action="append", default=None,
-                         help="metric to compare (repeatable; default loss)")
-    compare.add_argument("--method", default="paired",
-                         choices=("exact", "allclose", "paired"), help="comparison method")
-    compare.set_defaults(func=cmd_compare)
+    add_compare_parser(sub)
 
     report = sub.add_parser("report", help="rebuild the reports from saved outcomes")
     report.add_argument("--from", dest="source", required=True, metavar="OUTCOMES_DIR",
@@ -247,10 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", required=True, metavar="DIR", help="report folder")
     report.set_defaults(func=cmd_report)
 
-    export = sub.add_parser("export-golden", help="save a run's curves as a golden file")
-    export.add_argument("run_dir", help="run folder (holding metrics.jsonl or dump/)")
-    export.add_argument("out", help="golden JSON file to write")
-    export.set_defaults(func=cmd_export_golden)
+    add_export_parser(sub)
 
     # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly.py --
     from convergence.nightly import add_subcommands as add_nightly_subcommands
@@ -261,8 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "metric", "unset") is None:
-        args.metric = ["loss"]
     try:
         return int(args.func(args))
     except SpecError as exc:

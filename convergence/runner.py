@@ -270,6 +270,10 @@ class Runner:
             # saw a gating metric clearly outside; "incomplete" must not fail the others.
             control_runs = [{m: c.upto(stopped) for m, c in run.items()} for run in control_runs]
         verdicts = compare_all(pair.rules, control_runs, test.metrics)
+        if pair.golden:  # a golden recorded with another torch/GPU says so in the verdict
+            from convergence.stats.provenance import with_golden_note
+
+            verdicts = with_golden_note(Path(pair.golden), verdicts, test.meta)
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
@@ -299,9 +303,9 @@ class Runner:
 
     def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
         if pair.golden:
-            from convergence.stats.golden import load_golden
+            from convergence.metrics.reader import read_run
 
-            golden = load_golden(Path(pair.golden))
+            golden = read_run(Path(pair.golden), key="golden")
             return [SideOutcome(job=pair.control, metrics=golden, cached=True,
                                 run_dir=Path(pair.golden).parent)]
         count = pair.replicates if pair.regime == "seed" else 1

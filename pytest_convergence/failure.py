@@ -1,21 +1,19 @@
 """How a failed or broken pair reads in pytest's failure section (shared by TOML items and the
-``convergence_pair`` fixture)."""
+``convergence_pair`` fixture). The text itself is the library's
+(:mod:`convergence.report.failure_text`), so ``convergence compare`` prints the same words."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from convergence.outcome import PairOutcome
-from convergence.stats.types import MetricVerdict
+from convergence.report.failure_text import (TABLE_AROUND, TRACEBACK_HEAD_LINES, headline,
+                                             render_outcome)
 
-TRACEBACK_HEAD_LINES = 25
-"""Lines of a broken job's traceback shown in the failure text; the rest is in the logs."""
-TABLE_AROUND = 3
-"""Steps shown before and after the first divergent step."""
+__all__ = ["TABLE_AROUND", "TRACEBACK_HEAD_LINES", "ConvergenceFailure", "headline",
+           "render_outcome"]
 
 
 class ConvergenceFailure(pytest.fail.Exception):  # type: ignore[name-defined,misc]
@@ -30,127 +28,3 @@ class ConvergenceFailure(pytest.fail.Exception):  # type: ignore[name-defined,mi
     def __init__(self, outcome: PairOutcome, *, report_dir: Path | None = None) -> None:
         self.outcome = outcome
         super().__init__(render_outcome(outcome, report_dir=report_dir), pytrace=False)
-
-
-def _num(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
-    return "-" if value is None else str(value)
-
-
-def _verdict_line(v: MetricVerdict) -> str:
-    state = "pass" if v.passed else "FAIL"
-    if not v.gate:
-        state += " (report only)"
-    parts = [f"  {v.metric:<12} {v.method:<10} {state:<6}"]
-    if v.first_divergent_step is not None:
-        parts.append(f"first divergent step {v.first_divergent_step}")
-    at = f" at step {v.max_deviation_step}" if v.max_deviation_step is not None else ""
-    parts.append(f"max |Δ| {_num(float(v.max_deviation))}{at}")
-    if v.tolerance_at_max is not None:
-        parts.append(f"(tolerance there {_num(float(v.tolerance_at_max))})")
-    if v.message:
-        parts.append(f"- {v.message}")
-    return "  ".join(parts)
-
-
-def _table_rows(outcome: PairOutcome, metric: str, around: int) -> Sequence[Sequence[Any]]:
-    from convergence.report import divergence_table
-
-    return [tuple(row) for row in divergence_table(outcome, metric, around)]
-
-
-def _value(x: Any) -> str:
-    return "-" if x is None else f"{float(x):.10g}"
-
-
-def _table(outcome: PairOutcome, metric: str) -> list[str]:
-    rows = _table_rows(outcome, metric, TABLE_AROUND)
-    if not rows:
-        return []
-    out = [f"  {metric} around the divergence:",
-           f"    {'step':>6}  {'control':>16}  {'test':>16}  {'Δ':>12}"]
-    for row in rows:
-        step, cv, tv, delta = (list(row) + [None] * 4)[:4]
-        d = "-" if delta is None else f"{float(delta):+.3e}"
-        out.append(f"    {step!s:>6}  {_value(cv):>16}  {_value(tv):>16}  {d:>12}")
-    return out
-
-
-def _paths(outcome: PairOutcome) -> list[str]:
-    out = []
-    for side_name, side in (("control", outcome.control), ("test", outcome.test)):
-        if side is None or side.run_dir is None:
-            continue
-        note = " (from cache)" if side.cached else ""
-        out.append(f"  {side_name} run: {side.run_dir}{note}")
-        if side.result is not None:
-            out.append(f"  {side_name} logs: {side.result.log_dir}")
-    for plot in outcome.plots:
-        out.append(f"  plot: {plot}")
-    return out
-
-
-def _traceback_head(text: str) -> str:
-    lines = text.rstrip().splitlines()
-    if len(lines) <= TRACEBACK_HEAD_LINES:
-        return "\n".join(lines)
-    rest = len(lines) - TRACEBACK_HEAD_LINES
-    return "\n".join(lines[:TRACEBACK_HEAD_LINES] + [f"... ({rest} more lines in the logs)"])
-
-
-def headline(outcome: PairOutcome) -> str:
-    """One line (it is what pytest's short test summary shows)."""
-    pair = outcome.pair
-    if outcome.status == "error":
-        first = (outcome.error or "a job broke").strip().splitlines()[0]
-        return f"{pair.pair_id}: ERROR: {first}"
-    if outcome.error:  # e.g. the test job's loss became NaN: that is the news, not the Δ
-        return f"{pair.pair_id}: {outcome.error.strip().splitlines()[0]}"
-    failing = [v for v in outcome.verdicts if not v.passed and v.gate]
-    if not failing:
-        return f"{pair.pair_id}: {outcome.status.upper()}"
-    parts = []
-    for v in failing:
-        where = (f"diverges from step {v.first_divergent_step}"
-                 if v.first_divergent_step is not None else "fails")
-        parts.append(f"{v.metric} {where} (max |Δ| {_num(float(v.max_deviation))})")
-    return f"{pair.pair_id}: " + "; ".join(parts)
-
-
-def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None) -> str:
-    """The failure section of a pair: verdicts, the table around the divergence, paths."""
-    pair = outcome.pair
-    lines = [headline(outcome),
-             f"  {outcome.status.upper()}: test {pair.test.name} "
-             f"[{pair.test.layout.short_name()}] vs control {pair.control.name} "
-             f"[{pair.control.layout.short_name()}], {pair.regime} regime"]
-    if outcome.status == "error":
-        lines.append("a job broke before a verdict:")
-        lines.append(_traceback_head(outcome.error or "(no error text)"))
-    elif outcome.error:
-        lines.append(f"  {outcome.error.strip()}")
-    verdicts = sorted(outcome.verdicts, key=lambda v: (v.passed, not v.gate, v.metric != "loss"))
-    if verdicts:
-        lines.append("verdicts:")
-        lines.extend(_verdict_line(v) for v in verdicts)
-    if outcome.stopped_early_at is not None:
-        lines.append(f"  test stopped early at step {outcome.stopped_early_at} "
-                     "(verdict already decided)")
-    failing = [v for v in verdicts if not v.passed and v.gate]
-    if failing:
-        lines.extend(_table(outcome, failing[0].metric))
-    if outcome.localisation:
-        # One-line entries here; the per-module tables are in the report.
-        from convergence.probe_compare import summary_items
-        from convergence.report.probe_table import failure_line
-
-        lines.append(f"localisation (numerics probe): {failure_line(outcome.localisation)}")
-        lines.extend(f"  {k}: {v}" for k, v in summary_items(outcome.localisation))
-    lines.extend(_paths(outcome))
-    if report_dir is not None and not outcome.plots:
-        from convergence.report.write import PLOT_DIR, plot_names
-
-        name = plot_names([outcome])[outcome.pair.pair_id]
-        lines.append(f"  plot: {report_dir / PLOT_DIR / name}.png (written at session end)")
-    return "\n".join(lines)

@@ -92,7 +92,7 @@ def test_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert "FAIL" in out and "first divergent step 21" in out
     assert main(["compare", str(a), str(tmp_path / "missing")]) == 2
-    assert "no metrics found" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     # A frozen golden curve stands in for the control run.
     golden = tmp_path / "golden.json"
     assert main(["export-golden", str(a), str(golden)]) == 0

@@ -1,0 +1,139 @@
+"""``convergence compare`` and ``convergence export-golden``: judging runs made elsewhere.
+
+Both read runs through :func:`convergence.metrics.reader.read_metrics` (our run folders,
+torchtitan/TensorBoard dumps, JSONL files, golden files). ``compare`` judges with the rules
+pytest uses (loss and grad norm by the regime's method, throughput and memory reported only)
+and prints the text of pytest's failure section.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from convergence.metrics.curve import RunMetrics
+from convergence.metrics.reader import describe_source, read_run
+from convergence.outcome import PairOutcome, SideOutcome
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+# -- compare --------------------------------------------------------------------------------
+
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    compare = sub.add_parser(
+        "compare", help="compare two finished runs (A = control), with pytest's default verdict",
+        description="Judge run B against run A with the rules pytest uses: loss and grad norm "
+                    "by the regime's method (gating), throughput and memory reported only. "
+                    "A run is a run folder, a torchtitan dump / TensorBoard folder, a "
+                    "metrics.jsonl file or a golden JSON file.")
+    compare.add_argument("a", help="control: run folder, TensorBoard folder, JSONL or golden")
+    compare.add_argument("b", help="test: run folder, TensorBoard folder or JSONL")
+    compare.add_argument("--replicate", action="append", default=[], metavar="RUN",
+                         help="another control run with a different seed (repeatable); "
+                              "with any, the regime defaults to seed (a band of A + these)")
+    compare.add_argument("--regime", choices=REGIMES, default=None,
+                         help="paired (same seed checkpoint and data; default) or seed")
+    compare.add_argument("--metric", action="append", default=None, choices=METRICS,
+                         help="gate on these metrics only (repeatable; default: pytest's "
+                              "loss and grad_norm, plus throughput/memory reported)")
+    compare.add_argument("--method", default=None, choices=METHODS,
+                         help="comparison method for the gating metrics "
+                              "(default: the regime's: paired or seed)")
+    compare.set_defaults(func=cmd_compare)
+
+
+def compare_rules(metrics: Sequence[str] | None, method: str | None,
+                  regime: str) -> tuple[ComparisonRule, ...]:
+    """pytest's default rules for ``regime``, narrowed to ``metrics`` / with ``method``."""
+    from convergence.stats.registry import default_rules
+
+    if metrics:
+        return tuple(ComparisonRule(metric=m, method=method or regime) for m in metrics)
+    rules = default_rules(regime)
+    if method is None:
+        return rules
+    return tuple(ComparisonRule(metric=r.metric, method=method) if r.gate else r for r in rules)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from convergence.report.failure_text import render_outcome
+    from convergence.stats.registry import compare_all
+
+    paths = [Path(args.a), *map(Path, args.replicate)]
+    controls = [read_run(p) for p in paths]
+    test = read_run(Path(args.b))
+    regime = args.regime or ("seed" if args.replicate else "paired")
+    if regime == "seed" and len(controls) < 2:
+        raise SpecError("the seed regime needs at least 2 control runs", key="--replicate",
+                        fix="add --replicate RUN for each other seed's control run")
+    rules = compare_rules(args.metric, args.method, regime)
+    _check_requested(args.metric or [], paths, controls, Path(args.b), test)
+    verdicts = compare_all(rules, controls, test)
+    if describe_source(Path(args.a)) == "golden":
+        from convergence.stats.provenance import read_run_meta, with_golden_note
+
+        verdicts = with_golden_note(Path(args.a), verdicts, read_run_meta(Path(args.b)))
+    passed = all(v.passed for v in verdicts if v.gate)
+    outcome = _outcome(paths, controls, Path(args.b), test, rules, regime, verdicts, passed)
+    print(render_outcome(outcome, show_layouts=False))
+    return EXIT_OK if passed else EXIT_FAILED
+
+
+def _check_requested(metrics: Sequence[str], paths: Sequence[Path], controls: Sequence[RunMetrics],
+                     test_path: Path, test: RunMetrics) -> None:
+    """A metric asked for by name must be in every run (the defaults may be missing and are
+    then reported as not compared, as in pytest)."""
+    for metric in metrics:
+        for path, run in [*zip(paths, controls), (test_path, test)]:
+            if metric not in run:
+                raise SpecError(f"run has no {metric!r} curve", file=str(path), key="--metric",
+                                fix=f"choose --metric among {', '.join(sorted(run))}")
+
+
+def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: Path,
+             test: RunMetrics, rules: tuple[ComparisonRule, ...], regime: str,
+             verdicts: Sequence[object], passed: bool) -> PairOutcome:
+    def job(path: Path) -> JobSpec:
+        return JobSpec(name=str(path), train_config=path, source=str(path))
+
+    control_job, test_job = job(paths[0]), job(test_path)
+    pair = PairSpec(pair_id=f"compare {test_path.name} vs {paths[0].name}", control=control_job,
+                    test=test_job, rules=rules, regime=regime,
+                    replicates=max(2, len(controls)), early_stop=False)
+    control = SideOutcome(job=control_job, metrics=controls[0], run_dir=paths[0],
+                          replicates=tuple(controls) if regime == "seed" else ())
+    return PairOutcome(pair=pair, status="passed" if passed else "failed", control=control,
+                       test=SideOutcome(job=test_job, metrics=test, run_dir=test_path),
+                       verdicts=tuple(verdicts))  # type: ignore[arg-type]
+
+
+# -- export-golden --------------------------------------------------------------------------
+
+def add_export_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    export = sub.add_parser("export-golden", help="save a run's curves as a golden file")
+    export.add_argument("run_dir", help="run folder, TensorBoard folder or metrics.jsonl")
+    export.add_argument("out", help="golden JSON file to write")
+    export.set_defaults(func=cmd_export_golden)
+
+
+def cmd_export_golden(args: argparse.Namespace) -> int:
+    from convergence.stats.golden import export_golden
+    from convergence.stats.provenance import golden_provenance
+
+    path = Path(args.run_dir)
+    metrics = read_run(path)
+    metadata = golden_provenance(path, source_kind=describe_source(path))
+    export_golden(metrics, Path(args.out), metadata=metadata)
+    env = metadata["environment"]
+    print(f"golden curves ({', '.join(sorted(metrics))}) written to {args.out} "
+          f"(torch {env['torch']}, {env['hardware']}, commit {metadata['git_commit'] or '-'})")
+    return EXIT_OK
+
+
+__all__ = ["add_compare_parser", "add_export_parser", "cmd_compare", "cmd_export_golden",
+           "compare_rules", "read_run"]
