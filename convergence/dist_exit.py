@@ -30,6 +30,7 @@ process group exists.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import traceback
@@ -83,8 +84,10 @@ def run_and_exit(main: Callable[[], int | None]) -> NoReturn:
 
     Return value and ``SystemExit`` give the exit code as ``sys.exit`` would; an exception
     prints its traceback to stderr (where torchrun's per-rank log and our failure diagnosis
-    read it) and exits 1; Ctrl-C exits 130.
+    read it) and exits 1; Ctrl-C exits 130. A native crash (SIGSEGV, SIGABRT) prints every
+    thread's Python stack first (faulthandler): without it only "killed by SIGSEGV" is known.
     """
+    faulthandler.enable(all_threads=True)
     try:
         code = _exit_code(main())
     except SystemExit as exc:

@@ -32,9 +32,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "faulty"))
 
-from faulty_project import (NOTE, FaultyTest, alive, experiment, job_pids,  # noqa: E402
-                            kill_pids, make_project, odd_config, pytest_argv, run_dirs,
-                            run_pytest, saved_outcomes)
+from faulty_project import (NOTE, FaultyTest, alive, default_sigint,  # noqa: E402
+                            experiment, job_pids, kill_pids, make_project, odd_config,
+                            pytest_argv, run_dirs, run_pytest, saved_outcomes)
 
 from convergence.cache.store import MANIFEST, RunCache  # noqa: E402
 
@@ -270,7 +270,7 @@ def test_ctrl_c_ends_every_job_and_keeps_finished_runs(tmp_path: Path,
         args += ["-n", str(workers), "--convergence-devices", "4"]
     proc = subprocess.Popen(pytest_argv(*args), cwd=project, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "200"})
+                            env={**os.environ, "COLUMNS": "200"}, preexec_fn=default_sigint)
     assert proc.stdout is not None
     lines: list[str] = []
     long_pids = project / ".convergence" / "runs" / "c.toml_long"

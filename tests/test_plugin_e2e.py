@@ -173,7 +173,9 @@ def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence",
          "--convergence-report", "report"], cwd=project.path, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        stderr=subprocess.STDOUT, text=True,
+        # a shell's `&` leaves SIGINT ignored, and Python keeps that: restore a terminal's
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:  # wait until the long job is training
