@@ -9,6 +9,7 @@ and prints the text of pytest's failure section.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -99,7 +100,9 @@ def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: P
              test: RunMetrics, rules: tuple[ComparisonRule, ...], regime: str,
              verdicts: Sequence[object], passed: bool) -> PairOutcome:
     def job(path: Path) -> JobSpec:
-        return JobSpec(name=str(path), train_config=path, source=str(path))
+        # A job name is one path segment (it names run folders); the full path is the source.
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name) or "run"
+        return JobSpec(name=name, train_config=path, source=str(path))
 
     control_job, test_job = job(paths[0]), job(test_path)
     pair = PairSpec(pair_id=f"compare {test_path.name} vs {paths[0].name}", control=control_job,

@@ -37,7 +37,8 @@ def test_a_scaled_gradient_fails_with_pytests_failure_text(
     out = capsys.readouterr().out
     first = out.splitlines()[0]
     assert first.startswith("compare bug vs baseline: grad_norm diverges from step 1")
-    assert f"FAILED: test {bug} vs control {a}, paired regime" in out
+    assert "FAILED: test bug vs control baseline, paired regime" in out
+    assert f"test run: {bug}" in out
     assert "grad_norm around the divergence:" in out
     assert f"control run: {a}" in out and f"test run: {bug}" in out
 
@@ -90,7 +91,7 @@ def test_missing_path_and_folder_without_metrics_say_different_things(
 def _train(dump: Path, steps: int = 3) -> None:
     """One real run of the built-in trainer (one process, no torchrun needed)."""
     cmd = [sys.executable, "-m", "convergence.trainer", "--config",
-           str(REPO / "train_configs" / "debug.toml"), f"--metrics.dump_folder={dump}",
+           str(REPO / "convergence" / "configs" / "debug.toml"), f"--metrics.dump_folder={dump}",
            f"--training.steps={steps}", "--metrics.val_every=0"]
     done = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=600)

@@ -23,7 +23,7 @@ from convergence.stats.registry import compare_all, default_rules
 from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "train_configs" / "debug.toml"
+DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 
 
 def test_sample_hash_is_order_independent_and_sees_a_duplicate() -> None:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BODY = """
 [defaults]
-train_config = "{root}/train_configs/debug.toml"
+train_config = "debug"
 steps = 12
 
 [control]

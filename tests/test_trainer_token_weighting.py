@@ -20,7 +20,7 @@ from convergence.trainer.config import load_train_config
 from convergence.trainer.data import IGNORE_INDEX, TRAIN, BatchPlan, build_source
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "train_configs" / "debug.toml"
+DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 STEPS = 3
 PADDED = ["--data.pad_fraction=0.5", f"--training.steps={STEPS}", "--metrics.val_every=3",
           "--metrics.val_batches=1", "--metrics.enable_tensorboard=false"]
