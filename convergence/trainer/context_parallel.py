@@ -36,15 +36,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-
-# Renamed in torch 2.13 (the old name still works, with a FutureWarning).
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or \
-    funcol.all_gather_tensor_autograd
 
 SdpaFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 CpGroup = DeviceMesh | ProcessGroup | None
@@ -86,19 +81,54 @@ def cp_position_offset(seq_len: int, cp_mesh: CpGroup) -> int:
     return rank * (seq_len // size)
 
 
-def _gather_seq(t: Tensor, group: ProcessGroup) -> Tensor:
-    """All-gather (batch, heads, L, d) chunks into (batch, heads, cp*L, d), autograd-correct.
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 in the forward; in the backward each rank gets the sum over ranks
+    of the gradient of its own chunk (a reduce-scatter), i.e. d(sum of all ranks' losses)/d(chunk).
 
-    The functional collective's backward is a reduce-scatter (sum): each rank receives the sum
-    over ranks of the gradient of its own chunk, i.e. d(sum of all ranks' losses)/d(chunk).
-    The gather runs on dim 0 (the documented case), so the sequence dim is moved there first.
-
-    Not `torch.distributed.nn.functional.all_gather` (deprecated): on gloo its backward emulates
-    reduce-scatter with all-to-all into `empty_like` buffers, which keep the permuted strides of
+    Plain, synchronous c10d collectives on tensors this function owns until they complete.
+    Why not torch's functional collectives (``all_gather_tensor_autograd`` /
+    ``all_gather_single_autograd``): on gloo they crashed natively (SIGSEGV inside the c10d
+    functional op, forward or backward) in about 1 of 12 PP+CP runs of the unit-test worker
+    here on torch 2.13 -- asynchronous ops whose buffers gloo still uses. Why not
+    ``torch.distributed.nn.functional.all_gather`` (deprecated): on gloo its backward emulates
+    reduce-scatter with all-to-all into ``empty_like`` buffers, which keep the permuted strides of
     SDPA's K/V gradient while gloo writes them as contiguous, scrambling dK/dV (measured here:
     max |dK error| ~3.9 for cp=2, while the forward was exact).
     """
-    gathered: Tensor = _all_gather_autograd(t.movedim(2, 0).contiguous(), 0, group)
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, chunk: Tensor,  # type: ignore[override]
+                group: ProcessGroup) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        size = dist.get_world_size(group)
+        chunk = chunk.contiguous()
+        out = chunk.new_empty((size * chunk.shape[0], *chunk.shape[1:]))
+        dist.all_gather_into_tensor(out, chunk, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+                 grad: Tensor) -> tuple[Tensor, None]:
+        group: ProcessGroup = ctx.group  # type: ignore[attr-defined]
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        grad = grad.clone(memory_format=torch.contiguous_format)  # ours to reduce in place
+        if dist.get_backend(group) == "gloo":
+            # gloo has no native reduce-scatter: sum everything, keep our chunk (the extra
+            # traffic is irrelevant at the sizes a CPU reference run uses).
+            dist.all_reduce(grad, group=group)
+            return grad.chunk(size, dim=0)[rank].contiguous(), None
+        out = grad.new_empty((grad.shape[0] // size, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=group)
+        return out, None
+
+
+def _gather_seq(t: Tensor, group: ProcessGroup) -> Tensor:
+    """All-gather (batch, heads, L, d) chunks into (batch, heads, cp*L, d), autograd-correct.
+
+    The gather runs on dim 0, so the sequence dim is moved there first (see _GatherSequence
+    for the backward and for why not torch's own autograd collectives).
+    """
+    gathered: Tensor = _GatherSequence.apply(t.movedim(2, 0), group)
     return gathered.movedim(0, 2)
 
 
