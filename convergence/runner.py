@@ -147,7 +147,8 @@ class Runner:
             if not result.ok:
                 raise JobFailed("seed-checkpoint", job, result)
             entry = claim.commit(build)
-            shutil.rmtree(build, ignore_errors=True)
+            if entry != build:  # stored (a read-only cache keeps nothing: use it in place)
+                shutil.rmtree(build, ignore_errors=True)
             return entry / "seed"
 
     def run_job(self, side: str, job: JobSpec, *, pair_dir: Path, cacheable: bool,
@@ -399,4 +400,8 @@ def _make_launcher(name: str) -> Launcher:
 
 def run_pair(pair: PairSpec, settings: RunSettings) -> PairOutcome:
     """Run ``pair`` and judge it. Never raises for a job failure: it becomes status "error"."""
-    return Runner(settings).run_pair(pair)
+    try:
+        runner = Runner(settings)
+    except CacheError as exc:  # e.g. a file where the cache needs a folder: say so, per pair
+        return PairOutcome(pair=pair, status="error", control=None, test=None, error=str(exc))
+    return runner.run_pair(pair)

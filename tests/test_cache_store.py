@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -163,3 +165,65 @@ def test_disk_full_during_put_leaves_no_half_entry(tmp_path: Path, tiny_fs: Path
     assert not cache.entry_dir(KEY).exists()
     assert list((tiny_fs / "cache" / ".tmp").iterdir()) == []
     assert cache.get(KEY) is None
+
+
+def test_a_file_where_the_cache_needs_a_folder_is_named(tmp_path: Path) -> None:
+    """A stray file named .tmp (or a file as the cache root) is one clear error, not a
+    traceback: it names the file and the fix."""
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / ".tmp").write_text("stray")
+    with pytest.raises(CacheError, match=r"\.tmp is a file.*fix: remove"):
+        RunCache(tmp_path / "cache")
+    (tmp_path / "plain").write_text("not a folder")
+    with pytest.raises(CacheError, match=r"plain is a file.*--convergence-cache-dir"):
+        RunCache(tmp_path / "plain")
+
+
+READ_ONLY_CHECK = """
+import sys
+from pathlib import Path
+from convergence.cache.store import RunCache
+cache = RunCache(Path(sys.argv[1]))
+assert cache.read_only
+entry = cache.get(sys.argv[2])
+assert entry is not None and (entry / "metrics.jsonl").is_file(), entry
+with cache.claim(sys.argv[2]) as hit:
+    assert hit.path == entry
+with cache.claim("cd" + sys.argv[2][2:]) as miss:   # a miss: run locally, nothing stored
+    assert miss.path is None
+    assert miss.commit(Path(sys.argv[3])) == Path(sys.argv[3])
+print("read-only ok")
+"""
+
+
+def test_a_read_only_cache_is_used_for_reading(tmp_path: Path) -> None:
+    """A shared reference cache mounted read-only (here: a folder another user owns, checked
+    as an unprivileged user when we are root) gives hits, and a miss stores nothing."""
+    # pytest's tmp_path sits under a 0700 folder: the unprivileged user needs a path it can reach
+    shared = Path(tempfile.mkdtemp(prefix="convergence-ro-"))
+    shared.chmod(0o755)
+    try:
+        _check_read_only(shared)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _check_read_only(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    RunCache(root).put(KEY, make_run(tmp_path / "run"))
+    local = make_run(tmp_path / "local-run")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    tmp_path.chmod(0o755)
+    argv = [sys.executable, "-c", READ_ONLY_CHECK, str(root), KEY, str(local)]
+    if os.geteuid() == 0:  # root may write anywhere: check as nobody
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    finally:
+        for path in [root, *root.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "read-only ok" in proc.stdout
+    assert sorted(p.name for p in (root / "ab").iterdir()) == [KEY]

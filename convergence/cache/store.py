@@ -4,6 +4,10 @@ Layout: ``<root>/<key[:2]>/<key>/`` holds the run's files plus ``manifest.json``
 size of every file). An entry is only trusted after every checksum matches; a corrupt or
 truncated one is removed and reported as a miss. Writes go to ``<root>/.tmp`` first (same
 filesystem), the manifest is written last, and one ``rename`` makes the entry appear whole.
+
+A cache folder this process cannot write (a shared reference cache mounted read-only, or
+another user's) is used read-only: verified entries are hits, nothing is locked, deleted or
+stored, and a miss runs the job without keeping it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,27 @@ def _copy_tree(src: Path, dst: Path) -> None:
             shutil.copyfile(path, target)
 
 
+def _read_only(root: Path) -> bool:
+    """An existing cache folder that we may not write into (access(2) also reports a
+    read-only mount, even to root)."""
+    return root.is_dir() and not os.access(root, os.W_OK | os.X_OK)
+
+
+def _ensure_folder(root: Path, sub: str, what: str) -> None:
+    path = root / sub
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (root, path) if p.exists() and not p.is_dir()), path)
+        raise CacheError(
+            f"run cache {root}: {blocker} is a file, but the cache needs a folder there (for "
+            f"{what}); fix: remove {blocker}, or use another cache folder "
+            f"(--convergence-cache-dir DIR)") from None
+    except OSError as exc:
+        raise CacheError(f"run cache {root}: cannot create {path}: {exc.strerror or exc}; fix: "
+                         f"use a writable cache folder (--convergence-cache-dir DIR)") from None
+
+
 def _check_key(key: str) -> None:
     if len(key) < 8 or not all(c in "0123456789abcdef" for c in key):
         raise ValueError(f"cache key must be a lowercase hex digest, got {key!r}")
@@ -76,8 +101,12 @@ class Claim:
         """The entry was already there when the claim was taken."""
 
     def commit(self, run_dir: Path) -> Path:
-        """Store the finished run's folder; returns the entry (also set as :attr:`path`)."""
-        self.path = self.cache.put(self.key, run_dir)
+        """Store the finished run's folder; returns the entry (also set as :attr:`path`).
+        A read-only cache stores nothing and returns ``run_dir`` itself."""
+        if self.cache.read_only:
+            self.path = Path(run_dir)
+        else:
+            self.path = self.cache.put(self.key, run_dir)
         return self.path
 
 
@@ -86,8 +115,14 @@ class RunCache:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        (self.root / _TMP).mkdir(parents=True, exist_ok=True)
-        (self.root / _LOCKS).mkdir(parents=True, exist_ok=True)
+        self.read_only = _read_only(self.root)
+        """The folder exists but this process may not write it: reads only (module docstring)."""
+        if self.read_only:
+            log.warning("run cache %s is read-only: cached runs are used, new ones are not "
+                        "stored", self.root)
+            return
+        for sub, what in ((_TMP, "runs being stored"), (_LOCKS, "lock files")):
+            _ensure_folder(self.root, sub, what)
         self._sweep_tmp()
 
     def entry_dir(self, key: str) -> Path:
@@ -104,6 +139,10 @@ class RunCache:
         problem = self.verify(entry)
         if problem is None:
             return entry
+        if self.read_only:
+            log.warning("run cache: entry %s is corrupt (%s); read-only cache, running again "
+                        "without touching it", entry, problem)
+            return None
         log.warning("run cache: entry %s is corrupt (%s); deleting it and running again",
                     entry, problem)
         self._discard(entry)
@@ -144,6 +183,8 @@ class RunCache:
     def put(self, key: str, src_dir: Path) -> Path:
         """Copy ``src_dir`` into the cache atomically; replaces an existing entry."""
         entry = self.entry_dir(key)
+        if self.read_only:
+            raise CacheError(f"run cache {self.root} is read-only: cannot store run {key[:12]}")
         src_dir = Path(src_dir)
         if (src_dir / MANIFEST).exists():
             raise ValueError(f"{src_dir / MANIFEST}: the run folder may not hold a file named "
@@ -203,6 +244,9 @@ class RunCache:
         A second worker asking for the same key waits here, then sees the entry as a hit.
         ``refresh=True`` ignores an existing entry (the job reruns and replaces it).
         """
+        if self.read_only:  # no lock file can be made; nothing is written to race over
+            yield Claim(self, key, None if refresh else self.get(key))
+            return
         with self.lock(key, timeout):
             yield Claim(self, key, None if refresh else self.get(key))
 
