@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -88,6 +89,9 @@ def run_and_exit(main: Callable[[], int | None]) -> NoReturn:
     thread's Python stack first (faulthandler): without it only "killed by SIGSEGV" is known.
     """
     faulthandler.enable(all_threads=True)
+    # and on SIGUSR1 (sent by our launcher to a hung job) too, without exiting: see
+    # convergence/launch/hang.py
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         code = _exit_code(main())
     except SystemExit as exc:

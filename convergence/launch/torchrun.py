@@ -10,6 +10,7 @@ the options out so the rendezvous id can carry the job name (it names the per-ra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from convergence.launch.failure import diagnose, finished_then_aborted, note_teardown_abort
+from convergence.launch.hang import describe_hang
 from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
                                              terminate_tree)
 from convergence.launch.types import (FailureInfo, JobResult, LaunchRequest, OnMetrics,
@@ -162,11 +164,13 @@ class LocalLauncher:
                 else:
                     stop_deadline = now
             if stop_deadline is not None and now >= stop_deadline:
+                assert verdict is not None
+                if verdict.status == "hung":  # name the rank while it can still be asked
+                    verdict = _name_hung_rank(verdict, tracker, watch.request.log_dir)
                 kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
                 # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
                 # wait again (it would read the status as 0) or warn that it is still running.
                 proc.returncode = kill.root_returncode if kill.root_returncode is not None else -9
-                assert verdict is not None
                 return verdict.status, kill.root_returncode, verdict.failure
             time.sleep(self.poll_interval_s)
         return self._exited(proc, watch, verdict)
@@ -191,3 +195,17 @@ class LocalLauncher:
             return "ok", returncode, note_teardown_abort(req.log_dir, failure,
                                                          steps=req.total_steps)
         return ("killed" if failure.signal else "failed"), returncode, failure
+
+
+def _name_hung_rank(verdict: Verdict, tracker: DescendantTracker, log_dir: Path) -> Verdict:
+    """Add which rank hangs (and where) to a hung verdict's message (launch/hang.py)."""
+    tracker.poll()
+    try:
+        detail = describe_hang(tracker.processes, log_dir)
+    except Exception as exc:  # diagnosis only: never let it keep a hung job alive
+        detail = f"(could not inspect the ranks: {exc})"
+    if not detail or verdict.failure is None:
+        return verdict
+    failure = dataclasses.replace(verdict.failure,
+                                  message=f"{verdict.failure.message}; {detail}")
+    return dataclasses.replace(verdict, failure=failure)

@@ -68,6 +68,9 @@ def init_distributed(device: torch.device) -> bool:
     # A native crash (SIGSEGV in a kernel, SIGABRT from C++) prints every thread's Python stack
     # to this rank's stderr log, which the launcher's failure message quotes.
     faulthandler.enable(all_threads=True)
+    # On SIGUSR1 (the launcher, when the job hangs) write the stacks too and go on: the rank
+    # that is not waiting in a collective is the one that hangs (convergence/launch/hang.py).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if "WORLD_SIZE" not in os.environ:
         return False
     # The agent ends us politely (SIGTERM) when it is told to stop; if the agent itself is
