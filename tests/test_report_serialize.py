@@ -86,3 +86,44 @@ def test_wrong_format_is_a_clear_error() -> None:
     with pytest.raises(OutcomeFormatError, match="pair_id"):
         outcome_from_json(broken)
     assert data["format"] == OUTCOME_FORMAT
+
+
+def _non_default_specs() -> PairOutcome:
+    """A pair whose every JobSpec and PairSpec field differs from its default: a field that the
+    serializer drops then shows up (the old round-trip test used defaults and could not)."""
+    from pathlib import Path
+
+    from convergence.spec.job import JobSpec
+    from convergence.spec.layout import ParallelLayout, Techniques
+    from convergence.spec.pair import ComparisonRule, PairSpec
+
+    job = JobSpec(name="t", train_config=Path("/x/debug.toml"),
+                  layout=ParallelLayout(dp_shard=2, tp=2),
+                  techniques=Techniques(param_dtype="bfloat16"), steps=7, seed=3,
+                  backend="command", local_batch_size=2, hook="pkg.mod:fn",
+                  hook_mode="replace_tp", overrides=(("a.b", "1"),),
+                  backend_options=(("command", "python x.py"),), source="e.toml")
+    pair = PairSpec(pair_id="e.toml::t", control=dataclasses.replace(job, name="c"), test=job,
+                    rules=(ComparisonRule(metric="loss", method="seed", margin=0.1),),
+                    regime="seed", replicates=4, early_stop=False, source="e.toml",
+                    tier="nightly", probe_on_failure=False, probe_always=True,
+                    golden="g.json", extra=(("k", "v"),))
+    for spec in (job, pair):
+        for f in dataclasses.fields(spec):
+            default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                       else f.default)
+            assert getattr(spec, f.name) != default, f"set {f.name} to a non-default value"
+    return PairOutcome(pair=pair, status="error", control=None, test=None, error="x")
+
+
+def test_every_spec_field_survives_the_round_trip() -> None:
+    o = _non_default_specs()
+    assert _roundtrip(o).pair == o.pair
+
+
+def test_an_outcome_saved_without_newer_fields_reads_with_their_defaults() -> None:
+    data = outcome_to_json(_non_default_specs())
+    del data["pair"]["probe_always"], data["pair"]["test"]["hook_mode"]
+    data["pair"]["from_a_newer_version"] = 1
+    back = outcome_from_json(json.loads(json.dumps(data)))
+    assert back.pair.probe_always is False and back.pair.test.hook_mode == "after"

@@ -44,6 +44,11 @@ def cfg(*overrides: str):  # type: ignore[no-untyped-def]
     (["--parallelism.hook=nocolon"], None, "parallelism.hook", "package.module:function"),
     (["--model.n_kv_heads=3"], None, "model.n_kv_heads", "divide"),
     (["--activation_checkpoint.mode=some"], None, "activation_checkpoint.mode", "mode"),
+    (["--parallelism.dp_shard=2", "--parallelism.pp=2",
+      "--parallelism.pp_schedule=InterleavedZeroBubble"], 4, "parallelism.pp_schedule",
+     "gradients would be wrong"),
+    (["--parallelism.dp_replicate=2", "--parallelism.pp=2",
+      "--parallelism.pp_schedule=ZBVZeroBubble"], 4, "parallelism.pp_schedule", "misses"),
 ])
 def test_check_config_names_key_and_constraint(overrides: list[str], world: int | None,
                                               key: str, words: str) -> None:

@@ -40,24 +40,54 @@ def metrics_to_json(metrics: RunMetrics) -> dict[str, Any]:
     return {name: curve_to_json(curve) for name, curve in metrics.items()}
 
 
+# JobSpec and PairSpec are written field by field from their dataclass definitions, so a field
+# added later is saved and read back without touching this file (fields listed by hand were
+# dropped silently: hook_mode, probe_always). Only fields whose JSON shape differs need a rule.
+_TO_JSON: dict[str, Any] = {
+    "train_config": str, "layout": lambda v: v.to_dict(), "techniques": lambda v: v.to_dict(),
+    "control": lambda v: job_to_json(v), "test": lambda v: job_to_json(v),
+    "rules": lambda v: [jsonable(asdict(r)) for r in v],
+}
+_FROM_JSON: dict[str, Any] = {
+    "train_config": Path, "layout": lambda d: ParallelLayout(**d),
+    "techniques": lambda d: Techniques(**d), "control": lambda d: job_from_json(d),
+    "test": lambda d: job_from_json(d), "rules": lambda v: tuple(map(_rule_from_json, v)),
+    "overrides": lambda v: _pairs(v), "backend_options": lambda v: _pairs(v),
+    "extra": lambda v: _pairs(v), "steps": int, "seed": int, "replicates": int,
+}
+
+
+def _pairs(items: Any) -> tuple[tuple[str, str], ...]:
+    return tuple((str(k), str(v)) for k, v in items)
+
+
+def _spec_to_json(spec: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if f.name in _TO_JSON:
+            out[f.name] = _TO_JSON[f.name](value)
+        elif isinstance(value, tuple):
+            out[f.name] = [list(v) if isinstance(v, tuple) else v for v in value]
+        else:
+            out[f.name] = value
+    return out
+
+
+def _spec_from_json(cls: Any, data: Mapping[str, Any]) -> Any:
+    """Missing keys take the field's default (outcomes saved by an older version); unknown
+    keys are ignored (a newer one)."""
+    kwargs = {f.name: _FROM_JSON.get(f.name, lambda v: v)(data[f.name])
+              for f in fields(cls) if f.name in data}
+    return cls(**kwargs)
+
+
 def job_to_json(job: JobSpec) -> dict[str, Any]:
-    return {
-        "name": job.name, "train_config": str(job.train_config), "layout": job.layout.to_dict(),
-        "techniques": job.techniques.to_dict(), "steps": job.steps, "seed": job.seed,
-        "backend": job.backend, "local_batch_size": job.local_batch_size, "hook": job.hook,
-        "overrides": [list(kv) for kv in job.overrides],
-        "backend_options": [list(kv) for kv in job.backend_options], "source": job.source,
-    }
+    return _spec_to_json(job)
 
 
 def pair_to_json(pair: PairSpec) -> dict[str, Any]:
-    return {
-        "pair_id": pair.pair_id, "control": job_to_json(pair.control),
-        "test": job_to_json(pair.test), "rules": [jsonable(asdict(r)) for r in pair.rules],
-        "regime": pair.regime, "replicates": pair.replicates, "early_stop": pair.early_stop,
-        "source": pair.source, "tier": pair.tier, "probe_on_failure": pair.probe_on_failure,
-        "golden": pair.golden, "extra": [list(kv) for kv in pair.extra],
-    }
+    return _spec_to_json(pair)
 
 
 def result_to_json(result: JobResult | None) -> dict[str, Any] | None:
@@ -112,15 +142,8 @@ def metrics_from_json(data: Mapping[str, Any]) -> RunMetrics:
 
 
 def job_from_json(data: Mapping[str, Any]) -> JobSpec:
-    return JobSpec(
-        name=data["name"], train_config=Path(data["train_config"]),
-        layout=ParallelLayout(**data["layout"]), techniques=Techniques(**data["techniques"]),
-        steps=int(data["steps"]), seed=int(data["seed"]), backend=data["backend"],
-        local_batch_size=data.get("local_batch_size"), hook=data.get("hook"),
-        overrides=tuple((str(k), str(v)) for k, v in data.get("overrides", [])),
-        backend_options=tuple((str(k), str(v)) for k, v in data.get("backend_options", [])),
-        source=data.get("source", ""),
-    )
+    job: JobSpec = _spec_from_json(JobSpec, data)
+    return job
 
 
 def _rule_from_json(data: Mapping[str, Any]) -> ComparisonRule:
@@ -129,16 +152,8 @@ def _rule_from_json(data: Mapping[str, Any]) -> ComparisonRule:
 
 
 def pair_from_json(data: Mapping[str, Any]) -> PairSpec:
-    return PairSpec(
-        pair_id=data["pair_id"], control=job_from_json(data["control"]),
-        test=job_from_json(data["test"]),
-        rules=tuple(_rule_from_json(r) for r in data.get("rules", [])),
-        regime=data.get("regime", "paired"), replicates=int(data.get("replicates", 3)),
-        early_stop=bool(data.get("early_stop", True)), source=data.get("source", ""),
-        tier=data.get("tier", "quick"), probe_on_failure=bool(data.get("probe_on_failure", True)),
-        golden=data.get("golden"),
-        extra=tuple((str(k), str(v)) for k, v in data.get("extra", [])),
-    )
+    pair: PairSpec = _spec_from_json(PairSpec, data)
+    return pair
 
 
 def result_from_json(data: Mapping[str, Any] | None) -> JobResult | None:

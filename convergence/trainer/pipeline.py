@@ -101,8 +101,10 @@ def fsdp_per_block_ok(schedule_name: str) -> bool:
     False for the zero-bubble schedules: on torch 2.13 their split backward (weight grads
     computed after the input grads) loses the gradients of parameters in nested FSDP units -
     measured on gloo, pp=2 x dp_shard=2: p.grad None (ZBVZeroBubble, InterleavedZeroBubble) or
-    100% off (DualPipeV) - while `fully_shard` on the chunk alone gives exact gradients. So for
-    these schedules the trainer shards each chunk as ONE FSDP unit (more memory per rank).
+    100% off (DualPipeV). Sharding each chunk as one FSDP unit is not enough in the trainer either
+    (grad norm 8x too small at step 1; with DDP the gradients are not averaged), so
+    `validate.check_config` refuses zero-bubble schedules with any data or context parallelism
+    at collection; this stays as the runtime guard for hooks that apply FSDP themselves.
     """
     return schedule_name not in ZERO_BUBBLE_SCHEDULES
 

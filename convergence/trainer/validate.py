@@ -17,6 +17,8 @@ from convergence.trainer.model import BLOCK_KINDS, parse_block_pattern
 #: V-shaped schedules: rank r holds stages r and 2*pp-1-r (exactly 2 per rank).
 V_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
 PP_SCHEDULES: tuple[str, ...] = SPEC_PP_SCHEDULES + V_SCHEDULES
+#: Schedules that split the backward into an input-grad and a later weight-grad pass.
+ZERO_BUBBLE_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 MULTI_STAGE = MULTI_STAGE_SCHEDULES | frozenset(V_SCHEDULES)
 
 #: fail(key, message, fix) raises the SpecError.
@@ -146,6 +148,18 @@ def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
              f"use one of {', '.join(PP_SCHEDULES)}")
     if par.pp == 1:
         return
+    data_parallel = par.dp_replicate * par.dp_shard * par.cp
+    if par.pp_schedule in ZERO_BUBBLE_SCHEDULES and data_parallel > 1:
+        # Measured with this trainer on torch 2.13 (gloo, debug config, step 1, same global
+        # batch as the fsdp dp_shard=2 control, grad norm 0.323): InterleavedZeroBubble with
+        # dp_shard=2 gave 0.041 (FSDP per chunk) and with dp_replicate=2 gave 0.415 -- the
+        # gradient reduction does not see the deferred weight-grad pass. pp alone is exact.
+        fail("parallelism.pp_schedule",
+             f"{par.pp_schedule} defers the weight gradients to a second backward pass, which "
+             "the built-in trainer's data-parallel gradient reduction (FSDP/DDP over dp_replicate "
+             f"x dp_shard x cp = {data_parallel}) misses: the gradients would be wrong",
+             "use GPipe, 1F1B or Interleaved1F1B with data or context parallelism, or run "
+             f"{par.pp_schedule} with pp only")
     spr = stages_per_rank(cfg)
     multi = par.pp_schedule in MULTI_STAGE
     if multi and spr < 2:
