@@ -8,6 +8,7 @@
     convergence record REPORT.json HISTORY.jsonl                   append a night to the history
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
     convergence configs                                             list the shipped train configs
+    convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
     convergence --version
 
 Exit status: 0 when everything passed, 1 when a pair/metric failed, 2 for invalid input.
@@ -182,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=cmd_report)
 
     add_export_parser(sub)
+
+    from convergence.cache_cli import add_cache_parser
+
+    add_cache_parser(sub)
 
     # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly.py --
     from convergence.nightly import add_subcommands as add_nightly_subcommands

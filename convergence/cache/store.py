@@ -138,6 +138,11 @@ class RunCache:
             return None
         problem = self.verify(entry)
         if problem is None:
+            if not self.read_only:
+                try:  # last use, for `convergence cache prune --older-than`
+                    os.utime(entry)
+                except OSError:
+                    pass
             return entry
         if self.read_only:
             log.warning("run cache: entry %s is corrupt (%s); read-only cache, running again "
@@ -251,6 +256,19 @@ class RunCache:
             yield Claim(self, key, None if refresh else self.get(key))
 
     # -- housekeeping ---------------------------------------------------------------------
+
+    def entries(self) -> list[Path]:
+        """Every entry folder (verified or not), oldest first."""
+        found = [p for p in self.root.glob("??/*") if p.is_dir() and len(p.parent.name) == 2
+                 and not p.parent.name.startswith(".")]
+        return sorted(found, key=lambda p: p.stat().st_mtime)
+
+    def remove(self, entry: Path) -> None:
+        """Delete one entry (under its key's lock, so no reader sees it half gone)."""
+        if self.read_only:
+            raise CacheError(f"run cache {self.root} is read-only: cannot remove {entry.name}")
+        with self.lock(entry.name):
+            self._discard(entry)
 
     def _discard(self, entry: Path) -> None:
         """Remove an entry so that it vanishes at once (rename), then delete it."""
