@@ -11,6 +11,7 @@ from typing import Any
 from convergence.outcome import PairOutcome
 from convergence.spec.job import JobSpec
 from convergence.stats.types import MetricVerdict
+from convergence.report.fmt import verdict_state
 
 TRACEBACK_HEAD_LINES = 25
 """Lines of a broken job's traceback shown in the failure text; the rest is in the logs."""
@@ -25,8 +26,8 @@ def _num(value: Any) -> str:
 
 
 def _verdict_line(v: MetricVerdict) -> str:
-    state = "pass" if v.passed else "FAIL"
-    if not v.gate:
+    state = verdict_state(v.passed, v.gate)
+    if v.passed and not v.gate:
         state += " (report only)"
     parts = [f"  {v.metric:<12} {v.method:<10} {state:<6}"]
     if v.first_divergent_step is not None:

@@ -79,3 +79,12 @@ def describe_test(short_name: str, changed: Mapping[str, Any]) -> str:
     """``fsdp2-tp2`` or, for a technique pair on the same layout, ``fsdp2 +param:bf16``."""
     techniques = fmt_techniques(changed)
     return short_name if techniques == "-" else f"{short_name} +{techniques}"
+
+
+def verdict_state(passed: bool, gate: bool) -> str:
+    """One metric's verdict as a word: "pass", "FAIL", or -- for a metric that does not gate
+    (tokens/s, memory by default) -- "regressed (report only)", which never reads as a failure
+    of the pair."""
+    if passed:
+        return "pass"
+    return "FAIL" if gate else "regressed (report only)"

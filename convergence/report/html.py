@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from convergence.report.dimensions import html_section as dimensions_html
-from convergence.report.fmt import as_float, fmt_amount, fmt_num, fmt_ratio, fmt_wall
+from convergence.report.fmt import (as_float, fmt_amount, fmt_num, fmt_ratio, fmt_wall,
+                                    verdict_state)
 from convergence.report.matrix import COLUMNS, RIGHT, record_row
 
 CSS = """
@@ -40,6 +41,7 @@ tr.skipped td.verdict { background: #eaeef2; }
 .badge.passed { background: #1a7f37; } .badge.failed { background: #cf222e; }
 .badge.error { background: #bf8700; } .badge.skipped { background: #8c959f; }
 .ok { color: #116329; } .bad { color: #a40e26; font-weight: 600; }
+.warn { color: #9a6700; font-weight: 600; }
 img { max-width: 100%; height: auto; border: 1px solid #eaeef2; }
 pre { background: #f6f8fa; padding: 8px; overflow-x: auto; font-size: 12px; }
 dl.kv { display: grid; grid-template-columns: max-content auto; gap: 2px 12px; margin: 6px 0; }
@@ -112,13 +114,19 @@ def _layout_text(side: Mapping[str, Any]) -> str:
            f"{side['world_size']} ranks)"
 
 
+def _state_span(passed: bool, gate: bool) -> str:
+    """pass (green), FAIL (red), or a non-gating regression in amber: never shown as a FAIL."""
+    css = "ok" if passed else ("bad" if gate else "warn")
+    return f'<span class="{css}">{escape(verdict_state(passed, gate))}</span>'
+
+
 def verdicts_html(record: Mapping[str, Any]) -> str:
     rows = []
     for v in record["verdicts"]:
         ok = v["passed"]
         rows.append([
             escape(v["metric"]), escape(v["method"]),
-            f'<span class="{"ok" if ok else "bad"}">{"pass" if ok else "FAIL"}</span>',
+            _state_span(ok, bool(v["gate"])),
             "yes" if v["gate"] else "no",
             escape(str(v["first_divergent_step"] if v["first_divergent_step"] is not None
                        else "-")),

@@ -85,7 +85,7 @@ def verdict_lines(record: Mapping[str, Any]) -> list[str]:
     for v in record["verdicts"]:
         if v["passed"]:
             continue
-        gate = "" if v["gate"] else " (reported only, not gating)"
+        gate = "" if v["gate"] else ": regressed (report only, does not gate)"
         where = (f"first divergent step **{v['first_divergent_step']}**; "
                  if v["first_divergent_step"] is not None else "")
         tol = f" (tolerance {fmt_num(v['tolerance_at_max'])}: {v['tolerance']})" \
@@ -155,6 +155,21 @@ def environment_line(report: Mapping[str, Any]) -> str:
         f" · generated {report['generated_at']}</sub>"
 
 
+def regression_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Pairs that passed but whose non-gating metrics (tokens/s, memory) regressed: worth a
+    look, never a failure (failed pairs list them in their own section)."""
+    lines: list[str] = []
+    for record in pairs:
+        for v in record["verdicts"]:
+            if v["passed"] or v["gate"]:
+                continue
+            detail = text(v["message"]) if v["message"] else \
+                f"max |Δ| {fmt_num(v['max_deviation'])}"
+            lines.append(f"- {cell(record['name'])}: **{v['metric']}** ({v['method']}): "
+                         f"regressed (report only, does not gate): {detail}")
+    return ["", "## Regressions (report only)", "", *lines] if lines else []
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     """Headline, the matrix, then one section per failed/errored pair."""
     pairs = report["pairs"]
@@ -174,6 +189,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         lines += ["", "## Failures", ""]
         for record in bad:
             lines += failure_section(record)
+    lines += regression_lines([p for p in pairs if p not in bad])
     from convergence.report.probe_table import has_probe_table
 
     probed = [p for p in pairs if has_probe_table(p)]

@@ -1,0 +1,38 @@
+"""A metric that does not gate (tokens/s by default) and regressed is shown as "regressed
+(report only)" -- amber in HTML -- never as FAIL, in every rendering."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from convergence.report import build_report, render_markdown
+from convergence.report.failure_text import render_outcome
+from convergence.report.html import render_html
+from report_examples import judge, passing_pair, run_metrics
+
+
+def _slow_but_correct():  # type: ignore[no-untyped-def]
+    base = passing_pair()
+    assert base.control is not None and base.test is not None
+    slow = run_metrics(1, tps=500.0)  # half the control's throughput, same loss
+    verdicts = judge(base.pair, [base.control.metrics], slow)
+    tps = next(v for v in verdicts if v.metric == "tokens_per_s")
+    assert not tps.passed and not tps.gate
+    assert all(v.passed for v in verdicts if v.gate)
+    return dataclasses.replace(base, test=dataclasses.replace(base.test, metrics=slow),
+                               verdicts=verdicts, status="passed")
+
+
+def test_a_non_gating_regression_never_reads_as_fail() -> None:
+    outcome = _slow_but_correct()
+    report = build_report([outcome], environment={}, started_at=None, wall_s=None,
+                          include_curves=False)
+    html = render_html(report, {})
+    assert '<span class="warn">regressed (report only)</span>' in html
+    assert 'class="bad"' not in html
+    md = render_markdown(report)
+    assert "## Regressions (report only)" in md and "FAIL" not in md
+    assert "**tokens_per_s** (regression): regressed (report only, does not gate)" in md
+    text = render_outcome(outcome)
+    tps_line = next(line for line in text.splitlines() if "tokens_per_s" in line)
+    assert "regressed (report only)" in tps_line and "FAIL" not in tps_line
