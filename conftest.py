@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
+
 # The plugin's own tests drive pytest in a temporary folder with `pytester`.
 pytest_plugins = ["pytester"]
 
@@ -46,3 +48,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         lines = _telling_lines("\n".join(errors) + "\n" + printed) or errors[-1:]
         for line in lines or ["(no error line)"]:
             terminalreporter.write_line(f"    {line}")
+
+
+@pytest.fixture(autouse=True)
+def _no_step_summary_of_the_ci_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The project's tests write many example reports; under GitHub Actions they must not
+    append them to the CI job's own summary. A test that checks the summary sets its own."""
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,8 +64,10 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
     from convergence.report import write_reports
     from convergence.report.schema import default_environment
 
+    # As in pytest: a CI job's summary ($GITHUB_STEP_SUMMARY, when set) gets report.md too.
     paths = write_reports(list(outcomes), out_dir,
-                          environment={**default_environment(), **extra_env})
+                          environment={**default_environment(), **extra_env},
+                          step_summary_env=os.environ)
     for kind, path in sorted(dict(paths).items()):
         print(f"  {kind}: {path}")
 

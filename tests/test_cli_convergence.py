@@ -51,6 +51,18 @@ def test_report_rebuilds_reports_from_saved_outcomes(tmp_path: Path,
     assert (tmp_path / "out" / "report.html").is_file()
 
 
+def test_report_appends_to_the_ci_step_summary(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """As pytest does: with $GITHUB_STEP_SUMMARY set, the rebuilt report.md is appended."""
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    source = _save(tmp_path / "session", [make_outcome("fsdp2-tp2")])
+    assert main(["report", "--from", str(source), "--out", str(tmp_path / "out")]) == 0
+    text = summary.read_text()
+    assert text.startswith("earlier step\n") and "fsdp2-tp2" in text and "Convergence" in text
+
+
 def test_report_from_a_folder_without_outcomes_is_a_usage_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["report", "--from", str(tmp_path), "--out", str(tmp_path / "out")])
