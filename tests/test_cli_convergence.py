@@ -93,7 +93,6 @@ def _write_run(folder: Path, losses: list[float]) -> Path:
 
 
 def test_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("convergence.stats.registry")
     losses = [5.0 - 0.01 * math.sqrt(s) for s in range(1, 41)]
     a = _write_run(tmp_path / "a", losses)
     b = _write_run(tmp_path / "b", losses)
