@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -55,3 +56,23 @@ def _no_step_summary_of_the_ci_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """The project's tests write many example reports; under GitHub Actions they must not
     append them to the CI job's own summary. A test that checks the summary sets its own."""
     monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+
+
+# `pytest -m convergence` (the quick start) selects experiment files and marked tests only, but
+# `testpaths` would still import every test module here to find out (half the collection time).
+# A module that never mentions the marker or the fixture cannot hold a convergence test: skip
+# it unread. A project-level choice for this repository, not plugin behaviour (a user's project
+# may mark tests in ways a text search cannot see).
+_MAY_HOLD_CONVERGENCE_TESTS = re.compile(r"mark\.convergence|convergence_pair|pytestmark")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if (config.getoption("markexpr", "") or "").strip() != "convergence":
+        return None
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    try:
+        source = collection_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return None if _MAY_HOLD_CONVERGENCE_TESTS.search(source) else True
