@@ -77,8 +77,7 @@ class ProgressPrinter:
 
     def _on_log(self, p: Progress) -> None:
         if p.note:
-            with self._uncaptured():
-                self._reporter.write_line(format_progress(p))
+            self._write_line(format_progress(p))
             return
         if not p.total_steps:
             return
@@ -87,8 +86,17 @@ class ProgressPrinter:
         if last is not None and bucket <= last:
             return
         self._logged_bucket[p.name] = bucket
+        self._write_line(format_progress(p))
+
+    def _write_line(self, line: str) -> None:
+        # Not reporter.write_line: it makes pytest forget which file's results the current line
+        # holds, so piped output repeated "experiments/x.toml" before every pair. Written under
+        # pytest's line instead, the next result lands on a line of its own.
+        tw = self._reporter._tw
         with self._uncaptured():
-            self._reporter.write_line(format_progress(p))
+            if tw.width_of_current_line:
+                tw.line()
+            tw.line(line)
 
     def _on_tty(self, p: Progress) -> None:
         if p.total_steps and p.step >= p.total_steps:

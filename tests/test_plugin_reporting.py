@@ -176,6 +176,33 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
     assert 'name="convergence.loss.first_divergent_step" value="5"' in junit
 
 
+def test_piped_progress_does_not_repeat_the_file_header(pytester: pytest.Pytester) -> None:
+    """Not a tty (CI logs): progress lines between two results of one file do not make pytest
+    print the file's name again before the next result."""
+    pytester.makepyfile(test_two_pairs="""
+        from convergence.launch.types import Progress
+        from pytest_convergence.progress import ProgressPrinter
+
+        def _job(request, name):
+            printer = ProgressPrinter(request.config)
+            printer(Progress(name=name, step=0, total_steps=2, loss=None, elapsed_s=0.0,
+                             note="starting (2 ranks, local launcher)"))
+            printer(Progress(name=name, step=2, total_steps=2, loss=3.0, elapsed_s=1.0))
+            printer.finish()
+
+        def test_first(request):
+            _job(request, "first test")
+
+        def test_second(request):
+            _job(request, "second test")
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["[[]first test[]] starting *", "[[]second test[]] step 2/2 *"])
+    headers = [line for line in result.outlines if line.startswith("test_two_pairs.py")]
+    assert len(headers) == 1, result.stdout.str()
+
+
 def test_progress_redraws_in_place_on_a_terminal(pytester: pytest.Pytester) -> None:
     """On a tty: lines redrawn in place (cursor moves), erased at the end, pytest's own
     result written after them on its line."""
