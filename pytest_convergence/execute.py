@@ -14,6 +14,7 @@ from convergence.runner import run_pair
 from convergence.spec.pair import PairSpec
 from pytest_convergence.failure import ConvergenceFailure
 from pytest_convergence.progress import ProgressPrinter
+from pytest_convergence.progress_relay import WorkerProgress
 from pytest_convergence.stash import get_state
 
 OUTCOME_SUFFIX = ".outcome.json"
@@ -25,7 +26,9 @@ def execute_pair(config: pytest.Config, pair: PairSpec,
     JUnit properties. KeyboardInterrupt passes through: the launcher ends the job trees."""
     state = get_state(config)
     _ignore_in_git(state.settings.work_dir)
-    printer = ProgressPrinter(config) if not state.is_worker else None
+    printer: ProgressPrinter | WorkerProgress | None = ProgressPrinter(config)
+    if state.is_worker:  # its terminal is not the user's: the controller relays a file
+        printer = WorkerProgress(state.share_dir) if state.share_dir is not None else None
     settings = dataclasses.replace(state.settings, on_progress=printer)
     try:
         outcome = run_pair(pair, settings)

@@ -23,6 +23,7 @@ from pytest_convergence.options import add_options, read_options
 from pytest_convergence.reporting import session_finish, terminal_summary
 from pytest_convergence.signals import restore_sigterm, sigterm_as_interrupt
 from pytest_convergence.stash import STATE_KEY, SessionState
+from pytest_convergence.progress_relay import ProgressRelay
 from pytest_convergence.xdist import (is_distributing, is_worker, pytest_configure_node,
                                       pytest_xdist_auto_num_workers, worker_share_dir)
 
@@ -81,7 +82,17 @@ def pytest_report_collectionfinish(config: pytest.Config, start_path: Path,
     return [note] if note else []
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    state = session.config.stash[STATE_KEY]
+    if state.distributed and state.share_dir is not None:
+        state.progress_relay = ProgressRelay(session.config, state.share_dir)
+        state.progress_relay.start()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
+    relay = session.config.stash[STATE_KEY].progress_relay
+    if relay is not None:
+        relay.stop()
     session_finish(session, exitstatus)
 
 

@@ -3,7 +3,8 @@
     [fsdp2-tp2 test] step 37/200 loss 3.214 ETA 0:41
 
 On a terminal: one line per running job, redrawn in place (throttled) and erased when the pair
-ends. Otherwise (CI logs, pytester): one line per job each ~10% of its steps. Rank logs never
+ends. Otherwise (CI logs, pytester): one line per job each ~10% of its steps. Under xdist the
+workers' lines reach the controller's terminal through files (progress_relay.py). Rank logs never
 come here; they stay in the run folders.
 """
 
@@ -41,6 +42,27 @@ def format_progress(p: Progress) -> str:
     return f"[{p.name}] step {p.step}{total}{loss} ETA {format_eta(p.eta_s)}"
 
 
+class LogThrottle:
+    """Which progress events become a line in a log (not a terminal): every note ("starting
+    ..."), then one line per job each 1/LOG_FRACTION of its steps."""
+
+    def __init__(self) -> None:
+        self._logged_bucket: dict[str, int] = {}
+
+    def line(self, p: Progress) -> str | None:
+        if p.note:
+            self._logged_bucket.pop(p.name, None)
+            return format_progress(p)
+        if not p.total_steps:
+            return None
+        bucket = p.step * LOG_FRACTION // p.total_steps
+        last = self._logged_bucket.get(p.name)
+        if last is not None and bucket <= last:
+            return None
+        self._logged_bucket[p.name] = bucket
+        return format_progress(p)
+
+
 class ProgressPrinter:
     """The ``on_progress`` callback of one pytest item (thread-safe; launchers may call it
     from watcher threads)."""
@@ -54,7 +76,7 @@ class ProgressPrinter:
         self._lines: dict[str, str] = {}
         self._drawn = 0
         self._last_draw = 0.0
-        self._logged_bucket: dict[str, int] = {}
+        self._throttle = LogThrottle()
         self._column = 0
 
     @contextlib.contextmanager
@@ -76,17 +98,9 @@ class ProgressPrinter:
                 self._on_log(progress)
 
     def _on_log(self, p: Progress) -> None:
-        if p.note:
-            self._write_line(format_progress(p))
-            return
-        if not p.total_steps:
-            return
-        bucket = p.step * LOG_FRACTION // p.total_steps
-        last = self._logged_bucket.get(p.name)
-        if last is not None and bucket <= last:
-            return
-        self._logged_bucket[p.name] = bucket
-        self._write_line(format_progress(p))
+        line = self._throttle.line(p)
+        if line is not None:
+            self._write_line(line)
 
     def _write_line(self, line: str) -> None:
         # Not reporter.write_line: it makes pytest forget which file's results the current line

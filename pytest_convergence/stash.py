@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,6 +35,8 @@ class SessionState:
     all_outcomes: list[PairOutcome] = field(default_factory=list)
     """Controller, at session finish: every outcome of the session (all workers)."""
     started_at: float = field(default_factory=time.time)
+    progress_relay: Any = None
+    """xdist controller: the thread printing the workers' progress lines (progress_relay.py)."""
     _devices: int | None = None
     _devices_known: bool = False
 

@@ -5,6 +5,7 @@ jobs in test_plugin_e2e.py."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,33 @@ def test_piped_progress_does_not_repeat_the_file_header(pytester: pytest.Pyteste
     result.stdout.fnmatch_lines(["[[]first test[]] starting *", "[[]second test[]] step 2/2 *"])
     headers = [line for line in result.outlines if line.startswith("test_two_pairs.py")]
     assert len(headers) == 1, result.stdout.str()
+
+
+def test_xdist_workers_progress_reaches_the_controller(pytester: pytest.Pytester) -> None:
+    """Under -n 2 the jobs run in workers, whose output the user never sees: their progress
+    lines are relayed by the controller, prefixed with the worker's id."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_workers="""
+        import pytest
+        from convergence.launch.types import Progress
+        from pytest_convergence.progress_relay import WorkerProgress
+        from pytest_convergence.stash import get_state
+
+        @pytest.mark.parametrize("name", ["first", "second"])
+        def test_job(request, name):
+            progress = WorkerProgress(get_state(request.config).share_dir)
+            progress(Progress(name=f"{name} test", step=0, total_steps=4, loss=None,
+                              elapsed_s=0.0, note="starting (2 ranks, local launcher)"))
+            for step in range(1, 5):
+                progress(Progress(name=f"{name} test", step=step, total_steps=4, loss=2.5,
+                                  elapsed_s=float(step)))
+    """)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    for name in ("first", "second"):
+        assert re.search(rf"\[gw\d\] \[{name} test\] starting \(2 ranks", out), out
+        assert re.search(rf"\[gw\d\] \[{name} test\] step 4/4 loss 2.5", out), out
 
 
 def test_progress_redraws_in_place_on_a_terminal(pytester: pytest.Pytester) -> None:
