@@ -92,8 +92,9 @@ _HEADER = """\
 #      go to $OUT/nights/<night>/.
 #   2. `convergence record` appends one line per pair (final loss delta, tokens/s, peak
 #      memory, verdict) to the history file, even when pairs failed.
-#   3. The script exits with pytest's status, so Slurm marks a failing night as FAILED.
-# Trend across nights:  convergence trend {history} --out $OUT/trend
+#   3. `convergence trend` rewrites $OUT/trend/ (trend.md, trend.json, trend.png) from the
+#      whole history, so the latest trend is always next to the nights.
+#   4. The script exits with pytest's status, so Slurm marks a failing night as FAILED.
 #
 # Edit the #SBATCH lines for your site (partition, account, GPUs), or regenerate with
 #   convergence nightly --experiments ... --out ... [--partition P] [--gpus-per-node G] ...
@@ -123,6 +124,11 @@ if [ -f "$NIGHT_DIR/report/report.json" ]; then
 else
     echo "no report.json for night $NIGHT (pytest exit status $status)" >&2
     status=$((status == 0 ? 3 : status))
+fi
+if [ -f "$HISTORY" ]; then
+    # the trend across every night so far; a failure here never hides the night's own status
+    "$PYTHON" -m convergence.cli trend "$HISTORY" --out "$OUT/trend" \\
+        || echo "trend report failed for night $NIGHT" >&2
 fi
 exit $status
 """

@@ -7,6 +7,7 @@ outcomes of tests/report_examples.py), with a second night's numbers changed by 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,42 @@ def test_cli_record_and_trend(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["trend", str(empty), "--out", str(tmp_path / "t2")]) == 2
+
+
+FAKE_PYTHON = """#!/bin/bash
+# Stand-in for the allocation's python: `-m pytest` writes a prepared report.json where
+# --convergence-report points (the real pytest step needs GPUs and Slurm) and exits 1 (a pair
+# failed); everything else -- `convergence.cli record` and `trend` -- runs for real.
+if [ "$2" = "pytest" ]; then
+    while [ $# -gt 0 ]; do
+        if [ "$1" = "--convergence-report" ]; then mkdir -p "$2"; cp "$REPORT_JSON" "$2/"; fi
+        shift
+    done
+    exit 1
+fi
+exec {python} "$@"
+"""
+
+
+def test_the_sbatch_script_records_each_night_and_writes_the_trend(tmp_path: Path) -> None:
+    """The generated script itself, run twice by bash: each night is recorded in the history,
+    the trend is rewritten from it, and the script exits with the night's pytest status."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    settings = NightlySettings(experiments=("experiments",), out=str(tmp_path / "nightly"),
+                               rootdir=str(ROOT), python=str(fake))
+    script = tmp_path / "nightly.sbatch"
+    script.write_text(render_sbatch(settings))
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "REPORT_JSON": str(_report(tmp_path, "night"))}
+    for job_id in ("101", "102"):
+        done = subprocess.run(["bash", str(script)], env={**env, "SLURM_JOB_ID": job_id},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1, done.stderr  # pytest's status: a pair failed
+    history = read_history(tmp_path / "nightly" / "history.jsonl")
+    assert len(history.nights()) == 2
+    trend = tmp_path / "nightly" / "trend"
+    data = json.loads((trend / "trend.json").read_text())
+    assert len(data["nights"]) == 2 and all(n.endswith(("-101", "-102")) for n in data["nights"])
+    assert (trend / "trend.png").stat().st_size > 0 and (trend / "trend.md").is_file()
