@@ -7,6 +7,7 @@
     convergence nightly --experiments PATH... --out DIR             write the nightly sbatch script
     convergence record REPORT.json HISTORY.jsonl                   append a night to the history
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
+    convergence ab EXPERIMENT.toml --baseline REF --candidate REF   the same jobs from two commits
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
     convergence --version
@@ -187,7 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
 
+    from convergence.ab import add_ab_parser
     from convergence.cache_cli import add_cache_parser
+
+    add_ab_parser(sub)
 
     add_cache_parser(sub)
 

@@ -56,6 +56,11 @@ class RunSettings:
     """Override every job's backend."""
     wall_limit_s: float = 3600.0
     idle_limit_s: float = 300.0
+    job_cwd: Path | None = None
+    """Where jobs run (default: the current directory). ``convergence ab`` runs each side in a
+    worktree of the trainer's repository, so relative commands resolve there."""
+    job_env: tuple[tuple[str, str], ...] = ()
+    """Extra environment for every job (``convergence ab``: PYTHONPATH = the worktree)."""
     session_id: str = field(default_factory=lambda: f"{os.getpid()}-{time.time_ns()}")
     """Identifies one pytest/CLI run (shared by its xdist workers): see ``refresh``."""
     on_progress: Callable[[Progress], None] | None = field(default=None, compare=False)
@@ -197,8 +202,8 @@ class Runner:
             nproc=job.world_size, log_dir=run_dir / "logs",
             metrics_path=backend.metrics_path(job, dump), stop_file=dump / "STOP",
             wall_limit_s=self.settings.wall_limit_s, idle_limit_s=self.settings.idle_limit_s,
-            total_steps=job.steps, cwd=Path.cwd(),
-            direct=backend.launches_itself(job))
+            total_steps=job.steps, cwd=self.settings.job_cwd or Path.cwd(),
+            env=dict(self.settings.job_env), direct=backend.launches_itself(job))
         result = self._launch(request, job.world_size, on_metrics)
         (run_dir / "job.json").write_text(json.dumps(
             {"job": job.identity(), "name": job.name, "status": result.status,

@@ -36,3 +36,18 @@ def test_a_non_gating_regression_never_reads_as_fail() -> None:
     text = render_outcome(outcome)
     tps_line = next(line for line in text.splitlines() if "tokens_per_s" in line)
     assert "regressed (report only)" in tps_line and "FAIL" not in tps_line
+
+
+def test_a_metric_one_side_did_not_log_is_not_compared_not_regressed() -> None:
+    base = passing_pair()
+    assert base.control is not None and base.test is not None
+    metrics = {k: v for k, v in base.test.metrics.items() if k != "tokens_per_s"}
+    verdicts = judge(base.pair, [base.control.metrics], metrics)
+    outcome = dataclasses.replace(base, test=dataclasses.replace(base.test, metrics=metrics),
+                                  verdicts=verdicts)
+    tps_line = next(line for line in render_outcome(outcome).splitlines()
+                    if "tokens_per_s" in line)
+    assert "not compared (report only)" in tps_line and "regressed" not in tps_line
+    report = build_report([outcome], environment={}, started_at=None, wall_s=None,
+                          include_curves=False)
+    assert "## Regressions" not in render_markdown(report)

@@ -26,7 +26,7 @@ def _num(value: Any) -> str:
 
 
 def _verdict_line(v: MetricVerdict) -> str:
-    state = verdict_state(v.passed, v.gate)
+    state = verdict_state(v.passed, v.gate, v.steps_compared)
     if v.passed and not v.gate:
         state += " (report only)"
     parts = [f"  {v.metric:<12} {v.method:<10} {state:<6}"]

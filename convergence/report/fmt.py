@@ -81,10 +81,12 @@ def describe_test(short_name: str, changed: Mapping[str, Any]) -> str:
     return short_name if techniques == "-" else f"{short_name} +{techniques}"
 
 
-def verdict_state(passed: bool, gate: bool) -> str:
+def verdict_state(passed: bool, gate: bool, steps_compared: int = 1) -> str:
     """One metric's verdict as a word: "pass", "FAIL", or -- for a metric that does not gate
     (tokens/s, memory by default) -- "regressed (report only)", which never reads as a failure
-    of the pair."""
+    of the pair, or "not compared (report only)" when a side did not log it."""
     if passed:
         return "pass"
-    return "FAIL" if gate else "regressed (report only)"
+    if gate:
+        return "FAIL"
+    return "regressed (report only)" if steps_compared else "not compared (report only)"

@@ -114,10 +114,13 @@ def _layout_text(side: Mapping[str, Any]) -> str:
            f"{side['world_size']} ranks)"
 
 
-def _state_span(passed: bool, gate: bool) -> str:
+
+
+
+def _state_span(passed: bool, gate: bool, steps_compared: int) -> str:
     """pass (green), FAIL (red), or a non-gating regression in amber: never shown as a FAIL."""
     css = "ok" if passed else ("bad" if gate else "warn")
-    return f'<span class="{css}">{escape(verdict_state(passed, gate))}</span>'
+    return f'<span class="{css}">{escape(verdict_state(passed, gate, steps_compared))}</span>'
 
 
 def verdicts_html(record: Mapping[str, Any]) -> str:
@@ -126,7 +129,7 @@ def verdicts_html(record: Mapping[str, Any]) -> str:
         ok = v["passed"]
         rows.append([
             escape(v["metric"]), escape(v["method"]),
-            _state_span(ok, bool(v["gate"])),
+            _state_span(ok, bool(v["gate"]), int(v.get("steps_compared", 1))),
             "yes" if v["gate"] else "no",
             escape(str(v["first_divergent_step"] if v["first_divergent_step"] is not None
                        else "-")),

@@ -85,7 +85,9 @@ def verdict_lines(record: Mapping[str, Any]) -> list[str]:
     for v in record["verdicts"]:
         if v["passed"]:
             continue
-        gate = "" if v["gate"] else ": regressed (report only, does not gate)"
+        gate = "" if v["gate"] else (": regressed (report only, does not gate)"
+                                     if v.get("steps_compared", 1) else
+                                     ": not compared (report only)")
         where = (f"first divergent step **{v['first_divergent_step']}**; "
                  if v["first_divergent_step"] is not None else "")
         tol = f" (tolerance {fmt_num(v['tolerance_at_max'])}: {v['tolerance']})" \
@@ -161,8 +163,8 @@ def regression_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines: list[str] = []
     for record in pairs:
         for v in record["verdicts"]:
-            if v["passed"] or v["gate"]:
-                continue
+            if v["passed"] or v["gate"] or not v.get("steps_compared", 1):
+                continue  # a metric a side did not log is not a regression
             detail = text(v["message"]) if v["message"] else \
                 f"max |Δ| {fmt_num(v['max_deviation'])}"
             lines.append(f"- {cell(record['name'])}: **{v['metric']}** ({v['method']}): "

@@ -1,0 +1,169 @@
+"""``convergence ab``: the same jobs from two commits (or worktrees) of a trainer, judged.
+
+    convergence ab EXPERIMENT.toml --baseline main --candidate my-branch [--repo DIR]
+
+What torchtitan's ``scripts/loss_compare.py`` does for two commits, with this project's
+verdict: every job of the experiment (its control and its tests) runs once from each side --
+a git worktree of ``--repo`` checked out at the ref, or an existing folder -- with the side's
+folder as the working directory and first on PYTHONPATH, so a relative command (``train.py``),
+a hook (``my_pkg.parallel:apply``) or torchtitan itself is imported from that side. Same seed,
+same data, same layout on both sides: the candidate is judged against the baseline job by job
+with the paired rules pytest uses (loss and grad norm gating, throughput and memory reported).
+Nothing is read from or written to the run cache (both sides are code under test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from convergence.outcome import PairOutcome
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import PairSpec
+
+EXIT_OK, EXIT_FAILED = 0, 1
+SIDES = ("baseline", "candidate")
+
+
+def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    ab = sub.add_parser(
+        "ab", help="run an experiment's jobs from two commits of a trainer and compare them",
+        description=__doc__.split("\n\n", 2)[2] if __doc__ else None)
+    ab.add_argument("experiment", help="experiment TOML file (its jobs run on both sides)")
+    ab.add_argument("--baseline", required=True, metavar="REF|DIR",
+                    help="git ref of --repo (or a folder) to compare against")
+    ab.add_argument("--candidate", required=True, metavar="REF|DIR",
+                    help="git ref of --repo (or a folder) under test")
+    ab.add_argument("--repo", default=".", metavar="DIR", help="the trainer's git repository")
+    ab.add_argument("--workdir", default=".convergence", help="run folders and worktrees")
+    ab.add_argument("--report", metavar="DIR", help="write report.json/.md/.html and plots")
+    ab.add_argument("--steps", type=int, help="override every job's steps")
+    ab.add_argument("--devices", type=int, help="devices (GPUs, or CPU slots); default detect")
+    ab.set_defaults(func=cmd_ab)
+
+
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SpecError(f"git {' '.join(args)} failed in {repo}: "
+                        f"{(done.stderr or done.stdout).strip()}", key="--repo",
+                        fix="point --repo at the trainer's git repository and use refs it has "
+                            "(a branch, tag or commit), or pass existing folders")
+    return done.stdout.strip()
+
+
+@contextmanager
+def checkout(repo: Path, ref: str, into: Path) -> Iterator[tuple[Path, str]]:
+    """The side's folder and a label: an existing folder as it is, else a detached worktree
+    of ``repo`` at ``ref`` (removed afterwards)."""
+    folder = Path(ref)
+    if folder.is_dir():
+        yield folder.resolve(), str(folder)
+        return
+    top = Path(_git(repo, "rev-parse", "--show-toplevel"))
+    commit = _git(top, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    if into.exists():  # a worktree left by an interrupted run
+        subprocess.run(["git", "-C", str(top), "worktree", "remove", "--force", str(into)],
+                       capture_output=True)
+        shutil.rmtree(into, ignore_errors=True)
+    into.parent.mkdir(parents=True, exist_ok=True)
+    _git(top, "worktree", "add", "--detach", str(into), commit)
+    try:
+        yield into, f"{ref} ({commit[:10]})"
+    finally:
+        subprocess.run(["git", "-C", str(top), "worktree", "remove", "--force", str(into)],
+                       capture_output=True)
+
+
+def _jobs(pairs: Sequence[PairSpec]) -> list[JobSpec]:
+    """Every distinct job of the experiment, control first."""
+    seen: dict[str, JobSpec] = {}
+    for pair in pairs:
+        for job in (pair.control, pair.test):
+            seen.setdefault(job.name, job)
+    return list(seen.values())
+
+
+def _side_settings(settings: object, folder: Path) -> object:
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return dataclasses.replace(settings, job_cwd=folder,  # type: ignore[type-var]
+                               job_env=(("PYTHONPATH", path),))
+
+
+def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, settings: object,
+           rootdir: Path) -> list[PairOutcome]:
+    """One outcome per job: the candidate's run judged against the baseline's."""
+    from convergence.compare_cli import compare_rules
+    from convergence.outcome import PairOutcome
+    from convergence.runner import JobFailed, Runner, apply_settings
+    from convergence.spec.experiment import load_experiment
+    from convergence.stats.registry import compare_all
+
+    pairs = [apply_settings(p, settings)  # type: ignore[arg-type]
+             for p in load_experiment(experiment, rootdir=rootdir).pairs]
+    jobs = _jobs(pairs)
+    for job in jobs:
+        if not job.techniques.bitwise_pairable:
+            raise SpecError(f"job {job.name!r} is not deterministic fp32, so two runs of it "
+                            "differ by more than the paired tolerance even without a change",
+                            file=str(experiment), key="techniques",
+                            fix="compare a deterministic fp32 variant of the job (the seed "
+                                "regime's band needs replicates on both sides: not supported "
+                                "by `ab` yet)")
+    work = Path(settings.work_dir) / "ab"  # type: ignore[attr-defined]
+    outcomes: list[PairOutcome] = []
+    with checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label), \
+            checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label):
+        runners = {"baseline": Runner(_side_settings(settings, base_dir)),  # type: ignore[arg-type]
+                   "candidate": Runner(_side_settings(settings, cand_dir))}  # type: ignore[arg-type]
+        for job in jobs:
+            pair = PairSpec(pair_id=f"ab::{job.name}", control=job, test=job,
+                            rules=compare_rules(None, None, "paired"), regime="paired",
+                            early_stop=False, source=f"{base_label} vs {cand_label}")
+            sides = {}
+            try:
+                for side in SIDES:
+                    sides[side] = runners[side].run_job(
+                        side, job, pair_dir=work / "runs" / job.name, cacheable=False)
+            except JobFailed as exc:
+                outcomes.append(PairOutcome(pair=pair, status="error",
+                                            control=sides.get("baseline"), test=None,
+                                            error=str(exc)))
+                continue
+            verdicts = tuple(compare_all(pair.rules, [sides["baseline"].metrics],
+                                         sides["candidate"].metrics))
+            passed = all(v.passed for v in verdicts if v.gate)
+            outcomes.append(PairOutcome(pair=pair, status="passed" if passed else "failed",
+                                        control=sides["baseline"], test=sides["candidate"],
+                                        verdicts=verdicts))
+    return outcomes
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from convergence.report.dimensions import render_summary
+    from convergence.report.failure_text import render_outcome
+    from convergence.runner import RunSettings
+
+    settings = RunSettings(work_dir=Path(args.workdir).resolve(), early_stop=False,
+                           steps=args.steps, devices=args.devices)
+    outcomes = run_ab(Path(args.experiment), baseline=args.baseline,
+                      candidate=args.candidate, repo=Path(args.repo), settings=settings,
+                      rootdir=Path.cwd())
+    print(f"baseline {args.baseline} vs candidate {args.candidate}:")
+    print(render_summary(outcomes))
+    for outcome in outcomes:
+        if outcome.status != "passed":
+            print(outcome.error or render_outcome(outcome))
+    if args.report:
+        from convergence.cli import _write_reports
+
+        _write_reports(outcomes, Path(args.report),
+                       {"ab": {"baseline": args.baseline, "candidate": args.candidate}})
+    return EXIT_OK if all(o.status == "passed" for o in outcomes) else EXIT_FAILED
