@@ -178,3 +178,60 @@ def test_default_regime_is_paired_only_for_deterministic_fp32(
         f"parallelism = {{ dp_shard = 2, tp = 2 }}\ntechniques = {techniques}\n", 1)
     exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
     assert exp.pairs[0].regime == regime
+
+
+TORCHTITAN = """
+[defaults]
+backend = "torchtitan"
+backend_options = {{ module = "llama3", config = "llama3_debugmodel" }}
+steps = 10
+tier = "nightly"
+{overrides}
+
+[control]
+name = "fsdp2"
+parallelism = {{ dp_shard = 2 }}
+
+[[test]]
+name = "fsdp2-tp2"
+parallelism = {{ dp_shard = 2, tp = 2 }}
+"""
+
+
+def test_a_torchtitan_job_needs_no_train_config_file(tmp_path: Path) -> None:
+    """torchtitan names its config by module + config; the cache key comes from those."""
+    path = write(tmp_path, TORCHTITAN.format(overrides=""))
+    (pair,) = load_experiment(path, rootdir=tmp_path, max_tier="quick").pairs  # no preflight
+    assert pair.test.backend == "torchtitan"
+    assert "no train_config" in str(pair.test.train_config)
+
+
+def test_overrides_as_a_torchtitan_option_string(tmp_path: Path) -> None:
+    raw = ('overrides = "--training.seq_len=256 --compile.enable '
+           '--lr_scheduler.warmup_steps 2 --job.description=\'a b\'"')
+    path = write(tmp_path, TORCHTITAN.format(overrides=raw))
+    (pair,) = load_experiment(path, rootdir=tmp_path, max_tier="quick").pairs
+    assert dict(pair.test.overrides) == {"training.seq_len": "256", "compile.enable": "true",
+                                        "lr_scheduler.warmup_steps": "2",
+                                        "job.description": "a b"}
+    bad = write(tmp_path, TORCHTITAN.format(overrides='overrides = "training.steps=3"'))
+    with pytest.raises(SpecError) as info:
+        load_experiment(bad, rootdir=tmp_path, max_tier="quick")
+    assert info.value.key.endswith("overrides") and "--training.steps=10" in info.value.fix
+
+
+def test_a_command_job_without_train_config_asks_for_its_own_config(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        [control]
+        name = "ddp2"
+        backend = "command"
+        backend_options = { command = "train.py --out {dump_dir}" }
+        parallelism = { dp_replicate = 2 }
+
+        [[test]]
+        name = "fsdp2"
+        parallelism = { dp_shard = 2 }
+        """)
+    with pytest.raises(SpecError) as info:
+        load_experiment(path, rootdir=tmp_path)
+    assert "your trainer's config file" in info.value.fix and "debug" not in info.value.fix

@@ -191,14 +191,20 @@ def _folders_up(start: Path, stop: Path) -> list[Path]:
 
 
 def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: Path) -> JobSpec:
-    if "train_config" not in table:
-        raise SpecError("no train_config", file=file, key=f"{key}.train_config",
-                        fix='set train_config = "debug" (a shipped config) in [defaults]')
+    backend = str(table.get("backend", "builtin"))
+    if "train_config" not in table and backend != "torchtitan":
+        fix = ('set train_config = "debug" (a shipped config) in [defaults]' if backend == "builtin"
+               else "set train_config to your trainer's config file (hashed into the run-cache "
+                    "key, so a changed config is never mistaken for a cached one)")
+        raise SpecError("no train_config", file=file, key=f"{key}.train_config", fix=fix)
     par = expect_table(table.get("parallelism", {}), file=file, key=f"{key}.parallelism")
     check_keys(par, LAYOUT_KEYS, file=file, path=f"{key}.parallelism")
     tech = expect_table(table.get("techniques", {}), file=file, key=f"{key}.techniques")
     check_keys(tech, TECHNIQUE_KEYS, file=file, path=f"{key}.techniques")
-    overrides = expect_table(table.get("overrides", {}), file=file, key=f"{key}.overrides")
+    raw_overrides = table.get("overrides", {})
+    overrides = (_option_string(raw_overrides, file=file, key=f"{key}.overrides")
+                 if isinstance(raw_overrides, str) else
+                 expect_table(raw_overrides, file=file, key=f"{key}.overrides"))
     options = expect_table(table.get("backend_options", {}), file=file,
                            key=f"{key}.backend_options")
     try:
@@ -207,15 +213,18 @@ def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: P
         hook = table.get("hook")
         return JobSpec(
             name=name,
-            train_config=_resolve_config(table["train_config"], file=file,
-                                         key=f"{key}.train_config", rootdir=rootdir),
+            # torchtitan names its config by module + config; a file is optional (hashed
+            # into the key when given): the backend's config_text covers the rest.
+            train_config=(_resolve_config(table["train_config"], file=file,
+                                          key=f"{key}.train_config", rootdir=rootdir)
+                          if "train_config" in table else Path(NO_TRAIN_CONFIG)),
             layout=layout,
             techniques=techniques,
             steps=expect(table.get("steps", 100), int, file=file, key=f"{key}.steps",
                          what="an integer"),
             seed=expect(table.get("seed", 42), int, file=file, key=f"{key}.seed",
                         what="an integer"),
-            backend=str(table.get("backend", "builtin")),
+            backend=backend,
             local_batch_size=table.get("local_batch_size"),
             hook=None if hook is None else expect(hook, str, file=file, key=f"{key}.hook",
                                                   what='"package.module:function"'),
@@ -233,6 +242,40 @@ def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: P
         raise SpecError(exc.detail, file=file, key=path, fix=exc.fix) from None
     except TypeError as exc:
         raise SpecError(str(exc), file=file, key=key, fix="check the value types") from None
+
+
+NO_TRAIN_CONFIG = "<no train_config>"
+"""Stands for a torchtitan job's absent train_config file (its config is module + config)."""
+
+
+def _option_string(text: str, *, file: str, key: str) -> dict[str, str]:
+    """``"--training.steps=10 --compile.enable --x.y 3"`` (a torchtitan-style option string,
+    as written on a torchrun command line) -> {"training.steps": "10", "compile.enable":
+    "true", "x.y": "3"}. Split like a shell would, but never run through one."""
+    import shlex
+
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise SpecError(f"cannot split the option string: {exc}", file=file, key=key,
+                        fix="quote values with spaces, e.g. '--job.description=\"a b\"'") from None
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if not word.startswith("--") or len(word) < 3:
+            raise SpecError(f"{word!r} is not an option (--section.key=value)", file=file,
+                            key=key, fix='write options as "--training.steps=10 --a.b=c"')
+        name, eq, value = word[2:].partition("=")
+        if not eq:
+            following = words[i + 1] if i + 1 < len(words) else None
+            if following is not None and not following.startswith("--"):
+                value, i = following, i + 1
+            else:
+                value = "true"  # a bare flag
+        out[name] = value
+        i += 1
+    return out
 
 
 def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
