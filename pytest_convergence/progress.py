@@ -103,11 +103,17 @@ class ProgressPrinter:
             self._write_line(line)
 
     def _write_line(self, line: str) -> None:
-        # Not reporter.write_line: it makes pytest forget which file's results the current line
-        # holds, so piped output repeated "experiments/x.toml" before every pair. Written under
-        # pytest's line instead, the next result lands on a line of its own.
-        tw = self._reporter._tw
         with self._uncaptured():
+            if self._reporter.verbosity > 0:
+                # -v: pytest then writes the result with its test id again
+                # ("experiments/x.toml::fsdp2-tp2 PASSED"): a bare "PASSED" under progress
+                # lines would not say which pair it is.
+                self._reporter.write_line(line)
+                return
+            # Default verbosity: reporter.write_line would make pytest forget which file's
+            # results the current line holds, so piped output repeated "experiments/x.toml"
+            # before every pair. Written under pytest's line, the next "." starts a new line.
+            tw = self._reporter._tw
             if tw.width_of_current_line:
                 tw.line()
             tw.line(line)

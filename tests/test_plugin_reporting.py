@@ -202,6 +202,13 @@ def test_piped_progress_does_not_repeat_the_file_header(pytester: pytest.Pyteste
     result.stdout.fnmatch_lines(["[[]first test[]] starting *", "[[]second test[]] step 2/2 *"])
     headers = [line for line in result.outlines if line.startswith("test_two_pairs.py")]
     assert len(headers) == 1, result.stdout.str()
+    # -v: each result still carries its test id after the progress lines (CI logs are read
+    # by test id; a bare "PASSED" would not say which pair passed).
+    verbose = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-v")
+    verbose.stdout.fnmatch_lines(["[[]first test[]] step 2/2 *",
+                                  "test_two_pairs.py::test_first PASSED*",
+                                  "[[]second test[]] step 2/2 *",
+                                  "test_two_pairs.py::test_second PASSED*"])
 
 
 def test_xdist_workers_progress_reaches_the_controller(pytester: pytest.Pytester) -> None:
