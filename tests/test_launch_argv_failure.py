@@ -113,3 +113,57 @@ def test_a_sigtermed_root_cause_gives_way_to_the_real_failure() -> None:
         "exitcode  : @", "exitcode  : -9 (pid: 5029)  (SIGKILL)")
     cause = parse_root_cause(swapped)
     assert cause is not None and (cause.rank, cause.signal) == (1, "SIGKILL")
+
+
+TIED_REPORT = """\
+Failures:
+[1]:
+  time      : 2026-11-24_05:22:18
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 8793)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+--------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-24_05:22:18
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 8792)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+========================================================
+"""
+
+
+def _rank_log(root: Path, local_rank: int, last_line: str) -> None:
+    log = root / "ranks" / "r_1" / "attempt_0" / str(local_rank) / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(f"[rank{local_rank}]: Traceback (most recent call last):\n"
+                   f"[rank{local_rank}]:   File \"train.py\", line 3, in step\n"
+                   f"[rank{local_rank}]: {last_line}\n")
+
+
+def test_the_rank_that_failed_by_itself_is_blamed_not_the_peer_that_lost_it(
+        tmp_path: Path) -> None:
+    """Rank 1 raised in a hook; rank 0 then saw gloo's "Connection closed by peer" and exited
+    in the same second, and torchrun named rank 0. The message must name rank 1's error (seen
+    in CI: the hook-fault test failed on this tie)."""
+    (tmp_path / "launcher.log").write_text(TIED_REPORT)
+    _rank_log(tmp_path, 0, "RuntimeError: [/gloo/transport/tcp/pair.cc:553] Connection closed "
+                           "by peer [127.0.0.1]:23938. This is typically caused by a remote "
+                           "worker crashing.")
+    _rank_log(tmp_path, 1, "RuntimeError: hook fault on rank 1 at step 3")
+    info = diagnose(tmp_path, name="j", returncode=1)
+    assert info.rank == 1
+    assert info.message == "job 'j': rank 1 failed: RuntimeError: hook fault on rank 1 at step 3"
+    # Without torchrun's report the rank logs are scanned the same way.
+    (tmp_path / "launcher.log").write_text("no report\n")
+    assert diagnose(tmp_path, name="j", returncode=1).rank == 1
+    # Only peer-gone errors: the named rank stays the one to look at.
+    (tmp_path / "launcher.log").write_text(TIED_REPORT)
+    _rank_log_path = tmp_path / "ranks" / "r_1" / "attempt_0" / "1" / "stderr.log"
+    _rank_log_path.write_text("Traceback (most recent call last):\nRuntimeError: Connection "
+                              "reset by peer\n")
+    assert diagnose(tmp_path, name="j", returncode=1).rank == 0

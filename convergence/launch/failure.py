@@ -147,17 +147,47 @@ def _rank_traceback(log_dir: Path, cause: RootCause) -> str:
 
 
 def _scan_ranks(log_dir: Path) -> tuple[int | None, str]:
-    """No root-cause block: take the first rank whose stderr holds a traceback."""
-    for path in sorted((log_dir / "ranks").glob("*/attempt_*/*/stderr.log")):
-        tb = last_traceback(_read(path))
-        if tb:
-            return int(path.parent.name), tb
-    return None, ""
+    """No root-cause block: the first rank whose stderr holds a traceback of its own failure
+    (a peer-gone error only when no rank has another)."""
+    found = [(int(path.parent.name), last_traceback(_read(path)))
+             for path in sorted((log_dir / "ranks").glob("*/attempt_*/*/stderr.log"))]
+    found = [(rank, tb) for rank, tb in found if tb]
+    own = [(rank, tb) for rank, tb in found if not is_peer_gone(tb)]
+    return (own or found or [(None, "")])[0]
 
 
 def _last_line(traceback: str) -> str:
     lines = [ln.strip() for ln in traceback.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
+
+
+#: The last line of a rank that failed only because a peer was gone: gloo/NCCL/c10d errors
+#: seen by every other rank after the real failure. Such a rank is never the one to blame
+#: while another rank failed differently.
+_PEER_GONE = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)|"
+    r"NCCL communicator was aborted|socket timeout|Connection refused|"
+    r"DistNetworkError|DistBackendError: .*(closed|reset|timeout)", re.IGNORECASE)
+
+
+def is_peer_gone(traceback: str) -> bool:
+    """Whether a rank's traceback ends in "a peer went away" rather than its own fault."""
+    return bool(_PEER_GONE.search(_last_line(traceback)))
+
+
+def _first_own_failure(log_dir: Path, cause: RootCause, tb: str,
+                       others: list[RootCause]) -> tuple[RootCause, str]:
+    """torchrun names one rank of those that exited in the same second; when it names one
+    that only lost its peer, blame a rank that failed by itself (e.g. raised in a hook)."""
+    if cause.signal or not is_peer_gone(tb):
+        return cause, tb
+    for other in sorted(others, key=lambda o: o.rank):
+        if other.signal or other.rank == cause.rank:
+            continue
+        other_tb = _rank_traceback(log_dir, other)
+        if other_tb and not is_peer_gone(other_tb):
+            return other, other_tb
+    return cause, tb
 
 
 def diagnose(log_dir: Path, *, name: str, returncode: int | None,
@@ -167,6 +197,7 @@ def diagnose(log_dir: Path, *, name: str, returncode: int | None,
     cause = None if direct else parse_root_cause(agent_log)
     if cause is not None:
         tb = _rank_traceback(log_dir, cause)
+        cause, tb = _first_own_failure(log_dir, cause, tb, parse_failures(agent_log)[1])
         if cause.signal:
             hint = " (out of memory?)" if cause.signal == "SIGKILL" else ""
             message = f"job {name!r}: rank {cause.rank} was killed by {cause.signal}{hint}"
