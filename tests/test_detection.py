@@ -1,10 +1,11 @@
 """The detection benchmark's CI subset: planted bugs of benchmarks/detection/ must fail with
 the default rules (on the metric that witnesses them), a correct pair must pass.
 
-The whole catalogue (12 bugs, 22 correct pairs) is `python benchmarks/detection/run.py`; its
+The whole catalogue (13 bugs, 22 correct pairs) is `python benchmarks/detection/run.py`; its
 numbers are in BENCHMARKS.md. Here: three cheap 2-rank bugs -- one that only the grad norm sees
 (Adam hides a gradient scale from the loss), one that only data shows, one reduction missing a
-rank -- and one correct pair through the same hook machinery.
+rank --, a 4-rank position bug that only the per-part grad norm sees at first, and one correct
+pair through the same hook machinery.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from convergence.spec.pair import PairSpec  # noqa: E402
 
 STEPS = 12
 CASES = ("ddp-sum-not-average", "dp-ranks-read-same-shard", "fsdp-dp-rank-dropped",
-         "fsdp2-noop-hook")
+         "cp-rope-ignores-offset", "fsdp2-noop-hook")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,20 @@ def test_reduction_missing_a_rank_is_caught(runner: Runner,
                                             pairs: dict[str, PairSpec]) -> None:
     outcome = runner.run_pair(pairs["fsdp-dp-rank-dropped"])
     assert _failed_on(outcome, "grad_norm") == 1
+
+
+def test_position_bug_is_caught_at_step_1_by_the_per_part_grad_norm(
+        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    """CP rotary angles without the chunk offset: at step 1 the attention is nearly uniform,
+    so the loss and the total grad norm move less than their tolerances (on the Markov data the
+    loss first diverged at step 16 of 30); the query/key gradients move ~3e-3 relative."""
+    outcome = runner.run_pair(pairs["cp-rope-ignores-offset"])
+    assert _failed_on(outcome, "grad_norm_parts") == 1
+    total = outcome.verdict("grad_norm")
+    assert total is not None and (total.passed or (total.first_divergent_step or 0) > 1)
+    assert outcome.test is not None
+    parts = outcome.test.metrics["grad_norm_parts"]
+    assert len(parts) >= 1 and parts.values[0] > 0
 
 
 def test_correct_pair_through_a_hook_passes(runner: Runner,

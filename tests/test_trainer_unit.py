@@ -14,7 +14,8 @@ from convergence.trainer.config import load_train_config
 from convergence.trainer.data import TRAIN, VAL, BatchPlan, MarkovLanguage, build_source
 from convergence.trainer.hooks import load_hook
 from convergence.trainer.model import ModelArgs, build_model
-from convergence.trainer.optim import clip_grads_, global_grad_norm, lr_at
+from convergence.trainer.optim import (clip_grads_, global_grad_norm, grad_norms, lr_at,
+                                       model_parts, parameter_part, parts_geomean)
 from convergence.trainer.validate import check_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +76,42 @@ def test_markov_entropy_floor_is_the_empirical_optimum() -> None:
     nll = -np.log(probs[tokens[:, :-1], tokens[:, 1:]]).mean()
     assert abs(nll - lang.entropy_floor) < 0.03  # 51k tokens: sampling noise ~0.005
     assert np.allclose(lang.stationary @ probs, lang.stationary, atol=1e-12)
+
+
+@pytest.mark.parametrize(("lag", "copy_span"), [(2, 0), (3, 0), (1, 16), (2, 8)])
+def test_lagged_and_copy_floor_is_the_empirical_optimum(lag: int, copy_span: int) -> None:
+    lang = MarkovLanguage.build(vocab_size=64, seq_len=64, seed=3, concentration=0.1,
+                                order_seed=0, lag=lag, copy_span=copy_span)
+    tokens = lang.samples(np.arange(1500), TRAIN)
+    distance = 65 - copy_span
+    if copy_span:
+        assert (tokens[:, distance:] == tokens[:, :copy_span]).all()
+    probs = np.diff(np.concatenate([np.zeros((64, 1)), lang.cum_probs], axis=1), axis=1)
+    # The optimal predictor, position by position (data.py's docstring): -log p(target).
+    nll = []
+    for t in range(1, 65):
+        if t < copy_span:
+            nll.append(np.full(len(tokens), math.log(64)))
+        elif t < copy_span + lag:
+            nll.append(-np.log(lang.stationary[tokens[:, t]]))
+        elif t < distance:
+            nll.append(-np.log(probs[tokens[:, t - lag], tokens[:, t]]))
+        else:
+            nll.append(np.zeros(len(tokens)))
+    assert abs(float(np.mean(nll)) - lang.entropy_floor) < 0.03  # 96k targets
+    plain = MarkovLanguage.build(vocab_size=64, seq_len=64, seed=3, concentration=0.1,
+                                 order_seed=0)
+    assert lang.markov_entropy == pytest.approx(plain.entropy_floor, rel=1e-12)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("--data.copy_span=33", "data.copy_span"), ("--data.copy_span=-1", "data.copy_span"),
+    ("--data.lag=0", "data.lag"), ("--data.lag=40", "data.lag"),
+])
+def test_bad_synthetic_structure_names_the_key(override: str, key: str) -> None:
+    with pytest.raises(SpecError) as info:
+        build_source(cfg(override))
+    assert info.value.key == key and info.value.fix
 
 
 def test_samples_depend_only_on_index_and_split() -> None:
@@ -154,6 +191,41 @@ def test_grad_norm_and_clip_match_torch_on_plain_tensors() -> None:
         assert torch.allclose(p.grad, r.grad, rtol=1e-6)
     assert math.isclose(torch.cat([p.grad.flatten() for p in params]).norm().item(), 0.5,
                         rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "part"), [
+    ("layers.3.attention.wq.weight", "attention.wq"),
+    ("layers.0._checkpoint_wrapped_module.attention.wk.weight", "attention.wk"),
+    ("_orig_mod.layers.1.feed_forward.w2.weight", "feed_forward.w2"),
+    ("layers.2.attention_norm.weight", "attention_norm"),
+    ("tok_embeddings.weight", "tok_embeddings"),
+    ("norm.weight", "norm"),
+])
+def test_parameter_part_is_the_same_for_every_layer_and_wrapper(name: str, part: str) -> None:
+    assert parameter_part(name) == part
+
+
+def test_grad_norms_per_part_add_up_to_the_total() -> None:
+    model = build_model(ModelArgs.from_config(cfg().model, seq_len=16), "cpu")
+    parts = model_parts(build_model(ModelArgs.from_config(cfg().model, seq_len=16), "meta"))
+    assert {"attention.wq", "attention.wk", "feed_forward.w1", "tok_embeddings", "output",
+            "norm"} <= set(parts)
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    named = list(model.named_parameters())
+    total, per_part = grad_norms(named, parts, None)
+    assert total.item() == global_grad_norm([p for _, p in named], None).item()
+    assert per_part.pow(2).sum().item() == pytest.approx(total.item() ** 2, rel=1e-12)
+    wq = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for n, p in named
+                       if n.endswith("attention.wq.weight")))
+    assert per_part[parts.index("attention.wq")].item() == pytest.approx(wq, rel=1e-12)
+    # The geometric mean moves by the average relative change of the parts: scaling one
+    # part's gradient by (1 + e) moves it by ~e / K, while the total may barely move.
+    base = parts_geomean(per_part)
+    bumped = per_part.clone()
+    bumped[parts.index("attention.wq")] *= 1.01
+    assert parts_geomean(bumped) / base == pytest.approx(1.01 ** (1 / len(parts)), rel=1e-12)
+    assert parts_geomean(torch.zeros(3)) == 0.0
 
 
 def test_load_hook_errors_name_the_key() -> None:

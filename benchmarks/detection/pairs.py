@@ -56,9 +56,12 @@ def _job_lines(case_like: dict[str, Any]) -> list[str]:
     return lines
 
 
-def experiment_text(cases: Sequence[Case], *, seed: int, precision: str, steps: int) -> str:
+DEBUG_CONFIG = REPO / "convergence" / "configs" / "debug.toml"
+
+
+def experiment_text(cases: Sequence[Case], *, seed: int, precision: str, steps: int,
+                    config: Path = DEBUG_CONFIG) -> str:
     techniques = {"param_dtype": "bfloat16"} if precision == "bf16" else {}
-    config = REPO / 'convergence' / 'configs' / 'debug.toml'
     lines = ["[defaults]", f"train_config = {_value(str(config))}",
              f"steps = {steps}", f"seed = {seed}",
              # Localisation is a separate feature (and costs two probe jobs per failure).
@@ -73,7 +76,8 @@ def experiment_text(cases: Sequence[Case], *, seed: int, precision: str, steps: 
     return "\n".join(lines) + "\n"
 
 
-def build_pairs(cases: Iterable[Case], folder: Path, *, steps: int) -> dict[str, PairSpec]:
+def build_pairs(cases: Iterable[Case], folder: Path, *, steps: int,
+                config: Path = DEBUG_CONFIG) -> dict[str, PairSpec]:
     """Write one experiment file per control group into ``folder``; the pairs by case name."""
     put_bugs_on_path()
     groups: dict[tuple[int, str], list[Case]] = defaultdict(list)
@@ -82,7 +86,8 @@ def build_pairs(cases: Iterable[Case], folder: Path, *, steps: int) -> dict[str,
     pairs: dict[str, PairSpec] = {}
     for (seed, precision), members in groups.items():
         path = folder / f"detection_seed{seed}_{precision}.toml"
-        path.write_text(experiment_text(members, seed=seed, precision=precision, steps=steps))
+        path.write_text(experiment_text(members, seed=seed, precision=precision, steps=steps,
+                                        config=config))
         for pair in load_experiment(path, rootdir=REPO).pairs:
             pairs[pair.name] = pair
     return pairs

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _report
 
 from _report import machine, write_section  # noqa: E402
 from catalogue import ALL, STEPS, Case  # noqa: E402
-from pairs import build_pairs  # noqa: E402
+from pairs import DEBUG_CONFIG, build_pairs  # noqa: E402
 
 from convergence.outcome import PairOutcome  # noqa: E402
 from convergence.runner import Runner, RunSettings  # noqa: E402
@@ -64,8 +64,9 @@ class Row:
         return test.wall_s if test is not None else float("nan")
 
 
-def run_cases(cases: list[Case], *, steps: int, early_stop: bool, work: Path) -> list[Row]:
-    pairs = build_pairs(cases, work, steps=steps)
+def run_cases(cases: list[Case], *, steps: int, early_stop: bool, work: Path,
+              config: Path = DEBUG_CONFIG) -> list[Row]:
+    pairs = build_pairs(cases, work, steps=steps, config=config)
     runner = Runner(RunSettings(work_dir=work / "work", early_stop=early_stop,
                                 idle_limit_s=300, wall_limit_s=1200))
     rows = []
@@ -155,6 +156,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     parser.add_argument("--kind", choices=("bug", "correct"), help="only bugs / correct pairs")
     parser.add_argument("--no-early-stop", action="store_true")
+    parser.add_argument("--train-config", type=Path, default=DEBUG_CONFIG,
+                        help="train config of every pair (default: the shipped debug.toml)")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
     args = parser.parse_args()
     cases = [c for c in ALL if (not args.only or c.name in args.only)
@@ -162,7 +165,7 @@ def main() -> int:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="detection-") as tmp:
         rows = run_cases(cases, steps=args.steps, early_stop=not args.no_early_stop,
-                         work=Path(tmp))
+                         work=Path(tmp), config=args.train_config.resolve())
     total = time.monotonic() - start
     bugs = [r for r in rows if r.case.kind == "bug"]
     correct = [r for r in rows if r.case.kind == "correct"]
@@ -172,7 +175,8 @@ def main() -> int:
     body = "\n\n".join(part for part in (
         "## Verdict quality: detection power and false alarms (benchmarks/detection/run.py)",
         f"Machine: {machine()}. Commit {_commit()}. `{command}`: debug model, {args.steps} steps, control FSDP(2) "
-        "per seed and precision, default comparison rules (loss and grad norm, paired regime "
+        "per seed and precision, default comparison rules (loss, grad norm, per-part grad norm "
+        "and data fingerprint, paired regime "
         "for fp32, seed regime with 3 control replicates for bf16), early stopping on. Planted "
         "bugs are parallelism hooks in benchmarks/detection/detection_bugs/ (each docstring "
         "names the real bug it stands for). \"test job s\" is the time to verdict once the "
@@ -182,7 +186,8 @@ def main() -> int:
         correct_table(correct) if correct else "",
     ) if part)
     print("\n" + body)
-    if not args.no_write and not args.only and args.kind is None:
+    if (not args.no_write and not args.only and args.kind is None
+            and args.train_config.resolve() == DEBUG_CONFIG):
         write_section("detection", body)
     missed = sum(not r.caught for r in bugs)
     alarms = sum(r.outcome.status != "passed" for r in correct)  # errors fail the script

@@ -17,6 +17,7 @@ from convergence.spec.pair import METRICS
 TENSORBOARD_TAGS: dict[str, str] = {
     "loss_metrics/global_avg_loss": "loss",
     "grad_norm": "grad_norm",
+    "grad_norm_parts": "grad_norm_parts",
     "lr": "lr",
     "validation_metrics/loss": "val_loss",
     "validation/loss": "val_loss",

@@ -8,7 +8,8 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
 #: Metric names used throughout the library (backends map their own tags onto these).
-METRICS: tuple[str, ...] = ("loss", "grad_norm", "lr", "val_loss", "tokens_per_s", "peak_mem_mib",
+METRICS: tuple[str, ...] = ("loss", "grad_norm", "grad_norm_parts", "lr", "val_loss",
+                          "tokens_per_s", "peak_mem_mib",
                           "data_fingerprint")
 METHODS: tuple[str, ...] = ("exact", "allclose", "paired", "seed", "regression")
 REGIMES: tuple[str, ...] = ("paired", "seed")

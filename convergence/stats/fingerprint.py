@@ -45,7 +45,9 @@ def compare_fingerprints(rule: ComparisonRule, controls: Sequence[Curve], test: 
 
 
 def not_logged(rule: ComparisonRule) -> MetricVerdict:
-    """A side without fingerprints (a backend that does not log them, an old cached run)."""
+    """A metric a side does not log (a backend without fingerprints or per-part grad norms,
+    an old cached run): nothing to hold against the pair."""
+    what = "data" if rule.metric == METRIC else "metric"
     return MetricVerdict(metric=rule.metric, method=rule.method, passed=True, gate=False,
                          steps_compared=0,
-                         message=f"{rule.metric}: not logged by both runs; data not compared")
+                         message=f"{rule.metric}: not logged by both runs; {what} not compared")

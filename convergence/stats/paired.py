@@ -27,6 +27,13 @@ has to be that tight: a planted bug that doubles ONE weight's gradient (layer 0'
 moves the total grad norm by only 2.7e-4 relative and leaves an Adam loss curve bit-identical
 (Adam's update is invariant to the gradient's scale), so the grad norm is the only witness.
 
+The per-part grad norm (``grad_norm_parts``: the geometric mean over the model's parts of each
+part's gradient norm, trainer/optim.py) has the grad norm's tolerance. Its noise is the parts'
+reduction-order noise averaged: measured FSDP2 vs FSDP2+CP2 at steps 1-3, every part within
+1.2e-7 relative. It exists for bugs the total cannot see: a rotary offset dropped under CP moves
+the query/key gradients by 2e-3..9e-3 relative at step 1, the geometric mean by ~6e-4 (30x
+the tolerance), the total by less than 2e-5.
+
 The learning rate comes from the schedule, not from the model: it must agree to float64
 rounding. ``rule.atol`` / ``rule.growth`` / ``rule.rtol`` override each default.
 """
@@ -67,6 +74,7 @@ PAIRED_DEFAULTS: dict[str, PairedTolerance] = {
     "loss": _LOSS,
     "val_loss": _LOSS,
     "grad_norm": PairedTolerance(atol=1e-7, growth=0.1, rtol=2e-5),
+    "grad_norm_parts": PairedTolerance(atol=1e-7, growth=0.1, rtol=2e-5),
     "lr": PairedTolerance(atol=1e-12, growth=0.0, rtol=1e-9),
 }
 

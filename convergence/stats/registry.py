@@ -39,13 +39,22 @@ def get_comparison(method: str) -> Comparison:
                          f"{', '.join(METHODS)}") from None
 
 
+#: Metrics that some backends do not log: when neither side has one, it is reported as not
+#: logged (passed, not gating) instead of missing. The built-in trainer logs both.
+OPTIONAL_METRICS: frozenset[str] = frozenset({FINGERPRINT, "grad_norm_parts"})
+
+
 def default_rules(regime: str) -> tuple[ComparisonRule, ...]:
     """Loss and grad norm judged by the regime's method (a wrongly scaled gradient can leave
-    an Adam loss almost unchanged but doubles the grad norm), plus throughput and memory."""
+    an Adam loss almost unchanged but doubles the grad norm), the per-part grad norm (a bug in
+    one kind of weight -- queries and keys under a position bug -- hides in the total), the
+    data fingerprint, plus throughput and memory."""
     if regime not in REGIMES:
         raise ValueError(f"unknown regime {regime!r}; use one of {', '.join(REGIMES)}")
     return (ComparisonRule(metric="loss", method=regime),
-            ComparisonRule(metric="grad_norm", method=regime), DATA_RULE) + PERFORMANCE_RULES
+            ComparisonRule(metric="grad_norm", method=regime),
+            ComparisonRule(metric="grad_norm_parts", method=regime),
+            DATA_RULE) + PERFORMANCE_RULES
 
 
 def compare_all(rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics],
@@ -60,6 +69,8 @@ def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
     curve = test.get(rule.metric)
     if rule.metric == FINGERPRINT and (curve is None or not controls):
         return not_logged(rule)  # a backend without fingerprints: nothing to hold against it
+    if rule.metric in OPTIONAL_METRICS and curve is None and not controls:
+        return not_logged(rule)
     if curve is None or not controls:
         return _missing(rule, control_runs, test, in_test=curve is not None)
     if rule.method != "seed":

@@ -78,6 +78,15 @@ class DataConfig:
     pad_fraction: float = 0.0
     """Synthetic source: fraction of samples cut at a random length, their remaining labels set to
     ignore_index (-100) as padding would; ranks then hold different numbers of valid tokens."""
+    copy_span: int = 0
+    """Synthetic source: the first `copy_span` tokens of every sample are uniform and its last
+    `copy_span` tokens repeat them, at the fixed distance seq_len+1-copy_span: predictable only
+    by attention to that exact earlier position. 0 = off; at most seq_len // 2. See
+    convergence.trainer.data (exact entropy floor; what it was measured to catch)."""
+    lag: int = 1
+    """Synthetic source: token t is drawn from the transition row of token t-lag (lag
+    interleaved Markov chains). 1 = a plain chain, which a bigram model learns without
+    attention; 2 or more needs attention to an exact earlier position."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,22 @@ Two sources:
 - "synthetic": a seeded Markov language. Its entropy floor sum_i pi_i H(P_i) (pi the stationary
   distribution, P_i the transition row of token i) is the exact expected loss of the optimal
   predictor, because every sample starts from a stationary draw: no correct run can go below.
+  Two options give the language structure that only attention to an exact earlier position
+  can use (both off in the shipped configs):
+  - `data.lag` = k: token t is drawn from the transition row of token t-k (k interleaved
+    chains, each started from a stationary draw); with k = 1 a plain chain.
+  - `data.copy_span` = N: the first N tokens are uniform and the last N repeat them, at the
+    distance D = seq_len+1-N (token t = token t-D for t >= D); the chain runs in between.
+  The floor stays exact, position by position (every chain token is a stationary draw):
+  targets 1..N-1 cost log(vocab), the N..N+k-1 chain starts H(pi), the other chain steps
+  H = sum_i pi_i H(P_i), the copies 0; entropy_floor is their mean over the seq_len targets.
+  With padding (pad_fraction) the later, copied targets are cut more often, so the true floor
+  is a little higher: the value stays a valid lower bound.
+
+  Measured (BENCHMARKS.md): on the debug model, 30 steps, neither option makes a rotary
+  position bug under CP show in the loss earlier than on the plain chain (step 27-28 vs 16;
+  copy_span 16: not at all): the tiny model does not learn positional attention that fast.
+  What catches it at step 1 is the per-part gradient norm (trainer/optim.py grad_norms).
 - "text": a local file, byte-level (vocab 256) or tokenised with a tokenizer.json file; windows
   of seq_len+1 tokens in a seeded order per epoch; the tail `val_fraction` is held out.
 
@@ -30,6 +46,7 @@ from pathlib import Path
 from typing import Protocol
 
 import hashlib
+import math
 
 import numpy as np
 import torch
@@ -77,10 +94,17 @@ class MarkovLanguage:
     """training.seed: picks which sample each global index is (the sample order)."""
     pad_fraction: float = 0.0
     """Fraction of samples cut short with IGNORE_INDEX after the cut (module docstring)."""
+    copy_span: int = 0
+    """Last tokens of each sample that repeat its first ones (module docstring)."""
+    lag: int = 1
+    """Token t follows the chain from token t-lag (lag interleaved chains; module docstring)."""
+    markov_entropy: float = 0.0
+    """H = sum_i pi_i H(P_i): the floor per Markov target (entropy_floor without copies)."""
 
     @classmethod
     def build(cls, *, vocab_size: int, seq_len: int, seed: int, concentration: float,
-              order_seed: int, pad_fraction: float = 0.0) -> MarkovLanguage:
+              order_seed: int, pad_fraction: float = 0.0,
+              copy_span: int = 0, lag: int = 1) -> MarkovLanguage:
         rng = np.random.default_rng(seed)
         k = vocab_size if vocab_size <= DENSE_VOCAB_LIMIT else SPARSE_SUCCESSORS
         if k == vocab_size:
@@ -97,10 +121,13 @@ class MarkovLanguage:
         row_entropy = -(probs * np.log(probs)).sum(axis=1)
         cum = np.cumsum(probs, axis=1)
         cum[:, -1] = 1.0
+        markov = float(stationary @ row_entropy)
         return cls(vocab_size=vocab_size, seq_len=seq_len, successors=successors,
                    cum_probs=cum, stationary=stationary,
-                   entropy_floor=float(stationary @ row_entropy), order_seed=order_seed,
-                   pad_fraction=pad_fraction)
+                   entropy_floor=_floor(markov, stationary, vocab_size, seq_len, copy_span, lag),
+                   order_seed=order_seed,
+                   pad_fraction=pad_fraction, copy_span=copy_span, lag=lag,
+                   markov_entropy=markov)
 
     def samples(self, indices: np.ndarray, split: int) -> np.ndarray:
         # One independent generator per (language, order seed, split, sample index): sample i
@@ -110,15 +137,43 @@ class MarkovLanguage:
             for i in indices])
         stationary_cum = np.cumsum(self.stationary)
         out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
-        out[:, 0] = np.minimum(np.searchsorted(stationary_cum, uniforms[:, 0], side="right"),
-                               self.vocab_size - 1)
-        for t in range(1, self.seq_len + 1):
-            cum = self.cum_probs[out[:, t - 1]]
+        n, lag = self.copy_span, self.lag
+        # The span to copy: uniform tokens, so nothing but attention to it predicts the copy.
+        out[:, :n] = np.minimum((uniforms[:, :n] * self.vocab_size).astype(np.int64),
+                                self.vocab_size - 1)
+        # The chain: `lag` interleaved Markov chains, each started from a stationary draw.
+        out[:, n:n + lag] = np.minimum(
+            np.searchsorted(stationary_cum, uniforms[:, n:n + lag], side="right"),
+            self.vocab_size - 1)
+        for t in range(n + lag, self.seq_len + 1):
+            cum = self.cum_probs[out[:, t - lag]]
             pick = (cum <= uniforms[:, t:t + 1]).sum(axis=1)
-            out[:, t] = self.successors[out[:, t - 1], np.minimum(pick, cum.shape[1] - 1)]
+            out[:, t] = self.successors[out[:, t - lag], np.minimum(pick, cum.shape[1] - 1)]
+        if n:
+            out[:, self.seq_len + 1 - n:] = out[:, :n]
         if self.pad_fraction > 0:
             pad_tail(out, indices, self.pad_fraction, [self.order_seed, split])
         return out
+
+
+def _floor(markov: float, stationary: np.ndarray, vocab: int, seq_len: int,
+           copy_span: int, lag: int) -> float:
+    """Expected loss per target of the optimal predictor (module docstring)."""
+    if copy_span == 0 and lag == 1:
+        return markov  # every target is a chain step
+    positive = stationary[stationary > 0]
+    fresh = float(-(positive * np.log(positive)).sum())
+    n, distance = copy_span, seq_len + 1 - copy_span
+    total = 0.0
+    for t in range(1, seq_len + 1):
+        if t < n:
+            total += math.log(vocab)      # the span to copy: uniform, unpredictable
+        elif t < n + lag:
+            total += fresh                # a chain's stationary start: independent of the past
+        elif t < distance:
+            total += markov               # a chain step: H given the token `lag` back
+        # else a copy of the token `distance` back: 0 for the optimal predictor
+    return total / seq_len
 
 
 def pad_tail(out: np.ndarray, indices: np.ndarray, fraction: float, seed: list[int]) -> None:
@@ -193,13 +248,24 @@ def build_source(cfg: TrainConfig) -> SampleSource:
     if not 0.0 <= data.pad_fraction < 1.0:
         raise SpecError(f"pad_fraction={data.pad_fraction} is not in [0, 1)", file=cfg.source,
                         key="data.pad_fraction", fix="use 0 (no padding) up to 0.99")
+    if not 1 <= data.lag <= data.seq_len // 2:
+        raise SpecError(f"lag={data.lag} is not in [1, seq_len // 2 = {data.seq_len // 2}]",
+                        file=cfg.source, key="data.lag",
+                        fix="use 1 (a plain Markov chain) or a small lag such as 2 or 3")
+    if not 0 <= data.copy_span <= data.seq_len // 2:
+        raise SpecError(f"copy_span={data.copy_span} is not in [0, seq_len // 2 = "
+                        f"{data.seq_len // 2}]", file=cfg.source, key="data.copy_span",
+                        fix=f"use 0 (pure Markov) up to {data.seq_len // 2}")
     if data.source == "synthetic":
         return MarkovLanguage.build(vocab_size=cfg.model.vocab_size, seq_len=data.seq_len,
                                     seed=data.seed, concentration=data.synthetic_concentration,
-                                    order_seed=cfg.training.seed, pad_fraction=data.pad_fraction)
-    if data.pad_fraction:
-        raise SpecError("pad_fraction applies to the synthetic source only", file=cfg.source,
-                        key="data.pad_fraction", fix="remove it, or use data.source = \"synthetic\"")
+                                    order_seed=cfg.training.seed, pad_fraction=data.pad_fraction,
+                                    copy_span=data.copy_span, lag=data.lag)
+    for key, default in (("pad_fraction", 0), ("copy_span", 0), ("lag", 1)):
+        if getattr(data, key) != default:
+            raise SpecError(f"{key} applies to the synthetic source only", file=cfg.source,
+                            key=f"data.{key}",
+                            fix="remove it, or use data.source = \"synthetic\"")
     base = Path(cfg.source).parent if cfg.source else Path.cwd()
     path = Path(data.path) if Path(data.path).is_absolute() else base / data.path
     if not path.is_file():

@@ -15,6 +15,7 @@ from typing import Any
 TB_TAGS: dict[str, str] = {
     "loss": "loss_metrics/global_avg_loss",
     "grad_norm": "grad_norm",
+    "grad_norm_parts": "grad_norm_parts",
     "lr": "lr",
     "tokens_per_s": "throughput(tps)",
     "peak_mem_mib": "memory/max_reserved(MiB)",

@@ -51,9 +51,36 @@ def _shard_groups(grad: DTensor) -> tuple[ProcessGroup, ...]:
     return tuple(groups)
 
 
+def parameter_part(name: str) -> str:
+    """The part of the model a parameter belongs to, the same for every layer and layout:
+    "layers.3.attention.wq.weight" -> "attention.wq", "_checkpoint_wrapped_module" and
+    torch.compile's "_orig_mod" wrappers dropped, "tok_embeddings.weight" -> "tok_embeddings"."""
+    kept = [p for p in name.split(".") if p and not p.startswith("_") and not p.isdigit()]
+    if kept and kept[0] == "layers":
+        kept = kept[1:]
+    if len(kept) > 1 and kept[-1] in ("weight", "bias"):
+        kept = kept[:-1]
+    return ".".join(kept)
+
+
+def model_parts(model: nn.Module) -> tuple[str, ...]:
+    """Every part of the whole model (build it on the meta device): the same, ordered list on
+    every rank, so the per-part norms reduce element by element whatever a rank holds."""
+    return tuple(sorted({parameter_part(n) for n, _ in model.named_parameters()}))
+
+
 @torch.no_grad()
 def global_grad_norm(params: Iterable[nn.Parameter], pp_group: ProcessGroup | None) -> torch.Tensor:
-    """L2 norm of the FULL gradient, whatever mixture of meshes the parameters live on.
+    """L2 norm of the FULL gradient (see grad_norms)."""
+    total, _ = grad_norms([("", p) for p in params], (), pp_group)
+    return total
+
+
+@torch.no_grad()
+def grad_norms(named_params: Iterable[tuple[str, nn.Parameter]], parts: tuple[str, ...],
+               pp_group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2 norm of the FULL gradient, and of each part's (`parts`, per parameter_part), whatever
+    mixture of meshes the parameters live on.
 
     The squared norm is a sum over every element of the global gradient. A DTensor gradient
     holds a slice: its local sum of squares must be summed over the mesh dims it is *sharded*
@@ -64,10 +91,17 @@ def global_grad_norm(params: Iterable[nn.Parameter], pp_group: ProcessGroup | No
     the buckets are added. Pipeline stages hold disjoint parameters: add over the pp group.
     Plain-tensor gradients (single process, DDP) are complete on every rank.
     Accumulated in float64 so the norm is not the noisiest number in the comparison.
+
+    Why per part: the total is dominated by the largest gradients (embeddings, output), so a
+    bug confined to one kind of weight can hide in it. A rotary offset dropped under context
+    parallelism moves the query/key gradients by ~3e-3 relative at step 1 but the total by
+    less than the paired tolerance (2e-5); per part it is 100x outside. Each bucket carries
+    [total, part 1, ..., part K] in one tensor: still one all-reduce per bucket.
     """
+    index = {part: i + 1 for i, part in enumerate(parts)}
     buckets: dict[tuple[ProcessGroup, ...], torch.Tensor] = {}
     device = None
-    for param in params:
+    for name, param in named_params:
         grad = param.grad
         if grad is None:
             continue
@@ -77,15 +111,33 @@ def global_grad_norm(params: Iterable[nn.Parameter], pp_group: ProcessGroup | No
             groups, local = _shard_groups(grad), grad.to_local()
         device = device or local.device
         square = local.detach().double().pow(2).sum()
-        buckets[groups] = buckets[groups] + square if groups in buckets else square
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for groups, square in buckets.items():
+        if groups not in buckets:
+            buckets[groups] = torch.zeros(len(parts) + 1, dtype=torch.float64,
+                                          device=local.device)
+        bucket = buckets[groups]
+        bucket[0] += square
+        slot = index.get(parameter_part(name)) if parts else None
+        if slot is not None:
+            bucket[slot] += square
+    total = torch.zeros(len(parts) + 1, dtype=torch.float64, device=device)
+    for groups, squares in buckets.items():
         for group in groups:
-            dist.all_reduce(square, group=group)
-        total = total + square
+            dist.all_reduce(squares, group=group)
+        total = total + squares
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
+    norms = total.sqrt()
+    return norms[0], norms[1:]
+
+
+def parts_geomean(part_norms: torch.Tensor) -> float:
+    """The geometric mean of the parts' norms that are not zero: one number that moves by the
+    AVERAGE relative change of the parts (the total moves by the change of the largest), so a
+    bug in any one kind of weight shows (module docstring of convergence.stats.paired)."""
+    values = [float(v) for v in part_norms if float(v) > 0]
+    if not values:
+        return 0.0
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
-"""Bugs in what each rank reads: a context-parallel mask without the shard offset, and data
-ranks that all read the same shard.
+"""Bugs in what each rank reads: a context-parallel mask or rotary angles without the shard
+offset, and data ranks that all read the same shard.
 
 Both monkeypatch the trainer inside the rank process (the hook runs on every rank before the
 first step), which is how the real bugs live: in a kernel and in a sampler, not in a layer plan.
@@ -45,6 +45,22 @@ def cp_mask_without_offset(model: nn.Module, ctx: HookContext) -> None:
 
     for block in model.layers.values():  # type: ignore[union-attr, operator]
         block.attention.sdpa = cp_sdpa_no_offset
+
+
+def cp_rope_without_offset(model: nn.Module, ctx: HookContext) -> None:
+    """Context parallel: every CP rank applies the rotary angles of positions 0..L-1.
+
+    Real bug: a sequence-sharded model that builds its position ids (or slices its rotary
+    cache) per local chunk, forgetting the chunk's global offset r*L. The causal mask is right,
+    only the relative positions between a rank's queries and the other chunks' keys are wrong,
+    so nothing moves until the model relies on where a token is: on data that needs no
+    positions (a first-order Markov language) it goes unseen for many steps.
+    Planted: the model's rotary offset (Transformer.position_offset, which the trainer sets to
+    r*L before the hooks run) put back to 0 on every rank.
+    """
+    if ctx.config.parallelism.cp == 1:
+        return
+    model.position_offset = 0  # BUG: the chunk's offset is dropped
 
 
 _ORIGINAL_INDICES = trainer_data.BatchPlan.indices
