@@ -95,3 +95,18 @@ def test_hostile_names_and_messages_are_escaped() -> None:
     assert "<img" not in outside_fences and "<script" not in outside_fences, md
     assert "```text\nboom <script>alert(3)</script>\n```" in md
     assert "&lt;img src=x onerror=alert(1)&gt;" in md  # shown, as text
+
+
+def test_localisation_is_a_sentence_not_a_key_value_dump() -> None:
+    import dataclasses
+
+    from report_examples import failing_pair
+
+    failing = dataclasses.replace(failing_pair(), localisation={
+        "module": "layers.1.attention", "parameter": "layers.1.attention.wq.weight",
+        "max_abs_diff": 1e-3, "modules_differing": 3, "modules_compared": 20, "step": 1,
+        "loss_control": 5.5, "loss_test": 5.6})
+    md = _md([failing])
+    line = next(ln for ln in md.splitlines() if ln.startswith("Localisation"))
+    assert "first differing module `layers.1.attention`" in line, line
+    assert "3 of 20 modules differ" in line and "=" not in line, line

@@ -235,3 +235,16 @@ def test_a_command_job_without_train_config_asks_for_its_own_config(tmp_path: Pa
     with pytest.raises(SpecError) as info:
         load_experiment(path, rootdir=tmp_path)
     assert "your trainer's config file" in info.value.fix and "debug" not in info.value.fix
+
+
+def test_an_unnamed_control_is_named_by_its_layout(tmp_path: Path) -> None:
+    """A bare "control" read as "[control control]" in progress lines and reports."""
+    body = GOOD.format(root=ROOT).replace('name = "fsdp2"\n', "", 1)
+    exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
+    assert exp.pairs[0].control.name == "fsdp2"
+    from convergence.spec.experiment import make_pair
+
+    pair = make_pair(name="tp", control={"parallelism": {"dp_shard": 2}, "train_config": "debug"},
+                     test={"parallelism": {"tp": 2, "dp_shard": 2}},
+                     defaults={"train_config": "debug", "steps": 4}, rootdir=ROOT)
+    assert pair.control.name == "fsdp2" and pair.test.name == "tp"

@@ -210,10 +210,11 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
     if record["stopped_early_at"] is not None:
         items.append(("stopped early at step", str(record["stopped_early_at"])))
     if record["localisation"]:
-        from convergence.probe_compare import summary_items
+        from convergence.report.probe_table import summary_text
 
-        items.append(("localisation", escape(", ".join(
-            f"{k}={v}" for k, v in summary_items(record["localisation"])))))
+        # The sentence the failure message and report.md show, not a key=value dump.
+        items.append(("localisation (numerics probe)",
+                      escape(summary_text(record["localisation"]).replace("`", ""))))
     error = f"<pre>{escape(record['error'])}</pre>" if record["error"] else ""
     plot_error = (f'<p class="bad">plot failed: {escape(record["plot_error"])}</p>'
                   if record.get("plot_error") else "")

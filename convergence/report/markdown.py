@@ -10,7 +10,7 @@ from typing import Any
 
 from convergence.report.dimensions import markdown_lines as dimension_lines
 from convergence.report.fmt import as_float, fmt_num, fmt_wall
-from convergence.report.matrix import COLUMNS, RIGHT, record_row
+from convergence.report.matrix import AXIS_COLUMNS, COLUMNS, RIGHT, record_row
 
 STEP_SUMMARY_LIMIT = 1024 * 1024
 """GitHub rejects a step summary over 1 MiB (the whole file of one step)."""
@@ -57,13 +57,25 @@ def headline(summary: Mapping[str, int]) -> str:
     return f"## {icon} Convergence: {', '.join(parts)} ({count} pair{'' if count == 1 else 's'})"
 
 
+#: The terminal matrix's columns with the five axis-degree columns folded into one "layout"
+#: cell (the test's short name, e.g. fsdp2-tp2): 10 columns instead of 14, so the table fits
+#: a GitHub step summary or PR comment without a horizontal scroll.
+MD_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("pair", "pair"), ("layout", "layout"),
+    *((key, title) for key, title in COLUMNS if key not in {k for k, _ in AXIS_COLUMNS}
+      and key != "pair"),
+)
+
+
 def matrix_table(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = []
     for record in pairs:
         row = record_row(record)
         row["verdict"] = f"{ICONS.get(record['status'], '')} {row['verdict']}".strip()
-        rows.append([row[key] for key, _ in COLUMNS])
-    return table([title for _, title in COLUMNS], rows, [key in RIGHT for key, _ in COLUMNS])
+        row["layout"] = str(record["test"]["short_name"])
+        rows.append([row[key] for key, _ in MD_COLUMNS])
+    return table([title for _, title in MD_COLUMNS], rows,
+                 [key in RIGHT for key, _ in MD_COLUMNS])
 
 
 def divergence_lines(rows: Sequence[Mapping[str, Any]], reference: str) -> list[str]:
@@ -117,10 +129,9 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
         lines += ["", f"{metric} around the divergence:", ""]
         lines += divergence_lines(rows, reference)
     if record["localisation"]:
-        from convergence.probe_compare import summary_items
+        from convergence.report.probe_table import summary_text
 
-        loc = ", ".join(f"{k}={v}" for k, v in summary_items(record["localisation"]))
-        lines += ["", f"Localisation: {text(loc)}"]
+        lines += ["", f"Localisation (numerics probe): {text(summary_text(record['localisation']))}"]
     if record["error"]:
         err = record["error"].rstrip().splitlines()
         shown = err[:ERROR_LINES] + ([f"... ({len(err) - ERROR_LINES} more lines)"]

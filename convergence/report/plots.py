@@ -221,6 +221,18 @@ def _title(outcome: PairOutcome) -> str:
     return text
 
 
+GRADIENT_LABELS = {"grad_norm": "grad norm", "grad_norm_parts": "per-part grad norm"}
+
+
+def _gradient_metric(outcome: PairOutcome) -> str:
+    """The gradient curve worth the third panel: the per-part norm when it failed and the total
+    did not (a bug in one kind of weight, invisible in the total), else the total."""
+    parts, total = outcome.verdict("grad_norm_parts"), outcome.verdict("grad_norm")
+    if parts is not None and not parts.passed and parts.gate and (total is None or total.passed):
+        return "grad_norm_parts"
+    return "grad_norm"
+
+
 def plot_pair(outcome: PairOutcome, path: Path) -> Path:
     """Loss (with band / divergence), residual with tolerance envelope, grad norm."""
     fig = _figure(9.0, 8.0)
@@ -230,8 +242,13 @@ def plot_pair(outcome: PairOutcome, path: Path) -> Path:
     fig.suptitle(_title(outcome), fontsize=11, color=colour)
     _curves_panel(axes[0], outcome, "loss", "loss")
     _residual_panel(axes[1], outcome, "loss")
-    _curves_panel(axes[2], outcome, "grad_norm", "grad norm")
+    gradient = _gradient_metric(outcome)
+    _curves_panel(axes[2], outcome, gradient, GRADIENT_LABELS[gradient])
     axes[2].set_xlabel("step")
+    from matplotlib.ticker import MaxNLocator  # lazy, like every matplotlib import here
+
+    # Steps are whole numbers: no 2.5 ticks on a short run (the axes share x).
+    axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
     if outcome.error:
         axes[0].text(0.01, 0.03, "error: " + outcome.error.strip().splitlines()[0][:110],
                      transform=axes[0].transAxes, fontsize=8, color=DIVERGE_COLOR,

@@ -190,7 +190,9 @@ def _folders_up(start: Path, stop: Path) -> list[Path]:
     return folders
 
 
-def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: Path) -> JobSpec:
+def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
+         rootdir: Path) -> JobSpec:
+    """The JobSpec of one side; ``name`` None: the layout's short name (e.g. "fsdp2-tp2")."""
     backend = str(table.get("backend", "builtin"))
     if "train_config" not in table and backend != "torchtitan":
         fix = ('set train_config = "debug" (a shipped config) in [defaults]' if backend == "builtin"
@@ -212,7 +214,7 @@ def _job(name: str, table: Mapping[str, Any], *, file: str, key: str, rootdir: P
         techniques = Techniques(**tech)
         hook = table.get("hook")
         return JobSpec(
-            name=name,
+            name=name if name is not None else layout.short_name(),
             # torchtitan names its config by module + config; a file is optional (hashed
             # into the key when given): the backend's config_text covers the rest.
             train_config=(_resolve_config(table["train_config"], file=file,
@@ -337,8 +339,10 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         control_job = control
     else:
         ctrl = _merge(job_defaults, control)
-        control_job = _job(str(ctrl.get("name", "control")), ctrl, file=file, key="control",
-                           rootdir=rootdir)
+        # An unnamed control is named by its layout ("fsdp2"): a bare "control" read as
+        # "[control control]" in progress lines and reports.
+        control_job = _job(str(ctrl["name"]) if "name" in ctrl else None, ctrl, file=file,
+                           key="control", rootdir=rootdir)
     if isinstance(test, JobSpec):
         test_job = test
     else:
