@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_parser(sub)
 
-    # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly.py --
+    # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly/ --
     from convergence.nightly import add_subcommands as add_nightly_subcommands
 
     add_nightly_subcommands(sub)

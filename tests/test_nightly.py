@@ -6,6 +6,7 @@ outcomes of tests/report_examples.py), with a second night's numbers changed by 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -17,8 +18,10 @@ import numpy as np
 import pytest
 
 from convergence.cli import main
+from convergence.metrics.tensorboard import read_tensorboard
 from convergence.nightly import (NightlySettings, append_history, final_loss_delta,
-                                 read_history, render_sbatch, write_trend)
+                                 history_records, read_history, render_sbatch, run_names, runs,
+                                 write_trend)
 from convergence.report.schema import build_report
 from convergence.spec.errors import SpecError
 
@@ -33,16 +36,30 @@ EXAMPLE = NightlySettings(experiments=("experiments",), out="/shared/convergence
 
 
 def _report(tmp_path: Path, name: str, *, tps_scale: float = 1.0,
-            loss_shift: float = 0.0) -> Path:
+            loss_shift: float = 0.0, control_shift: float = 0.0, drop: str | None = None,
+            status: dict[str, str] | None = None,
+            step_time: dict[str, float] | None = None) -> Path:
+    """A real report.json of the example pairs, changed by hand: test tokens/s scaled, test
+    and control loss shifted, the pair whose id ends with ``drop`` left out, statuses
+    overridden by id suffix, ``resources.step_time_s`` set (as when the run meta has tokens
+    per step; the examples have none)."""
     doc = build_report([ex.passing_pair(), ex.failing_pair(), ex.errored_pair()],
                        environment={}, started_at=None, wall_s=10.0)
+    if drop:
+        doc["pairs"] = [p for p in doc["pairs"] if not p["id"].endswith(drop)]
     for pair in doc["pairs"]:
         res = pair["resources"]["tokens_per_s"]
         if isinstance(res["test"], float):
             res["test"] *= tps_scale
-        curve = pair.get("curves", {}).get("test", {}).get("loss")
-        if curve:
-            curve["values"] = [v + loss_shift for v in curve["values"]]
+        for side, shift in (("test", loss_shift), ("control", control_shift)):
+            curve = pair.get("curves", {}).get(side, {}).get("loss")
+            if curve:
+                curve["values"] = [v + shift for v in curve["values"]]
+        for suffix, new_status in (status or {}).items():
+            if pair["id"].endswith(suffix):
+                pair["status"] = new_status
+        if step_time is not None:
+            pair["resources"]["step_time_s"] = {**step_time, "ratio": None}
     path = tmp_path / name / "report.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(doc))
@@ -138,6 +155,207 @@ def test_cli_record_and_trend(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["trend", str(empty), "--out", str(tmp_path / "t2")]) == 2
+
+
+PASSING, FAILING, ERRORED = "::fsdp2-tp2", "::fsdp2-pp2", "::fsdp2-cp2"
+NIGHTS = ("20240301T200000Z-11", "20240302T200000Z-12", "20240303T200000Z-13")
+"""Night names as the sbatch script makes them: a UTC stamp, then the Slurm job id."""
+
+
+def _pair_id(records: list[dict[str, Any]], suffix: str) -> str:
+    return next(r["pair"] for r in records if r["pair"].endswith(suffix))
+
+
+def _section(markdown: str, pair: str) -> str:
+    """The markdown of one pair's table (up to the next heading or the closing notes)."""
+    start = markdown.index(f"## {pair}\n")
+    rest = markdown[start + 3:]
+    end = min(i for i in (rest.find("\n## "), rest.find("\nStep time and")) if i >= 0)
+    return rest[:end]
+
+
+def _three_nights(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """Night 1 all pairs; night 2 without the failing pair; night 3 all, the passing pair
+    now failing (the verdict as the report says it) and the control's loss 0.125 higher."""
+    history = tmp_path / "history.jsonl"
+    reports = [_report(tmp_path, "n1"),
+               _report(tmp_path, "n2", drop=FAILING, loss_shift=0.25),
+               _report(tmp_path, "n3", status={PASSING: "failed"}, control_shift=0.125)]
+    first: list[dict[str, Any]] = []
+    for night, report in zip(NIGHTS, reports):
+        records = append_history(report, history, night=night, pytest_status=1)
+        first = first or records
+    ids = {suffix: _pair_id(first, suffix) for suffix in (PASSING, FAILING, ERRORED)}
+    return history, ids
+
+
+def test_control_final_loss_and_step_times_are_recorded(tmp_path: Path) -> None:
+    report = _report(tmp_path, "n", control_shift=0.5)
+    doc = json.loads(report.read_text())
+    records = history_records(doc, night="n")
+    for pair, record in zip(doc["pairs"], records):
+        control = pair["curves"]["control"]["loss"]
+        assert record["control_final_step"] == control["steps"][-1] == ex.STEPS
+        # the control's own last logged loss, not the delta and not the test's
+        assert record["control_final_loss"] == pytest.approx(control["values"][-1])
+        assert record["control_final_loss"] > 2.5  # shifted by 0.5 above the ~2.1 it ends at
+    passing = next(r for r in records if r["pair"].endswith(PASSING))
+    errored = next(r for r in records if r["pair"].endswith(ERRORED))
+    assert errored["final_loss_delta"] is None and errored["control_final_loss"] is not None
+
+    # No tokens per step in the examples' run meta: wall time / steps, marked "wall"
+    # (passing_pair: test 14.2 s over 40 logged steps; cached control 11.0 s over 40 steps).
+    assert passing["step_time_s"]["test"] == pytest.approx(14.2 / ex.STEPS)
+    assert passing["step_time_s"]["control"] == pytest.approx(11.0 / ex.STEPS)
+    assert passing["step_time_from"] == {"control": "wall", "test": "wall"}
+    assert errored["step_time_s"]["test"] is None and errored["step_time_from"]["test"] is None
+
+    # The report's own median step time (tokens per step / tokens/s) wins when it has one.
+    doc2 = json.loads(_report(tmp_path, "n2", step_time={"control": 0.2, "test": 0.3})
+                      .read_text())
+    passing2 = next(r for r in history_records(doc2, night="n2")
+                    if r["pair"].endswith(PASSING))
+    assert passing2["step_time_s"] == {"control": 0.2, "test": 0.3,
+                                       "ratio": pytest.approx(1.5)}
+    assert passing2["step_time_from"] == {"control": "tokens_per_s", "test": "tokens_per_s"}
+
+
+OLD_LINE = {  # a history line as version 1 wrote it: no control loss, no step time
+    "history_version": 1, "night": "old-night", "generated_at": "2024-02-01T20:00:00+00:00",
+    "slurm_job_id": "7", "pytest_status": 0, "pair": "converging.toml::fsdp2-tp2",
+    "status": "passed", "verdicts": {"loss": True}, "final_step": 40,
+    "final_loss_delta": 1e-8, "max_abs_loss_delta": 2e-8,
+    "tokens_per_s": {"control": 1000.0, "test": 930.0, "ratio": 0.93},
+    "peak_mem_mib": {"control": 512.0, "test": 300.0, "ratio": 0.59}, "wall_s": 14.9,
+}
+
+
+def test_old_format_history_lines_load(tmp_path: Path) -> None:
+    history = tmp_path / "history.jsonl"
+    history.write_text(json.dumps(OLD_LINE) + "\n")
+    append_history(_report(tmp_path, "n"), history, night="new-night")
+    old, *new = read_history(history).entries()
+    assert old.night == "old-night" and old.status == "passed" and old.passed == 1.0
+    assert old.final_loss_delta == 1e-8 and old.tokens_per_s == 930.0
+    assert old.control_tokens_per_s == 1000.0
+    assert old.control_final_loss is None and old.step_time_s is None
+    assert old.control_step_time_s is None and old.step_time_from == {}
+    assert old.night_time() == dt.datetime(2024, 2, 1, 20, tzinfo=dt.timezone.utc).timestamp()
+    assert all(r.control_final_loss is not None for r in new)
+
+    files = write_trend(history, tmp_path / "trend")
+    pair = json.loads(files.json.read_text())["pairs"][OLD_LINE["pair"]]
+    assert pair["control_final_loss"][0] is None and pair["control_final_loss"][1] > 2.0
+    assert pair["step_time_s"][0] is None and pair["step_time_s"][1] is not None
+    section = _section(files.markdown.read_text(), OLD_LINE["pair"])
+    row = next(line for line in section.splitlines() if line.startswith("| old-night |"))
+    assert row.split(" | ")[1:4] == ["passed", "1.00e-08", "–"]  # no control loss then
+    failing = _pair_id(list(read_history(history).records), FAILING)
+    assert "| old-night | absent |" in _section(files.markdown.read_text(), failing)
+
+
+def test_three_nights_with_a_pair_missing_the_middle_night(tmp_path: Path) -> None:
+    history, ids = _three_nights(tmp_path)
+    files = write_trend(history, tmp_path / "trend")
+    data = json.loads(files.json.read_text())
+    assert data["nights"] == list(NIGHTS)
+    assert data["night_times"][0] == "2024-03-01T20:00:00+00:00"
+
+    failing = data["pairs"][ids[FAILING]]
+    assert failing["status"] == ["failed", None, "failed"]
+    assert failing["passed"] == [0.0, None, 0.0]
+    for metric in ("final_loss_delta", "control_final_loss", "step_time_s", "tokens_per_s"):
+        assert failing[metric][1] is None, metric
+        assert failing[metric][0] is not None and failing[metric][2] is not None, metric
+    assert runs(failing["final_loss_delta"]) == [[0], [2]]  # no line across night 2
+    # failing_pair: test 16.0 s, control 10.5 s over 40 steps; tokens/s ~1100 vs ~1000
+    assert failing["step_time_s"][0] == pytest.approx(16.0 / ex.STEPS)
+    assert failing["control_step_time_s"][2] == pytest.approx(10.5 / ex.STEPS)
+    assert failing["tokens_per_s"][0] == pytest.approx(1100, rel=0.01)
+    assert failing["control_tokens_per_s"][0] == pytest.approx(1000, rel=0.01)
+
+    # pass/fail per night: the verdict as each night's report says it
+    passing = data["pairs"][ids[PASSING]]
+    assert passing["status"] == ["passed", "passed", "failed"]
+    assert passing["passed"] == [1.0, 1.0, 0.0]
+    assert passing["final_loss_delta"][1] == pytest.approx(passing["final_loss_delta"][0] + 0.25)
+    control = passing["control_final_loss"]
+    assert control[0] == pytest.approx(control[1]) and control[2] == pytest.approx(control[0]
+                                                                                  + 0.125)
+    errored = data["pairs"][ids[ERRORED]]
+    assert errored["status"] == ["error"] * 3 and errored["passed"] == [0.0] * 3
+    assert errored["final_loss_delta"] == [None] * 3 and None not in errored["control_final_loss"]
+
+    md = files.markdown.read_text()
+    failing_rows = _section(md, ids[FAILING]).splitlines()
+    assert f"| {NIGHTS[1]} | absent | – | – | – | – |" in failing_rows
+    assert [r.split(" | ")[1] for r in failing_rows if r.startswith("| 2024")] == \
+        ["failed", "absent", "failed"]
+    passing_rows = [r for r in _section(md, ids[PASSING]).splitlines() if r.startswith("| 2024")]
+    assert [r.split(" | ")[1] for r in passing_rows] == ["passed", "passed", "failed"]
+    assert f"| {ids[FAILING]} | 2/3 | 0 | 2 | 0 | failed | `✗·✗` |" in md
+    assert f"| {ids[PASSING]} | 3/3 | 2 | 1 | 0 | failed | `✓✓✗` |" in md
+    assert "| night | verdict | final loss Δ | control final loss | step time (s) | tokens/s |" \
+        in md
+
+    # every PNG is written and listed in trend.md; trend.png holds verdict markers
+    assert [p.name for p in files.pngs] == data["plots"] == [
+        "trend.png", "trend_control_loss.png", "trend_step_time.png", "trend_tokens_per_s.png"]
+    for png in files.pngs:
+        assert png.stat().st_size > 10_000 and f"]({png.name})" in md
+    import matplotlib.image as mpimg
+
+    rgb = mpimg.imread(files.png)[..., :3]
+    for colour in ((0x2C, 0xA0, 0x2C), (0xD6, 0x27, 0x28)):  # passed green, failed red
+        near = np.abs(rgb - np.array(colour) / 255.0).max(axis=-1) < 0.05
+        assert near.sum() > 20, f"no {colour} verdict markers in trend.png"
+
+
+def test_tensorboard_export_reads_back_per_night(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    history, ids = _three_nights(tmp_path)
+    out = tmp_path / "trend"
+    write_trend(history, out)
+    files = write_trend(history, out)  # rewritten after the next night: no duplicate events
+    series = json.loads(files.json.read_text())["pairs"]
+    assert set(files.tensorboard) == set(ids.values())
+    for pair, folder in files.tensorboard.items():
+        assert folder.parent == out / "tensorboard" and "::" not in folder.name
+        assert len(list(folder.glob("events.out.tfevents.*"))) == 1
+        for metric in ("final_loss_delta", "control_final_loss", "step_time_s",
+                       "control_step_time_s", "tokens_per_s", "control_tokens_per_s",
+                       "passed"):
+            expected = [(i, v) for i, v in enumerate(series[pair][metric]) if v is not None]
+            curves = read_tensorboard(folder, tag_map={f"nightly/{metric}": "loss"})
+            if not expected:
+                assert "loss" not in curves, (pair, metric)
+                continue
+            curve = curves["loss"]
+            assert curve.steps.tolist() == [i for i, _ in expected], (pair, metric)
+            assert curve.values.tolist() == [v for _, v in expected], (pair, metric)  # exact
+
+    failing = read_tensorboard(files.tensorboard[ids[FAILING]],
+                               tag_map={"nightly/final_loss_delta": "loss"})["loss"]
+    assert failing.steps.tolist() == [0, 2]  # the night it did not run is not there
+    passed = read_tensorboard(files.tensorboard[ids[PASSING]],
+                              tag_map={"nightly/passed": "loss"})["loss"]
+    assert passed.steps.tolist() == [0, 1, 2] and passed.values.tolist() == [1.0, 1.0, 0.0]
+
+    # the wall time of each point is its night's, parsed from the night's name
+    events = next(files.tensorboard[ids[FAILING]].glob("events.out.tfevents.*"))
+    times = {e.step: e.wall_time for e in EventFileLoader(str(events)).Load()
+             if any(v.tag == "nightly/final_loss_delta" for v in e.summary.value)}
+    expected_times = {i: dt.datetime.strptime(NIGHTS[i][:16], "%Y%m%dT%H%M%SZ")
+                      .replace(tzinfo=dt.timezone.utc).timestamp() for i in (0, 2)}
+    assert times == expected_times
+
+
+def test_tensorboard_run_names_are_folders_and_unique() -> None:
+    names = run_names(["exp/a.toml::x y", "exp_a.toml_x_y", "::"])
+    assert names["exp/a.toml::x y"] == "exp_a.toml_x_y"
+    assert names["exp_a.toml_x_y"].startswith("exp_a.toml_x_y-")  # the clash gets a hash
+    assert names["::"] == "pair" and len(set(names.values())) == 3
 
 
 FAKE_PYTHON = """#!/bin/bash

@@ -1,0 +1,96 @@
+"""``convergence nightly | record | trend``: the nightly subcommands, wired into
+convergence.cli by :func:`add_subcommands` (kept here so the main CLI stays a list of
+parsers, and the nightly code stays one package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from convergence.nightly.history import append_history
+from convergence.nightly.sbatch import NightlySettings, render_sbatch, write_sbatch
+from convergence.nightly.trend import write_trend
+
+
+def cmd_nightly(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    settings = NightlySettings(
+        experiments=tuple(args.experiments), out=str(out.resolve()),
+        rootdir=str(Path(args.rootdir).resolve()), history=args.history,
+        nodes=args.nodes, time=args.time, partition=args.partition,
+        gpus_per_node=args.gpus_per_node, exclusive=not args.no_exclusive,
+        sbatch_options=tuple(args.sbatch_option or ()),
+        pytest_args=tuple(shlex.split(args.pytest_args or "")))
+    if args.stdout:
+        print(render_sbatch(settings))
+        return 0
+    script = write_sbatch(settings, Path(args.script) if args.script else out / "nightly.sbatch")
+    print(f"sbatch script written to {script}")
+    if args.submit:
+        done = subprocess.run(["sbatch", str(script)], capture_output=True, text=True)
+        print((done.stdout or done.stderr).strip())
+        return 0 if done.returncode == 0 else 1
+    print(f"submit it with: sbatch {script}")
+    return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    night = args.night or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    records = append_history(Path(args.report), Path(args.history), night=night,
+                             pytest_status=args.pytest_status)
+    print(f"{len(records)} pair(s) of night {night} appended to {args.history}")
+    return 0
+
+
+def cmd_trend(args: argparse.Namespace) -> int:
+    files = write_trend(Path(args.history), Path(args.out))
+    for path in (files.markdown, files.json, *files.pngs):
+        print(f"  {path}")
+    if files.tensorboard:
+        print(f"  {Path(args.out) / 'tensorboard'} ({len(files.tensorboard)} run(s): "
+              f"tensorboard --logdir {Path(args.out) / 'tensorboard'})")
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    """Register ``nightly``, ``record`` and ``trend`` on the CLI's subparsers."""
+    nightly = sub.add_parser("nightly", help="write (or submit) the nightly sbatch script")
+    nightly.add_argument("--experiments", nargs="+", required=True, metavar="PATH",
+                         help="experiment TOML files or folders (pytest arguments)")
+    nightly.add_argument("--out", required=True, metavar="DIR",
+                         help="folder for nights, Slurm output and history.jsonl")
+    nightly.add_argument("--history", help="history file (default OUT/history.jsonl)")
+    nightly.add_argument("--rootdir", default=".", help="where pytest runs (default: here)")
+    nightly.add_argument("--script", help="where to write the script (default "
+                                          "OUT/nightly.sbatch)")
+    nightly.add_argument("--stdout", action="store_true", help="print the script instead")
+    nightly.add_argument("--submit", action="store_true", help="sbatch it right away")
+    nightly.add_argument("--nodes", type=int, default=1)
+    nightly.add_argument("--time", default="08:00:00", help="Slurm time limit")
+    nightly.add_argument("--partition")
+    nightly.add_argument("--gpus-per-node", type=int)
+    nightly.add_argument("--no-exclusive", action="store_true",
+                         help="share nodes with other jobs (default: --exclusive)")
+    nightly.add_argument("--sbatch-option", action="append", metavar="OPT",
+                         help="extra #SBATCH option, e.g. --account=ml (repeatable)")
+    nightly.add_argument("--pytest-args", help="extra pytest arguments (one string)")
+    nightly.set_defaults(func=cmd_nightly)
+
+    record = sub.add_parser("record", help="append a report.json's pairs to a history file")
+    record.add_argument("report", help="report.json")
+    record.add_argument("history", help="history JSONL file (appended to)")
+    record.add_argument("--night", help="night name (default: UTC time stamp)")
+    record.add_argument("--pytest-status", type=int, help="pytest's exit status that night")
+    record.set_defaults(func=cmd_record)
+
+    trend = sub.add_parser("trend", help="trend report across nights (markdown, JSON, "
+                                          "PNGs, TensorBoard runs)")
+    trend.add_argument("history", help="history JSONL file")
+    trend.add_argument("--out", required=True, metavar="DIR",
+                       help="report folder: trend.md, trend.json, trend*.png, tensorboard/")
+    trend.set_defaults(func=cmd_trend)

@@ -1,0 +1,145 @@
+"""The sbatch script of the nightly run: ``convergence nightly`` renders it from settings.
+
+Why a rendered script rather than a Python driver inside the allocation: Slurm users read,
+edit and resubmit batch scripts; one plain bash file (``scripts/nightly.sbatch`` is the
+documented example, kept equal to the template by a test) shows every step a night takes, and
+its exit status is pytest's, so Slurm marks a failing night FAILED.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from convergence.spec.errors import SpecError
+
+
+@dataclass(frozen=True, kw_only=True)
+class NightlySettings:
+    """What ``convergence nightly`` puts into the sbatch script."""
+
+    experiments: tuple[str, ...]
+    """Experiment TOML files or folders, as pytest arguments (relative to ``rootdir``)."""
+    out: str
+    """Folder for the nights (``nights/<night>/``), Slurm output and ``history.jsonl``."""
+    rootdir: str = "."
+    """Where pytest runs (the project checkout)."""
+    history: str | None = None
+    """History file; default ``<out>/history.jsonl``."""
+    python: str = sys.executable
+    nodes: int = 1
+    time: str = "08:00:00"
+    job_name: str = "convergence-nightly"
+    partition: str | None = None
+    gpus_per_node: int | None = None
+    exclusive: bool = True
+    """Whole nodes: the allocation's CPUs/GPUs all belong to the night's jobs (timings stay
+    comparable across nights)."""
+    sbatch_options: tuple[str, ...] = ()
+    """Extra ``#SBATCH`` lines' options, e.g. ``--account=ml`` or ``--exclusive``."""
+    pytest_args: tuple[str, ...] = ()
+    """Extra pytest arguments, e.g. ``-n 4`` or ``--convergence-refresh``."""
+
+    def __post_init__(self) -> None:
+        if not self.experiments:
+            raise SpecError("no experiments given", key="--experiments",
+                            fix="pass experiment TOML files or folders")
+        if self.nodes < 1:
+            raise SpecError("must be at least 1", key="--nodes", fix="use --nodes 1 or more")
+
+    @property
+    def history_path(self) -> str:
+        return self.history or f"{self.out}/history.jsonl"
+
+
+_HEADER = """\
+#!/bin/bash
+# Nightly loss-convergence run (pytest-convergence), written by `convergence nightly`.
+#
+#   sbatch {script}            # or: sbatch --begin=20:00 {script}; cron/scrontab for nightly
+#
+# Each night:
+#   1. pytest -m convergence --convergence-tier nightly --convergence-launcher slurm runs every
+#      pair of the experiments below; each job is one `srun ... torchrun` step of this
+#      allocation (rendezvous on the first node). JUnit XML and report.json/.md/.html + plots
+#      go to $OUT/nights/<night>/.
+#   2. `convergence record` appends one line per pair (verdict, final loss delta, the
+#      control's final loss, step time, tokens/s, peak memory) to the history file, even
+#      when pairs failed.
+#   3. `convergence trend` rewrites $OUT/trend/ (trend.md, trend.json, trend*.png with one
+#      panel per pair, tensorboard/<pair>/) from the whole history, so the latest trend is
+#      always next to the nights.
+#   4. The script exits with pytest's status, so Slurm marks a failing night as FAILED.
+#
+# Edit the #SBATCH lines for your site (partition, account, GPUs), or regenerate with
+#   convergence nightly --experiments ... --out ... [--partition P] [--gpus-per-node G] ...
+"""
+
+_BODY = """\
+set -uo pipefail
+
+cd {rootdir}
+OUT={out}
+HISTORY={history}
+PYTHON={python}
+NIGHT="$(date -u +%Y%m%dT%H%M%SZ)-${{SLURM_JOB_ID:-nojob}}"
+NIGHT_DIR="$OUT/nights/$NIGHT"
+mkdir -p "$NIGHT_DIR"
+export MPLBACKEND=Agg
+
+"$PYTHON" -m pytest -m convergence --convergence-tier nightly --convergence-launcher slurm \\
+    --junitxml "$NIGHT_DIR/junit.xml" --convergence-report "$NIGHT_DIR/report" \\
+    -p no:cacheprovider{pytest_args} \\
+    {experiments}
+status=$?
+
+if [ -f "$NIGHT_DIR/report/report.json" ]; then
+    "$PYTHON" -m convergence.cli record "$NIGHT_DIR/report/report.json" "$HISTORY" \\
+        --night "$NIGHT" --pytest-status "$status" || status=$((status == 0 ? 3 : status))
+else
+    echo "no report.json for night $NIGHT (pytest exit status $status)" >&2
+    status=$((status == 0 ? 3 : status))
+fi
+if [ -f "$HISTORY" ]; then
+    # the trend across every night so far; a failure here never hides the night's own status
+    "$PYTHON" -m convergence.cli trend "$HISTORY" --out "$OUT/trend" \\
+        || echo "trend report failed for night $NIGHT" >&2
+fi
+exit $status
+"""
+
+
+def _q(text: str) -> str:
+    return shlex.quote(text)
+
+
+def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbatch") -> str:
+    """The sbatch script for ``settings`` (a bash script with ``#SBATCH`` lines)."""
+    lines = [_HEADER.format(script=script_name, history=settings.history_path)]
+    sbatch = [f"--job-name={settings.job_name}", f"--nodes={settings.nodes}",
+              "--ntasks-per-node=1", f"--time={settings.time}",
+              f"--output={settings.out}/slurm-%j.out"]
+    if settings.partition:
+        sbatch.append(f"--partition={settings.partition}")
+    if settings.gpus_per_node:
+        sbatch.append(f"--gpus-per-node={settings.gpus_per_node}")
+    if settings.exclusive:
+        sbatch.append("--exclusive")
+    sbatch.extend(settings.sbatch_options)
+    lines.extend(f"#SBATCH {opt}" for opt in sbatch)
+    lines.append("")
+    extra = "".join(f" {_q(a)}" for a in settings.pytest_args)
+    lines.append(_BODY.format(rootdir=_q(settings.rootdir), out=_q(settings.out),
+                              history=_q(settings.history_path), python=_q(settings.python),
+                              pytest_args=extra,
+                              experiments=" ".join(_q(e) for e in settings.experiments)))
+    return "\n".join(lines)
+
+
+def write_sbatch(settings: NightlySettings, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_sbatch(settings, script_name=str(path)))
+    path.chmod(0o755)
+    return path
