@@ -35,6 +35,7 @@ def test_render_is_aligned_and_fits_120_columns() -> None:
     for line in lines[2:6]:
         assert line[end - 1] != " "
     assert lines[-1] == "4 pairs: 2 passed, 1 failed, 1 error"
+    assert render_matrix([passing_pair()]).splitlines()[-1] == "1 pair: 1 passed, 0 failed, 0 errors"
 
 
 def test_long_names_are_cut_to_the_width() -> None:

@@ -100,7 +100,7 @@ def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
         lines.append(gap.join(cells).rstrip())
     lines.insert(1, "-" * min(max(len(line) for line in lines), width))
     counts = {s: sum(o.status == s for o in outcomes) for s in VERDICTS}
-    summary = (f"{len(outcomes)} pairs: {counts['passed']} passed, {counts['failed']} failed, "
+    summary = (f"{len(outcomes)} pair{'' if len(outcomes) == 1 else 's'}: {counts['passed']} passed, {counts['failed']} failed, "
                f"{counts['error']} error{'' if counts['error'] == 1 else 's'}")
     if counts["skipped"]:
         summary += f", {counts['skipped']} skipped"
