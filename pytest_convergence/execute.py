@@ -32,6 +32,16 @@ def execute_pair(config: pytest.Config, pair: PairSpec,
     settings = dataclasses.replace(state.settings, on_progress=printer)
     try:
         outcome = run_pair(pair, settings)
+    except KeyboardInterrupt as exc:
+        # Ctrl-C / SIGTERM mid-pair: the report still lists the pair (as an error that says
+        # so), not only the pairs that had finished. Runs that finished (e.g. the control)
+        # are already in the run cache and are reused by the next session.
+        reason = str(exc) or "Ctrl-C"
+        record_outcome(config, PairOutcome(
+            pair=pair, status="error", control=None, test=None,
+            error=f"interrupted ({reason}) before the pair finished; its finished runs are "
+                  "in the run cache and the next session reuses them"), user_properties)
+        raise
     finally:
         if printer is not None:
             printer.finish()

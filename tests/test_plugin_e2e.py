@@ -158,7 +158,7 @@ def test_python_api_progress_and_cached_control(project: pytest.Pytester) -> Non
 @pytest.mark.slow
 def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester) -> None:
     """SIGINT (Ctrl-C) while a job runs: pytest ends as interrupted, no process of the jobs
-    is left, and the report holds the pairs that finished."""
+    is left, and the report holds the pairs that finished and the one in flight (interrupted)."""
     import signal
     import subprocess
     import sys
@@ -190,5 +190,7 @@ def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester)
     _, alive = psutil.wait_procs(descendants, timeout=30)
     assert not [p for p in alive if p.status() != "zombie"], out
     report = json.loads((project.path / "report" / "report.json").read_text())
-    assert [p["name"] for p in report["pairs"]] == ["ddp2"]
+    assert [(p["name"], p["status"]) for p in report["pairs"]] == [
+        ("ddp2", "passed"), ("ddp2-long", "error")]
+    assert "interrupted (Ctrl-C)" in report["pairs"][1]["error"]
     assert report["environment"]["interrupted"] is True

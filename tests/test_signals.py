@@ -88,6 +88,11 @@ def test_sigterm_ends_jobs_and_writes_an_interrupted_report(project: Path) -> No
     report = json.loads((project / "report" / "report.json").read_text())
     assert report["environment"]["interrupted"] is True
     assert "received SIGTERM" in out
+    # The pair in flight is listed (as an error that says so), not silently dropped; its
+    # finished control is in the run cache for the next session.
+    (pair,) = report["pairs"]
+    assert pair["status"] == "error" and "interrupted (received SIGTERM)" in pair["error"]
+    assert list(project.glob(".convergence/cache/??/*/manifest.json"))
 
 
 def test_sigkill_of_pytest_leaves_no_job_behind(project: Path) -> None:
