@@ -248,3 +248,34 @@ def test_an_unnamed_control_is_named_by_its_layout(tmp_path: Path) -> None:
                      test={"parallelism": {"tp": 2, "dp_shard": 2}},
                      defaults={"train_config": "debug", "steps": 4}, rootdir=ROOT)
     assert pair.control.name == "fsdp2" and pair.test.name == "tp"
+
+
+@pytest.mark.parametrize(("compare", "parts"), [
+    ('{ loss = "off", grad_norm = "off" }', None),
+    ('{ grad_norm = { method = "allclose", rtol = 1e-3 } }', ("allclose", 1e-3)),
+    ('{ grad_norm = "paired", grad_norm_parts = "off" }', None),
+    ('{ loss = "paired" }', ("paired", None)),
+])
+def test_the_per_part_grad_norm_follows_the_grad_norm_unless_named(
+        tmp_path: Path, compare: str, parts: tuple[str, float | None] | None) -> None:
+    """An experiment written before grad_norm_parts existed that turns the grad norm off
+    (models that differ) must not start failing on it."""
+    body = f"""
+    [defaults]
+    train_config = "debug"
+    steps = 4
+    compare = {compare}
+
+    [control]
+    parallelism = {{ dp_shard = 2 }}
+
+    [[test]]
+    name = "t"
+    parallelism = {{ dp_shard = 2, tp = 2 }}
+    """
+    (pair,) = load_experiment(write(tmp_path, body), rootdir=ROOT).pairs
+    rule = next((r for r in pair.rules if r.metric == "grad_norm_parts"), None)
+    if parts is None:
+        assert rule is None
+    else:
+        assert rule is not None and (rule.method, rule.rtol) == parts

@@ -319,7 +319,20 @@ def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
                             key=f"{path}.method", fix=f"use one of: {', '.join(METHODS)} or \"off\"")
         gate_default = metric not in ("tokens_per_s", "peak_mem_mib")
         rules[metric] = ComparisonRule(metric=metric, **{"gate": gate_default, **spec})
+    # A derived metric follows the metric it refines unless it is named itself: an experiment
+    # that turns the grad norm off (models that differ) or judges it its own way means the
+    # per-part grad norm too -- written before it existed, it must not start failing.
+    for derived, base in FOLLOWS.items():
+        if base in compare and derived not in compare:
+            if base in rules:
+                rules[derived] = dataclasses.replace(rules[base], metric=derived)
+            else:
+                rules.pop(derived, None)
     return tuple(rules.values())
+
+
+#: metric -> the metric whose `compare` setting it takes when not named itself.
+FOLLOWS: dict[str, str] = {"grad_norm_parts": "grad_norm"}
 
 
 def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
