@@ -65,6 +65,12 @@ def test_tag_names_aliases_and_units(tmp_path: Path) -> None:
     assert metrics["val_loss"].values.tolist() == [3.5]
 
 
+def test_torchtitan_learning_rate_tag(tmp_path: Path) -> None:
+    """torchtitan 0.3.0 logs lr_schedulers.get_metrics(): lr/<optimizer class>."""
+    write(tmp_path, {LOSS: [(1, 3.0), (2, 2.9)], "lr/AdamW": [(1, 8e-4), (2, 7e-4)]})
+    assert read_tensorboard(tmp_path)["lr"].values.tolist() == [8e-4, 7e-4]
+
+
 def test_tag_map_override(tmp_path: Path) -> None:
     write(tmp_path, {"train/loss": [(1, 0.5)], LOSS: [(1, 9.0)], "grad_norm": [(1, 2.0)]})
     metrics = read_tensorboard(tmp_path, tag_map={"train/loss": "loss"})

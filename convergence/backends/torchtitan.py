@@ -25,8 +25,14 @@ every layout loads it with ``--checkpoint.initial_load_path`` (model only) and
 ``--checkpoint.load_only`` (no saves).
 
 Metrics: TensorBoard under ``<dump>/tb/<timestamp>/`` (torchtitan's tags; with PP the last
-stage's rank logs the loss), read at the precision torchtitan writes them (float32
-``add_scalar``). There is no live JSONL: early stopping is off for torchtitan jobs.
+stage's rank logs the loss; the learning rate as ``lr/<optimizer class>``), read at the
+precision torchtitan writes them (float32 ``add_scalar``).
+
+No early stopping for torchtitan jobs, because torchtitan 0.3.0 has no live source we can
+trust: its TensorBoard writer (``SummaryWriter(max_queue=1000)``, default ``flush_secs=120``)
+reaches the file only every two minutes or 1000 scalars (~70 steps), and its console line
+prints the loss with 5 decimals, coarser than the paired tolerance (~1e-5). A decision on
+either would be late or wrong; the verdict is taken on the whole run at its end.
 """
 
 from __future__ import annotations

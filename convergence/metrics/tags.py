@@ -19,6 +19,11 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "grad_norm": "grad_norm",
     "grad_norm_parts": "grad_norm_parts",
     "lr": "lr",
+    # torchtitan 0.3.0 logs each optimizer's learning rate as lr/<optimizer class> (one param
+    # group; lr/<class>/<i> with several, which has no single "lr" to compare).
+    "lr/AdamW": "lr",
+    "lr/Adam": "lr",
+    "lr/SGD": "lr",
     "validation_metrics/loss": "val_loss",
     "validation/loss": "val_loss",
     "throughput(tps)": "tokens_per_s",
