@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from convergence.report.plots import save_png
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -102,15 +104,6 @@ def _figure(rows: int, cols: int) -> Figure:
     return fig
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    """Through a temp file, so a crash never leaves a truncated PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=DPI)
-    tmp.replace(path)
-    return path
-
-
 def _title(pair: str, limit: int = 48) -> str:
     # the end of an id (file::name) is the part that tells pairs apart
     return pair if len(pair) <= limit else "…" + pair[-(limit - 1):]
@@ -185,5 +178,5 @@ def plot_trend_panels(nights: Sequence[str],
             ax.tick_params(labelbottom=True)
     fig.suptitle(f"pytest-convergence nightly trend: {spec.title}", fontsize=10)
     _legend(fig, spec)
-    return _save(fig, path)
+    return save_png(fig, path)
 

@@ -214,7 +214,7 @@ def write_plot(pairs: Sequence[Mapping[str, Any]], plot_dir: Path) -> Path | Non
     found = tables(pairs)
     if not found:
         return None
-    from convergence.report.plots import _figure, _save
+    from convergence.report.plots import _figure, save_png
 
     fig = _figure(11.0, 4.2)
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
@@ -239,4 +239,4 @@ def write_plot(pairs: Sequence[Mapping[str, Any]], plot_dir: Path) -> Path | Non
         ax.margins(x=0.2, y=0.15)  # room for the labels
     left.legend(fontsize=7)
     fig.suptitle(f"{TITLE}: communication vs quality and speed (* = baseline)", fontsize=10)
-    return _save(fig, plot_dir / PLOT_NAME)
+    return save_png(fig, plot_dir / PLOT_NAME)

@@ -55,7 +55,7 @@ def _figure(width: float, height: float) -> Figure:
     return fig
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_png(fig: Figure, path: Path) -> Path:
     """Write through a temp file so a crash never leaves a truncated PNG."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -253,7 +253,7 @@ def plot_pair(outcome: PairOutcome, path: Path) -> Path:
         axes[0].text(0.01, 0.03, "error: " + outcome.error.strip().splitlines()[0][:110],
                      transform=axes[0].transAxes, fontsize=8, color=DIVERGE_COLOR,
                      va="bottom")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 # -- heatmap ----------------------------------------------------------------------------------
@@ -338,7 +338,7 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
                                                 1 - 0.9 / height)))
     bar.set_label("log10(max|Δ| / tolerance)", fontsize=8)
     ax.set_title("max |Δ| vs tolerance per pair (grey: error / not compared)", fontsize=10)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_outcomes(outcomes: Sequence[PairOutcome], plot_dir: Path,
