@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -44,10 +45,13 @@ def test_a_stopped_rank_is_named(tmp_path: Path) -> None:
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         ps = psutil.Process(proc.pid)
-        for _ in range(100):
-            if ps.status() == psutil.STATUS_STOPPED:
-                break
-            psutil.wait_procs([], timeout=0.05)
+        # The state turns to "stopped" only when the child is next scheduled: on a loaded
+        # 2-core box that can take a while, so really wait (psutil.wait_procs([]) returns at
+        # once and made this loop 100 instant reads: the CI flake of run 879a958).
+        deadline = time.monotonic() + 30
+        while ps.status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ps.status() == psutil.STATUS_STOPPED, "the child never stopped"
         text = describe_hang([ps], tmp_path)
         assert text == f"rank 3 (pid {proc.pid}) is stopped (SIGSTOP or a debugger)"
     finally:
