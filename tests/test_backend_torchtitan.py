@@ -122,7 +122,7 @@ def test_seed_entry_is_one_process_creating_the_checkpoint(tmp_path: Path) -> No
     j = job(LAYOUTS["fsdp-tp-pp"], backend_options=(("assets_dir", str(tmp_path / "a")),))
     entry = BACKEND.seed_entry(j, tmp_path / "seed")
     start = entry.index("torchtitan.train")
-    assert entry[:start + 1] == ["-m", "torch.distributed.run", "--standalone",
+    assert entry[:start + 1] == ["-m", "convergence.launch.loopback_torchrun", "--standalone",
                                  "--nproc-per-node=1", "-m", "torchtitan.train"]
     cfg = parse(tuple(entry[start + 1:]))
     assert cfg.checkpoint.enable and cfg.checkpoint.create_seed_checkpoint

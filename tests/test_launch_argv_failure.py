@@ -38,7 +38,7 @@ def test_torchrun_argv_is_a_list_with_free_port_rendezvous(tmp_path: Path) -> No
     req = LaunchRequest(name="fsdp2 tp2/x", entry=["-m", "convergence.trainer", "--config",
                                                     "a b.toml"], nproc=4, log_dir=tmp_path)
     argv = build_torchrun_argv(req, python="/py")
-    assert argv == ["/py", "-m", "torch.distributed.run", "--nnodes", "1",
+    assert argv == ["/py", "-m", "convergence.launch.loopback_torchrun", "--nnodes", "1",
                     "--nproc-per-node", "4", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", "localhost:0", "--rdzv-id", "fsdp2-tp2-x",
                     "--log-dir", str(tmp_path / "ranks"), "--redirects", "3",
@@ -167,3 +167,10 @@ def test_the_rank_that_failed_by_itself_is_blamed_not_the_peer_that_lost_it(
     _rank_log_path.write_text("Traceback (most recent call last):\nRuntimeError: Connection "
                               "reset by peer\n")
     assert diagnose(tmp_path, name="j", returncode=1).rank == 0
+
+
+def test_only_a_local_rendezvous_goes_through_the_loopback_wrapper() -> None:
+    from convergence.launch.torchrun import torchrun_module
+    assert torchrun_module("localhost:0") == "convergence.launch.loopback_torchrun"
+    assert torchrun_module("127.0.0.1:29500") == "convergence.launch.loopback_torchrun"
+    assert torchrun_module("node017:29500") == "torch.distributed.run"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -37,6 +38,11 @@ def all_pids(request: LaunchRequest) -> set[int]:
     own = request.log_dir.parent / "trainer_pids.txt"
     if own.exists():
         pids |= {int(x) for x in own.read_text().split()}
+    # Ranks that torchrun itself ended before they wrote their pid or were seen by a scan (a
+    # loaded machine): the agent's log names them ("Sending process N closing signal").
+    log = request.log_dir / "launcher.log"
+    if log.exists():
+        pids |= {int(p) for p in re.findall(r"(?:Sending process|pid:) (\d+)", log.read_text())}
     return pids
 
 
@@ -258,7 +264,7 @@ def test_stopped_agent_after_the_last_step_keeps_the_run(tmp_path: Path) -> None
     def stop_agent_at_last_step(record: dict[str, float]) -> bool:
         if record.get("step") == 3:
             for child in psutil.Process().children():
-                if "torch.distributed.run" in " ".join(child.cmdline()):
+                if "loopback_torchrun" in " ".join(child.cmdline()):
                     child.send_signal(signal.SIGSTOP)
         return False
 
@@ -267,3 +273,28 @@ def test_stopped_agent_after_the_last_step_keeps_the_run(tmp_path: Path) -> None
     assert result.last_step == 3
     assert result.failure is not None and "logged all 3 steps" in result.failure.message
     assert_no_survivors(req, at_least=1)
+
+
+def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Every listening socket of a running job (the agent's rendezvous and bootstrap stores,
+    the ranks' own) is bound to loopback, read from the kernel while the job trains."""
+    import psutil
+
+    req = make_request(tmp_path, "ok", steps=3)
+    listening: list[tuple[str, str]] = []
+
+    def look_at_step_1(record: dict[str, float]) -> bool:
+        if record.get("step") == 1:
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    conns = proc.net_connections(kind="inet")
+                except psutil.Error:
+                    continue
+                listening.extend((proc.name(), c.laddr.ip) for c in conns
+                                 if c.status == psutil.CONN_LISTEN)
+        return False
+
+    result = LocalLauncher().launch(req, on_metrics=look_at_step_1)
+    assert result.status == "ok", result
+    assert len(listening) >= 2, listening  # the agent hosts two stores
+    assert {ip for _, ip in listening} <= {"127.0.0.1", "::1"}, listening

@@ -382,7 +382,8 @@ class TorchtitanBackend:
         ensure_assets(assets_root(job))
         single = _one_process(job)
         # One process through torchrun: torchtitan reads WORLD_SIZE and wants a process group.
-        return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+        return ["-m", "convergence.launch.loopback_torchrun", "--standalone",
+                "--nproc-per-node=1",
                 "-m", TRAIN_MODULE,
                 *build_argv(single, dump_dir=seed_dir / "creator", extra=seed_args(seed_dir),
                             local_batch_size=None)]

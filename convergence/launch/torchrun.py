@@ -6,6 +6,9 @@ c10d TCPStore on port 0, so the OS picks a free port atomically at bind time, an
 reuse that store (``TORCHELASTIC_USE_AGENT_STORE``) instead of probing for a second port. Many
 jobs started at once therefore never race for a port (tested with 4 concurrent jobs). We spell
 the options out so the rendezvous id can carry the job name (it names the per-rank log folder).
+
+A one-node rendezvous runs torchrun through ``convergence.launch.loopback_torchrun`` (same
+arguments), so that the agent's stores listen on 127.0.0.1 instead of every interface.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from convergence.launch.failure import diagnose, finished_then_aborted, note_tea
 from convergence.launch.hang import describe_hang
 from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
                                              terminate_tree)
-from convergence.launch.types import (FailureInfo, JobResult, LaunchRequest, OnMetrics,
-                                      OnProgress, Progress)
+from convergence.launch.types import (LOOPBACK_NAMES, FailureInfo, JobResult, LaunchRequest,
+                                      OnMetrics, OnProgress, Progress)
 from convergence.launch.watch import JobWatch, Verdict
 from convergence.process_lifetime import child_dies_with_us
 
@@ -41,6 +44,13 @@ def _rdzv_id(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:64] or "job"
 
 
+def torchrun_module(rdzv_endpoint: str) -> str:
+    """The module that runs torchrun: the loopback-only wrapper for a local rendezvous."""
+    host = rdzv_endpoint.rsplit(":", 1)[0]
+    return ("convergence.launch.loopback_torchrun" if host in LOOPBACK_NAMES
+            else "torch.distributed.run")
+
+
 def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable,
                         nnodes: int = 1, nproc_per_node: int | None = None,
                         rdzv_endpoint: str = "localhost:0",
@@ -52,7 +62,7 @@ def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable,
     if request.direct:
         return [python, *request.entry]
     return [
-        python, "-m", "torch.distributed.run",
+        python, "-m", torchrun_module(rdzv_endpoint),
         "--nnodes", str(nnodes),
         "--nproc-per-node", str(request.nproc if nproc_per_node is None else nproc_per_node),
         "--rdzv-backend", "c10d",

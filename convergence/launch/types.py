@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Protocol
 
 #: Final states of a job.
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1"})
+"""Rendezvous hosts of a one-node job: its stores are bound to 127.0.0.1 (loopback_torchrun)."""
+
 STATUSES = ("ok", "failed", "timeout", "hung", "stopped_early", "nan", "killed", "interrupted")
 
 
