@@ -73,6 +73,14 @@ def _all_job_pids(workdir: Path) -> set[int]:
     return pids
 
 
+def _assert_no_job_process_in(run_dir: Path) -> None:
+    pids = job_pids(run_dir)
+    assert pids, f"no PID was recorded in {run_dir}: the audit would prove nothing"
+    left = alive(pids)
+    kill_pids(left)
+    assert not left, f"processes of {run_dir.name} still alive: {left}"
+
+
 def _assert_no_job_process(workdir: Path) -> None:
     pids = _all_job_pids(workdir)
     assert pids, "no PID was recorded: the audit would prove nothing"
@@ -104,6 +112,10 @@ FAULTS = (
 )
 HANG = FaultyTest(name="hang-rank1", fault_args=("--fault", "hang", "--fault-rank", "1",
                                                  "--at", "2"))
+STOPPED_RANK = FaultyTest(name="stopped-rank1", fault_args=("--fault", "sigstop",
+                                                            "--fault-rank", "1", "--at", "2"))
+STOPPED_AGENT = FaultyTest(name="stopped-agent", fault_args=("--fault", "stop_agent"),
+                           early_stop=False)
 IDLE_LIMIT_S = 20
 
 
@@ -119,7 +131,8 @@ def faults(tmp_path_factory: pytest.TempPathFactory, squatter: int) -> Iterator[
             control_name="ddp2-nan", control_args=("--fault", "nan", "--at", "2")),
     })
     (project / "extra").mkdir()
-    (project / "extra" / "hang.toml").write_text(experiment(tests=[HANG], train_config=cfg))
+    (project / "extra" / "hang.toml").write_text(
+        experiment(tests=[HANG, STOPPED_RANK, STOPPED_AGENT], train_config=cfg))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(squatter)}
     proc = run_pytest(project, "-n", "2", "--convergence-devices", "4",
                       "--convergence-report", "report", env=env)
@@ -208,17 +221,33 @@ def test_toml_values_never_go_through_a_shell(faults: Session) -> None:
         assert not list(folder.glob("CANARY*")), folder
 
 
-def test_a_hung_rank_is_ended_by_the_watchdog(faults: Session) -> None:
-    """Rank 1 sleeps (with a detached grandchild) while rank 0 waits for it in the barrier:
-    the no-progress watchdog (--convergence-idle-limit) ends the job and names it."""
-    proc = run_pytest(faults.project, "extra/hang.toml",
+def test_hung_and_stopped_jobs_are_ended_by_the_watchdog(faults: Session) -> None:
+    """One session, three jobs that stop making progress, side by side (-n 3):
+    - rank 1 sleeps (with a detached grandchild) while rank 0 waits for it in the barrier: the
+      no-progress watchdog (--convergence-idle-limit) ends the job;
+    - rank 1 is stopped (SIGSTOP): the message names the rank and its pid;
+    - the torchrun agent is stopped after every step was logged: the run is complete, so it is
+      kept and the pair passes.
+    No process of any of them is left."""
+    proc = run_pytest(faults.project, "extra/hang.toml", "-n", "3", "--convergence-devices", "6",
                       f"--convergence-idle-limit={IDLE_LIMIT_S}", "--convergence-wall-limit=300")
     out = proc.stdout
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
-    assert "1 failed" in out.splitlines()[-1], out
+    assert "2 failed, 1 passed" in out.splitlines()[-1], out
     assert ("hang.toml::hang-rank1: ERROR: test job 'hang-rank1' (ddp2) job 'hang-rank1 test' "
             "hung: no new line in") in out, out
     assert f"for {IDLE_LIMIT_S} s" in out
+    outcomes = saved_outcomes(faults.workdir)
+    stopped = str(outcomes["stopped-rank1"]["error"] or "")
+    assert outcomes["stopped-rank1"]["status"] == "error" and "hung: no new line" in stopped
+    rank1_pid = int((faults.run_dir("stopped-rank1") / "dump" / "pids" / "rank1.pid")
+                    .read_text())
+    assert f"rank 1 (pid {rank1_pid}) is stopped (SIGSTOP or a debugger)" in stopped, stopped
+    assert outcomes["stopped-agent"]["status"] == "passed", outcomes["stopped-agent"]
+    agent_log = faults.run_dir("stopped-agent") / "logs" / "launcher.log"
+    assert "logged all 6 steps" in agent_log.read_text()
+    for pair in ("stopped-rank1", "stopped-agent"):
+        _assert_no_job_process_in(faults.run_dir(pair))
     run = faults.run_dir("hang-rank1")
     pids = job_pids(run)
     grandchild = run / "dump" / "pids" / "grandchild.pid"

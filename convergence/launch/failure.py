@@ -240,16 +240,22 @@ def finished_then_aborted(failure: FailureInfo, *, last_step: int | None,
     return _TRACEBACK_HEAD not in failure.traceback
 
 
+def note_in_launcher_log(log_dir: Path, message: str) -> None:
+    """Append what the launcher decided about a job to its ``launcher.log`` (best effort): a
+    reader of the logs sees why a run that did not exit cleanly was kept."""
+    try:
+        with open(log_dir / "launcher.log", "a", encoding="utf-8") as log:
+            log.write(f"\n# convergence: {message}\n")
+    except OSError:
+        pass
+
+
 def note_teardown_abort(log_dir: Path, failure: FailureInfo, *, steps: int | None
                         ) -> FailureInfo:
     """Record a teardown abort in ``launcher.log`` and return the note for the result."""
     where = f"rank {failure.rank}" if failure.rank is not None else "a rank"
     message = (f"{where} was killed by {failure.signal} at exit, after all {steps} steps were "
                "logged (teardown abort; the run is complete and kept)")
-    try:
-        with open(log_dir / "launcher.log", "a", encoding="utf-8") as log:
-            log.write(f"\n# convergence: {message}\n")
-    except OSError:
-        pass
+    note_in_launcher_log(log_dir, message)
     return FailureInfo(message=message, rank=failure.rank, signal=failure.signal,
                        traceback=failure.traceback, step=steps)

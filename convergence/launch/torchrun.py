@@ -25,7 +25,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from convergence.launch.failure import diagnose, finished_then_aborted, note_teardown_abort
+from convergence.launch.failure import (diagnose, finished_then_aborted, note_in_launcher_log,
+                                        note_teardown_abort)
 from convergence.launch.hang import describe_hang
 from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
                                              terminate_tree)
@@ -181,6 +182,8 @@ class LocalLauncher:
                 # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
                 # wait again (it would read the status as 0) or warn that it is still running.
                 proc.returncode = kill.root_returncode if kill.root_returncode is not None else -9
+                if verdict.status == "ok" and verdict.failure is not None:  # ended, run kept
+                    note_in_launcher_log(watch.request.log_dir, verdict.failure.message)
                 return verdict.status, kill.root_returncode, verdict.failure
             time.sleep(self.poll_interval_s)
         return self._exited(proc, watch, verdict)
