@@ -149,8 +149,9 @@ def _rank_traceback(log_dir: Path, cause: RootCause) -> str:
 def _scan_ranks(log_dir: Path) -> tuple[int | None, str]:
     """No root-cause block: the first rank whose stderr holds a traceback of its own failure
     (a peer-gone error only when no rank has another)."""
-    found = [(int(path.parent.name), last_traceback(_read(path)))
-             for path in sorted((log_dir / "ranks").glob("*/attempt_*/*/stderr.log"))]
+    logs = sorted((log_dir / "ranks").glob("*/attempt_*/*/stderr.log"))
+    found: list[tuple[int | None, str]] = [(int(path.parent.name), last_traceback(_read(path)))
+                                           for path in logs]
     found = [(rank, tb) for rank, tb in found if tb]
     own = [(rank, tb) for rank, tb in found if not is_peer_gone(tb)]
     return (own or found or [(None, "")])[0]

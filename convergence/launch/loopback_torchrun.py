@@ -67,11 +67,13 @@ def install() -> bool:
         return loopback_store(store_class, host, port, *args, **kwargs)
 
     def bootstrap_store(self: Any, master_addr: str, master_port: int) -> Any:
-        return loopback_store(dist.TCPStore, host=master_addr, port=master_port,
-                              is_master=True, multi_tenant=True)
+        return loopback_store(dist.TCPStore, host=master_addr,  # type: ignore[attr-defined]
+                              port=master_port, is_master=True, multi_tenant=True)
 
     backend.TCPStore = rendezvous_store
-    DynamicRendezvousHandler._create_tcp_store_server = bootstrap_store
+    # On the class (not an instance): every handler torchrun creates uses it.
+    handler = DynamicRendezvousHandler
+    handler._create_tcp_store_server = bootstrap_store  # type: ignore[method-assign]
     return True
 
 

@@ -34,7 +34,8 @@ class TreeKill:
 def descendants(pid: int) -> list[psutil.Process]:
     """All live descendants of ``pid`` (recursive); empty if ``pid`` is gone."""
     try:
-        return psutil.Process(pid).children(recursive=True)
+        children: list[psutil.Process] = psutil.Process(pid).children(recursive=True)
+        return children
     except psutil.Error:
         return []
 
@@ -42,7 +43,7 @@ def descendants(pid: int) -> list[psutil.Process]:
 def is_alive(proc: psutil.Process) -> bool:
     """Running and not a zombie (a zombie has ended; it only waits to be reaped)."""
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 

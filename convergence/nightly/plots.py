@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from convergence.report.plots import save_png
 
@@ -66,7 +66,7 @@ PLOTS: tuple[PlotSpec, ...] = (
 )
 
 
-def _present(value: float | None) -> bool:
+def _present(value: float | None) -> TypeGuard[float]:
     return value is not None and math.isfinite(value)
 
 
@@ -113,11 +113,11 @@ def _panel(ax: Axes, spec: PlotSpec, series: Mapping[str, list[float | None]],
            statuses: Sequence[str | None]) -> None:
     for k, (metric, _) in enumerate(spec.metrics):
         values = series.get(metric) or [None] * len(statuses)
-        style = ({"color": LINE_COLOR, "linewidth": 1.2} if k == 0 else
+        style: dict[str, Any] = ({"color": LINE_COLOR, "linewidth": 1.2} if k == 0 else
                  {"color": SECOND_COLOR, "linewidth": 1.0, "linestyle": "--", "marker": ".",
                   "markersize": 4})
         for run in runs(values):
-            ax.plot(run, [values[i] for i in run], zorder=2, **style)
+            ax.plot(run, [float(values[i] or 0.0) for i in run], zorder=2, **style)
     if spec.zero_line:
         ax.axhline(0.0, color="0.6", linewidth=0.8, zorder=1)
     primary = series.get(spec.metrics[0][0]) or [None] * len(statuses)
