@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from convergence.report.plots import save_png
+from convergence.report.figure import save_png
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
