@@ -14,7 +14,11 @@ only the ones before it (and the shared helpers :mod:`.fmt`, :mod:`.files`, :mod
 from __future__ import annotations
 
 from convergence.report.data.curves import divergence_table
-from convergence.report.data.schema import REPORT_JSON_SCHEMA, REPORT_SCHEMA_VERSION, build_report
+from convergence.report.data.schema import (
+    REPORT_JSON_SCHEMA,
+    REPORT_SCHEMA_VERSION,
+    build_report,
+)
 from convergence.report.data.serialize import outcome_from_json, outcome_to_json
 from convergence.report.formats.junit import junit_properties
 from convergence.report.formats.markdown import render_markdown, write_step_summary

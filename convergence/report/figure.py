@@ -1,8 +1,9 @@
 """matplotlib figures for the report's PNGs: built on ``matplotlib.figure.Figure`` with the Agg
 canvas, never pyplot (no global state, no GUI backend, safe in xdist workers and threads).
 
-matplotlib is imported lazily, inside :func:`new_figure` (the one documented function-local
-import of report/): importing the report (the plugin does at start-up) must not pay for it.
+matplotlib is imported lazily, here and in the drawing functions of
+:mod:`convergence.report.formats.plots`: importing the report (the plugin does at start-up)
+must not pay for it.
 """
 
 from __future__ import annotations

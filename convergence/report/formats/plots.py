@@ -20,8 +20,8 @@ import numpy.typing as npt
 from convergence.outcome import PairOutcome
 from convergence.report.data.curves import (
     Band,
-    band_z,
     aligned_delta,
+    band_z,
     curve_of_test,
     reference_curve,
     replicate_band,
