@@ -147,8 +147,8 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from convergence.report.dimensions import render_summary
-    from convergence.report.failure_text import render_outcome
+    from convergence.report.formats.terminal import render_summary
+    from convergence.report.formats.failure_text import render_outcome
     from convergence.runner import RunSettings
 
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), early_stop=False,

@@ -63,7 +63,7 @@ class _ProgressLog:
 
 def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, Any]) -> None:
     from convergence.report import write_reports
-    from convergence.report.schema import default_environment
+    from convergence.report.data.schema import default_environment
 
     # As in pytest: a CI job's summary ($GITHUB_STEP_SUMMARY, when set) gets report.md too.
     paths = write_reports(list(outcomes), out_dir,
@@ -74,7 +74,7 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from convergence.report.dimensions import render_summary
+    from convergence.report.formats.terminal import render_summary
     from convergence.runner import RunSettings, run_pair
     from convergence.spec.experiment import load_experiment, validate_pair
 
@@ -105,7 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- report ---------------------------------------------------------------------------------
 
 def load_outcome_files(folder: Path) -> list[Any]:
-    from convergence.report.serialize import OutcomeFormatError, outcome_from_json
+    from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 
     if not folder.is_dir():
         raise SpecError("not a folder", file=str(folder),
@@ -127,7 +127,7 @@ def load_outcome_files(folder: Path) -> list[Any]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from convergence.report.dimensions import render_summary
+    from convergence.report.formats.terminal import render_summary
 
     outcomes = load_outcome_files(Path(args.source))
     print(render_summary(outcomes))

@@ -62,7 +62,7 @@ def compare_rules(metrics: Sequence[str] | None, method: str | None,
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from convergence.report.failure_text import render_outcome
+    from convergence.report.formats.failure_text import render_outcome
     from convergence.stats.registry import compare_all
 
     paths = [Path(args.a), *map(Path, args.replicate)]

@@ -1,6 +1,6 @@
 """How a failed or broken pair reads in pytest's failure section (shared by TOML items and the
 ``convergence_pair`` fixture). The text itself is the library's
-(:mod:`convergence.report.failure_text`), so ``convergence compare`` prints the same words."""
+(:mod:`convergence.report.formats.failure_text`), so ``convergence compare`` prints the same words."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from convergence.outcome import PairOutcome
-from convergence.report.failure_text import (TABLE_AROUND, TRACEBACK_HEAD_LINES, headline,
+from convergence.report.formats.failure_text import (TABLE_AROUND, TRACEBACK_HEAD_LINES, headline,
                                              render_outcome)
 
 __all__ = ["TABLE_AROUND", "TRACEBACK_HEAD_LINES", "ConvergenceFailure", "headline",

@@ -20,7 +20,7 @@ KEEP_SESSIONS = 20
 
 
 def environment(config: pytest.Config, *, interrupted: bool) -> dict[str, Any]:
-    from convergence.report.schema import default_environment
+    from convergence.report.data.schema import default_environment
 
     state = get_state(config)
     return {
@@ -91,7 +91,7 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = get_state(config)
     if state.is_worker or not state.all_outcomes:
         return
-    from convergence.report.dimensions import render_summary
+    from convergence.report.formats.terminal import render_summary
 
     tr = terminalreporter
     count = len(state.all_outcomes)

@@ -20,7 +20,8 @@ import pytest
 
 from convergence.metrics.curve import Curve
 from convergence.outcome import SideOutcome
-from convergence.report import comm_table
+from convergence.report.data import records
+from convergence.report.sections import comm_blocks
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import ModelConfig, ParallelismConfig, TrainConfig
@@ -144,33 +145,33 @@ REPORT: dict[str, Any] = {"plots": {}, "pairs": [
 
 
 def test_table_rows() -> None:
-    [table] = comm_table.tables(REPORT["pairs"])
+    [table] = comm_blocks.tables(REPORT["pairs"])
     assert [r.config for r in table.rows] == ["tp2-standard", "tp2-single_sync", "tp2-parallel"]
     base, single, parallel = table.rows
     assert (base.role, base.collectives, base.val_loss_delta) == ("baseline", 51, None)
     assert single.collectives == 27 and single.val_loss_delta == pytest.approx(0.05)
     assert parallel.tokens_per_s_rel == pytest.approx(2.0)
-    cells = comm_table.cells(parallel)
+    cells = comm_blocks.cells(parallel)
     assert cells[2:4] == ["5", "3 / 2"]
     assert cells[6] == "+0.2000 (+4.00%)"
     assert cells[-1] == "FAIL (limit +2.0%)"
 
 
 def test_markdown_and_html_sections(tmp_path: Path) -> None:
-    png = comm_table.write_plot(REPORT["pairs"], tmp_path)
+    png = comm_blocks.write_plot(REPORT["pairs"], tmp_path)
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    report = {**REPORT, "plots": {comm_table.PLOT_KEY: f"plots/{png.name}"}}
-    md = "\n".join(comm_table.markdown_lines(report))
-    assert f"## {comm_table.TITLE}" in md
+    report = {**REPORT, "plots": {comm_blocks.PLOT_KEY: f"plots/{png.name}"}}
+    md = "\n".join(comm_blocks.markdown_lines(report))
+    assert f"## {comm_blocks.TITLE}" in md
     assert "| tp2-single_sync | single_sync | 27 | 14 / 13 | 1,000 | 5.0500 | +0.0500 (+1.00%)" in md
     assert "fsdp2-tp2" not in md
     assert f"](plots/{png.name})" in md
-    html = comm_table.html_section(report, {f"plots/{png.name}": png})
+    html = comm_blocks.html_section(report, {f"plots/{png.name}": png})
     assert "<h2>Reduced-communication blocks</h2>" in html and "data:image/png;base64," in html
     # A report without the study shows nothing.
     other = {"plots": {}, "pairs": REPORT["pairs"][2:]}
-    assert comm_table.markdown_lines(other) == [] and comm_table.html_section(other, {}) == ""
-    assert comm_table.write_plot(other["pairs"], tmp_path / "none") is None
+    assert comm_blocks.markdown_lines(other) == [] and comm_blocks.html_section(other, {}) == ""
+    assert comm_blocks.write_plot(other["pairs"], tmp_path / "none") is None
 
 
 def test_side_facts_from_run_meta_and_val_curve() -> None:
@@ -180,10 +181,10 @@ def test_side_facts_from_run_meta_and_val_curve() -> None:
     side = SideOutcome(job=job, metrics={"val_loss": val}, meta={
         "num_params": 123, "block_pattern": "single_sync",
         "collectives": {"forward": 6, "backward": 5, "total": 11, "by_op": {}}})
-    facts = comm_table.side_facts(side)
+    facts = records.side_facts(side)
     assert facts == {"num_params": 123, "block_pattern": "single_sync",
                      "collectives": side.meta["collectives"], "final_val_loss": 5.25}
-    assert comm_table.side_facts(None) == {}
+    assert records.side_facts(None) == {}
 
 
 # ----------------------------------------------------------------------------------------------

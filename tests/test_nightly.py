@@ -22,7 +22,7 @@ from convergence.metrics.tensorboard import read_tensorboard
 from convergence.nightly import (NightlySettings, append_history, final_loss_delta,
                                  history_records, read_history, render_sbatch, run_names, runs,
                                  write_trend)
-from convergence.report.schema import build_report
+from convergence.report.data.schema import build_report
 from convergence.spec.errors import SpecError
 
 sys.path.insert(0, str(Path(__file__).parent))

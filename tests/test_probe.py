@@ -174,7 +174,7 @@ def test_planted_tp_plan_bug_is_localised(outcomes: dict[str, Any]) -> None:
 
 def test_failure_text_and_reports_name_the_module(outcomes: dict[str, Any],
                                                   tmp_path: Path) -> None:
-    from convergence.report.write import write_reports
+    from convergence.report.formats.write import write_reports
     from pytest_convergence.failure import render_outcome
 
     text = render_outcome(outcomes["fsdp2-tp2-bug"])
@@ -196,7 +196,7 @@ LATE_STEP = 3  # planted_late_bugs.FIRST_BAD_STEP
 
 def test_first_divergent_step_and_failure_line() -> None:
     from convergence.probe_run import agrees, first_divergent_step
-    from convergence.report.probe_table import failure_line, summary_text
+    from convergence.report.sections.probe import failure_line, summary_text
     from convergence.stats.types import MetricVerdict
 
     def verdict(metric: str, passed: bool, first: int | None, gate: bool = True) -> Any:
@@ -258,7 +258,7 @@ def test_late_bug_invisible_at_step1_is_localised_at_the_divergent_step(late_out
 
 def test_late_localisation_in_failure_text_and_reports(late_outcome: Any,
                                                        tmp_path: Path) -> None:
-    from convergence.report.write import write_reports
+    from convergence.report.formats.write import write_reports
     from pytest_convergence.failure import render_outcome
 
     text = render_outcome(late_outcome)

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from convergence.report.dimensions import (
+from convergence.report.sections.dimensions import (
     SAME,
     dimension_of,
     group_by_dimension,
@@ -15,7 +15,7 @@ from convergence.report.dimensions import (
     markdown_lines,
     render_dimensions,
 )
-from convergence.report.records import pair_record
+from convergence.report.data.records import pair_record
 from convergence.spec.layout import ParallelLayout
 from report_examples import all_examples, failing_pair, passing_pair
 
@@ -88,7 +88,7 @@ def test_terminal_block_fits_the_width() -> None:
 
 
 def test_markdown_and_html_sections(tmp_path: Path) -> None:
-    from convergence.report.write import write_reports
+    from convergence.report.formats.write import write_reports
 
     records = _records()
     md = markdown_lines(records)

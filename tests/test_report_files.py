@@ -14,8 +14,8 @@ import pytest
 
 from convergence.outcome import PairOutcome
 from convergence.report import REPORT_JSON_SCHEMA, REPORT_SCHEMA_VERSION, build_report, write_reports
-from convergence.report.plots import plot_pair
-from convergence.report.serialize import outcome_from_json, outcome_to_json
+from convergence.report.formats.plots import plot_pair
+from convergence.report.data.serialize import outcome_from_json, outcome_to_json
 from report_examples import DIVERGES_AT, all_examples, failing_pair
 
 ENV = {"launcher": "local", "devices": 2}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from convergence.report import build_report, render_markdown
-from convergence.report.failure_text import render_outcome
-from convergence.report.html import render_html
+from convergence.report.formats.failure_text import render_outcome
+from convergence.report.formats.html import render_html
 from report_examples import judge, passing_pair, run_metrics
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from convergence.metrics.curve import Curve
 from convergence.outcome import PairOutcome
-from convergence.report.serialize import (
+from convergence.report.data.serialize import (
     OUTCOME_FORMAT,
     OutcomeFormatError,
     outcome_from_json,

@@ -26,8 +26,8 @@ import pytest
 from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import Curve
 from convergence.outcome import SideOutcome
-from convergence.report import tradeoff
-from convergence.report.records import step_time_s
+from convergence.report.sections import resources
+from convergence.report.data.records import step_time_s
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment, make_pair
 from convergence.spec.job import JobSpec
@@ -148,7 +148,7 @@ def test_tradeoff_rows_are_relative_to_the_control() -> None:
         _record(_side("fsdp2-bad", "fsdp2"), status="failed", step=(0.5, 1.0),
                 tps=(2000.0, 1000.0), mem=(400.0, 200.0), dloss=0.125),
     ]
-    (table,) = tradeoff.tables(pairs)
+    (table,) = resources.tables(pairs)
     assert (table.source, table.control) == ("exp/zero.toml", "ddp2")
     control, no_reshard, bad = table.rows
     assert (control.role, control.verdict, control.step_time_s, control.peak_mem_mib) == \
@@ -159,7 +159,7 @@ def test_tradeoff_rows_are_relative_to_the_control() -> None:
     assert no_reshard.tokens_per_s_rel == pytest.approx(-0.5)
     assert no_reshard.peak_mem_rel == pytest.approx(-0.25)
     assert bad.verdict == "FAIL" and bad.max_abs_dloss == 0.125
-    assert tradeoff.cells(bad)[4:] == ["1", "+100.0%", "1,000", "-50.0%", "200", "-50.0%",
+    assert resources.cells(bad)[4:] == ["1", "+100.0%", "1,000", "-50.0%", "200", "-50.0%",
                                        "0.125"]
 
 
@@ -170,7 +170,7 @@ def test_tradeoff_groups_by_file_and_control_and_skips_groups_that_never_ran() -
                     control=_side("c", "ddp2", ran=False), status="skipped")
     other_control = _record(_side("t", "fsdp2"), source="a/dp_vs_tp.toml",
                             control=_side("fsdp2", "fsdp2"))
-    found = tradeoff.tables([accum, never, other_control])
+    found = resources.tables([accum, never, other_control])
     assert [(t.source, t.control) for t in found] == [("a/dp_vs_tp.toml", "ddp2-accum2"),
                                                       ("a/dp_vs_tp.toml", "fsdp2")]
     assert [r.layout for r in found[0].rows] == ["ddp2 +accum:2", "tp2 +accum:4"]
@@ -180,30 +180,30 @@ def test_step_time_falls_back_to_the_inverse_throughput_ratio() -> None:
     """Reports without step times (a backend without run meta): tokens per step are equal on
     both sides of a pair, so the step time ratio is control tok/s / test tok/s."""
     record = _record(_side("t", "fsdp2"), step=(None, None), tps=(1000.0, 800.0))
-    (table,) = tradeoff.tables([record])
+    (table,) = resources.tables([record])
     assert table.rows[1].step_time_s is None
     assert table.rows[1].step_time_rel == pytest.approx(0.25)
 
 
 def test_tradeoff_markdown_and_html() -> None:
     pairs = [_record(_side("fsdp2|cpu", "fsdp2", cpu_offload=True))]
-    lines = tradeoff.markdown_lines(pairs)
+    lines = resources.markdown_lines(pairs)
     text = "\n".join(lines)
     assert "## Resources" in text and "### zero.toml — control ddp2" in text
     header = next(line for line in lines if line.startswith("| job |"))
-    assert header.count(" | ") == len(tradeoff.HEADER) - 1 and "max \\|Δloss\\|" in header
+    assert header.count(" | ") == len(resources.HEADER) - 1 and "max \\|Δloss\\|" in header
     assert "| fsdp2\\|cpu | test | fsdp2 +offload | PASS | 0.6 | +20.0% |" in text
     assert "| ddp2 | control | ddp2 | reference | 0.5 | - |" in text
-    html = tradeoff.html_section(pairs)
+    html = resources.html_section(pairs)
     assert html.startswith("<h2>Resources</h2>") and html.count("<tr") == 3
     assert "fsdp2|cpu" in html and '<td class="num">+20.0%</td>' in html
-    assert tradeoff.markdown_lines([]) == [] and tradeoff.html_section([]) == ""
+    assert resources.markdown_lines([]) == [] and resources.html_section([]) == ""
 
 
 def test_full_reports_carry_the_table() -> None:
     """Through build_report + render_markdown/render_html, on the report tests' examples."""
     from convergence.report import build_report, render_markdown
-    from convergence.report.html import render_html
+    from convergence.report.formats.html import render_html
     from report_examples import failing_pair, passing_pair
 
     report = build_report([passing_pair(), failing_pair()], environment={}, started_at=None,

@@ -28,7 +28,7 @@ from convergence.spec.errors import SpecError
 
 HISTORY_VERSION = 2
 #: Where a recorded step time came from (``step_time_from``): the report's median seconds per
-#: step (tokens per step / tokens/s per step, see convergence.report.records.step_time_s), or,
+#: step (tokens per step / tokens/s per step, see convergence.report.data.records.step_time_s), or,
 #: when the run's meta had no tokens per step, the side's wall time / its steps.
 STEP_TIME_SOURCES = ("tokens_per_s", "wall")
 #: The night names ``convergence record`` and the sbatch script make start with a UTC stamp.

@@ -11,7 +11,7 @@ did not run, while the points on either side keep their markers and a pair that 
 nights still gets its panel.
 
 Figures are ``matplotlib.figure.Figure`` on the Agg canvas, never pyplot (as in
-convergence/report/plots.py): no global state, no GUI backend. matplotlib is imported lazily.
+convergence/report/figure.py): no global state, no GUI backend. matplotlib is imported lazily.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from convergence.report.plots import save_png
+from convergence.report.figure import save_png
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -1,4 +1,5 @@
-"""Short text forms of report values, shared by the matrix, markdown, HTML and plots."""
+"""Short text forms of report values: the one place numbers and cells are formatted, shared by
+every section and output format (terminal, markdown, HTML, JUnit, plots)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def fmt_num(value: float | str | None) -> str:
     return f"{value:.1e}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.3g}"
 
 
+def fmt_float(value: Any) -> str:
+    """A number in a sentence of the failure text: six significant digits, small ones in
+    scientific notation; anything else (None: "-") as its ``str``."""
+    if isinstance(value, float):
+        return f"{value:.6g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
+    return "-" if value is None else str(value)
+
+
 def fmt_amount(value: float | str | None) -> str:
     """Throughput / memory: whole numbers with thousands separators once they are large."""
     value = as_float(value)
@@ -48,6 +57,28 @@ def fmt_amount(value: float | str | None) -> str:
 def fmt_ratio(value: float | str | None) -> str:
     value = as_float(value)
     return "-" if value is None or not math.isfinite(value) else f"{value:.2f}x"
+
+
+def fmt_value(value: float | str | None) -> str:
+    """A curve value at full useful precision (divergence tables): ``2.302585093``."""
+    value = as_float(value)
+    return "-" if value is None else f"{value:.10g}"
+
+
+def fmt_delta(value: float | str | None) -> str:
+    """A signed difference (divergence tables): ``+1.250e-03``."""
+    value = as_float(value)
+    return "-" if value is None else f"{value:+.3e}"
+
+
+def fmt_pct(fraction: float | None) -> str:
+    """A relative difference as a signed percentage: 0.021 -> ``+2.1%``."""
+    return "-" if fraction is None else f"{fraction * 100:+.1f}%"
+
+
+def cut(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, the last one an ellipsis when cut."""
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
 
 
 def fmt_wall(seconds: float | None) -> str:

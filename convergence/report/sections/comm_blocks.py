@@ -9,7 +9,7 @@ validation-loss threshold rule of the pair). The plot puts the collectives per s
 the final validation loss and against tokens/s.
 
 Rendered from report.json pair records: each side's ``run_facts`` (filled from the trainer's
-run_meta.json by :func:`side_facts`) and ``resources``.
+run_meta.json by :func:`convergence.report.data.records.side_facts`) and ``resources``.
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-
-from convergence.report.fmt import VERDICTS, as_float, fmt_amount
-
-if TYPE_CHECKING:
-    from convergence.outcome import SideOutcome
+from convergence.report.figure import new_figure, save_png
+from convergence.report.fmt import VERDICTS, as_float, fmt_amount, fmt_pct
+from convergence.report.markup import html_img, html_table, md_cell, md_table
 
 TITLE = "Reduced-communication blocks"
 PLOT_NAME = "comm_reduction.png"
@@ -38,20 +35,6 @@ NOTE = ("Collectives issued in one optimizer step (forward + backward, all ranks
         "counted with CommDebugMode on step 1), parameters of the full model, validation "
         "loss at the last evaluation, Δ against the baseline (the control), median tokens/s. "
         "The verdict is the pair's: the validation-loss threshold rule of the experiment.")
-
-
-def side_facts(side: SideOutcome | None) -> dict[str, Any]:
-    """What the study shows of one run: from its run_meta.json and its validation curve."""
-    if side is None:
-        return {}
-    meta = side.meta
-    val = side.metrics.get("val_loss")
-    final_val = None
-    if val is not None and len(val):
-        finite = val.values[np.isfinite(val.values)]
-        final_val = float(finite[-1]) if finite.size else None
-    return {"num_params": meta.get("num_params"), "block_pattern": meta.get("block_pattern"),
-            "collectives": meta.get("collectives"), "final_val_loss": final_val}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +151,7 @@ def _delta(row: CommRow) -> str:
 
 def cells(row: CommRow) -> list[str]:
     fwd_bwd = "-" if row.forward is None else f"{row.forward} / {row.backward}"
-    rel = "-" if row.tokens_per_s_rel is None else f"{row.tokens_per_s_rel * 100:+.1f}%"
+    rel = fmt_pct(row.tokens_per_s_rel)
     return [row.config, row.block_pattern, _int(row.collectives), fwd_bwd, _int(row.num_params),
             "-" if row.val_loss is None else f"{row.val_loss:.4f}", _delta(row),
             fmt_amount(row.tokens_per_s), rel, row.verdict]
@@ -176,15 +159,13 @@ def cells(row: CommRow) -> list[str]:
 
 def markdown_lines(report: Mapping[str, Any]) -> list[str]:
     """The section of report.md ([] when no pair of the report is in the study)."""
-    from convergence.report.markdown import cell, table
-
     found = tables(report["pairs"])
     if not found:
         return []
     lines = ["", f"## {TITLE}", "", NOTE]
     for t in found:
-        lines += ["", f"### {cell(Path(t.source).name)}", ""]
-        lines += table(HEADER, [cells(r) for r in t.rows], list(RIGHT))
+        lines += ["", f"### {md_cell(Path(t.source).name)}", ""]
+        lines += md_table(HEADER, [cells(r) for r in t.rows], list(RIGHT))
     plot = (report.get("plots") or {}).get(PLOT_KEY)
     if plot:
         lines += ["", f"![collectives per step vs validation loss and tokens/s]({plot})"]
@@ -196,14 +177,12 @@ def html_section(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> s
     found = tables(report["pairs"])
     if not found:
         return ""
-    from convergence.report.html import img, table
-
     parts = [f'<h2>{escape(TITLE)}</h2><p class="sub">{escape(NOTE)}</p>']
     for t in found:
         body = [[escape(c) for c in cells(row)] for row in t.rows]
         parts.append(f"<h3>{escape(Path(t.source).name)}</h3>"
-                     + table([escape(h) for h in HEADER], body, right=RIGHT))
-    parts.append(img((report.get("plots") or {}).get(PLOT_KEY), plot_files,
+                     + html_table([escape(h) for h in HEADER], body, right=RIGHT))
+    parts.append(html_img((report.get("plots") or {}).get(PLOT_KEY), plot_files,
                      "collectives per step vs validation loss and tokens/s"))
     return "".join(parts)
 
@@ -214,9 +193,7 @@ def write_plot(pairs: Sequence[Mapping[str, Any]], plot_dir: Path) -> Path | Non
     found = tables(pairs)
     if not found:
         return None
-    from convergence.report.plots import _figure, save_png
-
-    fig = _figure(11.0, 4.2)
+    fig = new_figure(11.0, 4.2)
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     fig.subplots_adjust(left=0.07, right=0.98, top=0.88, bottom=0.13, wspace=0.25)
     for t in found:

@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 
 from convergence.outcome import PairOutcome, SideOutcome
-from convergence.report.curves import (
+from convergence.report.data.curves import (
     divergence_table,
     max_abs_delta,
     ratio,
     replicate_band,
     side_stat,
 )
-from convergence.report.jsonable import jsonable
-from convergence.report.serialize import metrics_to_json
+from convergence.report.data.jsonable import jsonable
+from convergence.report.data.serialize import metrics_to_json
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import AXES
 from convergence.stats.types import MetricVerdict
@@ -63,10 +63,23 @@ def side_record(job: JobSpec, side: SideOutcome | None) -> dict[str, Any]:
         "last_step": side.result.last_step if side and side.result else None,
         "num_replicates": len(side.replicates) if side else 0,
     })
-    from convergence.report.comm_table import side_facts  # block pattern, collectives, params
-
-    record["run_facts"] = side_facts(side)
+    record["run_facts"] = side_facts(side)  # block pattern, collectives, params
     return record
+
+
+def side_facts(side: SideOutcome | None) -> dict[str, Any]:
+    """Facts of one run beyond its curves, from its run_meta.json and its validation curve:
+    what the reduced-communication study shows (sections.comm_blocks)."""
+    if side is None:
+        return {}
+    meta = side.meta
+    val = side.metrics.get("val_loss")
+    final_val = None
+    if val is not None and len(val):
+        finite = val.values[np.isfinite(val.values)]
+        final_val = float(finite[-1]) if finite.size else None
+    return {"num_params": meta.get("num_params"), "block_pattern": meta.get("block_pattern"),
+            "collectives": meta.get("collectives"), "final_val_loss": final_val}
 
 
 def verdict_record(v: MetricVerdict) -> dict[str, Any]:

@@ -6,9 +6,9 @@ techniques that differ, e.g. ``+tp2``, ``+tp2+pp2``, ``+cp4``, ``shard2→4``, `
 how many passed, failed, broke, and the worst |Δloss| among them (and which pair it was), so a
 reader sees at a glance that, say, everything with PP fails while TP alone is fine.
 
-Rendered from report records (convergence.report.records.pair_record, or report.json's pairs)
-for the terminal (:func:`render_dimensions`), report.md (:func:`markdown_lines`) and report.html
-(:func:`html_section`).
+Rendered from report records (convergence.report.data.records.pair_record, or report.json's
+pairs) for the terminal (:func:`render_dimensions`), report.md (:func:`markdown_lines`) and
+report.html (:func:`html_section`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from html import escape
 from typing import Any
 
-from convergence.outcome import PairOutcome
-from convergence.report.fmt import as_float, fmt_num, fmt_techniques
+from convergence.report.fmt import as_float, cut, fmt_num, fmt_techniques
+from convergence.report.markup import html_table, md_table
 
 #: Short axis names, as the matrix's columns.
 AXIS_NAMES: tuple[tuple[str, str], ...] = (
@@ -102,10 +103,6 @@ def cells(row: DimensionRow) -> list[str]:
             str(c["error"]), str(c["skipped"]), fmt_num(row.worst_dloss), row.worst_pair or "-"]
 
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
-
-
 def render_dimensions(records: Iterable[Mapping[str, Any]], width: int = 120) -> str:
     """The per-dimension block for the terminal (aligned text, each line within ``width``)."""
     table = [list(HEADER)] + [cells(r) for r in group_by_dimension(records)]
@@ -117,55 +114,29 @@ def render_dimensions(records: Iterable[Mapping[str, Any]], width: int = 120) ->
             widths[i] = max(widths[i] - excess, len(HEADER[i]))
     lines = []
     for row in table:
-        text = [_cut(v, w).rjust(w) if right else _cut(v, w).ljust(w)
+        text = [cut(v, w).rjust(w) if right else cut(v, w).ljust(w)
                 for v, w, right in zip(row, widths, RIGHT)]
         lines.append("  ".join(text).rstrip()[:width])
     lines.insert(1, "-" * max(len(line) for line in lines))
     return "\n".join(lines) + "\n"
 
 
-def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
-    """:func:`render_dimensions` of outcomes (the terminal summary's input)."""
-    from convergence.report.records import pair_record
-
-    return render_dimensions((pair_record(o, include_curves=False) for o in outcomes), width)
-
-
-def render_summary(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
-    """The terminal summary shared by the plugin and the CLI: the matrix, then (for two pairs
-    or more) the per-dimension block under it."""
-    from convergence.report.matrix import render_matrix
-
-    outcomes = list(outcomes)
-    text = render_matrix(outcomes, width)
-    if len(outcomes) > 1:
-        text = (text.rstrip("\n") + "\nby dimension (what each test adds over its control):\n"
-                + render_outcome_dimensions(outcomes, width))
-    return text
-
-
 def markdown_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """report.md's "By dimension" section (empty for fewer than two pairs)."""
     if len(records) < 2:
         return []
-    from convergence.report.markdown import table
-
     rows = group_by_dimension(records)
     return ["", "### By dimension", "",
-            *table(HEADER, [cells(r) for r in rows], list(RIGHT))]
+            *md_table(HEADER, [cells(r) for r in rows], list(RIGHT))]
 
 
 def html_section(records: Sequence[Mapping[str, Any]]) -> str:
     """report.html's "By dimension" table ("" for fewer than two pairs)."""
     if len(records) < 2:
         return ""
-    from html import escape
-
-    from convergence.report.html import table
-
     rows = group_by_dimension(records)
     status = ["failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed"
               for r in rows]
     body = [[escape(c) for c in cells(r)] for r in rows]
-    return ("<h3>By dimension</h3>" + table([escape(h) for h in HEADER], body, right=RIGHT,
+    return ("<h3>By dimension</h3>" + html_table([escape(h) for h in HEADER], body, right=RIGHT,
                                             row_class=status))

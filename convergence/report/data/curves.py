@@ -50,6 +50,8 @@ def replicate_band(side: SideOutcome | None, metric: str, z: float = DEFAULT_Z) 
     if len(curves) < 2:
         return None
     try:
+        # Lazy on purpose: stats.seed imports scipy (~1-2 s), and the pytest plugin imports
+        # the report at start-up; the band is only built for seed-regime pairs.
         from convergence.stats.seed import seed_band
 
         band = seed_band(curves, z)

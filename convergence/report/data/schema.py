@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from convergence.outcome import PAIR_STATUSES, PairOutcome
-from convergence.report.jsonable import NON_FINITE, jsonable
-from convergence.report.records import pair_record, relative_plot
+from convergence.report.data.jsonable import NON_FINITE, jsonable
+from convergence.report.data.records import pair_record, relative_plot
 from convergence.spec.layout import AXES
 
 REPORT_SCHEMA_VERSION = 1

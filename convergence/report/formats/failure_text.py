@@ -9,20 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from convergence.outcome import PairOutcome
+from convergence.probe_compare import summary_items
+from convergence.report.data.curves import divergence_table
+from convergence.report.fmt import fmt_delta, fmt_float, fmt_value, verdict_state
+from convergence.report.formats.plots import PLOT_DIR, plot_names
+from convergence.report.sections.probe import failure_line
 from convergence.spec.job import JobSpec
 from convergence.stats.types import MetricVerdict
-from convergence.report.fmt import verdict_state
 
 TRACEBACK_HEAD_LINES = 25
 """Lines of a broken job's traceback shown in the failure text; the rest is in the logs."""
 TABLE_AROUND = 3
 """Steps shown before and after the first divergent step."""
-
-
-def _num(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"
-    return "-" if value is None else str(value)
 
 
 def _verdict_line(v: MetricVerdict) -> str:
@@ -33,22 +31,16 @@ def _verdict_line(v: MetricVerdict) -> str:
     if v.first_divergent_step is not None:
         parts.append(f"first divergent step {v.first_divergent_step}")
     at = f" at step {v.max_deviation_step}" if v.max_deviation_step is not None else ""
-    parts.append(f"max |Δ| {_num(float(v.max_deviation))}{at}")
+    parts.append(f"max |Δ| {fmt_float(float(v.max_deviation))}{at}")
     if v.tolerance_at_max is not None:
-        parts.append(f"(tolerance there {_num(float(v.tolerance_at_max))})")
+        parts.append(f"(tolerance there {fmt_float(float(v.tolerance_at_max))})")
     if v.message:
         parts.append(f"- {v.message}")
     return "  ".join(parts)
 
 
 def _table_rows(outcome: PairOutcome, metric: str, around: int) -> Sequence[Sequence[Any]]:
-    from convergence.report import divergence_table
-
     return [tuple(row) for row in divergence_table(outcome, metric, around)]
-
-
-def _value(x: Any) -> str:
-    return "-" if x is None else f"{float(x):.10g}"
 
 
 def _table(outcome: PairOutcome, metric: str) -> list[str]:
@@ -59,8 +51,8 @@ def _table(outcome: PairOutcome, metric: str) -> list[str]:
            f"    {'step':>6}  {'control':>16}  {'test':>16}  {'Δ':>12}"]
     for row in rows:
         step, cv, tv, delta = (list(row) + [None] * 4)[:4]
-        d = "-" if delta is None else f"{float(delta):+.3e}"
-        out.append(f"    {step!s:>6}  {_value(cv):>16}  {_value(tv):>16}  {d:>12}")
+        out.append(f"    {step!s:>6}  {fmt_value(cv):>16}  {fmt_value(tv):>16}  "
+                   f"{fmt_delta(delta):>12}")
     return out
 
 
@@ -101,7 +93,7 @@ def headline(outcome: PairOutcome) -> str:
     for v in failing:
         where = (f"diverges from step {v.first_divergent_step}"
                  if v.first_divergent_step is not None else "fails")
-        parts.append(f"{v.metric} {where} (max |Δ| {_num(float(v.max_deviation))})")
+        parts.append(f"{v.metric} {where} (max |Δ| {fmt_float(float(v.max_deviation))})")
     return f"{pair.pair_id}: " + "; ".join(parts)
 
 
@@ -137,15 +129,10 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
         lines.extend(_table(outcome, failing[0].metric))
     if outcome.localisation:
         # One-line entries here; the per-module tables are in the report.
-        from convergence.probe_compare import summary_items
-        from convergence.report.probe_table import failure_line
-
         lines.append(f"localisation (numerics probe): {failure_line(outcome.localisation)}")
         lines.extend(f"  {k}: {v}" for k, v in summary_items(outcome.localisation))
     lines.extend(_paths(outcome))
     if report_dir is not None and not outcome.plots:
-        from convergence.report.write import PLOT_DIR, plot_names
-
         name = plot_names([outcome])[outcome.pair.pair_id]
         lines.append(f"  plot: {report_dir / PLOT_DIR / name}.png (written at session end)")
     return "\n".join(lines)

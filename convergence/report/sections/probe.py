@@ -1,14 +1,18 @@
-"""The numerics probe's per-module table (PairOutcome.localisation) as report rows.
+"""The numerics probe (PairOutcome.localisation): its one-line summary, the failure
+message's line, and the per-module / per-parameter tables of report.md ("## Numerics probe",
+after the failures) and report.html (inside each probed pair's section).
 
-Shared by the markdown and HTML reports; see convergence.probe_compare for the dict's shape.
+See convergence.probe_compare for the dict's shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from html import escape
 from typing import Any
 
 from convergence.report.fmt import fmt_num
+from convergence.report.markup import html_table, md_code, md_table, md_text
 
 HEADER: tuple[str, ...] = ("module", "control norm", "test norm", "|Δ|", "rel Δ", "")
 RIGHT: tuple[bool, ...] = (False, True, True, True, True, False)
@@ -89,3 +93,43 @@ def rows(entries: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     return [[str(e.get("name")), fmt_num(e.get("control")), fmt_num(e.get("test")),
              fmt_num(e.get("abs_diff")), fmt_num(e.get("rel_diff")),
              "differs" if e.get("differs") else ""] for e in entries]
+
+
+def markdown_section(record: Mapping[str, Any]) -> list[str]:
+    """The numerics probe of one pair: summary line and the per-module/parameter tables."""
+    loc = record["localisation"]
+    lines = [f"### {md_code(record['name'])}", "", md_text(summary_text(loc))]
+    for key, title in TABLES:
+        if loc.get(key):
+            lines += ["", f"{title}:", ""]
+            lines += md_table(HEADER, rows(loc[key]), list(RIGHT))
+    return lines + [""]
+
+
+def markdown_lines(report: Mapping[str, Any]) -> list[str]:
+    """report.md's "## Numerics probe" section ([] when no pair was probed)."""
+    probed = [p for p in report["pairs"] if has_probe_table(p)]
+    if not probed:
+        return []
+    lines = ["", "## Numerics probe", ""]
+    for record in probed:
+        lines += markdown_section(record)
+    return lines
+
+
+def pair_html(record: Mapping[str, Any]) -> str:
+    """The probe's per-module and per-parameter tables in a pair's section ("" without)."""
+    if not has_probe_table(record):
+        return ""
+    loc = record["localisation"]
+    parts = [f"<h4>Numerics probe</h4><p>{escape(summary_text(loc))}</p>"]
+    for key, title in TABLES:
+        entries = loc.get(key) or []
+        if not entries:
+            continue
+        cells = [[escape(c) for c in row] for row in rows(entries)]
+        classes = ["bad" if e.get("differs") else "" for e in entries]
+        table = html_table([escape(h) for h in HEADER], cells, right=RIGHT, row_class=classes)
+        parts.append(f"<details{' open' if key == 'modules' else ''}><summary>{escape(title)}"
+                     f"</summary>{table}</details>")
+    return "".join(parts)

@@ -2,47 +2,25 @@
 
 from __future__ import annotations
 
-import html
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.report.dimensions import markdown_lines as dimension_lines
-from convergence.report.fmt import as_float, fmt_num, fmt_wall
-from convergence.report.matrix import AXIS_COLUMNS, COLUMNS, RIGHT, record_row
+from convergence.report.fmt import as_float, fmt_delta, fmt_num, fmt_value, fmt_wall
+from convergence.report.formats.terminal import AXIS_COLUMNS, COLUMNS, RIGHT, record_row
+from convergence.report.markup import md_cell as cell
+from convergence.report.markup import md_code as code
+from convergence.report.markup import md_table as table
+from convergence.report.markup import md_text as text
+from convergence.report.sections import SECTIONS
+from convergence.report.sections.probe import summary_text
 
 STEP_SUMMARY_LIMIT = 1024 * 1024
 """GitHub rejects a step summary over 1 MiB (the whole file of one step)."""
 STEP_SUMMARY_MARGIN = 8 * 1024
 ERROR_LINES = 30
 ICONS = {"passed": "✅", "failed": "❌", "error": "💥", "skipped": "⏭️"}
-
-
-def text(value: object) -> str:
-    """Plain markdown text: HTML escaped. report.md is rendered by GitHub (step summaries, PR
-    comments), and names and messages come from experiment files and job output."""
-    return html.escape(str(value), quote=False)
-
-
-def code(value: object) -> str:
-    """An inline code span; a backtick inside would end it early (entities are not decoded
-    inside code spans, so escaping cannot help there)."""
-    return "`" + str(value).replace("`", "ˋ").replace("\n", " ") + "`"
-
-
-def cell(value: object) -> str:
-    """Escape a table cell: HTML, pipes split cells, newlines end rows."""
-    return text(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[object]],
-          right: Sequence[bool] | None = None) -> list[str]:
-    right = right or [False] * len(header)
-    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
-             "|" + "|".join("---:" if r else ":---" for r in right) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return lines
 
 
 def headline(summary: Mapping[str, int]) -> str:
@@ -79,16 +57,9 @@ def matrix_table(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def divergence_lines(rows: Sequence[Mapping[str, Any]], reference: str) -> list[str]:
-    def num(value: Any) -> str:
-        v = as_float(value)
-        return "-" if v is None else f"{v:.10g}"
-
-    def delta(value: Any) -> str:
-        v = as_float(value)
-        return "-" if v is None else f"{v:+.3e}"
-
     return table(["step", reference, "test", "Δ"],
-                 [[r["step"], num(r["control"]), num(r["test"]), delta(r["delta"])]
+                 [[r["step"], fmt_value(r["control"]), fmt_value(r["test"]),
+                   fmt_delta(r["delta"])]
                   for r in rows], [True] * 4)
 
 
@@ -129,8 +100,6 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
         lines += ["", f"{metric} around the divergence:", ""]
         lines += divergence_lines(rows, reference)
     if record["localisation"]:
-        from convergence.report.probe_table import summary_text
-
         lines += ["", f"Localisation (numerics probe): {text(summary_text(record['localisation']))}"]
     if record["error"]:
         err = record["error"].rstrip().splitlines()
@@ -140,19 +109,6 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
             lines.append("")
         # A ``` inside the error would close the fence early.
         lines += ["```text", *(line.replace("```", "ˋˋˋ") for line in shown), "```"]
-    return lines + [""]
-
-
-def probe_section(record: Mapping[str, Any]) -> list[str]:
-    """The numerics probe of one pair: summary line and the per-module/parameter tables."""
-    from convergence.report import probe_table as pt
-
-    loc = record["localisation"]
-    lines = [f"### {code(record['name'])}", "", text(pt.summary_text(loc))]
-    for key, title in pt.TABLES:
-        if loc.get(key):
-            lines += ["", f"{title}:", ""]
-            lines += table(pt.HEADER, pt.rows(loc[key]), list(pt.RIGHT))
     return lines + [""]
 
 
@@ -184,32 +140,26 @@ def regression_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
-    """Headline, the matrix, then one section per failed/errored pair."""
+    """Headline, the matrix, the sections (:data:`~convergence.report.sections.SECTIONS`),
+    one part per failed/errored pair, the report-only regressions, then the sections placed
+    after the failures."""
     pairs = report["pairs"]
     lines = [headline(report["summary"]), "", environment_line(report), ""]
     lines += matrix_table(pairs)
     if any(p["stopped_early_at"] is not None for p in pairs):
         lines += ["", "\\* stopped early: the verdict was decided before the last step."]
-    lines += dimension_lines(pairs)
-    from convergence.report.tradeoff import markdown_lines as tradeoff_lines
-
-    lines += tradeoff_lines(pairs)
-    from convergence.report.comm_table import markdown_lines as comm_lines
-
-    lines += comm_lines(report)
+    for section in SECTIONS:
+        if not section.markdown_after_failures:
+            lines += section.markdown(report)
     bad = [p for p in pairs if p["status"] in ("failed", "error")]
     if bad:
         lines += ["", "## Failures", ""]
         for record in bad:
             lines += failure_section(record)
     lines += regression_lines([p for p in pairs if p not in bad])
-    from convergence.report.probe_table import has_probe_table
-
-    probed = [p for p in pairs if has_probe_table(p)]
-    if probed:
-        lines += ["", "## Numerics probe", ""]
-        for record in probed:
-            lines += probe_section(record)
+    for section in SECTIONS:
+        if section.markdown_after_failures:
+            lines += section.markdown(report)
     return "\n".join(lines).rstrip() + "\n"
 
 

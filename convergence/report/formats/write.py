@@ -8,68 +8,23 @@ documents last, so a document never points at a plot that is not there yet.
 from __future__ import annotations
 
 import json
-import os
-import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from convergence.outcome import PairOutcome
-from convergence.report.curves import DivergenceRow
-from convergence.report.curves import divergence_table as _divergence_table
-from convergence.report.html import render_html
-from convergence.report.markdown import render_markdown, write_step_summary
-from convergence.report.plots import plot_heatmap, plot_outcomes
-from convergence.report.schema import build_report
-
-PLOT_DIR = "plots"
-HEATMAP = "heatmap"
-
-
-def divergence_table(outcome: PairOutcome, metric: str = "loss", around: int = 3
-                     ) -> list[DivergenceRow]:
-    """``[(step, control, test, test - control), ...]`` around the first divergent step.
-
-    Also used by the pytest failure message; see :func:`convergence.report.curves.divergence_table`.
-    """
-    return _divergence_table(outcome, metric, around)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: Path, data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` through a temp file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        # mkstemp makes the file 0600; reports are read by CI artifact steps and colleagues.
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def plot_names(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
-    """A unique, file-system-safe stem per pair id (two files may hold the same test name)."""
-    names: dict[str, str] = {}
-    used: set[str] = {HEATMAP}
-    for o in outcomes:
-        base = re.sub(r"[^A-Za-z0-9_.-]+", "_", o.pair.pair_id).strip("_.")[:100] or "pair"
-        name, i = base, 2
-        while name in used:
-            name, i = f"{base}-{i}", i + 1
-        used.add(name)
-        names[o.pair.pair_id] = name
-    return names
+from convergence.report.data.schema import build_report
+from convergence.report.files import atomic_write
+from convergence.report.formats.html import render_html
+from convergence.report.formats.markdown import render_markdown, write_step_summary
+from convergence.report.formats.plots import (
+    HEATMAP,
+    PLOT_DIR,
+    plot_heatmap,
+    plot_names,
+    plot_outcomes,
+)
+from convergence.report.sections import SECTIONS
 
 
 def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
@@ -98,12 +53,13 @@ def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
                           started_at=started_at,
                           wall_s=wall_s, plots=rel, plot_errors=plot_errors, report_dir=out_dir)
     plot_files = {f"{PLOT_DIR}/{p.name}": p for p in [*paths.values(), heatmap]}
-    from convergence.report.comm_table import PLOT_KEY, write_plot
-
-    comm_plot = write_plot(report["pairs"], plot_dir)  # reduced-communication study, if any
-    if comm_plot is not None:
-        report["plots"][PLOT_KEY] = f"{PLOT_DIR}/{comm_plot.name}"
-        plot_files[report["plots"][PLOT_KEY]] = comm_plot
+    for section in SECTIONS:  # e.g. the reduced-communication study's plot, if any
+        if section.plot is None or section.plot_key is None:
+            continue
+        path = section.plot(report["pairs"], plot_dir)
+        if path is not None:
+            report["plots"][section.plot_key] = f"{PLOT_DIR}/{path.name}"
+            plot_files[report["plots"][section.plot_key]] = path
     markdown = render_markdown(report)
     written = {
         "plots": plot_dir,

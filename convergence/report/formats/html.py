@@ -7,16 +7,26 @@ full of ``<`` and ``&``.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
-from convergence.report.dimensions import html_section as dimensions_html
-from convergence.report.fmt import (as_float, fmt_amount, fmt_num, fmt_ratio, fmt_wall,
-                                    verdict_state)
-from convergence.report.matrix import COLUMNS, RIGHT, record_row
+from convergence.report.fmt import (
+    as_float,
+    fmt_amount,
+    fmt_delta,
+    fmt_num,
+    fmt_ratio,
+    fmt_value,
+    fmt_wall,
+    verdict_state,
+)
+from convergence.report.formats.terminal import COLUMNS, RIGHT, record_row
+from convergence.report.markup import html_img as img
+from convergence.report.markup import html_table as table
+from convergence.report.sections import SECTIONS
+from convergence.report.sections.probe import summary_text
 
 CSS = """
 body { font: 14px/1.45 -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif;
@@ -49,42 +59,6 @@ dl.kv dt { color: #59636e; } dl.kv dd { margin: 0; }
 """
 
 
-def _data_uri(path: Path) -> str | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
-
-
-def img(rel: str | None, plot_files: Mapping[str, Path], alt: str) -> str:
-    if not rel:
-        return ""
-    path = plot_files.get(rel)
-    uri = _data_uri(path) if path is not None else None
-    if uri is None:
-        return f'<p class="sub">plot {escape(rel)} is missing</p>'
-    return f'<img src="{uri}" alt="{escape(alt)}">'
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool],
-           row_class: Sequence[str] | None = None, cell_class: Mapping[int, str] | None = None
-           ) -> str:
-    """An HTML table; header and cells are already-escaped HTML (shared by the report's
-    section modules)."""
-    head = "".join(f"<th>{h}</th>" for h in header)
-    body = []
-    for i, row in enumerate(rows):
-        cells = []
-        for j, value in enumerate(row):
-            classes = " ".join(c for c in (("num" if right[j] else ""),
-                                           (cell_class or {}).get(j, "")) if c)
-            cells.append(f'<td class="{classes}">{value}</td>' if classes else f"<td>{value}</td>")
-        cls = f' class="{escape(row_class[i])}"' if row_class else ""
-        body.append(f"<tr{cls}>{''.join(cells)}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
-
-
 def matrix_html(pairs: Sequence[Mapping[str, Any]]) -> str:
     keys = [key for key, _ in COLUMNS]
     rows = []
@@ -112,9 +86,6 @@ def _layout_text(side: Mapping[str, Any]) -> str:
     extra = f", schedule {side['pp_schedule']}" if side.get("pp_schedule") else ""
     return f"<code>{escape(side['short_name'])}</code> ({escape(degrees)}{escape(extra)}; " \
            f"{side['world_size']} ranks)"
-
-
-
 
 
 def _state_span(passed: bool, gate: bool, steps_compared: int) -> str:
@@ -151,34 +122,10 @@ def divergence_html(record: Mapping[str, Any]) -> str:
     parts = []
     reference = str(record.get("delta_reference") or "control")
     for metric, rows in record["divergence"].items():
-        def num(x: Any) -> str:
-            v = as_float(x)
-            return "-" if v is None else f"{v:.10g}"
-
-        body = [[str(r["step"]), num(r["control"]), num(r["test"]),
-                 "-" if r["delta"] is None else f"{float(r['delta']):+.3e}"] for r in rows]
+        body = [[str(r["step"]), fmt_value(r["control"]), fmt_value(r["test"]),
+                 fmt_delta(r["delta"])] for r in rows]
         parts.append(f"<p><b>{escape(metric)}</b> around the divergence</p>"
                      + table(["step", reference, "test", "Δ"], body, right=[True] * 4))
-    return "".join(parts)
-
-
-def probe_html(record: Mapping[str, Any]) -> str:
-    """The numerics probe's per-module and per-parameter tables ("" without a probe)."""
-    from convergence.report import probe_table as pt
-
-    if not pt.has_probe_table(record):
-        return ""
-    loc = record["localisation"]
-    parts = [f"<h4>Numerics probe</h4><p>{escape(pt.summary_text(loc))}</p>"]
-    for key, title in pt.TABLES:
-        entries = loc.get(key) or []
-        if not entries:
-            continue
-        cells = [[escape(c) for c in row] for row in pt.rows(entries)]
-        classes = ["bad" if e.get("differs") else "" for e in entries]
-        parts.append(f"<details{' open' if key == 'modules' else ''}><summary>{escape(title)}"
-                     f"</summary>{table([escape(h) for h in pt.HEADER], cells, right=pt.RIGHT, row_class=classes)}"
-                     "</details>")
     return "".join(parts)
 
 
@@ -210,8 +157,6 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
     if record["stopped_early_at"] is not None:
         items.append(("stopped early at step", str(record["stopped_early_at"])))
     if record["localisation"]:
-        from convergence.report.probe_table import summary_text
-
         # The sentence the failure message and report.md show, not a key=value dump.
         items.append(("localisation (numerics probe)",
                       escape(summary_text(record["localisation"]).replace("`", ""))))
@@ -225,7 +170,7 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
             f"{escape(status.upper())}</span></h3>"
             f'<div class="sub">{escape(record["id"])}</div>'
             f"{_kv(items)}{error}{verdicts_html(record)}{divergence_html(record)}"
-            f"{probe_html(record)}"
+            f"{''.join(s.pair_html(record) for s in SECTIONS if s.pair_html)}"
             f"{plot_error}{plots}</section>")
 
 
@@ -246,12 +191,10 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
     wall = ("" if report.get("wall_s") is None
             else f" · wall {escape(fmt_wall(as_float(report['wall_s'])))}")
     env = _kv([(str(k), escape(str(v))) for k, v in report["environment"].items()])
-    heat = img(report.get("plots", {}).get("heatmap"), plot_files, "heatmap")
     failing = [p for p in pairs if p["status"] in ("failed", "error")]
     ordered = failing + [p for p in pairs if p not in failing]
-    sections = "".join(pair_html(r, plot_files) for r in ordered)
-    from convergence.report.comm_table import html_section as comm_html
-    from convergence.report.tradeoff import html_section as tradeoff_html
+    sections = "\n".join(s.html(report, plot_files) for s in SECTIONS if s.html)
+    pair_sections = "".join(pair_html(r, plot_files) for r in ordered)
 
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -265,12 +208,9 @@ def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> st
 {matrix_html(pairs)}
 <div class="sub">Axis degrees are the test's ("-" = 1). |Δ| = max |test − control| (seed regime:
  − centre of the control replicates' band). tok/s and mem: test / control. * = stopped early.</div>
-{dimensions_html(pairs)}
-{heat}
-{tradeoff_html(pairs)}
-{comm_html(report, plot_files)}
-<h2>Pairs</h2>
 {sections}
+<h2>Pairs</h2>
+{pair_sections}
 <h2>Environment</h2>
 {env}
 </body></html>

@@ -19,7 +19,15 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from convergence.report.fmt import VERDICTS, as_float, fmt_amount, fmt_num, fmt_techniques
+from convergence.report.fmt import (
+    VERDICTS,
+    as_float,
+    fmt_amount,
+    fmt_num,
+    fmt_pct,
+    fmt_techniques,
+)
+from convergence.report.markup import html_table, md_cell, md_table
 from convergence.spec.layout import Techniques
 
 HEADER: tuple[str, ...] = ("job", "role", "layout", "verdict", "step time (s)", "Δ step time",
@@ -135,19 +143,15 @@ def tables(pairs: Sequence[Mapping[str, Any]]) -> list[TradeoffTable]:
     return out
 
 
-def _rel_text(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:+.1f}%"
-
-
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
 def cells(row: TradeoffRow) -> list[str]:
     return [row.job, row.role, row.layout, row.verdict, _seconds(row.step_time_s),
-            _rel_text(row.step_time_rel), fmt_amount(row.tokens_per_s),
-            _rel_text(row.tokens_per_s_rel), fmt_amount(row.peak_mem_mib),
-            _rel_text(row.peak_mem_rel), fmt_num(row.max_abs_dloss)]
+            fmt_pct(row.step_time_rel), fmt_amount(row.tokens_per_s),
+            fmt_pct(row.tokens_per_s_rel), fmt_amount(row.peak_mem_mib),
+            fmt_pct(row.peak_mem_rel), fmt_num(row.max_abs_dloss)]
 
 
 def title(table: TradeoffTable) -> str:
@@ -156,15 +160,13 @@ def title(table: TradeoffTable) -> str:
 
 def markdown_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
     """The "## Resources" section of report.md ([] when no pair ran)."""
-    from convergence.report.markdown import cell, table
-
     found = tables(pairs)
     if not found:
         return []
     lines = ["", "## Resources", "", NOTE]
     for found_table in found:
-        lines += ["", f"### {cell(title(found_table))}", ""]
-        lines += table(HEADER, [cells(row) for row in found_table.rows], RIGHT)
+        lines += ["", f"### {md_cell(title(found_table))}", ""]
+        lines += md_table(HEADER, [cells(row) for row in found_table.rows], RIGHT)
     return lines
 
 
@@ -173,12 +175,10 @@ def html_section(pairs: Sequence[Mapping[str, Any]]) -> str:
     found = tables(pairs)
     if not found:
         return ""
-    from convergence.report.html import table
-
     parts = [f'<h2>Resources</h2><p class="sub">{escape(NOTE)}</p>']
     for found_table in found:
         body = [[escape(c) for c in cells(row)] for row in found_table.rows]
-        parts.append(f"<h3>{escape(title(found_table))}</h3>" + table(
+        parts.append(f"<h3>{escape(title(found_table))}</h3>" + html_table(
             [escape(h) for h in HEADER], body, right=RIGHT,
             row_class=[row.role for row in found_table.rows]))
     return "".join(parts)

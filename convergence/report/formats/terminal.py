@@ -1,4 +1,5 @@
-"""The terminal matrix: one row per pair, aligned plain text that fits 120 columns.
+"""The terminal summary: the matrix (one row per pair, aligned plain text that fits 120
+columns) and, for two pairs or more, the per-dimension block under it.
 
     pair        rep shard tp cp pp techniques  verdict  |Δloss|  |Δgnorm|  tok/s  mem   wall   cache
     fsdp2-tp2     -     2  2  -  -  -          PASS     2.5e-07  0         0.93x  0.59x 14.2s  ctrl cached
@@ -12,16 +13,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from convergence.outcome import PairOutcome
+from convergence.report.data.records import pair_record
 from convergence.report.fmt import (
     VERDICTS,
     as_float,
+    cut,
     fmt_deg,
     fmt_num,
     fmt_ratio,
     fmt_techniques,
     fmt_wall,
 )
-from convergence.report.records import pair_record
+from convergence.report.sections.dimensions import render_dimensions
 
 AXIS_COLUMNS: tuple[tuple[str, str], ...] = (
     ("rep", "dp_replicate"), ("shard", "dp_shard"), ("tp", "tp"), ("cp", "cp"), ("pp", "pp"))
@@ -38,6 +41,7 @@ SHRINKABLE = ("techniques", "pair")
 """Columns cut (with "…") when the table is too wide, in this order."""
 MIN_SHRINK = 8
 GAP = "  "
+
 
 def record_row(record: Mapping[str, Any]) -> dict[str, str]:
     """Formatted cells of one pair, from its report record (see records.pair_record)."""
@@ -67,10 +71,6 @@ def matrix_rows(outcomes: Iterable[PairOutcome]) -> list[dict[str, str]]:
     return [record_row(pair_record(o, include_curves=False)) for o in outcomes]
 
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
-
-
 def _layout(rows: Sequence[Mapping[str, str]], width: int) -> tuple[dict[str, int], str]:
     """Column widths and the gap: cut the name columns first, then narrow the gaps."""
     widths = {key: max([len(header)] + [len(r[key]) for r in rows]) for key, header in COLUMNS}
@@ -95,7 +95,7 @@ def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
     for row in [header, *rows]:
         cells = []
         for key, _ in COLUMNS:
-            text = _cut(row[key], widths[key])
+            text = cut(row[key], widths[key])
             cells.append(text.rjust(widths[key]) if key in RIGHT else text.ljust(widths[key]))
         lines.append(gap.join(cells).rstrip())
     lines.insert(1, "-" * min(max(len(line) for line in lines), width))
@@ -108,3 +108,19 @@ def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
         summary += "  (* stopped early: verdict decided)"
     lines.append(summary)
     return "\n".join(lines) + "\n"
+
+
+def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
+    """:func:`~convergence.report.sections.dimensions.render_dimensions` of outcomes."""
+    return render_dimensions((pair_record(o, include_curves=False) for o in outcomes), width)
+
+
+def render_summary(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
+    """The terminal summary shared by the plugin and the CLI: the matrix, then (for two pairs
+    or more) the per-dimension block under it."""
+    outcomes = list(outcomes)
+    text = render_matrix(outcomes, width)
+    if len(outcomes) > 1:
+        text = (text.rstrip("\n") + "\nby dimension (what each test adds over its control):\n"
+                + render_outcome_dimensions(outcomes, width))
+    return text

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from convergence.outcome import PairOutcome
+from convergence.report.data.records import first_divergent_step, techniques_changed
 from convergence.report.fmt import describe_test, fmt_num
-from convergence.report.records import first_divergent_step, techniques_changed
 
 PREFIX = "convergence."
 

@@ -1,7 +1,7 @@
 """PairOutcome <-> JSON, so reports can be rebuilt later from saved outcomes.
 
 Curves are saved in full at float64 precision (``repr`` round-trips exactly); non-finite values
-are written as strings (see :mod:`convergence.report.jsonable`) so the files are strict JSON.
+are written as strings (see :mod:`convergence.report.data.jsonable`) so the files are strict JSON.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 from convergence.launch.types import FailureInfo, JobResult
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.outcome import PairOutcome, SideOutcome
-from convergence.report.jsonable import jsonable, read_float, read_opt_float
+from convergence.report.data.jsonable import jsonable, read_float, read_opt_float
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec

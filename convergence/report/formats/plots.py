@@ -1,7 +1,8 @@
-"""PNG plots: one figure per pair (loss, residual, grad norm) and a heatmap over all pairs.
+"""PNG plots: one figure per pair (loss, residual, grad norm) and a heatmap over all pairs,
+and the file names they get in the report's plot folder.
 
-Figures are built on ``matplotlib.figure.Figure`` with the Agg canvas, never pyplot: no global
-state, no GUI backend, safe in xdist workers and threads, and ~0.3 s per figure.
+Figures come from :func:`convergence.report.figure.new_figure` (Agg canvas, never pyplot;
+~0.3 s per figure); matplotlib itself is imported lazily, inside the functions that draw.
 Every panel copes with a missing metric or side (errored pairs still get a figure).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,27 +18,30 @@ import numpy as np
 import numpy.typing as npt
 
 from convergence.outcome import PairOutcome
-from convergence.report.curves import (
+from convergence.report.data.curves import (
     Band,
-    band_z,
     aligned_delta,
+    band_z,
     curve_of_test,
     reference_curve,
     replicate_band,
 )
+from convergence.report.data.records import first_divergent_step, techniques_changed
+from convergence.report.figure import new_figure, save_png
+from convergence.report.files import slug
 from convergence.report.fmt import VERDICTS, describe_test
-from convergence.report.records import first_divergent_step, techniques_changed
 from convergence.spec.layout import AXES
 from convergence.stats.types import MetricVerdict
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 CONTROL_COLOR = "#1f77b4"
 TEST_COLOR = "#ff7f0e"
 DIVERGE_COLOR = "#d62728"
-DPI = 100
+PLOT_DIR = "plots"
+"""The plot folder, inside the report folder."""
+HEATMAP = "heatmap"
 
 #: ``atol A*(1+G*sqrt(step))``: the paired tolerance's description (see MetricVerdict.tolerance).
 _PAIRED_TOL = re.compile(r"atol\s*([0-9.eE+-]+)\s*\*\s*\(\s*1\s*\+\s*([0-9.eE+-]+)\s*\*\s*"
@@ -45,23 +49,18 @@ _PAIRED_TOL = re.compile(r"atol\s*([0-9.eE+-]+)\s*\*\s*\(\s*1\s*\+\s*([0-9.eE+-]
 _RTOL = re.compile(r"rtol\s*([0-9.eE+-]+)\s*\*\s*\|control\|")
 
 
-def _figure(width: float, height: float) -> Figure:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    # Fixed margins (set by the callers), not constrained layout: that doubles the time.
-    fig = Figure(figsize=(width, height), dpi=DPI)
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def save_png(fig: Figure, path: Path) -> Path:
-    """Write through a temp file so a crash never leaves a truncated PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=DPI)
-    tmp.replace(path)
-    return path
+def plot_names(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
+    """A unique, file-system-safe stem per pair id (two files may hold the same test name)."""
+    names: dict[str, str] = {}
+    used: set[str] = {HEATMAP}
+    for o in outcomes:
+        base = slug(o.pair.pair_id)
+        name, i = base, 2
+        while name in used:
+            name, i = f"{base}-{i}", i + 1
+        used.add(name)
+        names[o.pair.pair_id] = name
+    return names
 
 
 def _note(ax: Axes, text: str) -> None:
@@ -235,7 +234,7 @@ def _gradient_metric(outcome: PairOutcome) -> str:
 
 def plot_pair(outcome: PairOutcome, path: Path) -> Path:
     """Loss (with band / divergence), residual with tolerance envelope, grad norm."""
-    fig = _figure(9.0, 8.0)
+    fig = new_figure(9.0, 8.0)
     axes = fig.subplots(3, 1, sharex=True, height_ratios=[1.3, 1.0, 1.0])
     fig.subplots_adjust(left=0.09, right=0.98, top=0.94, bottom=0.07, hspace=0.28)
     colour = {"passed": "#1a7f37", "failed": DIVERGE_COLOR}.get(outcome.status, "0.3")
@@ -316,7 +315,7 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
     labels = [f"{dimension(o)} │ {o.pair.name}" for o in ordered]
     label_in = 0.3 + 0.075 * max((len(t) for t in labels), default=4)  # ~ 10 pt characters
     width, height = label_in + 1.5 * len(metrics) + 1.4, 1.3 + 0.45 * max(len(ordered), 1)
-    fig = _figure(width, height)
+    fig = new_figure(width, height)
     ax = fig.add_subplot()
     fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.75 / height,
                         bottom=0.15 / height)
