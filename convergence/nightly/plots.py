@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
-from convergence.report.figure import save_png
+from convergence.report.figure import new_figure, save_png
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-DPI = 100
 LINE_COLOR = "#1f77b4"
 SECOND_COLOR = "0.45"
 #: verdict -> (marker, colour, label).
@@ -91,11 +90,7 @@ def grid_shape(panels: int) -> tuple[int, int]:
 
 
 def _figure(rows: int, cols: int) -> Figure:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(PANEL_W * cols + 0.6, PANEL_H * rows + 1.6), dpi=DPI)
-    FigureCanvasAgg(fig)
+    fig = new_figure(PANEL_W * cols + 0.6, PANEL_H * rows + 1.6)
     # Fixed margins in inches (constrained layout doubles the time): title + legend on top,
     # rotated night names below.
     width, height = fig.get_size_inches()
