@@ -52,11 +52,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, read_step
 from convergence.trainer.optim import _shard_groups
 from convergence.trainer.parallelize import Meshes
 from convergence.trainer.train import data_group
+from convergence.trainer.validate import stages_per_rank
 
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -238,11 +240,9 @@ def stage_chunks(chunks: list[nn.Module], cfg: TrainConfig,
     """The engine's chunks with their pipeline stage index (0 without PP)."""
     if meshes is None or meshes.pp is None:
         return [(0, chunk) for chunk in chunks]
-    from convergence.trainer import pipeline as pl
-
     par = cfg.parallelism
-    spr = pl.resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
-    ids = pl.stage_ids_this_rank(meshes.pp.get_local_rank(), par.pp, spr, par.pp_schedule)
+    ids = pp_rules.stage_ids(meshes.pp.get_local_rank(), par.pp, stages_per_rank(cfg),
+                             par.pp_schedule)
     return list(zip(ids, chunks))
 
 

@@ -214,7 +214,7 @@ def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hoo
 
     assert meshes.pp is not None
     par = cfg.parallelism
-    spr = pl.resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
+    spr = stages_per_rank(cfg)  # checked by check_config (pp_rules) at start
     num_stages = par.pp * spr
     pieces = pl.split_model_for_pp(lambda args: build_model(args, "meta"), model_args,
                                    meshes.pp.get_local_rank(), par.pp, spr, par.pp_schedule)
