@@ -108,12 +108,6 @@ def prepare_chunk(model: Transformer, cfg: TrainConfig, model_args: ModelArgs,
                   meshes: Meshes | None, hook: HookFn | None, device: torch.device, *,
                   stage_index: int = 0, num_stages: int = 1) -> nn.Module:
     """A meta-device chunk (the whole model, or one PP stage) -> ready to train."""
-    if meshes is not None and meshes.cp is not None:
-        from convergence.trainer.context_parallel import cp_position_offset, make_cp_sdpa
-        cp_sdpa = make_cp_sdpa(meshes.cp)
-        for block in model.layers.values():
-            block.attention.sdpa = cp_sdpa
-        model.position_offset = cp_position_offset(cfg.data.seq_len, meshes.cp)
     chunk = parallelize_chunk(model, meshes, cfg, hook, stage_index=stage_index,
                               num_stages=num_stages)
     materialize(chunk, cfg, model_args, device)
