@@ -57,7 +57,7 @@ from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, read_step
 from convergence.trainer.optim import _shard_groups
 from convergence.trainer.parallelize import Meshes
-from convergence.trainer.train import data_group
+from convergence.trainer.train import data_group, microsteps
 from convergence.trainer.validate import stages_per_rank
 
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
@@ -258,17 +258,12 @@ def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: Samp
     step = cfg.probe.step
     chunks = stage_chunks(engine.chunks, cfg, meshes)
 
-    def forward_backward() -> torch.Tensor | None:
+    def forward_backward() -> torch.Tensor:
         # The training loop's own data path (read_step + the token weight): the probe sees the
         # very batches the step would have trained on, so a data bug shows here too.
         data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
         engine.weight.use(data.num_tokens)
-        local_loss: torch.Tensor | None = None
-        for inputs, targets in data.batches:
-            loss = engine.forward_backward(inputs, targets)
-            if loss is not None:
-                local_loss = loss.float() if local_loss is None else local_loss + loss.float()
-        return local_loss
+        return microsteps(engine.forward_backward, data.batches, device)
 
     if warm_up and meshes is not None and meshes.pp is not None:
         # A pipeline schedule's first step also runs each stage's forward once more to infer
