@@ -95,6 +95,27 @@ def test_stage_placement_loop_and_v(schedule: str, rank: int, expected: list[int
     assert stage_ids_this_rank(rank, 2, spr, schedule) == expected
 
 
+def test_pp_rules_schedule_sets_match_torch_classes() -> None:
+    """pp_rules is plain Python (it runs at collection): its sets must say what torch's
+    schedule classes do."""
+    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
+                                                        PipelineScheduleSingle,
+                                                        get_schedule_class)
+
+    from convergence.spec.layout import MULTI_STAGE_SCHEDULES as SPEC_MULTI
+    from convergence.spec.layout import PP_SCHEDULES as SPEC_SCHEDULES
+    from convergence.trainer import pp_rules
+
+    for name in pp_rules.SCHEDULES:
+        cls = get_schedule_class(name)
+        assert issubclass(cls, PipelineScheduleMulti) == (name in pp_rules.MULTI_STAGE_SCHEDULES)
+        assert issubclass(cls, PipelineScheduleSingle) == (
+            name in pp_rules.SINGLE_STAGE_SCHEDULES)
+    # The experiment spec's schedules are a subset the trainer agrees on.
+    assert set(SPEC_SCHEDULES) <= set(pp_rules.SCHEDULES)
+    assert SPEC_MULTI == pp_rules.MULTI_STAGE_SCHEDULES & set(SPEC_SCHEDULES)
+
+
 def test_loss_lives_on_rank0_for_v_schedules_else_last_rank() -> None:
     assert [is_last_stage_rank(r, 2, "1F1B") for r in range(2)] == [False, True]
     assert [is_last_stage_rank(r, 2, "Interleaved1F1B") for r in range(2)] == [False, True]

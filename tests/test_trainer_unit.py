@@ -50,6 +50,22 @@ def cfg(*overrides: str):  # type: ignore[no-untyped-def]
      "gradients would be wrong"),
     (["--parallelism.dp_replicate=2", "--parallelism.pp=2",
       "--parallelism.pp_schedule=ZBVZeroBubble"], 4, "parallelism.pp_schedule", "misses"),
+    # Refused by torch's schedule constructors (build_schedule), so refused here first.
+    (["--parallelism.pp=2", "--parallelism.pp_microbatches=1"], 2,
+     "parallelism.pp_microbatches", "at least one microbatch per pipeline stage"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=DualPipeV",
+      "--parallelism.pp_microbatches=2"], 2, "parallelism.pp_microbatches",
+     "2 microbatches < 4 stages"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=1F1B",
+      "--parallelism.pp_stages_per_rank=2"], 2, "parallelism.pp_stages_per_rank",
+     "one stage per rank"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=ZBVZeroBubble",
+      "--parallelism.pp_stages_per_rank=4"], 2, "parallelism.pp_stages_per_rank",
+     "exactly 2 stages per rank"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B",
+      "--parallelism.pp_stages_per_rank=1"], 2, "parallelism.pp_stages_per_rank",
+     ">= 2 stages per rank"),
+    (["--parallelism.pp_schedule=Zero"], None, "parallelism.pp_schedule", "unknown schedule"),
 ])
 def test_check_config_names_key_and_constraint(overrides: list[str], world: int | None,
                                               key: str, words: str) -> None:
@@ -66,6 +82,64 @@ def test_check_config_accepts_the_tested_layouts() -> None:
                      "--parallelism.cp=2", "--parallelism.sequence_parallel=true"), 16)
     check_config(cfg("--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B"), 2)
     check_config(cfg("--parallelism.dp_shard=2", "--training.param_dtype=bfloat16"), 2)
+
+
+def test_issue_layout_interleaved_zero_bubble_with_fsdp_names_key_and_fix() -> None:
+    """{dp_shard=2, pp=2, InterleavedZeroBubble}: refused by the collection-time check (not in
+    build_schedule after launch), naming the key and a schedule that works."""
+    with pytest.raises(SpecError) as info:
+        check_config(cfg("--parallelism.dp_shard=2", "--parallelism.pp=2",
+                         "--parallelism.pp_schedule=InterleavedZeroBubble"), 4)
+    assert info.value.key == "parallelism.pp_schedule"
+    assert "Interleaved1F1B" in info.value.fix and "pp only" in info.value.fix
+
+
+@pytest.mark.parametrize(("layout", "key", "words"), [
+    ('{ dp_shard = 2, pp = 2, pp_schedule = "InterleavedZeroBubble" }',
+     "parallelism.pp_schedule", "gradients would be wrong"),
+    ("{ pp = 2, pp_microbatches = 1 }", "parallelism.pp_microbatches",
+     "at least one microbatch per pipeline stage"),
+])
+def test_unsupported_pp_layout_fails_loading_the_experiment(tmp_path: Path, layout: str,
+                                                             key: str, words: str) -> None:
+    """What pytest collection does with an experiment file (load_experiment -> the builtin
+    backend's preflight -> check_config): the pair is refused before any job is launched."""
+    from convergence.spec.experiment import load_experiment
+
+    path = tmp_path / "exp.toml"
+    path.write_text(f"""
+[defaults]
+train_config = "{DEBUG}"
+steps = 4
+
+[control]
+name = "pp2"
+parallelism = {{ pp = 2 }}
+
+[[test]]
+name = "bad"
+parallelism = {layout}
+""")
+    with pytest.raises(SpecError) as info:
+        load_experiment(path, rootdir=tmp_path)
+    assert info.value.key == f"test[0].{key}"
+    assert words in str(info.value) and info.value.fix and str(path) in str(info.value)
+
+
+def test_pp_rules_resolve_defaults_like_the_trainer() -> None:
+    from convergence.trainer import pp_rules
+    assert pp_rules.stages_per_rank("1F1B", 0, pp=2) == 1
+    assert pp_rules.stages_per_rank("Interleaved1F1B", 0, pp=2) == 2
+    assert pp_rules.stages_per_rank("Interleaved1F1B", 0, pp=1) == 1  # no PP: one "stage"
+    assert pp_rules.stages_per_rank("LoopedBFS", 3, pp=2) == 3
+    assert pp_rules.microbatches(2, 2, 0) == 4 and pp_rules.microbatches(2, 2, 8) == 8
+    assert pp_rules.stage_ids(0, 2, 2, "DualPipeV") == [0, 3]
+    assert pp_rules.stage_ids(1, 4, 2, "Interleaved1F1B") == [1, 5]
+    # Every schedule with its defaults is accepted with pp alone (8 layers, batch 8).
+    for schedule in pp_rules.SCHEDULES:
+        assert pp_rules.layout_problem(schedule=schedule, pp=2, stages_configured=0,
+                                       microbatches_configured=0, n_layers=8,
+                                       local_batch_size=8, data_parallel=1) is None, schedule
 
 
 def test_markov_entropy_floor_is_the_empirical_optimum() -> None:

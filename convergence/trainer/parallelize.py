@@ -8,7 +8,7 @@ views, as in torchtitan:
     "dp_cp"       = dp_replicate x dp_shard x cp  over which the logged loss is averaged
 
 Order of application to a chunk (still on the meta device, so nothing is allocated yet):
-    TP (or the user's "replace_tp" hook) -> activation checkpointing -> compile
+    CP -> TP (or the user's "replace_tp" hook) -> activation checkpointing -> compile
     -> FSDP / HSDP / DDP -> the user's "after" hook
 """
 
@@ -245,11 +245,25 @@ def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) ->
                 reshard_after_forward=reshard)
 
 
+def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> None:
+    """Attention over the whole sequence from this rank's chunk of it (context_parallel.py);
+    the rotary offset is set on the model, since PP stages get no forward kwargs from the
+    schedule. The inputs are sharded per microstep (train.shard_for_cp)."""
+    from convergence.trainer.context_parallel import cp_position_offset, make_cp_sdpa
+    cp_sdpa = make_cp_sdpa(cp_mesh)
+    for block in model.layers.values():
+        block.attention.sdpa = cp_sdpa
+    model.position_offset = cp_position_offset(seq_len, cp_mesh)
+
+
 def parallelize_chunk(model: Transformer, meshes: Meshes | None, cfg: TrainConfig,
                       hook: HookFn | None, *, stage_index: int = 0,
                       num_stages: int = 1) -> nn.Module:
-    """Apply TP, AC, compile, FSDP/DDP and the user hook to one (meta-device) chunk."""
+    """Apply CP, TP, AC, compile, FSDP/DDP and the user hook to one (meta-device) chunk."""
     par = cfg.parallelism
+    if meshes is not None and meshes.cp is not None:
+        # First, as before any hook: a replace_tp hook gets the model with CP attention.
+        apply_cp(model, meshes.cp, cfg.data.seq_len)
     ctx = None
     if hook is not None:
         pp_rank = meshes.pp.get_local_rank() if meshes and meshes.pp else 0

@@ -2,13 +2,9 @@
 
 The model is cut into `num_stages = pp * stages_per_rank` stages of contiguous blocks; stage 0
 keeps `tok_embeddings`, the last stage keeps `norm` and `output` (torchtitan's
-pipeline_llama_manual_split). Which stages a PP rank holds depends on the schedule's style:
-
-    loop style  (GPipe, 1F1B: 1 stage/rank; Interleaved1F1B, LoopedBFS,
-                 InterleavedZeroBubble: >= 2 stages/rank)   rank r: r, r+pp, r+2pp, ...
-    V style     (ZBVZeroBubble, DualPipeV: exactly 2/rank)  rank r: r and 2pp-1-r
-
-so with V schedules the LAST stage (2pp-1) lives on PP rank 0, which then holds the loss.
+pipeline_llama_manual_split). Which stages a PP rank holds depends on the schedule's style
+(loop or V); that and every other PP rule (stages per rank, supported combinations) lives in
+`convergence.trainer.pp_rules`, which the collection-time checks use too.
 
 API (what the trainer calls, in order):
 
@@ -73,18 +69,12 @@ from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
                                                     ScheduleZBVZeroBubble, _PipelineSchedule,
                                                     get_schedule_class)
 
+from convergence.trainer import pp_rules
+# Re-exported: callers of this module (tests, hooks) name the schedule sets from here too.
+from convergence.trainer.pp_rules import (SCHEDULES, V_SCHEDULES,  # noqa: F401
+                                          ZERO_BUBBLE_SCHEDULES)
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
-V_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
-"""Schedules whose rank r holds stages r and 2pp-1-r."""
-
-ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble",
-                                                   "DualPipeV"})
-"""Schedules that split backward into input-grad and weight-grad passes (see fsdp_per_block_ok)."""
-
-SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
-                              "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedule names accepted by parallelism.pp_schedule (torch's own names)."""
 
 
 def _schedule_class(schedule_name: str) -> type[_PipelineSchedule]:
@@ -103,7 +93,7 @@ def fsdp_per_block_ok(schedule_name: str) -> bool:
     measured on gloo, pp=2 x dp_shard=2: p.grad None (ZBVZeroBubble, InterleavedZeroBubble) or
     100% off (DualPipeV). Sharding each chunk as one FSDP unit is not enough in the trainer either
     (grad norm 8x too small at step 1; with DDP the gradients are not averaged), so
-    `validate.check_config` refuses zero-bubble schedules with any data or context parallelism
+    `pp_rules.layout_problem` refuses zero-bubble schedules with any data or context parallelism
     at collection; this stays as the runtime guard for hooks that apply FSDP themselves.
     """
     return schedule_name not in ZERO_BUBBLE_SCHEDULES
@@ -111,38 +101,33 @@ def fsdp_per_block_ok(schedule_name: str) -> bool:
 
 def is_multi_stage(schedule_name: str) -> bool:
     """True for schedules that hold several stages per rank (interleaved, looped, V)."""
-    return issubclass(_schedule_class(schedule_name), PipelineScheduleMulti)
+    return schedule_name in pp_rules.MULTI_STAGE_SCHEDULES
 
 
 def resolve_stages_per_rank(schedule_name: str, configured: int) -> int:
     """parallelism.pp_stages_per_rank with 0 resolved (1 single-stage, 2 multi-stage), checked."""
-    multi = is_multi_stage(schedule_name)
-    spr = configured or (2 if multi else 1)
-    if not multi and spr != 1:
-        raise ValueError(f"parallelism.pp_schedule={schedule_name} runs one stage per rank, got "
-                         f"parallelism.pp_stages_per_rank={spr}: set it to 0 or 1")
-    if multi and spr < 2:
-        raise ValueError(f"parallelism.pp_schedule={schedule_name} needs >= 2 stages per rank, "
-                         f"got parallelism.pp_stages_per_rank={spr}: set it to 0 or >= 2")
-    if schedule_name in V_SCHEDULES and spr != 2:
-        raise ValueError(f"parallelism.pp_schedule={schedule_name} (V-shaped) needs exactly 2 "
-                         f"stages per rank, got {spr}: set parallelism.pp_stages_per_rank=2")
+    problem = pp_rules.schedule_problem(schedule_name)
+    if problem is not None:
+        _schedule_class(schedule_name)  # raises the ValueError naming the schedules
+    spr = pp_rules.stages_per_rank(schedule_name, configured)
+    problem = pp_rules.stages_problem(schedule_name, spr)
+    if problem is not None:
+        raise ValueError(f"parallelism.pp_schedule={schedule_name}: {problem.message}: "
+                         f"{problem.fix}")
     return spr
 
 
 def stage_ids_this_rank(pp_rank: int, pp_size: int, stages_per_rank: int,
                         schedule_name: str) -> list[int]:
     """Stage indices held by PP rank `pp_rank`, in the order the schedule expects."""
-    if schedule_name in V_SCHEDULES:
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + i * pp_size for i in range(stages_per_rank)]
+    return pp_rules.stage_ids(pp_rank, pp_size, stages_per_rank, schedule_name)
 
 
 def is_last_stage_rank(pp_rank: int, pp_size: int, schedule_name: str,
                        stages_per_rank: int = 0) -> bool:
     """Whether this PP rank holds the last stage, i.e. computes (and should log) the loss."""
     spr = resolve_stages_per_rank(schedule_name, stages_per_rank)
-    return pp_size * spr - 1 in stage_ids_this_rank(pp_rank, pp_size, spr, schedule_name)
+    return pp_rules.holds_last_stage(pp_rank, pp_size, spr, schedule_name)
 
 
 def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: Any,

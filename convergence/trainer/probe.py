@@ -52,11 +52,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, read_step
 from convergence.trainer.optim import _shard_groups
 from convergence.trainer.parallelize import Meshes
-from convergence.trainer.train import data_group
+from convergence.trainer.train import data_group, microsteps
+from convergence.trainer.validate import stages_per_rank
 
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -238,11 +240,9 @@ def stage_chunks(chunks: list[nn.Module], cfg: TrainConfig,
     """The engine's chunks with their pipeline stage index (0 without PP)."""
     if meshes is None or meshes.pp is None:
         return [(0, chunk) for chunk in chunks]
-    from convergence.trainer import pipeline as pl
-
     par = cfg.parallelism
-    spr = pl.resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
-    ids = pl.stage_ids_this_rank(meshes.pp.get_local_rank(), par.pp, spr, par.pp_schedule)
+    ids = pp_rules.stage_ids(meshes.pp.get_local_rank(), par.pp, stages_per_rank(cfg),
+                             par.pp_schedule)
     return list(zip(ids, chunks))
 
 
@@ -258,17 +258,12 @@ def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: Samp
     step = cfg.probe.step
     chunks = stage_chunks(engine.chunks, cfg, meshes)
 
-    def forward_backward() -> torch.Tensor | None:
+    def forward_backward() -> torch.Tensor:
         # The training loop's own data path (read_step + the token weight): the probe sees the
         # very batches the step would have trained on, so a data bug shows here too.
         data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
         engine.weight.use(data.num_tokens)
-        local_loss: torch.Tensor | None = None
-        for inputs, targets in data.batches:
-            loss = engine.forward_backward(inputs, targets)
-            if loss is not None:
-                local_loss = loss.float() if local_loss is None else local_loss + loss.float()
-        return local_loss
+        return microsteps(engine.forward_backward, data.batches, device)
 
     if warm_up and meshes is not None and meshes.pp is not None:
         # A pipeline schedule's first step also runs each stage's forward once more to infer

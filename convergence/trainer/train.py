@@ -16,7 +16,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -108,12 +108,6 @@ def prepare_chunk(model: Transformer, cfg: TrainConfig, model_args: ModelArgs,
                   meshes: Meshes | None, hook: HookFn | None, device: torch.device, *,
                   stage_index: int = 0, num_stages: int = 1) -> nn.Module:
     """A meta-device chunk (the whole model, or one PP stage) -> ready to train."""
-    if meshes is not None and meshes.cp is not None:
-        from convergence.trainer.context_parallel import cp_position_offset, make_cp_sdpa
-        cp_sdpa = make_cp_sdpa(meshes.cp)
-        for block in model.layers.values():
-            block.attention.sdpa = cp_sdpa
-        model.position_offset = cp_position_offset(cfg.data.seq_len, meshes.cp)
     chunk = parallelize_chunk(model, meshes, cfg, hook, stage_index=stage_index,
                               num_stages=num_stages)
     materialize(chunk, cfg, model_args, device)
@@ -214,7 +208,7 @@ def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hoo
 
     assert meshes.pp is not None
     par = cfg.parallelism
-    spr = pl.resolve_stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
+    spr = stages_per_rank(cfg)  # checked by check_config (pp_rules) at start
     num_stages = par.pp * spr
     pieces = pl.split_model_for_pp(lambda args: build_model(args, "meta"), model_args,
                                    meshes.pp.get_local_rank(), par.pp, spr, par.pp_schedule)
@@ -239,6 +233,32 @@ def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hoo
 
     return Engine(chunks=chunks, forward_backward=forward_backward, evaluate=evaluate,
                   holds_loss=last, weight=weight)
+
+
+def build_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes | None,
+                 hook: HookFn | None, device: torch.device) -> Engine:
+    """The plain or the pipeline engine, whichever the layout needs."""
+    weight = TokenWeight(num_ranks=meshes.dp_cp.size() if meshes is not None else 1)
+    if meshes is not None and meshes.pp is not None:
+        return pipeline_engine(cfg, model_args, meshes, hook, device, weight)
+    chunk = prepare_chunk(build_model(model_args, "meta"), cfg, model_args, meshes, hook, device)
+    return plain_engine(chunk, weight, meshes)
+
+
+MicrostepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+
+
+def microsteps(run: MicrostepFn, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+               device: torch.device) -> torch.Tensor:
+    """`run` (Engine.forward_backward or Engine.evaluate) on each local batch, in order; the sum
+    of the losses this rank computed (zero off the last PP stage). The one microstep loop of
+    training, validation and the probe: set the token weight (TokenWeight.use) first."""
+    total = torch.zeros((), device=device)
+    for inputs, targets in batches:
+        loss = run(inputs, targets)
+        if loss is not None:
+            total += loss.float()
+    return total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,6 +333,59 @@ def add_counts(total: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, 
             "total": total["total"] + more["total"], "by_op": dict(sorted(by_op.items()))}
 
 
+class CollectiveCounter:
+    """The collectives of one optimizer step (forward + backward of every microstep), for
+    run_meta.json (comm_count.py)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        # Step 1, or step 2 under PP (a dispatch mode breaks the schedule's first-step shape
+        # inference; with PP each rank sees only its own stages' collectives). Not with compile.
+        self.step = None if cfg.training.compile else (2 if cfg.parallelism.pp > 1 else 1)
+        self.counts: dict[str, Any] | None = None
+
+    def around(self, step: int, run: MicrostepFn) -> MicrostepFn:
+        """`run`, counted on the step that is counted."""
+        if step != self.step:
+            return run
+
+        def counted(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+            # One counting scope per microstep, added up (comm_count.py).
+            with count_collectives() as comm:
+                loss = run(inputs, targets)
+            self.counts = add_counts(self.counts, comm.to_dict())
+            return loss
+        return counted
+
+
+def is_logger(engine: Engine, meshes: Meshes | None) -> bool:
+    """The one writer: global rank 0, or with PP the first rank of the last stage."""
+    if meshes is None:  # not distributed
+        return True
+    return engine.holds_loss and all(
+        c == 0 for c in meshes.world.get_coordinate()[1:])  # type: ignore[index]
+
+
+def probe_step(cfg: TrainConfig) -> int | None:
+    """The step the numerics probe replaces (convergence.trainer.probe), None without one."""
+    if cfg.probe.enable and 1 <= cfg.probe.step <= cfg.training.steps:
+        return cfg.probe.step
+    return None
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]],
+                   parts: tuple[str, ...], pp_group: dist.ProcessGroup | None,
+                   max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norms of the accumulated gradient, clip, step, zero: (total norm, norm per part)."""
+    # Norm of the full gradient (all shards, all stages) and of each part of the model
+    # (optim.grad_norms: a bug in one kind of weight hides in the total), then clip.
+    grad_norm, part_norms = grad_norms(named_params, parts, pp_group)
+    if max_norm > 0:
+        clip_grads_([p for _, p in named_params], max_norm, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, part_norms
+
+
 # ----------------------------------------------------------------------------------------------
 # The run
 
@@ -357,48 +430,31 @@ def train(cfg: TrainConfig) -> str:
     source = build_source(cfg)
 
     model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
-    weight = TokenWeight(num_ranks=meshes.dp_cp.size() if meshes is not None else 1)
-    if meshes is not None and meshes.pp is not None:
-        engine = pipeline_engine(cfg, model_args, meshes, hook, device, weight)
-    else:
-        chunk = prepare_chunk(build_model(model_args, "meta"), cfg, model_args, meshes, hook,
-                              device)
-        engine = plain_engine(chunk, weight, meshes)
+    engine = build_engine(cfg, model_args, meshes, hook, device)
     named_params = [(n, p) for chunk in engine.chunks for n, p in chunk.named_parameters()]
-    params = [p for _, p in named_params]
     parts = model_parts(build_model(model_args, "meta"))
-    optimizer = build_optimizer(params, cfg)
+    optimizer = build_optimizer([p for _, p in named_params], cfg)
     pp_group = meshes.pp.get_group() if meshes is not None and meshes.pp is not None else None
 
-    # The one writer: global rank 0, or with PP the first rank of the last stage.
-    is_logger = not distributed or (engine.holds_loss and meshes is not None and all(
-        c == 0 for c in meshes.world.get_coordinate()[1:]))  # type: ignore[index]
+    logger = is_logger(engine, meshes)
     dump = Path(cfg.metrics.dump_folder)
-    writer = MetricsWriter(dump, enabled=is_logger, tensorboard=cfg.metrics.enable_tensorboard)
+    writer = MetricsWriter(dump, enabled=logger, tensorboard=cfg.metrics.enable_tensorboard)
     num_params = count_params(build_model(model_args, "meta"))
-
-    collectives: dict[str, Any] | None = None  # counted on step 1 (comm_count)
+    counter = CollectiveCounter(cfg)
 
     def meta(status: str, last_step: int) -> dict[str, Any]:
         return {**run_meta(cfg, world_size, source, num_params, tokens_per_step, device, status,
-                           last_step), META_KEY: collectives,
+                           last_step), META_KEY: counter.counts,
                 "block_pattern": cfg.model.block_pattern or "standard"}
 
     writer.write_meta(meta("running", 0))
     stop = StopSignal(dump / "STOP")
+    probe_at = probe_step(cfg)
     status, step = "failed", 0
     start = time.perf_counter()
     try:
         status = "finished"
-        for step in range(1, training.steps + 1):
-            if cfg.probe.enable and step == cfg.probe.step:
-                # The numerics probe replaces this step: one forward+backward, norms to
-                # probe.json, then stop. Steps before it ran this very loop, so the probe sees
-                # exactly the state this run had at this step (same data, LR, optimizer).
-                from convergence.trainer.probe import run_probe
-                status = run_probe(cfg, engine, meshes, source, plan, device,
-                                   is_writer=is_logger, warm_up=step == 1)
-                break
+        for step in range(1, (probe_at - 1 if probe_at else training.steps) + 1):
             step_start = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in optimizer.param_groups:
@@ -408,27 +464,10 @@ def train(cfg: TrainConfig) -> str:
             # data fingerprint; then forward/backward over the microsteps into .grad.
             data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
             engine.weight.use(data.num_tokens)
-            local_loss = torch.zeros((), device=device)
-            # One step's collectives (forward + backward of every microstep) are counted once:
-            # step 1, or step 2 under PP (a dispatch mode breaks the schedule's first-step
-            # shape inference; with PP each rank sees only its own stages' collectives).
-            count_now = step == (2 if par.pp > 1 else 1) and not training.compile
-            for inputs, targets in data.batches:
-                # One counting scope per microstep, added up (comm_count.py).
-                with count_collectives(count_now) as comm:
-                    loss = engine.forward_backward(inputs, targets)
-                    if loss is not None:
-                        local_loss += loss.float()
-                if count_now:
-                    collectives = add_counts(collectives, comm.to_dict())
-
-            # Norm of the full gradient (all shards, all stages) and of each part of the model
-            # (optim.grad_norms: a bug in one kind of weight hides in the total), then clip.
-            grad_norm, part_norms = grad_norms(named_params, parts, pp_group)
-            if training.max_norm > 0:
-                clip_grads_(params, training.max_norm, grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            local_loss = microsteps(counter.around(step, engine.forward_backward), data.batches,
+                                    device)
+            grad_norm, part_norms = optimizer_step(optimizer, named_params, parts, pp_group,
+                                                   training.max_norm)
 
             # Every dp x cp rank holds (D/N) * its token-loss sum: their mean is the global mean.
             global_loss = average_over(local_loss, meshes) if engine.holds_loss else None
@@ -440,7 +479,7 @@ def train(cfg: TrainConfig) -> str:
             step_time = time.perf_counter() - step_start
             log_now = step % cfg.metrics.log_freq == 0 or step == training.steps
             peak_mem = peak_mem_over_ranks(device, distributed) if log_now else 0.0
-            if is_logger and global_loss is not None and log_now:
+            if logger and global_loss is not None and log_now:
                 record: dict[str, float | int] = {
                     "step": step, "loss": global_loss.item(), "grad_norm": grad_norm.item(),
                     "grad_norm_parts": parts_geomean(part_norms),
@@ -457,6 +496,14 @@ def train(cfg: TrainConfig) -> str:
             if stop.should_stop(distributed, device):
                 status = "stopped"
                 break
+        if probe_at is not None and status == "finished":
+            # The numerics probe replaces step K: one forward+backward, norms to probe.json,
+            # then stop. Steps before it ran the loop above, so the probe sees exactly the
+            # state this run had at this step (same data, LR, optimizer).
+            from convergence.trainer.probe import run_probe
+            step = probe_at
+            status = run_probe(cfg, engine, meshes, source, plan, device, is_writer=logger,
+                               warm_up=step == 1)
     except BaseException:
         status = "failed"
         raise
@@ -481,12 +528,7 @@ def validate(engine: Engine, source: SampleSource, plan: BatchPlan, meshes: Mesh
     steps: list[StepData] = [read_step(source, plan, batch + 1, VAL, device, data_group(meshes))
                              for batch in range(cfg.metrics.val_batches)]
     engine.weight.use(sum(data.num_tokens for data in steps))
-    total = torch.zeros((), device=device)
-    for data in steps:
-        for inputs, targets in data.batches:
-            loss = engine.evaluate(inputs, targets)
-            if loss is not None:
-                total += loss.float()
+    total = microsteps(engine.evaluate, (b for data in steps for b in data.batches), device)
     for chunk in engine.chunks:
         chunk.train()
     if not engine.holds_loss:

@@ -9,34 +9,25 @@ from __future__ import annotations
 from typing import Callable, NoReturn
 
 from convergence.spec.errors import SpecError
-from convergence.spec.layout import AC_MODES, DTYPES, MULTI_STAGE_SCHEDULES
-from convergence.spec.layout import PP_SCHEDULES as SPEC_PP_SCHEDULES
+from convergence.spec.layout import AC_MODES, DTYPES
+from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.model import BLOCK_KINDS, parse_block_pattern
-
-#: V-shaped schedules: rank r holds stages r and 2*pp-1-r (exactly 2 per rank).
-V_SCHEDULES: tuple[str, ...] = ("ZBVZeroBubble", "DualPipeV")
-PP_SCHEDULES: tuple[str, ...] = SPEC_PP_SCHEDULES + V_SCHEDULES
-#: Schedules that split the backward into an input-grad and a later weight-grad pass.
-ZERO_BUBBLE_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-MULTI_STAGE = MULTI_STAGE_SCHEDULES | frozenset(V_SCHEDULES)
 
 #: fail(key, message, fix) raises the SpecError.
 Fail = Callable[[str, str, str], NoReturn]
 
 
 def stages_per_rank(cfg: TrainConfig) -> int:
-    """pp_stages_per_rank resolved: 0 means 2 for interleaved schedules, else 1."""
+    """pp_stages_per_rank resolved: 0 means 2 for multi-stage schedules, else 1."""
     par = cfg.parallelism
-    if par.pp_stages_per_rank:
-        return par.pp_stages_per_rank
-    return 2 if par.pp > 1 and par.pp_schedule in MULTI_STAGE else 1
+    return pp_rules.stages_per_rank(par.pp_schedule, par.pp_stages_per_rank, par.pp)
 
 
 def pp_microbatches(cfg: TrainConfig) -> int:
     """pp_microbatches resolved: 0 means one per stage (pp * stages per rank)."""
     par = cfg.parallelism
-    return par.pp_microbatches or par.pp * stages_per_rank(cfg)
+    return pp_rules.microbatches(par.pp, stages_per_rank(cfg), par.pp_microbatches)
 
 
 def world_size_of(cfg: TrainConfig) -> int:
@@ -142,48 +133,15 @@ def _check_blocks(cfg: TrainConfig, fail: Fail) -> None:
 
 
 def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
-    par, model, train = cfg.parallelism, cfg.model, cfg.training
-    if par.pp_schedule not in PP_SCHEDULES:
-        fail("parallelism.pp_schedule", f"unknown schedule {par.pp_schedule!r}",
-             f"use one of {', '.join(PP_SCHEDULES)}")
-    if par.pp == 1:
-        return
-    data_parallel = par.dp_replicate * par.dp_shard * par.cp
-    if par.pp_schedule in ZERO_BUBBLE_SCHEDULES and data_parallel > 1:
-        # Measured with this trainer on torch 2.13 (gloo, debug config, step 1, same global
-        # batch as the fsdp dp_shard=2 control, grad norm 0.323): InterleavedZeroBubble with
-        # dp_shard=2 gave 0.041 (FSDP per chunk) and with dp_replicate=2 gave 0.415 -- the
-        # gradient reduction does not see the deferred weight-grad pass. pp alone is exact.
-        fail("parallelism.pp_schedule",
-             f"{par.pp_schedule} defers the weight gradients to a second backward pass, which "
-             "the built-in trainer's data-parallel gradient reduction (FSDP/DDP over dp_replicate "
-             f"x dp_shard x cp = {data_parallel}) misses: the gradients would be wrong",
-             "use GPipe, 1F1B or Interleaved1F1B with data or context parallelism, or run "
-             f"{par.pp_schedule} with pp only")
-    spr = stages_per_rank(cfg)
-    multi = par.pp_schedule in MULTI_STAGE
-    if multi and spr < 2:
-        fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} needs >= 2 stages per rank",
-             "set pp_stages_per_rank = 2 (or 0 for the default)")
-    if par.pp_schedule in V_SCHEDULES and spr != 2:
-        fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} holds exactly 2 stages per "
-             "rank", "set pp_stages_per_rank = 2 (or 0)")
-    if not multi and spr != 1:
-        fail("parallelism.pp_stages_per_rank", f"{par.pp_schedule} runs 1 stage per rank",
-             "set pp_stages_per_rank = 1, or use Interleaved1F1B")
-    num_stages = par.pp * spr
-    if model.n_layers % num_stages:
-        fail("parallelism.pp", f"pp * stages_per_rank = {num_stages} must divide "
-             f"model.n_layers={model.n_layers}", "choose pp and pp_stages_per_rank so each "
-             "stage gets the same number of layers")
-    micro = pp_microbatches(cfg)
-    if train.local_batch_size % micro:
-        fail("parallelism.pp_microbatches", f"{micro} microbatches must divide "
-             f"training.local_batch_size={train.local_batch_size}",
-             "choose pp_microbatches among the divisors of local_batch_size")
-    if multi and micro % par.pp:
-        fail("parallelism.pp_microbatches", f"{par.pp_schedule} needs microbatches ({micro}) "
-             f"divisible by pp={par.pp}", "choose a multiple of pp")
+    """The PP rules (pp_rules.layout_problem): the same ones the trainer builds stages by."""
+    par = cfg.parallelism
+    problem = pp_rules.layout_problem(
+        schedule=par.pp_schedule, pp=par.pp, stages_configured=par.pp_stages_per_rank,
+        microbatches_configured=par.pp_microbatches, n_layers=cfg.model.n_layers,
+        local_batch_size=cfg.training.local_batch_size,
+        data_parallel=par.dp_replicate * par.dp_shard * par.cp)
+    if problem is not None:
+        fail(problem.key, problem.message, problem.fix)
 
 
 def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
