@@ -19,7 +19,7 @@ from pathlib import Path
 
 from _report import REPO, machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
 
-from convergence.runner import Runner, RunSettings
+from convergence.run.runner import Runner, RunSettings
 from convergence.spec.experiment import load_experiment
 
 HOOKS = REPO / "tests" / "fixtures" / "hooks"

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -101,8 +101,8 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
            rootdir: Path) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
     from convergence.compare_cli import compare_rules
-    from convergence.outcome import PairOutcome
-    from convergence.runner import JobFailed, Runner, apply_settings
+    from convergence.run.outcome import PairOutcome
+    from convergence.run.runner import JobFailed, Runner, apply_settings
     from convergence.spec.experiment import load_experiment
     from convergence.stats.registry import compare_all
 
@@ -149,7 +149,7 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
 def cmd_ab(args: argparse.Namespace) -> int:
     from convergence.report.dimensions import render_summary
     from convergence.report.failure_text import render_outcome
-    from convergence.runner import RunSettings
+    from convergence.run.runner import RunSettings
 
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), early_stop=False,
                            steps=args.steps, devices=args.devices)

@@ -75,7 +75,7 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from convergence.report.dimensions import render_summary
-    from convergence.runner import RunSettings, run_pair
+    from convergence.run.runner import RunSettings, run_pair
     from convergence.spec.experiment import load_experiment, validate_pair
 
     from convergence.launch.pool import detect_devices

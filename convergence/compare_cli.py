@@ -15,7 +15,7 @@ from pathlib import Path
 
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import describe_source, read_run
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec

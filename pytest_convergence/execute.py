@@ -9,8 +9,8 @@ import uuid
 from pathlib import Path
 import pytest
 
-from convergence.outcome import PairOutcome
-from convergence.runner import run_pair
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import run_pair
 from convergence.spec.pair import PairSpec
 from pytest_convergence.failure import ConvergenceFailure
 from pytest_convergence.progress import ProgressPrinter

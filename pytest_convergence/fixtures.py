@@ -48,7 +48,7 @@ from typing import Any
 
 import pytest
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import (DEFAULTS_KEYS, JOB_KEYS, TEST_KEYS, make_pair,
                                          validate_devices)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from convergence.runner import RunSettings
+from convergence.run.runner import RunSettings
 from pytest_convergence.collection import (ConvergenceItem, ExperimentFile, MARKER_HELP,
                                            collect_file, mark_and_deselect, tier_note)
 from pytest_convergence.fixtures import convergence_pair

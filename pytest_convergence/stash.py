@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from convergence.outcome import PairOutcome
-from convergence.runner import RunSettings
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import RunSettings
 from pytest_convergence.options import Options
 
 

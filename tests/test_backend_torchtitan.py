@@ -262,7 +262,7 @@ def test_config_text_keys_module_config_and_file() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="torchtitan trains on CUDA only (no CUDA device here)")
 def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
-    from convergence.runner import RunSettings, run_pair
+    from convergence.run.runner import RunSettings, run_pair
 
     exp = load_experiment(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml",
                           rootdir=ROOT)

@@ -56,7 +56,7 @@ def _warm_imports(tmp_path_factory: pytest.TempPathFactory) -> None:
     from convergence.launch.pool import detect_devices
     from convergence.spec.experiment import load_experiment, validate_pair
     import convergence.report  # noqa: F401
-    import convergence.runner  # noqa: F401
+    import convergence.run.runner  # noqa: F401
 
     path = tmp_path_factory.mktemp("warm") / "exp.toml"
     path.write_text(EXPERIMENT)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from convergence.probe_compare import (
+from convergence.run.probe_compare import (
     compare_probe_files,
     compare_probes,
     load_probe,
@@ -131,7 +131,7 @@ def test_probe_key_is_validated(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from convergence.runner import Runner, RunSettings
+    from convergence.run.runner import Runner, RunSettings
 
     _hooks_on_path()
     exp = load_experiment(_experiment(tmp_path_factory.mktemp("exp"), "always"), rootdir=ROOT)
@@ -195,7 +195,7 @@ LATE_STEP = 3  # planted_late_bugs.FIRST_BAD_STEP
 
 
 def test_first_divergent_step_and_failure_line() -> None:
-    from convergence.probe_run import agrees, first_divergent_step
+    from convergence.run.probe import agrees, first_divergent_step
     from convergence.report.probe_table import failure_line, summary_text
     from convergence.stats.types import MetricVerdict
 

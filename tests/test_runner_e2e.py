@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from convergence.runner import RunSettings, Runner
+from convergence.run.runner import RunSettings, Runner
 from convergence.spec.experiment import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,8 +27,8 @@ from convergence.launch.slurm import (PORT_BASE, PORT_SPAN, PortAllocator, Slurm
                                       SlurmLauncher)
 from convergence.launch.types import LaunchRequest
 from convergence.metrics.curve import RunMetrics
-from convergence.outcome import PairOutcome
-from convergence.runner import RunSettings, Runner
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import RunSettings, Runner
 from convergence.spec.experiment import load_experiment
 from convergence.spec.pair import PairSpec
 

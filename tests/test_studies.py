@@ -25,7 +25,7 @@ import pytest
 
 from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import Curve
-from convergence.outcome import SideOutcome
+from convergence.run.outcome import SideOutcome
 from convergence.report import tradeoff
 from convergence.report.records import step_time_s
 from convergence.spec.errors import SpecError

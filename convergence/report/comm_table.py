@@ -26,7 +26,7 @@ import numpy as np
 from convergence.report.fmt import VERDICTS, as_float, fmt_amount
 
 if TYPE_CHECKING:
-    from convergence.outcome import SideOutcome
+    from convergence.run.outcome import SideOutcome
 
 TITLE = "Reduced-communication blocks"
 PLOT_NAME = "comm_reduction.png"

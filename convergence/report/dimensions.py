@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.fmt import as_float, fmt_num, fmt_techniques
 
 #: Short axis names, as the matrix's columns.

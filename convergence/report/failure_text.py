@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.spec.job import JobSpec
 from convergence.stats.types import MetricVerdict
 from convergence.report.fmt import verdict_state
@@ -137,7 +137,7 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
         lines.extend(_table(outcome, failing[0].metric))
     if outcome.localisation:
         # One-line entries here; the per-module tables are in the report.
-        from convergence.probe_compare import summary_items
+        from convergence.run.probe_compare import summary_items
         from convergence.report.probe_table import failure_line
 
         lines.append(f"localisation (numerics probe): {failure_line(outcome.localisation)}")

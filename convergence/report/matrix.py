@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.fmt import (
     VERDICTS,
     as_float,

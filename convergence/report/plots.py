@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.curves import (
     Band,
     band_z,

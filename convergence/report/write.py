@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.curves import DivergenceRow
 from convergence.report.curves import divergence_table as _divergence_table
 from convergence.report.html import render_html

@@ -24,7 +24,7 @@ from convergence.backends import Backend, get_backend
 from convergence.cache.store import CacheError
 from convergence.launch.types import JobResult, LaunchRequest, Launcher, Progress
 from convergence.metrics.curve import RunMetrics
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -292,13 +292,13 @@ class Runner:
                            verdicts=tuple(verdicts), stopped_early_at=stopped,
                            wall_s=time.monotonic() - started)
 
-    # -- numerics probe (failure localisation; see convergence.probe_run) ----------------
+    # -- numerics probe (failure localisation; see convergence.run.probe) ----------------
     def _localise(self, pair: PairSpec, status: str, pair_dir: Path,
                   verdicts: Sequence[MetricVerdict],
                   runs: Sequence[RunMetrics]) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing."""
-        from convergence.probe_run import first_divergent_step, localise, wants_probe
+        from convergence.run.probe import first_divergent_step, localise, wants_probe
 
         if not wants_probe(pair, status):
             return None

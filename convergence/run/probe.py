@@ -3,7 +3,7 @@
 When a paired pair fails (or always, for pairs with ``probe = "always"``), each side runs once
 more in probe mode -- same launcher, same device pool, same seed checkpoint, the run cache, overrides
 ``--probe.enable=true --probe.step=S`` -- and the two probe.json files are compared
-(convergence.probe_compare). The result becomes ``PairOutcome.localisation``.
+(convergence.run.probe_compare). The result becomes ``PairOutcome.localisation``.
 
 Two steps are probed, the second only when needed:
 1. step 1, from the seed weights: a wrong parallel plan shows here, for the cost of one step;
@@ -84,7 +84,7 @@ def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, launch: LaunchFn,
 def cached_probe(runner: Any, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
     """probe.json of ``job``, from the run cache when this job was probed before.
 
-    ``runner`` is the :class:`convergence.runner.Runner` (its cache, launcher, pool and seed
+    ``runner`` is the :class:`convergence.run.runner.Runner` (its cache, launcher, pool and seed
     checkpoints). The key extends the job's run-cache key, so a control shared by many pairs
     is probed once, and ``--refresh`` reprobes once per session as it reruns jobs.
     """
@@ -113,7 +113,7 @@ def cached_probe(runner: Any, side: str, job: JobSpec, probe_dir: Path, step: in
 def _probe_step(pair: PairSpec, pair_dir: Path, runner: Any,
                 step: int) -> tuple[dict[str, Any], list[Path]]:
     """Probe both sides (cached) at ``step`` and compare; errors in the dict, never raised."""
-    from convergence.probe_compare import compare_probe_files
+    from convergence.run.probe_compare import compare_probe_files
 
     probe_dir = pair_dir / "probe" / f"step{step}"
     try:
