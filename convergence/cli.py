@@ -75,7 +75,8 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from convergence.report.dimensions import render_summary
-    from convergence.run.runner import RunSettings, run_pair
+    from convergence.run.runner import RunSettings
+    from convergence.run.session import SessionRunner
     from convergence.spec.experiment import load_experiment, validate_pair
 
     from convergence.launch.pool import detect_devices
@@ -88,10 +89,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), refresh=args.refresh,
                            early_stop=not args.no_early_stop, devices=args.devices,
                            steps=args.steps, on_progress=_ProgressLog())
+    runner = SessionRunner(settings)  # one device pool, run cache and launcher for all pairs
     outcomes = []
     for pair in experiment.pairs:
         _print_err(f"running {pair.pair_id} ...")
-        outcome = run_pair(pair, settings)
+        outcome = runner.run_pair(pair)
         _print_err(f"{pair.pair_id}: {outcome.status}")
         if outcome.status == "error" and outcome.error:
             _print_err(outcome.error)

@@ -262,11 +262,11 @@ def test_config_text_keys_module_config_and_file() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="torchtitan trains on CUDA only (no CUDA device here)")
 def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
-    from convergence.run.runner import RunSettings, run_pair
+    from convergence.run.runner import RunSettings, Runner
 
     exp = load_experiment(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml",
                           rootdir=ROOT)
-    outcome = run_pair(exp.pairs[0], RunSettings(work_dir=tmp_path, steps=30))
+    outcome = Runner(RunSettings(work_dir=tmp_path, steps=30)).run_pair(exp.pairs[0])
     assert outcome.status == "passed", outcome.error or outcome.verdicts
     loss = outcome.control.metrics["loss"] if outcome.control else None
     assert loss is not None and len(loss) == 30 and loss.values[-1] < loss.values[0]
