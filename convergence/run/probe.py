@@ -26,12 +26,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from convergence.backends import get_backend
+from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_jsonl
+from convergence.run.probe_compare import compare_probe_files
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
 
-if TYPE_CHECKING:  # runner.py imports this module (lazily, at a failure): no import cycle
+if TYPE_CHECKING:  # typing only: runner.py imports this module, so no runtime import back
     from convergence.run.runner import Runner
 
 
@@ -60,8 +64,7 @@ def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, runner: Runner,
                   step: int = 1) -> Path:
     """Run ``job`` in probe mode through ``runner`` (its launcher, device pool and seed
     checkpoints); returns its probe.json (raises RuntimeError on failure)."""
-    from convergence.backends.builtin import BuiltinBackend
-    from convergence.trainer.probe import PROBE_FILE
+    from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
 
     backend = BuiltinBackend()
     seed_dir = runner.seed_checkpoint(job, backend)
@@ -85,8 +88,7 @@ def cached_probe(runner: Runner, side: str, job: JobSpec, probe_dir: Path, step:
     The key extends the job's run-cache key, so a control shared by many pairs is probed
     once, and ``--refresh`` reprobes once per session as it reruns jobs.
     """
-    from convergence.backends import get_backend
-    from convergence.trainer.probe import PROBE_FILE
+    from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
 
     backend = get_backend(job.backend)
     job_key = runner.job_key(job, backend, runner.seed_checkpoint(job, backend))
@@ -108,8 +110,6 @@ def cached_probe(runner: Runner, side: str, job: JobSpec, probe_dir: Path, step:
 def _probe_step(pair: PairSpec, pair_dir: Path, runner: Runner,
                 step: int) -> tuple[dict[str, Any], list[Path]]:
     """Probe both sides (cached) at ``step`` and compare; errors in the dict, never raised."""
-    from convergence.run.probe_compare import compare_probe_files
-
     probe_dir = pair_dir / "probe" / f"step{step}"
     try:
         paths = [cached_probe(runner, side, job, probe_dir, step)
@@ -133,8 +133,6 @@ def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
 
     The probe job's metrics.jsonl (beside probe.json) holds the replayed steps; None when
     there is nothing to compare (e.g. log_freq skipped them all)."""
-    from convergence.metrics.jsonl import read_jsonl
-
     worst: float | None = None
     for path, run in zip(probe_files, runs):
         replay, original = read_jsonl(path.parent / "metrics.jsonl").get("loss"), run.get("loss")

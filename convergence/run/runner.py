@@ -27,13 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends import Backend, get_backend
-from convergence.cache.store import CacheError
-from convergence.launch.types import JobResult, LaunchRequest, Launcher, Progress
+from convergence.cache.key import cache_key, code_version, hardware_fingerprint
+from convergence.cache.store import CacheError, RunCache
+from convergence.launch.pool import DevicePool, detect_devices
+from convergence.launch.slurm import SlurmLauncher
+from convergence.launch.torchrun import LocalLauncher
+from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.reader import read_run
 from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.stats.health import control_problem
+from convergence.stats.provenance import with_golden_note
 from convergence.stats.types import MetricVerdict
 
 log = logging.getLogger(__name__)
@@ -124,9 +132,6 @@ class Runner:
     """
 
     def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
-        from convergence.cache.store import RunCache
-        from convergence.launch.pool import DevicePool, detect_devices
-
         self.settings = settings
         settings.work_dir.mkdir(parents=True, exist_ok=True)
         self.cache = RunCache(settings.cache_root)
@@ -167,8 +172,7 @@ class Runner:
     def job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
         """The run-cache key of ``job`` (identity, config text, code, torch, hardware, hook
         source, seed checkpoint): what makes a cached run trustworthy as this job's."""
-        from convergence.cache.key import cache_key, code_version, hardware_fingerprint
-        import torch
+        import torch  # lazy: seconds to import; only a session that runs a job needs it
 
         identity = dict(job.identity())
         identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
@@ -298,6 +302,8 @@ class Runner:
             self._on_progress = self.settings.on_progress
 
     def _run_pair(self, pair: PairSpec) -> PairOutcome:
+        # Lazy: the comparisons import scipy (seconds); the plugin imports this module at
+        # startup for RunSettings, and a session without convergence items must not pay.
         from convergence.stats.registry import compare_all
         from convergence.stats.sequential import SequentialMonitor
 
@@ -338,8 +344,6 @@ class Runner:
             control_runs = [{m: c.upto(stopped) for m, c in run.items()} for run in control_runs]
         verdicts = compare_all(pair.rules, control_runs, test.metrics)
         if pair.golden:  # a golden recorded with another torch/GPU says so in the verdict
-            from convergence.stats.provenance import with_golden_note
-
             verdicts = with_golden_note(Path(pair.golden), verdicts, test.meta)
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
@@ -359,8 +363,6 @@ class Runner:
                   runs: Sequence[RunMetrics]) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing."""
-        from convergence.run.probe import first_divergent_step, localise, wants_probe
-
         if not wants_probe(pair, status):
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
@@ -370,8 +372,6 @@ class Runner:
 
     def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
         if pair.golden:
-            from convergence.metrics.reader import read_run
-
             golden = read_run(Path(pair.golden), key="golden")
             return [SideOutcome(job=pair.control, metrics=golden, cached=True,
                                 run_dir=Path(pair.golden).parent)]
@@ -389,8 +389,6 @@ class Runner:
 
 def _control_problem(control: SideOutcome) -> str | None:
     """A control that did not learn or undercut the entropy floor is no reference (stats.health)."""
-    from convergence.stats.health import control_problem
-
     floor = (control.meta or {}).get("entropy_floor")
     problem = control_problem(control.metrics.get("loss"),
                               float(floor) if isinstance(floor, (int, float)) else None)
@@ -453,12 +451,8 @@ def _hook_source_hash(hook: str | None) -> str | None:
 
 def _make_launcher(name: str) -> Launcher:
     if name == "local":
-        from convergence.launch.torchrun import LocalLauncher
-
         return LocalLauncher()
     if name == "slurm":
-        from convergence.launch.slurm import SlurmLauncher
-
         return SlurmLauncher()
     raise SpecError(f"unknown launcher {name!r}", key="--convergence-launcher",
                     fix="use local or slurm")
