@@ -22,6 +22,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
+from convergence.spec.rules import default_rules
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
 TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
@@ -299,8 +300,6 @@ def _scalar_text(value: Any) -> str:
 
 def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
            ) -> tuple[ComparisonRule, ...]:
-    from convergence.stats.registry import default_rules
-
     rules = {r.metric: r for r in default_rules(regime)}
     for metric, spec in compare.items():
         path = f"{key}.compare.{metric}"
