@@ -103,11 +103,11 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
     from convergence.compare_cli import compare_rules
     from convergence.run.outcome import PairOutcome
     from convergence.run.runner import JobFailed, Runner, apply_settings
-    from convergence.spec.experiment import load_experiment
+    from convergence.preflight import load_checked
     from convergence.stats.registry import compare_all
 
     pairs = [apply_settings(p, settings)  # type: ignore[arg-type]
-             for p in load_experiment(experiment, rootdir=rootdir).pairs]
+             for p in load_checked(experiment, rootdir=rootdir).pairs]
     jobs = _jobs(pairs)
     for job in jobs:
         if not job.techniques.bitwise_pairable:

@@ -77,15 +77,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     from convergence.report.dimensions import render_summary
     from convergence.run.runner import RunSettings
     from convergence.run.session import SessionRunner
-    from convergence.spec.experiment import load_experiment, validate_pair
+    from convergence.preflight import load_checked, validate_devices
 
     from convergence.launch.pool import detect_devices
 
     path = Path(args.experiment)
-    experiment = load_experiment(path, rootdir=Path(args.rootdir).resolve())
+    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve())
     devices = len(detect_devices(args.devices).devices)
     for pair in experiment.pairs:
-        validate_pair(pair, available_devices=devices)
+        validate_devices(pair, available_devices=devices)
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), refresh=args.refresh,
                            early_stop=not args.no_early_stop, devices=args.devices,
                            steps=args.steps, on_progress=_ProgressLog())

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from convergence.launch.types import JobResult, LaunchRequest, Progress
+from convergence.preflight import load_checked
 from convergence.run import session as session_module
-from convergence.run.runner import RunSettings, Runner
+from convergence.run.runner import Runner, RunSettings
 from convergence.run.session import SessionRunner
-from convergence.spec.experiment import load_experiment
 from convergence.spec.pair import PairSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def _pairs(folder: Path) -> list[PairSpec]:
         name = "b"
         early_stop = false
     """))
-    return list(load_experiment(path, rootdir=ROOT).pairs)
+    return list(load_checked(path, rootdir=ROOT).pairs)
 
 
 def test_one_runner_serves_every_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
