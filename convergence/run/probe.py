@@ -102,9 +102,9 @@ def cached_probe(runner: Runner, side: str, job: JobSpec, probe_dir: Path, step:
              "session": runner.settings.session_id}, default=str))
         return side_dir
 
-    entry = runner.cached_run(key, produce,
-                              usable=lambda path: (path / "dump" / PROBE_FILE).is_file())
-    return entry / "dump" / PROBE_FILE
+    return runner.cached_run(key, produce,
+                             usable=lambda path: (path / "dump" / PROBE_FILE).is_file(),
+                             read=lambda entry, cached: entry / "dump" / PROBE_FILE)
 
 
 def _probe_step(pair: PairSpec, pair_dir: Path, runner: Runner,

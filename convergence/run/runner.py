@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from convergence.backends import Backend, get_backend
 from convergence.cache.key import cache_key, code_version, hardware_fingerprint
@@ -45,6 +45,7 @@ from convergence.stats.provenance import with_golden_note
 from convergence.stats.types import MetricVerdict
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,15 +183,17 @@ class Runner:
                          torch_version=str(torch.__version__), hardware=hardware_fingerprint())
 
     def cached_run(self, key: str, produce: Callable[[], Path], *,
-                   usable: Callable[[Path], bool]) -> Path:
-        """The cache entry for ``key``: reused when ``usable`` accepts it (and, with
-        --refresh, this session made it), else ``produce()``'s folder, committed. The key is
-        claimed meanwhile, so runs sharing it (xdist workers, pairs) produce it once."""
+                   usable: Callable[[Path], bool], read: Callable[[Path, bool], T]) -> T:
+        """``read(entry, cached)`` of the cache entry for ``key``: the stored one when
+        ``usable`` accepts it (and, with --refresh, this session made it), else
+        ``produce()``'s folder, committed. The key stays claimed until ``read`` returns, so
+        runs sharing it (xdist workers, pairs) produce it once and no one replaces an entry
+        that is being read."""
         with self.cache.claim(key) as claim:
             if claim.path is not None and usable(claim.path) and self._reusable(claim.path):
-                return claim.path
+                return read(claim.path, True)
             entry: Path = claim.commit(produce())
-            return entry
+            return read(entry, False)
 
     # -- jobs ---------------------------------------------------------------------------
 
@@ -231,10 +234,10 @@ class Runner:
                 fresh.append(result)
                 return run_dir
 
-            entry = self.cached_run(key, produce,
-                                    usable=lambda path: self._complete(path, job, backend))
-            return self._side_from_dir(job, backend, entry, cached=not fresh,
-                                       result=fresh[0] if fresh else None)
+            return self.cached_run(
+                key, produce, usable=lambda path: self._complete(path, job, backend),
+                read=lambda entry, cached: self._side_from_dir(
+                    job, backend, entry, cached=cached, result=fresh[0] if fresh else None))
         run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir, key, on_metrics)
         return self._side_from_dir(job, backend, run_dir, cached=False, result=result)
 
