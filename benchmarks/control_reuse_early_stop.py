@@ -19,8 +19,8 @@ from pathlib import Path
 
 from _report import REPO, machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
 
-from convergence.runner import Runner, RunSettings
-from convergence.spec.experiment import load_experiment
+from convergence.run.runner import Runner, RunSettings
+from convergence.preflight import load_checked
 
 HOOKS = REPO / "tests" / "fixtures" / "hooks"
 LAYOUTS = [("fsdp2-tp2", "{ dp_shard = 2, tp = 2 }"), ("fsdp2-pp2", "{ dp_shard = 2, pp = 2 }"),
@@ -71,7 +71,7 @@ def main() -> None:
     sys.path.insert(0, str(HOOKS))
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        pairs = load_experiment(experiment(folder, args.tests, args.steps), rootdir=REPO).pairs
+        pairs = load_checked(experiment(folder, args.tests, args.steps), rootdir=REPO).pairs
         good = [p for p in pairs if p.name != "fsdp2-bug"]
         bug = next(p for p in pairs if p.name == "fsdp2-bug")
         rows = []

@@ -55,9 +55,9 @@ def by_hand(work: Path) -> tuple[float, float, int]:
     from convergence.backends.builtin import BuiltinBackend
     from convergence.launch.torchrun import build_torchrun_argv, job_env
     from convergence.launch.types import LaunchRequest
-    from convergence.spec.experiment import load_experiment
+    from convergence.preflight import load_checked
 
-    pairs = load_experiment(QUICKSTART, rootdir=REPO).pairs
+    pairs = load_checked(QUICKSTART, rootdir=REPO).pairs
     jobs = [pairs[0].control, *(pair.test for pair in pairs)]
     backend = BuiltinBackend()
     seed_dir = work / "seed"

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -101,13 +101,13 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
            rootdir: Path) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
     from convergence.compare_cli import compare_rules
-    from convergence.outcome import PairOutcome
-    from convergence.runner import JobFailed, Runner, apply_settings
-    from convergence.spec.experiment import load_experiment
+    from convergence.run.outcome import PairOutcome
+    from convergence.run.runner import JobFailed, Runner, apply_settings
+    from convergence.preflight import load_checked
     from convergence.stats.registry import compare_all
 
     pairs = [apply_settings(p, settings)  # type: ignore[arg-type]
-             for p in load_experiment(experiment, rootdir=rootdir).pairs]
+             for p in load_checked(experiment, rootdir=rootdir).pairs]
     jobs = _jobs(pairs)
     for job in jobs:
         if not job.techniques.bitwise_pairable:
@@ -147,9 +147,9 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
+    from convergence.run.runner import RunSettings
     from convergence.report.formats.terminal import render_summary
     from convergence.report.formats.failure_text import render_outcome
-    from convergence.runner import RunSettings
 
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), early_stop=False,
                            steps=args.steps, devices=args.devices)

@@ -74,24 +74,26 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from convergence.run.runner import RunSettings
+    from convergence.run.session import SessionRunner
+    from convergence.preflight import load_checked, validate_devices
     from convergence.report.formats.terminal import render_summary
-    from convergence.runner import RunSettings, run_pair
-    from convergence.spec.experiment import load_experiment, validate_pair
 
     from convergence.launch.pool import detect_devices
 
     path = Path(args.experiment)
-    experiment = load_experiment(path, rootdir=Path(args.rootdir).resolve())
+    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve())
     devices = len(detect_devices(args.devices).devices)
     for pair in experiment.pairs:
-        validate_pair(pair, available_devices=devices)
+        validate_devices(pair, available_devices=devices)
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), refresh=args.refresh,
                            early_stop=not args.no_early_stop, devices=args.devices,
                            steps=args.steps, on_progress=_ProgressLog())
+    runner = SessionRunner(settings)  # one device pool, run cache and launcher for all pairs
     outcomes = []
     for pair in experiment.pairs:
         _print_err(f"running {pair.pair_id} ...")
-        outcome = run_pair(pair, settings)
+        outcome = runner.run_pair(pair)
         _print_err(f"{pair.pair_id}: {outcome.status}")
         if outcome.status == "error" and outcome.error:
             _print_err(outcome.error)

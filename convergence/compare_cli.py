@@ -15,7 +15,7 @@ from pathlib import Path
 
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import describe_source, read_run
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
@@ -51,7 +51,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 def compare_rules(metrics: Sequence[str] | None, method: str | None,
                   regime: str) -> tuple[ComparisonRule, ...]:
     """pytest's default rules for ``regime``, narrowed to ``metrics`` / with ``method``."""
-    from convergence.stats.registry import default_rules
+    from convergence.spec.rules import default_rules
 
     if metrics:
         return tuple(ComparisonRule(metric=m, method=method or regime) for m in metrics)

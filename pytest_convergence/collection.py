@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import load_experiment, validate_devices
+from convergence.preflight import load_checked, validate_devices
 from convergence.spec.pair import PairSpec
 from pytest_convergence.execute import check_outcome, execute_pair
 from pytest_convergence.failure import ConvergenceFailure
@@ -80,8 +80,8 @@ class ExperimentFile(pytest.File):
     def collect(self) -> Iterator[ConvergenceItem]:
         try:
             state = get_state(self.config)
-            experiment = load_experiment(self.path, rootdir=self.config.rootpath,
-                                         max_tier=state.options.tier)
+            experiment = load_checked(self.path, rootdir=self.config.rootpath,
+                                      max_tier=state.options.tier)
             devices = state.available_devices()
             for pair in experiment.pairs:
                 if TIERS.index(pair.tier) <= TIERS.index(state.options.tier):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import uuid
 from pathlib import Path
 import pytest
 
-from convergence.outcome import PairOutcome
-from convergence.runner import run_pair
+from convergence.run.outcome import PairOutcome
 from convergence.spec.pair import PairSpec
 from pytest_convergence.failure import ConvergenceFailure
 from pytest_convergence.progress import ProgressPrinter
@@ -29,9 +27,8 @@ def execute_pair(config: pytest.Config, pair: PairSpec,
     printer: ProgressPrinter | WorkerProgress | None = ProgressPrinter(config)
     if state.is_worker:  # its terminal is not the user's: the controller relays a file
         printer = WorkerProgress(state.share_dir) if state.share_dir is not None else None
-    settings = dataclasses.replace(state.settings, on_progress=printer)
     try:
-        outcome = run_pair(pair, settings)
+        outcome = state.runner.run_pair(pair, on_progress=printer)
     except KeyboardInterrupt as exc:
         # Ctrl-C / SIGTERM mid-pair: the report still lists the pair (as an error that says
         # so), not only the pairs that had finished. Runs that finished (e.g. the control)

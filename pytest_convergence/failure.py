@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.formats.failure_text import (TABLE_AROUND, TRACEBACK_HEAD_LINES, headline,
                                              render_outcome)
 

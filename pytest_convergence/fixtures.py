@@ -48,10 +48,10 @@ from typing import Any
 
 import pytest
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import (DEFAULTS_KEYS, JOB_KEYS, TEST_KEYS, make_pair,
-                                         validate_devices)
+from convergence.preflight import make_checked_pair, validate_devices
+from convergence.spec.experiment import DEFAULTS_KEYS, JOB_KEYS, TEST_KEYS
 from convergence.spec.pair import PairSpec
 from convergence.spec.toml_io import check_keys
 from pytest_convergence.collection import MARKER
@@ -93,8 +93,9 @@ class PairRunner:
         pair_name = name or str(test.get("name") or self._node.name)
         if name is None and self._calls > 1:
             pair_name = f"{pair_name}-{self._calls}"
-        pair = make_pair(name=pair_name, control=control, test=test_table, defaults=defaults,
-                         compare=compare, source=source, rootdir=self._node.config.rootpath)
+        pair = make_checked_pair(name=pair_name, control=control, test=test_table,
+                                 defaults=defaults, compare=compare, source=source,
+                                 rootdir=self._node.config.rootpath)
         devices = get_state(self._node.config).available_devices()
         validate_devices(pair, available_devices=devices)
         return pair

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from convergence.runner import RunSettings
+from convergence.run.runner import RunSettings
+from convergence.run.session import SessionRunner
 from pytest_convergence.collection import (ConvergenceItem, ExperimentFile, MARKER_HELP,
                                            collect_file, mark_and_deselect, tier_note)
 from pytest_convergence.fixtures import convergence_pair
@@ -51,7 +52,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if options.wall_limit_s is not None:
         settings = dataclasses.replace(settings, wall_limit_s=options.wall_limit_s)
     config.stash[STATE_KEY] = SessionState(
-        options=options, settings=settings, share_dir=share_dir, is_worker=worker,
+        options=options, settings=settings, runner=SessionRunner(settings),
+        share_dir=share_dir, is_worker=worker,
         distributed=is_distributing(config))
 
 

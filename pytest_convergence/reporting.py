@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from pytest_convergence.execute import OUTCOME_SUFFIX, load_outcomes
 from pytest_convergence.stash import get_state
 

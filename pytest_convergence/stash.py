@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from convergence.outcome import PairOutcome
-from convergence.runner import RunSettings
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import RunSettings
+from convergence.run.session import SessionRunner
 from pytest_convergence.options import Options
 
 
@@ -21,6 +22,9 @@ class SessionState:
     options: Options
     settings: RunSettings
     """Run settings shared by every pair of the session (``on_progress`` is set per item)."""
+    runner: SessionRunner
+    """The process's one Runner (built at its first pair): every pair of this controller or
+    xdist worker reuses its device pool, run cache and launcher."""
     share_dir: Path | None = None
     """xdist: folder where workers drop each outcome as JSON for the controller."""
     is_worker: bool = False

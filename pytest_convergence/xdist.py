@@ -62,12 +62,12 @@ def _experiment_files(config: pytest.Config) -> list[Path]:
 
 
 def _largest_world_size(config: pytest.Config, files: list[Path]) -> int:
-    from convergence.spec.experiment import load_experiment
+    from convergence.preflight import load_checked
 
     largest = 0
     for path in files:
         try:
-            experiment = load_experiment(path, rootdir=config.rootpath)
+            experiment = load_checked(path, rootdir=config.rootpath)
         except Exception:  # noqa: BLE001 - only sizing workers here; collection reports it
             continue
         for pair in experiment.pairs:

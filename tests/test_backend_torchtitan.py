@@ -28,7 +28,7 @@ from convergence.backends.torchtitan import (
     parse,
 )
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import load_experiment
+from convergence.preflight import load_checked
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 
@@ -203,7 +203,7 @@ def test_bad_override_fails_the_pair_at_collection(tmp_path: Path) -> None:
         overrides = { "parallelism.tensor_paralel_degree" = 2 }
         """))
     with pytest.raises(SpecError) as info:
-        load_experiment(path, rootdir=tmp_path)
+        load_checked(path, rootdir=tmp_path)
     err = info.value
     assert err.file == str(path)
     assert err.key == "overrides.parallelism.tensor_paralel_degree"
@@ -212,7 +212,7 @@ def test_bad_override_fails_the_pair_at_collection(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.name for p in EXPERIMENTS])
 def test_shipped_experiments_validate_at_collection(path: Path) -> None:
-    exp = load_experiment(path, rootdir=ROOT)
+    exp = load_checked(path, rootdir=ROOT)
     assert exp.pairs
     for pair in exp.pairs:
         assert pair.tier == "nightly"  # needs CUDA: not in the default run
@@ -262,11 +262,11 @@ def test_config_text_keys_module_config_and_file() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="torchtitan trains on CUDA only (no CUDA device here)")
 def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
-    from convergence.runner import RunSettings, run_pair
+    from convergence.run.runner import RunSettings, Runner
 
-    exp = load_experiment(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml",
+    exp = load_checked(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml",
                           rootdir=ROOT)
-    outcome = run_pair(exp.pairs[0], RunSettings(work_dir=tmp_path, steps=30))
+    outcome = Runner(RunSettings(work_dir=tmp_path, steps=30)).run_pair(exp.pairs[0])
     assert outcome.status == "passed", outcome.error or outcome.verdicts
     loss = outcome.control.metrics["loss"] if outcome.control else None
     assert loss is not None and len(loss) == 30 and loss.values[-1] < loss.values[0]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from convergence.metrics.curve import Curve
-from convergence.outcome import SideOutcome
+from convergence.run.outcome import SideOutcome
 from convergence.report.data import records
 from convergence.report.sections import comm_blocks
 from convergence.spec.errors import SpecError

@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
 from catalogue import by_name  # noqa: E402
 from pairs import build_pairs  # noqa: E402
 
-from convergence.outcome import PairOutcome  # noqa: E402
-from convergence.runner import Runner, RunSettings  # noqa: E402
+from convergence.run.outcome import PairOutcome  # noqa: E402
+from convergence.run.runner import Runner, RunSettings  # noqa: E402
 from convergence.spec.pair import PairSpec  # noqa: E402
 
 STEPS = 12

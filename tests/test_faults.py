@@ -129,6 +129,9 @@ def faults(tmp_path_factory: pytest.TempPathFactory, squatter: int) -> Iterator[
         "nan_control.toml": experiment(
             tests=[FaultyTest(name="after-nan-control")], train_config=cfg,
             control_name="ddp2-nan", control_args=("--fault", "nan", "--at", "2")),
+        "flat_control.toml": experiment(  # 20 steps: control health judges from MIN_STEPS on
+            tests=[FaultyTest(name="after-flat-control")], train_config=cfg, steps=20,
+            control_name="ddp2-flat", control_args=("--fault", "flat")),
     })
     (project / "extra").mkdir()
     (project / "extra" / "hang.toml").write_text(
@@ -145,16 +148,16 @@ def faults(tmp_path_factory: pytest.TempPathFactory, squatter: int) -> Iterator[
 def test_faults_are_contained_and_good_pairs_pass(faults: Session) -> None:
     out = faults.out
     assert faults.proc.returncode == pytest.ExitCode.TESTS_FAILED, out
-    assert "4 failed, 2 passed" in out.splitlines()[-1], out
+    assert "5 failed, 2 passed" in out.splitlines()[-1], out
     statuses = {name: o["status"] for name, o in faults.outcomes.items()}
     assert statuses == {"ok-first": "passed", "raise-rank1": "error", "nan-at-3": "failed",
                         "sigkill-rank1": "error", "ok-last": "passed",
-                        "after-nan-control": "error"}, out
+                        "after-nan-control": "error", "after-flat-control": "error"}, out
     assert "PASSED experiments/faults.toml::ok-first" in out
     assert "PASSED experiments/faults.toml::ok-last" in out
     # The partial report of a session with faults is still written, every pair in it.
     report = json.loads((faults.project / "report" / "report.json").read_text())
-    assert len(report["pairs"]) == 6
+    assert len(report["pairs"]) == 7
     _assert_no_job_process(faults.workdir)
 
 
@@ -178,6 +181,15 @@ def test_nan_loss_is_reported_at_its_step_and_the_job_is_stopped(faults: Session
     # Stopped, not run out: 6 steps at 0.5 s each would take 3 s more.
     assert result["last_step"] < 6, result
     assert not alive(job_pids(faults.run_dir("nan-at-3")))
+
+
+def test_a_control_that_does_not_learn_errors_the_pair(faults: Session) -> None:
+    """A flat control certifies nothing: the pair is an error that says so (stats.health)."""
+    outcome = faults.outcomes["after-flat-control"]
+    assert outcome["status"] == "error", outcome
+    error = faults.error("after-flat-control")
+    assert "control job 'ddp2-flat'" in error and "did not learn" in error, error
+    assert "flat_control.toml::after-flat-control: ERROR: control job 'ddp2-flat'" in faults.out
 
 
 def test_a_nan_control_errors_the_pair_and_is_never_cached(faults: Session) -> None:

@@ -54,13 +54,13 @@ def _warm_imports(tmp_path_factory: pytest.TempPathFactory) -> None:
     (torch, numpy.fft) cannot be imported twice in one process: load an experiment here once,
     before any pytester snapshot, so every module collection needs is already imported."""
     from convergence.launch.pool import detect_devices
-    from convergence.spec.experiment import load_experiment, validate_pair
+    from convergence.preflight import load_checked, validate_pair
     import convergence.report  # noqa: F401
-    import convergence.runner  # noqa: F401
+    import convergence.run.runner  # noqa: F401
 
     path = tmp_path_factory.mktemp("warm") / "exp.toml"
     path.write_text(EXPERIMENT)
-    for pair in load_experiment(path, rootdir=REPO).pairs:
+    for pair in load_checked(path, rootdir=REPO).pairs:
         validate_pair(pair, available_devices=len(detect_devices().devices))
 
 

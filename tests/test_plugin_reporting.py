@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec import ComparisonRule, JobSpec, PairSpec, ParallelLayout
 from convergence.stats.types import MetricVerdict
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from convergence.probe_compare import (
+from convergence.run.probe_compare import (
     compare_probe_files,
     compare_probes,
     load_probe,
     summary_items,
 )
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import load_experiment
+from convergence.preflight import load_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).parent / "fixtures" / "hooks"
@@ -122,19 +122,19 @@ def _hooks_on_path() -> None:
 
 def test_probe_key_is_validated(tmp_path: Path) -> None:
     _hooks_on_path()
-    exp = load_experiment(_experiment(tmp_path, "always"), rootdir=ROOT)
+    exp = load_checked(_experiment(tmp_path, "always"), rootdir=ROOT)
     pairs = {p.name: p for p in exp.pairs}
     assert pairs["fsdp2-tp2"].probe_always and not pairs["fsdp2-tp2-bug"].probe_always
     with pytest.raises(SpecError, match=r"probe"):
-        load_experiment(_experiment(tmp_path, "sometimes"), rootdir=ROOT)
+        load_checked(_experiment(tmp_path, "sometimes"), rootdir=ROOT)
 
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from convergence.runner import Runner, RunSettings
+    from convergence.run.runner import Runner, RunSettings
 
     _hooks_on_path()
-    exp = load_experiment(_experiment(tmp_path_factory.mktemp("exp"), "always"), rootdir=ROOT)
+    exp = load_checked(_experiment(tmp_path_factory.mktemp("exp"), "always"), rootdir=ROOT)
     runner = Runner(RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180,
                                 wall_limit_s=600))
     return {p.name: runner.run_pair(p) for p in exp.pairs}
@@ -195,7 +195,7 @@ LATE_STEP = 3  # planted_late_bugs.FIRST_BAD_STEP
 
 
 def test_first_divergent_step_and_failure_line() -> None:
-    from convergence.probe_run import agrees, first_divergent_step
+    from convergence.run.probe import agrees, first_divergent_step
     from convergence.report.sections.probe import failure_line, summary_text
     from convergence.stats.types import MetricVerdict
 

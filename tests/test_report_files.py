@@ -12,7 +12,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report import REPORT_JSON_SCHEMA, REPORT_SCHEMA_VERSION, build_report, write_reports
 from convergence.report.formats.plots import plot_pair
 from convergence.report.data.serialize import outcome_from_json, outcome_to_json

@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report import REPORT_JSON_SCHEMA, divergence_table, render_matrix, write_reports
 from convergence.stats.seed import seed_band
 from report_examples import DIVERGES_AT, errored_pair, failing_pair, seed_pair

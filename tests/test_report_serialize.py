@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from convergence.metrics.curve import Curve
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.data.serialize import (
     OUTCOME_FORMAT,
     OutcomeFormatError,

@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from convergence.runner import RunSettings, Runner
-from convergence.spec.experiment import load_experiment
+from convergence.run.runner import RunSettings, Runner
+from convergence.preflight import load_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).parent / "fixtures" / "hooks"
@@ -52,7 +52,7 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         steps = 40
         probe = "off"   # localisation has its own tests (test_probe.py)
     """))
-    exp = load_experiment(path, rootdir=ROOT)
+    exp = load_checked(path, rootdir=ROOT)
     return {p.name: p for p in exp.pairs}
 
 
@@ -119,7 +119,7 @@ def test_command_backend_pair(runner: Runner, tmp_path: Path) -> None:
         backend_options = {{ command = "{script} --steps {{steps}} --seed {{seed}} --out {{dump_dir}} --grad-scale 2" }}
         early_stop = false
     """))
-    pairs = {p.name: p for p in load_experiment(path, rootdir=ROOT).pairs}
+    pairs = {p.name: p for p in load_checked(path, rootdir=ROOT).pairs}
     good = runner.run_pair(pairs["ddp2"])
     assert good.status == "passed", good.error or [v.message for v in good.verdicts]
     bad = runner.run_pair(pairs["ddp2-bug"])

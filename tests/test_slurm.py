@@ -27,9 +27,9 @@ from convergence.launch.slurm import (PORT_BASE, PORT_SPAN, PortAllocator, Slurm
                                       SlurmLauncher)
 from convergence.launch.types import LaunchRequest
 from convergence.metrics.curve import RunMetrics
-from convergence.outcome import PairOutcome
-from convergence.runner import RunSettings, Runner
-from convergence.spec.experiment import load_experiment
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import RunSettings, Runner
+from convergence.preflight import load_checked
 from convergence.spec.pair import PairSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,7 +72,7 @@ def _experiment(folder: Path) -> Path:
 
 
 def _pair(folder: Path) -> PairSpec:
-    pairs = load_experiment(_experiment(folder), rootdir=ROOT).pairs
+    pairs = load_checked(_experiment(folder), rootdir=ROOT).pairs
     assert len(pairs) == 1
     return pairs[0]
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from convergence.preflight import load_checked, validate_devices
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import load_experiment, validate_devices
+from convergence.spec.experiment import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ grid = {{ pp = [2], pp_schedule = ["1F1B", "Interleaved1F1B"] }}
 
 
 def test_pairs_from_tests_and_sweeps(tmp_path: Path) -> None:
-    exp = load_experiment(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
+    exp = load_checked(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
     names = [p.name for p in exp.pairs]
     assert names == ["fsdp2-tp2", "fsdp2-pp2-1F1B", "fsdp2-pp2-Interleaved1F1B"]
     pair = exp.pairs[0]
@@ -58,8 +59,33 @@ def test_pairs_from_tests_and_sweeps(tmp_path: Path) -> None:
 
 def error_for(tmp_path: Path, body: str) -> SpecError:
     with pytest.raises(SpecError) as info:
-        load_experiment(write(tmp_path, body), rootdir=ROOT)
+        load_checked(write(tmp_path, body), rootdir=ROOT)
     return info.value
+
+
+def test_parsing_is_spec_and_the_backend_checks_are_preflight(tmp_path: Path) -> None:
+    """spec/ parses (no backend involved); convergence.preflight adds the checks that need a
+    backend, with the pair's place in the file in its errors."""
+    path = write(tmp_path, GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }", "{ tp = 2 }"))
+    experiment = load_experiment(path, rootdir=ROOT)
+    assert experiment.keys[0] == "test[0]" and len(experiment.keys) == len(experiment.pairs)
+    with pytest.raises(SpecError) as info:
+        load_checked(path, rootdir=ROOT)
+    assert "tokens per optimizer step differ" in str(info.value)
+    assert info.value.key == "test[0].local_batch_size"
+
+
+def test_spec_is_the_bottom_layer() -> None:
+    """Importing the spec (parsing included) loads no other package of the library."""
+    import subprocess
+    import sys
+
+    code = ("import sys, convergence.spec.experiment, convergence.spec.rules; "
+            "print(sorted(m for m in sys.modules if m.startswith('convergence.')))")
+    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True).stdout)
+    assert [m for m in loaded if not m.startswith(("convergence.spec", "convergence.configs"))
+            ] == []
 
 
 def test_unknown_key_is_named(tmp_path: Path) -> None:
@@ -109,7 +135,7 @@ def test_degrees_that_do_not_divide_the_model(tmp_path: Path) -> None:
 
 
 def test_more_devices_than_available(tmp_path: Path) -> None:
-    exp = load_experiment(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
+    exp = load_checked(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
     with pytest.raises(SpecError) as info:
         validate_devices(exp.pairs[0], available_devices=2)
     assert "needs 4 devices" in str(info.value) and "--convergence-devices" in str(info.value)
@@ -119,7 +145,7 @@ def test_seed_regime_for_bf16(tmp_path: Path) -> None:
     body = GOOD.format(root=ROOT).replace(
         'grid = {',
         'techniques = { param_dtype = "bfloat16" }\ngrid = {')
-    exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
+    exp = load_checked(write(tmp_path, body), rootdir=ROOT)
     assert exp.pairs[0].regime == "paired"   # fp32 test: step-by-step comparison
     bf16 = exp.pairs[1]
     assert bf16.regime == "seed"
@@ -145,7 +171,7 @@ def test_values_that_would_break_later_fail_at_collection(
 
 def test_shipped_config_by_short_name_and_a_helpful_error(tmp_path: Path) -> None:
     body = GOOD.format(root=ROOT).replace(f'"{ROOT}/convergence/configs/debug.toml"', '"debug"')
-    exp = load_experiment(write(tmp_path, body), rootdir=tmp_path)
+    exp = load_checked(write(tmp_path, body), rootdir=tmp_path)
     assert exp.pairs[0].control.train_config.name == "debug.toml"
     err = error_for(tmp_path, body.replace('"debug"', '"debgu"'))
     assert "no shipped train config named 'debgu'" in str(err) and "'debug'" in str(err)
@@ -160,7 +186,7 @@ def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) 
     body = GOOD.format(root=ROOT).replace(f'"{ROOT}/convergence/configs/debug.toml"',
                                           '"configs/mine.toml"')
     (nested / "exp.toml").write_text(textwrap.dedent(body))
-    exp = load_experiment(nested / "exp.toml", rootdir=tmp_path)
+    exp = load_checked(nested / "exp.toml", rootdir=tmp_path)
     assert exp.pairs[0].control.train_config == (tmp_path / "configs" / "mine.toml").resolve()
 
 
@@ -176,7 +202,7 @@ def test_default_regime_is_paired_only_for_deterministic_fp32(
     body = GOOD.format(root=ROOT).replace(
         "parallelism = { dp_shard = 2, tp = 2 }\n",
         f"parallelism = {{ dp_shard = 2, tp = 2 }}\ntechniques = {techniques}\n", 1)
-    exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
+    exp = load_checked(write(tmp_path, body), rootdir=ROOT)
     assert exp.pairs[0].regime == regime
 
 
@@ -201,7 +227,7 @@ parallelism = {{ dp_shard = 2, tp = 2 }}
 def test_a_torchtitan_job_needs_no_train_config_file(tmp_path: Path) -> None:
     """torchtitan names its config by module + config; the cache key comes from those."""
     path = write(tmp_path, TORCHTITAN.format(overrides=""))
-    (pair,) = load_experiment(path, rootdir=tmp_path, max_tier="quick").pairs  # no preflight
+    (pair,) = load_checked(path, rootdir=tmp_path, max_tier="quick").pairs  # no preflight
     assert pair.test.backend == "torchtitan"
     assert "no train_config" in str(pair.test.train_config)
 
@@ -210,13 +236,13 @@ def test_overrides_as_a_torchtitan_option_string(tmp_path: Path) -> None:
     raw = ('overrides = "--training.seq_len=256 --compile.enable '
            '--lr_scheduler.warmup_steps 2 --job.description=\'a b\'"')
     path = write(tmp_path, TORCHTITAN.format(overrides=raw))
-    (pair,) = load_experiment(path, rootdir=tmp_path, max_tier="quick").pairs
+    (pair,) = load_checked(path, rootdir=tmp_path, max_tier="quick").pairs
     assert dict(pair.test.overrides) == {"training.seq_len": "256", "compile.enable": "true",
                                         "lr_scheduler.warmup_steps": "2",
                                         "job.description": "a b"}
     bad = write(tmp_path, TORCHTITAN.format(overrides='overrides = "training.steps=3"'))
     with pytest.raises(SpecError) as info:
-        load_experiment(bad, rootdir=tmp_path, max_tier="quick")
+        load_checked(bad, rootdir=tmp_path, max_tier="quick")
     assert info.value.key.endswith("overrides") and "--training.steps=10" in info.value.fix
 
 
@@ -233,14 +259,14 @@ def test_a_command_job_without_train_config_asks_for_its_own_config(tmp_path: Pa
         parallelism = { dp_shard = 2 }
         """)
     with pytest.raises(SpecError) as info:
-        load_experiment(path, rootdir=tmp_path)
+        load_checked(path, rootdir=tmp_path)
     assert "your trainer's config file" in info.value.fix and "debug" not in info.value.fix
 
 
 def test_an_unnamed_control_is_named_by_its_layout(tmp_path: Path) -> None:
     """A bare "control" read as "[control control]" in progress lines and reports."""
     body = GOOD.format(root=ROOT).replace('name = "fsdp2"\n', "", 1)
-    exp = load_experiment(write(tmp_path, body), rootdir=ROOT)
+    exp = load_checked(write(tmp_path, body), rootdir=ROOT)
     assert exp.pairs[0].control.name == "fsdp2"
     from convergence.spec.experiment import make_pair
 
@@ -273,7 +299,7 @@ def test_the_per_part_grad_norm_follows_the_grad_norm_unless_named(
     name = "t"
     parallelism = {{ dp_shard = 2, tp = 2 }}
     """
-    (pair,) = load_experiment(write(tmp_path, body), rootdir=ROOT).pairs
+    (pair,) = load_checked(write(tmp_path, body), rootdir=ROOT).pairs
     rule = next((r for r in pair.rules if r.metric == "grad_norm_parts"), None)
     if parts is None:
         assert rule is None

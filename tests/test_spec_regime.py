@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from convergence.spec.experiment import load_experiment
+from convergence.preflight import load_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ parallelism = {{ dp_shard = 2, tp = 2 }}
 def regime_of(tmp_path: Path, extra: str) -> str:
     path = tmp_path / "exp.toml"
     path.write_text(textwrap.dedent(BODY.format(root=ROOT, extra=extra)))
-    (pair,) = load_experiment(path, rootdir=ROOT).pairs
+    (pair,) = load_checked(path, rootdir=ROOT).pairs
     assert pair.rule_for("loss").method == pair.regime  # the default rules follow the regime
     return pair.regime
 
@@ -62,9 +62,9 @@ def test_an_explicit_regime_wins(tmp_path: Path) -> None:
 def test_data_rule_comes_first_and_only_with_the_same_seed(tmp_path: Path) -> None:
     path = tmp_path / "exp.toml"
     path.write_text(textwrap.dedent(BODY.format(root=ROOT, extra="")))
-    (pair,) = load_experiment(path, rootdir=ROOT).pairs
+    (pair,) = load_checked(path, rootdir=ROOT).pairs
     assert pair.rules[0].metric == "data_fingerprint" and pair.rules[0].gate
     other_seed = BODY.format(root=ROOT, extra='seed = 43\nregime = "seed"')
     path.write_text(textwrap.dedent(other_seed))
-    (pair,) = load_experiment(path, rootdir=ROOT).pairs
+    (pair,) = load_checked(path, rootdir=ROOT).pairs
     assert "data_fingerprint" not in [rule.metric for rule in pair.rules]

@@ -6,7 +6,7 @@ import numpy as np
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.registry import default_rules
+from convergence.spec.rules import default_rules
 from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.simulate import NoiseModel, simulate_run
 

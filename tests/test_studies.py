@@ -25,11 +25,11 @@ import pytest
 
 from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import Curve
-from convergence.outcome import SideOutcome
+from convergence.run.outcome import SideOutcome
 from convergence.report.sections import resources
 from convergence.report.data.records import step_time_s
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import load_experiment, make_pair
+from convergence.preflight import load_checked, make_checked_pair
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout
 from convergence.spec.toml_io import read_toml
@@ -40,7 +40,7 @@ CLUSTER_FILES = ("experiments/cluster/dp_vs_tp.toml", "experiments/cluster/zero_
 
 
 def _load(rel: str) -> Any:
-    return load_experiment(REPO / rel, rootdir=REPO)
+    return load_checked(REPO / rel, rootdir=REPO)
 
 
 # -- the experiment files ----------------------------------------------------------------------
@@ -86,7 +86,7 @@ def test_dp_vs_tp_with_the_same_accumulation_is_rejected() -> None:
     data = read_toml(path)
     test = dict(data["test"][0], techniques={"grad_accum_steps": 2})
     with pytest.raises(SpecError) as info:
-        make_pair(name=test["name"], control=data["control"], test=test,
+        make_checked_pair(name=test["name"], control=data["control"], test=test,
                   defaults=data["defaults"], source=str(path), rootdir=REPO, key="test[0]")
     err = info.value
     assert err.key == "test[0].local_batch_size" and err.file == str(path)

@@ -15,7 +15,7 @@ from typing import Any
 
 from catalogue import Case
 
-from convergence.spec.experiment import load_experiment
+from convergence.preflight import load_checked
 from convergence.spec.pair import PairSpec
 
 HERE = Path(__file__).resolve().parent
@@ -88,6 +88,6 @@ def build_pairs(cases: Iterable[Case], folder: Path, *, steps: int,
         path = folder / f"detection_seed{seed}_{precision}.toml"
         path.write_text(experiment_text(members, seed=seed, precision=precision, steps=steps,
                                         config=config))
-        for pair in load_experiment(path, rootdir=REPO).pairs:
+        for pair in load_checked(path, rootdir=REPO).pairs:
             pairs[pair.name] = pair
     return pairs

@@ -26,8 +26,8 @@ from _report import machine, write_section  # noqa: E402
 from catalogue import ALL, STEPS, Case  # noqa: E402
 from pairs import DEBUG_CONFIG, build_pairs  # noqa: E402
 
-from convergence.outcome import PairOutcome  # noqa: E402
-from convergence.runner import Runner, RunSettings  # noqa: E402
+from convergence.run.outcome import PairOutcome  # noqa: E402
+from convergence.run.runner import Runner, RunSettings  # noqa: E402
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """Reports: terminal matrix, report.json/.md/.html, PNG plots and JUnit properties.
 
-All of them are built from :class:`convergence.outcome.PairOutcome` alone (the documents from
+All of them are built from :class:`convergence.run.outcome.PairOutcome` alone (the documents from
 the report.json dict, so they can be rebuilt from saved outcomes). Three groups, each importing
 only the ones before it (and the shared helpers :mod:`.fmt`, :mod:`.files`, :mod:`.figure`,
 :mod:`.markup`):

@@ -5,7 +5,10 @@
     [[test]]     one pair per test: the new layout or technique, compared with the control
     [[sweep]]    a grid of tests: name template + base parallelism + grid of values
 
-Everything is checked here, before any job is launched.
+Everything the file itself can tell is checked here; what needs a backend (its preflight,
+tokens per step) or the devices is checked by convergence.preflight. Both run before any job
+is launched. This package is the bottom layer: it imports only the standard library, itself
+and ``convergence.configs`` (the shipped configs' names and paths; pathlib only).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
+from convergence.spec.rules import default_rules
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
 TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
@@ -50,15 +54,15 @@ class Experiment:
     """Path of the TOML file."""
     description: str = ""
     pairs: tuple[PairSpec, ...] = ()
+    keys: tuple[str, ...] = ()
+    """Where each pair is in the file (``test[0]``, ``sweep[0][tp2]``), for the preflight's
+    errors (convergence.preflight)."""
 
 
-def load_experiment(path: Path, *, rootdir: Path, max_tier: str | None = None) -> Experiment:
-    """Parse and validate an experiment file. Raises SpecError naming file, key and fix.
-
-    Pairs of a tier above ``max_tier`` are parsed (unknown keys are still errors) but their
-    backend preflight is skipped: they will not run, and a backend's preflight can be costly
-    (torchtitan's parser imports its models) or need an optional extra.
-    """
+def load_experiment(path: Path, *, rootdir: Path) -> Experiment:
+    """Parse an experiment file (keys, types, values). Raises SpecError naming file, key and
+    fix. The checks that need backends or devices are convergence.preflight's:
+    ``preflight.load_checked`` is this plus them, what a caller about to run pairs wants."""
     file = str(path)
     data = read_toml(path)
     check_keys(data, TOP_KEYS, file=file, path="")
@@ -79,6 +83,7 @@ def load_experiment(path: Path, *, rootdir: Path, max_tier: str | None = None) -
         raise SpecError("no [[test]] or [[sweep]] entries", file=file, key="test",
                         fix="add at least one [[test]] with the layout to verify")
     pairs: list[PairSpec] = []
+    keys: list[str] = []
     seen: set[str] = set()
     for key, test in tests:
         name = str(test.get("name", ""))
@@ -87,9 +92,10 @@ def load_experiment(path: Path, *, rootdir: Path, max_tier: str | None = None) -
                             fix="give every test a unique name")
         seen.add(name)
         pairs.append(make_pair(name=name, control=control, test=test, defaults=defaults,
-                               source=file, rootdir=rootdir, key=key, max_tier=max_tier))
+                               source=file, rootdir=rootdir, key=key))
+        keys.append(key)
     return Experiment(source=file, description=str(meta.get("description", "")),
-                      pairs=tuple(pairs))
+                      pairs=tuple(pairs), keys=tuple(keys))
 
 
 def _tests(data: Mapping[str, Any], file: str) -> list[tuple[str, dict[str, Any]]]:
@@ -299,8 +305,6 @@ def _scalar_text(value: Any) -> str:
 
 def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
            ) -> tuple[ComparisonRule, ...]:
-    from convergence.stats.registry import default_rules
-
     rules = {r.metric: r for r in default_rules(regime)}
     for metric, spec in compare.items():
         path = f"{key}.compare.{metric}"
@@ -338,8 +342,9 @@ FOLLOWS: dict[str, str] = {"grad_norm_parts": "grad_norm"}
 def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
               test: Mapping[str, Any] | JobSpec, defaults: Mapping[str, Any] | None = None,
               compare: Mapping[str, Any] | None = None, source: str = "<python>",
-              rootdir: Path, key: str = "test", max_tier: str | None = None) -> PairSpec:
-    """Build a PairSpec from experiment-file tables (or ready JobSpecs): the Python API."""
+              rootdir: Path, key: str = "test") -> PairSpec:
+    """Build a PairSpec from experiment-file tables (or ready JobSpecs): the Python API.
+    Parsed, not preflighted: see convergence.preflight (``make_checked_pair``)."""
     defaults = dict(defaults or {})
     file = source
     test_table = dict(test) if isinstance(test, Mapping) else {}
@@ -390,8 +395,6 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         probe_always=probe == "always",
         golden=pair_conf.get("golden"),
     )
-    if max_tier is None or TIERS.index(tier) <= TIERS.index(max_tier):
-        check_pair(pair, key=key)
     return pair
 
 
@@ -423,73 +426,3 @@ def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: 
     data = [rule for rule in rules if rule.metric == "data_fingerprint"]
     rest = tuple(rule for rule in rules if rule.metric != "data_fingerprint")
     return (*data, *rest) if control.seed == test.seed else rest
-
-
-def check_pair(pair: PairSpec, *, key: str = "test") -> None:
-    """Invariants of a pair that need no devices: same data, same tokens per step, valid jobs."""
-    from convergence.backends import get_backend
-
-    file = pair.source
-    control, test = pair.control, pair.test
-    for side_key, job in (("control", control), (key, test)):
-        backend = get_backend(job.backend)
-        try:
-            backend.preflight(job)
-        except SpecError as exc:
-            # Name the experiment file (what the user edits); a check made on the effective
-            # train config says so and points at it too.
-            if exc.file and exc.file != file:
-                raise SpecError(f"[{side_key} {job.name!r}] {exc.detail} (checked on the "
-                                f"effective train config {exc.file}, key '{exc.key}')",
-                                file=file, key=f"{side_key}.{exc.key}" if exc.key else side_key,
-                                fix=exc.fix) from None
-            key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
-            raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
-                            file=exc.file or file, key=key_path, fix=exc.fix) from None
-    if pair.regime == "paired" and control.seed != test.seed:
-        raise SpecError("paired comparison needs the same seed (same seed checkpoint and data)",
-                        file=file, key=f"{key}.seed",
-                        fix='use the same seed on both sides, or regime = "seed"')
-    if control.backend == test.backend:
-        backend = get_backend(control.backend)
-        ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
-        if ctrl_tokens != test_tokens:
-            raise SpecError(
-                f"tokens per optimizer step differ: control {ctrl_tokens} vs test {test_tokens} "
-                "(local batch x DP x grad accumulation x seq_len)", file=file,
-                key=f"{key}.local_batch_size",
-                fix=_batch_fix(control, test, ctrl_tokens, test_tokens))
-
-
-def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
-    from convergence.backends.builtin import BuiltinBackend
-
-    if test.backend != "builtin":
-        return "make local batch x DP x grad accumulation equal on both sides"
-    cfg = BuiltinBackend().effective_config(test)
-    per_sample = test.layout.dp * cfg.training.grad_accum_steps * cfg.data.seq_len
-    if ctrl_tokens % per_sample == 0:
-        return (f"set local_batch_size = {ctrl_tokens // per_sample} on the test "
-                f"(its DP degree is {test.layout.dp}, grad accumulation "
-                f"{cfg.training.grad_accum_steps})")
-    return ("change the test's local_batch_size or techniques.grad_accum_steps so that "
-            "local batch x DP x grad accumulation matches the control")
-
-
-def validate_devices(pair: PairSpec, *, available_devices: int | None) -> None:
-    """World size vs. the devices this session may use."""
-    if available_devices is None:
-        return
-    for side, job in (("control", pair.control), ("test", pair.test)):
-        if job.world_size > available_devices:
-            raise SpecError(
-                f"{side} {job.name!r} needs {job.world_size} devices "
-                f"({job.layout.short_name()}), only {available_devices} available",
-                file=pair.source, key=f"{side}.parallelism",
-                fix="lower the degrees, or raise --convergence-devices (CPU slots may "
-                    "oversubscribe cores)")
-
-
-def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:
-    check_pair(pair)
-    validate_devices(pair, available_devices=available_devices)

@@ -1,11 +1,12 @@
-"""Which comparison implements a method, the default rules per regime, and comparing a run."""
+"""Which comparison implements a method, and comparing a run (the default rules per regime are
+pure data in convergence.spec.rules)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from convergence.metrics.curve import Curve, RunMetrics
-from convergence.spec.pair import METHODS, REGIMES, ComparisonRule
+from convergence.spec.pair import METHODS, ComparisonRule
 from convergence.stats.allclose import AllClose
 from convergence.stats.exact import Exact
 from convergence.stats.fingerprint import METRIC as FINGERPRINT
@@ -18,17 +19,6 @@ from convergence.stats.types import Comparison, MetricVerdict
 _COMPARISONS: dict[str, Comparison] = {
     c.method: c for c in (Exact(), AllClose(), PairedBand(), SeedBand(), Regression())
 }
-#: Performance metrics: compared one-sided and reported, not gating, by default.
-PERFORMANCE_RULES: tuple[ComparisonRule, ...] = (
-    ComparisonRule(metric="tokens_per_s", method="regression", gate=False),
-    ComparisonRule(metric="peak_mem_mib", method="regression", gate=False),
-)
-
-
-#: The data each step read, compared exactly and first: a data bug is named as one before any
-#: numerics (stats/fingerprint.py). The pair builder moves it first (so its verdict is the
-#: first line of a failure) and drops it when the seeds (= sample orders) differ.
-DATA_RULE = ComparisonRule(metric=FINGERPRINT, method="exact", gate=True)
 
 
 def get_comparison(method: str) -> Comparison:
@@ -42,19 +32,6 @@ def get_comparison(method: str) -> Comparison:
 #: Metrics that some backends do not log: when neither side has one, it is reported as not
 #: logged (passed, not gating) instead of missing. The built-in trainer logs both.
 OPTIONAL_METRICS: frozenset[str] = frozenset({FINGERPRINT, "grad_norm_parts"})
-
-
-def default_rules(regime: str) -> tuple[ComparisonRule, ...]:
-    """Loss and grad norm judged by the regime's method (a wrongly scaled gradient can leave
-    an Adam loss almost unchanged but doubles the grad norm), the per-part grad norm (a bug in
-    one kind of weight -- queries and keys under a position bug -- hides in the total), the
-    data fingerprint, plus throughput and memory."""
-    if regime not in REGIMES:
-        raise ValueError(f"unknown regime {regime!r}; use one of {', '.join(REGIMES)}")
-    return (ComparisonRule(metric="loss", method=regime),
-            ComparisonRule(metric="grad_norm", method=regime),
-            ComparisonRule(metric="grad_norm_parts", method=regime),
-            DATA_RULE) + PERFORMANCE_RULES
 
 
 def compare_all(rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics],

@@ -11,7 +11,7 @@ Why replay rather than a checkpoint of step K-1: the step to probe (the first di
 only known after the run, so a checkpoint would have to be saved at every step; runs are
 deterministic (same seed checkpoint, same samples, deterministic kernels), so K-1 steps of the
 same loop rebuild that state exactly -- the replayed steps' metrics (metrics.jsonl beside
-probe.json) equal the run's, which convergence.probe_run checks -- for the cost of K steps.
+probe.json) equal the run's, which convergence.run.probe checks -- for the cost of K steps.
 
     {"version": 1, "step": 1, "param_dtype": "float32", "layout": {...},
      "loss": 5.54, "dp_losses": [5.55, 5.53],                  # per data-parallel rank

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convergence.metrics.curve import Curve
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, SideOutcome
 
 #: One row of a divergence table: (step, control, test, test - control); None where missing.
 DivergenceRow = tuple[int, float | None, float | None, float | None]

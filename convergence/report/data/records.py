@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.report.data.curves import (
     divergence_table,
     max_abs_delta,

@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from convergence.outcome import PAIR_STATUSES, PairOutcome
+from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.report.data.jsonable import NON_FINITE, jsonable
 from convergence.report.data.records import pair_record, relative_plot
 from convergence.spec.layout import AXES

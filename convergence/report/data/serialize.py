@@ -15,7 +15,7 @@ import numpy as np
 
 from convergence.launch.types import FailureInfo, JobResult
 from convergence.metrics.curve import Curve, RunMetrics
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.report.data.jsonable import jsonable, read_float, read_opt_float
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.outcome import PairOutcome
-from convergence.probe_compare import summary_items
+from convergence.run.outcome import PairOutcome
 from convergence.report.data.curves import divergence_table
 from convergence.report.fmt import fmt_delta, fmt_float, fmt_value, verdict_state
 from convergence.report.formats.plots import PLOT_DIR, plot_names
@@ -129,6 +128,8 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
         lines.extend(_table(outcome, failing[0].metric))
     if outcome.localisation:
         # One-line entries here; the per-module tables are in the report.
+        from convergence.run.probe_compare import summary_items
+
         lines.append(f"localisation (numerics probe): {failure_line(outcome.localisation)}")
         lines.extend(f"  {k}: {v}" for k, v in summary_items(outcome.localisation))
     lines.extend(_paths(outcome))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.data.records import first_divergent_step, techniques_changed
 from convergence.report.fmt import describe_test, fmt_num
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from convergence.outcome import PairOutcome
+from convergence.run.outcome import PairOutcome
 from convergence.report.data.schema import build_report
 from convergence.report.files import atomic_write
 from convergence.report.formats.html import render_html

@@ -2,7 +2,7 @@
 message's line, and the per-module / per-parameter tables of report.md ("## Numerics probe",
 after the failures) and report.html (inside each probed pair's section).
 
-See convergence.probe_compare for the dict's shape.
+See convergence.run.probe_compare for the dict's shape.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 When a paired pair fails (or always, for pairs with ``probe = "always"``), each side runs once
 more in probe mode -- same launcher, same device pool, same seed checkpoint, the run cache, overrides
 ``--probe.enable=true --probe.step=S`` -- and the two probe.json files are compared
-(convergence.probe_compare). The result becomes ``PairOutcome.localisation``.
+(convergence.run.probe_compare). The result becomes ``PairOutcome.localisation``.
 
 Two steps are probed, the second only when needed:
 1. step 1, from the seed weights: a wrong parallel plan shows here, for the cost of one step;
@@ -22,18 +22,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from convergence.launch.types import JobResult, LaunchRequest
+from convergence.backends import get_backend
+from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_jsonl
+from convergence.run.probe_compare import compare_probe_files
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
 
-LaunchFn = Callable[[LaunchRequest, int], JobResult]
-SeedFn = Callable[[JobSpec, Any], "Path | None"]
+if TYPE_CHECKING:  # typing only: runner.py imports this module, so no runtime import back
+    from convergence.run.runner import Runner
 
 
 def wants_probe(pair: PairSpec, status: str) -> bool:
@@ -57,21 +60,19 @@ def first_divergent_step(verdicts: Sequence[MetricVerdict]) -> int | None:
     return min(steps) if steps else None
 
 
-def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, launch: LaunchFn,
-                  seed_checkpoint: SeedFn, wall_limit_s: float, step: int = 1) -> Path:
-    """Run ``job`` in probe mode; returns its probe.json (raises RuntimeError on failure)."""
-    from convergence.backends.builtin import BuiltinBackend
-    from convergence.trainer.probe import PROBE_FILE
+def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, runner: Runner,
+                  step: int = 1) -> Path:
+    """Run ``job`` in probe mode through ``runner`` (its launcher, device pool and seed
+    checkpoints); returns its probe.json (raises RuntimeError on failure)."""
+    from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
 
     backend = BuiltinBackend()
-    seed_dir = seed_checkpoint(job, backend)
+    seed_dir = runner.seed_checkpoint(job, backend)
     dump = probe_dir / side / "dump"
-    request = LaunchRequest(
-        name=f"{job.name} probe", nproc=job.world_size,
-        entry=[*backend.train_entry(job, dump, seed_dir), *probe_overrides(step)],
-        log_dir=probe_dir / side / "logs", wall_limit_s=wall_limit_s,
-        idle_limit_s=wall_limit_s, cwd=Path.cwd())
-    result = launch(request, job.world_size)
+    request = runner.launch_request(
+        f"{job.name} probe", [*backend.train_entry(job, dump, seed_dir), *probe_overrides(step)],
+        nproc=job.world_size, log_dir=probe_dir / side / "logs", watch_idle=False)
+    result = runner.launch(request, job.world_size)
     if not result.ok:
         what = result.failure.message if result.failure else f"status {result.status}"
         raise RuntimeError(f"{side} probe job {job.name!r} {what} (logs: {result.log_dir})")
@@ -81,40 +82,34 @@ def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, launch: LaunchFn,
     return path
 
 
-def cached_probe(runner: Any, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
+def cached_probe(runner: Runner, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
     """probe.json of ``job``, from the run cache when this job was probed before.
 
-    ``runner`` is the :class:`convergence.runner.Runner` (its cache, launcher, pool and seed
-    checkpoints). The key extends the job's run-cache key, so a control shared by many pairs
-    is probed once, and ``--refresh`` reprobes once per session as it reruns jobs.
+    The key extends the job's run-cache key, so a control shared by many pairs is probed
+    once, and ``--refresh`` reprobes once per session as it reruns jobs.
     """
-    from convergence.backends import get_backend
-    from convergence.trainer.probe import PROBE_FILE
+    from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
 
     backend = get_backend(job.backend)
-    job_key = runner._job_key(job, backend, runner.seed_checkpoint(job, backend))
+    job_key = runner.job_key(job, backend, runner.seed_checkpoint(job, backend))
     key = hashlib.sha256(json.dumps({"probe_step": step, "job": job_key}).encode()).hexdigest()
-    with runner.cache.claim(key) as claim:
-        if claim.path is not None and runner._reusable(claim.path):
-            cached: Path = claim.path / "dump" / PROBE_FILE
-            if cached.is_file():
-                return cached
-        path = run_probe_job(side, job, probe_dir, launch=runner._launch,
-                             seed_checkpoint=runner.seed_checkpoint,
-                             wall_limit_s=runner.settings.wall_limit_s, step=step)
+
+    def produce() -> Path:
+        path = run_probe_job(side, job, probe_dir, runner=runner, step=step)
         side_dir = path.parent.parent
         (side_dir / "job.json").write_text(json.dumps(
             {"job": job.identity(), "name": job.name, "probe_step": step,
              "session": runner.settings.session_id}, default=str))
-        entry: Path = claim.commit(side_dir)
-        return entry / "dump" / PROBE_FILE
+        return side_dir
+
+    return runner.cached_run(key, produce,
+                             usable=lambda path: (path / "dump" / PROBE_FILE).is_file(),
+                             read=lambda entry, cached: entry / "dump" / PROBE_FILE)
 
 
-def _probe_step(pair: PairSpec, pair_dir: Path, runner: Any,
+def _probe_step(pair: PairSpec, pair_dir: Path, runner: Runner,
                 step: int) -> tuple[dict[str, Any], list[Path]]:
     """Probe both sides (cached) at ``step`` and compare; errors in the dict, never raised."""
-    from convergence.probe_compare import compare_probe_files
-
     probe_dir = pair_dir / "probe" / f"step{step}"
     try:
         paths = [cached_probe(runner, side, job, probe_dir, step)
@@ -138,8 +133,6 @@ def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
 
     The probe job's metrics.jsonl (beside probe.json) holds the replayed steps; None when
     there is nothing to compare (e.g. log_freq skipped them all)."""
-    from convergence.metrics.jsonl import read_jsonl
-
     worst: float | None = None
     for path, run in zip(probe_files, runs):
         replay, original = read_jsonl(path.parent / "metrics.jsonl").get("loss"), run.get("loss")
@@ -153,7 +146,7 @@ def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
     return worst
 
 
-def localise(pair: PairSpec, pair_dir: Path, *, runner: Any,
+def localise(pair: PairSpec, pair_dir: Path, *, runner: Runner,
              divergent_step: int | None = None,
              runs: Sequence[RunMetrics] = ()) -> dict[str, Any]:
     """Probe at step 1; when all agrees there, at ``divergent_step`` (see the module doc).

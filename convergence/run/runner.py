@@ -2,7 +2,13 @@
 
     PairSpec -> jobs -> cache lookup -> launcher -> metrics -> verdicts -> PairOutcome
 
-Nothing here knows about pytest; the plugin and the CLI both call :func:`run_pair`.
+Nothing here knows about pytest. The plugin and the CLI hold one Runner per session
+(:class:`convergence.run.session.SessionRunner`) and call :meth:`Runner.run_pair` for each pair.
+
+The seam other modules use (the numerics probe, ``convergence ab``) is public and typed:
+:meth:`Runner.launch_request` (the one place a LaunchRequest is built), :meth:`Runner.launch`
+(leases devices from the pool), :meth:`Runner.seed_checkpoint`, :meth:`Runner.job_key` and
+:meth:`Runner.cached_run` (claim a run-cache key; reuse its entry or produce and commit one).
 """
 
 from __future__ import annotations
@@ -18,19 +24,28 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from convergence.backends import Backend, get_backend
-from convergence.cache.store import CacheError
-from convergence.launch.types import JobResult, LaunchRequest, Launcher, Progress
+from convergence.cache.key import cache_key, code_version, hardware_fingerprint
+from convergence.cache.store import CacheError, RunCache
+from convergence.launch.pool import DevicePool, detect_devices
+from convergence.launch.slurm import SlurmLauncher
+from convergence.launch.torchrun import LocalLauncher
+from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
 from convergence.metrics.curve import RunMetrics
-from convergence.outcome import PairOutcome, SideOutcome
+from convergence.metrics.reader import read_run
+from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.stats.health import control_problem
+from convergence.stats.provenance import with_golden_note
 from convergence.stats.types import MetricVerdict
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,26 +125,77 @@ def _hash(data: Any) -> str:
 
 
 class Runner:
-    """Holds the session's launcher, device pool and cache; runs pairs one at a time."""
+    """Holds the session's launcher, device pool and cache; runs pairs one at a time.
+
+    Building one costs device detection (imports torch), a sweep of the cache's temporary
+    folders and, under Slurm, ``scontrol``: build it once per session (per process: each xdist
+    worker has its own) and reuse it for every pair.
+    """
 
     def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
-        from convergence.cache.store import RunCache
-        from convergence.launch.pool import DevicePool, detect_devices
-
         self.settings = settings
         settings.work_dir.mkdir(parents=True, exist_ok=True)
         self.cache = RunCache(settings.cache_root)
         device_set = detect_devices(settings.devices)
         self.pool = DevicePool(settings.work_dir / "pool", device_set.devices, device_set.kind)
         self.launcher = launcher or _make_launcher(settings.launcher)
+        self._on_progress = settings.on_progress
 
-    # -- jobs ---------------------------------------------------------------------------
-    def _launch(self, request: LaunchRequest, world_size: int,
-                on_metrics: Callable[[dict[str, float]], bool] | None = None) -> JobResult:
+    # -- the seam for cached runs (public: used by convergence.run.probe and ab) ---------
+    def launch_request(self, name: str, entry: Sequence[str], *, nproc: int, log_dir: Path,
+                       watch_idle: bool = True, in_job_context: bool = False,
+                       metrics_path: Path | None = None, stop_file: Path | None = None,
+                       total_steps: int | None = None, direct: bool = False) -> LaunchRequest:
+        """The one place a LaunchRequest is built from the session's settings.
+
+        ``watch_idle`` False: the idle limit is the wall limit (a seed checkpoint or a probe
+        logs no steps to watch). ``in_job_context``: run in ``settings.job_cwd`` with
+        ``settings.job_env`` (``convergence ab``'s worktree); training jobs do, the seed
+        checkpoint and the probe run in the current directory, as they always have.
+        """
+        limits = self.settings
+        return LaunchRequest(
+            name=name, entry=entry, nproc=nproc, log_dir=log_dir,
+            metrics_path=metrics_path, stop_file=stop_file, total_steps=total_steps,
+            wall_limit_s=limits.wall_limit_s,
+            idle_limit_s=limits.idle_limit_s if watch_idle else limits.wall_limit_s,
+            cwd=(limits.job_cwd or Path.cwd()) if in_job_context else Path.cwd(),
+            env=dict(limits.job_env) if in_job_context else {}, direct=direct)
+
+    def launch(self, request: LaunchRequest, world_size: int,
+               on_metrics: Callable[[dict[str, float]], bool] | None = None) -> JobResult:
+        """Launch on ``world_size`` devices leased from the session's pool (waits for them)."""
         with self.pool.lease(world_size, timeout=self.settings.wall_limit_s) as lease:
             request = dataclasses.replace(request, env={**request.env, **lease.env})
             return self.launcher.launch(request, on_metrics=on_metrics,
-                                        on_progress=self.settings.on_progress)
+                                        on_progress=self._on_progress)
+
+    def job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
+        """The run-cache key of ``job`` (identity, config text, code, torch, hardware, hook
+        source, seed checkpoint): what makes a cached run trustworthy as this job's."""
+        import torch  # lazy: seconds to import; only a session that runs a job needs it
+
+        identity = dict(job.identity())
+        identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
+        identity["hook_source"] = _hook_source_hash(job.hook)
+        return cache_key(identity, train_config_text=backend.config_text(job),
+                         backend_version=backend.version(), code_version=code_version(),
+                         torch_version=str(torch.__version__), hardware=hardware_fingerprint())
+
+    def cached_run(self, key: str, produce: Callable[[], Path], *,
+                   usable: Callable[[Path], bool], read: Callable[[Path, bool], T]) -> T:
+        """``read(entry, cached)`` of the cache entry for ``key``: the stored one when
+        ``usable`` accepts it (and, with --refresh, this session made it), else
+        ``produce()``'s folder, committed. The key stays claimed until ``read`` returns, so
+        runs sharing it (xdist workers, pairs) produce it once and no one replaces an entry
+        that is being read."""
+        with self.cache.claim(key) as claim:
+            if claim.path is not None and usable(claim.path) and self._reusable(claim.path):
+                return read(claim.path, True)
+            entry: Path = claim.commit(produce())
+            return read(entry, False)
+
+    # -- jobs ---------------------------------------------------------------------------
 
     def seed_checkpoint(self, job: JobSpec, backend: Backend) -> Path | None:
         """Create the seed checkpoint once (one process), shared by every layout and pair."""
@@ -143,12 +209,10 @@ class Runner:
             build = self.settings.work_dir / "tmp" / f"{key}-{os.getpid()}"
             shutil.rmtree(build, ignore_errors=True)
             seed_dir = build / "seed"
-            request = LaunchRequest(
-                name=f"seed-checkpoint {job.name}", entry=backend.seed_entry(job, seed_dir),
-                nproc=1, log_dir=build / "logs", direct=True,
-                wall_limit_s=self.settings.wall_limit_s, idle_limit_s=self.settings.wall_limit_s,
-                cwd=Path.cwd())
-            result = self.launcher.launch(request)
+            request = self.launch_request(
+                f"seed-checkpoint {job.name}", backend.seed_entry(job, seed_dir), nproc=1,
+                log_dir=build / "logs", direct=True, watch_idle=False)
+            result = self.launcher.launch(request)  # one process: no lease from the pool
             if not result.ok:
                 raise JobFailed("seed-checkpoint", job, result)
             entry = claim.commit(build)
@@ -160,16 +224,20 @@ class Runner:
                 on_metrics: Callable[[dict[str, float]], bool] | None = None) -> SideOutcome:
         backend = get_backend(job.backend)
         seed_dir = self.seed_checkpoint(job, backend)
-        key = self._job_key(job, backend, seed_dir)
+        key = self.job_key(job, backend, seed_dir)
         if cacheable:
-            with self.cache.claim(key) as claim:
-                if (claim.path is not None and self._complete(claim.path, job, backend)
-                        and self._reusable(claim.path)):
-                    return self._side_from_dir(job, backend, claim.path, cached=True)
+            fresh: list[JobResult] = []
+
+            def produce() -> Path:
                 run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir,
                                                   key, on_metrics)
-                entry = claim.commit(run_dir)
-            return self._side_from_dir(job, backend, entry, cached=False, result=result)
+                fresh.append(result)
+                return run_dir
+
+            return self.cached_run(
+                key, produce, usable=lambda path: self._complete(path, job, backend),
+                read=lambda entry, cached: self._side_from_dir(
+                    job, backend, entry, cached=cached, result=fresh[0] if fresh else None))
         run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir, key, on_metrics)
         return self._side_from_dir(job, backend, run_dir, cached=False, result=result)
 
@@ -197,14 +265,12 @@ class Runner:
         run_dir = pair_dir / f"{side}-{_slug(job.name)}-{key[:10]}"
         shutil.rmtree(run_dir, ignore_errors=True)
         dump = run_dir / "dump"
-        request = LaunchRequest(
-            name=f"{job.name} {side}", entry=backend.train_entry(job, dump, seed_dir),
-            nproc=job.world_size, log_dir=run_dir / "logs",
+        request = self.launch_request(
+            f"{job.name} {side}", backend.train_entry(job, dump, seed_dir),
+            nproc=job.world_size, log_dir=run_dir / "logs", in_job_context=True,
             metrics_path=backend.metrics_path(job, dump), stop_file=dump / "STOP",
-            wall_limit_s=self.settings.wall_limit_s, idle_limit_s=self.settings.idle_limit_s,
-            total_steps=job.steps, cwd=self.settings.job_cwd or Path.cwd(),
-            env=dict(self.settings.job_env), direct=backend.launches_itself(job))
-        result = self._launch(request, job.world_size, on_metrics)
+            total_steps=job.steps, direct=backend.launches_itself(job))
+        result = self.launch(request, job.world_size, on_metrics)
         (run_dir / "job.json").write_text(json.dumps(
             {"job": job.identity(), "name": job.name, "status": result.status,
              "wall_s": result.wall_s, "key": key, "session": self.settings.session_id,
@@ -224,19 +290,23 @@ class Runner:
                            cached=cached, run_dir=run_dir, wall_s=wall,
                            meta=backend.read_meta(job, dump))
 
-    def _job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
-        from convergence.cache.key import cache_key, code_version, hardware_fingerprint
-        import torch
-
-        identity = dict(job.identity())
-        identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
-        identity["hook_source"] = _hook_source_hash(job.hook)
-        return cache_key(identity, train_config_text=backend.config_text(job),
-                         backend_version=backend.version(), code_version=code_version(),
-                         torch_version=str(torch.__version__), hardware=hardware_fingerprint())
-
     # -- pairs --------------------------------------------------------------------------
-    def run_pair(self, pair: PairSpec) -> PairOutcome:
+    def run_pair(self, pair: PairSpec, *,
+                 on_progress: Callable[[Progress], None] | None = None) -> PairOutcome:
+        """Run ``pair`` and judge it. A job failure becomes status "error", never raised.
+
+        ``on_progress``: where this pair's progress goes (default ``settings.on_progress``);
+        the plugin gives each test item its own printer while the Runner lives on.
+        """
+        self._on_progress = on_progress or self.settings.on_progress
+        try:
+            return self._run_pair(pair)
+        finally:
+            self._on_progress = self.settings.on_progress
+
+    def _run_pair(self, pair: PairSpec) -> PairOutcome:
+        # Lazy: the comparisons import scipy (seconds); the plugin imports this module at
+        # startup for RunSettings, and a session without convergence items must not pay.
         from convergence.stats.registry import compare_all
         from convergence.stats.sequential import SequentialMonitor
 
@@ -277,8 +347,6 @@ class Runner:
             control_runs = [{m: c.upto(stopped) for m, c in run.items()} for run in control_runs]
         verdicts = compare_all(pair.rules, control_runs, test.metrics)
         if pair.golden:  # a golden recorded with another torch/GPU says so in the verdict
-            from convergence.stats.provenance import with_golden_note
-
             verdicts = with_golden_note(Path(pair.golden), verdicts, test.meta)
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
@@ -292,14 +360,12 @@ class Runner:
                            verdicts=tuple(verdicts), stopped_early_at=stopped,
                            wall_s=time.monotonic() - started)
 
-    # -- numerics probe (failure localisation; see convergence.probe_run) ----------------
+    # -- numerics probe (failure localisation; see convergence.run.probe) ----------------
     def _localise(self, pair: PairSpec, status: str, pair_dir: Path,
                   verdicts: Sequence[MetricVerdict],
                   runs: Sequence[RunMetrics]) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing."""
-        from convergence.probe_run import first_divergent_step, localise, wants_probe
-
         if not wants_probe(pair, status):
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
@@ -309,8 +375,6 @@ class Runner:
 
     def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
         if pair.golden:
-            from convergence.metrics.reader import read_run
-
             golden = read_run(Path(pair.golden), key="golden")
             return [SideOutcome(job=pair.control, metrics=golden, cached=True,
                                 run_dir=Path(pair.golden).parent)]
@@ -328,8 +392,6 @@ class Runner:
 
 def _control_problem(control: SideOutcome) -> str | None:
     """A control that did not learn or undercut the entropy floor is no reference (stats.health)."""
-    from convergence.stats.health import control_problem
-
     floor = (control.meta or {}).get("entropy_floor")
     problem = control_problem(control.metrics.get("loss"),
                               float(floor) if isinstance(floor, (int, float)) else None)
@@ -392,21 +454,8 @@ def _hook_source_hash(hook: str | None) -> str | None:
 
 def _make_launcher(name: str) -> Launcher:
     if name == "local":
-        from convergence.launch.torchrun import LocalLauncher
-
         return LocalLauncher()
     if name == "slurm":
-        from convergence.launch.slurm import SlurmLauncher
-
         return SlurmLauncher()
     raise SpecError(f"unknown launcher {name!r}", key="--convergence-launcher",
                     fix="use local or slurm")
-
-
-def run_pair(pair: PairSpec, settings: RunSettings) -> PairOutcome:
-    """Run ``pair`` and judge it. Never raises for a job failure: it becomes status "error"."""
-    try:
-        runner = Runner(settings)
-    except CacheError as exc:  # e.g. a file where the cache needs a folder: say so, per pair
-        return PairOutcome(pair=pair, status="error", control=None, test=None, error=str(exc))
-    return runner.run_pair(pair)

@@ -1,0 +1,44 @@
+"""One Runner per session (a pytest process -- controller or xdist worker -- or a CLI run).
+
+The Runner holds what is costly to set up and right to share: device detection (imports
+torch), the device pool, the run cache (its constructor sweeps stale temporary folders) and
+the launcher (under Slurm, ``scontrol`` reads the allocation). It is built at the first pair,
+not before: a pytest session with no convergence items never pays for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from convergence.cache.store import CacheError
+from convergence.launch.types import Launcher, Progress
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import Runner, RunSettings
+from convergence.spec.pair import PairSpec
+
+
+class SessionRunner:
+    """Runs every pair of a session through one lazily built :class:`Runner`."""
+
+    def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
+        self.settings = settings
+        self._launcher = launcher
+        self._runner: Runner | None = None
+
+    def runner(self) -> Runner:
+        """The session's Runner, built on first use (raises CacheError when the cache cannot
+        be opened; the next call tries again)."""
+        if self._runner is None:
+            self._runner = Runner(self.settings, launcher=self._launcher)
+        return self._runner
+
+    def run_pair(self, pair: PairSpec, *,
+                 on_progress: Callable[[Progress], None] | None = None) -> PairOutcome:
+        """Run and judge ``pair``. Never raises for a job failure: it becomes status "error";
+        so does a cache that cannot be opened (e.g. a file where it needs a folder), per pair
+        as before the Runner was shared."""
+        try:
+            runner = self.runner()
+        except CacheError as exc:
+            return PairOutcome(pair=pair, status="error", control=None, test=None, error=str(exc))
+        return runner.run_pair(pair, on_progress=on_progress)

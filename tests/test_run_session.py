@@ -1,0 +1,112 @@
+"""One Runner per session: ``SessionRunner`` builds it at the first pair and reuses it (device
+pool, run cache, launcher) for every later pair; each pair's progress goes to its own sink; a
+cache that cannot be opened is an error outcome per pair, as it was when each pair built its
+own Runner. A fake launcher writes the curves, so no process is started."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from convergence.launch.types import JobResult, LaunchRequest, Progress
+from convergence.preflight import load_checked
+from convergence.run import session as session_module
+from convergence.run.runner import Runner, RunSettings
+from convergence.run.session import SessionRunner
+from convergence.spec.pair import PairSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+
+
+class FakeLauncher:
+    """Writes a falling loss curve where the backend reads it; remembers each request."""
+
+    def __init__(self) -> None:
+        self.requests: list[LaunchRequest] = []
+
+    def launch(self, request: LaunchRequest, *,
+               on_metrics: Callable[[dict[str, float]], bool] | None = None,
+               on_progress: Callable[[Progress], None] | None = None) -> JobResult:
+        self.requests.append(request)
+        assert request.metrics_path is not None
+        request.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with request.metrics_path.open("w") as log:
+            for step in range(1, STEPS + 1):
+                log.write(json.dumps({"step": step, "train_loss": 4.0 / step,
+                                      "gnorm": 1.0 / step}) + "\n")
+        if on_progress is not None:
+            on_progress(Progress(name=request.name, step=STEPS, total_steps=STEPS, loss=1.0,
+                                 elapsed_s=0.1))
+        return JobResult(name=request.name, status="ok", returncode=0, wall_s=0.1,
+                         log_dir=request.log_dir, metrics_path=request.metrics_path)
+
+
+def _pairs(folder: Path) -> list[PairSpec]:
+    path = folder / "cmd.toml"
+    path.write_text(textwrap.dedent(f"""
+        [defaults]
+        train_config = "{ROOT}/convergence/configs/debug.toml"
+        steps = {STEPS}
+        backend = "command"
+        compare = {{ data_fingerprint = "off", grad_norm_parts = "off" }}
+
+        [defaults.backend_options]
+        command = "true {{dump_dir}}"
+        metrics_file = "log.jsonl"
+        keys = {{ loss = "train_loss", grad_norm = "gnorm" }}
+
+        [control]
+        name = "ddp1"
+
+        [[test]]
+        name = "a"
+        early_stop = false
+
+        [[test]]
+        name = "b"
+        early_stop = false
+    """))
+    return list(load_checked(path, rootdir=ROOT).pairs)
+
+
+def test_one_runner_serves_every_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[Runner] = []
+
+    class CountingRunner(Runner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(session_module, "Runner", CountingRunner)
+    launcher = FakeLauncher()
+    runs = SessionRunner(RunSettings(work_dir=tmp_path / "work", devices=1), launcher=launcher)
+    assert not built  # nothing is set up before the first pair
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+    outcomes = [runs.run_pair(pair, on_progress=lambda p, n=pair.test.name: seen[n].append(p.name))
+                for pair in _pairs(tmp_path)]
+    assert [o.status for o in outcomes] == ["passed", "passed"], [o.error for o in outcomes]
+    assert len(built) == 1 and runs.runner() is built[0]
+    # The control ran once (the second pair took it from the cache); each test ran once, and
+    # each pair's progress reached its own sink only.
+    assert [r.name for r in launcher.requests] == ["ddp1 control", "a test", "b test"]
+    assert outcomes[1].control is not None and outcomes[1].control.cached
+    assert seen == {"a": ["ddp1 control", "a test"], "b": ["b test"]}
+    assert built[0].settings.on_progress is None
+
+
+def test_a_cache_that_cannot_open_is_an_error_per_pair(tmp_path: Path) -> None:
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache needs a folder")
+    runs = SessionRunner(RunSettings(work_dir=tmp_path / "work", cache_dir=blocker, devices=1),
+                         launcher=FakeLauncher())
+    pairs = _pairs(tmp_path)
+    first = runs.run_pair(pairs[0])
+    assert first.status == "error" and first.error and "is a file" in first.error
+    blocker.unlink()  # fixed between pairs: the next pair builds the Runner
+    assert runs.run_pair(pairs[1]).status == "passed"
