@@ -110,3 +110,20 @@ def test_a_cache_that_cannot_open_is_an_error_per_pair(tmp_path: Path) -> None:
     assert first.status == "error" and first.error and "is a file" in first.error
     blocker.unlink()  # fixed between pairs: the next pair builds the Runner
     assert runs.run_pair(pairs[1]).status == "passed"
+
+
+def test_a_bug_inside_the_runner_is_an_error_outcome_with_its_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception (a bug of ours, not a job failure) must not drop the pair from
+    the session's outcomes and report: it becomes an error that says so, traceback kept."""
+    def broken(self: Runner, pair: PairSpec) -> Any:
+        raise TypeError("planted bug")
+
+    monkeypatch.setattr(Runner, "_run_pair", broken)
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", devices=1), launcher=FakeLauncher())
+    outcome = runner.run_pair(_pairs(tmp_path)[0])
+    assert outcome.status == "error" and outcome.error is not None
+    assert "internal error in pytest-convergence" in outcome.error
+    assert "TypeError: planted bug" in outcome.error
+    saved = next((tmp_path / "work" / "runs").glob("*/internal_error.txt"))
+    assert "raise TypeError" in saved.read_text() and str(saved) in outcome.error

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,8 +302,26 @@ class Runner:
         self._on_progress = on_progress or self.settings.on_progress
         try:
             return self._run_pair(pair)
+        except Exception as exc:  # a bug of ours: the pair still reaches the report, as an error
+            return self._internal_error(pair, exc)
         finally:
             self._on_progress = self.settings.on_progress
+
+    def _internal_error(self, pair: PairSpec, exc: Exception) -> PairOutcome:
+        """An unexpected exception (not a job failure, a bug in this package) as an error
+        outcome: the session's report, saved outcomes and JUnit still list the pair, and
+        the traceback is kept in the pair's run folder."""
+        text = "".join(traceback.format_exception(exc))
+        where = self.settings.work_dir / "runs" / _slug(pair.pair_id) / "internal_error.txt"
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.write_text(text)
+            kept = f"traceback in {where}"
+        except OSError:
+            kept = "traceback:\n" + text
+        return PairOutcome(pair=pair, status="error", control=None, test=None,
+                           error=f"internal error in pytest-convergence (a bug: please report "
+                                 f"it): {type(exc).__name__}: {exc}; {kept}")
 
     def _run_pair(self, pair: PairSpec) -> PairOutcome:
         # Lazy: the comparisons import scipy (seconds); the plugin imports this module at
@@ -320,8 +339,8 @@ class Runner:
             control = controls[0]
             unhealthy = None if pair.golden else _control_problem(control)
             if unhealthy:
-                return PairOutcome(pair=pair, status="error", control=control, error=unhealthy,
-                                   wall_s=time.monotonic() - started)
+                return PairOutcome(pair=pair, status="error", control=control, test=None,
+                                   error=unhealthy, wall_s=time.monotonic() - started)
             control_runs = [c.metrics for c in controls]
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
