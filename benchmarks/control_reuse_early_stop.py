@@ -17,10 +17,10 @@ import textwrap
 import time
 from pathlib import Path
 
-from _report import REPO, machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
+from _report import REPO, machine, write_section
 
-from convergence.run.runner import Runner, RunSettings
 from convergence.preflight import load_checked
+from convergence.run.runner import Runner, RunSettings
 
 HOOKS = REPO / "tests" / "fixtures" / "hooks"
 LAYOUTS = [("fsdp2-tp2", "{ dp_shard = 2, tp = 2 }"), ("fsdp2-pp2", "{ dp_shard = 2, pp = 2 }"),

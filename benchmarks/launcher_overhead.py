@@ -21,10 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _report import machine, write_section
+
 from convergence.launch.torchrun import LocalLauncher, build_torchrun_argv, job_env
 from convergence.launch.types import LaunchRequest
-
-from _report import machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 WRITER = REPO / "tests" / "fixtures" / "fake_trainers" / "writer.py"
@@ -96,7 +96,7 @@ def main() -> None:
     table += [f"| {name} | {total:.2f} | {med:.2f} |" for name, total, med in rows]
     table.append(f"| overhead | {sum(wrapped) - sum(raw):+.2f} ({overhead:+.1f} %) | "
                  f"{per_job:+.3f} per job |")
-    diffs = [w - r for w, r in zip(wrapped, raw)]
+    diffs = [w - r for w, r in zip(wrapped, raw, strict=True)]
     table.append(f"| paired difference (launcher - raw) | median {statistics.median(diffs):+.2f}"
                  f" | min {min(diffs):+.2f}, max {max(diffs):+.2f} |")
     table.append(f"| supervisor CPU | {sum(cpu):.2f} | {statistics.median(cpu):.3f} per job |")

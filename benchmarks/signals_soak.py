@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, write_section  # noqa: E402
+from _report import machine, write_section
 
 # The control finishes (2 steps); the test trains (practically) forever, so the signal always
 # lands mid-job with one finished result to keep.

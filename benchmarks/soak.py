@@ -32,12 +32,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "faulty"))
 
-from _report import machine, write_section  # noqa: E402
-from faulty_project import (FaultyTest, alive, experiment, job_pids, kill_pids,  # noqa: E402
-                            make_project, odd_config, pytest_argv, run_dirs, run_pytest,
-                            saved_outcomes)
+from _report import machine, write_section
+from faulty_project import (
+    FaultyTest,
+    alive,
+    experiment,
+    job_pids,
+    kill_pids,
+    make_project,
+    odd_config,
+    pytest_argv,
+    run_dirs,
+    run_pytest,
+    saved_outcomes,
+)
 
-from convergence.cache.store import MANIFEST, RunCache  # noqa: E402
+from convergence.cache.store import MANIFEST, RunCache
 
 GOOD_PAIR = "p00-ok"
 CACHE_DAMAGES = ("empty manifest", "manifest omits metrics (metrics edited)",

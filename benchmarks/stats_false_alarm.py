@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _report import machine, write_section
 
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.seed import SeedBand
 from convergence.stats.simulate import NoiseModel, simulate_case
-
-from _report import machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 REPLICATES = (3, 5, 8)

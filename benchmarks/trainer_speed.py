@@ -19,8 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-from _report import machine, write_section  # noqa: E402  (benchmarks/ is on sys.path)
+from _report import machine, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "convergence" / "configs" / "debug.toml"

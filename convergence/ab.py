@@ -101,9 +101,9 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
            rootdir: Path) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
     from convergence.compare_cli import compare_rules
+    from convergence.preflight import load_checked
     from convergence.run.outcome import PairOutcome
     from convergence.run.runner import JobFailed, Runner, apply_settings
-    from convergence.preflight import load_checked
     from convergence.stats.registry import compare_all
 
     pairs = [apply_settings(p, settings)  # type: ignore[arg-type]
@@ -147,9 +147,9 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from convergence.run.runner import RunSettings
-    from convergence.report.formats.terminal import render_summary
     from convergence.report.formats.failure_text import render_outcome
+    from convergence.report.formats.terminal import render_summary
+    from convergence.run.runner import RunSettings
 
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), early_stop=False,
                            steps=args.steps, devices=args.devices)

@@ -74,12 +74,11 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from convergence.run.runner import RunSettings
-    from convergence.run.session import SessionRunner
+    from convergence.launch.pool import detect_devices
     from convergence.preflight import load_checked, validate_devices
     from convergence.report.formats.terminal import render_summary
-
-    from convergence.launch.pool import detect_devices
+    from convergence.run.runner import RunSettings
+    from convergence.run.session import SessionRunner
 
     path = Path(args.experiment)
     experiment = load_checked(path, rootdir=Path(args.rootdir).resolve())

@@ -90,7 +90,7 @@ def _check_requested(metrics: Sequence[str], paths: Sequence[Path], controls: Se
     """A metric asked for by name must be in every run (the defaults may be missing and are
     then reported as not compared, as in pytest)."""
     for metric in metrics:
-        for path, run in [*zip(paths, controls), (test_path, test)]:
+        for path, run in [*zip(paths, controls, strict=True), (test_path, test)]:
             if metric not in run:
                 raise SpecError(f"run has no {metric!r} curve", file=str(path), key="--metric",
                                 fix=f"choose --metric among {', '.join(sorted(run))}")

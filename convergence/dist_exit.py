@@ -60,7 +60,8 @@ def exit_process(code: int = 0) -> NoReturn:
     if code == 0:
         try:
             _destroy_process_group()
-        except Exception:  # a failed teardown must not turn a finished run into a crash
+        # A failed teardown must not turn a finished run into a crash.
+        except Exception:  # noqa: BLE001
             traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -98,7 +99,7 @@ def run_and_exit(main: Callable[[], int | None]) -> NoReturn:
         code = _exit_code(exc.code)
     except KeyboardInterrupt:
         code = 130
-    except BaseException:
+    except BaseException:  # noqa: BLE001 -- any failure is printed, then exit with its code
         traceback.print_exc()
         code = 1
     exit_process(code)

@@ -33,7 +33,7 @@ def load_checked(path: Path, *, rootdir: Path, max_tier: str | None = None) -> E
     (torchtitan's parser imports its models) or need an optional extra.
     """
     experiment = load_experiment(path, rootdir=rootdir)
-    for pair, key in zip(experiment.pairs, experiment.keys):
+    for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
         if in_tier(pair, max_tier):
             check_pair(pair, key=key)
     return experiment

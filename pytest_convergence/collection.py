@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from convergence.spec.errors import SpecError
 from convergence.preflight import load_checked, validate_devices
+from convergence.spec.errors import SpecError
+from convergence.spec.experiment import TIERS
 from convergence.spec.pair import PairSpec
 from pytest_convergence.execute import check_outcome, execute_pair
 from pytest_convergence.failure import ConvergenceFailure
-from pytest_convergence.options import TIERS
 from pytest_convergence.stash import get_state
 
 MARKER = "convergence"

@@ -6,6 +6,7 @@ import json
 import re
 import uuid
 from pathlib import Path
+
 import pytest
 
 from convergence.run.outcome import PairOutcome

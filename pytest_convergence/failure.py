@@ -8,9 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from convergence.report.formats.failure_text import (
+    TABLE_AROUND,
+    TRACEBACK_HEAD_LINES,
+    headline,
+    render_outcome,
+)
 from convergence.run.outcome import PairOutcome
-from convergence.report.formats.failure_text import (TABLE_AROUND, TRACEBACK_HEAD_LINES, headline,
-                                             render_outcome)
 
 __all__ = ["TABLE_AROUND", "TRACEBACK_HEAD_LINES", "ConvergenceFailure", "headline",
            "render_outcome"]

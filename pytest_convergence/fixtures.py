@@ -48,9 +48,9 @@ from typing import Any
 
 import pytest
 
+from convergence.preflight import make_checked_pair, validate_devices
 from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
-from convergence.preflight import make_checked_pair, validate_devices
 from convergence.spec.experiment import DEFAULTS_KEYS, JOB_KEYS, TEST_KEYS
 from convergence.spec.pair import PairSpec
 from convergence.spec.toml_io import check_keys

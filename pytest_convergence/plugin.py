@@ -17,16 +17,27 @@ import pytest
 
 from convergence.run.runner import RunSettings
 from convergence.run.session import SessionRunner
-from pytest_convergence.collection import (ConvergenceItem, ExperimentFile, MARKER_HELP,
-                                           collect_file, mark_and_deselect, tier_note)
+from pytest_convergence.collection import (
+    MARKER_HELP,
+    ConvergenceItem,
+    ExperimentFile,
+    collect_file,
+    mark_and_deselect,
+    tier_note,
+)
 from pytest_convergence.fixtures import convergence_pair
 from pytest_convergence.options import add_options, read_options
+from pytest_convergence.progress_relay import ProgressRelay
 from pytest_convergence.reporting import session_finish, terminal_summary
 from pytest_convergence.signals import restore_sigterm, sigterm_as_interrupt
 from pytest_convergence.stash import STATE_KEY, SessionState
-from pytest_convergence.progress_relay import ProgressRelay
-from pytest_convergence.xdist import (is_distributing, is_worker, pytest_configure_node,
-                                      pytest_xdist_auto_num_workers, worker_share_dir)
+from pytest_convergence.xdist import (
+    is_distributing,
+    is_worker,
+    pytest_configure_node,
+    pytest_xdist_auto_num_workers,
+    worker_share_dir,
+)
 
 __all__ = ["ConvergenceItem", "ExperimentFile", "convergence_pair", "pytest_configure_node",
            "pytest_xdist_auto_num_workers"]

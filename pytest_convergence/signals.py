@@ -16,7 +16,6 @@ import signal
 import threading
 from types import FrameType
 
-
 _state = {"forward": False, "interrupted": False}
 
 

@@ -191,7 +191,7 @@ def _wait_for(cluster: SlurmCluster, what: str, check: Callable[[], bool],
               timeout: float = START_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for name, proc in zip(cluster.pids, cluster.procs):
+        for name, proc in zip(cluster.pids, cluster.procs, strict=False):
             if proc.poll() is not None:
                 raise SlurmUnavailable(f"{name} exited with {proc.returncode} while waiting "
                                        f"for {what}\n{cluster.log_tail()}")

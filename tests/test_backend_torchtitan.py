@@ -27,8 +27,8 @@ from convergence.backends.torchtitan import (
     ensure_assets,
     parse,
 )
-from convergence.spec.errors import SpecError
 from convergence.preflight import load_checked
+from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 
@@ -262,7 +262,7 @@ def test_config_text_keys_module_config_and_file() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="torchtitan trains on CUDA only (no CUDA device here)")
 def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
-    from convergence.run.runner import RunSettings, Runner
+    from convergence.run.runner import Runner, RunSettings
 
     exp = load_checked(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml",
                           rootdir=ROOT)

@@ -9,8 +9,13 @@ from typing import Any
 
 import pytest
 
-from convergence.cache.key import (cache_key, canonical_json, code_version,
-                                   hardware_fingerprint, sources_hash)
+from convergence.cache.key import (
+    cache_key,
+    canonical_json,
+    code_version,
+    hardware_fingerprint,
+    sources_hash,
+)
 
 BASE: dict[str, Any] = dict(train_config_text="[model]\ndim = 64\n", backend_version="builtin-1",
                             code_version="c0", torch_version="2.13.0+cpu", hardware="cpu:x x2")

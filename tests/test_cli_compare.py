@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_metrics_reader import LOSSES, write_jsonl_run, write_torchtitan_dump
 
 from convergence.cli import main
 from convergence.stats.golden import golden_metadata
-from test_metrics_reader import LOSSES, write_jsonl_run, write_torchtitan_dump
 
 REPO = Path(__file__).resolve().parents[1]
 

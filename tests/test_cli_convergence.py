@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_plugin_reporting import make_outcome  # synthetic outcomes, no training
 
 from convergence.cli import main
 from convergence.report import REPORT_JSON_SCHEMA, outcome_to_json
-from test_plugin_reporting import make_outcome  # synthetic outcomes, no training
 
 
 def _save(folder: Path, outcomes: list) -> Path:  # type: ignore[type-arg]

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from convergence.metrics.curve import Curve
-from convergence.run.outcome import SideOutcome
 from convergence.report.data import records
 from convergence.report.sections import comm_blocks
+from convergence.run.outcome import SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import ModelConfig, ParallelismConfig, TrainConfig

@@ -32,11 +32,23 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "faulty"))
 
-from faulty_project import (NOTE, FaultyTest, alive, default_sigint,  # noqa: E402
-                            experiment, job_pids, kill_pids, make_project, odd_config,
-                            pytest_argv, run_dirs, run_pytest, saved_outcomes)
+from faulty_project import (
+    NOTE,
+    FaultyTest,
+    alive,
+    default_sigint,
+    experiment,
+    job_pids,
+    kill_pids,
+    make_project,
+    odd_config,
+    pytest_argv,
+    run_dirs,
+    run_pytest,
+    saved_outcomes,
+)
 
-from convergence.cache.store import MANIFEST, RunCache  # noqa: E402
+from convergence.cache.store import MANIFEST, RunCache
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "convergence" / "configs" / "debug.toml"

@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from convergence.launch.failure import (diagnose, error_file_traceback, last_traceback,
-                                        parse_root_cause, signal_name)
+from convergence.launch.failure import (
+    diagnose,
+    error_file_traceback,
+    last_traceback,
+    parse_root_cause,
+    signal_name,
+)
 from convergence.launch.torchrun import build_torchrun_argv, job_env
 from convergence.launch.types import LaunchRequest
 from convergence.launch.watch import record_loss

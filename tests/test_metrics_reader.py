@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from convergence.metrics.reader import (MetricsPathMissing, NoMetricsFound, describe_source,
-                                        read_metrics, read_run)
+from convergence.metrics.reader import (
+    MetricsPathMissing,
+    NoMetricsFound,
+    describe_source,
+    read_metrics,
+    read_run,
+)
 from convergence.spec.errors import SpecError
 from convergence.stats.golden import export_golden
 

@@ -19,14 +19,22 @@ import pytest
 
 from convergence.cli import main
 from convergence.metrics.tensorboard import read_tensorboard
-from convergence.nightly import (NightlySettings, append_history, final_loss_delta,
-                                 history_records, read_history, render_sbatch, run_names, runs,
-                                 write_trend)
+from convergence.nightly import (
+    NightlySettings,
+    append_history,
+    final_loss_delta,
+    history_records,
+    read_history,
+    render_sbatch,
+    run_names,
+    runs,
+    write_trend,
+)
 from convergence.report.data.schema import build_report
 from convergence.spec.errors import SpecError
 
 sys.path.insert(0, str(Path(__file__).parent))
-import report_examples as ex  # noqa: E402
+import report_examples as ex
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = NightlySettings(experiments=("experiments",), out="/shared/convergence-nightly",
@@ -182,7 +190,7 @@ def _three_nights(tmp_path: Path) -> tuple[Path, dict[str, str]]:
                _report(tmp_path, "n2", drop=FAILING, loss_shift=0.25),
                _report(tmp_path, "n3", status={PASSING: "failed"}, control_shift=0.125)]
     first: list[dict[str, Any]] = []
-    for night, report in zip(NIGHTS, reports):
+    for night, report in zip(NIGHTS, reports, strict=True):
         records = append_history(report, history, night=night, pytest_status=1)
         first = first or records
     ids = {suffix: _pair_id(first, suffix) for suffix in (PASSING, FAILING, ERRORED)}
@@ -193,7 +201,7 @@ def test_control_final_loss_and_step_times_are_recorded(tmp_path: Path) -> None:
     report = _report(tmp_path, "n", control_shift=0.5)
     doc = json.loads(report.read_text())
     records = history_records(doc, night="n")
-    for pair, record in zip(doc["pairs"], records):
+    for pair, record in zip(doc["pairs"], records, strict=True):
         control = pair["curves"]["control"]["loss"]
         assert record["control_final_step"] == control["steps"][-1] == ex.STEPS
         # the control's own last logged loss, not the delta and not the test's

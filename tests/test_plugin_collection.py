@@ -53,10 +53,10 @@ def _warm_imports(tmp_path_factory: pytest.TempPathFactory) -> None:
     """In-process pytester runs forget the modules imported inside them, and C extensions
     (torch, numpy.fft) cannot be imported twice in one process: load an experiment here once,
     before any pytester snapshot, so every module collection needs is already imported."""
+    import convergence.report
+    import convergence.run.runner  # noqa: F401
     from convergence.launch.pool import detect_devices
     from convergence.preflight import load_checked, validate_pair
-    import convergence.report  # noqa: F401
-    import convergence.run.runner  # noqa: F401
 
     path = tmp_path_factory.mktemp("warm") / "exp.toml"
     path.write_text(EXPERIMENT)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import torch  # noqa: F401  (in-process pytester runs must not re-import torch)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,6 +160,7 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
         "synthetic.toml::fsdp2-tp2", "synthetic.toml::fsdp2-pp2"}
     # Report files, written once by the controller.
     import jsonschema
+
     from convergence.report import REPORT_JSON_SCHEMA
 
     report_dir = pytester.path / "report"

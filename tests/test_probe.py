@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from convergence.preflight import load_checked
 from convergence.run.probe_compare import (
     compare_probe_files,
     compare_probes,
@@ -20,7 +21,6 @@ from convergence.run.probe_compare import (
     summary_items,
 )
 from convergence.spec.errors import SpecError
-from convergence.preflight import load_checked
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).parent / "fixtures" / "hooks"
@@ -195,8 +195,8 @@ LATE_STEP = 3  # planted_late_bugs.FIRST_BAD_STEP
 
 
 def test_first_divergent_step_and_failure_line() -> None:
-    from convergence.run.probe import agrees, first_divergent_step
     from convergence.report.sections.probe import failure_line, summary_text
+    from convergence.run.probe import agrees, first_divergent_step
     from convergence.stats.types import MetricVerdict
 
     def verdict(metric: str, passed: bool, first: int | None, gate: bool = True) -> Any:

@@ -7,6 +7,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from report_examples import all_examples, failing_pair, passing_pair
+
+from convergence.report.data.records import pair_record
 from convergence.report.sections.dimensions import (
     SAME,
     dimension_of,
@@ -15,9 +18,7 @@ from convergence.report.sections.dimensions import (
     markdown_lines,
     render_dimensions,
 )
-from convergence.report.data.records import pair_record
 from convergence.spec.layout import ParallelLayout
-from report_examples import all_examples, failing_pair, passing_pair
 
 
 def _records() -> list[dict[str, Any]]:

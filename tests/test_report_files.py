@@ -11,12 +11,17 @@ import jsonschema
 import matplotlib.image
 import numpy as np
 import pytest
-
-from convergence.run.outcome import PairOutcome
-from convergence.report import REPORT_JSON_SCHEMA, REPORT_SCHEMA_VERSION, build_report, write_reports
-from convergence.report.formats.plots import plot_pair
-from convergence.report.data.serialize import outcome_from_json, outcome_to_json
 from report_examples import DIVERGES_AT, all_examples, failing_pair
+
+from convergence.report import (
+    REPORT_JSON_SCHEMA,
+    REPORT_SCHEMA_VERSION,
+    build_report,
+    write_reports,
+)
+from convergence.report.data.serialize import outcome_from_json, outcome_to_json
+from convergence.report.formats.plots import plot_pair
+from convergence.run.outcome import PairOutcome
 
 ENV = {"launcher": "local", "devices": 2}
 
@@ -221,7 +226,8 @@ def test_reports_rebuild_from_saved_outcomes(outcomes: list[PairOutcome], report
     again = build_report([outcome_from_json(d) for d in saved], environment=ENV,
                          started_at=1_700_000_000.0, wall_s=42.0,
                          plots={o.pair.pair_id: r["plots"] for o, r in
-                                zip(outcomes, report["pairs"])} | {"": report["plots"]})
+                                zip(outcomes, report["pairs"], strict=True)}
+                         | {"": report["plots"]})
     for key in ("summary", "pairs", "plots", "started_at"):
         assert again[key] == report[key]
 

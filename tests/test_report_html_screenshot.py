@@ -14,9 +14,9 @@ from pathlib import Path
 import matplotlib.image
 import numpy as np
 import pytest
+from report_examples import all_examples
 
 from convergence.report import write_reports
-from report_examples import all_examples
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from report_examples import passing_pair, seed_pair
+
 from convergence.report import build_report, render_markdown, write_step_summary
 from convergence.report.formats.markdown import STEP_SUMMARY_LIMIT
 from convergence.report.markup import md_cell as cell
-from report_examples import passing_pair, seed_pair
 
 
 def _md(outcomes: list) -> str:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from convergence.report import junit_properties, matrix_rows, render_matrix
 from report_examples import DIVERGES_AT, all_examples, errored_pair, failing_pair, passing_pair
+
+from convergence.report import junit_properties, matrix_rows, render_matrix
 
 
 def test_rows_hold_the_columns() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from report_examples import judge, passing_pair, run_metrics
+
 from convergence.report import build_report, render_markdown
 from convergence.report.formats.failure_text import render_outcome
 from convergence.report.formats.html import render_html
-from report_examples import judge, passing_pair, run_metrics
 
 
 def _slow_but_correct():  # type: ignore[no-untyped-def]

@@ -8,16 +8,16 @@ import math
 
 import numpy as np
 import pytest
+from report_examples import all_examples, failing_pair, seed_pair
 
 from convergence.metrics.curve import Curve
-from convergence.run.outcome import PairOutcome
 from convergence.report.data.serialize import (
     OUTCOME_FORMAT,
     OutcomeFormatError,
     outcome_from_json,
     outcome_to_json,
 )
-from report_examples import all_examples, failing_pair, seed_pair
+from convergence.run.outcome import PairOutcome
 
 
 def _roundtrip(o: PairOutcome) -> PairOutcome:
@@ -52,7 +52,7 @@ def test_seed_replicates_survive() -> None:
     back = _roundtrip(o)
     assert back.control is not None and o.control is not None
     assert len(back.control.replicates) == 3
-    for a, b in zip(back.control.replicates, o.control.replicates):
+    for a, b in zip(back.control.replicates, o.control.replicates, strict=True):
         assert a["loss"].values.tobytes() == b["loss"].values.tobytes()
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from convergence.run.runner import RunSettings, Runner
 from convergence.preflight import load_checked
+from convergence.run.runner import Runner, RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).parent / "fixtures" / "hooks"

@@ -23,17 +23,16 @@ import psutil
 import pytest
 from filelock import FileLock
 
-from convergence.launch.slurm import (PORT_BASE, PORT_SPAN, PortAllocator, SlurmError,
-                                      SlurmLauncher)
+from convergence.launch.slurm import PORT_BASE, PORT_SPAN, PortAllocator, SlurmError, SlurmLauncher
 from convergence.launch.types import LaunchRequest
 from convergence.metrics.curve import RunMetrics
-from convergence.run.outcome import PairOutcome
-from convergence.run.runner import RunSettings, Runner
 from convergence.preflight import load_checked
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import Runner, RunSettings
 from convergence.spec.pair import PairSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from slurm_cluster import SlurmCluster, SlurmUnavailable, start_cluster  # noqa: E402
+from slurm_cluster import SlurmCluster, SlurmUnavailable, start_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "fixtures" / "command_trainer" / "train.py"

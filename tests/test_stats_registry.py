@@ -10,8 +10,8 @@ import pytest
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.golden import export_golden, golden_metadata, load_golden
 from convergence.spec.rules import default_rules
+from convergence.stats.golden import export_golden, golden_metadata, load_golden
 from convergence.stats.registry import compare_all, get_comparison
 from convergence.stats.regression import Regression
 from convergence.stats.simulate import NoiseModel, simulate_run

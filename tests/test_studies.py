@@ -25,11 +25,11 @@ import pytest
 
 from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import Curve
-from convergence.run.outcome import SideOutcome
-from convergence.report.sections import resources
-from convergence.report.data.records import step_time_s
-from convergence.spec.errors import SpecError
 from convergence.preflight import load_checked, make_checked_pair
+from convergence.report.data.records import step_time_s
+from convergence.report.sections import resources
+from convergence.run.outcome import SideOutcome
+from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout
 from convergence.spec.toml_io import read_toml
@@ -202,9 +202,10 @@ def test_tradeoff_markdown_and_html() -> None:
 
 def test_full_reports_carry_the_table() -> None:
     """Through build_report + render_markdown/render_html, on the report tests' examples."""
+    from report_examples import failing_pair, passing_pair
+
     from convergence.report import build_report, render_markdown
     from convergence.report.formats.html import render_html
-    from report_examples import failing_pair, passing_pair
 
     report = build_report([passing_pair(), failing_pair()], environment={}, started_at=None,
                           wall_s=None, include_curves=False)

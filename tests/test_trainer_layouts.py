@@ -67,11 +67,13 @@ def assert_matches(test: list[dict[str, float]], ref: list[dict[str, float]]) ->
     for key in ("loss", "grad_norm"):
         rel = abs(test[0][key] - ref[0][key]) / abs(ref[0][key])
         assert rel <= 1e-5, f"step-1 {key}: {test[0][key]} vs {ref[0][key]} (rel {rel:.2e})"
-    dev = max(abs(t["loss"] - r["loss"]) for t, r in zip(test, ref))
+    dev = max(abs(t["loss"] - r["loss"]) for t, r in zip(test, ref, strict=True))
     assert dev <= 1e-4, f"max |loss - reference| over {STEPS} steps = {dev:.2e}"
-    gn_dev = max(abs(t["grad_norm"] - r["grad_norm"]) / r["grad_norm"] for t, r in zip(test, ref))
+    gn_dev = max(abs(t["grad_norm"] - r["grad_norm"]) / r["grad_norm"]
+                 for t, r in zip(test, ref, strict=True))
     assert gn_dev <= 1e-3, f"max relative grad-norm deviation {gn_dev:.2e}"
-    val = [(t["val_loss"], r["val_loss"]) for t, r in zip(test, ref) if "val_loss" in r]
+    val = [(t["val_loss"], r["val_loss"]) for t, r in zip(test, ref, strict=True)
+           if "val_loss" in r]
     assert val and all(abs(t - r) <= 1e-4 for t, r in val), val
     # Printed for the record (pytest -s): the measured agreement of this layout.
     print(f"max |dloss|={dev:.2e} max rel dgrad_norm={gn_dev:.2e}")

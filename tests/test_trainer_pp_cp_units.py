@@ -20,8 +20,13 @@ import torch
 from convergence.trainer.config import ModelConfig
 from convergence.trainer.context_parallel import causal_mask_with_offset
 from convergence.trainer.model import ModelArgs, build_model
-from convergence.trainer.pipeline import (SCHEDULES, is_last_stage_rank, resolve_stages_per_rank,
-                                          split_model_for_pp, stage_ids_this_rank)
+from convergence.trainer.pipeline import (
+    SCHEDULES,
+    is_last_stage_rank,
+    resolve_stages_per_rank,
+    split_model_for_pp,
+    stage_ids_this_rank,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ppcp"
 REPO = Path(__file__).resolve().parents[1]
@@ -98,9 +103,11 @@ def test_stage_placement_loop_and_v(schedule: str, rank: int, expected: list[int
 def test_pp_rules_schedule_sets_match_torch_classes() -> None:
     """pp_rules is plain Python (it runs at collection): its sets must say what torch's
     schedule classes do."""
-    from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
-                                                        PipelineScheduleSingle,
-                                                        get_schedule_class)
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        get_schedule_class,
+    )
 
     from convergence.spec.layout import MULTI_STAGE_SCHEDULES as SPEC_MULTI
     from convergence.spec.layout import PP_SCHEDULES as SPEC_SCHEDULES

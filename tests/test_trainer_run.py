@@ -200,6 +200,6 @@ def test_replace_tp_hook_matches_builtin_math(tmp_path: Path, hook_dir: Path) ->
                                       "--parallelism.hook=my_hooks:mlp_tp",
                                       "--parallelism.hook_mode=replace_tp"], hook_dir)
     assert hooked.returncode == 0, hooked.stderr[-3000:]
-    for f, h in zip(records(tmp_path / "fsdp"), records(tmp_path / "tp")):
+    for f, h in zip(records(tmp_path / "fsdp"), records(tmp_path / "tp"), strict=True):
         assert h["loss"] == pytest.approx(f["loss"], abs=1e-5)
         assert h["grad_norm"] == pytest.approx(f["grad_norm"], rel=1e-5)

@@ -70,7 +70,7 @@ def test_padded_loss_is_layout_independent(nproc: int, overrides: list[str], tmp
                                            reference: list[dict[str, float]]) -> None:
     test = run_trainer(nproc, tmp_path, overrides)
     assert [r["step"] for r in test] == [r["step"] for r in reference] == [1, 2, 3]
-    for t, r in zip(test, reference):
+    for t, r in zip(test, reference, strict=True):
         # The fp32 reduction-order noise floor, not a loose tolerance.
         assert abs(t["loss"] - r["loss"]) <= 2e-6 * r["loss"], (t["step"], t["loss"], r["loss"])
         assert abs(t["grad_norm"] - r["grad_norm"]) <= 1e-5 * r["grad_norm"], t["step"]

@@ -14,8 +14,15 @@ from convergence.trainer.config import load_train_config
 from convergence.trainer.data import TRAIN, VAL, BatchPlan, MarkovLanguage, build_source
 from convergence.trainer.hooks import load_hook
 from convergence.trainer.model import ModelArgs, build_model
-from convergence.trainer.optim import (clip_grads_, global_grad_norm, grad_norms, lr_at,
-                                       model_parts, parameter_part, parts_geomean)
+from convergence.trainer.optim import (
+    clip_grads_,
+    global_grad_norm,
+    grad_norms,
+    lr_at,
+    model_parts,
+    parameter_part,
+    parts_geomean,
+)
 from convergence.trainer.validate import check_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -257,11 +264,11 @@ def test_grad_norm_and_clip_match_torch_on_plain_tensors() -> None:
     norm = global_grad_norm(params, None)
     clip_grads_(params, 0.5, norm)
     ref = [torch.nn.Parameter(torch.zeros(5, 3)) for _ in range(3)]
-    for r, g in zip(ref, copies):
+    for r, g in zip(ref, copies, strict=True):
         r.grad = g
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, 0.5)
     assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-6)
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=True):
         assert torch.allclose(p.grad, r.grad, rtol=1e-6)
     assert math.isclose(torch.cat([p.grad.flatten() for p in params]).norm().item(), 0.5,
                         rel_tol=1e-5)

@@ -23,10 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))          # catalogue, pairs, run
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _report
 
-from _report import machine, write_section  # noqa: E402
-from catalogue import by_name  # noqa: E402
-from pairs import DEBUG_CONFIG  # noqa: E402
-from run import run_cases  # noqa: E402
+from _report import machine, write_section
+from catalogue import by_name
+from pairs import DEBUG_CONFIG
+from run import run_cases
 
 LANGUAGES: dict[str, dict[str, int]] = {
     "Markov chain (shipped)": {},

@@ -22,12 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))          # catalogue, pairs
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _report
 
-from _report import machine, write_section  # noqa: E402
-from catalogue import ALL, STEPS, Case  # noqa: E402
-from pairs import DEBUG_CONFIG, build_pairs  # noqa: E402
+from _report import machine, write_section
+from catalogue import ALL, STEPS, Case
+from pairs import DEBUG_CONFIG, build_pairs
 
-from convergence.run.outcome import PairOutcome  # noqa: E402
-from convergence.run.runner import Runner, RunSettings  # noqa: E402
+from convergence.run.outcome import PairOutcome
+from convergence.run.runner import Runner, RunSettings
 
 
 @dataclass(frozen=True, kw_only=True)

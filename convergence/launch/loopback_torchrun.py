@@ -25,7 +25,6 @@ from typing import Any
 
 from convergence.launch.types import LOOPBACK_NAMES
 
-
 _listening: list[socket.socket] = []
 """Bound sockets handed to TCPStore: kept referenced so Python never closes their fds."""
 
@@ -54,8 +53,7 @@ def install() -> bool:
     try:
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as backend
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-            DynamicRendezvousHandler)
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     except ImportError:
         return False
     if not (hasattr(backend, "TCPStore")

@@ -63,8 +63,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from convergence.launch.torchrun import LAUNCHER_LOG, LocalLauncher, build_torchrun_argv
-from convergence.launch.types import (FailureInfo, JobResult, LaunchRequest, OnMetrics,
-                                      OnProgress)
+from convergence.launch.types import FailureInfo, JobResult, LaunchRequest, OnMetrics, OnProgress
 from convergence.spec.errors import SpecError
 
 PORT_BASE = 20000

@@ -25,13 +25,23 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from convergence.launch.failure import (diagnose, finished_then_aborted, note_in_launcher_log,
-                                        note_teardown_abort)
+from convergence.launch.failure import (
+    diagnose,
+    finished_then_aborted,
+    note_in_launcher_log,
+    note_teardown_abort,
+)
 from convergence.launch.hang import describe_hang
-from convergence.launch.process_tree import (DescendantTracker, kill_leftovers,
-                                             terminate_tree)
-from convergence.launch.types import (LOOPBACK_NAMES, FailureInfo, JobResult, LaunchRequest,
-                                      OnMetrics, OnProgress, Progress)
+from convergence.launch.process_tree import DescendantTracker, kill_leftovers, terminate_tree
+from convergence.launch.types import (
+    LOOPBACK_NAMES,
+    FailureInfo,
+    JobResult,
+    LaunchRequest,
+    OnMetrics,
+    OnProgress,
+    Progress,
+)
 from convergence.launch.watch import JobWatch, Verdict
 from convergence.process_lifetime import child_dies_with_us
 
@@ -215,7 +225,7 @@ def _name_hung_rank(verdict: Verdict, tracker: DescendantTracker, log_dir: Path)
     tracker.poll()
     try:
         detail = describe_hang(tracker.processes, log_dir)
-    except Exception as exc:  # diagnosis only: never let it keep a hung job alive
+    except Exception as exc:  # noqa: BLE001 -- diagnosis only: never let it keep a hung job alive
         detail = f"(could not inspect the ranks: {exc})"
     if not detail or verdict.failure is None:
         return verdict

@@ -10,8 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from convergence.launch.types import (FailureInfo, LaunchRequest, OnMetrics, OnProgress,
-                                      Progress)
+from convergence.launch.types import FailureInfo, LaunchRequest, OnMetrics, OnProgress, Progress
 from convergence.metrics.jsonl import JsonlTail
 
 

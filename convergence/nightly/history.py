@@ -65,8 +65,8 @@ def final_loss_delta(pair: Mapping[str, Any]) -> tuple[int | None, float | None]
     control, test = _loss_curve(pair, "control"), _loss_curve(pair, "test")
     if not control or not test:
         return None, None
-    c = {int(s): num(v) for s, v in zip(control["steps"], control["values"])}
-    t = {int(s): num(v) for s, v in zip(test["steps"], test["values"])}
+    c = {int(s): num(v) for s, v in zip(control["steps"], control["values"], strict=True)}
+    t = {int(s): num(v) for s, v in zip(test["steps"], test["values"], strict=True)}
     common = sorted(set(c) & set(t))
     if not common:
         return None, None

@@ -154,7 +154,7 @@ def plot_trend_panels(nights: Sequence[str],
     axes = fig.subplots(rows, cols, sharex=True, squeeze=False).ravel()
     x = list(range(len(nights)))
     step = max(1, math.ceil(len(nights) / MAX_TICKS))
-    for ax, pair in zip(axes, pairs):
+    for ax, pair in zip(axes, pairs, strict=False):
         _panel(ax, spec, series[pair], statuses.get(pair) or [None] * len(nights))
         ax.set_title(_title(pair), fontsize=8)
         ax.grid(alpha=0.3)

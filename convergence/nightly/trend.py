@@ -155,7 +155,8 @@ def render_trend_markdown(history: History | Trend, *, plots: tuple[str, ...] = 
         lines += [f"## {pair}", "",
                   "| night | verdict | final loss Δ | control final loss | step time (s) "
                   "| tokens/s |", "|---|---|---|---|---|---|"]
-        lines += [_row(night, record) for night, record in zip(nights, trend.rows[pair])]
+        rows = zip(nights, trend.rows[pair], strict=False)
+        lines += [_row(night, record) for night, record in rows]
         lines.append("")
     wall_marked = any(r is not None and "wall" in r.step_time_from.values()
                       for per_night in trend.rows.values() for r in per_night)

@@ -134,12 +134,12 @@ def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
     The probe job's metrics.jsonl (beside probe.json) holds the replayed steps; None when
     there is nothing to compare (e.g. log_freq skipped them all)."""
     worst: float | None = None
-    for path, run in zip(probe_files, runs):
+    for path, run in zip(probe_files, runs, strict=True):
         replay, original = read_jsonl(path.parent / "metrics.jsonl").get("loss"), run.get("loss")
         if replay is None or original is None:
             continue
-        logged = dict(zip(original.steps.tolist(), original.values.tolist()))
-        for s, value in zip(replay.steps.tolist(), replay.values.tolist()):
+        logged = dict(zip(original.steps.tolist(), original.values.tolist(), strict=True))
+        for s, value in zip(replay.steps.tolist(), replay.values.tolist(), strict=True):
             if s < step and s in logged:
                 diff = abs(value - logged[s])
                 worst = diff if worst is None or diff > worst else worst

@@ -302,7 +302,7 @@ class Runner:
         self._on_progress = on_progress or self.settings.on_progress
         try:
             return self._run_pair(pair)
-        except Exception as exc:  # a bug of ours: the pair still reaches the report, as an error
+        except Exception as exc:  # noqa: BLE001 -- a bug of ours: still in the report, as an error
             return self._internal_error(pair, exc)
         finally:
             self._on_progress = self.settings.on_progress

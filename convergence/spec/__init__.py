@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from convergence.spec.errors import SpecError
-from convergence.spec.layout import PP_SCHEDULES, ParallelLayout, Techniques
 from convergence.spec.job import JobSpec
+from convergence.spec.layout import PP_SCHEDULES, ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec
 
 __all__ = [

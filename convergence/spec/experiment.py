@@ -135,7 +135,7 @@ def _expand_sweep(sweep: dict[str, Any], key: str, file: str) -> list[tuple[str,
                                   what="a list of values")))
     out = []
     for combo in itertools.product(*(values for _, values in axes)):
-        chosen = dict(zip((name for name, _ in axes), combo))
+        chosen = dict(zip((name for name, _ in axes), combo, strict=True))
         test = {k: v for k, v in sweep.items() if k not in ("grid", "name")}
         par = dict(test.get("parallelism", {}))
         tech = dict(test.get("techniques", {}))

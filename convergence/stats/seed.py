@@ -51,8 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from scipy import signal
-from scipy import special
+from scipy import signal, special
 from scipy.ndimage import correlate1d, uniform_filter1d
 
 from convergence.metrics.curve import Curve

@@ -122,13 +122,13 @@ def _check_for(rule: ComparisonRule, controls: list[Curve]) -> Check | None:
             return None
         band = seed_band(controls, DEFAULT_Z if rule.z is None else rule.z)
         lookup = {s: (c, h) for s, c, h in zip(band.steps.tolist(), band.center.tolist(),
-                                               band.half_width.tolist())}
+                                               band.half_width.tolist(), strict=True)}
 
         def seed_check(step: int, value: float) -> tuple[float, float] | None:
             found = lookup.get(step)
             return None if found is None else (abs(value - found[0]), found[1])
         return seed_check
-    control = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist()))
+    control = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist(), strict=True))
     tolerance = _tolerance(rule)
 
     def point_check(step: int, value: float) -> tuple[float, float] | None:

@@ -97,9 +97,9 @@ class _GatherSequence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, chunk: Tensor,  # type: ignore[override]
+    def forward(ctx: torch.autograd.function.FunctionCtx, chunk: Tensor,
                 group: ProcessGroup) -> Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
+        ctx.group = group
         size = dist.get_world_size(group)
         chunk = chunk.contiguous()
         out = chunk.new_empty((size * chunk.shape[0], *chunk.shape[1:]))
@@ -107,9 +107,9 @@ class _GatherSequence(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx,
                  grad: Tensor) -> tuple[Tensor, None]:
-        group: ProcessGroup = ctx.group  # type: ignore[attr-defined]
+        group: ProcessGroup = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         grad = grad.clone(memory_format=torch.contiguous_format)  # ours to reduce in place
         if dist.get_backend(group) == "gloo":

@@ -41,12 +41,11 @@ the verdict compares, and the probe sees the very batches the loop trained on.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-
-import hashlib
-import math
 
 import numpy as np
 import torch
@@ -70,8 +69,11 @@ SPARSE_SUCCESSORS = 64
 class SampleSource(Protocol):
     """Samples by index: (n, seq_len+1) int64 tokens; inputs are [:, :-1], targets [:, 1:]."""
 
-    vocab_size: int
-    entropy_floor: float | None
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def entropy_floor(self) -> float | None: ...
 
     def samples(self, indices: np.ndarray, split: int) -> np.ndarray: ...
 
@@ -195,7 +197,7 @@ def _stationary(successors: np.ndarray, probs: np.ndarray, vocab: int) -> np.nda
     pi = np.full(vocab, 1.0 / vocab)
     for _ in range(10_000):
         new = np.bincount(successors.ravel(), weights=(pi[:, None] * probs).ravel(),
-                          minlength=vocab)
+                          minlength=vocab).astype(np.float64)  # float already (weights)
         new /= new.sum()
         if np.abs(new - pi).max() < 1e-15:
             return new
@@ -236,9 +238,10 @@ def _tokenize(text: str, tokenizer: str, base: Path) -> tuple[np.ndarray, int]:
     path = path if path.is_absolute() else base / path
     try:
         from tokenizers import Tokenizer  # optional dependency, only for tokenizer files
-    except ImportError:
+    except ImportError as exc:
         raise SpecError("the 'tokenizers' package is needed for a tokenizer file",
-                        key="data.tokenizer", fix="pip install tokenizers, or use \"byte\"")
+                        key="data.tokenizer", fix="pip install tokenizers, or use \"byte\""
+                        ) from exc
     tok = Tokenizer.from_file(str(path))
     return np.asarray(tok.encode(text).ids, dtype=np.int64), tok.get_vocab_size()
 

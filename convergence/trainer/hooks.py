@@ -119,7 +119,7 @@ def load_hook(path: str, *, file: str | None = None) -> HookFn:
     if not callable(fn):
         raise SpecError(f"module {module_name!r} has no callable {attr!r}", file=file,
                         key="parallelism.hook", fix="name an existing function after the ':'")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def find_hook_module(path: str, *, file: str | None = None, key: str = "hook") -> None:

@@ -378,7 +378,7 @@ class Transformer(nn.Module):
     def init_buffers(self) -> None:
         """Recompute the rotary table on whatever device the model now lives on."""
         device = self.freqs_cis.device
-        self.freqs_cis = rope_angles(self.args.head_dim, self.args.max_seq_len,
+        self.freqs_cis: torch.Tensor = rope_angles(self.args.head_dim, self.args.max_seq_len,
                                      self.args.rope_theta).to(device)
 
 

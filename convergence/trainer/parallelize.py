@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -200,14 +205,14 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     root, _ = tp_plan(model, sequence_parallel)
     model.hidden_seq_shards = tp_mesh.size() if sequence_parallel else 1
     if root:
-        parallelize_module(model, tp_mesh, root)  # type: ignore[arg-type]
+        parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
         assert isinstance(block, TransformerBlock)
         entry, plan = block_tp_plan(block, model.args.block_kinds, sequence_parallel)
         if block.kind == "parallel":
             parallelize_module(block, tp_mesh, BlockDiagonalParallel())
         if plan:
-            parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
+            parallelize_module(block, tp_mesh, plan)
         if entry is not None:
             parallelize_module(block, tp_mesh, entry)
 

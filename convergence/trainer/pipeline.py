@@ -64,15 +64,19 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (PipelineScheduleMulti,
-                                                    PipelineScheduleSingle, ScheduleDualPipeV,
-                                                    ScheduleZBVZeroBubble, _PipelineSchedule,
-                                                    get_schedule_class)
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    _PipelineSchedule,
+    get_schedule_class,
+)
 
 from convergence.trainer import pp_rules
+
 # Re-exported: callers of this module (tests, hooks) name the schedule sets from here too.
-from convergence.trainer.pp_rules import (SCHEDULES, V_SCHEDULES,  # noqa: F401
-                                          ZERO_BUBBLE_SCHEDULES)
+from convergence.trainer.pp_rules import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCHEDULES  # noqa: F401
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -160,10 +164,10 @@ def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: An
             del layers[name]
         # setattr, not nn.Module deletion: forward checks `is None` (the model's contract).
         if stage != 0:
-            setattr(chunk, "tok_embeddings", None)
+            chunk.tok_embeddings = None  # type: ignore[assignment]
         if stage != num_stages - 1:
-            setattr(chunk, "norm", None)
-            setattr(chunk, "output", None)
+            chunk.norm = None  # type: ignore[assignment]
+            chunk.output = None  # type: ignore[assignment]
         chunks.append((stage, chunk))
     return chunks
 
@@ -209,7 +213,7 @@ def build_schedule(chunks: list[nn.Module], stage_indices: list[int], num_stages
         _check_no_nested_fsdp(chunks, schedule_name)
     group = _pp_group(pp_group)
     stages = [PipelineStage(chunk, index, num_stages, device, group=group)
-              for chunk, index in zip(chunks, stage_indices)]
+              for chunk, index in zip(chunks, stage_indices, strict=True)]
 
     def scaled_loss(output: Tensor, target: Tensor) -> Tensor:
         return loss_fn(output, target) / n_microbatches
@@ -282,7 +286,7 @@ def pipeline_eval(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor,
             return _run(schedule, tokens, targets, has_first_stage, has_last_stage, train,
                         model_kwargs)
     finally:
-        for p, grad in zip(params, saved):
+        for p, grad in zip(params, saved, strict=True):
             p.grad = grad
 
 

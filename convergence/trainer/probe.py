@@ -159,7 +159,7 @@ def module_sumsq(recorder: OutputRecorder, meshes: Meshes | None,
     if meshes is not None and meshes.dp_cp.size() > 1:
         dist.all_reduce(per_module, group=meshes.dp_cp.get_group())
     return [{"name": r.name, "stage": r.stage, "order": r.order, "sumsq": float(v),
-             "calls": len(r.calls)} for r, v in zip(records, per_module.tolist())]
+             "calls": len(r.calls)} for r, v in zip(records, per_module.tolist(), strict=True)]
 
 
 def grad_sumsq(chunks: list[tuple[int, nn.Module]], device: torch.device) -> list[dict[str, Any]]:
@@ -192,10 +192,10 @@ def grad_sumsq(chunks: list[tuple[int, nn.Module]], device: torch.device) -> lis
         stacked = torch.stack([values[i] for i in indices])
         for group in groups:
             dist.all_reduce(stacked, group=group)
-        for i, v in zip(indices, stacked):
+        for i, v in zip(indices, stacked, strict=True):
             values[i] = v
     return [{"name": name, "stage": stage, "order": index, "sumsq": float(v)}
-            for (name, stage, index, _, _), v in zip(entries, values)]
+            for (name, stage, index, _, _), v in zip(entries, values, strict=True)]
 
 
 def dp_losses(local_loss: torch.Tensor | None, meshes: Meshes | None) -> list[float] | None:
@@ -243,7 +243,7 @@ def stage_chunks(chunks: list[nn.Module], cfg: TrainConfig,
     par = cfg.parallelism
     ids = pp_rules.stage_ids(meshes.pp.get_local_rank(), par.pp, stages_per_rank(cfg),
                              par.pp_schedule)
-    return list(zip(ids, chunks))
+    return list(zip(ids, chunks, strict=True))
 
 
 def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: SampleSource,

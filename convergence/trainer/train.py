@@ -27,13 +27,27 @@ from convergence.process_lifetime import die_with_parent
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
-from convergence.trainer.data import (IGNORE_INDEX, TRAIN, VAL, BatchPlan, SampleSource, StepData,
-                                      build_source, read_step)
+from convergence.trainer.data import (
+    IGNORE_INDEX,
+    TRAIN,
+    VAL,
+    BatchPlan,
+    SampleSource,
+    StepData,
+    build_source,
+    read_step,
+)
 from convergence.trainer.hooks import HookFn, load_hook
 from convergence.trainer.metrics_writer import MetricsWriter
 from convergence.trainer.model import ModelArgs, Transformer, build_model, count_params
-from convergence.trainer.optim import (build_optimizer, clip_grads_, grad_norms, lr_at,
-                                       model_parts, parts_geomean)
+from convergence.trainer.optim import (
+    build_optimizer,
+    clip_grads_,
+    grad_norms,
+    lr_at,
+    model_parts,
+    parts_geomean,
+)
 from convergence.trainer.parallelize import Meshes, build_meshes, parallelize_chunk
 from convergence.trainer.validate import check_config, pp_microbatches, stages_per_rank
 
@@ -215,7 +229,7 @@ def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hoo
     stage_ids = [index for index, _ in pieces]
     chunks = [prepare_chunk(piece, cfg, model_args, meshes, hook, device,
                             stage_index=index, num_stages=num_stages)
-              for index, piece in pieces]  # type: ignore[arg-type]
+              for index, piece in pieces]
     num_micro = pp_microbatches(cfg)
     schedule = pl.build_schedule(chunks, stage_ids, num_stages=num_stages, pp_group=meshes.pp,
                                  device=device, n_microbatches=num_micro,
@@ -484,7 +498,7 @@ def train(cfg: TrainConfig) -> str:
                     "step": step, "loss": global_loss.item(), "grad_norm": grad_norm.item(),
                     "grad_norm_parts": parts_geomean(part_norms),
                     **{f"grad_norm/{part}": float(norm)
-                       for part, norm in zip(parts, part_norms.tolist())},
+                       for part, norm in zip(parts, part_norms.tolist(), strict=True)},
                     "lr": lr, "tokens_per_s": tokens_per_step / step_time,
                     "peak_mem_mib": peak_mem,
                     "wall_s": time.perf_counter() - start,

@@ -164,4 +164,4 @@ def divergence_table(outcome: PairOutcome, metric: str = "loss", around: int = 3
 def _as_map(curve: Curve | None) -> dict[int, float]:
     if curve is None:
         return {}
-    return dict(zip(curve.steps.tolist(), curve.values.tolist()))
+    return dict(zip(curve.steps.tolist(), curve.values.tolist(), strict=True))

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.report.data.curves import (
     divergence_table,
     max_abs_delta,
@@ -18,6 +17,7 @@ from convergence.report.data.curves import (
 )
 from convergence.report.data.jsonable import jsonable
 from convergence.report.data.serialize import metrics_to_json
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import AXES
 from convergence.stats.types import MetricVerdict

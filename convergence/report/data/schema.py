@@ -16,9 +16,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.report.data.jsonable import NON_FINITE, jsonable
 from convergence.report.data.records import pair_record, relative_plot
+from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.spec.layout import AXES
 
 REPORT_SCHEMA_VERSION = 1

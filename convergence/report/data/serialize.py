@@ -15,8 +15,8 @@ import numpy as np
 
 from convergence.launch.types import FailureInfo, JobResult
 from convergence.metrics.curve import Curve, RunMetrics
-from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.report.data.jsonable import jsonable, read_float, read_opt_float
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec

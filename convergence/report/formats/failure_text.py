@@ -8,11 +8,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.run.outcome import PairOutcome
 from convergence.report.data.curves import divergence_table
 from convergence.report.fmt import fmt_delta, fmt_float, fmt_value, verdict_state
 from convergence.report.formats.plots import PLOT_DIR, plot_names
 from convergence.report.sections.probe import failure_line
+from convergence.run.outcome import PairOutcome
 from convergence.spec.job import JobSpec
 from convergence.stats.types import MetricVerdict
 

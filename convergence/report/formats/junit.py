@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from convergence.run.outcome import PairOutcome
 from convergence.report.data.records import first_divergent_step, techniques_changed
 from convergence.report.fmt import describe_test, fmt_num
+from convergence.run.outcome import PairOutcome
 
 PREFIX = "convergence."
 

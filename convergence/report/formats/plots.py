@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from convergence.run.outcome import PairOutcome
 from convergence.report.data.curves import (
     Band,
     aligned_delta,
@@ -30,6 +29,7 @@ from convergence.report.data.records import first_divergent_step, techniques_cha
 from convergence.report.figure import new_figure, save_png
 from convergence.report.files import slug
 from convergence.report.fmt import VERDICTS, describe_test
+from convergence.run.outcome import PairOutcome
 from convergence.spec.layout import AXES
 from convergence.stats.types import MetricVerdict
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from convergence.run.outcome import PairOutcome
 from convergence.report.data.records import pair_record
 from convergence.report.fmt import (
     VERDICTS,
@@ -25,6 +24,7 @@ from convergence.report.fmt import (
     fmt_wall,
 )
 from convergence.report.sections.dimensions import render_dimensions
+from convergence.run.outcome import PairOutcome
 
 AXIS_COLUMNS: tuple[tuple[str, str], ...] = (
     ("rep", "dp_replicate"), ("shard", "dp_shard"), ("tp", "tp"), ("cp", "cp"), ("pp", "pp"))

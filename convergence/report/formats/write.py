@@ -12,7 +12,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from convergence.run.outcome import PairOutcome
 from convergence.report.data.schema import build_report
 from convergence.report.files import atomic_write
 from convergence.report.formats.html import render_html
@@ -25,6 +24,7 @@ from convergence.report.formats.plots import (
     plot_outcomes,
 )
 from convergence.report.sections import SECTIONS
+from convergence.run.outcome import PairOutcome
 
 
 def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,

@@ -198,16 +198,18 @@ def write_plot(pairs: Sequence[Mapping[str, Any]], plot_dir: Path) -> Path | Non
     fig.subplots_adjust(left=0.07, right=0.98, top=0.88, bottom=0.13, wspace=0.25)
     for t in found:
         rows = [r for r in t.rows if r.collectives is not None]
+        counts = [int(r.collectives or 0) for r in rows]  # not None: filtered above
         label = Path(t.source).name
         for ax, values in ((left, [r.val_loss for r in rows]),
                            (right, [r.tokens_per_s for r in rows])):
-            points = [(r, v) for r, v in zip(rows, values) if v is not None and math.isfinite(v)]
+            points = [(r, n, v) for r, n, v in zip(rows, counts, values, strict=True)
+                      if v is not None and math.isfinite(v)]
             if not points:
                 continue
-            ax.plot([r.collectives for r, _ in points], [v for _, v in points], "o", label=label)
-            for r, v in points:
+            ax.plot([n for _, n, _ in points], [v for _, _, v in points], "o", label=label)
+            for r, n, v in points:
                 marker = "*" if r.role == "baseline" else ""
-                ax.annotate(f"{marker}{r.config}", (r.collectives, v), fontsize=7,
+                ax.annotate(f"{marker}{r.config}", (n, v), fontsize=7,
                             textcoords="offset points", xytext=(4, 4))
     for ax, name in ((left, "final validation loss"), (right, "tokens/s (median)")):
         ax.set_xlabel("collectives per step (forward + backward)")

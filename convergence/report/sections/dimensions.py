@@ -115,7 +115,7 @@ def render_dimensions(records: Iterable[Mapping[str, Any]], width: int = 120) ->
     lines = []
     for row in table:
         text = [cut(v, w).rjust(w) if right else cut(v, w).ljust(w)
-                for v, w, right in zip(row, widths, RIGHT)]
+                for v, w, right in zip(row, widths, RIGHT, strict=False)]
         lines.append("  ".join(text).rstrip()[:width])
     lines.insert(1, "-" * max(len(line) for line in lines))
     return "\n".join(lines) + "\n"
