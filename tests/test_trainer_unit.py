@@ -109,9 +109,9 @@ def test_issue_layout_interleaved_zero_bubble_with_fsdp_names_key_and_fix() -> N
 ])
 def test_unsupported_pp_layout_fails_loading_the_experiment(tmp_path: Path, layout: str,
                                                              key: str, words: str) -> None:
-    """What pytest collection does with an experiment file (load_experiment -> the builtin
-    backend's preflight -> check_config): the pair is refused before any job is launched."""
-    from convergence.spec.experiment import load_experiment
+    """What pytest collection does with an experiment file (preflight.load_checked: parse, then
+    the builtin backend's preflight -> check_config): refused before any job is launched."""
+    from convergence.preflight import load_checked
 
     path = tmp_path / "exp.toml"
     path.write_text(f"""
@@ -128,7 +128,7 @@ name = "bad"
 parallelism = {layout}
 """)
     with pytest.raises(SpecError) as info:
-        load_experiment(path, rootdir=tmp_path)
+        load_checked(path, rootdir=tmp_path)
     assert info.value.key == f"test[0].{key}"
     assert words in str(info.value) and info.value.fix and str(path) in str(info.value)
 

@@ -13,6 +13,7 @@ from convergence.report.fmt import fmt_delta, fmt_float, fmt_value, verdict_stat
 from convergence.report.formats.plots import PLOT_DIR, plot_names
 from convergence.report.sections.probe import failure_line
 from convergence.run.outcome import PairOutcome
+from convergence.run.probe_compare import summary_items
 from convergence.spec.job import JobSpec
 from convergence.stats.types import MetricVerdict
 
@@ -128,7 +129,6 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
         lines.extend(_table(outcome, failing[0].metric))
     if outcome.localisation:
         # One-line entries here; the per-module tables are in the report.
-        from convergence.run.probe_compare import summary_items
 
         lines.append(f"localisation (numerics probe): {failure_line(outcome.localisation)}")
         lines.extend(f"  {k}: {v}" for k, v in summary_items(outcome.localisation))
