@@ -27,6 +27,7 @@ from typing import Any
 
 from convergence.compare_cli import add_compare_parser, add_export_parser
 from convergence.launch.types import Progress
+from convergence.options import OptionError, add_arguments, run_settings, values_from_args
 from convergence.spec.errors import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -75,22 +76,30 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from convergence.launch.pool import detect_devices
-    from convergence.preflight import load_checked, validate_devices
+    from convergence.preflight import in_tier, load_checked, validate_devices
     from convergence.report.formats.terminal import render_summary
-    from convergence.run.runner import RunSettings
     from convergence.run.session import SessionRunner
 
+    try:
+        values = values_from_args(args, cwd=Path.cwd())
+    except OptionError as exc:
+        _print_err(f"convergence run: {exc}")
+        return EXIT_USAGE
     path = Path(args.experiment)
-    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve())
-    devices = len(detect_devices(args.devices).devices)
-    for pair in experiment.pairs:
+    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve(),
+                              max_tier=values["tier"])
+    pairs = [pair for pair in experiment.pairs if in_tier(pair, values["tier"])]
+    skipped = len(experiment.pairs) - len(pairs)
+    if skipped:
+        _print_err(f"{skipped} pair(s) above --tier {values['tier']} not run")
+    devices = len(detect_devices(values["devices"]).devices)
+    for pair in pairs:
         validate_devices(pair, available_devices=devices)
-    settings = RunSettings(work_dir=Path(args.workdir).resolve(), refresh=args.refresh,
-                           early_stop=not args.no_early_stop, devices=args.devices,
-                           steps=args.steps, on_progress=_ProgressLog())
+    settings = run_settings(values, work_dir=(values["workdir"] or Path(".convergence")).resolve(),
+                            on_progress=_ProgressLog())
     runner = SessionRunner(settings)  # one device pool, run cache and launcher for all pairs
     outcomes = []
-    for pair in experiment.pairs:
+    for pair in pairs:
         _print_err(f"running {pair.pair_id} ...")
         outcome = runner.run_pair(pair)
         _print_err(f"{pair.pair_id}: {outcome.status}")
@@ -98,8 +107,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             _print_err(outcome.error)
         outcomes.append(outcome)
     print(render_summary(outcomes))
-    if args.report:
-        _write_reports(outcomes, Path(args.report), {"args": sys.argv[1:]})
+    if values["report"] is not None:
+        _write_reports(outcomes, values["report"], {"args": sys.argv[1:]})
     return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
 
 
@@ -169,14 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run every pair of an experiment file")
     run.add_argument("experiment", help="experiment TOML file")
-    run.add_argument("--report", metavar="DIR", help="write report.json/.md/.html and plots")
-    run.add_argument("--steps", type=int, help="override every job's steps")
-    run.add_argument("--devices", type=int, help="devices (GPUs, or CPU slots); default detect")
-    run.add_argument("--workdir", default=".convergence", help="run folders and cache")
     run.add_argument("--rootdir", default=".", help="where relative train_config paths are "
                                                    "looked up (besides the experiment's folder)")
-    run.add_argument("--refresh", action="store_true", help="ignore cached control runs")
-    run.add_argument("--no-early-stop", action="store_true", help="run tests to the end")
+    # The same settings as pytest's --convergence-<name> options (one table: options.py);
+    # the workdir defaults to ./.convergence here.
+    add_arguments(run)
     run.set_defaults(func=cmd_run)
 
     add_compare_parser(sub)

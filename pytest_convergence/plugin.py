@@ -7,7 +7,6 @@ reporting (matrix, JUnit properties, report files), xdist (workers), stash (sess
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from convergence.run.runner import RunSettings
+from convergence.options import run_settings
 from convergence.run.session import SessionRunner
 from pytest_convergence.collection import (
     MARKER_HELP,
@@ -54,14 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = is_worker(config)
     share_dir = worker_share_dir(config) if worker else (
         options.workdir / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    settings = RunSettings(
-        work_dir=options.workdir, cache_dir=options.cache_dir, refresh=options.refresh,
-        early_stop=options.early_stop, launcher=options.launcher, devices=options.devices,
-        steps=options.steps, alpha=options.alpha, backend=options.backend)
-    if options.idle_limit_s is not None:
-        settings = dataclasses.replace(settings, idle_limit_s=options.idle_limit_s)
-    if options.wall_limit_s is not None:
-        settings = dataclasses.replace(settings, wall_limit_s=options.wall_limit_s)
+    settings = run_settings(options.values, work_dir=options.workdir)
     config.stash[STATE_KEY] = SessionState(
         options=options, settings=settings, runner=SessionRunner(settings),
         share_dir=share_dir, is_worker=worker,

@@ -1,0 +1,55 @@
+"""One option table (convergence/options.py) behind both front ends: every option is a pytest
+flag, an ini key and a ``convergence run`` flag, with the same checks and the same settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from convergence.cli import build_parser, main
+from convergence.options import OPTIONS, run_settings, values_from_args
+
+
+def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_every_option_is_a_pytest_flag_an_ini_key_and_a_cli_flag(tmp_path: Path) -> None:
+    shown = _pytest(tmp_path, "--help").stdout
+    cli = build_parser().parse_args(["run", "x.toml"])
+    for opt in OPTIONS:
+        assert f"--convergence-{opt.name}" in shown, opt.name
+        assert f"convergence_{opt.name.replace('-', '_')}" in shown, opt.name
+        assert hasattr(cli, opt.name.replace("-", "_")), opt.name
+
+
+def test_the_same_bad_value_is_refused_by_both(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    proc = _pytest(tmp_path, "--convergence-idle-limit=0")
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "--convergence-idle-limit must be > 0 seconds, got 0.0" in proc.stderr
+    assert main(["run", str(tmp_path / "x.toml"), "--idle-limit", "0"]) == 2
+    assert "--idle-limit must be > 0 seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_cli_flags_become_the_runner_settings(tmp_path: Path) -> None:
+    args = build_parser().parse_args([
+        "run", "x.toml", "--launcher", "slurm", "--backend", "command", "--devices", "3",
+        "--steps", "7", "--cache-dir", "c", "--refresh", "--no-early-stop", "--alpha", "0.01",
+        "--idle-limit", "12", "--wall-limit", "99", "--workdir", "w"])
+    values = values_from_args(args, cwd=tmp_path)
+    settings = run_settings(values, work_dir=values["workdir"])
+    assert (settings.launcher, settings.backend, settings.devices, settings.steps) == (
+        "slurm", "command", 3, 7)
+    assert settings.cache_dir == tmp_path / "c" and settings.work_dir == tmp_path / "w"
+    assert settings.refresh and not settings.early_stop and settings.alpha == 0.01
+    assert (settings.idle_limit_s, settings.wall_limit_s) == (12.0, 99.0)
+    defaults = run_settings(values_from_args(build_parser().parse_args(["run", "x.toml"]),
+                                             cwd=tmp_path), work_dir=tmp_path)
+    assert (defaults.launcher, defaults.early_stop, defaults.refresh) == ("local", True, False)
+    assert (defaults.idle_limit_s, defaults.wall_limit_s) == (300.0, 3600.0)
