@@ -23,7 +23,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from convergence.compare_cli import compare_rules
+from convergence.preflight import load_checked
+from convergence.report.formats.failure_text import render_outcome
+from convergence.report.formats.terminal import render_summary
 from convergence.run.outcome import PairOutcome
+from convergence.run.runner import JobFailed, Runner, RunSettings, apply_settings
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -100,11 +105,7 @@ def _side_settings(settings: object, folder: Path) -> object:
 def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, settings: object,
            rootdir: Path) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
-    from convergence.compare_cli import compare_rules
-    from convergence.preflight import load_checked
-    from convergence.run.outcome import PairOutcome
-    from convergence.run.runner import JobFailed, Runner, apply_settings
-    from convergence.stats.registry import compare_all
+    from convergence.stats.registry import compare_all  # lazy: scipy (~1 s)
 
     pairs = [apply_settings(p, settings)  # type: ignore[arg-type]
              for p in load_checked(experiment, rootdir=rootdir).pairs]
@@ -147,9 +148,6 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from convergence.report.formats.failure_text import render_outcome
-    from convergence.report.formats.terminal import render_summary
-    from convergence.run.runner import RunSettings
 
     settings = RunSettings(work_dir=Path(args.workdir).resolve(), early_stop=False,
                            steps=args.steps, devices=args.devices)
@@ -162,7 +160,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if outcome.status != "passed":
             print(outcome.error or render_outcome(outcome))
     if args.report:
-        from convergence.cli import _write_reports
+        from convergence.cli import _write_reports  # lazy: the CLI imports this module
 
         _write_reports(outcomes, Path(args.report),
                        {"ab": {"baseline": args.baseline, "candidate": args.candidate}})

@@ -25,9 +25,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from convergence import __version__
+from convergence.ab import add_ab_parser
+from convergence.cache_cli import add_cache_parser
 from convergence.compare_cli import add_compare_parser, add_export_parser
+from convergence.configs import describe
+from convergence.launch.pool import detect_devices
 from convergence.launch.types import Progress
+from convergence.nightly import add_subcommands as add_nightly_subcommands
 from convergence.options import OptionError, add_arguments, run_settings, values_from_args
+from convergence.preflight import in_tier, load_checked, validate_devices
+from convergence.report import write_reports
+from convergence.report.data.schema import default_environment
+from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
+from convergence.report.formats.terminal import render_summary
+from convergence.run.session import SessionRunner
 from convergence.spec.errors import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -63,8 +75,6 @@ class _ProgressLog:
 # -- run ------------------------------------------------------------------------------------
 
 def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, Any]) -> None:
-    from convergence.report import write_reports
-    from convergence.report.data.schema import default_environment
 
     # As in pytest: a CI job's summary ($GITHUB_STEP_SUMMARY, when set) gets report.md too.
     paths = write_reports(list(outcomes), out_dir,
@@ -75,10 +85,6 @@ def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, 
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from convergence.launch.pool import detect_devices
-    from convergence.preflight import in_tier, load_checked, validate_devices
-    from convergence.report.formats.terminal import render_summary
-    from convergence.run.session import SessionRunner
 
     try:
         values = values_from_args(args, cwd=Path.cwd())
@@ -115,7 +121,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- report ---------------------------------------------------------------------------------
 
 def load_outcome_files(folder: Path) -> list[Any]:
-    from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 
     if not folder.is_dir():
         raise SpecError("not a folder", file=str(folder),
@@ -137,7 +142,6 @@ def load_outcome_files(folder: Path) -> list[Any]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from convergence.report.formats.terminal import render_summary
 
     outcomes = load_outcome_files(Path(args.source))
     print(render_summary(outcomes))
@@ -148,7 +152,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 # -- configs / version ----------------------------------------------------------------------
 
 def cmd_configs(args: argparse.Namespace) -> int:
-    from convergence.configs import describe
 
     print(describe())
     return EXIT_OK
@@ -158,7 +161,6 @@ def _version() -> str:
     """The installed distribution's version (what pip installed), else the source's."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from convergence import __version__
 
     try:
         return version("pytest-convergence")
@@ -195,15 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
 
-    from convergence.ab import add_ab_parser
-    from convergence.cache_cli import add_cache_parser
 
     add_ab_parser(sub)
 
     add_cache_parser(sub)
 
     # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly/ --
-    from convergence.nightly import add_subcommands as add_nightly_subcommands
 
     add_nightly_subcommands(sub)
     return parser

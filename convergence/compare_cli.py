@@ -15,10 +15,14 @@ from pathlib import Path
 
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import describe_source, read_run
+from convergence.report.formats.failure_text import render_outcome
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
+from convergence.spec.rules import default_rules
+from convergence.stats.golden import export_golden
+from convergence.stats.provenance import golden_provenance, read_run_meta, with_golden_note
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -51,7 +55,6 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 def compare_rules(metrics: Sequence[str] | None, method: str | None,
                   regime: str) -> tuple[ComparisonRule, ...]:
     """pytest's default rules for ``regime``, narrowed to ``metrics`` / with ``method``."""
-    from convergence.spec.rules import default_rules
 
     if metrics:
         return tuple(ComparisonRule(metric=m, method=method or regime) for m in metrics)
@@ -62,8 +65,7 @@ def compare_rules(metrics: Sequence[str] | None, method: str | None,
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from convergence.report.formats.failure_text import render_outcome
-    from convergence.stats.registry import compare_all
+    from convergence.stats.registry import compare_all  # lazy: scipy (~1 s)
 
     paths = [Path(args.a), *map(Path, args.replicate)]
     controls = [read_run(p) for p in paths]
@@ -76,7 +78,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _check_requested(args.metric or [], paths, controls, Path(args.b), test)
     verdicts = compare_all(rules, controls, test)
     if describe_source(Path(args.a)) == "golden":
-        from convergence.stats.provenance import read_run_meta, with_golden_note
 
         verdicts = with_golden_note(Path(args.a), verdicts, read_run_meta(Path(args.b)))
     passed = all(v.passed for v in verdicts if v.gate)
@@ -125,8 +126,6 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def cmd_export_golden(args: argparse.Namespace) -> int:
-    from convergence.stats.golden import export_golden
-    from convergence.stats.provenance import golden_provenance
 
     path = Path(args.run_dir)
     metrics = read_run(path)

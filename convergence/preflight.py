@@ -54,7 +54,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     """Invariants of a pair that need no devices: same data, same tokens per step, valid jobs."""
     # Lazy: backends import numpy and the trainer's config; importing this module (the plugin
     # does at startup) must cost a pytest session without convergence items nothing.
-    from convergence.backends import get_backend
+    from convergence.backends import get_backend  # lazy: see the comment above
 
     file = pair.source
     control, test = pair.control, pair.test

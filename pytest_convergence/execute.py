@@ -68,7 +68,7 @@ def check_outcome(outcome: PairOutcome, config: pytest.Config | None = None) -> 
 
 
 def _junit_properties(outcome: PairOutcome) -> list[tuple[str, object]]:
-    from convergence.report import junit_properties
+    from convergence.report import junit_properties  # lazy: plugin start-up
 
     return [(str(k), v) for k, v in junit_properties(outcome)]
 
@@ -91,14 +91,14 @@ def record_outcome(config: pytest.Config, outcome: PairOutcome,
     state.share_dir.mkdir(parents=True, exist_ok=True)
     name = f"{_slug(outcome.pair.pair_id)}-{uuid.uuid4().hex[:8]}{OUTCOME_SUFFIX}"
     tmp = state.share_dir / (name + ".tmp")
-    from convergence.report import outcome_to_json
+    from convergence.report import outcome_to_json  # lazy: plugin start-up
 
     tmp.write_text(json.dumps(outcome_to_json(outcome)), encoding="utf-8")
     tmp.replace(state.share_dir / name)  # atomic: the controller never reads half a file
 
 
 def load_outcomes(folder: Path) -> list[PairOutcome]:
-    from convergence.report import outcome_from_json
+    from convergence.report import outcome_from_json  # lazy: plugin start-up
 
     outcomes = []
     for path in sorted(folder.glob(f"*{OUTCOME_SUFFIX}")):

@@ -20,7 +20,7 @@ KEEP_SESSIONS = 20
 
 
 def environment(config: pytest.Config, *, interrupted: bool) -> dict[str, Any]:
-    from convergence.report.data.schema import default_environment
+    from convergence.report.data.schema import default_environment  # lazy: plugin start-up
 
     state = get_state(config)
     return {
@@ -74,7 +74,7 @@ def session_finish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -
 
 
 def _write(config: pytest.Config, report_dir: Path, *, interrupted: bool) -> None:
-    from convergence.report import write_reports, write_step_summary
+    from convergence.report import write_reports, write_step_summary  # lazy: plugin start-up
 
     state = get_state(config)
     state.report_paths = dict(write_reports(
@@ -91,7 +91,7 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = get_state(config)
     if state.is_worker or not state.all_outcomes:
         return
-    from convergence.report.formats.terminal import render_summary
+    from convergence.report.formats.terminal import render_summary  # lazy: plugin start-up
 
     tr = terminalreporter
     count = len(state.all_outcomes)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from convergence.launch.pool import detect_devices
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import RunSettings
 from convergence.run.session import SessionRunner
@@ -48,7 +49,6 @@ class SessionState:
         """Devices a single job may use, for checks at collection (detected once, lazily:
         importing torch costs seconds, so only sessions with convergence items pay it)."""
         if not self._devices_known:
-            from convergence.launch.pool import detect_devices
 
             self._devices = len(detect_devices(self.options.devices).devices)
             self._devices_known = True

@@ -13,6 +13,10 @@ from typing import Any
 
 import pytest
 
+from convergence.launch.pool import detect_devices
+from convergence.preflight import load_checked
+from pytest_convergence.collection import is_experiment_file
+from pytest_convergence.options import read_options
 from pytest_convergence.stash import get_state
 
 SHARE_KEY = "convergence_share_dir"
@@ -44,8 +48,6 @@ def pytest_configure_node(node: Any) -> None:
 
 
 def _experiment_files(config: pytest.Config) -> list[Path]:
-    from pytest_convergence.collection import is_experiment_file
-
     found: list[Path] = []
     for arg in config.args:
         path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
@@ -62,7 +64,6 @@ def _experiment_files(config: pytest.Config) -> list[Path]:
 
 
 def _largest_world_size(config: pytest.Config, files: list[Path]) -> int:
-    from convergence.preflight import load_checked
 
     largest = 0
     for path in files:
@@ -79,9 +80,6 @@ def _largest_world_size(config: pytest.Config, files: list[Path]) -> int:
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto``: devices (GPUs, or CPU slots) // the largest job's world size. Returns
     None (xdist's own default) when the session has no convergence tests in sight."""
-    from convergence.launch.pool import detect_devices
-    from pytest_convergence.options import read_options
-
     files = _experiment_files(config)
     if not files and "convergence" not in (config.option.markexpr or ""):
         return None

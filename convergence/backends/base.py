@@ -64,18 +64,18 @@ class Backend(Protocol):
 
 def get_backend(name: str) -> Backend:
     if name == "builtin":
-        from convergence.backends.builtin import BuiltinBackend
+        from convergence.backends.builtin import BuiltinBackend  # lazy: registry by name
 
         return BuiltinBackend()
     if name == "torchtitan":
         try:
-            from convergence.backends.torchtitan import TorchtitanBackend
+            from convergence.backends.torchtitan import TorchtitanBackend  # lazy: optional
         except ImportError as exc:
             raise SpecError(f"the torchtitan backend is not available: {exc}", key="backend",
                             fix="pip install 'pytest-convergence[torchtitan]' (and triton)") from None
         return TorchtitanBackend()
     if name == "command":
-        from convergence.backends.command import CommandBackend
+        from convergence.backends.command import CommandBackend  # lazy: registry by name
 
         return CommandBackend()
     raise SpecError(f"unknown backend {name!r}", key="backend",

@@ -8,6 +8,7 @@ from typing import Any
 
 import convergence
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_jsonl
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 
@@ -59,12 +60,12 @@ class BuiltinBackend:
 
     def preflight(self, job: JobSpec) -> None:
         if job.hook:  # located, not imported: see find_hook_module
-            from convergence.trainer.hooks import find_hook_module
+            from convergence.trainer.hooks import find_hook_module  # lazy: torch (~2 s)
 
             find_hook_module(job.hook, file=job.source, key="hook")
         cfg = self.effective_config(job)
         try:
-            from convergence.trainer.validate import check_config
+            from convergence.trainer.validate import check_config  # lazy: torch (~2 s)
         except ImportError:  # pragma: no cover - trainer validation not present
             return
         check_config(cfg, job.world_size)
@@ -108,7 +109,6 @@ class BuiltinBackend:
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         # The JSONL holds exact float64 reprs; TensorBoard carries the same values for users.
-        from convergence.metrics.jsonl import read_jsonl
 
         return read_jsonl(dump_dir / "metrics.jsonl")
 

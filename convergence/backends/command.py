@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_jsonl
+from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
@@ -129,11 +131,9 @@ class CommandBackend:
         options = _options(job)
         key_map = _key_map(options)
         if options.get("metrics", "jsonl") == "tensorboard":
-            from convergence.metrics.tensorboard import read_tensorboard
 
             return read_tensorboard(dump_dir / options.get("metrics_file", ""),
                                     tag_map=key_map or None)
-        from convergence.metrics.jsonl import read_jsonl
 
         return read_jsonl(dump_dir / options.get("metrics_file", "metrics.jsonl"),
                           key_map=key_map or None)

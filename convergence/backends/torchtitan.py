@@ -51,8 +51,10 @@ from pathlib import Path
 from typing import Any
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
+from convergence.spec.layout import ParallelLayout, Techniques
 
 if importlib.util.find_spec("torchtitan") is None:  # get_backend turns this into a SpecError
     raise ImportError("torchtitan is not installed")
@@ -404,7 +406,6 @@ class TorchtitanBackend:
         return None
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
-        from convergence.metrics.tensorboard import read_tensorboard
 
         return read_tensorboard(dump_dir / "tb")
 
@@ -416,7 +417,6 @@ def _one_process(job: JobSpec) -> JobSpec:
     """The job on a single rank (seed checkpoint): no parallelism, no techniques."""
     import dataclasses
 
-    from convergence.spec.layout import ParallelLayout, Techniques
 
     return dataclasses.replace(job, layout=ParallelLayout(), techniques=Techniques(), steps=1)
 

@@ -20,6 +20,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_jsonl
+from convergence.metrics.tensorboard import read_tensorboard
+from convergence.spec.errors import SpecError
+from convergence.stats.golden import load_golden
 
 #: Where a run folder of ours keeps its JSONL stream, in the order we look.
 RUN_JSONL = ("metrics.jsonl", "dump/metrics.jsonl")
@@ -70,7 +74,6 @@ def read_metrics(path: Path, *, key_map: Mapping[str, str] | None = None,
 def read_run(path: Path, *, key: str | None = None) -> RunMetrics:
     """:func:`read_metrics` for user input: every mistake becomes a :class:`SpecError` naming
     the path (and ``key``, e.g. an experiment's ``golden``) and the fix."""
-    from convergence.spec.errors import SpecError
 
     try:
         return read_metrics(path)
@@ -104,17 +107,14 @@ def _read_file(path: Path, key_map: Mapping[str, str] | None,
                tag_map: Mapping[str, str] | None) -> RunMetrics:
     kind = _file_kind(path)
     if kind == "golden":
-        from convergence.stats.golden import load_golden
 
         try:
             return load_golden(path)
         except ValueError as exc:
             raise NotAGolden(str(exc)) from None
     if kind == "tensorboard":
-        from convergence.metrics.tensorboard import read_tensorboard
 
         return read_tensorboard(path, tag_map)
-    from convergence.metrics.jsonl import read_jsonl
 
     return read_jsonl(path, key_map)
 
@@ -142,7 +142,6 @@ def _looks_like_golden(path: Path) -> bool:
 
 def _read_folder(path: Path, key_map: Mapping[str, str] | None,
                  tag_map: Mapping[str, str] | None) -> RunMetrics:
-    from convergence.metrics.jsonl import read_jsonl
 
     # Our runs write the JSONL stream and TensorBoard; the JSONL is what the backend reads
     # for the verdict (float64 exact), so compare reads the same.
@@ -153,7 +152,6 @@ def _read_folder(path: Path, key_map: Mapping[str, str] | None,
         raise NoMetricsFound(path, f"no metrics.jsonl, dump/metrics.jsonl or {EVENT_PREFIX}* "
                                    f"files in it; pass {ACCEPTED} (torchtitan: enable "
                                    f"metrics.enable_tensorboard)")
-    from convergence.metrics.tensorboard import read_tensorboard
 
     return read_tensorboard(path, tag_map)
 

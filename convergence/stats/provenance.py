@@ -18,6 +18,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from convergence.cache.key import hardware_fingerprint
+from convergence.metrics.reader import describe_source
+from convergence.stats.golden import golden_metadata
 from convergence.stats.types import MetricVerdict
 
 #: Keys of ``metadata["environment"]`` whose difference can move a curve by itself.
@@ -61,7 +64,6 @@ def run_environment(run_meta: Mapping[str, Any]) -> dict[str, Any]:
     torch version), this machine's for the rest (export and runs normally share a machine)."""
     import torch
 
-    from convergence.cache.key import hardware_fingerprint
 
     return {"torch": str(run_meta.get("torch_version") or torch.__version__),
             "cuda": torch.version.cuda, "hardware": hardware_fingerprint()}
@@ -92,8 +94,6 @@ def with_golden_note(golden_path: Path, verdicts: Sequence[MetricVerdict],
                      test_run_meta: Mapping[str, Any]) -> tuple[MetricVerdict, ...]:
     """``verdicts`` with the environment note on the loss verdict when ``golden_path`` is a
     golden file recorded elsewhere than the test run (unchanged otherwise)."""
-    from convergence.metrics.reader import describe_source
-    from convergence.stats.golden import golden_metadata
 
     if describe_source(golden_path) != "golden":
         return tuple(verdicts)

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path, rest = _split_config(args)
     try:
         cfg = load_train_config(config_path, rest)
-        from convergence.trainer import train  # torch import after cheap argument checks
+        from convergence.trainer import train  # lazy: torch, after cheap argument checks
         if cfg.checkpoint.create_seed_checkpoint:
             sha = train.create_seed(cfg)
             print(f"seed checkpoint {cfg.checkpoint.seed_checkpoint} sha256={sha}")

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from convergence.spec.layout import AXES
 from convergence.trainer.config import TrainConfig
+from convergence.trainer.context_parallel import cp_position_offset, make_cp_sdpa
 from convergence.trainer.hooks import HookContext, HookFn, apply_hook
 from convergence.trainer.model import Transformer, TransformerBlock
 
@@ -254,7 +255,6 @@ def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> None:
     """Attention over the whole sequence from this rank's chunk of it (context_parallel.py);
     the rotary offset is set on the model, since PP stages get no forward kwargs from the
     schedule. The inputs are sharded per microstep (train.shard_for_cp)."""
-    from convergence.trainer.context_parallel import cp_position_offset, make_cp_sdpa
     cp_sdpa = make_cp_sdpa(cp_mesh)
     for block in model.layers.values():
         block.attention.sdpa = cp_sdpa

@@ -24,9 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from convergence.process_lifetime import die_with_parent
+from convergence.spec.errors import SpecError
 from convergence.trainer import checkpoint as ckpt
+from convergence.trainer import pipeline as pl
 from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
+from convergence.trainer.context_parallel import shard_sequence
 from convergence.trainer.data import (
     IGNORE_INDEX,
     TRAIN,
@@ -188,7 +191,6 @@ def shard_for_cp(inputs: torch.Tensor, targets: torch.Tensor,
                  meshes: Meshes | None) -> tuple[torch.Tensor, torch.Tensor]:
     if meshes is None or meshes.cp is None:
         return inputs, targets
-    from convergence.trainer.context_parallel import shard_sequence
     return shard_sequence(inputs, meshes.cp), shard_sequence(targets, meshes.cp)
 
 
@@ -218,7 +220,6 @@ def plain_engine(chunk: nn.Module, weight: TokenWeight, meshes: Meshes | None) -
 def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hook: HookFn | None,
                     device: torch.device, weight: TokenWeight) -> Engine:
     """Engine with PP: this rank's stages, each prepared like a whole model, in a schedule."""
-    from convergence.trainer import pipeline as pl
 
     assert meshes.pp is not None
     par = cfg.parallelism
@@ -514,8 +515,8 @@ def train(cfg: TrainConfig) -> str:
             # The numerics probe replaces step K: one forward+backward, norms to probe.json,
             # then stop. Steps before it ran the loop above, so the probe sees exactly the
             # state this run had at this step (same data, LR, optimizer).
-            from convergence.trainer.probe import run_probe
             step = probe_at
+            from convergence.trainer.probe import run_probe  # lazy: probe imports train
             status = run_probe(cfg, engine, meshes, source, plan, device, is_writer=logger,
                                warm_up=step == 1)
     except BaseException:
@@ -555,7 +556,6 @@ def create_seed(cfg: TrainConfig) -> str:
     check_config(cfg, None)
     folder = cfg.checkpoint.seed_checkpoint
     if not folder:
-        from convergence.spec.errors import SpecError
         raise SpecError("no folder to create the seed checkpoint in", file=cfg.source,
                         key="checkpoint.seed_checkpoint", fix="set --checkpoint.seed_checkpoint=DIR")
     model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
