@@ -74,6 +74,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if regime == "seed" and len(controls) < 2:
         raise SpecError("the seed regime needs at least 2 control runs", key="--replicate",
                         fix="add --replicate RUN for each other seed's control run")
+    if regime == "twin" and len(controls) < 2:
+        raise SpecError("the twin regime needs the control's twin run", key="--replicate",
+                        fix="add --replicate TWIN_RUN: the control layout with another DP "
+                            "degree, same seed and data (README: Reading the verdict)")
     rules = compare_rules(args.metric, args.method, regime)
     _check_requested(args.metric or [], paths, controls, Path(args.b), test)
     verdicts = compare_all(rules, controls, test)
@@ -110,7 +114,7 @@ def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: P
                     test=test_job, rules=rules, regime=regime,
                     replicates=max(2, len(controls)), early_stop=False)
     control = SideOutcome(job=control_job, metrics=controls[0], run_dir=paths[0],
-                          replicates=tuple(controls) if regime == "seed" else ())
+                          replicates=tuple(controls) if regime in ("seed", "twin") else ())
     return PairOutcome(pair=pair, status="passed" if passed else "failed", control=control,
                        test=SideOutcome(job=test_job, metrics=test, run_dir=test_path),
                        verdicts=tuple(verdicts))  # type: ignore[arg-type]

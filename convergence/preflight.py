@@ -10,6 +10,7 @@ An invalid pair still fails before anything is launched, with file, key and fix.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,16 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
             raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
                             file=exc.file or file, key=key_path, fix=exc.fix) from None
-    if pair.regime == "paired" and control.seed != test.seed:
-        raise SpecError("paired comparison needs the same seed (same seed checkpoint and data)",
-                        file=file, key=f"{key}.seed",
+    if pair.regime in ("paired", "twin") and control.seed != test.seed:
+        raise SpecError(f"{pair.regime} comparison needs the same seed (same seed checkpoint "
+                        "and data)", file=file, key=f"{key}.seed",
                         fix='use the same seed on both sides, or regime = "seed"')
+    if pair.regime == "twin" and not pair.golden:
+        try:
+            noise_twin(control)
+        except SpecError as exc:
+            raise SpecError(f"[control {control.name!r}] {exc.detail}", file=file,
+                            key=f"{key}.regime", fix=exc.fix) from None
     if control.backend == test.backend:
         backend = get_backend(control.backend)
         ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
@@ -86,6 +93,48 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                 "(local batch x DP x grad accumulation x seq_len)", file=file,
                 key=f"{key}.local_batch_size",
                 fix=_batch_fix(control, test, ctrl_tokens, test_tokens))
+
+
+def noise_twin(control: JobSpec) -> JobSpec:
+    """The control's twin for the twin regime (convergence/stats/twin.py): the same seed
+    checkpoint, samples, precision and techniques, with another data-parallel degree, so its
+    gradients are reduced in another order and rounded at other points -- legitimate noise only.
+
+    Twice the FSDP degree with half the local batch where the local batch is even (every
+    optimizer step reads the very same samples: convergence.trainer.data.BatchPlan); else half
+    the FSDP degree with twice the gradient accumulation (fewer ranks, same samples). Raises
+    SpecError with a fix when neither keeps the tokens per step.
+    """
+    from convergence.backends import get_backend  # lazy: see check_pair
+    from convergence.backends.builtin import BuiltinBackend  # lazy: see check_pair
+
+    if control.backend != "builtin":
+        raise SpecError(f"the twin regime derives the control's twin from the built-in "
+                        f"trainer's settings; the {control.backend!r} backend has none",
+                        key="regime", fix='use regime = "seed" for this backend')
+    cfg = BuiltinBackend().effective_config(control)
+    layout, tech = control.layout, control.techniques
+    local = cfg.training.local_batch_size
+    if local % 2 == 0:
+        twin = dataclasses.replace(
+            control, name=f"{control.name}-twin", local_batch_size=local // 2,
+            layout=dataclasses.replace(layout, dp_shard=layout.dp_shard * 2))
+    elif layout.dp_shard % 2 == 0 and (layout.dp_shard // 2) * layout.cp > 1:
+        twin = dataclasses.replace(
+            control, name=f"{control.name}-twin",
+            layout=dataclasses.replace(layout, dp_shard=layout.dp_shard // 2),
+            techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2))
+    else:
+        raise SpecError(f"no noise twin for control {control.name!r}: its local batch "
+                        f"({local}) is odd and its FSDP degree ({layout.dp_shard}) cannot be "
+                        "halved", key="regime",
+                        fix="use an even local_batch_size on the control, or regime = \"seed\"")
+    backend = get_backend("builtin")
+    backend.preflight(twin)
+    if backend.tokens_per_step(twin) != backend.tokens_per_step(control):
+        raise SpecError(f"the twin of {control.name!r} would read other tokens per step",
+                        key="regime", fix='use regime = "seed" for this control')
+    return twin
 
 
 def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
@@ -107,7 +156,10 @@ def validate_devices(pair: PairSpec, *, available_devices: int | None) -> None:
     """World size vs. the devices this session may use."""
     if available_devices is None:
         return
-    for side, job in (("control", pair.control), ("test", pair.test)):
+    jobs = [("control", pair.control), ("test", pair.test)]
+    if pair.regime == "twin" and not pair.golden:
+        jobs.append(("control", noise_twin(pair.control)))
+    for side, job in jobs:
         if job.world_size > available_devices:
             raise SpecError(
                 f"{side} {job.name!r} needs {job.world_size} devices "

@@ -1,5 +1,6 @@
 """The default regime: paired only when both sides are deterministic fp32 (compute and
-reduction) and uncompiled, as the README says; anything else falls out of the paired regime."""
+reduction) and uncompiled, as the README says; anything else with the same seed is the twin
+regime (noise measured on a twin of the control), and other seeds the seed band."""
 
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ def test_fp32_deterministic_is_paired(tmp_path: Path) -> None:
     'overrides = { "training.deterministic" = false }',
 ], ids=["reduce_bf16", "param_bf16", "fp16", "compile", "nondeterministic",
         "override_reduce_bf16", "override_nondeterministic"])
-def test_anything_but_deterministic_fp32_is_not_paired(tmp_path: Path, extra: str) -> None:
-    assert regime_of(tmp_path, extra) == "seed"
+def test_anything_but_deterministic_fp32_is_twin(tmp_path: Path, extra: str) -> None:
+    assert regime_of(tmp_path, extra) == "twin"
+
+
+def test_other_seeds_are_the_seed_band(tmp_path: Path) -> None:
+    assert regime_of(tmp_path, 'seed = 43\ntechniques = { param_dtype = "bfloat16" }') == "seed"
 
 
 def test_an_explicit_regime_wins(tmp_path: Path) -> None:
@@ -68,3 +73,48 @@ def test_data_rule_comes_first_and_only_with_the_same_seed(tmp_path: Path) -> No
     path.write_text(textwrap.dedent(other_seed))
     (pair,) = load_checked(path, rootdir=ROOT).pairs
     assert "data_fingerprint" not in [rule.metric for rule in pair.rules]
+
+
+def test_the_twin_reads_the_same_samples_on_twice_the_dp_degree(tmp_path: Path) -> None:
+    from convergence.backends import get_backend
+    from convergence.preflight import noise_twin
+
+    path = tmp_path / "exp.toml"
+    path.write_text(textwrap.dedent(BODY.format(
+        root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')))
+    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    twin = noise_twin(pair.control)
+    assert (twin.layout.dp_shard, twin.local_batch_size) == (4, 4)  # debug.toml: 8 per rank
+    assert twin.name == "fsdp2-twin" and twin.seed == pair.control.seed
+    assert twin.techniques == pair.control.techniques
+    backend = get_backend("builtin")
+    assert backend.tokens_per_step(twin) == backend.tokens_per_step(pair.control)
+
+
+def test_odd_batch_halves_the_dp_degree_and_doubles_accumulation(tmp_path: Path) -> None:
+    from convergence.preflight import noise_twin
+
+    body = BODY.replace("dp_shard = 2 }}\n\n[[test]]", "dp_shard = 4 }}\n\n[[test]]")
+    body = body.replace("dp_shard = 2, tp = 2", "dp_shard = 4, tp = 2")
+    path = tmp_path / "exp.toml"
+    path.write_text(textwrap.dedent(body.format(
+        root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')).replace(
+        "steps = 12", "steps = 12\nlocal_batch_size = 3"))
+    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    twin = noise_twin(pair.control)
+    assert twin.layout.dp_shard == 2 and twin.techniques.grad_accum_steps == 2
+    assert twin.local_batch_size == 3
+
+
+def test_no_twin_is_a_collection_error_naming_the_fix(tmp_path: Path) -> None:
+    from convergence.spec.errors import SpecError
+
+    path = tmp_path / "exp.toml"
+    path.write_text(textwrap.dedent(BODY.format(
+        root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')).replace(
+        "steps = 12", "steps = 12\nlocal_batch_size = 3"))
+    with pytest.raises(SpecError) as err:
+        load_checked(path, rootdir=ROOT)
+    text = str(err.value)
+    assert "no noise twin" in text and "regime" in text and 'regime = "seed"' in text
+    assert str(path) in text

@@ -36,6 +36,7 @@ from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
+from convergence.preflight import noise_twin
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.spec.errors import SpecError
@@ -397,12 +398,16 @@ class Runner:
             golden = read_run(Path(pair.golden), key="golden")
             return [SideOutcome(job=pair.control, metrics=golden, cached=True,
                                 run_dir=Path(pair.golden).parent)]
-        count = pair.replicates if pair.regime == "seed" else 1
-        sides = []
-        for i in range(count):
-            job = pair.control if i == 0 else dataclasses.replace(
-                pair.control, seed=pair.control.seed + i, name=f"{pair.control.name}-seed{i}")
-            sides.append(self.run_job("control", job, pair_dir=pair_dir, cacheable=True))
+        jobs = [pair.control]
+        if pair.regime == "seed":
+            jobs += [dataclasses.replace(pair.control, seed=pair.control.seed + i,
+                                         name=f"{pair.control.name}-seed{i}")
+                     for i in range(1, pair.replicates)]
+        elif pair.regime == "twin":  # its noise envelope: see convergence/stats/twin.py
+            jobs.append(noise_twin(pair.control))
+        count = len(jobs)
+        sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True)
+                 for job in jobs]
         if count > 1:
             sides[0] = dataclasses.replace(sides[0],
                                            replicates=tuple(s.metrics for s in sides))

@@ -407,15 +407,25 @@ _PAIRABLE_OVERRIDES: dict[str, str] = {
 
 def _default_regime(control: JobSpec, test: JobSpec) -> str:
     """Paired (step-by-step at the noise floor) only when both runs are deterministic fp32
-    (compute and reduction), uncompiled and share the seed, as the README promises."""
+    (compute and reduction), uncompiled and share the seed, as the README promises; twin when
+    they share the seed but are not bitwise reproducible; seed when the seeds differ."""
     def pairable(job: JobSpec) -> bool:
         overrides = job.override_dict()
         return job.techniques.bitwise_pairable and all(
             str(overrides[k]).lower() == v for k, v in _PAIRABLE_OVERRIDES.items()
             if k in overrides)
 
-    paired = pairable(control) and pairable(test) and control.seed == test.seed
-    return "paired" if paired else "seed"
+    if control.seed != test.seed:
+        return "seed"
+    if pairable(control) and pairable(test):
+        return "paired"
+    # Same seed checkpoint and data but not bitwise reproducible (bf16, compile, ...): the twin
+    # regime measures the noise on a twin of the control (stats/twin.py). It needs to derive
+    # that twin (twice the DP degree, half the local batch), which the built-in trainer's
+    # settings allow; other backends keep the seed band.
+    if control.backend == "builtin" and test.backend == "builtin":
+        return "twin"
+    return "seed"
 
 
 def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec

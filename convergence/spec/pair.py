@@ -11,8 +11,11 @@ from convergence.spec.job import JobSpec
 METRICS: tuple[str, ...] = ("loss", "grad_norm", "grad_norm_parts", "lr", "val_loss",
                           "tokens_per_s", "peak_mem_mib",
                           "data_fingerprint")
-METHODS: tuple[str, ...] = ("exact", "allclose", "paired", "seed", "regression")
-REGIMES: tuple[str, ...] = ("paired", "seed")
+METHODS: tuple[str, ...] = ("exact", "allclose", "paired", "twin", "seed", "regression")
+#: paired: bitwise-comparable fp32 runs at the noise floor; twin: same seed checkpoint and data
+#: but not bitwise reproducible (bf16, compile), with a noise envelope measured on a twin of the
+#: control; seed: different seeds, a band of control replicates.
+REGIMES: tuple[str, ...] = ("paired", "twin", "seed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +28,7 @@ class ComparisonRule:
     metric: str
     """One of :data:`METRICS`."""
     method: str
-    """``exact`` | ``allclose`` | ``paired`` | ``seed`` | ``regression``."""
+    """``exact`` | ``allclose`` | ``paired`` | ``twin`` | ``seed`` | ``regression``."""
     gate: bool = True
     """Whether a failure of this metric fails the pair (throughput/memory default to False)."""
     rtol: float | None = None
@@ -35,7 +38,7 @@ class ComparisonRule:
     growth: float | None = None
     """paired: how the tolerance grows with the step (multiplier of sqrt(step))."""
     z: float | None = None
-    """seed: band half-width in standard deviations."""
+    """seed: band half-width in standard deviations; twin: multiplier k of the measured noise."""
     alpha: float | None = None
     """seed: level of the equivalence test (TOST) on the final window."""
     margin: float | None = None
@@ -64,7 +67,8 @@ class PairSpec:
     test: JobSpec
     rules: tuple[ComparisonRule, ...]
     regime: str = "paired"
-    """``paired`` (same seed checkpoint and data, bitwise-comparable) or ``seed`` (ensemble)."""
+    """``paired`` (same seed checkpoint and data, bitwise-comparable), ``twin`` (same seed
+    checkpoint and data, noise envelope from a twin of the control) or ``seed`` (ensemble)."""
     replicates: int = 3
     """seed regime: number of control replicates (different seeds) forming the band."""
     early_stop: bool = True

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -87,8 +88,25 @@ def paired_tolerance(rule: ComparisonRule) -> PairedTolerance:
                            rtol=base.rtol if rule.rtol is None else rule.rtol)
 
 
+class Tolerance(Protocol):
+    """A per-step tolerance around the control (paired, allclose, twin)."""
+
+    @property
+    def atol(self) -> float: ...
+
+    @property
+    def growth(self) -> float: ...
+
+    @property
+    def rtol(self) -> float: ...
+
+    def at(self, steps: Ints, control: Floats) -> Floats: ...
+
+    def describe(self) -> str: ...
+
+
 def envelope_verdict(rule: ComparisonRule, method: str, controls: Sequence[Curve], test: Curve,
-                     tol: PairedTolerance, *, band: str) -> MetricVerdict:
+                     tol: Tolerance, *, band: str) -> MetricVerdict:
     """Pointwise check ``|test - control| <= tol(step)`` at every common step (paired and
     allclose share it: allclose is the envelope without growth)."""
     described = tol.describe()

@@ -14,10 +14,12 @@ from convergence.stats.fingerprint import compare_fingerprints, not_logged
 from convergence.stats.paired import PairedBand
 from convergence.stats.regression import Regression
 from convergence.stats.seed import SeedBand
+from convergence.stats.twin import TwinEnvelope
 from convergence.stats.types import Comparison, MetricVerdict
 
 _COMPARISONS: dict[str, Comparison] = {
-    c.method: c for c in (Exact(), AllClose(), PairedBand(), SeedBand(), Regression())
+    c.method: c for c in (Exact(), AllClose(), PairedBand(), TwinEnvelope(), SeedBand(),
+                          Regression())
 }
 
 
@@ -50,8 +52,8 @@ def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
         return not_logged(rule)
     if curve is None or not controls:
         return _missing(rule, control_runs, test, in_test=curve is not None)
-    if rule.method != "seed":
-        controls = controls[:1]
+    if rule.method not in ("seed", "twin"):
+        controls = controls[:1]  # seed: the K replicates; twin: the control and its twin
     if rule.metric == FINGERPRINT and rule.method == "exact":
         return compare_fingerprints(rule, controls, curve)
     return get_comparison(rule.method).compare(rule, controls, curve)

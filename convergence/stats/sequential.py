@@ -5,9 +5,9 @@ the machine. The monitor is fed each logged record and says when the verdict is 
 
 - a NaN/inf loss fails at once (nothing after it can recover the comparison);
 - a gating metric that is *clearly* outside its tolerance -- beyond CLEAR_FACTOR (2x) the
-  paired/allclose tolerance or the seed band's half-width -- for ``patience`` consecutive
-  logged steps, counted from ``min_step`` on, fails. Twice the tolerance and several steps in a
-  row, because a single step at the edge of the band is what noise does; the final verdict
+  paired/allclose tolerance, the twin envelope or the seed band's half-width -- for
+  ``patience`` consecutive logged steps, counted from ``min_step`` on, fails. Twice the
+  tolerance and several steps in a row, because a single step at the edge of the band is what noise does; the final verdict
   still judges the whole run at 1x. The first ``min_step`` steps are skipped: the first
   optimizer steps of a seed ensemble are the noisiest (and least informative).
 
@@ -29,6 +29,7 @@ from convergence.spec.pair import ComparisonRule
 from convergence.stats.allclose import DEFAULT_ATOL, DEFAULT_RTOL
 from convergence.stats.paired import paired_tolerance
 from convergence.stats.seed import DEFAULT_Z, seed_band
+from convergence.stats.twin import twin_tolerance
 
 CLEAR_FACTOR = 2.0
 DEFAULT_MIN_STEP = 5
@@ -129,7 +130,9 @@ def _check_for(rule: ComparisonRule, controls: list[Curve]) -> Check | None:
             return None if found is None else (abs(value - found[0]), found[1])
         return seed_check
     control = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist(), strict=True))
-    tolerance = _tolerance(rule)
+    if rule.method == "twin" and len(controls) < 2:
+        return None
+    tolerance = _tolerance(rule, controls)
 
     def point_check(step: int, value: float) -> tuple[float, float] | None:
         reference = control.get(step)
@@ -142,7 +145,12 @@ def _check_for(rule: ComparisonRule, controls: list[Curve]) -> Check | None:
     return point_check
 
 
-def _tolerance(rule: ComparisonRule) -> Callable[[int, float], float]:
+def _tolerance(rule: ComparisonRule, controls: Sequence[Curve]
+               ) -> Callable[[int, float], float]:
+    if rule.method == "twin":  # the control and its twin finished before the test started
+        envelope = twin_tolerance(rule, controls[0], controls[1:])
+        return lambda step, ref: float(envelope.at(np.array([step], dtype=np.int64),
+                                                   np.array([ref]))[0])
     if rule.method == "paired":
         tol = paired_tolerance(rule)
         return lambda step, ref: float(tol.at(np.array([step], dtype=np.int64),

@@ -20,6 +20,7 @@ from convergence.report.data.jsonable import NON_FINITE, jsonable
 from convergence.report.data.records import pair_record, relative_plot
 from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.spec.layout import AXES
+from convergence.spec.pair import REGIMES
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -87,7 +88,7 @@ _PAIR: dict[str, Any] = {
                  "divergence", "plots"],
     "properties": {
         "id": {"type": "string"}, "name": {"type": "string"}, "source": {"type": "string"},
-        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": ["paired", "seed"]},
+        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": list(REGIMES)},
         "tier": {"type": "string"},
         "control": {"$ref": "#/$defs/side"}, "test": {"$ref": "#/$defs/side"},
         "techniques_changed": {"type": "object"},

@@ -1,0 +1,138 @@
+"""``twin``: the paired regime for runs that are not bitwise reproducible (bf16, compile,
+nondeterministic kernels), with a noise envelope *measured* on the same pair.
+
+Why not the seed band: a bf16 test starts from the same seed checkpoint and reads the same
+samples as its control, so before chaos sets in the two curves agree far more closely than two
+seeds do. A band sized by seed-to-seed spread is hundreds of times wider than that agreement at
+the first steps, exactly where most parallelism bugs show (BENCHMARKS.md: the seed regime let a
+missing row-wise all-reduce, a CP mask offset and a CP rotary offset pass).
+
+The envelope. Besides the control, the session runs a *twin* of it: the same layout family,
+seed checkpoint, samples and precision, changed only in a way that is numerically legitimate --
+twice the data-parallel degree with half the local batch (convergence.preflight.noise_twin), so
+every gradient is reduced in another order and rounded at other points, as a new layout's would
+be. ``|twin - control|`` at step s is how far legitimate rounding noise alone moved the curve
+after s steps. The tolerance is
+
+    tol(step) = k * noise(step) + atol * (1 + growth * sqrt(step)) + rtol * |control(step)|
+
+- ``noise(step)`` is the running maximum of |twin - control| up to that step. Two trajectories
+  pushed apart by rounding drift apart and stay apart (chaos amplifies, it does not heal); that
+  they cross at some step says nothing about how far noise can move them, so the envelope never
+  narrows back to a crossing.
+- ``k`` (multiplier, ``rule.z``) because one twin is one sample of the noise, and a test layout
+  rounds in more places than the twin (TP splits every matmul, not only the reduction).
+- The floor (``atol``, ``growth``, ``rtol``) covers the first steps, where the twin can agree
+  with the control bit for bit (a DP change does not touch the forward pass) while a TP or CP
+  layout already rounds its forward differently: bf16 keeps 8 significant bits, so a loss of
+  ~5 computed in another order can move by ~1e-3 at step 1.
+
+The defaults are calibrated on CPU bf16 (FSDP2 mixed precision, debug model) against the
+detection catalogue: see :data:`TWIN_DEFAULTS` and BENCHMARKS.md ("Verdict quality in bf16").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule
+from convergence.stats._common import Floats, Ints, align, failed
+from convergence.stats.paired import envelope_verdict
+from convergence.stats.types import MetricVerdict
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwinTolerance:
+    """k x the measured noise, plus a floor; ``at`` gives the tolerance at the test's steps."""
+
+    k: float
+    atol: float
+    growth: float
+    rtol: float
+    noise_steps: Ints
+    """Steps where both the control and the twin logged the metric (ascending)."""
+    noise: Floats
+    """Running max of |twin - control| at ``noise_steps`` (max over the twins)."""
+
+    def measured(self, steps: Ints) -> Floats:
+        """The noise in force at each step: the running max up to the latest step <= it."""
+        if self.noise.size == 0:
+            return np.zeros(steps.shape, dtype=np.float64)
+        index = np.searchsorted(self.noise_steps, steps, side="right") - 1
+        return np.where(index >= 0, self.noise[np.clip(index, 0, None)], 0.0)
+
+    def at(self, steps: Ints, control: Floats) -> Floats:
+        floor = self.atol * (1.0 + self.growth * np.sqrt(steps.astype(np.float64)))
+        return self.k * self.measured(steps) + floor + self.rtol * np.abs(control)
+
+    def describe(self) -> str:
+        return (f"{self.k:g} x |twin - control| (running max) + atol {self.atol:g}"
+                f"*(1+{self.growth:g}*sqrt(step)) + rtol {self.rtol:g}*|control|")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwinDefaults:
+    k: float
+    atol: float
+    growth: float
+    rtol: float
+
+
+#: Calibrated on CPU bf16 (BENCHMARKS.md, "Verdict quality in bf16"). Other metrics use the
+#: loss's. ``lr`` comes from the schedule, so it needs no twin: its floor is float64 rounding.
+TWIN_DEFAULTS: dict[str, TwinDefaults] = {
+    "loss": TwinDefaults(k=3.0, atol=2e-3, growth=0.0, rtol=0.0),
+    "val_loss": TwinDefaults(k=3.0, atol=2e-3, growth=0.0, rtol=0.0),
+    "grad_norm": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=1e-2),
+    "grad_norm_parts": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=1e-2),
+    "lr": TwinDefaults(k=0.0, atol=1e-12, growth=0.0, rtol=1e-9),
+}
+
+
+def twin_noise(control: Curve, twins: Sequence[Curve]) -> tuple[Ints, Floats]:
+    """(steps, running max over steps of max over twins of |twin - control|)."""
+    steps: Ints = control.steps.astype(np.int64)
+    worst = np.zeros(steps.shape, dtype=np.float64)
+    seen = np.zeros(steps.shape, dtype=bool)
+    for twin in twins:
+        pairs = align(control, twin)
+        index = np.searchsorted(steps, pairs.steps)
+        gap = np.abs(pairs.test - pairs.control)
+        # A NaN in a twin is no evidence of noise (the twin's own health is checked apart).
+        gap = np.where(np.isfinite(gap), gap, 0.0)
+        worst[index] = np.maximum(worst[index], gap)
+        seen[index] = True
+    kept_steps = steps[seen]
+    return kept_steps, np.maximum.accumulate(worst[seen]) if kept_steps.size else worst[seen]
+
+
+def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]
+                   ) -> TwinTolerance:
+    base = TWIN_DEFAULTS.get(rule.metric, TWIN_DEFAULTS["loss"])
+    steps, noise = twin_noise(control, twins)
+    return TwinTolerance(k=base.k if rule.z is None else rule.z,
+                         atol=base.atol if rule.atol is None else rule.atol,
+                         growth=base.growth if rule.growth is None else rule.growth,
+                         rtol=base.rtol if rule.rtol is None else rule.rtol,
+                         noise_steps=steps, noise=noise)
+
+
+class TwinEnvelope:
+    method = "twin"
+
+    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+                ) -> MetricVerdict:
+        """``controls`` = (control, twin, ...): the control first, then its noise twins."""
+        if len(controls) < 2 and rule.metric != "lr":
+            return failed(rule, self.method, "the twin regime needs the control and its twin "
+                          "run; only the control logged this metric")
+        tol = twin_tolerance(rule, controls[0], controls[1:])
+        verdict = envelope_verdict(rule, self.method, controls[:1], test, tol,
+                                   band="the twin envelope")
+        if tol.noise.size:
+            verdict.details.update({"k": tol.k, "twin_noise_max": float(tol.noise[-1])})
+        return verdict
