@@ -56,6 +56,18 @@ def test_seed_replicates_survive() -> None:
         assert a["loss"].values.tobytes() == b["loss"].values.tobytes()
 
 
+def test_twin_curves_survive() -> None:
+    import dataclasses
+
+    o = seed_pair()
+    assert o.control is not None
+    twin_side = dataclasses.replace(o.control, replicates=(), twin=o.control.replicates[1])
+    back = _roundtrip(dataclasses.replace(o, control=twin_side))
+    assert back.control is not None and back.control.twin is not None
+    original = o.control.replicates[1]["loss"].values
+    assert back.control.twin["loss"].values.tobytes() == original.tobytes()
+
+
 def test_non_finite_values_roundtrip_as_strict_json() -> None:
     o = failing_pair()
     assert o.test is not None

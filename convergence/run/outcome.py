@@ -34,6 +34,8 @@ class SideOutcome:
     wall_s: float = 0.0
     replicates: tuple[RunMetrics, ...] = ()
     """Seed regime: all K control replicates (including the first)."""
+    twin: RunMetrics | None = None
+    """Twin regime: the curves of the control's noise twin (convergence/stats/twin.py)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Trainer metadata (seed checkpoint hash, entropy floor, world size, versions)."""
 

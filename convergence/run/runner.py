@@ -405,12 +405,15 @@ class Runner:
                      for i in range(1, pair.replicates)]
         elif pair.regime == "twin":  # its noise envelope: see convergence/stats/twin.py
             jobs.append(noise_twin(pair.control))
-        count = len(jobs)
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True)
                  for job in jobs]
-        if count > 1:
+        # The seed band's replicates travel with the control for the report; a twin does not
+        # (the test is compared with the control itself; its envelope is in the verdicts).
+        if pair.regime == "seed" and len(sides) > 1:
             sides[0] = dataclasses.replace(sides[0],
                                            replicates=tuple(s.metrics for s in sides))
+        elif pair.regime == "twin":
+            sides[0] = dataclasses.replace(sides[0], twin=sides[1].metrics)
         return sides
 
 

@@ -133,6 +133,10 @@ class TwinEnvelope:
         tol = twin_tolerance(rule, controls[0], controls[1:])
         verdict = envelope_verdict(rule, self.method, controls[:1], test, tol,
                                    band="the twin envelope")
-        if tol.noise.size:
-            verdict.details.update({"k": tol.k, "twin_noise_max": float(tol.noise[-1])})
+        verdict.details.update({
+            "k": tol.k, "twin_noise_max": float(tol.noise[-1]) if tol.noise.size else 0.0,
+            # The allowed |test - control| per control step, for the report's plots.
+            "envelope": {"steps": controls[0].steps.tolist(),
+                         "values": tol.at(controls[0].steps.astype(np.int64),
+                                          controls[0].values).tolist()}})
         return verdict
