@@ -141,16 +141,16 @@ def test_more_devices_than_available(tmp_path: Path) -> None:
     assert "needs 4 devices" in str(info.value) and "--convergence-devices" in str(info.value)
 
 
-def test_seed_regime_for_bf16(tmp_path: Path) -> None:
+def test_twin_regime_for_bf16(tmp_path: Path) -> None:
     body = GOOD.format(root=ROOT).replace(
         'grid = {',
         'techniques = { param_dtype = "bfloat16" }\ngrid = {')
     exp = load_checked(write(tmp_path, body), rootdir=ROOT)
     assert exp.pairs[0].regime == "paired"   # fp32 test: step-by-step comparison
     bf16 = exp.pairs[1]
-    assert bf16.regime == "seed"
-    assert bf16.rule_for("loss").method == "seed"
-    assert bf16.rule_for("grad_norm").method == "seed"
+    assert bf16.regime == "twin"  # same seed checkpoint and data, noise measured on a twin
+    assert bf16.rule_for("loss").method == "twin"
+    assert bf16.rule_for("grad_norm").method == "twin"
 
 
 @pytest.mark.parametrize(("old", "new", "words"), [
@@ -192,10 +192,10 @@ def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) 
 
 @pytest.mark.parametrize(("techniques", "regime"), [
     ("{}", "paired"),
-    ('{ reduce_dtype = "bfloat16" }', "seed"),
-    ('{ param_dtype = "bfloat16" }', "seed"),
-    ("{ compile = true }", "seed"),
-    ("{ deterministic = false }", "seed"),
+    ('{ reduce_dtype = "bfloat16" }', "twin"),
+    ('{ param_dtype = "bfloat16" }', "twin"),
+    ("{ compile = true }", "twin"),
+    ("{ deterministic = false }", "twin"),
 ])
 def test_default_regime_is_paired_only_for_deterministic_fp32(
         tmp_path: Path, techniques: str, regime: str) -> None:
