@@ -78,6 +78,12 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
         raise SpecError(f"{pair.regime} comparison needs the same seed (same seed checkpoint "
                         "and data)", file=file, key=f"{key}.seed",
                         fix='use the same seed on both sides, or regime = "seed"')
+    twin_rules = [r.metric for r in pair.rules if r.method == "twin"]
+    if twin_rules and pair.regime != "twin":
+        raise SpecError(f"compare.{twin_rules[0]} = \"twin\" needs the twin regime (it "
+                        "compares with a twin of the control that only that regime runs)",
+                        file=file, key=f"{key}.compare.{twin_rules[0]}",
+                        fix='set regime = "twin", or another method for this metric')
     if pair.regime == "twin" and not pair.golden:
         try:
             noise_twin(control)

@@ -118,3 +118,13 @@ def test_no_twin_is_a_collection_error_naming_the_fix(tmp_path: Path) -> None:
     text = str(err.value)
     assert "no noise twin" in text and "regime" in text and 'regime = "seed"' in text
     assert str(path) in text
+
+
+def test_a_twin_method_outside_the_twin_regime_is_refused(tmp_path: Path) -> None:
+    from convergence.spec.errors import SpecError
+
+    path = tmp_path / "exp.toml"
+    path.write_text(textwrap.dedent(BODY.format(root=ROOT, extra='compare = { loss = "twin" }')))
+    with pytest.raises(SpecError) as err:
+        load_checked(path, rootdir=ROOT)
+    assert "compare.loss" in str(err.value) and 'regime = "twin"' in str(err.value)

@@ -40,12 +40,13 @@ if TYPE_CHECKING:  # typing only: runner.py imports this module, so no runtime i
 
 
 def wants_probe(pair: PairSpec, status: str) -> bool:
-    """Probe a failed paired pair (unless switched off), or any judged pair asked to."""
+    """Probe a failed paired or twin pair (unless switched off), or any judged pair asked to.
+    A seed-band pair has no common starting point to probe (other seeds, other weights)."""
     if pair.control.backend != "builtin" or pair.test.backend != "builtin" or pair.golden:
         return False  # only the built-in trainer has a probe mode
     if getattr(pair, "probe_always", False) and status in ("passed", "failed"):
         return True
-    return status == "failed" and pair.regime == "paired" and pair.probe_on_failure
+    return status == "failed" and pair.regime in ("paired", "twin") and pair.probe_on_failure
 
 
 def probe_overrides(step: int) -> list[str]:

@@ -1,0 +1,71 @@
+"""The twin regime end to end on CPU bf16 (FSDP2 mixed precision on both sides): the control's
+twin runs beside it, a correct layout passes inside the measured envelope, and a planted bug
+that the seed band let through (a CP causal mask without the shard offset: BENCHMARKS.md,
+"Verdict quality in bf16") fails at the first steps.
+
+The calibration over the whole catalogue is benchmarks/detection/twin_calibration.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
+
+from catalogue import by_name  # noqa: E402
+from pairs import build_pairs  # noqa: E402
+
+from convergence.run.runner import Runner, RunSettings  # noqa: E402
+from convergence.spec.pair import PairSpec  # noqa: E402
+
+STEPS = 8
+CASES = ("fsdp2-tp2", "cp-mask-ignores-offset")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PairSpec]:
+    cases = [dataclasses.replace(by_name(n), precision="bf16",
+                                 techniques={**by_name(n).techniques,
+                                             "param_dtype": "bfloat16"}) for n in CASES]
+    return build_pairs(cases, tmp_path_factory.mktemp("exp"), steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    return Runner(RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180,
+                              wall_limit_s=600))
+
+
+def test_bf16_pairs_default_to_the_twin_regime(pairs: dict[str, PairSpec]) -> None:
+    for pair in pairs.values():
+        assert pair.regime == "twin"
+        assert pair.rule_for("loss") is not None and pair.rule_for("loss").method == "twin"
+
+
+def test_correct_bf16_layout_passes_inside_the_measured_envelope(
+        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    outcome = runner.run_pair(pairs["fsdp2-tp2"])
+    assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
+    assert outcome.control is not None and outcome.control.twin is not None
+    twin_loss = outcome.control.twin["loss"]
+    control_loss = outcome.control.metrics["loss"]
+    assert len(twin_loss) == len(control_loss) == STEPS
+    # bf16 with another DP degree is not bitwise equal: the twin measured real noise.
+    assert (twin_loss.values != control_loss.values).any()
+    loss = outcome.verdict("loss")
+    assert loss is not None and loss.method == "twin" and loss.details["twin_noise_max"] > 0
+    assert len(loss.details["envelope"]["values"]) == STEPS
+
+
+def test_cp_mask_bug_that_the_seed_band_missed_fails_early(
+        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    outcome = runner.run_pair(pairs["cp-mask-ignores-offset"])
+    assert outcome.status == "failed", [v.message for v in outcome.verdicts]
+    first = min(v.first_divergent_step or STEPS + 1 for v in outcome.verdicts
+                if v.gate and not v.passed)
+    assert first <= 2
