@@ -60,9 +60,11 @@ def test_floor_covers_the_first_steps_where_the_twin_agrees_bitwise() -> None:
     twin = curve(BASE)  # a DP change does not touch the forward pass: identical curves
     tol = twin_tolerance(rule(), control, [twin])
     assert tol.noise.max() == 0.0
-    test = curve(BASE + 1e-3)  # forward rounding of another layout at step 1 in bf16
+    # Forward rounding of another layout in bf16: ~7e-6 relative at step 1 (fsdp2-tp2 on CPU,
+    # BENCHMARKS.md); the floor is 2e-5 relative.
+    test = curve(BASE * (1 + 1e-5))
     assert TwinEnvelope().compare(rule(), [control, twin], test).passed
-    assert not TwinEnvelope().compare(rule(), [control, twin], curve(BASE + 0.01)).passed
+    assert not TwinEnvelope().compare(rule(), [control, twin], curve(BASE * (1 + 1e-4))).passed
 
 
 def test_rule_parameters_override_the_defaults() -> None:

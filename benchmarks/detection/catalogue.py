@@ -28,7 +28,7 @@ class Case:
     hook_mode: str = "after"
     seed: int = SEED
     precision: str = "fp32"
-    """Control group: "fp32" (paired regime) or "bf16" (seed regime, 3 control replicates)."""
+    """Control group: "fp32" (paired regime) or "bf16" (twin regime: control and its twin)."""
     expect: tuple[str, ...] = ()
     """Bugs: the gating metrics expected to fail (each of them)."""
     note: str = ""
@@ -122,7 +122,7 @@ CORRECT: tuple[Case, ...] = (
          seed=2),
     Case(name="fsdp2-pp2-1f1b-seed2", kind="correct",
          parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"}, seed=2),
-    # bf16 mixed precision (FSDP param_dtype): not bitwise pairable -> the seed regime.
+    # bf16 mixed precision (FSDP param_dtype): not bitwise pairable -> the twin regime.
     Case(name="bf16-fsdp2-tp2", kind="correct", parallelism=FSDP2_TP2,
          techniques={"param_dtype": "bfloat16"}, precision="bf16"),
 )

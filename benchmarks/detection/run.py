@@ -172,7 +172,7 @@ def main() -> int:
                         help="train config of every pair (default: the shipped debug.toml)")
     parser.add_argument("--precision", choices=("as-declared", "bf16"), default="as-declared",
                         help="bf16: every case with bf16 params on both sides (FSDP mixed "
-                             "precision), i.e. the default regime a GPU user gets (seed)")
+                             "precision), i.e. the default regime a GPU user gets (twin)")
     parser.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
     args = parser.parse_args()
     cases = [c for c in ALL if (not args.only or c.name in args.only)
@@ -203,7 +203,8 @@ def main() -> int:
         f"Machine: {machine()}. Commit {_commit()}. `{command}`: debug model, {args.steps} steps, control FSDP(2) "
         "per seed and precision, default comparison rules (loss, grad norm, per-part grad norm "
         "and data fingerprint, paired regime "
-        "for fp32, seed regime with 3 control replicates for bf16), early stopping on. Planted "
+        "for fp32, twin regime for bf16: the control's twin FSDP(4) with half the local batch "
+        "measures the noise envelope), early stopping on. Planted "
         "bugs are parallelism hooks in benchmarks/detection/detection_bugs/ (each docstring "
         "names the real bug it stands for). \"test job s\" is the time to verdict once the "
         "control is cached.",

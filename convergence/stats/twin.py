@@ -85,10 +85,10 @@ class TwinDefaults:
 #: Calibrated on CPU bf16 (BENCHMARKS.md, "Verdict quality in bf16"). Other metrics use the
 #: loss's. ``lr`` comes from the schedule, so it needs no twin: its floor is float64 rounding.
 TWIN_DEFAULTS: dict[str, TwinDefaults] = {
-    "loss": TwinDefaults(k=3.0, atol=2e-3, growth=0.0, rtol=0.0),
-    "val_loss": TwinDefaults(k=3.0, atol=2e-3, growth=0.0, rtol=0.0),
-    "grad_norm": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=1e-2),
-    "grad_norm_parts": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=1e-2),
+    "loss": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=2e-5),
+    "val_loss": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=2e-5),
+    "grad_norm": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=1e-4),
+    "grad_norm_parts": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=5e-4),
     "lr": TwinDefaults(k=0.0, atol=1e-12, growth=0.0, rtol=1e-9),
 }
 
