@@ -85,13 +85,15 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, int]]:
     lines = ["| case | kind | seed | " + " | ".join(f"{m}: needed k" for m in METRICS)
              + " | loss |d| step 1 | grad norm |d|/g step 1 | verdict at default k |",
              "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---|"]
-    counts = {"bug": 0, "caught": 0, "correct": 0, "false_alarm": 0}
+    counts: dict[str, Any] = {"bug": 0, "caught": 0, "correct": 0, "false_alarm": 0,
+                              "worst_correct": {m: 0.0 for m in METRICS}, "weakest_bug": []}
     for name, case in data.items():
         if "error" in case:
             lines.append(f"| {name} | {case['kind']} | | error: {case['error']} |")
             continue
         ks, loss1, gn1 = [], float("nan"), float("nan")
         failed = False
+        best = 0.0
         for metric in METRICS:
             if metric not in case["test"] or metric not in case["twin"]:
                 ks.append("-")
@@ -101,6 +103,10 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, int]]:
                                    for s in ("control", "twin", "test"))
             k, d1, rel1 = needed_k(control, twin, test)
             failed |= k > TWIN_DEFAULTS[metric].k
+            best = max(best, k)
+            if case["kind"] == "correct":
+                worst = counts["worst_correct"]
+                worst[metric] = max(worst[metric], k)
             ks.append("inf" if not np.isfinite(k) else f"{k:.2g}")
             if metric == "loss":
                 loss1 = d1
@@ -108,6 +114,8 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, int]]:
                 gn1 = rel1
         kind = case["kind"]
         counts[kind] += 1
+        if kind == "bug":
+            counts["weakest_bug"].append((best, name))
         if kind == "bug":
             counts["caught"] += failed
         else:
@@ -133,14 +141,16 @@ def main() -> int:
         data = json.loads(args.load.read_text())
     else:
         data = collect(args.steps, args.all_seeds)
+        data["_meta"] = {"collect_min": (time.monotonic() - start) / 60, "machine": machine()}
         if args.save:
             args.save.write_text(json.dumps(data))
+    meta = data.pop("_meta", {"collect_min": float("nan"), "machine": machine()})
     text, counts = table(data)
     defaults = ", ".join(f"{m}: k {TWIN_DEFAULTS[m].k:g}, atol {TWIN_DEFAULTS[m].atol:g}, "
                          f"rtol {TWIN_DEFAULTS[m].rtol:g}" for m in METRICS)
     body = "\n\n".join((
         "## Twin regime calibration, CPU bf16 (benchmarks/detection/twin_calibration.py)",
-        f"Machine: {machine()}. `python benchmarks/detection/twin_calibration.py"
+        f"Machine: {meta['machine']}. `python benchmarks/detection/twin_calibration.py"
         f"{' --all-seeds' if args.all_seeds else ''}`: the detection catalogue with bf16 params "
         f"on both sides (FSDP2 mixed precision), debug model, {args.steps} steps, early "
         "stopping off; control FSDP(2), twin FSDP(4) with half the local batch. Needed k: "
@@ -148,7 +158,11 @@ def main() -> int:
         f"Defaults: {defaults}.",
         f"Caught **{counts['caught']}/{counts['bug']}** planted bugs; false alarms "
         f"**{counts['false_alarm']}/{counts['correct']}** correct pairs. Whole run: "
-        f"{(time.monotonic() - start) / 60:.1f} min.",
+        f"{meta['collect_min']:.1f} min.",
+        "Headroom: the worst correct pair needs k = " + ", ".join(
+            f"{v:.2g} ({m})" for m, v in counts["worst_correct"].items())
+        + "; the least visible bug ({1}) reaches k = {0:.3g} on its most telling metric.".format(
+            *min(counts["weakest_bug"], default=(float("nan"), "-"))),
         text))
     print(body)
     if not args.no_write:
