@@ -150,7 +150,7 @@ def pair_record(outcome: PairOutcome, *, plots: Mapping[str, str] | None = None,
     """Everything the reports show about one pair (JSON-ready, non-finite floats encoded)."""
     pair = outcome.pair
     control, test = outcome.control, outcome.test
-    band = any(replicate_band(control, m) is not None for m in DELTA_METRICS)
+    band = any(replicate_band(outcome, m) is not None for m in DELTA_METRICS)
     record: dict[str, Any] = {
         "id": pair.pair_id, "name": pair.name, "source": pair.source, "status": outcome.status,
         "regime": pair.regime, "tier": pair.tier,
