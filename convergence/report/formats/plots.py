@@ -9,7 +9,6 @@ Every panel copes with a missing metric or side (errored pairs still get a figur
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,9 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convergence.report.data.curves import (
-    Band,
     aligned_delta,
-    band_z,
     curve_of_test,
     reference_curve,
     replicate_band,
@@ -43,11 +40,6 @@ PLOT_DIR = "plots"
 """The plot folder, inside the report folder."""
 HEATMAP = "heatmap"
 
-#: ``atol A*(1+G*sqrt(step))``: the paired tolerance's description (see MetricVerdict.tolerance).
-_PAIRED_TOL = re.compile(r"atol\s*([0-9.eE+-]+)\s*\*\s*\(\s*1\s*\+\s*([0-9.eE+-]+)\s*\*\s*"
-                         r"sqrt\(\s*step\s*\)\s*\)")
-_RTOL = re.compile(r"rtol\s*([0-9.eE+-]+)\s*\*\s*\|control\|")
-
 
 def plot_names(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
     """A unique, file-system-safe stem per pair id (two files may hold the same test name)."""
@@ -69,50 +61,29 @@ def _note(ax: Axes, text: str) -> None:
 
 
 def tolerance_envelope(verdict: MetricVerdict | None, steps: npt.NDArray[np.int64],
-                       reference: npt.NDArray[np.float64], band: Band | None
-                       ) -> tuple[npt.NDArray[np.float64], str] | None:
-    """Half-width of the allowed |Δ| per step, and its legend label.
+                       reference: npt.NDArray[np.float64]
+                       ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+    """The allowed Δ per step (lowest, highest): the verdict's band minus the reference.
 
-    In order: an explicit per-step envelope in ``verdict.details["envelope"]`` ({steps,
-    values}); the seed band's half-width; the paired formula from the verdict's details
-    (``atol*(1+growth*sqrt(step)) + rtol*|control|``, see convergence.stats.paired) or, for
-    outcomes saved without details, parsed from its tolerance text; the constant
-    ``tolerance_at_max``.
+    The band is what the verdict held the test to, whatever the method (paired, allclose,
+    seed, a new one), so nothing here re-derives a tolerance. Steps the band does not cover
+    get NaN (a gap). Verdicts without a band (exact; outcomes saved before verdicts carried
+    one) fall back to the constant ``tolerance_at_max``.
     """
-    details = verdict.details if verdict is not None else {}
-    env = details.get("envelope")
-    if isinstance(env, dict) and "steps" in env and "values" in env:
-        values = np.interp(steps, np.asarray(env["steps"], dtype=float),
-                           np.asarray(env["values"], dtype=float))
-        return values, "tolerance"
-    if band is not None:
-        return np.interp(steps, band.steps, band.half_width), f"band (z {band.z:g})"
     if verdict is None:
         return None
-    params = _paired_params(verdict)
-    if params is not None:
-        atol, growth, rtol = params
-        floor = atol * (1 + growth * np.sqrt(steps.astype(float)))
-        return floor + rtol * np.abs(reference), "tolerance"
+    band = verdict.band
+    if band is not None and band.steps:
+        band_steps = np.asarray(band.steps, dtype=np.int64)
+        at = np.clip(np.searchsorted(band_steps, steps), 0, band_steps.size - 1)
+        covered = band_steps[at] == steps
+        lower = np.where(covered, np.asarray(band.lower)[at], np.nan)
+        upper = np.where(covered, np.asarray(band.upper)[at], np.nan)
+        return lower - reference, upper - reference
     if verdict.tolerance_at_max is not None and math.isfinite(verdict.tolerance_at_max):
-        return np.full(steps.shape, float(verdict.tolerance_at_max)), "tolerance (at max)"
+        half = np.full(steps.shape, float(verdict.tolerance_at_max))
+        return -half, half
     return None
-
-
-def _paired_params(verdict: MetricVerdict) -> tuple[float, float, float] | None:
-    if verdict.method != "paired":
-        return None
-    d = verdict.details or {}
-    if all(isinstance(d.get(k), (int, float)) for k in ("atol", "growth")):
-        rtol = d.get("rtol")
-        return (float(d["atol"]), float(d["growth"]),
-                float(rtol) if isinstance(rtol, (int, float)) else 0.0)
-    match = _PAIRED_TOL.search(verdict.tolerance or "")
-    if match is None:
-        return None
-    rtol_match = _RTOL.search(verdict.tolerance)
-    return (float(match.group(1)), float(match.group(2)),
-            float(rtol_match.group(1)) if rtol_match else 0.0)
 
 
 def _mark_divergence(ax: Axes, step: int | None) -> None:
@@ -123,7 +94,7 @@ def _mark_divergence(ax: Axes, step: int | None) -> None:
 
 def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bool:
     """Control (or replicate band) and test curves of ``metric``; False when neither exists."""
-    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
+    band = replicate_band(outcome, metric)
     ctrl = reference_curve(outcome, metric)
     test = curve_of_test(outcome, metric)
     ax.set_title(title, loc="left", fontsize=10)
@@ -131,12 +102,11 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
         _note(ax, f"no {metric} curve")
         return False
     if band is not None:
-        what = "smoothed mean" if band.exact else "mean"
         ax.fill_between(band.steps, band.center - band.half_width, band.center + band.half_width,
                         color=CONTROL_COLOR, alpha=0.2, linewidth=0,
                         label=f"control band (z {band.z:g}, {band.num_replicates} seeds)")
         ax.plot(band.steps, band.center, color=CONTROL_COLOR, linewidth=1.4,
-                label=f"control {what}")
+                label="control smoothed mean")
     elif ctrl is not None:
         # Wide under the narrow test line: two agreeing curves both stay visible.
         ax.plot(ctrl.steps, ctrl.values, color=CONTROL_COLOR, linewidth=3.0, alpha=0.7,
@@ -152,7 +122,7 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
 
 
 def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
-    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
+    band = replicate_band(outcome, metric)
     reference = "control band centre" if band is not None else "control"
     ax.set_title(f"residual: test − {reference} ({metric})", loc="left", fontsize=10)
     found = aligned_delta(outcome, metric)
@@ -163,12 +133,15 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     steps, delta = found
     verdict = outcome.verdict(metric)
     ref_values = ref.values[np.searchsorted(ref.steps, steps)]
-    envelope = tolerance_envelope(verdict, steps, ref_values, band)
+    envelope = tolerance_envelope(verdict, steps, ref_values)
     if envelope is not None:
-        half, label = envelope
-        ax.fill_between(steps, -half, half, color="0.6", alpha=0.3, linewidth=0,
+        lower, upper = envelope
+        exact = verdict is not None and verdict.band is not None and bool(verdict.band.steps)
+        label = (f"band (z {band.z:g})" if band is not None else
+                 "tolerance" if exact else "tolerance (at max)")
+        ax.fill_between(steps, lower, upper, color="0.6", alpha=0.3, linewidth=0,
                         label=f"±{label}")
-        _symlog_if_far(ax, delta, half)
+        _symlog_if_far(ax, delta, np.fmax(np.abs(lower), np.abs(upper)))
     color = DIVERGE_COLOR if verdict is not None and not verdict.passed else "0.15"
     marker = "." if steps.size <= 200 else None  # dots help on short runs, smear long ones
     ax.plot(steps, delta, color=color, linewidth=1.2, marker=marker, markersize=3, label="Δ")

@@ -10,9 +10,8 @@ Axis degrees are the test's; "-" means 1 (axis off). Ratios are test / control.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
-from convergence.report.data.records import pair_record
+from convergence.report.data.records import PairRecord, pair_record
 from convergence.report.fmt import (
     VERDICTS,
     as_float,
@@ -43,13 +42,13 @@ MIN_SHRINK = 8
 GAP = "  "
 
 
-def record_row(record: Mapping[str, Any]) -> dict[str, str]:
+def record_row(record: PairRecord) -> dict[str, str]:
     """Formatted cells of one pair, from its report record (see records.pair_record)."""
     degrees = record["test"]["degrees"]
     res = record["resources"]
     wall = record["wall_s"]["test"] or record["wall_s"]["pair"] or None
-    cached = [name for name, key in (("ctrl", "control"), ("test", "test"))
-              if record["cached"][key]]
+    cached = [name for name, on in (("ctrl", record["cached"]["control"]),
+                                    ("test", record["cached"]["test"])) if on]
     verdict = VERDICTS.get(record["status"], str(record["status"]).upper())
     row = {"pair": record["name"]}
     row.update({key: fmt_deg(int(degrees[axis])) for key, axis in AXIS_COLUMNS})
