@@ -11,7 +11,7 @@ import jsonschema
 import matplotlib.image
 import numpy as np
 import pytest
-from report_examples import DIVERGES_AT, all_examples, failing_pair
+from report_examples import DIVERGES_AT, all_examples, failing_pair, twin_pair
 
 from convergence.report import (
     REPORT_JSON_SCHEMA,
@@ -209,6 +209,14 @@ def _stretched(o: PairOutcome, factor: int) -> PairOutcome:
     return dataclasses.replace(
         o, control=dataclasses.replace(o.control, metrics=stretch(o.control.metrics)),
         test=dataclasses.replace(o.test, metrics=stretch(o.test.metrics)))
+
+
+def test_plot_of_a_twin_pair_shows_the_twins_noise(tmp_path: Path) -> None:
+    o = twin_pair()
+    loss = o.verdict("loss")
+    assert loss is not None and loss.method == "twin" and loss.band is not None
+    plot_pair(o, tmp_path / "twin.png")
+    assert (tmp_path / "twin.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_of_a_long_run(tmp_path: Path) -> None:

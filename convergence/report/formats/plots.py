@@ -145,12 +145,24 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     color = DIVERGE_COLOR if verdict is not None and not verdict.passed else "0.15"
     marker = "." if steps.size <= 200 else None  # dots help on short runs, smear long ones
     ax.plot(steps, delta, color=color, linewidth=1.2, marker=marker, markersize=3, label="Δ")
+    _twin_residual(ax, outcome, metric)
     ax.axhline(0, color="0.5", linewidth=0.6)
     _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
     if ax.get_yscale() == "linear":
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
+
+
+def _twin_residual(ax: Axes, outcome: PairOutcome, metric: str) -> None:
+    """Twin regime: twin - control, the legitimate noise the envelope was sized from."""
+    twin = outcome.control.twin if outcome.control is not None else None
+    control = outcome.control.metrics.get(metric) if outcome.control is not None else None
+    if twin is None or control is None or metric not in twin:
+        return
+    steps, ci, ti = np.intersect1d(control.steps, twin[metric].steps, return_indices=True)
+    ax.plot(steps, twin[metric].values[ti] - control.values[ci], color=CONTROL_COLOR,
+            linewidth=1.0, linestyle="--", label="twin − control (noise)")
 
 
 def _symlog_if_far(ax: Axes, delta: npt.NDArray[np.float64],
