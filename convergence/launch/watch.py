@@ -7,6 +7,7 @@ launcher should do. Kept apart from the process handling so each can be read on 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,15 @@ def record_loss(record: dict[str, Any]) -> float | None:
     return None
 
 
+PACE_STEPS = 10
+"""The ETA's pace is taken over about the last PACE_STEPS steps: recent enough to follow a
+job that speeds up after its first steps (warm-up, compilation, a cold page cache) or slows
+down (validation, a busy machine); long enough not to jump with every step."""
+MIN_STEPS_FOR_ETA = 3
+"""Step intervals after the first logged step before an ETA is shown: the first interval
+alone often holds a warm-up, and an ETA from it was 10-20x off."""
+
+
 class JobWatch:
     """Follows one job's metrics JSONL and applies the watchdog limits."""
 
@@ -53,16 +63,22 @@ class JobWatch:
         self._num_lines = 0
         self._progress_at: float | None = None
         self._progress_step: int | None = None
-        self._first: tuple[int, float] | None = None
-        """(step, elapsed) of the first logged step: the ETA's starting point."""
+        self._first_step: int | None = None
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=PACE_STEPS + 1)
+        """(last step, time) of each poll that brought new steps: the ETA's recent pace."""
         self.stopping = False
         """Set once a verdict was returned: later records only update ``last_step``."""
 
     def poll(self, now: float) -> Verdict | None:
         """Read new records, run callbacks; return a verdict if the job must end."""
         verdict: Verdict | None = None
+        before = self.last_step
         for record in self._tail.poll() if self._tail else []:
             verdict = self._take(record, now) or verdict
+        if self.last_step is not None and self.last_step != before:
+            # One arrival per poll: records read together share a time, so timing them one
+            # by one would give zero-length steps.
+            self._arrivals.append((self.last_step, now))
         self._maybe_progress(now)
         if verdict is not None or self.stopping:
             return verdict
@@ -82,8 +98,8 @@ class JobWatch:
         step_value = record.get("step")
         step = int(step_value) if isinstance(step_value, (int, float)) else self._num_lines
         self.last_step = step
-        if self._first is None:
-            self._first = (step, now - self.start)
+        if self._first_step is None:
+            self._first_step = step
         self.last_loss = record_loss(record)
         if self.stopping:
             return None
@@ -129,8 +145,25 @@ class JobWatch:
         if not (due or force):
             return
         self._progress_at, self._progress_step = now, self.last_step
-        first_step, first_elapsed = self._first if self._first else (None, None)
         self.on_progress(Progress(name=self.request.name, step=self.last_step,
                                   total_steps=self.request.total_steps, loss=self.last_loss,
-                                  elapsed_s=now - self.start, first_step=first_step,
-                                  first_step_elapsed_s=first_elapsed))
+                                  elapsed_s=now - self.start, pace_s=self.pace_s()))
+
+    def pace_s(self) -> float | None:
+        """Seconds per step over about the last :data:`PACE_STEPS` steps, from the times the
+        steps arrived; None until :data:`MIN_STEPS_FOR_ETA` intervals followed the first
+        logged step (torchrun's start-up before it never counts)."""
+        if self._first_step is None or not self._arrivals:
+            return None
+        last_step, last_at = self._arrivals[-1]
+        if last_step - self._first_step < MIN_STEPS_FOR_ETA:
+            return None
+        earlier = [(s, t) for s, t in list(self._arrivals)[:-1] if last_step - s <= PACE_STEPS]
+        if not earlier:  # the window's steps all came in one poll: take the poll before
+            earlier = list(self._arrivals)[-2:-1]
+        if not earlier:
+            return None
+        step0, at0 = earlier[0]
+        if last_step <= step0 or last_at <= at0:
+            return None
+        return (last_at - at0) / (last_step - step0)
