@@ -28,9 +28,14 @@ class LaunchRequest:
     log_dir: Path
     """Per-job folder: launcher log and one log per rank are written here."""
     metrics_path: Path | None = None
-    """JSONL file the trainer appends a line to per step (read live for progress/watchdog)."""
+    """What is read live for progress, the watchdog and early stopping: the JSONL file the
+    trainer appends a line to per step, or (``metrics_format`` "tensorboard") the folder of its
+    TensorBoard event files (convergence.metrics.tb_tail)."""
+    metrics_format: str = "jsonl"
+    """``jsonl`` or ``tensorboard``: how ``metrics_path`` is read."""
     stop_file: Path | None = None
-    """Touching this file asks the trainer to stop cleanly at the next step."""
+    """Touching this file asks the trainer to stop cleanly at the next step; None: the trainer
+    has no such request, and an early stop ends its processes."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment (e.g. CUDA_VISIBLE_DEVICES from the device pool)."""
     cwd: Path | None = None

@@ -13,6 +13,7 @@ from typing import Any
 
 from convergence.launch.types import FailureInfo, LaunchRequest, OnMetrics, OnProgress, Progress
 from convergence.metrics.jsonl import JsonlTail
+from convergence.metrics.tb_tail import TensorBoardTail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,11 @@ class JobWatch:
         self.on_metrics = on_metrics
         self.on_progress = on_progress
         self.progress_interval_s = progress_interval_s
-        self._tail = JsonlTail(request.metrics_path) if request.metrics_path else None
+        self._tail: JsonlTail | TensorBoardTail | None = None
+        if request.metrics_path is not None:
+            self._tail = (TensorBoardTail(request.metrics_path)
+                          if request.metrics_format == "tensorboard"
+                          else JsonlTail(request.metrics_path))
         self.last_step: int | None = None
         self.last_loss: float | None = None
         self._last_line_at = start  # counting from start: a job hanging before step 1 is hung
@@ -69,11 +74,13 @@ class JobWatch:
         self.stopping = False
         """Set once a verdict was returned: later records only update ``last_step``."""
 
-    def poll(self, now: float) -> Verdict | None:
-        """Read new records, run callbacks; return a verdict if the job must end."""
+    def poll(self, now: float, *, final: bool = False) -> Verdict | None:
+        """Read new records, run callbacks; return a verdict if the job must end.
+        ``final``: the job ended, take every record left (a TensorBoard tail's last step)."""
         verdict: Verdict | None = None
         before = self.last_step
-        for record in self._tail.poll() if self._tail else []:
+        records = (self._tail.drain() if final else self._tail.poll()) if self._tail else []
+        for record in records:
             verdict = self._take(record, now) or verdict
         if self.last_step is not None and self.last_step != before:
             # One arrival per poll: records read together share a time, so timing them one
@@ -86,7 +93,7 @@ class JobWatch:
 
     def finish(self, now: float) -> Verdict | None:
         """Drain the file after the process ended; a NaN there still counts."""
-        verdict = self.poll(now) if self._tail else None
+        verdict = self.poll(now, final=True) if self._tail else None
         self._maybe_progress(now, force=True)
         return verdict if verdict is not None and verdict.status == "nan" else None
 
@@ -122,8 +129,13 @@ class JobWatch:
             msg = (f"job {req.name!r} exceeded its wall-clock limit of {req.wall_limit_s:g} s "
                    f"({at}); raise wall_limit_s if the job is just slow")
             return Verdict(status="timeout", failure=FailureInfo(message=msg, step=self.last_step))
-        # Without a metrics file there is no progress signal: only the wall limit applies.
-        if self._tail is not None and now - self._last_line_at > req.idle_limit_s:
+        # Without a metrics file there is no progress signal: only the wall limit applies. A
+        # TensorBoard job (torchtitan) is idle-limited from its first step on: its start-up
+        # (model build, checkpoint load, compilation) can take longer than any idle limit
+        # fitting a step, and before this tail existed it had only the wall limit.
+        watched = self._tail is not None and (req.metrics_format != "tensorboard"
+                                              or self.last_step is not None)
+        if watched and now - self._last_line_at > req.idle_limit_s:
             self.stopping = True
             if req.total_steps is not None and (self.last_step or 0) >= req.total_steps:
                 # Every step is logged but the job does not exit (a stopped or stuck torchrun
