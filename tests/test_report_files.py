@@ -149,6 +149,20 @@ def test_markdown(written: dict[str, Path]) -> None:
     assert "fsdp2-bf16" in md and "## Failures" in md
 
 
+
+def test_markdown_matrix_drops_a_layout_column_that_repeats_every_name(
+        outcomes: list[PairOutcome]) -> None:
+    from convergence.report.data.records import pair_record
+    from convergence.report.formats.markdown import matrix_table
+
+    records = [pair_record(o, include_curves=False) for o in outcomes]
+    named = [r for r in records if r["name"] == r["test"]["short_name"]]
+    assert named and len(named) < len(records)
+    assert "| layout |" in matrix_table(records)[0]  # a name that is not its layout: kept
+    header = matrix_table(named)[0]
+    assert "| layout |" not in header and header.count(" | ") == 8
+
+
 def test_html_is_self_contained(written: dict[str, Path], report: dict) -> None:
     html = written["html"].read_text(encoding="utf-8")
     assert html.startswith("<!DOCTYPE html>") and "<style>" in html

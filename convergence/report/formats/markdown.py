@@ -47,14 +47,18 @@ MD_COLUMNS: tuple[tuple[str, str], ...] = (
 
 
 def matrix_table(pairs: Sequence[PairRecord]) -> list[str]:
+    """The matrix in :data:`MD_COLUMNS`; the layout column is left out when every pair is
+    named after its test's layout (an experiment's ``fsdp2-tp2``): it would repeat the name."""
+    columns = MD_COLUMNS
+    if pairs and all(str(r["name"]) == str(r["test"]["short_name"]) for r in pairs):
+        columns = tuple(c for c in MD_COLUMNS if c[0] != "layout")
     rows = []
     for record in pairs:
         row = record_row(record)
         row["verdict"] = f"{ICONS.get(record['status'], '')} {row['verdict']}".strip()
         row["layout"] = str(record["test"]["short_name"])
-        rows.append([row[key] for key, _ in MD_COLUMNS])
-    return table([title for _, title in MD_COLUMNS], rows,
-                 [key in RIGHT for key, _ in MD_COLUMNS])
+        rows.append([row[key] for key, _ in columns])
+    return table([title for _, title in columns], rows, [key in RIGHT for key, _ in columns])
 
 
 def divergence_lines(rows: Sequence[DivergenceRecord], reference: str) -> list[str]:

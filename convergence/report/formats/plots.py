@@ -22,12 +22,16 @@ from convergence.report.data.curves import (
     reference_curve,
     replicate_band,
 )
-from convergence.report.data.records import first_divergent_step, techniques_changed
+from convergence.report.data.records import (
+    first_divergent_step,
+    layout_record,
+    techniques_changed,
+)
 from convergence.report.figure import new_figure, save_png
 from convergence.report.files import slug
 from convergence.report.fmt import VERDICTS, describe_test
+from convergence.report.sections.dimensions import dimension_of
 from convergence.run.outcome import PairOutcome
-from convergence.spec.layout import AXES
 from convergence.stats.types import MetricVerdict
 
 if TYPE_CHECKING:
@@ -242,14 +246,11 @@ def plot_pair(outcome: PairOutcome, path: Path) -> Path:
 
 # -- heatmap ----------------------------------------------------------------------------------
 def dimension(outcome: PairOutcome) -> str:
-    """What the pair verifies: the mesh axes whose degree changed, else technique/hook."""
-    ctrl, test = outcome.pair.control.layout.degrees(), outcome.pair.test.layout.degrees()
-    changed = [a for a in reversed(AXES) if ctrl[a] != test[a]]
-    if changed:
-        return "+".join(changed)
-    if outcome.pair.test.hook and outcome.pair.test.hook != outcome.pair.control.hook:
-        return "hook"
-    return "technique"
+    """What the pair verifies, named as the "By dimension" table names it (``+tp2``,
+    ``+cp2 +ac:full``, ``-rep2+shard2``): the heatmap's row groups are that table's rows."""
+    return dimension_of({"control": layout_record(outcome.pair.control),
+                         "test": layout_record(outcome.pair.test),
+                         "techniques_changed": techniques_changed(outcome)})
 
 
 def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:
@@ -285,7 +286,8 @@ def _cell(outcome: PairOutcome, metric: str) -> tuple[float, str]:
 
 
 def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
-    """Rows: pairs grouped by the dimension they verify; columns: gating metrics.
+    """One heatmap of every pair x every gating metric (not one per dimension): rows are
+    pairs, grouped (and labelled) by the dimension they verify; columns are gating metrics.
 
     Colour is max|Δ| in units of the tolerance on a log scale (blue well inside, white at the
     tolerance, red beyond) so one glance shows which pair failed and by how much.
@@ -299,10 +301,10 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
         len(ordered), len(metrics))
     labels = [f"{dimension(o)} │ {o.pair.name}" for o in ordered]
     label_in = 0.3 + 0.075 * max((len(t) for t in labels), default=4)  # ~ 10 pt characters
-    width, height = label_in + 1.5 * len(metrics) + 1.4, 1.3 + 0.45 * max(len(ordered), 1)
+    width, height = label_in + 1.5 * len(metrics) + 1.4, 1.5 + 0.45 * max(len(ordered), 1)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
-    fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.75 / height,
+    fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.95 / height,
                         bottom=0.15 / height)
     cmap = colormaps["RdBu_r"].with_extremes(bad="0.82")
     image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-3, vmax=3, aspect="auto")
@@ -321,7 +323,8 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
     bar = fig.colorbar(image, cax=fig.add_axes((1 - 1.1 / width, 0.15 / height, 0.15 / width,
                                                 1 - 0.9 / height)))
     bar.set_label("log10(max|Δ| / tolerance)", fontsize=8)
-    ax.set_title("max |Δ| vs tolerance per pair (grey: error / not compared)", fontsize=10)
+    ax.set_title("max |Δ| / tolerance, each pair × gating metric\n(rows grouped by dimension; "
+                 "grey: error / not compared)", fontsize=10)
     return save_png(fig, path)
 
 

@@ -1,5 +1,5 @@
 """The terminal summary: the matrix (one row per pair, aligned plain text that fits 120
-columns) and, for two pairs or more, the per-dimension block under it.
+columns) and the per-dimension block under it.
 
     pair        rep shard tp cp pp techniques  verdict  |Δloss|  |Δgnorm|  tok/s  mem   wall   cache
     fsdp2-tp2     -     2  2  -  -  -          PASS     2.5e-07  0         0.93x  0.59x 14.2s  ctrl cached
@@ -115,11 +115,12 @@ def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120)
 
 
 def render_summary(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
-    """The terminal summary shared by the plugin and the CLI: the matrix, then (for two pairs
-    or more) the per-dimension block under it."""
+    """The terminal summary shared by the plugin and the CLI: the matrix, then the
+    per-dimension block under it (for one pair too: it says what the test changes over its
+    control, which the matrix's degree columns leave to the reader)."""
     outcomes = list(outcomes)
     text = render_matrix(outcomes, width)
-    if len(outcomes) > 1:
+    if outcomes:
         text = (text.rstrip("\n") + "\nby dimension (what each test adds over its control):\n"
                 + render_outcome_dimensions(outcomes, width))
     return text

@@ -40,8 +40,12 @@ class Section:
 
 
 def _dimensions_html(report: Report, plot_files: Mapping[str, Path]) -> str:
-    """The "By dimension" table and the heatmap, whose rows are grouped by dimension too."""
+    """The "By dimension" table, then the heatmap under its own heading: it is one cell per
+    pair and gating metric (rows grouped by dimension), not a heatmap per dimension."""
     heatmap = html_img(report.get("plots", {}).get("heatmap"), plot_files, "heatmap")
+    if heatmap:
+        heatmap = ('<h3>Every pair × gating metric</h3><div class="sub">max |Δ| over the '
+                   "tolerance, one row per pair, rows grouped by dimension</div>" + heatmap)
     return dimensions.html_section(report["pairs"]) + "\n" + heatmap
 
 

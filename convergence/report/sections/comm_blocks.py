@@ -217,8 +217,11 @@ def write_plot(pairs: Sequence[PairRecord], plot_dir: Path) -> Path | None:
                 marker = "*" if r.role == "baseline" else ""
                 ax.annotate(f"{marker}{r.config}", (n, v), fontsize=7,
                             textcoords="offset points", xytext=(4, 4))
+    from matplotlib.ticker import MaxNLocator  # lazy, like every matplotlib import
+
     for ax, name in ((left, "final validation loss"), (right, "tokens/s (median)")):
         ax.set_xlabel("collectives per step (forward + backward)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no 7.5 tick
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.margins(x=0.2, y=0.15)  # room for the labels

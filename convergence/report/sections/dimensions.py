@@ -17,8 +17,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
+from typing import TypedDict
 
-from convergence.report.data.records import PairRecord
+from convergence.report.data.records import LayoutRecord, PairRecord, TechniqueValue
 from convergence.report.fmt import as_float, cut, fmt_num, fmt_techniques
 from convergence.report.markup import html_table, md_table
 
@@ -55,7 +56,16 @@ def _axis_change(name: str, control: int, test: int) -> str:
     return f"{name}{control}→{test}"
 
 
-def dimension_of(record: PairRecord) -> str:
+class ChangeRecord(TypedDict):
+    """What :func:`dimension_of` reads: a pair record's layouts and changed techniques (a
+    PairRecord has them; the heatmap builds just these from an outcome)."""
+
+    control: LayoutRecord
+    test: LayoutRecord
+    techniques_changed: dict[str, TechniqueValue]
+
+
+def dimension_of(record: PairRecord | ChangeRecord) -> str:
     """``+tp2+pp2``, ``+cp4``, ``+tp2 +ac:full``, ... (see the module docstring)."""
     control, test = record["control"], record["test"]
     axes = "".join(_axis_change(name, int(control["degrees"][axis]), int(test["degrees"][axis]))
@@ -122,8 +132,9 @@ def render_dimensions(records: Iterable[PairRecord], width: int = 120) -> str:
 
 
 def markdown_lines(records: Sequence[PairRecord]) -> list[str]:
-    """report.md's "By dimension" section (empty for fewer than two pairs)."""
-    if len(records) < 2:
+    """report.md's "By dimension" section (empty without pairs). One pair gets it too: the
+    matrix shows the test's degrees, this row what the test changes over its control."""
+    if not records:
         return []
     rows = group_by_dimension(records)
     return ["", "### By dimension", "",
@@ -131,8 +142,8 @@ def markdown_lines(records: Sequence[PairRecord]) -> list[str]:
 
 
 def html_section(records: Sequence[PairRecord]) -> str:
-    """report.html's "By dimension" table ("" for fewer than two pairs)."""
-    if len(records) < 2:
+    """report.html's "By dimension" table ("" without pairs)."""
+    if not records:
         return ""
     rows = group_by_dimension(records)
     status = ["failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed"
