@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,12 +35,12 @@ from _report import machine, write_section
 from faulty_project import (
     FaultyTest,
     alive,
+    cache_entries,
     experiment,
     job_pids,
     kill_pids,
     make_project,
     odd_config,
-    pytest_argv,
     run_dirs,
     run_pytest,
     saved_outcomes,
@@ -83,8 +82,7 @@ def plan(num_pairs: int) -> list[tuple[FaultyTest, str | None]]:
 
 
 def _control_entry(cache: Path) -> Path:
-    entries = [p for p in cache.glob("??/*")
-               if p.is_dir() and '"ddp2"' in (p / "job.json").read_text()]
+    entries = cache_entries(cache, "ddp2")
     if len(entries) != 1:
         raise SystemExit(f"expected one cached control in {cache}, found {entries}")
     return entries[0]
@@ -118,16 +116,12 @@ def read_only_cache(root: Path, project: Path) -> tuple[bool, str]:
     user = make_project(root / "other-project", {
         "soak.toml": (project / "experiments" / "soak.toml").read_text()})
     before = _snapshot(cache)
-    pytest_cmd = " ".join(shlex.quote(a) for a in pytest_argv(
-        f"experiments/soak.toml::{GOOD_PAIR}", f"--convergence-cache-dir={cache}"))
     c = shlex.quote(str(cache))
-    argv = ["unshare", "-m", "sh", "-c", f"mount --bind {c} {c} && "
-            f"mount -o remount,ro,bind {c} && exec {pytest_cmd}"]
-    env = {**os.environ, "COLUMNS": "200"}
-    for name in ("GITHUB_STEP_SUMMARY", "PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS"):
-        env.pop(name, None)
-    proc = subprocess.run(argv, cwd=user, env=env, text=True, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=900)
+    # sh runs pytest's argv ("$@", after the "sh" that becomes $0) once the mount is read-only.
+    wrap = ["unshare", "-m", "sh", "-c",
+            f'mount --bind {c} {c} && mount -o remount,ro,bind {c} && exec "$@"', "sh"]
+    proc = run_pytest(user, f"experiments/soak.toml::{GOOD_PAIR}",
+                      f"--convergence-cache-dir={cache}", wrap=wrap, timeout=900)
     outcome = saved_outcomes(user / ".convergence").get(GOOD_PAIR) or {}
     hit = outcome.get("status") == "passed" and (outcome.get("control") or {}).get("cached")
     unchanged = _snapshot(cache) == before

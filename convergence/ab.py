@@ -19,11 +19,19 @@ import dataclasses
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from convergence.compare_cli import compare_rules
+from convergence.options import (
+    OPTIONS,
+    OptionError,
+    add_arguments,
+    run_settings,
+    values_from_args,
+)
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome
 from convergence.report.formats.terminal import render_summary
@@ -33,8 +41,12 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 
-EXIT_OK, EXIT_FAILED = 0, 1
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 SIDES = ("baseline", "candidate")
+DEFAULT_WORKDIR = ".convergence"
+#: Session options ``ab`` takes. Not the cache ones (nothing is cached: both sides are code
+#: under test), not early stop (both sides run to the end), not tier/alpha (paired rules only).
+AB_OPTIONS = ("workdir", "report", "steps", "devices", "launcher", "idle-limit", "wall-limit")
 
 
 def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -47,10 +59,9 @@ def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     ab.add_argument("--candidate", required=True, metavar="REF|DIR",
                     help="git ref of --repo (or a folder) under test")
     ab.add_argument("--repo", default=".", metavar="DIR", help="the trainer's git repository")
-    ab.add_argument("--workdir", default=".convergence", help="run folders and worktrees")
-    ab.add_argument("--report", metavar="DIR", help="write report.json/.md/.html and plots")
-    ab.add_argument("--steps", type=int, help="override every job's steps")
-    ab.add_argument("--devices", type=int, help="devices (GPUs, or CPU slots); default detect")
+    # The session options that make sense here, from the shared table: same flags, types,
+    # checks and RunSettings as `convergence run` and pytest.
+    add_arguments(ab, skip=[opt.name for opt in OPTIONS if opt.name not in AB_OPTIONS])
     ab.set_defaults(func=cmd_ab)
 
 
@@ -96,19 +107,17 @@ def _jobs(pairs: Sequence[PairSpec]) -> list[JobSpec]:
     return list(seen.values())
 
 
-def _side_settings(settings: object, folder: Path) -> object:
+def _side_settings(settings: RunSettings, folder: Path) -> RunSettings:
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
-    return dataclasses.replace(settings, job_cwd=folder,  # type: ignore[type-var]
-                               job_env=(("PYTHONPATH", path),))
+    return dataclasses.replace(settings, job_cwd=folder, job_env=(("PYTHONPATH", path),))
 
 
-def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, settings: object,
-           rootdir: Path) -> list[PairOutcome]:
+def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path,
+           settings: RunSettings, rootdir: Path) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
     from convergence.stats.registry import compare_all  # lazy: scipy (~1 s)
 
-    pairs = [apply_settings(p, settings)  # type: ignore[arg-type]
-             for p in load_checked(experiment, rootdir=rootdir).pairs]
+    pairs = [apply_settings(p, settings) for p in load_checked(experiment, rootdir=rootdir).pairs]
     jobs = _jobs(pairs)
     for job in jobs:
         if not job.techniques.bitwise_pairable:
@@ -118,12 +127,12 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
                             fix="compare a deterministic fp32 variant of the job (the seed "
                                 "regime's band needs replicates on both sides: not supported "
                                 "by `ab` yet)")
-    work = Path(settings.work_dir) / "ab"  # type: ignore[attr-defined]
+    work = Path(settings.work_dir) / "ab"
     outcomes: list[PairOutcome] = []
     with checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label), \
             checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label):
-        runners = {"baseline": Runner(_side_settings(settings, base_dir)),  # type: ignore[arg-type]
-                   "candidate": Runner(_side_settings(settings, cand_dir))}  # type: ignore[arg-type]
+        runners = {"baseline": Runner(_side_settings(settings, base_dir)),
+                   "candidate": Runner(_side_settings(settings, cand_dir))}
         for job in jobs:
             pair = PairSpec(pair_id=f"ab::{job.name}", control=job, test=job,
                             rules=compare_rules(None, None, "paired"), regime="paired",
@@ -147,10 +156,20 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path, setti
     return outcomes
 
 
-def cmd_ab(args: argparse.Namespace) -> int:
+def ab_settings(values: dict[str, object]) -> RunSettings:
+    """The sides' settings: the shared table's, under <workdir or ./.convergence>."""
+    work_dir = values["workdir"] if isinstance(values["workdir"], Path) else Path(DEFAULT_WORKDIR)
+    return run_settings(values, work_dir=work_dir.resolve())
 
-    settings = RunSettings(work_dir=Path(args.workdir).resolve(), early_stop=False,
-                           steps=args.steps, devices=args.devices)
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    try:
+        values = values_from_args(args, cwd=Path.cwd())
+    except OptionError as exc:
+        print(f"convergence ab: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    values["no-early-stop"] = True  # both sides run to their last step: whole curves compared
+    settings = ab_settings(values)
     outcomes = run_ab(Path(args.experiment), baseline=args.baseline,
                       candidate=args.candidate, repo=Path(args.repo), settings=settings,
                       rootdir=Path.cwd())
@@ -159,9 +178,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
     for outcome in outcomes:
         if outcome.status != "passed":
             print(outcome.error or render_outcome(outcome))
-    if args.report:
+    if values["report"] is not None:
         from convergence.cli import _write_reports  # lazy: the CLI imports this module
 
-        _write_reports(outcomes, Path(args.report),
+        _write_reports(outcomes, values["report"],
                        {"ab": {"baseline": args.baseline, "candidate": args.candidate}})
     return EXIT_OK if all(o.status == "passed" for o in outcomes) else EXIT_FAILED

@@ -31,6 +31,7 @@ from convergence.cache_cli import add_cache_parser
 from convergence.compare_cli import add_compare_parser, add_export_parser
 from convergence.configs import describe
 from convergence.launch.pool import detect_devices
+from convergence.launch.progress_text import LogThrottle
 from convergence.launch.types import Progress
 from convergence.nightly import add_subcommands as add_nightly_subcommands
 from convergence.options import OptionError, add_arguments, run_settings, values_from_args
@@ -44,7 +45,6 @@ from convergence.spec.errors import SpecError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 OUTCOME_GLOBS = ("*.outcome.json", "*.json")
-LOG_FRACTION = 10
 
 
 def _print_err(text: str) -> None:
@@ -55,21 +55,12 @@ class _ProgressLog:
     """One line per job every ~10% of its steps, on stderr (rank logs stay in run folders)."""
 
     def __init__(self) -> None:
-        self._bucket: dict[str, int] = {}
+        self._throttle = LogThrottle()
 
     def __call__(self, p: Progress) -> None:
-        if p.note:
-            _print_err(f"[{p.name}] {p.note}")
-            return
-        if not p.total_steps:
-            return
-        bucket = p.step * LOG_FRACTION // p.total_steps
-        if self._bucket.get(p.name, -1) >= bucket:
-            return
-        self._bucket[p.name] = bucket
-        eta = "?" if p.eta_s is None else f"{int(p.eta_s) // 60}:{int(p.eta_s) % 60:02d}"
-        loss = "" if p.loss is None else f" loss {p.loss:.4g}"
-        _print_err(f"[{p.name}] step {p.step}/{p.total_steps}{loss} ETA {eta}")
+        line = self._throttle.line(p)
+        if line is not None:
+            _print_err(line)
 
 
 # -- run ------------------------------------------------------------------------------------

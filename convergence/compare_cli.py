@@ -101,16 +101,29 @@ def _check_requested(metrics: Sequence[str], paths: Sequence[Path], controls: Se
                                 fix=f"choose --metric among {', '.join(sorted(run))}")
 
 
+def _labels(control: Path, test: Path) -> tuple[str, str]:
+    """Names for the two runs: the last path segments, as many as it takes to tell them apart
+    (two TensorBoard dumps both end in ``dump/tb``: "tb vs tb" named neither)."""
+    a, b = control.resolve().parts, test.resolve().parts
+    for k in range(1, max(len(a), len(b)) + 1):
+        la, lb = "/".join(a[-k:]), "/".join(b[-k:])
+        if la != lb:
+            return la, lb
+    return control.name, test.name
+
+
 def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: Path,
              test: RunMetrics, rules: tuple[ComparisonRule, ...], regime: str,
              verdicts: Sequence[object], passed: bool) -> PairOutcome:
-    def job(path: Path) -> JobSpec:
+    control_label, test_label = _labels(paths[0], test_path)
+
+    def job(path: Path, label: str) -> JobSpec:
         # A job name is one path segment (it names run folders); the full path is the source.
-        name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name) or "run"
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", label) or "run"
         return JobSpec(name=name, train_config=path, source=str(path))
 
-    control_job, test_job = job(paths[0]), job(test_path)
-    pair = PairSpec(pair_id=f"compare {test_path.name} vs {paths[0].name}", control=control_job,
+    control_job, test_job = job(paths[0], control_label), job(test_path, test_label)
+    pair = PairSpec(pair_id=f"compare {test_label} vs {control_label}", control=control_job,
                     test=test_job, rules=rules, regime=regime,
                     replicates=max(2, len(controls)), early_stop=False)
     control = SideOutcome(job=control_job, metrics=controls[0], run_dir=paths[0],

@@ -97,6 +97,16 @@ def run_settings(values: Mapping[str, Any], *, work_dir: Path,
     return replace(settings, **limits) if limits else settings
 
 
+def resolve_path(value: str | Path | None, base: Path) -> Path | None:
+    """A ``path`` option's value: ``~`` expanded, a relative path taken relative to ``base``,
+    where it was written (the invocation directory for a flag, the ini file's folder for an
+    ini key). None or "" (an ini key left empty) is None. Both front ends call this."""
+    if value is None or value == "":
+        return None
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
 _ARG_TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "path": Path}
 
 
@@ -127,9 +137,6 @@ def values_from_args(args: argparse.Namespace, *, cwd: Path) -> dict[str, Any]:
         value = getattr(args, opt.name.replace("-", "_"), None)
         if value is None:
             value = opt.default
-        if opt.kind == "path" and value is not None:
-            value = Path(value).expanduser()
-            value = value if value.is_absolute() else cwd / value
-        values[opt.name] = value
+        values[opt.name] = resolve_path(value, cwd) if opt.kind == "path" else value
     check_values(values, prefix="--")
     return values

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from convergence.options import OPTIONS, Option, OptionError, check_values
+from convergence.options import OPTIONS, Option, OptionError, check_values, resolve_path
 
 
 def _ini_name(opt: Option) -> str:
@@ -103,13 +103,6 @@ def _convert(opt: Option, value: Any) -> Any:
     return value
 
 
-def _path(value: str | None, base: Path) -> Path | None:
-    if not value:
-        return None
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else base / path
-
-
 def default_workdir(config: pytest.Config) -> Path:
     """``<rootdir>/.convergence`` when pytest found a config file (the rootdir is then the
     project's), else ``<invocation dir>/.convergence``: without an ini file pytest takes the
@@ -127,8 +120,8 @@ def read_options(config: pytest.Config) -> Options:
         check_values(v, prefix="--convergence-")
     except OptionError as exc:
         raise pytest.UsageError(str(exc)) from None
-    resolved = {**v, **{name: _path(v[name], base[name])
-                        for name in ("cache-dir", "report", "workdir")}}
+    resolved = {**v, **{opt.name: resolve_path(v[opt.name], base[opt.name])
+                        for opt in OPTIONS if opt.kind == "path"}}
     resolved["workdir"] = resolved["workdir"] or default_workdir(config)
     return Options(
         backend=v["backend"], launcher=v["launcher"], devices=v["devices"], steps=v["steps"],

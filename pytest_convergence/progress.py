@@ -3,9 +3,10 @@
     [fsdp2-tp2 test] step 37/200 loss 3.214 ETA 0:41
 
 On a terminal: one line per running job, redrawn in place (throttled) and erased when the pair
-ends. Otherwise (CI logs, pytester): one line per job each ~10% of its steps. Under xdist the
-workers' lines reach the controller's terminal through files (progress_relay.py). Rank logs never
-come here; they stay in the run folders.
+ends. Otherwise (CI logs, pytester): one line per job each ~10% of its steps. The text and
+the log throttle are the library's (convergence.launch.progress_text), shared with the CLI.
+Under xdist the workers' lines reach the controller's terminal through files
+(progress_relay.py). Rank logs never come here; they stay in the run folders.
 """
 
 from __future__ import annotations
@@ -18,49 +19,10 @@ from typing import Any
 
 import pytest
 
+from convergence.launch.progress_text import LogThrottle, format_progress
 from convergence.launch.types import Progress
 
 REDRAW_INTERVAL_S = 0.25
-LOG_FRACTION = 10
-"""Non-tty: a line each 1/LOG_FRACTION of a job's steps."""
-
-
-def format_eta(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def format_progress(p: Progress) -> str:
-    if p.note:
-        return f"[{p.name}] {p.note}"
-    total = f"/{p.total_steps}" if p.total_steps else ""
-    loss = f" loss {p.loss:.4g}" if p.loss is not None else ""
-    return f"[{p.name}] step {p.step}{total}{loss} ETA {format_eta(p.eta_s)}"
-
-
-class LogThrottle:
-    """Which progress events become a line in a log (not a terminal): every note ("starting
-    ..."), then one line per job each 1/LOG_FRACTION of its steps."""
-
-    def __init__(self) -> None:
-        self._logged_bucket: dict[str, int] = {}
-
-    def line(self, p: Progress) -> str | None:
-        if p.note:
-            self._logged_bucket.pop(p.name, None)
-            return format_progress(p)
-        if not p.total_steps:
-            return None
-        bucket = p.step * LOG_FRACTION // p.total_steps
-        last = self._logged_bucket.get(p.name)
-        if last is not None and bucket <= last:
-            return None
-        self._logged_bucket[p.name] = bucket
-        return format_progress(p)
 
 
 class ProgressPrinter:

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from convergence.launch.progress_text import LogThrottle
 from convergence.launch.types import Progress
-from pytest_convergence.progress import LogThrottle
 
 PROGRESS_DIR = "progress"
 POLL_S = 0.5

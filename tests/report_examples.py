@@ -10,6 +10,7 @@ synthetic curves; the verdicts come from the real comparison methods (convergenc
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,7 @@ def _job(name: str, seed: int = 42, techniques: Techniques | None = None,
 
 
 def _rules(regime: str) -> tuple[ComparisonRule, ...]:
-    method = "paired" if regime == "paired" else "seed"
+    method = regime
     return (ComparisonRule(metric="loss", method=method),
             ComparisonRule(metric="grad_norm", method=method),
             ComparisonRule(metric="tokens_per_s", method="regression", gate=False,
@@ -141,6 +142,25 @@ def seed_pair() -> PairOutcome:
                        control=_side(control, reps[0], cached=True, replicates=reps),
                        test=_side(test, test_m, wall_s=9.0), verdicts=verdicts,
                        stopped_early_at=None, wall_s=9.8)
+
+
+def twin_pair() -> PairOutcome:
+    """bf16 on both sides: the twin's small drift from the control sizes the envelope."""
+    bf16 = Techniques(param_dtype="bfloat16")
+    control = _job("fsdp2", dp_shard=2, techniques=bf16)
+    test = _job("fsdp2-tp2", dp_shard=2, tp=2, techniques=bf16)
+    steps = np.arange(1, STEPS + 1)
+    drift = 2e-5 * np.sqrt(steps) * np.cos(steps)
+    ctrl_m = run_metrics(1)
+    twin_m = run_metrics(1, loss_shift=drift)
+    test_m = run_metrics(1, tps=900.0, mem=300.0, loss_shift=-1.5 * drift)
+    pair = _pair("fsdp2-tp2-bf16", control, test, regime="twin")
+    verdicts = judge(pair, [ctrl_m, twin_m], test_m)
+    assert all(v.passed for v in verdicts), verdicts
+    return PairOutcome(pair=pair, status="passed",
+                       control=dataclasses.replace(_side(control, ctrl_m, cached=True),
+                                                   twin=twin_m),
+                       test=_side(test, test_m, wall_s=9.0), verdicts=verdicts, wall_s=9.8)
 
 
 def all_examples() -> list[PairOutcome]:

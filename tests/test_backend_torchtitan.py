@@ -248,7 +248,28 @@ def test_read_metrics_from_torchtitans_tensorboard_layout(tmp_path: Path) -> Non
     assert metrics["loss"].values.tolist() == [7.5, 7.25, 7.0]
     assert metrics["grad_norm"].values.tolist() == [1.5, 1.25, 1.0]
     assert metrics["peak_mem_mib"].values.tolist() == [2048.0] * 3
-    assert BACKEND.metrics_path(job(), dump) is None and BACKEND.read_meta(job(), dump) == {}
+    assert BACKEND.read_meta(job(), dump) == {}
+
+
+def test_live_metrics_tail_the_same_tensorboard_folder(tmp_path: Path) -> None:
+    """While the job runs: its tb folder is tailed (progress, NaN, early stop) on the rank
+    with the real loss, the records keep torchtitan's tags and record_keys maps them; no stop
+    file (torchtitan has none: an early stop ends the job)."""
+    from convergence.metrics.tags import resolve_map
+    from convergence.metrics.tb_tail import TensorBoardTail
+
+    dump = tmp_path / "dump"
+    write_scalars(dump / "tb" / "20260101-1200" / "rank_0",
+                  {"loss_metrics/global_avg_loss": [-1.0, -1.0, -1.0]})
+    write_scalars(dump / "tb" / "20260101-1200" / "rank_1",
+                  {"loss_metrics/global_avg_loss": [7.5, 7.25, 7.0], "lr/AdamW": [1e-3] * 3})
+    path = BACKEND.metrics_path(job(), dump)
+    assert path == dump / "tb" and BACKEND.metrics_format(job()) == "tensorboard"
+    assert BACKEND.stop_file(job(), dump) is None
+    records = TensorBoardTail(path).drain()
+    keys = resolve_map({}, BACKEND.record_keys(job()))
+    assert keys["loss_metrics/global_avg_loss"] == "loss" and keys["lr/AdamW"] == "lr"
+    assert [r["loss_metrics/global_avg_loss"] for r in records] == [7.5, 7.25, 7.0]
 
 
 def test_config_text_keys_module_config_and_file() -> None:

@@ -3,12 +3,15 @@ through real torchrun and judged with the paired verdict."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 from pathlib import Path
 
 import pytest
 
+import convergence.ab as ab
 from convergence.cli import main
+from convergence.options import run_settings
 
 TRAINER = '''\
 """A deterministic stand-in trainer: rank 0 logs loss and grad norm per step."""
@@ -104,3 +107,29 @@ def test_an_unknown_ref_is_a_clear_error(repo: Path, tmp_path: Path,
     assert code == 2
     err = capsys.readouterr().err
     assert "no-such-branch" in err and "fix:" in err
+
+
+def test_settings_come_from_the_shared_option_table(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ab` builds its RunSettings through convergence.options (relative paths against the
+    invocation directory, the table's checks), with early stop always off."""
+    seen = {}
+
+    def fake_run_ab(*args: object, settings: object, **kwargs: object) -> list[object]:
+        seen["settings"] = settings
+        return []
+
+    monkeypatch.setattr(ab, "run_ab", fake_run_ab)
+    monkeypatch.chdir(tmp_path)
+    assert main(["ab", "exp.toml", "--baseline", "a", "--candidate", "b", "--steps", "3",
+                 "--devices=2", "--workdir", "wd", "--wall-limit", "50"]) == 0
+    settings = seen["settings"]
+    assert settings.work_dir == (tmp_path / "wd").resolve()
+    assert (settings.steps, settings.devices, settings.wall_limit_s) == (3, 2, 50.0)
+    assert settings.early_stop is False and settings.cache_dir is None
+    expected = run_settings({"steps": 3, "devices": 2, "wall-limit": 50.0, "no-early-stop": True},
+                            work_dir=settings.work_dir)
+    assert settings == dataclasses.replace(expected, session_id=settings.session_id)
+    assert main(["ab", "exp.toml", "--baseline", "a", "--candidate", "b", "--steps", "0"]) == 2
+    assert "convergence ab: --steps must be >= 1, got 0" in capsys.readouterr().err

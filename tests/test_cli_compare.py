@@ -28,6 +28,18 @@ def test_two_torchtitan_dumps_gate_on_loss_and_grad_norm(
         assert any(line.split()[:3] == [metric, "paired", "pass"] for line in out.splitlines())
 
 
+def test_two_tb_folders_are_named_by_the_segments_that_differ(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two dumps' tb folders: "tb vs tb" named neither run."""
+    a = write_torchtitan_dump(tmp_path / "baseline", LOSSES)
+    b = write_torchtitan_dump(tmp_path / "candidate", LOSSES)
+    tb_a, tb_b = next(a.rglob("tb")), next(b.rglob("tb"))
+    assert tb_a.relative_to(a) == tb_b.relative_to(b)
+    assert main(["compare", str(tb_a), str(tb_b)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"compare candidate/{tb_b.relative_to(b).as_posix()} vs baseline/")
+
+
 def test_a_scaled_gradient_fails_with_pytests_failure_text(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Same loss, doubled grad norm: what Adam hides in the loss and the grad norm shows.

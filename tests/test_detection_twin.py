@@ -59,7 +59,9 @@ def test_correct_bf16_layout_passes_inside_the_measured_envelope(
     assert (twin_loss.values != control_loss.values).any()
     loss = outcome.verdict("loss")
     assert loss is not None and loss.method == "twin" and loss.details["twin_noise_max"] > 0
-    assert len(loss.details["envelope"]["values"]) == STEPS
+    assert loss.band is not None and len(loss.band.steps) == STEPS  # drawn by the plots
+    width = [u - lo for lo, u in zip(loss.band.lower, loss.band.upper, strict=True)]
+    assert all(w > 0 for w in width) and width[-1] > width[0]  # grows with the twin's noise
 
 
 def test_cp_mask_bug_that_the_seed_band_missed_fails_early(

@@ -36,6 +36,7 @@ from faulty_project import (
     NOTE,
     FaultyTest,
     alive,
+    cache_entries,
     default_sigint,
     experiment,
     job_pids,
@@ -210,11 +211,9 @@ def test_a_nan_control_errors_the_pair_and_is_never_cached(faults: Session) -> N
     # The NaN control is never cached: it would poison every later session. (The finished
     # flat control of flat_control.toml is: a faithful run, judged unhealthy on every use.)
     cache = RunCache(faults.workdir / "cache")
-    entries = {p: (p / "job.json").read_text()
-               for p in (faults.workdir / "cache").glob("??/*") if p.is_dir()}
-    assert not [p for p, job in entries.items() if '"ddp2-nan"' in job], entries
-    good = [p for p, job in entries.items() if '"ddp2"' in job]
-    assert len(good) == 1, entries
+    assert cache_entries(faults.workdir / "cache", "ddp2-nan") == []
+    good = cache_entries(faults.workdir / "cache", "ddp2")
+    assert len(good) == 1, good
     assert cache.verify(good[0]) is None
 
 
@@ -289,8 +288,7 @@ def test_a_corrupt_cache_entry_is_detected_and_rerun(faults: Session) -> None:
     """Truncate a file of the cached control: the next session does not trust it, reruns the
     control, stores a verified entry again, and the pair passes."""
     cache_root = faults.workdir / "cache"
-    entries = [p for p in cache_root.glob("??/*") if p.is_dir() and
-               '"ddp2"' in (p / "job.json").read_text()]
+    entries = cache_entries(cache_root, "ddp2")
     assert len(entries) == 1
     metrics = entries[0] / "dump" / "metrics.jsonl"
     metrics.write_bytes(metrics.read_bytes()[:-20])  # a truncated copy, manifest unchanged

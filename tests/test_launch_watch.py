@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from convergence.launch.progress_text import format_progress
 from convergence.launch.types import LaunchRequest, Progress
 from convergence.launch.watch import JobWatch
 
@@ -35,7 +36,7 @@ def test_progress_is_throttled_and_events_are_not_steps(tmp_path: Path) -> None:
     assert watch.last_step == 3
     assert watch.poll(1.2) is None
     assert [p.step for p in seen] == [2, 3] and seen[-1].loss == 1.5
-    assert seen[-1].eta_s is not None
+    assert seen[-1].eta_s is None  # two steps after the first: too few for an ETA
 
 
 def test_non_finite_torchtitan_loss_is_nan_verdict_with_step(tmp_path: Path) -> None:
@@ -94,15 +95,48 @@ def test_a_job_idle_after_its_last_step_is_complete_not_hung(tmp_path: Path) -> 
     assert verdict.failure is not None and "logged all 10 steps" in verdict.failure.message
 
 
-def test_eta_comes_from_the_pace_since_the_first_step_not_from_launch() -> None:
-    """torchrun's start-up (here 30 s before step 1) must not inflate the ETA."""
-    def at(step: int, elapsed: float) -> Progress:
-        return Progress(name="j", step=step, total_steps=100, loss=1.0, elapsed_s=elapsed,
-                        first_step=1, first_step_elapsed_s=30.0)
+def paced(tmp_path: Path, arrivals: list[tuple[float, list[int]]]) -> list[Progress]:
+    """Drive a JobWatch with an explicit clock: at each time, the steps that arrived then
+    (every arrival is reported: progress_interval_s 0)."""
+    metrics = tmp_path / "m.jsonl"
+    req = LaunchRequest(name="j", entry=[], nproc=1, log_dir=tmp_path, metrics_path=metrics,
+                        total_steps=100)
+    seen: list[Progress] = []
+    watch = JobWatch(req, start=0.0, on_progress=seen.append, progress_interval_s=0.0)
+    for at, steps in arrivals:
+        append(metrics, *({"step": s, "loss": 1.0} for s in steps))
+        watch.poll(at)
+    return seen
 
-    assert at(1, 30.0).eta_s is None and at(2, 30.5).eta_s is None  # too few intervals
-    assert at(3, 31.0).eta_s == 0.5 * 97  # 0.5 s per step since step 1, 97 steps to go
-    assert at(100, 79.5).eta_s == 0.0
+
+def test_no_eta_until_three_steps_after_the_first_and_never_from_launch(tmp_path: Path) -> None:
+    """torchrun's start-up (here 30 s before step 1) must not inflate the ETA, and no ETA is
+    guessed from the first steps (the line then shows none, not "ETA ?")."""
+    seen = paced(tmp_path, [(30.0 + 0.5 * k, [k + 1]) for k in range(4)])
+    assert [p.eta_s for p in seen[:3]] == [None, None, None]
+    assert seen[3].step == 4 and seen[3].eta_s == 0.5 * 96  # 0.5 s per step, 96 to go
+    assert "ETA" not in format_progress(seen[0])
+    assert format_progress(seen[3]).endswith("step 4/100 loss 1 ETA 0:48")
+
+
+def test_eta_follows_the_recent_pace_not_the_first_slow_steps(tmp_path: Path) -> None:
+    """Five 4 s warm-up steps, then 0.5 s steps: once the window holds only fast steps the
+    ETA is 0.5 s x the steps left (a pace since step 1 would still say ~1.5 s)."""
+    times, t = [], 10.0
+    for step in range(1, 31):
+        t += 4.0 if step <= 5 else 0.5
+        times.append((t, [step]))
+    seen = paced(tmp_path, times)
+    assert seen[-1].step == 30 and seen[-1].eta_s == 0.5 * 70
+    assert seen[-1].pace_s == 0.5
+
+
+def test_steps_read_in_one_poll_share_a_time_not_a_zero_pace(tmp_path: Path) -> None:
+    """Fast steps arrive several per poll: the pace is per poll, never 0 s per step."""
+    seen = paced(tmp_path, [(1.0, [1, 2, 3]), (2.0, [4, 5, 6]), (3.0, [7, 8, 9])])
+    assert seen[-1].step == 9 and seen[-1].pace_s == 2.0 / 6
+    (tmp_path / "one").mkdir()
+    assert paced(tmp_path / "one", [(1.0, list(range(1, 20)))])[-1].eta_s is None
 
 
 def test_launch_announces_the_job_before_torchrun_starts(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from convergence.cli import build_parser, main
-from convergence.options import OPTIONS, run_settings, values_from_args
+from convergence.options import OPTIONS, resolve_path, run_settings, values_from_args
 
 
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -53,3 +53,49 @@ def test_cli_flags_become_the_runner_settings(tmp_path: Path) -> None:
                                              cwd=tmp_path), work_dir=tmp_path)
     assert (defaults.launcher, defaults.early_stop, defaults.refresh) == ("local", True, False)
     assert (defaults.idle_limit_s, defaults.wall_limit_s) == (300.0, 3600.0)
+
+
+PATH_OPTIONS = [opt.name for opt in OPTIONS if opt.kind == "path"]
+PROBE_TEST = '''
+from pytest_convergence.options import read_options
+
+def test_show(pytestconfig):
+    values = read_options(pytestconfig).values
+    for name in {names!r}:
+        print("RESOLVED", name, values[name])
+'''
+
+
+@pytest.mark.parametrize("first_form", ["space", "equals"])
+def test_every_path_option_resolves_against_the_invocation_dir_in_both_forms(
+        tmp_path: Path, first_form: str) -> None:
+    """``--convergence-X DIR`` and ``--convergence-X=DIR`` are relative to where pytest was
+    started (here a subfolder of the rootdir), for every ``kind == "path"`` option; the CLI's
+    ``--X DIR`` / ``--X=DIR`` likewise (one resolve_path for both)."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "test_probe.py").write_text(PROBE_TEST.format(names=PATH_OPTIONS))
+    args, cli_args = [], []
+    for i, name in enumerate(PATH_OPTIONS):
+        space = (i % 2 == 0) == (first_form == "space")  # alternate, then the other way round
+        args += [f"--convergence-{name}", f"d-{name}"] if space else [
+            f"--convergence-{name}=d-{name}"]
+        cli_args += [f"--{name}", f"d-{name}"] if space else [f"--{name}=d-{name}"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-q",
+                           "test_probe.py", *args], cwd=sub, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    shown = dict(line.split()[1:3] for line in proc.stdout.splitlines()
+                 if line.startswith("RESOLVED"))
+    assert shown == {name: str(sub / f"d-{name}") for name in PATH_OPTIONS}
+    values = values_from_args(build_parser().parse_args(["run", "x.toml", *cli_args]), cwd=sub)
+    assert {name: values[name] for name in PATH_OPTIONS} == {
+        name: sub / f"d-{name}" for name in PATH_OPTIONS}
+
+
+def test_resolve_path_expands_home_and_keeps_absolute_paths(tmp_path: Path) -> None:
+    assert resolve_path(None, tmp_path) is None and resolve_path("", tmp_path) is None
+    assert resolve_path("~/x", tmp_path) == Path.home() / "x"
+    assert resolve_path(str(tmp_path / "abs"), Path("/elsewhere")) == tmp_path / "abs"
+    assert resolve_path(Path("rel"), tmp_path) == tmp_path / "rel"

@@ -141,7 +141,8 @@ def test_python_api_progress_and_cached_control(project: pytest.Pytester) -> Non
     # Live progress (not a tty here), no rank logs. Which steps show depends on the launcher's
     # progress throttle and the machine's speed; the control shows some step, and the test's
     # last step is always shown (the launcher forces a final progress event).
-    result.stdout.fnmatch_lines(["[[]fsdp2 control[]] step */8 loss * ETA *",
+    result.stdout.fnmatch_lines(["[[]fsdp2 control[]] starting (2 ranks, local launcher)",
+                                 "[[]fsdp2 control[]] step */8 loss *",
                                  "[[]test_layouts[[]ddp2[]] test[]] step 8/8 loss * ETA 0:00"])
     assert "Traceback" not in result.stdout.str()
     assert _saved_outcomes(project)[0]["control"]["cached"] is False

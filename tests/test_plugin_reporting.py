@@ -104,7 +104,8 @@ def test_progress_lines_when_not_a_tty(pytester: pytest.Pytester) -> None:
             printer = ProgressPrinter(request.config)
             for step in range(1, 201):
                 printer(Progress(name="fsdp2-tp2 test", step=step, total_steps=200,
-                                 loss=3.2141 - step / 1000, elapsed_s=step * 0.2))
+                                 loss=3.2141 - step / 1000, elapsed_s=step * 0.2,
+                                 pace_s=0.2 if step > 3 else None))
             printer.finish()
     """)
     result = pytester.runpytest("-p", "no:cacheprovider")
@@ -112,7 +113,8 @@ def test_progress_lines_when_not_a_tty(pytester: pytest.Pytester) -> None:
     lines = [l for l in result.stdout.lines if l.startswith("[fsdp2-tp2 test]")]
     # One line per ~10% of the steps (plus the first), not one per step.
     assert 10 <= len(lines) <= 12
-    assert lines[0] == "[fsdp2-tp2 test] step 1/200 loss 3.213 ETA 0:40"
+    assert lines[0] == "[fsdp2-tp2 test] step 1/200 loss 3.213"  # no pace yet: no ETA
+    assert lines[1] == "[fsdp2-tp2 test] step 20/200 loss 3.194 ETA 0:36"
     assert lines[-1].startswith("[fsdp2-tp2 test] step 200/200 loss 3.014 ETA 0:00")
 
 
@@ -256,7 +258,7 @@ def test_progress_redraws_in_place_on_a_terminal(pytester: pytest.Pytester) -> N
             for step in range(1, 5):
                 for name in ("fsdp2 control", "fsdp2-tp2 test"):
                     printer(Progress(name=name, step=step, total_steps=8, loss=3.0,
-                                     elapsed_s=step))
+                                     elapsed_s=step, pace_s=1.0))
                 time.sleep(0.3)
             printer.finish()
     """)

@@ -95,7 +95,11 @@ def test_markdown_and_html_sections(tmp_path: Path) -> None:
     md = markdown_lines(records)
     assert md[1] == "### By dimension"
     assert any(line.startswith("| +pp2 | 1 | 0 | 1 | 0 | 0 |") for line in md)
-    assert markdown_lines(records[:1]) == [] and html_section(records[:1]) == ""
+    # One pair gets its row too (what the test changes over its control); none, nothing.
+    assert markdown_lines(records[:1])[1] == "### By dimension" and len(markdown_lines(
+        records[:1])) == 6
+    assert "<h3>By dimension</h3>" in html_section(records[:1])
+    assert markdown_lines([]) == [] and html_section([]) == ""
     html = html_section(records)
     assert "<h3>By dimension</h3>" in html and "+param:bf16 +no-determ" in html
     # Wired into the report files.
@@ -105,4 +109,24 @@ def test_markdown_and_html_sections(tmp_path: Path) -> None:
             outcomes[0].pair.test, layout=ParallelLayout(dp_shard=2, tp=2, pp=2))))
     write_reports(outcomes, tmp_path, environment={"python": "3"})
     assert "| +tp2+pp2 | 1 | 1 | 0 | 0 | 0 |" in (tmp_path / "report.md").read_text()
-    assert "<h3>By dimension</h3>" in (tmp_path / "report.html").read_text()
+    html = (tmp_path / "report.html").read_text()
+    assert "<h3>By dimension</h3>" in html
+    # The heatmap is one pair x metric grid, titled as such (not a heatmap "per dimension").
+    assert "<h3>Every pair × gating metric</h3>" in html
+
+
+def test_heatmap_rows_are_named_as_the_dimension_table_names_them() -> None:
+    from convergence.report.formats.plots import dimension
+
+    outcome = all_examples()[0]
+    tp = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair, test=(
+        dataclasses.replace(outcome.pair.test, layout=ParallelLayout(dp_shard=2, tp=2)))))
+    assert dimension(tp) == dimension_of(pair_record(tp, include_curves=False)) == "+tp2"
+
+
+def test_terminal_summary_of_one_pair_has_its_dimension_and_says_1_pair() -> None:
+    from convergence.report.formats.terminal import render_summary
+
+    text = render_summary(all_examples()[:1])
+    assert "1 pair:" in text and "1 pairs" not in text
+    assert "by dimension (what each test adds over its control):" in text

@@ -11,7 +11,7 @@ import jsonschema
 import matplotlib.image
 import numpy as np
 import pytest
-from report_examples import DIVERGES_AT, all_examples, failing_pair
+from report_examples import DIVERGES_AT, all_examples, failing_pair, twin_pair
 
 from convergence.report import (
     REPORT_JSON_SCHEMA,
@@ -149,6 +149,20 @@ def test_markdown(written: dict[str, Path]) -> None:
     assert "fsdp2-bf16" in md and "## Failures" in md
 
 
+
+def test_markdown_matrix_drops_a_layout_column_that_repeats_every_name(
+        outcomes: list[PairOutcome]) -> None:
+    from convergence.report.data.records import pair_record
+    from convergence.report.formats.markdown import matrix_table
+
+    records = [pair_record(o, include_curves=False) for o in outcomes]
+    named = [r for r in records if r["name"] == r["test"]["short_name"]]
+    assert named and len(named) < len(records)
+    assert "| layout |" in matrix_table(records)[0]  # a name that is not its layout: kept
+    header = matrix_table(named)[0]
+    assert "| layout |" not in header and header.count(" | ") == 8
+
+
 def test_html_is_self_contained(written: dict[str, Path], report: dict) -> None:
     html = written["html"].read_text(encoding="utf-8")
     assert html.startswith("<!DOCTYPE html>") and "<style>" in html
@@ -209,6 +223,14 @@ def _stretched(o: PairOutcome, factor: int) -> PairOutcome:
     return dataclasses.replace(
         o, control=dataclasses.replace(o.control, metrics=stretch(o.control.metrics)),
         test=dataclasses.replace(o.test, metrics=stretch(o.test.metrics)))
+
+
+def test_plot_of_a_twin_pair_shows_the_twins_noise(tmp_path: Path) -> None:
+    o = twin_pair()
+    loss = o.verdict("loss")
+    assert loss is not None and loss.method == "twin" and loss.band is not None
+    plot_pair(o, tmp_path / "twin.png")
+    assert (tmp_path / "twin.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_of_a_long_run(tmp_path: Path) -> None:

@@ -52,3 +52,15 @@ def test_a_metric_one_side_did_not_log_is_not_compared_not_regressed() -> None:
     report = build_report([outcome], environment={}, started_at=None, wall_s=None,
                           include_curves=False)
     assert "## Regressions" not in render_markdown(report)
+
+
+def test_verdict_rows_line_up_with_long_metric_names() -> None:
+    """grad_norm_parts / data_fingerprint are longer than the old fixed column: every row's
+    method still starts in one column."""
+    outcome = _slow_but_correct()
+    long = dataclasses.replace(outcome.verdicts[0], metric="grad_norm_parts_long_name")
+    outcome = dataclasses.replace(outcome, verdicts=(*outcome.verdicts, long))
+    text = render_outcome(outcome)
+    rows = text.split("verdicts:\n", 1)[1].splitlines()[:len(outcome.verdicts)]
+    starts = {len(row) - len(row[2:].split(None, 1)[1]) for row in rows}
+    assert len(starts) == 1, rows

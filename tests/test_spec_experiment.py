@@ -10,6 +10,8 @@ import pytest
 from convergence.preflight import load_checked, validate_devices
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
+from convergence.spec.layout import ParallelLayout
+from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES, SCHEDULES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,6 +127,15 @@ def test_bad_schedule(tmp_path: Path) -> None:
     body = GOOD.format(root=ROOT).replace('"1F1B", "Interleaved1F1B"', '"Zigzag"')
     err = error_for(tmp_path, body)
     assert "pp_schedule" in str(err) and "Interleaved1F1B" in str(err)
+
+
+def test_every_schedule_the_trainer_knows_is_a_layout_schedule() -> None:
+    """One schedule table (spec/pp_schedules.py): the V schedules the trainer runs are valid in
+    an experiment too, with their two stages per rank."""
+    for schedule in SCHEDULES:
+        layout = ParallelLayout(pp=2, pp_schedule=schedule)
+        assert layout.stages_per_rank == (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+    assert ParallelLayout(pp=2, pp_schedule="DualPipeV").stages_per_rank == 2
 
 
 def test_degrees_that_do_not_divide_the_model(tmp_path: Path) -> None:

@@ -91,3 +91,12 @@ def test_early_stop_uses_the_envelope() -> None:
     decided = [monitor.update(step, {"step": step, "loss": value + 0.5}).decided
                for step, value in zip(STEPS.tolist(), BASE.tolist(), strict=True)]
     assert decided.index(True) == 6  # min_step 5, then 3 steps clearly outside: step 7
+
+
+def test_the_verdict_carries_its_band() -> None:
+    control, twin = curve(BASE), curve(BASE + chaotic_gap(0.01))
+    verdict = TwinEnvelope().compare(rule(), [control, twin], control)
+    tol = twin_tolerance(rule(), control, [twin]).at(STEPS, BASE)
+    assert verdict.band is not None and list(verdict.band.steps) == STEPS.tolist()
+    assert np.allclose(verdict.band.upper, BASE + tol) and np.allclose(verdict.band.lower,
+                                                                       BASE - tol)

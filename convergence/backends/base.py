@@ -46,11 +46,22 @@ class Backend(Protocol):
         ...
 
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
-        """The JSONL file read live while the job runs (None: none, poll nothing)."""
+        """What is read live while the job runs (None: nothing, poll nothing): the JSONL file,
+        or the folder of TensorBoard event files (see ``metrics_format``)."""
+        ...
+
+    def metrics_format(self, job: JobSpec) -> str:
+        """``jsonl`` or ``tensorboard``: how ``metrics_path`` is read live."""
+        ...
+
+    def stop_file(self, job: JobSpec, dump_dir: Path) -> Path | None:
+        """The file whose creation asks the job to stop at its next step (early stopping);
+        None: the trainer has none, and an early stop ends its processes."""
         ...
 
     def record_keys(self, job: JobSpec) -> dict[str, str] | None:
-        """Map of the live JSONL's key names to ours (None: they are ours already)."""
+        """Map of the live records' key names (JSONL keys, TensorBoard tags) to ours (None:
+        they are ours already)."""
         ...
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:

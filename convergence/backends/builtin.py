@@ -104,6 +104,12 @@ class BuiltinBackend:
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
         return dump_dir / "metrics.jsonl"
 
+    def metrics_format(self, job: JobSpec) -> str:
+        return "jsonl"
+
+    def stop_file(self, job: JobSpec, dump_dir: Path) -> Path | None:
+        return dump_dir / "STOP"
+
     def record_keys(self, job: JobSpec) -> dict[str, str] | None:
         return None
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
+from convergence.metrics.tags import TENSORBOARD_TAGS, resolve_map
 from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -120,12 +121,21 @@ class CommandBackend:
 
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
         options = _options(job)
-        if options.get("metrics", "jsonl") != "jsonl":
-            return None
+        if self.metrics_format(job) == "tensorboard":
+            return dump_dir / options.get("metrics_file", "")  # tailed live (tb_tail.py)
         return dump_dir / options.get("metrics_file", "metrics.jsonl")
 
+    def metrics_format(self, job: JobSpec) -> str:
+        return "tensorboard" if _options(job).get("metrics") == "tensorboard" else "jsonl"
+
+    def stop_file(self, job: JobSpec, dump_dir: Path) -> Path | None:
+        return dump_dir / "STOP"  # {dump_dir}/STOP: a trainer may honour it
+
     def record_keys(self, job: JobSpec) -> dict[str, str] | None:
-        return _key_map(_options(job)) or None
+        keys = _key_map(_options(job))
+        if self.metrics_format(job) == "tensorboard":  # live records carry the writer's tags
+            return resolve_map(TENSORBOARD_TAGS, keys or None, what="keys")
+        return keys or None
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         options = _options(job)

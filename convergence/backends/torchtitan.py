@@ -28,11 +28,12 @@ Metrics: TensorBoard under ``<dump>/tb/<timestamp>/`` (torchtitan's tags; with P
 stage's rank logs the loss; the learning rate as ``lr/<optimizer class>``), read at the
 precision torchtitan writes them (float32 ``add_scalar``).
 
-No early stopping for torchtitan jobs, because torchtitan 0.3.0 has no live source we can
-trust: its TensorBoard writer (``SummaryWriter(max_queue=1000)``, default ``flush_secs=120``)
-reaches the file only every two minutes or 1000 scalars (~70 steps), and its console line
-prints the loss with 5 decimals, coarser than the paired tolerance (~1e-5). A decision on
-either would be late or wrong; the verdict is taken on the whole run at its end.
+Live metrics: the TensorBoard folder is tailed while the job runs (convergence.metrics.tb_tail:
+torchtitan's writer appends each step's scalars to the event file as they come, despite its
+``flush_secs=120``), so a torchtitan job shows progress with an ETA, is stopped at a NaN loss
+or when the sequential test has decided (no stop request exists in torchtitan: the job's
+processes are ended), and is idle-limited from its first step on. The console line is not
+used: it prints the loss with 5 decimals, coarser than the paired tolerance (~1e-5).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.tags import TENSORBOARD_TAGS
 from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -400,10 +402,16 @@ class TorchtitanBackend:
 
     # metrics
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
-        return None
+        return dump_dir / "tb"  # tailed while the job runs (convergence.metrics.tb_tail)
+
+    def metrics_format(self, job: JobSpec) -> str:
+        return "tensorboard"
+
+    def stop_file(self, job: JobSpec, dump_dir: Path) -> Path | None:
+        return None  # torchtitan has no stop request: an early stop ends the job
 
     def record_keys(self, job: JobSpec) -> dict[str, str] | None:
-        return None
+        return dict(TENSORBOARD_TAGS)  # live records carry torchtitan's tags
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
 

@@ -28,9 +28,14 @@ class LaunchRequest:
     log_dir: Path
     """Per-job folder: launcher log and one log per rank are written here."""
     metrics_path: Path | None = None
-    """JSONL file the trainer appends a line to per step (read live for progress/watchdog)."""
+    """What is read live for progress, the watchdog and early stopping: the JSONL file the
+    trainer appends a line to per step, or (``metrics_format`` "tensorboard") the folder of its
+    TensorBoard event files (convergence.metrics.tb_tail)."""
+    metrics_format: str = "jsonl"
+    """``jsonl`` or ``tensorboard``: how ``metrics_path`` is read."""
     stop_file: Path | None = None
-    """Touching this file asks the trainer to stop cleanly at the next step."""
+    """Touching this file asks the trainer to stop cleanly at the next step; None: the trainer
+    has no such request, and an early stop ends its processes."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment (e.g. CUDA_VISIBLE_DEVICES from the device pool)."""
     cwd: Path | None = None
@@ -87,29 +92,21 @@ class Progress:
     total_steps: int | None
     loss: float | None
     elapsed_s: float
-    first_step: int | None = None
-    """The first step this job logged, and when (``first_step_elapsed_s``): the ETA is taken
-    from the pace since then, not since launch, which includes torchrun's start-up."""
-    first_step_elapsed_s: float | None = None
+    pace_s: float | None = None
+    """Seconds per step over the job's recent steps (:class:`~convergence.launch.watch.JobWatch`
+    keeps the window); None until enough steps were seen for it to mean something."""
     note: str = ""
-    """A one-off event instead of a step (e.g. ``starting (4 ranks, local)``)."""
-
-    #: Step intervals needed before an ETA means anything.
-    MIN_INTERVALS_FOR_ETA = 2
+    """A one-off event instead of a step (e.g. ``starting (4 ranks, local launcher)``)."""
 
     @property
     def eta_s(self) -> float | None:
+        """Remaining steps x the recent pace: None without a pace (no guess from step 1)."""
         if not self.total_steps or self.step <= 0:
             return None
         remaining = max(self.total_steps - self.step, 0)
         if remaining == 0:
             return 0.0
-        if self.first_step is None or self.first_step_elapsed_s is None:
-            return self.elapsed_s / self.step * remaining
-        intervals = self.step - self.first_step
-        if intervals < self.MIN_INTERVALS_FOR_ETA:
-            return None
-        return (self.elapsed_s - self.first_step_elapsed_s) / intervals * remaining
+        return None if self.pace_s is None else self.pace_s * remaining
 
 
 #: Called with each new metrics record of a running job; returning True asks it to stop early.

@@ -122,3 +122,7 @@ class JsonlTail:
         self._offset += len(chunk)
         *lines, self._partial = (self._partial + chunk).split(b"\n")
         return [obj for obj in map(_parse, lines) if obj is not None]
+
+    def drain(self) -> list[dict[str, Any]]:
+        """After the job ended: the same as a poll (a last line without newline is cut)."""
+        return self.poll()

@@ -70,7 +70,7 @@ def find_loss_logging_dir(root: Path, tag_map: Mapping[str, str] | None = None) 
     candidates = [folder for folder in scan if _holds_loss(scan[folder], loss_tags)]
     if not candidates:
         return None
-    return min(candidates, key=lambda folder: (-newest[folder], _rank_of(folder) or 0,
+    return min(candidates, key=lambda folder: (-newest[folder], rank_of(folder) or 0,
                                                str(folder)))
 
 
@@ -81,12 +81,12 @@ def _chosen_folders(scan: Scan, loss_tags: list[str]) -> list[Path]:
     by_parent: dict[Path, list[Path]] = {}
     chosen: list[Path] = []
     for folder in scan:
-        if _rank_of(folder) is None:
+        if rank_of(folder) is None:
             chosen.append(folder)
         else:
             by_parent.setdefault(folder.parent, []).append(folder)
     for ranks in by_parent.values():
-        ranks.sort(key=lambda folder: _rank_of(folder) or 0)
+        ranks.sort(key=lambda folder: rank_of(folder) or 0)
         holders = [folder for folder in ranks if _holds_loss(scan[folder], loss_tags)]
         chosen.append(holders[0] if holders else ranks[0])
     return chosen
@@ -96,7 +96,7 @@ def _holds_loss(tags: Mapping[str, list[tuple[int, float]]], loss_tags: list[str
     return any(value != PLACEHOLDER_LOSS for tag in loss_tags for _, value in tags.get(tag, []))
 
 
-def _rank_of(folder: Path) -> int | None:
+def rank_of(folder: Path) -> int | None:
     match = _RANK_DIR.fullmatch(folder.name)
     return int(match.group(1)) if match else None
 
@@ -137,29 +137,38 @@ def _scan(files: Iterable[Path], tags: set[str]) -> Scan:
 
 def _scalars(path: Path, tags: set[str]) -> Iterator[tuple[str, int, float]]:
     """(tag, step, value) of every scalar of ``tags`` in one file, in file order."""
+    records, _ = split_records(path.read_bytes(), path)
+    for record in records:
+        yield from event_scalars(record, tags)
+
+
+def event_scalars(record: bytes, tags: set[str] | None = None
+                  ) -> Iterator[tuple[str, int, float]]:
+    """(tag, step, value) of the scalars in one event record (of ``tags``; None: all)."""
     from tensorboard.compat.proto.event_pb2 import Event
 
-    for record in _records(path):
-        event = Event.FromString(record)
-        if not event.HasField("summary"):
+    event = Event.FromString(record)
+    if not event.HasField("summary"):
+        return
+    for value in event.summary.value:
+        if tags is not None and value.tag not in tags:
             continue
-        for value in event.summary.value:
-            if value.tag not in tags:
-                continue
-            number = _scalar(value)
-            if number is not None:
-                yield value.tag, int(event.step), number
+        number = _scalar(value)
+        if number is not None:
+            yield value.tag, int(event.step), number
 
 
-def _records(path: Path) -> Iterator[bytes]:
-    """The records of a TFRecord file: ``u64 length | u32 crc(length) | data | u32 crc(data)``.
+def split_records(data: bytes, path: Path) -> tuple[list[bytes], int]:
+    """The complete records at the start of TFRecord bytes, and how many bytes they take:
+    ``u64 length | u32 crc(length) | data | u32 crc(data)`` each.
 
     We parse the framing ourselves (TensorBoard's pure-Python fallback reader spends most of
     its time checksumming every payload byte in Python). The length checksum is verified, so a
     corrupt or misaligned file is an error rather than garbage; the payload is checked by the
-    protobuf parser. A truncated last record (the writer is mid-write) ends the file quietly.
+    protobuf parser. A truncated last record (the writer is mid-write) is left unconsumed: a
+    reader of a finished file ignores it, a live tail (tb_tail.py) reads it once complete.
     """
-    data = path.read_bytes()
+    records: list[bytes] = []
     offset, size = 0, len(data)
     while offset + 12 <= size:
         header = data[offset:offset + 8]
@@ -170,9 +179,10 @@ def _records(path: Path) -> Iterator[bytes]:
                              f"checksum); delete or move the damaged file and re-read")
         end = offset + 12 + length + 4
         if end > size:
-            return
-        yield data[offset + 12:offset + 12 + length]
+            break
+        records.append(data[offset + 12:offset + 12 + length])
         offset = end
+    return records, offset
 
 
 def _scalar(value: Any) -> float | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 VERDICTS = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP"}
 
@@ -22,7 +21,7 @@ def fmt_deg(degree: int) -> str:
     return "-" if degree == 1 else str(degree)
 
 
-def as_float(value: Any) -> float | None:
+def as_float(value: float | str | None) -> float | None:
     """A report number back to float (report dicts hold "NaN"/"Infinity" as strings)."""
     return None if value is None else float(value)
 
@@ -38,7 +37,7 @@ def fmt_num(value: float | str | None) -> str:
     return f"{value:.1e}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.3g}"
 
 
-def fmt_float(value: Any) -> str:
+def fmt_float(value: object) -> str:
     """A number in a sentence of the failure text: six significant digits, small ones in
     scientific notation; anything else (None: "-") as its ``str``."""
     if isinstance(value, float):
@@ -91,7 +90,7 @@ def fmt_wall(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-def fmt_techniques(changed: Mapping[str, Any]) -> str:
+def fmt_techniques(changed: Mapping[str, object]) -> str:
     parts = []
     for key, value in changed.items():
         name = TECHNIQUE_ABBREV.get(key, key)
@@ -106,7 +105,7 @@ def fmt_techniques(changed: Mapping[str, Any]) -> str:
     return ",".join(parts) or "-"
 
 
-def describe_test(short_name: str, changed: Mapping[str, Any]) -> str:
+def describe_test(short_name: str, changed: Mapping[str, object]) -> str:
     """``fsdp2-tp2`` or, for a technique pair on the same layout, ``fsdp2 +param:bf16``."""
     techniques = fmt_techniques(changed)
     return short_name if techniques == "-" else f"{short_name} +{techniques}"

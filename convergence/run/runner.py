@@ -146,8 +146,9 @@ class Runner:
     # -- the seam for cached runs (public: used by convergence.run.probe and ab) ---------
     def launch_request(self, name: str, entry: Sequence[str], *, nproc: int, log_dir: Path,
                        watch_idle: bool = True, in_job_context: bool = False,
-                       metrics_path: Path | None = None, stop_file: Path | None = None,
-                       total_steps: int | None = None, direct: bool = False) -> LaunchRequest:
+                       metrics_path: Path | None = None, metrics_format: str = "jsonl",
+                       stop_file: Path | None = None, total_steps: int | None = None,
+                       direct: bool = False) -> LaunchRequest:
         """The one place a LaunchRequest is built from the session's settings.
 
         ``watch_idle`` False: the idle limit is the wall limit (a seed checkpoint or a probe
@@ -158,7 +159,8 @@ class Runner:
         limits = self.settings
         return LaunchRequest(
             name=name, entry=entry, nproc=nproc, log_dir=log_dir,
-            metrics_path=metrics_path, stop_file=stop_file, total_steps=total_steps,
+            metrics_path=metrics_path, metrics_format=metrics_format, stop_file=stop_file,
+            total_steps=total_steps,
             wall_limit_s=limits.wall_limit_s,
             idle_limit_s=limits.idle_limit_s if watch_idle else limits.wall_limit_s,
             cwd=(limits.job_cwd or Path.cwd()) if in_job_context else Path.cwd(),
@@ -248,7 +250,8 @@ class Runner:
         """A cached run counts only if it holds what a run must: its metrics file and our job
         record (the cache verifies the files against the manifest; this, that they exist)."""
         metrics = backend.metrics_path(job, entry / "dump")
-        if (entry / "job.json").is_file() and (metrics is None or metrics.is_file()):
+        # exists(): a TensorBoard backend's metrics are a folder of event files.
+        if (entry / "job.json").is_file() and (metrics is None or metrics.exists()):
             return True
         log.warning("run cache: entry %s lacks its metrics or job record; running again", entry)
         return False
@@ -270,7 +273,8 @@ class Runner:
         request = self.launch_request(
             f"{job.name} {side}", backend.train_entry(job, dump, seed_dir),
             nproc=job.world_size, log_dir=run_dir / "logs", in_job_context=True,
-            metrics_path=backend.metrics_path(job, dump), stop_file=dump / "STOP",
+            metrics_path=backend.metrics_path(job, dump),
+            metrics_format=backend.metrics_format(job), stop_file=backend.stop_file(job, dump),
             total_steps=job.steps, direct=backend.launches_itself(job))
         result = self.launch(request, job.world_size, on_metrics)
         (run_dir / "job.json").write_text(json.dumps(

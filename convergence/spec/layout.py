@@ -6,19 +6,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from convergence.spec.errors import SpecError
+from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES, SCHEDULES
 
-#: Pipeline schedules the built-in trainer knows, by the name users write in TOML.
-#: "Interleaved*" and "LoopedBFS"/"ZBVZeroBubble" hold several stages per PP rank.
-PP_SCHEDULES: tuple[str, ...] = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-)
-MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(
-    {"Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"}
-)
+#: Pipeline schedules the built-in trainer knows, by the name users write in TOML (one table
+#: with the trainer's PP rules: spec/pp_schedules.py).
+PP_SCHEDULES: tuple[str, ...] = SCHEDULES
 
 #: Mesh axis names, outermost first (the order torchtitan uses).
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

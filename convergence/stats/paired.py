@@ -49,7 +49,7 @@ import numpy as np
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
 from convergence.stats._common import Floats, Ints, align, failed, first_true, incomplete, worst
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Band, MetricVerdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,10 +112,12 @@ def envelope_verdict(rule: ComparisonRule, method: str, controls: Sequence[Curve
     described = tol.describe()
     problem = incomplete(controls, test)
     if problem:
-        return failed(rule, method, problem, tolerance=described)
+        return failed(rule, method, problem, tolerance=described,
+                      band=_full_band(tol, controls[0] if controls else None))
     pairs = align(controls[0], test)
     if pairs.steps.size == 0:
-        return failed(rule, method, "no step logged by both runs", tolerance=described)
+        return failed(rule, method, "no step logged by both runs", tolerance=described,
+                      band=_full_band(tol, controls[0]))
     tolerance = tol.at(pairs.steps, pairs.control)
     deviation = np.abs(pairs.test - pairs.control)
     outside = ~(deviation <= tolerance)  # NaN is outside
@@ -141,9 +143,20 @@ def envelope_verdict(rule: ComparisonRule, method: str, controls: Sequence[Curve
                          max_deviation_step=max_step, tolerance=described,
                          tolerance_at_max=None if index is None else float(tolerance[index]),
                          message=message,
+                         band=Band.of(pairs.steps, pairs.control - tolerance,
+                                      pairs.control + tolerance),
                          details={"max_ratio": _json_float(float(ratio.max())), "atol": tol.atol,
                                   "growth": tol.growth, "rtol": tol.rtol,
                                   "steps_outside": int(outside.sum())})
+
+
+def _full_band(tol: Tolerance, control: Curve | None) -> Band | None:
+    """The band at every step the control logged: what a test that stopped early (or logged
+    other steps) would have had to stay in."""
+    if control is None or len(control) == 0:
+        return None
+    tolerance = tol.at(control.steps, control.values)
+    return Band.of(control.steps, control.values - tolerance, control.values + tolerance)
 
 
 class PairedBand:

@@ -4,7 +4,8 @@ Fails only when the test is *worse* than the control by more than ``max_regressi
 (relative, default 10%) on the median over steps. The median, because per-step throughput has
 outliers (a GC pause, a checkpoint, a slow first step); the first WARMUP_STEPS logged steps are
 skipped because they include compilation, allocator growth and cache warm-up. Being faster or
-smaller never fails. These rules default to ``gate = False``: a CPU CI box is too noisy for
+smaller never fails. The verdict's band is that limit on the median, drawn at every steady
+step (one-sided: the other side is infinite). These rules default to ``gate = False``: a CPU CI box is too noisy for
 throughput to decide correctness unless a user asks for it.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
 from convergence.stats._common import failed
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Band, MetricVerdict
 
 DEFAULT_MAX_REGRESSION = 0.1
 WARMUP_STEPS = 3
@@ -52,6 +53,11 @@ class Regression:
                                  gate=rule.gate, steps_compared=used, tolerance=described,
                                  message=f"{rule.metric}: control median is 0, not compared")
         change = (value - control) / abs(control)
+        # The median is what is checked; every steady step gets the median's limit.
+        steady = test.steps[WARMUP_STEPS:] if len(test) > WARMUP_STEPS else test.steps
+        bound = np.full(steady.shape, control + (-limit if higher else limit) * abs(control))
+        unbounded = np.full(steady.shape, np.inf if higher else -np.inf)
+        band = Band.of(steady, bound if higher else unbounded, unbounded if higher else bound)
         worse_by = -change if higher else change
         passed = worse_by <= limit
         verb = "regressed" if not passed else "within limits"
@@ -61,5 +67,6 @@ class Regression:
                              gate=rule.gate, steps_compared=used,
                              max_deviation=abs(value - control), tolerance=described,
                              tolerance_at_max=limit * abs(control), message=message,
+                             band=band,
                              details={"control_median": control, "test_median": value,
                                       "relative_change": change})

@@ -57,7 +57,7 @@ from scipy.ndimage import correlate1d, uniform_filter1d
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
 from convergence.stats._common import Floats, Ints, failed, first_true, incomplete, worst
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Band, MetricVerdict
 
 DEFAULT_Z = 3.0
 DEFAULT_ALPHA = 0.05
@@ -72,7 +72,7 @@ RELATIVE_FLOOR = 1e-9
 
 
 @dataclass(frozen=True, kw_only=True)
-class Band:
+class ReplicateBand:
     """The replicates' band at their common steps."""
 
     steps: Ints
@@ -96,13 +96,17 @@ class Band:
                 f"K={self.num_replicates}); ≤{MAX_OUTSIDE_FRACTION:.0%} of steps outside, "
                 f"<{MAX_CONSECUTIVE} in a row")
 
+    def envelope(self) -> Band:
+        """The verdict's band at every step the replicates share."""
+        return Band.of(self.steps, self.center - self.half_width, self.center + self.half_width)
+
     def at(self, steps: Ints) -> tuple[Ints, Floats, Floats]:
         """(steps, centre, half-width) at those of ``steps`` the band covers."""
         common, bi, _ = np.intersect1d(self.steps, steps, return_indices=True)
         return common.astype(np.int64), self.center[bi], self.half_width[bi]
 
 
-def seed_band(controls: Sequence[Curve], z: float = DEFAULT_Z) -> Band:
+def seed_band(controls: Sequence[Curve], z: float = DEFAULT_Z) -> ReplicateBand:
     """The band of K >= 2 replicates (see the module docstring)."""
     if len(controls) < 2:
         raise ValueError(f"the seed band needs at least 2 control replicates, got "
@@ -121,7 +125,7 @@ def seed_band(controls: Sequence[Curve], z: float = DEFAULT_Z) -> Band:
     dof = (num - 1) * _effective_window(matrix)
     quantile = float(special.stdtrit(dof, special.ndtr(z)))
     half_width = quantile * sigma * np.sqrt(1.0 + 1.0 / num)
-    return Band(steps=steps.astype(np.int64), center=center, half_width=half_width,
+    return ReplicateBand(steps=steps.astype(np.int64), center=center, half_width=half_width,
                 sigma=sigma, sigma_fast=sigma_fast, replicates=matrix, quantile=quantile, z=z)
 
 
@@ -209,7 +213,7 @@ def default_margin_factor(num_replicates: int, alpha: float) -> float:
                  (special.stdtrit(dof, 1 - alpha) + special.stdtrit(dof, 1 - alpha / 4)))
 
 
-def tost(band: Band, test_steps: Ints, test_values: Floats, *, window: int, alpha: float,
+def tost(band: ReplicateBand, test_steps: Ints, test_values: Floats, *, window: int, alpha: float,
          margin: float | None) -> Tost:
     """Two one-sided tests on the mean difference over the last ``window`` common steps."""
     common, bi, ti = np.intersect1d(band.steps, test_steps, return_indices=True)
@@ -254,12 +258,14 @@ class SeedBand:
                           f"replicates >= 2, or compare this metric with \"paired\"")
         problem = incomplete(controls, test)
         if problem:
-            return failed(rule, self.method, problem)
+            full = seed_band(controls, z) if all(len(c) for c in controls) else None
+            return failed(rule, self.method, problem,
+                          band=None if full is None else full.envelope())
         band = seed_band(controls, z)
         steps, center, half = band.at(test.steps)
         if steps.size == 0:
             return failed(rule, self.method, "no step logged by the test and all replicates",
-                          tolerance=band.describe())
+                          tolerance=band.describe(), band=band.envelope())
         values = test.values[np.searchsorted(test.steps, steps)]
         deviation = np.abs(values - center)
         outside = ~(deviation <= half)
@@ -279,6 +285,7 @@ class SeedBand:
             max_deviation=max_dev, max_deviation_step=max_step, tolerance=described,
             tolerance_at_max=None if index is None else float(half[index]),
             p_values={"tost_lower": equivalence.p_lower, "tost_upper": equivalence.p_upper},
+            band=Band.of(steps, center - half, center + half),
             message=_message(rule.metric, band_ok, tost_ok, outside, run, first, equivalence,
                              alpha),
             details={"num_replicates": band.num_replicates, "steps_outside": int(outside.sum()),

@@ -133,10 +133,8 @@ class TwinEnvelope:
         tol = twin_tolerance(rule, controls[0], controls[1:])
         verdict = envelope_verdict(rule, self.method, controls[:1], test, tol,
                                    band="the twin envelope")
+        # The band (what the test had to stay in, per step) is the verdict's own, as for
+        # paired; the details say how it was sized.
         verdict.details.update({
-            "k": tol.k, "twin_noise_max": float(tol.noise[-1]) if tol.noise.size else 0.0,
-            # The allowed |test - control| per control step, for the report's plots.
-            "envelope": {"steps": controls[0].steps.tolist(),
-                         "values": tol.at(controls[0].steps.astype(np.int64),
-                                          controls[0].values).tolist()}})
+            "k": tol.k, "twin_noise_max": float(tol.noise[-1]) if tol.noise.size else 0.0})
         return verdict

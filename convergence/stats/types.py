@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
+
+
+@dataclass(frozen=True)
+class Band:
+    """The exact range the test had to stay in: ``lower[i] <= test <= upper[i]`` at ``steps[i]``.
+
+    One entry per compared step (every step the control logged when the test stopped early:
+    the range it would have had to keep). A one-sided limit is -inf or +inf. Reports draw this
+    instead of re-deriving each method's tolerance, so a new method only has to fill it.
+    """
+
+    steps: tuple[int, ...]
+    lower: tuple[float, ...]
+    upper: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.steps) == len(self.lower) == len(self.upper):
+            raise ValueError(f"Band: steps, lower and upper must have one entry per step "
+                             f"(got {len(self.steps)}, {len(self.lower)}, {len(self.upper)})")
+
+    @classmethod
+    def of(cls, steps: Iterable[Any], lower: Iterable[Any], upper: Iterable[Any]) -> Band:
+        """From arrays (numpy or lists): plain ints and floats, so it compares and serializes."""
+        return cls(tuple(int(s) for s in steps), tuple(float(v) for v in lower),
+                   tuple(float(v) for v in upper))
+
+    def to_json(self) -> dict[str, list[Any]]:
+        return {"steps": list(self.steps), "lower": list(self.lower), "upper": list(self.upper)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +62,9 @@ class MetricVerdict:
     message: str = ""
     """One line that says why it passed or failed."""
     details: dict[str, Any] = field(default_factory=dict)
+    band: Band | None = None
+    """The range the test had to stay in, per compared step (None: exact, not compared, or a
+    verdict saved before verdicts carried it)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -43,6 +74,7 @@ class MetricVerdict:
             "max_deviation": self.max_deviation, "max_deviation_step": self.max_deviation_step,
             "tolerance": self.tolerance, "tolerance_at_max": self.tolerance_at_max,
             "p_values": self.p_values, "message": self.message, "details": self.details,
+            "band": None if self.band is None else self.band.to_json(),
         }
 
 

@@ -17,26 +17,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
-                              "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedule names accepted by parallelism.pp_schedule (torch's own names)."""
-
-SINGLE_STAGE_SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B"})
-"""torch's PipelineScheduleSingle: exactly one stage per rank."""
-
-MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(SCHEDULES) - SINGLE_STAGE_SCHEDULES
-"""torch's PipelineScheduleMulti: several stages per rank (interleaved, looped, V)."""
-
-V_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
-"""Schedules whose rank r holds stages r and 2pp-1-r (exactly 2 per rank)."""
-
-ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble",
-                                                   "DualPipeV"})
-"""Schedules that split backward into input-grad and weight-grad passes (see
-pipeline.fsdp_per_block_ok and the data-parallel rule in layout_problem)."""
-
-AT_LEAST_ONE_MICROBATCH_PER_STAGE: frozenset[str] = frozenset({"1F1B", "DualPipeV"})
-"""Schedules whose torch constructor refuses fewer microbatches than pipeline stages."""
+# The schedule table lives in the spec (the bottom layer), which validates TOML layouts with it;
+# the trainer reads it from here (pp_rules.SCHEDULES, ...).
+from convergence.spec.pp_schedules import (
+    AT_LEAST_ONE_MICROBATCH_PER_STAGE,
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+)
 
 
 @dataclass(frozen=True)

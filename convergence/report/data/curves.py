@@ -1,9 +1,9 @@
 """Numbers every report shows, computed once from an outcome's curves.
 
 The *reference* a test curve is compared with is the control curve (paired regime) or the
-centre of the control replicates' band (seed regime: their smoothed mean, built by
-convergence.stats.seed exactly as the verdict built it), so |Δ| in every report means the same
-thing as the verdict's ``max_deviation``.
+centre of the band the seed verdict held the test to (seed regime: the replicates' smoothed
+mean, carried by the verdict), so |Δ| in every report means the same thing as the verdict's
+``max_deviation``.
 """
 
 from __future__ import annotations
@@ -20,21 +20,18 @@ from convergence.run.outcome import PairOutcome, SideOutcome
 DivergenceRow = tuple[int, float | None, float | None, float | None]
 
 DEFAULT_Z = 3.0
-"""Band z when neither verdict nor rule states one (the seed method's default)."""
+"""Band z when the rule states none (the seed method's default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Band:
-    """The control replicates' band of one metric at their common steps."""
+class ControlBand:
+    """The seed verdict's band of one metric as the reports draw it: centre ± half-width."""
 
     steps: npt.NDArray[np.int64]
     center: npt.NDArray[np.float64]
     half_width: npt.NDArray[np.float64]
     num_replicates: int
     z: float
-    exact: bool
-    """True: the seed method's own band (smoothed centre, t-quantile half-width) -- the one
-    the verdict used; False: plain mean ± z·σ (the stats module could not build it)."""
 
 
 def band_z(outcome: PairOutcome, metric: str) -> float:
@@ -42,38 +39,28 @@ def band_z(outcome: PairOutcome, metric: str) -> float:
     return float(rule.z) if rule is not None and rule.z is not None else DEFAULT_Z
 
 
-def replicate_band(side: SideOutcome | None, metric: str, z: float = DEFAULT_Z) -> Band | None:
-    """The band over the control replicates (None unless there are at least 2)."""
-    if side is None:
-        return None
-    curves = [r[metric] for r in side.replicates if metric in r and len(r[metric])]
-    if len(curves) < 2:
-        return None
-    try:
-        # Lazy on purpose: stats.seed imports scipy (~1-2 s), and the pytest plugin imports
-        # the report at start-up; the band is only built for seed-regime pairs.
-        from convergence.stats.seed import seed_band
+def replicate_band(outcome: PairOutcome, metric: str) -> ControlBand | None:
+    """The band the seed verdict held the test to (None for other methods, and for verdicts
+    without a band: errored pairs, outcomes saved before verdicts carried one).
 
-        band = seed_band(curves, z)
-        if band.steps.size:
-            return Band(steps=band.steps, center=band.center, half_width=band.half_width,
-                        num_replicates=band.num_replicates, z=z, exact=True)
-    except Exception:  # noqa: BLE001 - e.g. too few steps to smooth: draw the plain band
-        pass
-    steps = curves[0].steps
-    for c in curves[1:]:
-        steps = np.intersect1d(steps, c.steps)
-    if steps.size == 0:
+    Read from the verdict, never rebuilt from the replicates: the report then draws and
+    measures from exactly the band that decided, whatever the method computes it from.
+    """
+    verdict = outcome.verdict(metric)
+    if verdict is None or verdict.method != "seed" or verdict.band is None \
+            or not verdict.band.steps:
         return None
-    stack = np.stack([c.values[np.searchsorted(c.steps, steps)] for c in curves])
-    return Band(steps=steps.astype(np.int64), center=stack.mean(axis=0),
-                half_width=z * stack.std(axis=0, ddof=1), num_replicates=len(curves), z=z,
-                exact=False)
+    lower = np.asarray(verdict.band.lower, dtype=np.float64)
+    upper = np.asarray(verdict.band.upper, dtype=np.float64)
+    replicates = len(outcome.control.replicates) if outcome.control is not None else 0
+    return ControlBand(steps=np.asarray(verdict.band.steps, dtype=np.int64),
+                       center=(lower + upper) / 2, half_width=(upper - lower) / 2,
+                       num_replicates=replicates, z=band_z(outcome, metric))
 
 
 def reference_curve(outcome: PairOutcome, metric: str) -> Curve | None:
     """What the test is compared with: the band centre (seed regime) or the control curve."""
-    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
+    band = replicate_band(outcome, metric)
     if band is not None:
         return Curve(metric, band.steps, band.center)
     if outcome.control is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import numpy as np
 
@@ -22,22 +22,151 @@ from convergence.spec.job import JobSpec
 from convergence.spec.layout import AXES
 from convergence.stats.types import MetricVerdict
 
+# -- the record shapes --------------------------------------------------------------------
+# What report.json holds per pair, as the sections and formats read it: TypedDicts (plain
+# dicts at run time, so report.json is unchanged) that let mypy check every reader.
+
+JsonFloat = float | str
+"""A number as report.json holds it: non-finite values are "NaN", "Infinity", "-Infinity"
+(jsonable); read with fmt.as_float."""
+#: A technique's value: a dtype name, a flag, a count (Techniques.to_dict).
+TechniqueValue = str | bool | int | float | None
+
+
+class LayoutRecord(TypedDict):
+    name: str
+    short_name: str
+    world_size: int
+    degrees: dict[str, int]
+    pp_schedule: str | None
+    sequence_parallel: bool
+    techniques: dict[str, TechniqueValue]
+    hook: str | None
+    steps: int
+    seed: int
+    backend: str
+
+
+class RunFacts(TypedDict, total=False):
+    """From the run's run_meta.json; empty when the side did not run."""
+
+    num_params: int | None
+    block_pattern: str | None
+    collectives: dict[str, object] | None
+    """Counts of collectives: forward, backward, total, by_op (a dict per op)."""
+    final_val_loss: JsonFloat | None
+
+
+class SideRecord(LayoutRecord):
+    ran: bool
+    cached: bool
+    wall_s: JsonFloat | None
+    status: str | None
+    run_dir: str | None
+    last_step: int | None
+    num_replicates: int
+    run_facts: RunFacts
+
+
+class VerdictRecord(TypedDict):
+    metric: str
+    method: str
+    passed: bool
+    gate: bool
+    steps_compared: int
+    first_divergent_step: int | None
+    max_deviation: JsonFloat
+    max_deviation_step: int | None
+    tolerance: str
+    tolerance_at_max: JsonFloat | None
+    p_values: dict[str, JsonFloat]
+    message: str
+
+
+class ResourceRecord(TypedDict):
+    control: JsonFloat | None
+    test: JsonFloat | None
+    ratio: JsonFloat | None
+
+
+class DivergenceRecord(TypedDict):
+    step: int
+    control: JsonFloat | None
+    test: JsonFloat | None
+    delta: JsonFloat | None
+
+
+class WallRecord(TypedDict):
+    pair: JsonFloat
+    control: JsonFloat | None
+    test: JsonFloat | None
+
+
+class CachedRecord(TypedDict):
+    control: bool
+    test: bool
+
+
+class CurveRecord(TypedDict):
+    metric: str
+    steps: list[int]
+    values: list[JsonFloat]
+
+
+class CurvesRecord(TypedDict):
+    control: dict[str, CurveRecord]
+    test: dict[str, CurveRecord]
+    control_replicates: list[dict[str, CurveRecord]]
+
+
+Localisation = dict[str, Any]
+"""The numerics probe's result (run.probe / run.probe_compare): keys vary with what it found."""
+
+
+class PairRecord(TypedDict):
+    """Everything the reports show about one pair (report.json's ``pairs`` items)."""
+
+    id: str
+    name: str
+    source: str
+    status: str
+    regime: str
+    tier: str
+    control: SideRecord
+    test: SideRecord
+    techniques_changed: dict[str, TechniqueValue]
+    verdicts: list[VerdictRecord]
+    first_divergent_step: int | None
+    max_abs_delta: dict[str, JsonFloat | None]
+    delta_reference: str
+    resources: dict[str, ResourceRecord]
+    wall_s: WallRecord
+    cached: CachedRecord
+    stopped_early_at: int | None
+    error: str | None
+    localisation: Localisation | None
+    divergence: dict[str, list[DivergenceRecord]]
+    plots: dict[str, str]
+    plot_error: str | None
+    curves: NotRequired[CurvesRecord]
+
+
 #: Resource metrics compared test vs control: (metric, summary used per run).
 RESOURCES: tuple[tuple[str, str], ...] = (("tokens_per_s", "median"), ("peak_mem_mib", "max"))
 DELTA_METRICS: tuple[str, ...] = ("loss", "grad_norm")
 DIVERGENCE_AROUND = 3
 
 
-def techniques_changed(outcome: PairOutcome) -> dict[str, Any]:
+def techniques_changed(outcome: PairOutcome) -> dict[str, TechniqueValue]:
     """Techniques of the test that differ from the control, plus the hook when one is set."""
     test, control = outcome.pair.test, outcome.pair.control
-    changed = test.techniques.changed_from(control.techniques)
+    changed: dict[str, TechniqueValue] = test.techniques.changed_from(control.techniques)
     if test.hook and test.hook != control.hook:
         changed["hook"] = test.hook
     return changed
 
 
-def layout_record(job: JobSpec) -> dict[str, Any]:
+def layout_record(job: JobSpec) -> LayoutRecord:
     layout = job.layout
     return {
         "name": job.name, "short_name": layout.short_name(), "world_size": layout.world_size,
@@ -49,11 +178,11 @@ def layout_record(job: JobSpec) -> dict[str, Any]:
     }
 
 
-def side_record(job: JobSpec, side: SideOutcome | None) -> dict[str, Any]:
+def side_record(job: JobSpec, side: SideOutcome | None) -> SideRecord:
     """The layout always (it comes from the spec); run facts only when the side ran."""
-    record = layout_record(job)
     ran = side is not None
-    record.update({
+    return {
+        **layout_record(job),
         "ran": ran,
         "cached": bool(side and side.cached),
         "wall_s": side.wall_s if side else None,
@@ -62,12 +191,11 @@ def side_record(job: JobSpec, side: SideOutcome | None) -> dict[str, Any]:
         "run_dir": str(side.run_dir) if side and side.run_dir else None,
         "last_step": side.result.last_step if side and side.result else None,
         "num_replicates": len(side.replicates) if side else 0,
-    })
-    record["run_facts"] = side_facts(side)  # block pattern, collectives, params
-    return record
+        "run_facts": side_facts(side),  # block pattern, collectives, params
+    }
 
 
-def side_facts(side: SideOutcome | None) -> dict[str, Any]:
+def side_facts(side: SideOutcome | None) -> RunFacts:
     """Facts of one run beyond its curves, from its run_meta.json and its validation curve:
     what the reduced-communication study shows (sections.comm_blocks)."""
     if side is None:
@@ -82,7 +210,7 @@ def side_facts(side: SideOutcome | None) -> dict[str, Any]:
             "collectives": meta.get("collectives"), "final_val_loss": final_val}
 
 
-def verdict_record(v: MetricVerdict) -> dict[str, Any]:
+def verdict_record(v: MetricVerdict) -> VerdictRecord:
     return {
         "metric": v.metric, "method": v.method, "passed": v.passed, "gate": v.gate,
         "steps_compared": v.steps_compared, "first_divergent_step": v.first_divergent_step,
@@ -113,8 +241,8 @@ def step_time_s(side: SideOutcome | None) -> float | None:
     return float(np.median(float(tokens) / (values[1:] if values.size > 1 else values)))
 
 
-def resources(outcome: PairOutcome) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def resources(outcome: PairOutcome) -> dict[str, ResourceRecord]:
+    out: dict[str, ResourceRecord] = {}
     for metric, how in RESOURCES:
         ctrl, test = side_stat(outcome.control, metric, how), side_stat(outcome.test, metric, how)
         out[metric] = {"control": ctrl, "test": test, "ratio": ratio(test, ctrl)}
@@ -123,7 +251,7 @@ def resources(outcome: PairOutcome) -> dict[str, Any]:
     return out
 
 
-def curves_record(outcome: PairOutcome) -> dict[str, Any]:
+def curves_record(outcome: PairOutcome) -> CurvesRecord:
     control, test = outcome.control, outcome.test
     return {
         "control": metrics_to_json(control.metrics) if control else {},
@@ -133,8 +261,8 @@ def curves_record(outcome: PairOutcome) -> dict[str, Any]:
     }
 
 
-def _divergence(outcome: PairOutcome) -> dict[str, list[dict[str, Any]]]:
-    out = {}
+def _divergence(outcome: PairOutcome) -> dict[str, list[DivergenceRecord]]:
+    out: dict[str, list[DivergenceRecord]] = {}
     for v in outcome.verdicts:
         if v.passed or v.metric in ("tokens_per_s", "peak_mem_mib"):
             continue
@@ -146,12 +274,12 @@ def _divergence(outcome: PairOutcome) -> dict[str, list[dict[str, Any]]]:
 
 
 def pair_record(outcome: PairOutcome, *, plots: Mapping[str, str] | None = None,
-                plot_error: str | None = None, include_curves: bool = True) -> dict[str, Any]:
+                plot_error: str | None = None, include_curves: bool = True) -> PairRecord:
     """Everything the reports show about one pair (JSON-ready, non-finite floats encoded)."""
     pair = outcome.pair
     control, test = outcome.control, outcome.test
-    band = any(replicate_band(control, m) is not None for m in DELTA_METRICS)
-    record: dict[str, Any] = {
+    band = any(replicate_band(outcome, m) is not None for m in DELTA_METRICS)
+    record: PairRecord = {
         "id": pair.pair_id, "name": pair.name, "source": pair.source, "status": outcome.status,
         "regime": pair.regime, "tier": pair.tier,
         "control": side_record(pair.control, control),
@@ -175,7 +303,8 @@ def pair_record(outcome: PairOutcome, *, plots: Mapping[str, str] | None = None,
     }
     if include_curves:
         record["curves"] = curves_record(outcome)
-    return jsonable(record)  # type: ignore[no-any-return]
+    encoded: PairRecord = jsonable(record)  # same shape, non-finite floats as strings
+    return encoded
 
 
 def relative_plot(path: Path, report_dir: Path | None) -> str:

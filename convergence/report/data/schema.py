@@ -14,15 +14,29 @@ import sys
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from convergence.report.data.jsonable import NON_FINITE, jsonable
-from convergence.report.data.records import pair_record, relative_plot
+from convergence.report.data.records import JsonFloat, PairRecord, pair_record, relative_plot
 from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.spec.layout import AXES
 from convergence.spec.pair import REGIMES
 
 REPORT_SCHEMA_VERSION = 1
+
+
+class ReportDocument(TypedDict):
+    """report.json as the formats read it (see REPORT_JSON_SCHEMA for the same, as data)."""
+
+    schema_version: int
+    generated_at: str | None
+    started_at: str | None
+    wall_s: JsonFloat | None
+    environment: dict[str, Any]
+    """Open-ended: what default_environment found plus what the caller adds."""
+    summary: dict[str, int]
+    plots: dict[str, str]
+    pairs: list[PairRecord]
 
 _NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": list(NON_FINITE)}]}
 _OPT_NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": [*NON_FINITE, None]}]}
@@ -200,7 +214,7 @@ def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, A
                  started_at: float | dt.datetime | str | None, wall_s: float | None,
                  plots: Mapping[str, Mapping[str, str]] | None = None,
                  plot_errors: Mapping[str, str] | None = None,
-                 report_dir: Path | None = None, include_curves: bool = True) -> dict[str, Any]:
+                 report_dir: Path | None = None, include_curves: bool = True) -> ReportDocument:
     """The report.json document (valid against :data:`REPORT_JSON_SCHEMA`).
 
     ``environment`` adds to/overrides :func:`default_environment`. ``plots`` maps a pair id to

@@ -20,7 +20,7 @@ from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Band, MetricVerdict
 
 OUTCOME_FORMAT = "convergence.outcome/1"
 """Written into every outcome; bump when the shape changes incompatibly."""
@@ -195,7 +195,16 @@ def verdict_from_json(data: Mapping[str, Any]) -> MetricVerdict:
         tolerance_at_max=read_opt_float(data.get("tolerance_at_max")),
         p_values={str(k): read_float(v) for k, v in data.get("p_values", {}).items()},
         message=data.get("message", ""), details=dict(data.get("details", {})),
+        band=band_from_json(data.get("band")),
     )
+
+
+def band_from_json(data: Mapping[str, Any] | None) -> Band | None:
+    """A verdict's band; None for verdicts saved before verdicts carried one."""
+    if data is None:
+        return None
+    return Band.of(data["steps"], (read_float(v) for v in data["lower"]),
+                   (read_float(v) for v in data["upper"]))
 
 
 def outcome_from_json(d: Mapping[str, Any]) -> PairOutcome:

@@ -23,11 +23,11 @@ TABLE_AROUND = 3
 """Steps shown before and after the first divergent step."""
 
 
-def _verdict_line(v: MetricVerdict) -> str:
+def _verdict_line(v: MetricVerdict, metric_width: int = 12) -> str:
     state = verdict_state(v.passed, v.gate, v.steps_compared)
     if v.passed and not v.gate:
         state += " (report only)"
-    parts = [f"  {v.metric:<12} {v.method:<10} {state:<6}"]
+    parts = [f"  {v.metric:<{metric_width}} {v.method:<10} {state:<6}"]
     if v.first_divergent_step is not None:
         parts.append(f"first divergent step {v.first_divergent_step}")
     at = f" at step {v.max_deviation_step}" if v.max_deviation_step is not None else ""
@@ -120,7 +120,10 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
     verdicts = sorted(outcome.verdicts, key=lambda v: (v.passed, not v.gate, v.metric != "loss"))
     if verdicts:
         lines.append("verdicts:")
-        lines.extend(_verdict_line(v) for v in verdicts)
+        # One column width for the names: grad_norm_parts and data_fingerprint pushed their
+        # rows' method and state out of line.
+        width = max([12, *(len(v.metric) for v in verdicts)])
+        lines.extend(_verdict_line(v, width) for v in verdicts)
     if outcome.stopped_early_at is not None:
         lines.append(f"  test stopped early at step {outcome.stopped_early_at} "
                      "(verdict already decided)")

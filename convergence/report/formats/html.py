@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
-from typing import Any
 
+from convergence.report.data.records import PairRecord, ResourceRecord, SideRecord
+from convergence.report.data.schema import ReportDocument
 from convergence.report.fmt import (
     as_float,
     fmt_amount,
@@ -59,7 +60,7 @@ dl.kv dt { color: #59636e; } dl.kv dd { margin: 0; }
 """
 
 
-def matrix_html(pairs: Sequence[Mapping[str, Any]]) -> str:
+def matrix_html(pairs: Sequence[PairRecord]) -> str:
     keys = [key for key, _ in COLUMNS]
     rows = []
     for record in pairs:
@@ -72,7 +73,7 @@ def matrix_html(pairs: Sequence[Mapping[str, Any]]) -> str:
                   cell_class={keys.index("verdict"): "verdict"})
 
 
-def _anchor(record: Mapping[str, Any]) -> str:
+def _anchor(record: PairRecord) -> str:
     return "pair-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in record["id"])
 
 
@@ -81,7 +82,7 @@ def _kv(items: Sequence[tuple[str, str]]) -> str:
         + "</dl>"
 
 
-def _layout_text(side: Mapping[str, Any]) -> str:
+def _layout_text(side: SideRecord) -> str:
     degrees = ", ".join(f"{a}={d}" for a, d in side["degrees"].items() if d > 1) or "single"
     extra = f", schedule {side['pp_schedule']}" if side.get("pp_schedule") else ""
     return f"<code>{escape(side['short_name'])}</code> ({escape(degrees)}{escape(extra)}; " \
@@ -94,7 +95,7 @@ def _state_span(passed: bool, gate: bool, steps_compared: int) -> str:
     return f'<span class="{css}">{escape(verdict_state(passed, gate, steps_compared))}</span>'
 
 
-def verdicts_html(record: Mapping[str, Any]) -> str:
+def verdicts_html(record: PairRecord) -> str:
     rows = []
     for v in record["verdicts"]:
         ok = v["passed"]
@@ -118,7 +119,7 @@ def verdicts_html(record: Mapping[str, Any]) -> str:
                   cell_class={7: "wrap", 9: "wrap"})
 
 
-def divergence_html(record: Mapping[str, Any]) -> str:
+def divergence_html(record: PairRecord) -> str:
     parts = []
     reference = str(record.get("delta_reference") or "control")
     for metric, rows in record["divergence"].items():
@@ -129,12 +130,12 @@ def divergence_html(record: Mapping[str, Any]) -> str:
     return "".join(parts)
 
 
-def _resource(entry: Mapping[str, Any]) -> str:
+def _resource(entry: ResourceRecord) -> str:
     return (f"{fmt_amount(entry['test'])} / {fmt_amount(entry['control'])} = "
             f"{fmt_ratio(entry['ratio'])}")
 
 
-def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
+def pair_html(record: PairRecord, plot_files: Mapping[str, Path]) -> str:
     status = str(record["status"])
     res = record["resources"]
     wall = record["wall_s"]
@@ -161,7 +162,7 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
         items.append(("localisation (numerics probe)",
                       escape(summary_text(record["localisation"]).replace("`", ""))))
     error = f"<pre>{escape(record['error'])}</pre>" if record["error"] else ""
-    plot_error = (f'<p class="bad">plot failed: {escape(record["plot_error"])}</p>'
+    plot_error = (f'<p class="bad">plot failed: {escape(record["plot_error"] or "")}</p>'
                   if record.get("plot_error") else "")
     plots = "".join(img(rel, plot_files, f"{record['name']} {kind}")
                     for kind, rel in record["plots"].items())
@@ -174,7 +175,7 @@ def pair_html(record: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
             f"{plot_error}{plots}</section>")
 
 
-def render_html(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
+def render_html(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
     """The whole report as one HTML document.
 
     ``plot_files`` maps a plot path as written in the report (relative to the report folder)

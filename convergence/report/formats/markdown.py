@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
+from convergence.report.data.records import DivergenceRecord, PairRecord
+from convergence.report.data.schema import ReportDocument
 from convergence.report.fmt import as_float, fmt_delta, fmt_num, fmt_value, fmt_wall
 from convergence.report.formats.terminal import AXIS_COLUMNS, COLUMNS, RIGHT, record_row
 from convergence.report.markup import md_cell as cell
@@ -45,25 +46,29 @@ MD_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def matrix_table(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
+def matrix_table(pairs: Sequence[PairRecord]) -> list[str]:
+    """The matrix in :data:`MD_COLUMNS`; the layout column is left out when every pair is
+    named after its test's layout (an experiment's ``fsdp2-tp2``): it would repeat the name."""
+    columns = MD_COLUMNS
+    if pairs and all(str(r["name"]) == str(r["test"]["short_name"]) for r in pairs):
+        columns = tuple(c for c in MD_COLUMNS if c[0] != "layout")
     rows = []
     for record in pairs:
         row = record_row(record)
         row["verdict"] = f"{ICONS.get(record['status'], '')} {row['verdict']}".strip()
         row["layout"] = str(record["test"]["short_name"])
-        rows.append([row[key] for key, _ in MD_COLUMNS])
-    return table([title for _, title in MD_COLUMNS], rows,
-                 [key in RIGHT for key, _ in MD_COLUMNS])
+        rows.append([row[key] for key, _ in columns])
+    return table([title for _, title in columns], rows, [key in RIGHT for key, _ in columns])
 
 
-def divergence_lines(rows: Sequence[Mapping[str, Any]], reference: str) -> list[str]:
+def divergence_lines(rows: Sequence[DivergenceRecord], reference: str) -> list[str]:
     return table(["step", reference, "test", "Δ"],
                  [[r["step"], fmt_value(r["control"]), fmt_value(r["test"]),
                    fmt_delta(r["delta"])]
                   for r in rows], [True] * 4)
 
 
-def verdict_lines(record: Mapping[str, Any]) -> list[str]:
+def verdict_lines(record: PairRecord) -> list[str]:
     lines: list[str] = []
     for v in record["verdicts"]:
         if v["passed"]:
@@ -85,7 +90,7 @@ def verdict_lines(record: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def failure_section(record: Mapping[str, Any]) -> list[str]:
+def failure_section(record: PairRecord) -> list[str]:
     status = record["status"]
     head = (f"### {ICONS.get(status, '')} {code(record['name'])} — {status.upper()}  \n"
             f"{code(record['id'])} · control {code(record['control']['short_name'])} vs test "
@@ -112,7 +117,7 @@ def failure_section(record: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def environment_line(report: Mapping[str, Any]) -> str:
+def environment_line(report: ReportDocument) -> str:
     env = report["environment"]
     parts = [f"python {env.get('python')}", f"torch {env.get('torch')}",
              str(env.get("hostname") or env.get("host") or ""), str(env.get("platform", ""))]
@@ -124,7 +129,7 @@ def environment_line(report: Mapping[str, Any]) -> str:
         f" · generated {report['generated_at']}</sub>"
 
 
-def regression_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
+def regression_lines(pairs: Sequence[PairRecord]) -> list[str]:
     """Pairs that passed but whose non-gating metrics (tokens/s, memory) regressed: worth a
     look, never a failure (failed pairs list them in their own section)."""
     lines: list[str] = []
@@ -139,7 +144,7 @@ def regression_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["", "## Regressions (report only)", "", *lines] if lines else []
 
 
-def render_markdown(report: Mapping[str, Any]) -> str:
+def render_markdown(report: ReportDocument) -> str:
     """Headline, the matrix, the sections (:data:`~convergence.report.sections.SECTIONS`),
     one part per failed/errored pair, the report-only regressions, then the sections placed
     after the failures."""

@@ -9,7 +9,6 @@ Every panel copes with a missing metric or side (errored pairs still get a figur
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,19 +17,21 @@ import numpy as np
 import numpy.typing as npt
 
 from convergence.report.data.curves import (
-    Band,
     aligned_delta,
-    band_z,
     curve_of_test,
     reference_curve,
     replicate_band,
 )
-from convergence.report.data.records import first_divergent_step, techniques_changed
+from convergence.report.data.records import (
+    first_divergent_step,
+    layout_record,
+    techniques_changed,
+)
 from convergence.report.figure import new_figure, save_png
 from convergence.report.files import slug
 from convergence.report.fmt import VERDICTS, describe_test
+from convergence.report.sections.dimensions import dimension_of
 from convergence.run.outcome import PairOutcome
-from convergence.spec.layout import AXES
 from convergence.stats.types import MetricVerdict
 
 if TYPE_CHECKING:
@@ -42,11 +43,6 @@ DIVERGE_COLOR = "#d62728"
 PLOT_DIR = "plots"
 """The plot folder, inside the report folder."""
 HEATMAP = "heatmap"
-
-#: ``atol A*(1+G*sqrt(step))``: the paired tolerance's description (see MetricVerdict.tolerance).
-_PAIRED_TOL = re.compile(r"atol\s*([0-9.eE+-]+)\s*\*\s*\(\s*1\s*\+\s*([0-9.eE+-]+)\s*\*\s*"
-                         r"sqrt\(\s*step\s*\)\s*\)")
-_RTOL = re.compile(r"rtol\s*([0-9.eE+-]+)\s*\*\s*\|control\|")
 
 
 def plot_names(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
@@ -69,50 +65,29 @@ def _note(ax: Axes, text: str) -> None:
 
 
 def tolerance_envelope(verdict: MetricVerdict | None, steps: npt.NDArray[np.int64],
-                       reference: npt.NDArray[np.float64], band: Band | None
-                       ) -> tuple[npt.NDArray[np.float64], str] | None:
-    """Half-width of the allowed |Δ| per step, and its legend label.
+                       reference: npt.NDArray[np.float64]
+                       ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+    """The allowed Δ per step (lowest, highest): the verdict's band minus the reference.
 
-    In order: an explicit per-step envelope in ``verdict.details["envelope"]`` ({steps,
-    values}); the seed band's half-width; the paired formula from the verdict's details
-    (``atol*(1+growth*sqrt(step)) + rtol*|control|``, see convergence.stats.paired) or, for
-    outcomes saved without details, parsed from its tolerance text; the constant
-    ``tolerance_at_max``.
+    The band is what the verdict held the test to, whatever the method (paired, allclose,
+    seed, a new one), so nothing here re-derives a tolerance. Steps the band does not cover
+    get NaN (a gap). Verdicts without a band (exact; outcomes saved before verdicts carried
+    one) fall back to the constant ``tolerance_at_max``.
     """
-    details = verdict.details if verdict is not None else {}
-    env = details.get("envelope")
-    if isinstance(env, dict) and "steps" in env and "values" in env:
-        values = np.interp(steps, np.asarray(env["steps"], dtype=float),
-                           np.asarray(env["values"], dtype=float))
-        return values, "tolerance"
-    if band is not None:
-        return np.interp(steps, band.steps, band.half_width), f"band (z {band.z:g})"
     if verdict is None:
         return None
-    params = _paired_params(verdict)
-    if params is not None:
-        atol, growth, rtol = params
-        floor = atol * (1 + growth * np.sqrt(steps.astype(float)))
-        return floor + rtol * np.abs(reference), "tolerance"
+    band = verdict.band
+    if band is not None and band.steps:
+        band_steps = np.asarray(band.steps, dtype=np.int64)
+        at = np.clip(np.searchsorted(band_steps, steps), 0, band_steps.size - 1)
+        covered = band_steps[at] == steps
+        lower = np.where(covered, np.asarray(band.lower)[at], np.nan)
+        upper = np.where(covered, np.asarray(band.upper)[at], np.nan)
+        return lower - reference, upper - reference
     if verdict.tolerance_at_max is not None and math.isfinite(verdict.tolerance_at_max):
-        return np.full(steps.shape, float(verdict.tolerance_at_max)), "tolerance (at max)"
+        half = np.full(steps.shape, float(verdict.tolerance_at_max))
+        return -half, half
     return None
-
-
-def _paired_params(verdict: MetricVerdict) -> tuple[float, float, float] | None:
-    if verdict.method != "paired":
-        return None
-    d = verdict.details or {}
-    if all(isinstance(d.get(k), (int, float)) for k in ("atol", "growth")):
-        rtol = d.get("rtol")
-        return (float(d["atol"]), float(d["growth"]),
-                float(rtol) if isinstance(rtol, (int, float)) else 0.0)
-    match = _PAIRED_TOL.search(verdict.tolerance or "")
-    if match is None:
-        return None
-    rtol_match = _RTOL.search(verdict.tolerance)
-    return (float(match.group(1)), float(match.group(2)),
-            float(rtol_match.group(1)) if rtol_match else 0.0)
 
 
 def _mark_divergence(ax: Axes, step: int | None) -> None:
@@ -123,7 +98,7 @@ def _mark_divergence(ax: Axes, step: int | None) -> None:
 
 def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bool:
     """Control (or replicate band) and test curves of ``metric``; False when neither exists."""
-    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
+    band = replicate_band(outcome, metric)
     ctrl = reference_curve(outcome, metric)
     test = curve_of_test(outcome, metric)
     ax.set_title(title, loc="left", fontsize=10)
@@ -131,12 +106,11 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
         _note(ax, f"no {metric} curve")
         return False
     if band is not None:
-        what = "smoothed mean" if band.exact else "mean"
         ax.fill_between(band.steps, band.center - band.half_width, band.center + band.half_width,
                         color=CONTROL_COLOR, alpha=0.2, linewidth=0,
                         label=f"control band (z {band.z:g}, {band.num_replicates} seeds)")
         ax.plot(band.steps, band.center, color=CONTROL_COLOR, linewidth=1.4,
-                label=f"control {what}")
+                label="control smoothed mean")
     elif ctrl is not None:
         # Wide under the narrow test line: two agreeing curves both stay visible.
         ax.plot(ctrl.steps, ctrl.values, color=CONTROL_COLOR, linewidth=3.0, alpha=0.7,
@@ -152,7 +126,7 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
 
 
 def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
-    band = replicate_band(outcome.control, metric, band_z(outcome, metric))
+    band = replicate_band(outcome, metric)
     reference = "control band centre" if band is not None else "control"
     ax.set_title(f"residual: test − {reference} ({metric})", loc="left", fontsize=10)
     found = aligned_delta(outcome, metric)
@@ -163,21 +137,36 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     steps, delta = found
     verdict = outcome.verdict(metric)
     ref_values = ref.values[np.searchsorted(ref.steps, steps)]
-    envelope = tolerance_envelope(verdict, steps, ref_values, band)
+    envelope = tolerance_envelope(verdict, steps, ref_values)
     if envelope is not None:
-        half, label = envelope
-        ax.fill_between(steps, -half, half, color="0.6", alpha=0.3, linewidth=0,
+        lower, upper = envelope
+        exact = verdict is not None and verdict.band is not None and bool(verdict.band.steps)
+        label = (f"band (z {band.z:g})" if band is not None else
+                 "tolerance" if exact else "tolerance (at max)")
+        ax.fill_between(steps, lower, upper, color="0.6", alpha=0.3, linewidth=0,
                         label=f"±{label}")
-        _symlog_if_far(ax, delta, half)
+        _symlog_if_far(ax, delta, np.fmax(np.abs(lower), np.abs(upper)))
     color = DIVERGE_COLOR if verdict is not None and not verdict.passed else "0.15"
     marker = "." if steps.size <= 200 else None  # dots help on short runs, smear long ones
     ax.plot(steps, delta, color=color, linewidth=1.2, marker=marker, markersize=3, label="Δ")
+    _twin_residual(ax, outcome, metric)
     ax.axhline(0, color="0.5", linewidth=0.6)
     _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
     if ax.get_yscale() == "linear":
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
+
+
+def _twin_residual(ax: Axes, outcome: PairOutcome, metric: str) -> None:
+    """Twin regime: twin - control, the legitimate noise the envelope was sized from."""
+    twin = outcome.control.twin if outcome.control is not None else None
+    control = outcome.control.metrics.get(metric) if outcome.control is not None else None
+    if twin is None or control is None or metric not in twin:
+        return
+    steps, ci, ti = np.intersect1d(control.steps, twin[metric].steps, return_indices=True)
+    ax.plot(steps, twin[metric].values[ti] - control.values[ci], color=CONTROL_COLOR,
+            linewidth=1.0, linestyle="--", label="twin − control (noise)")
 
 
 def _symlog_if_far(ax: Axes, delta: npt.NDArray[np.float64],
@@ -257,14 +246,11 @@ def plot_pair(outcome: PairOutcome, path: Path) -> Path:
 
 # -- heatmap ----------------------------------------------------------------------------------
 def dimension(outcome: PairOutcome) -> str:
-    """What the pair verifies: the mesh axes whose degree changed, else technique/hook."""
-    ctrl, test = outcome.pair.control.layout.degrees(), outcome.pair.test.layout.degrees()
-    changed = [a for a in reversed(AXES) if ctrl[a] != test[a]]
-    if changed:
-        return "+".join(changed)
-    if outcome.pair.test.hook and outcome.pair.test.hook != outcome.pair.control.hook:
-        return "hook"
-    return "technique"
+    """What the pair verifies, named as the "By dimension" table names it (``+tp2``,
+    ``+cp2 +ac:full``, ``-rep2+shard2``): the heatmap's row groups are that table's rows."""
+    return dimension_of({"control": layout_record(outcome.pair.control),
+                         "test": layout_record(outcome.pair.test),
+                         "techniques_changed": techniques_changed(outcome)})
 
 
 def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:
@@ -300,7 +286,8 @@ def _cell(outcome: PairOutcome, metric: str) -> tuple[float, str]:
 
 
 def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
-    """Rows: pairs grouped by the dimension they verify; columns: gating metrics.
+    """One heatmap of every pair x every gating metric (not one per dimension): rows are
+    pairs, grouped (and labelled) by the dimension they verify; columns are gating metrics.
 
     Colour is max|Δ| in units of the tolerance on a log scale (blue well inside, white at the
     tolerance, red beyond) so one glance shows which pair failed and by how much.
@@ -314,10 +301,10 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
         len(ordered), len(metrics))
     labels = [f"{dimension(o)} │ {o.pair.name}" for o in ordered]
     label_in = 0.3 + 0.075 * max((len(t) for t in labels), default=4)  # ~ 10 pt characters
-    width, height = label_in + 1.5 * len(metrics) + 1.4, 1.3 + 0.45 * max(len(ordered), 1)
+    width, height = label_in + 1.5 * len(metrics) + 1.4, 1.5 + 0.45 * max(len(ordered), 1)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
-    fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.75 / height,
+    fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.95 / height,
                         bottom=0.15 / height)
     cmap = colormaps["RdBu_r"].with_extremes(bad="0.82")
     image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-3, vmax=3, aspect="auto")
@@ -336,7 +323,8 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
     bar = fig.colorbar(image, cax=fig.add_axes((1 - 1.1 / width, 0.15 / height, 0.15 / width,
                                                 1 - 0.9 / height)))
     bar.set_label("log10(max|Δ| / tolerance)", fontsize=8)
-    ax.set_title("max |Δ| vs tolerance per pair (grey: error / not compared)", fontsize=10)
+    ax.set_title("max |Δ| / tolerance, each pair × gating metric\n(rows grouped by dimension; "
+                 "grey: error / not compared)", fontsize=10)
     return save_png(fig, path)
 
 

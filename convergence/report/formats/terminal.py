@@ -1,5 +1,5 @@
 """The terminal summary: the matrix (one row per pair, aligned plain text that fits 120
-columns) and, for two pairs or more, the per-dimension block under it.
+columns) and the per-dimension block under it.
 
     pair        rep shard tp cp pp techniques  verdict  |Δloss|  |Δgnorm|  tok/s  mem   wall   cache
     fsdp2-tp2     -     2  2  -  -  -          PASS     2.5e-07  0         0.93x  0.59x 14.2s  ctrl cached
@@ -10,9 +10,8 @@ Axis degrees are the test's; "-" means 1 (axis off). Ratios are test / control.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
-from convergence.report.data.records import pair_record
+from convergence.report.data.records import PairRecord, pair_record
 from convergence.report.fmt import (
     VERDICTS,
     as_float,
@@ -43,13 +42,13 @@ MIN_SHRINK = 8
 GAP = "  "
 
 
-def record_row(record: Mapping[str, Any]) -> dict[str, str]:
+def record_row(record: PairRecord) -> dict[str, str]:
     """Formatted cells of one pair, from its report record (see records.pair_record)."""
     degrees = record["test"]["degrees"]
     res = record["resources"]
     wall = record["wall_s"]["test"] or record["wall_s"]["pair"] or None
-    cached = [name for name, key in (("ctrl", "control"), ("test", "test"))
-              if record["cached"][key]]
+    cached = [name for name, on in (("ctrl", record["cached"]["control"]),
+                                    ("test", record["cached"]["test"])) if on]
     verdict = VERDICTS.get(record["status"], str(record["status"]).upper())
     row = {"pair": record["name"]}
     row.update({key: fmt_deg(int(degrees[axis])) for key, axis in AXIS_COLUMNS})
@@ -116,11 +115,12 @@ def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120)
 
 
 def render_summary(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
-    """The terminal summary shared by the plugin and the CLI: the matrix, then (for two pairs
-    or more) the per-dimension block under it."""
+    """The terminal summary shared by the plugin and the CLI: the matrix, then the
+    per-dimension block under it (for one pair too: it says what the test changes over its
+    control, which the matrix's degree columns leave to the reader)."""
     outcomes = list(outcomes)
     text = render_matrix(outcomes, width)
-    if len(outcomes) > 1:
+    if outcomes:
         text = (text.rstrip("\n") + "\nby dimension (what each test adds over its control):\n"
                 + render_outcome_dimensions(outcomes, width))
     return text

@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from convergence.report.data.records import PairRecord
+from convergence.report.data.schema import ReportDocument
 from convergence.report.markup import html_img
 from convergence.report.sections import comm_blocks, dimensions, probe, resources
 
-Report = Mapping[str, Any]
+Report = ReportDocument
 """The report.json document (``pairs``: one record per pair, ``plots``: report-wide plots)."""
 
 
@@ -30,17 +31,21 @@ class Section:
     """True: placed after the failures (long per-pair detail), else right after the matrix."""
     html: Callable[[Report, Mapping[str, Path]], str] | None = None
     """The report-wide part of report.html (after the matrix), given the plot files to embed."""
-    pair_html: Callable[[Mapping[str, Any]], str] | None = None
+    pair_html: Callable[[PairRecord], str] | None = None
     """The part of report.html inside one pair's section."""
-    plot: Callable[[Sequence[Mapping[str, Any]], Path], Path | None] | None = None
+    plot: Callable[[Sequence[PairRecord], Path], Path | None] | None = None
     """Writes the section's PNG into the plot folder (None when it has nothing to plot)..."""
     plot_key: str | None = None
     """...which report.json's ``plots`` then names under this key."""
 
 
 def _dimensions_html(report: Report, plot_files: Mapping[str, Path]) -> str:
-    """The "By dimension" table and the heatmap, whose rows are grouped by dimension too."""
+    """The "By dimension" table, then the heatmap under its own heading: it is one cell per
+    pair and gating metric (rows grouped by dimension), not a heatmap per dimension."""
     heatmap = html_img(report.get("plots", {}).get("heatmap"), plot_files, "heatmap")
+    if heatmap:
+        heatmap = ('<h3>Every pair × gating metric</h3><div class="sub">max |Δ| over the '
+                   "tolerance, one row per pair, rows grouped by dimension</div>" + heatmap)
     return dimensions.html_section(report["pairs"]) + "\n" + heatmap
 
 

@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
 
+from convergence.report.data.records import PairRecord, ResourceRecord, RunFacts, SideRecord
+from convergence.report.data.schema import ReportDocument
 from convergence.report.figure import new_figure, save_png
 from convergence.report.fmt import VERDICTS, as_float, fmt_amount, fmt_pct
 from convergence.report.markup import html_img, html_table, md_cell, md_table
@@ -60,29 +61,29 @@ class CommTable:
     rows: tuple[CommRow, ...]
 
 
-def _facts(side: Mapping[str, Any]) -> Mapping[str, Any]:
+def _facts(side: SideRecord) -> RunFacts:
     facts = side.get("run_facts")
     return facts if isinstance(facts, Mapping) else {}
 
 
-def _pattern(side: Mapping[str, Any]) -> str | None:
+def _pattern(side: SideRecord) -> str | None:
     value = _facts(side).get("block_pattern")
     return str(value) if value else None
 
 
-def in_study(record: Mapping[str, Any]) -> bool:
+def in_study(record: PairRecord) -> bool:
     """Test and control ran with different block patterns."""
     test, control = _pattern(record["test"]), _pattern(record["control"])
     return test is not None and control is not None and test != control
 
 
-def _count(facts: Mapping[str, Any], key: str) -> int | None:
+def _count(facts: RunFacts, key: str) -> int | None:
     counts = facts.get("collectives")
     value = counts.get(key) if isinstance(counts, Mapping) else None
     return int(value) if isinstance(value, (int, float)) else None
 
 
-def _row(name: str, role: str, side: Mapping[str, Any], *, tokens: float | None,
+def _row(name: str, role: str, side: SideRecord, *, tokens: float | None,
          tokens_rel: float | None, baseline_val: float | None, verdict: str) -> CommRow:
     facts = _facts(side)
     val = as_float(facts.get("final_val_loss"))
@@ -97,7 +98,7 @@ def _row(name: str, role: str, side: Mapping[str, Any], *, tokens: float | None,
         tokens_per_s=tokens, tokens_per_s_rel=tokens_rel, verdict=verdict)
 
 
-def _verdict(record: Mapping[str, Any], baseline_val: float | None) -> str:
+def _verdict(record: PairRecord, baseline_val: float | None) -> str:
     """"PASS (limit +2.0%)": the pair's verdict and its val_loss threshold, relative."""
     status = VERDICTS.get(str(record["status"]), str(record["status"]))
     for verdict in record.get("verdicts") or []:
@@ -110,9 +111,14 @@ def _verdict(record: Mapping[str, Any], baseline_val: float | None) -> str:
     return status
 
 
-def tables(pairs: Sequence[Mapping[str, Any]]) -> list[CommTable]:
+def _tokens(record: PairRecord) -> ResourceRecord:
+    entry = (record.get("resources") or {}).get("tokens_per_s")
+    return entry if entry else {"control": None, "test": None, "ratio": None}
+
+
+def tables(pairs: Sequence[PairRecord]) -> list[CommTable]:
     """One table per (experiment file, control), the baseline row first."""
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    groups: dict[tuple[str, str], list[PairRecord]] = {}
     for record in pairs:
         if in_study(record):
             groups.setdefault((str(record["source"]), str(record["control"]["name"])),
@@ -120,13 +126,13 @@ def tables(pairs: Sequence[Mapping[str, Any]]) -> list[CommTable]:
     out = []
     for (source, _), records in groups.items():
         first = records[0]
-        tokens = (first.get("resources") or {}).get("tokens_per_s") or {}
+        tokens = _tokens(first)
         baseline_val = as_float(_facts(first["control"]).get("final_val_loss"))
         rows = [_row(str(first["control"]["name"]), "baseline", first["control"],
                      tokens=as_float(tokens.get("control")), tokens_rel=None,
                      baseline_val=baseline_val, verdict="baseline")]
         for record in records:
-            entry = (record.get("resources") or {}).get("tokens_per_s") or {}
+            entry = _tokens(record)
             ratio = as_float(entry.get("ratio"))
             rows.append(_row(str(record["test"]["name"]), "test", record["test"],
                              tokens=as_float(entry.get("test")),
@@ -157,7 +163,7 @@ def cells(row: CommRow) -> list[str]:
             fmt_amount(row.tokens_per_s), rel, row.verdict]
 
 
-def markdown_lines(report: Mapping[str, Any]) -> list[str]:
+def markdown_lines(report: ReportDocument) -> list[str]:
     """The section of report.md ([] when no pair of the report is in the study)."""
     found = tables(report["pairs"])
     if not found:
@@ -172,7 +178,7 @@ def markdown_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def html_section(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> str:
+def html_section(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
     """The section of report.html ("" when no pair of the report is in the study)."""
     found = tables(report["pairs"])
     if not found:
@@ -187,7 +193,7 @@ def html_section(report: Mapping[str, Any], plot_files: Mapping[str, Path]) -> s
     return "".join(parts)
 
 
-def write_plot(pairs: Sequence[Mapping[str, Any]], plot_dir: Path) -> Path | None:
+def write_plot(pairs: Sequence[PairRecord], plot_dir: Path) -> Path | None:
     """PNG: collectives per step vs final validation loss (left) and tokens/s (right), one
     series per experiment file; None when no pair is in the study."""
     found = tables(pairs)
@@ -211,8 +217,11 @@ def write_plot(pairs: Sequence[Mapping[str, Any]], plot_dir: Path) -> Path | Non
                 marker = "*" if r.role == "baseline" else ""
                 ax.annotate(f"{marker}{r.config}", (n, v), fontsize=7,
                             textcoords="offset points", xytext=(4, 4))
+    from matplotlib.ticker import MaxNLocator  # lazy, like every matplotlib import
+
     for ax, name in ((left, "final validation loss"), (right, "tokens/s (median)")):
         ax.set_xlabel("collectives per step (forward + backward)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no 7.5 tick
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.margins(x=0.2, y=0.15)  # room for the labels

@@ -14,11 +14,12 @@ report.html (:func:`html_section`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
-from typing import Any
+from typing import TypedDict
 
+from convergence.report.data.records import LayoutRecord, PairRecord, TechniqueValue
 from convergence.report.fmt import as_float, cut, fmt_num, fmt_techniques
 from convergence.report.markup import html_table, md_table
 
@@ -55,7 +56,16 @@ def _axis_change(name: str, control: int, test: int) -> str:
     return f"{name}{control}→{test}"
 
 
-def dimension_of(record: Mapping[str, Any]) -> str:
+class ChangeRecord(TypedDict):
+    """What :func:`dimension_of` reads: a pair record's layouts and changed techniques (a
+    PairRecord has them; the heatmap builds just these from an outcome)."""
+
+    control: LayoutRecord
+    test: LayoutRecord
+    techniques_changed: dict[str, TechniqueValue]
+
+
+def dimension_of(record: PairRecord | ChangeRecord) -> str:
     """``+tp2+pp2``, ``+cp4``, ``+tp2 +ac:full``, ... (see the module docstring)."""
     control, test = record["control"], record["test"]
     axes = "".join(_axis_change(name, int(control["degrees"][axis]), int(test["degrees"][axis]))
@@ -81,7 +91,7 @@ def _worse(value: float | None, than: float | None) -> bool:
     return not math.isnan(than) and value > than
 
 
-def group_by_dimension(records: Iterable[Mapping[str, Any]]) -> list[DimensionRow]:
+def group_by_dimension(records: Iterable[PairRecord]) -> list[DimensionRow]:
     """One row per dimension, in the order the dimensions first appear."""
     rows: dict[str, DimensionRow] = {}
     for record in records:
@@ -103,7 +113,7 @@ def cells(row: DimensionRow) -> list[str]:
             str(c["error"]), str(c["skipped"]), fmt_num(row.worst_dloss), row.worst_pair or "-"]
 
 
-def render_dimensions(records: Iterable[Mapping[str, Any]], width: int = 120) -> str:
+def render_dimensions(records: Iterable[PairRecord], width: int = 120) -> str:
     """The per-dimension block for the terminal (aligned text, each line within ``width``)."""
     table = [list(HEADER)] + [cells(r) for r in group_by_dimension(records)]
     widths = [max(len(row[i]) for row in table) for i in range(len(HEADER))]
@@ -121,18 +131,19 @@ def render_dimensions(records: Iterable[Mapping[str, Any]], width: int = 120) ->
     return "\n".join(lines) + "\n"
 
 
-def markdown_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    """report.md's "By dimension" section (empty for fewer than two pairs)."""
-    if len(records) < 2:
+def markdown_lines(records: Sequence[PairRecord]) -> list[str]:
+    """report.md's "By dimension" section (empty without pairs). One pair gets it too: the
+    matrix shows the test's degrees, this row what the test changes over its control."""
+    if not records:
         return []
     rows = group_by_dimension(records)
     return ["", "### By dimension", "",
             *md_table(HEADER, [cells(r) for r in rows], list(RIGHT))]
 
 
-def html_section(records: Sequence[Mapping[str, Any]]) -> str:
-    """report.html's "By dimension" table ("" for fewer than two pairs)."""
-    if len(records) < 2:
+def html_section(records: Sequence[PairRecord]) -> str:
+    """report.html's "By dimension" table ("" without pairs)."""
+    if not records:
         return ""
     rows = group_by_dimension(records)
     status = ["failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed"

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
+from convergence.report.data.records import Localisation, PairRecord
+from convergence.report.data.schema import ReportDocument
 from convergence.report.fmt import fmt_num
 from convergence.report.markup import html_table, md_code, md_table, md_text
 
@@ -21,12 +23,12 @@ TABLES: tuple[tuple[str, str], ...] = (("modules", "Module output norms (forward
                                        ("parameters", "Gradient norms (forward order)"))
 
 
-def has_probe_table(record: Mapping[str, Any]) -> bool:
+def has_probe_table(record: PairRecord) -> bool:
     loc = record.get("localisation")
     return isinstance(loc, Mapping) and isinstance(loc.get("modules"), list)
 
 
-def step_text(loc: Mapping[str, Any]) -> str:
+def step_text(loc: Localisation) -> str:
     """Which step was probed, and why: "step 3 (first divergent step; step 1 agreed)"."""
     step, first = loc.get("step"), loc.get("first_divergent_step")
     notes = []
@@ -39,7 +41,7 @@ def step_text(loc: Mapping[str, Any]) -> str:
     return f"step {step}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def summary_text(loc: Mapping[str, Any]) -> str:
+def summary_text(loc: Localisation) -> str:
     """One line: the first differing module/parameter, or agreement, or the probe's error."""
     where = step_text(loc)
     if loc.get("error"):
@@ -58,7 +60,7 @@ def summary_text(loc: Mapping[str, Any]) -> str:
             f" vs {fmt_num(loc.get('loss_test'))}{caveat}")
 
 
-def dp_losses_text(loc: Mapping[str, Any]) -> str:
+def dp_losses_text(loc: Localisation) -> str:
     """"; per-DP-rank loss control [a, b] vs test [c, d]" where either side has DP > 1 (a
     data-sharding bug shows as per-rank losses that differ while their mean may not)."""
     ctrl, test = loc.get("dp_losses_control"), loc.get("dp_losses_test")
@@ -72,7 +74,7 @@ def dp_losses_text(loc: Mapping[str, Any]) -> str:
     return f"; per-DP-rank loss {listed(ctrl)} vs {listed(test)}"
 
 
-def failure_line(loc: Mapping[str, Any]) -> str:
+def failure_line(loc: Localisation) -> str:
     """The failure message's line: "first divergence at step 3; probe at step 3: first
     differing module X, first differing gradient Y"."""
     first = loc.get("first_divergent_step")
@@ -95,9 +97,9 @@ def rows(entries: Sequence[Mapping[str, Any]]) -> list[list[str]]:
              "differs" if e.get("differs") else ""] for e in entries]
 
 
-def markdown_section(record: Mapping[str, Any]) -> list[str]:
+def markdown_section(record: PairRecord) -> list[str]:
     """The numerics probe of one pair: summary line and the per-module/parameter tables."""
-    loc = record["localisation"]
+    loc = record["localisation"] or {}  # has_probe_table: never None here
     lines = [f"### {md_code(record['name'])}", "", md_text(summary_text(loc))]
     for key, title in TABLES:
         if loc.get(key):
@@ -106,7 +108,7 @@ def markdown_section(record: Mapping[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def markdown_lines(report: Mapping[str, Any]) -> list[str]:
+def markdown_lines(report: ReportDocument) -> list[str]:
     """report.md's "## Numerics probe" section ([] when no pair was probed)."""
     probed = [p for p in report["pairs"] if has_probe_table(p)]
     if not probed:
@@ -117,11 +119,11 @@ def markdown_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def pair_html(record: Mapping[str, Any]) -> str:
+def pair_html(record: PairRecord) -> str:
     """The probe's per-module and per-parameter tables in a pair's section ("" without)."""
     if not has_probe_table(record):
         return ""
-    loc = record["localisation"]
+    loc = record["localisation"] or {}  # has_probe_table: never None here
     parts = [f"<h4>Numerics probe</h4><p>{escape(summary_text(loc))}</p>"]
     for key, title in TABLES:
         entries = loc.get(key) or []

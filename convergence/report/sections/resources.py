@@ -13,12 +13,12 @@ with the rest of the report from saved outcomes. Shared by report.md and report.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
 
+from convergence.report.data.records import JsonFloat, PairRecord, ResourceRecord, SideRecord
 from convergence.report.fmt import (
     VERDICTS,
     as_float,
@@ -69,7 +69,7 @@ class TradeoffTable:
     rows: tuple[TradeoffRow, ...]
 
 
-def layout_text(side: Mapping[str, Any]) -> str:
+def layout_text(side: SideRecord) -> str:
     """``tp2 +accum:4``: the layout and every technique set away from its default."""
     techniques = side.get("techniques") or {}
     changed = {k: v for k, v in techniques.items() if _DEFAULT_TECHNIQUES.get(k, v) != v}
@@ -79,16 +79,17 @@ def layout_text(side: Mapping[str, Any]) -> str:
     return str(side["short_name"]) if text == "-" else f"{side['short_name']} +{text}"
 
 
-def _rel(ratio: Any) -> float | None:
+def _rel(ratio: JsonFloat | None) -> float | None:
     value = as_float(ratio)
     return None if value is None else value - 1.0
 
 
-def _entry(record: Mapping[str, Any], metric: str) -> Mapping[str, Any]:
-    return (record.get("resources") or {}).get(metric) or {}
+def _entry(record: PairRecord, metric: str) -> ResourceRecord:
+    entry = (record.get("resources") or {}).get(metric)
+    return entry if entry else {"control": None, "test": None, "ratio": None}
 
 
-def _step_time_ratio(record: Mapping[str, Any]) -> float | None:
+def _step_time_ratio(record: PairRecord) -> float | None:
     """Test / control step time; without step times (e.g. no run meta) it is the inverse of
     the tokens/s ratio, since a pair's tokens per step are equal by construction."""
     ratio = as_float(_entry(record, "step_time_s").get("ratio"))
@@ -98,7 +99,7 @@ def _step_time_ratio(record: Mapping[str, Any]) -> float | None:
     return ratio
 
 
-def _test_row(record: Mapping[str, Any]) -> TradeoffRow:
+def _test_row(record: PairRecord) -> TradeoffRow:
     return TradeoffRow(
         job=str(record["test"]["name"]), role="test", layout=layout_text(record["test"]),
         verdict=VERDICTS.get(str(record["status"]), str(record["status"])),
@@ -111,7 +112,7 @@ def _test_row(record: Mapping[str, Any]) -> TradeoffRow:
         max_abs_dloss=as_float((record.get("max_abs_delta") or {}).get("loss")))
 
 
-def _control_row(records: Sequence[Mapping[str, Any]]) -> TradeoffRow:
+def _control_row(records: Sequence[PairRecord]) -> TradeoffRow:
     """The control's numbers from the first pair that has them (pairs of one file share it)."""
     def first(metric: str) -> float | None:
         for record in records:
@@ -128,9 +129,9 @@ def _control_row(records: Sequence[Mapping[str, Any]]) -> TradeoffRow:
         peak_mem_mib=first("peak_mem_mib"), peak_mem_rel=None, max_abs_dloss=None)
 
 
-def tables(pairs: Sequence[Mapping[str, Any]]) -> list[TradeoffTable]:
+def tables(pairs: Sequence[PairRecord]) -> list[TradeoffTable]:
     """One table per (experiment file, control job), in the order the pairs come."""
-    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    groups: dict[tuple[str, str], list[PairRecord]] = {}
     for record in pairs:
         groups.setdefault((str(record["source"]), str(record["control"]["name"])),
                           []).append(record)
@@ -158,7 +159,7 @@ def title(table: TradeoffTable) -> str:
     return f"{Path(table.source).name} — control {table.control}"
 
 
-def markdown_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
+def markdown_lines(pairs: Sequence[PairRecord]) -> list[str]:
     """The "## Resources" section of report.md ([] when no pair ran)."""
     found = tables(pairs)
     if not found:
@@ -170,7 +171,7 @@ def markdown_lines(pairs: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def html_section(pairs: Sequence[Mapping[str, Any]]) -> str:
+def html_section(pairs: Sequence[PairRecord]) -> str:
     """The "Resources" section of report.html ("" when no pair ran)."""
     found = tables(pairs)
     if not found:

@@ -1,0 +1,30 @@
+"""The pipeline schedules and what kind each is: the one table the experiment spec (which names
+a layout may use, how many stages per rank by default) and the built-in trainer's PP rules
+(convergence/trainer/pp_rules.py) both read.
+
+Here, in the bottom layer, so the spec can import it without importing the trainer. Plain data;
+tests/test_trainer_pp_cp_units.py holds the sets to what torch's schedule classes are.
+"""
+
+from __future__ import annotations
+
+SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
+                              "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedule names accepted by parallelism.pp_schedule (torch's own names)."""
+
+SINGLE_STAGE_SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B"})
+"""torch's PipelineScheduleSingle: exactly one stage per rank."""
+
+MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(SCHEDULES) - SINGLE_STAGE_SCHEDULES
+"""torch's PipelineScheduleMulti: several stages per rank (interleaved, looped, V)."""
+
+V_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
+"""Schedules whose rank r holds stages r and 2pp-1-r (exactly 2 per rank)."""
+
+ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble",
+                                                   "DualPipeV"})
+"""Schedules that split backward into input-grad and weight-grad passes (see
+pipeline.fsdp_per_block_ok and the data-parallel rule in layout_problem)."""
+
+AT_LEAST_ONE_MICROBATCH_PER_STAGE: frozenset[str] = frozenset({"1F1B", "DualPipeV"})
+"""Schedules whose torch constructor refuses fewer microbatches than pipeline stages."""
