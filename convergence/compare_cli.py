@@ -126,8 +126,10 @@ def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: P
     pair = PairSpec(pair_id=f"compare {test_label} vs {control_label}", control=control_job,
                     test=test_job, rules=rules, regime=regime,
                     replicates=max(2, len(controls)), early_stop=False)
+    # As the Runner keeps them: the seed band's replicates, or the twin's curves.
     control = SideOutcome(job=control_job, metrics=controls[0], run_dir=paths[0],
-                          replicates=tuple(controls) if regime in ("seed", "twin") else ())
+                          replicates=tuple(controls) if regime == "seed" else (),
+                          twin=controls[1] if regime == "twin" else None)
     return PairOutcome(pair=pair, status="passed" if passed else "failed", control=control,
                        test=SideOutcome(job=test_job, metrics=test, run_dir=test_path),
                        verdicts=tuple(verdicts))  # type: ignore[arg-type]

@@ -87,6 +87,25 @@ def test_seed_regime_with_replicates(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "--replicate" in capsys.readouterr().err
 
 
+def test_twin_regime_needs_the_twin_and_judges_against_its_noise(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import math
+
+    def losses(wobble: float, shift: float = 0.0) -> list[float]:
+        return [4.0 - 0.02 * s + wobble * math.sin(s) + shift for s in range(1, 61)]
+
+    control = write_jsonl_run(tmp_path / "control", losses(0.0))
+    twin = write_jsonl_run(tmp_path / "twin", losses(1e-3))
+    same = write_jsonl_run(tmp_path / "same", losses(-2e-3))
+    off = write_jsonl_run(tmp_path / "off", losses(0.0, shift=0.05))
+    twin_args = ["--regime", "twin", "--replicate", str(twin)]
+    assert main(["compare", str(control), str(same), *twin_args]) == 0
+    assert "twin regime" in capsys.readouterr().out
+    assert main(["compare", str(control), str(off), *twin_args]) == 1
+    assert main(["compare", str(control), str(same), "--regime", "twin"]) == 2
+    assert "--replicate" in capsys.readouterr().err
+
+
 def test_missing_path_and_folder_without_metrics_say_different_things(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = write_torchtitan_dump(tmp_path / "a", LOSSES)

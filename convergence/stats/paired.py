@@ -107,8 +107,9 @@ class Tolerance(Protocol):
 
 def envelope_verdict(rule: ComparisonRule, method: str, controls: Sequence[Curve], test: Curve,
                      tol: Tolerance, *, band: str) -> MetricVerdict:
-    """Pointwise check ``|test - control| <= tol(step)`` at every common step (paired and
-    allclose share it: allclose is the envelope without growth)."""
+    """Pointwise check ``|test - control| <= tol(step)`` at every common step (paired,
+    allclose and twin share it: allclose is the envelope without growth, twin sizes it from
+    a twin run)."""
     described = tol.describe()
     problem = incomplete(controls, test)
     if problem:

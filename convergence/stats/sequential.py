@@ -7,8 +7,8 @@ the machine. The monitor is fed each logged record and says when the verdict is 
 - a gating metric that is *clearly* outside its tolerance -- beyond CLEAR_FACTOR (2x) the
   paired/allclose tolerance, the twin envelope or the seed band's half-width -- for
   ``patience`` consecutive logged steps, counted from ``min_step`` on, fails. Twice the
-  tolerance and several steps in a row, because a single step at the edge of the band is what noise does; the final verdict
-  still judges the whole run at 1x. The first ``min_step`` steps are skipped: the first
+  tolerance and several steps in a row, because a single step at the edge of the band is what
+  noise does; the final verdict still judges the whole run at 1x. The first ``min_step`` steps are skipped: the first
   optimizer steps of a seed ensemble are the noisiest (and least informative).
 
 It never decides "pass" early: a pass needs the whole run (a divergence can start late).
