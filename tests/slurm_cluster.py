@@ -81,14 +81,22 @@ def _free_port() -> int:
 
 
 def _slurm_conf(root: Path, node: str, ctld_port: int, slurmd_port: int,
-                munge_socket: Path) -> str:
+                munge_socket: Path, *, ctld_addr: str = "127.0.0.1",
+                nodes: tuple[tuple[str, str], ...] | None = None, cpus: int = 2) -> str:
     # Why these settings: no cgroups or systemd in containers (proctrack/linuxproc,
     # task/none); root runs everything; short KillWait/MinJobAge so cancelled steps and ended
     # jobs disappear quickly; config_overrides so a sandbox that reports odd CPU topology
-    # still registers the node with the CPUs written here.
+    # still registers the node with the CPUs written here. ``nodes``: (name, address) of each
+    # slurmd (the multi-node cluster); default: this host as the one node, on loopback.
+    members = nodes or ((node, "127.0.0.1"),)
+    node_lines = "\n".join(f"NodeName={name} NodeAddr={addr} NodeHostname={name} CPUs={cpus} "
+                            "RealMemory=1000 State=UNKNOWN" for name, addr in members)
+    names = ",".join(name for name, _ in members)
+    pid_file = "slurmd-%n.pid" if nodes else "slurmd.pid"
+    log_file = "slurmd-%n.log" if nodes else "slurmd.log"
     return f"""\
 ClusterName=convergence-test
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={node}({ctld_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
@@ -99,9 +107,9 @@ SlurmdUser=root
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/{pid_file}
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/{log_file}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -118,8 +126,8 @@ MinJobAge=10
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName={node} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{node_lines}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
@@ -148,7 +156,9 @@ class SlurmCluster:
 
     def log_tail(self, lines: int = 15) -> str:
         out = []
-        for name in ("munged.log", "slurmctld.log", "slurmd.log"):
+        names = ["munged.log", "slurmctld.log",
+                 *sorted(p.name for p in self.root.glob("slurmd*.log"))]
+        for name in names:
             path = self.root / name
             if path.exists():
                 text = path.read_text(errors="replace").strip().splitlines()[-lines:]
@@ -238,6 +248,170 @@ def start_cluster(root: Path) -> SlurmCluster:
         _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(conf)])
         _spawn(cluster, "slurmd", [_which("slurmd"), "-D", "-N", node, "-f", str(conf)])
         _wait_for(cluster, "the node to become idle", lambda: _node_idle(cluster))
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+# -- several nodes on this one machine ---------------------------------------------------------
+#
+# Each slurmd runs in its own network namespace (``ip netns``) with its own address on a private
+# bridge and, in its own UTS namespace, its own hostname: to Slurm and to torchrun's c10d
+# rendezvous they are separate machines (torchrun hosts the store only on the node whose
+# hostname or address is the endpoint's). Each slurmd also has a private mount namespace where
+# /etc/netns/<ns>/hosts is bind-mounted over /etc/hosts: how each node resolves the others by
+# name (what ``ip netns exec`` does; see start_multinode for why it is not used). The filesystem, and so
+# the munge socket, the run folders and the Python environment, stay shared: like a cluster's
+# shared filesystem. Traffic never leaves the machine (a bridge with no uplink).
+
+NODE_PREFIX = "cnode"
+
+
+def _ip(*argv: str) -> None:
+    done = subprocess.run(["ip", *argv], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise SlurmUnavailable(f"`ip {' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
+@dataclass(kw_only=True)
+class Network:
+    """The bridge, veth pairs and namespaces of a multi-node cluster (see above)."""
+
+    tag: str
+    bridge: str
+    gateway: str
+    nodes: dict[str, str] = field(default_factory=dict)
+    """Node name -> its address."""
+    namespaces: dict[str, str] = field(default_factory=dict)
+    """Node name -> its network namespace."""
+
+    def remove(self) -> None:
+        """Delete the namespaces (their veth ends, and so the pairs, go with them), the
+        /etc/netns files and the bridge; ignores what is already gone."""
+        for ns in self.namespaces.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
+
+    def pids_in(self, node: str) -> list[int]:
+        """PIDs of the processes living in ``node``'s namespace."""
+        done = subprocess.run(["ip", "netns", "pids", self.namespaces[node]],
+                              capture_output=True, text=True, timeout=30)
+        return [int(p) for p in done.stdout.split() if p.isdigit()]
+
+
+def make_network(num_nodes: int) -> Network:
+    """Bridge ``cv<n>br`` (10.213.<k>.1/24) and one namespace per node at .11, .12, ..."""
+    if shutil.which("ip") is None:
+        raise SlurmUnavailable("no `ip` command (apt-get install iproute2)")
+    tag = f"cv{os.getpid() % 100000}"
+    subnet = f"10.213.{os.getpid() % 250 + 1}"
+    net = Network(tag=tag, bridge=f"{tag}br", gateway=f"{subnet}.1")
+    try:
+        _ip("link", "add", net.bridge, "type", "bridge")
+        _ip("addr", "add", f"{net.gateway}/24", "dev", net.bridge)
+        _ip("link", "set", net.bridge, "up")
+        names = [f"{NODE_PREFIX}{i + 1}" for i in range(num_nodes)]
+        hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{subnet}.{11 + i} {name}\n" for i, name in enumerate(names))
+        for i, name in enumerate(names):
+            ns, outer, inner = f"{tag}-{name}", f"{tag}h{i}", f"{tag}n{i}"
+            addr = f"{subnet}.{11 + i}"
+            _ip("netns", "add", ns)
+            net.namespaces[name] = ns
+            net.nodes[name] = addr
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", ns)
+            _ip("link", "set", outer, "master", net.bridge)
+            _ip("link", "set", outer, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
+            _ip("-n", ns, "link", "set", inner, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            etc = Path("/etc/netns", ns)
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(hosts)
+    except BaseException:
+        net.remove()
+        raise
+    return net
+
+
+@dataclass(kw_only=True)
+class MultiNodeCluster(SlurmCluster):
+    """A running cluster of several slurmd nodes on this machine (see :func:`start_multinode`)."""
+
+    network: Network
+    node_names: tuple[str, ...] = ()
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            self.network.remove()
+
+
+def _nodes_idle(cluster: MultiNodeCluster) -> bool:
+    try:
+        done = cluster.run("sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=10)
+    except subprocess.TimeoutExpired:
+        return False
+    states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
+    return done.returncode == 0 and all(states.get(n) in ("idle", "mixed")
+                                        for n in cluster.node_names)
+
+
+def start_multinode(root: Path, num_nodes: int = 2, cpus: int = 2) -> MultiNodeCluster:
+    """munged + slurmctld on this host, one slurmd per node in its own network and UTS
+    namespace (see above); raise SlurmUnavailable where that cannot be done."""
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("starting slurmd/slurmctld and network namespaces needs root")
+    ensure_installed()
+    for tool in ("unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            raise SlurmUnavailable(f"no `{tool}` command (util-linux)")
+    network = make_network(num_nodes)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for sub in ("state", "spool", "munge"):
+            (root / sub).mkdir(exist_ok=True)
+        munge_dir = root / "munge"
+        os.chmod(root, 0o755)
+        os.chmod(munge_dir, 0o700)
+        key = munge_dir / "munge.key"
+        key.write_bytes(os.urandom(128))
+        os.chmod(key, 0o600)
+        munge_socket = munge_dir / "munge.socket"
+        conf = root / "slurm.conf"
+        host = socket.gethostname().split(".")[0]
+        conf.write_text(_slurm_conf(root, host, _free_port(), _free_port(), munge_socket,
+                                    ctld_addr=network.gateway, nodes=tuple(network.nodes.items()),
+                                    cpus=cpus))
+    except BaseException:
+        network.remove()
+        raise
+    cluster = MultiNodeCluster(root=root, node=host, conf=conf, network=network,
+                               node_names=tuple(network.nodes))
+    try:
+        _spawn(cluster, "munged", [_which("munged"), "-F", "--force", f"--key-file={key}",
+                                   f"--socket={munge_socket}",
+                                   f"--pid-file={munge_dir / 'munged.pid'}",
+                                   f"--log-file={root / 'munged.log'}",
+                                   f"--seed-file={munge_dir / 'munged.seed'}"])
+        _wait_for(cluster, "munged's socket", munge_socket.exists, timeout=20)
+        _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(conf)])
+        for name, ns in network.namespaces.items():
+            (root / "spool" / name).mkdir(exist_ok=True)
+            hosts = Path("/etc/netns", ns, "hosts")
+            # nsenter --net (not `ip netns exec`, which remounts /sys without the cgroup
+            # filesystem slurmd needs), then private UTS and mount namespaces for the hostname
+            # and /etc/hosts. nsenter and unshare exec, sh execs slurmd: the PID is slurmd's.
+            _spawn(cluster, f"slurmd-{name}", [
+                "nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount",
+                "--propagation", "private", "sh", "-c",
+                f'mount --bind {hosts} /etc/hosts && hostname {name} && '
+                f'exec "$0" -D -N {name} -f "$1"', _which("slurmd"), str(conf)])
+        _wait_for(cluster, "the nodes to become idle", lambda: _nodes_idle(cluster))
     except BaseException:
         cluster.stop()
         raise
