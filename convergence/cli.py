@@ -30,7 +30,7 @@ from convergence.ab import add_ab_parser
 from convergence.cache_cli import add_cache_parser
 from convergence.compare_cli import add_compare_parser, add_export_parser
 from convergence.configs import describe
-from convergence.launch.pool import detect_devices
+from convergence.launch.devices import session_devices
 from convergence.launch.progress_text import LogThrottle
 from convergence.launch.types import Progress
 from convergence.nightly import add_subcommands as add_nightly_subcommands
@@ -89,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     skipped = len(experiment.pairs) - len(pairs)
     if skipped:
         _print_err(f"{skipped} pair(s) above --tier {values['tier']} not run")
-    devices = len(detect_devices(values["devices"]).devices)
+    devices = session_devices(values["launcher"], values["devices"])
     for pair in pairs:
         validate_devices(pair, available_devices=devices)
     settings = run_settings(values, work_dir=(values["workdir"] or Path(".convergence")).resolve(),

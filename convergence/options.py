@@ -41,6 +41,9 @@ OPTIONS: tuple[Option, ...] = (
            kind="choice", choices=("local", "slurm"), default="local"),
     Option(name="devices", help="devices (GPUs, or CPU slots) jobs may use; default: detect",
            kind="int"),
+    Option(name="strict", help="a pair this session cannot run (more devices than it has, a "
+           "backend that is not installed) is a collection error instead of a skip",
+           kind="bool", default=False),
     Option(name="steps", help="override every job's steps (quick looks; verdicts still apply)",
            kind="int"),
     Option(name="cache-dir", help="run cache folder (default: <workdir>/cache)", kind="path"),

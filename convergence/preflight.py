@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import (
     JOB_KEYS,
     TIERS,
@@ -25,18 +25,29 @@ from convergence.spec.experiment import (
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 
+if TYPE_CHECKING:
+    from convergence.launch.pool import DeviceSet
 
-def load_checked(path: Path, *, rootdir: Path, max_tier: str | None = None) -> Experiment:
+
+def load_checked(path: Path, *, rootdir: Path, max_tier: str | None = None,
+                 not_runnable: dict[str, NotRunnableHere] | None = None) -> Experiment:
     """Parse an experiment file and preflight its pairs. Raises SpecError.
 
     Pairs of a tier above ``max_tier`` are parsed (unknown keys are still errors) but their
     backend preflight is skipped: they will not run, and a backend's preflight can be costly
     (torchtitan's parser imports its models) or need an optional extra.
+    ``not_runnable``: where a pair's :class:`NotRunnableHere` (a backend that is not
+    installed) is recorded, by pair name, instead of raised (the plugin skips those pairs).
     """
     experiment = load_experiment(path, rootdir=rootdir)
     for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
         if in_tier(pair, max_tier):
-            check_pair(pair, key=key)
+            try:
+                check_pair(pair, key=key)
+            except NotRunnableHere as exc:
+                if not_runnable is None:
+                    raise
+                not_runnable[pair.name] = exc
     return experiment
 
 
@@ -158,21 +169,28 @@ def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: i
             "local batch x DP x grad accumulation matches the control")
 
 
-def validate_devices(pair: PairSpec, *, available_devices: int | None) -> None:
-    """World size vs. the devices this session may use."""
+def validate_devices(pair: PairSpec, *, available_devices: int | DeviceSet | None) -> None:
+    """World size vs. the devices this session may use (a count, or the session's
+    DeviceSet, which also knows nodes: a job larger than a node needs whole nodes). Raises
+    NotRunnableHere naming what the pair needs."""
     if available_devices is None:
         return
     jobs = [("control", pair.control), ("test", pair.test)]
     if pair.regime == "twin" and not pair.golden:
         jobs.append(("control", noise_twin(pair.control)))
     for side, job in jobs:
-        if job.world_size > available_devices:
-            raise SpecError(
-                f"{side} {job.name!r} needs {job.world_size} devices "
-                f"({job.layout.short_name()}), only {available_devices} available",
+        if isinstance(available_devices, int):
+            problem = (None if job.world_size <= available_devices else
+                       f"needs {job.world_size} devices, only {available_devices} available")
+        else:
+            problem = available_devices.placement_problem(job.world_size)
+        if problem:
+            raise NotRunnableHere(
+                f"{side} {job.name!r} ({job.layout.short_name()}) {problem}",
                 file=pair.source, key=f"{side}.parallelism",
-                fix="lower the degrees, or raise --convergence-devices (CPU slots may "
-                    "oversubscribe cores)")
+                fix="run it in a larger allocation (--convergence-launcher slurm inside "
+                    "salloc/sbatch -N <nodes>), raise --convergence-devices (CPU slots may "
+                    "oversubscribe cores), or lower the degrees")
 
 
 def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from convergence.preflight import load_checked, validate_devices
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import TIERS
 from convergence.spec.pair import PairSpec
 from pytest_convergence.execute import check_outcome, execute_pair
@@ -78,20 +78,36 @@ class ExperimentFile(pytest.File):
     """An experiment TOML file; invalid input is a clean collection error (nothing runs)."""
 
     def collect(self) -> Iterator[ConvergenceItem]:
+        # A pair this session cannot run (too few devices, a backend not installed) is a
+        # skip naming what it needs, so one oversized pair never stops a night's other pairs;
+        # --convergence-strict makes it the collection error that every other SpecError is.
+        state = get_state(self.config)
+        strict = bool(state.options.values.get("strict"))
+        skipped: dict[str, NotRunnableHere] = {}
         try:
-            state = get_state(self.config)
             experiment = load_checked(self.path, rootdir=self.config.rootpath,
-                                      max_tier=state.options.tier)
-            devices = state.available_devices()
+                                      max_tier=state.options.tier,
+                                      not_runnable=None if strict else skipped)
+            devices = state.device_set()
             for pair in experiment.pairs:
-                if TIERS.index(pair.tier) <= TIERS.index(state.options.tier):
+                if TIERS.index(pair.tier) > TIERS.index(state.options.tier) or \
+                        pair.name in skipped:
+                    continue
+                try:
                     validate_devices(pair, available_devices=devices)
+                except NotRunnableHere as exc:
+                    if strict:
+                        raise
+                    skipped[pair.name] = exc
         except SpecError as exc:
             # CollectError renders as its message only: file, key and fix, no traceback.
             raise self.CollectError(f"invalid experiment (nothing was launched):\n{exc}") from None
         for pair in experiment.pairs:
             item = ConvergenceItem.from_parent(self, name=pair.name, pair=pair)
             item.add_marker(MARKER)
+            if pair.name in skipped:
+                item.add_marker(pytest.mark.skip(reason=skip_reason(skipped[pair.name])))
+                item.skipped = True
             yield item
 
 
@@ -101,6 +117,8 @@ class ConvergenceItem(pytest.Item):
     def __init__(self, *, pair: PairSpec, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.pair = pair
+        self.skipped = False
+        """Carries a skip marker (not runnable in this session)."""
 
     def runtest(self) -> None:
         check_outcome(execute_pair(self.config, self.pair, self.user_properties), self.config)
@@ -113,8 +131,15 @@ class ConvergenceItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         pair = self.pair
-        return (self.path, None, f"{pair.pair_id}: {pair.test.layout.short_name()} "
+        # A skip marker's report is placed at the item's line, which must be a number.
+        return (self.path, 0 if self.skipped else None, f"{pair.pair_id}: {pair.test.layout.short_name()} "
                                  f"vs {pair.control.layout.short_name()}")
+
+
+def skip_reason(exc: NotRunnableHere) -> str:
+    """One line: what the pair needs and how to get it (the file is the item's own)."""
+    text = exc.detail + (f" (fix: {exc.fix})" if exc.fix else "")
+    return f"not runnable here: {text}"
 
 
 def collect_file(file_path: Path, parent: pytest.Collector) -> ExperimentFile | None:

@@ -50,11 +50,11 @@ import pytest
 
 from convergence.preflight import make_checked_pair, validate_devices
 from convergence.run.outcome import PairOutcome
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import DEFAULTS_KEYS, JOB_KEYS, TEST_KEYS
 from convergence.spec.pair import PairSpec
 from convergence.spec.toml_io import check_keys
-from pytest_convergence.collection import MARKER
+from pytest_convergence.collection import MARKER, skip_reason
 from pytest_convergence.execute import check_outcome, execute_pair
 from pytest_convergence.stash import get_state
 
@@ -96,8 +96,7 @@ class PairRunner:
         pair = make_checked_pair(name=pair_name, control=control, test=test_table,
                                  defaults=defaults, compare=compare, source=source,
                                  rootdir=self._node.config.rootpath)
-        devices = get_state(self._node.config).available_devices()
-        validate_devices(pair, available_devices=devices)
+        validate_devices(pair, available_devices=get_state(self._node.config).device_set())
         return pair
 
     def __call__(self, control: Mapping[str, Any], test: Mapping[str, Any], *,
@@ -105,6 +104,11 @@ class PairRunner:
                  hook: str | None = None, **job_kw: Any) -> PairOutcome:
         try:
             pair = self.build(control, test, name=name, compare=compare, hook=hook, **job_kw)
+        except NotRunnableHere as exc:
+            if not get_state(self._node.config).options.values.get("strict"):
+                pytest.skip(skip_reason(exc))  # too few devices, a backend not installed
+            pytest.fail(f"invalid convergence pair (nothing was launched):\n{exc}",
+                        pytrace=False)
         except SpecError as exc:
             pytest.fail(f"invalid convergence pair (nothing was launched):\n{exc}",
                         pytrace=False)

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from convergence.launch.pool import detect_devices
+from convergence.launch.devices import session_devices
+from convergence.launch.pool import DeviceSet
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import RunSettings
 from convergence.run.session import SessionRunner
@@ -42,17 +43,20 @@ class SessionState:
     started_at: float = field(default_factory=time.time)
     progress_relay: Any = None
     """xdist controller: the thread printing the workers' progress lines (progress_relay.py)."""
-    _devices: int | None = None
-    _devices_known: bool = False
+    _devices: DeviceSet | None = None
 
-    def available_devices(self) -> int | None:
-        """Devices a single job may use, for checks at collection (detected once, lazily:
-        importing torch costs seconds, so only sessions with convergence items pay it)."""
-        if not self._devices_known:
-
-            self._devices = len(detect_devices(self.options.devices).devices)
-            self._devices_known = True
+    def device_set(self) -> DeviceSet:
+        """The devices of the session (this machine's, or the Slurm allocation's nodes x
+        devices; capped by --convergence-devices), for checks at collection. Detected once,
+        lazily: importing torch costs seconds, so only sessions with convergence items pay
+        it. Raises SlurmError (a SpecError) under the slurm launcher outside an allocation."""
+        if self._devices is None:
+            self._devices = session_devices(self.options.launcher, self.options.devices)
         return self._devices
+
+    def available_devices(self) -> int:
+        """How many devices the session's pool holds."""
+        return len(self.device_set().devices)
 
 
 STATE_KEY = pytest.StashKey[SessionState]()

@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from convergence.launch.pool import detect_devices
+from convergence.launch.devices import session_devices
 from convergence.preflight import load_checked
+from convergence.spec.errors import SpecError
 from pytest_convergence.collection import is_experiment_file
 from pytest_convergence.options import read_options
 from pytest_convergence.stash import get_state
@@ -83,5 +84,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     files = _experiment_files(config)
     if not files and "convergence" not in (config.option.markexpr or ""):
         return None
-    devices = len(detect_devices(read_options(config).devices).devices)
+    options = read_options(config)
+    try:
+        devices = len(session_devices(options.launcher, options.devices).devices)
+    except SpecError:
+        return None  # slurm outside an allocation: collection reports it
+
     return max(1, devices // _largest_world_size(config, files))

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from convergence.launch.pool import DevicePool, PoolTooSmall, default_cpu_slots, detect_devices
+from convergence.launch.pool import (
+    NODE_GPUS_ENV,
+    DevicePool,
+    PoolTooSmall,
+    default_cpu_slots,
+    detect_devices,
+    placement_problem,
+)
+from convergence.launch.step_gpus import narrowed
 
 WORKER = Path(__file__).parent / "fixtures" / "fake_trainers" / "pool_worker.py"
 
@@ -96,3 +104,62 @@ def test_detect_devices_on_this_machine(tmp_path: Path) -> None:
     if found.kind == "cpu":
         assert found.devices == ("0", "1", "2", "3", "4")
     assert default_cpu_slots() >= 8
+
+
+# -- a pool of nodes (a Slurm allocation: convergence.launch.devices) -----------------------
+
+def _node_pool(tmp_path: Path, nodes: int = 2, per_node: int = 4,
+               cap: int | None = None) -> DevicePool:
+    devices = [f"n{k}:{i}" for k in range(1, nodes + 1) for i in range(per_node)][:cap]
+    return DevicePool(tmp_path, devices, "gpu", per_node=per_node, where="allocation 7")
+
+
+def test_small_jobs_take_slices_of_one_node_and_leave_whole_nodes_free(tmp_path: Path) -> None:
+    pool = _node_pool(tmp_path)
+    with pool.lease(2) as a, pool.lease(1) as b:
+        # Best fit: the second job goes on the node the first one started, not on n2.
+        assert a.hosts == b.hosts == ("n1",)
+        assert a.env == {NODE_GPUS_ENV: "0,1"} and b.env == {NODE_GPUS_ENV: "2"}
+        with pool.lease(4, timeout=1) as whole:  # n2 is still whole
+            assert whole.hosts == ("n2",) and whole.env == {NODE_GPUS_ENV: "0,1,2,3"}
+        with pytest.raises(TimeoutError):
+            with pool.lease(8, timeout=0.2):  # needs both nodes whole: waits
+                pass
+    with pool.lease(8, timeout=1) as both:
+        assert both.hosts == ("n1", "n2") and both.env == {}  # whole nodes: the step's own GPUs
+
+
+def test_jobs_that_cannot_be_placed_are_refused_with_the_reason(tmp_path: Path) -> None:
+    pool = _node_pool(tmp_path)
+    with pytest.raises(PoolTooSmall, match="needs 12 GPUs, allocation 7 has 8"):
+        with pool.lease(12):
+            pass
+    with pytest.raises(PoolTooSmall, match="not whole nodes.*multiple of 4"):
+        with pool.lease(6):
+            pass
+    capped = _node_pool(tmp_path / "capped", cap=6)  # --convergence-devices 6
+    assert capped.size == 6
+    with pytest.raises(PoolTooSmall, match="needs 8 GPUs, allocation 7 has 6"):
+        with capped.lease(8):
+            pass
+    with capped.lease(4, timeout=1) as whole, capped.lease(2, timeout=1) as rest:
+        assert whole.hosts == ("n1",) and rest.devices == ("n2:0", "n2:1")
+    assert "needs 2 whole nodes of 4 GPUs" in str(placement_problem(
+        ("a:0", "a:1", "a:2", "a:3", "b:0", "b:1", "c:0", "c:1"), 4, "gpu", 8))
+    assert placement_problem(("a:0", "a:1", "b:0", "b:1"), 2, "cpu", 4) is None
+    assert "needs 5 CPU slots" in str(placement_problem(("0", "1"), None, "cpu", 5))
+
+
+def test_detect_devices_cap_applies_on_gpu_hosts_too() -> None:
+    # The cap is a plain truncation whatever the kind (here: CPU slots; on a GPU host the
+    # visible GPUs are truncated the same way, see detect_devices).
+    assert len(detect_devices(3).devices) == 3
+
+
+def test_step_narrows_slurms_visible_devices() -> None:
+    # Slurm writes the step's GPUs into CUDA_VISIBLE_DEVICES itself: the lease's indices on
+    # the node pick positions in that list.
+    assert narrowed("1,2", "4,5,6,7") == "5,6"
+    assert narrowed("0", None) == "0"
+    with pytest.raises(SystemExit, match="sees only"):
+        narrowed("3", "0,1")

@@ -166,10 +166,21 @@ def test_malformed_toml_is_a_collection_error(project: pytest.Pytester) -> None:
     assert result.ret == pytest.ExitCode.INTERRUPTED  # collection errors stop the session
 
 
-def test_too_few_devices_is_a_collection_error(project: pytest.Pytester) -> None:
-    result = project.runpytest("--collect-only", "-q", "--convergence-devices", "2")
+def test_too_few_devices_is_a_skip_naming_the_need_and_strict_makes_it_an_error(
+        project: pytest.Pytester) -> None:
+    # A pair this session cannot run never stops the others (a nightly in a small
+    # allocation); the reason names what it needs and how to get it.
+    result = project.runpytest("-m", "convergence", "-rs", "--convergence-devices", "2")
+    result.assert_outcomes(skipped=1)
     out = result.stdout.str()
-    assert "only 2 available" in out and "parallelism" in out and "fix:" in out
+    assert "not runnable here" in out and "needs 4 CPU slots, this machine has 2" in out, out
+    assert "--convergence-launcher slurm" in out and "--convergence-devices" in out
+    assert not (project.path / ".convergence" / "runs").exists()
+    strict = project.runpytest("--collect-only", "-q", "--convergence-devices", "2",
+                               "--convergence-strict")
+    assert strict.ret == pytest.ExitCode.INTERRUPTED
+    text = strict.stdout.str()
+    assert "needs 4 CPU slots" in text and "key 'test.parallelism'" in text and "fix:" in text
 
 
 def test_toml_outside_experiments_needs_convergence_paths(pytester: pytest.Pytester) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convergence.metrics.curve import RunMetrics
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 
 
@@ -82,8 +82,10 @@ def get_backend(name: str) -> Backend:
         try:
             from convergence.backends.torchtitan import TorchtitanBackend  # lazy: optional
         except ImportError as exc:
-            raise SpecError(f"the torchtitan backend is not available: {exc}", key="backend",
-                            fix="pip install 'pytest-convergence[torchtitan]' (and triton)") from None
+            raise NotRunnableHere(f"needs the torchtitan backend, which is not available here: "
+                                  f"{exc}", key="backend",
+                                  fix="pip install 'pytest-convergence[torchtitan]' (and "
+                                      "triton)") from None
         return TorchtitanBackend()
     if name == "command":
         from convergence.backends.command import CommandBackend  # lazy: registry by name

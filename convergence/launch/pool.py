@@ -5,6 +5,10 @@ file lock. A lease whose owner pid is dead is reclaimed, so a crashed worker nev
 forever.
 
 GPUs: a lease of N devices gives the job ``CUDA_VISIBLE_DEVICES``.
+Nodes (a Slurm allocation, :mod:`convergence.launch.devices`): devices are named
+``host:index`` and the pool places a job: W ranks up to one node's devices take a slice of one
+node (the fullest node that still fits, so whole nodes stay free for large jobs); a larger job
+takes ``W / per_node`` whole free nodes. The lease names its hosts; the launcher runs there.
 CPU: devices are *slots* and pure accounting: a job of N ranks takes N slots, which bounds how
 many ranks all concurrent jobs start together. Default slot count: ``max(os.cpu_count(), 8)``.
 Why not ``os.cpu_count()``: gloo ranks oversubscribe fine (slowly), and the common 2-core
@@ -29,14 +33,57 @@ from convergence.launch.process_tree import pid_alive
 
 KINDS = ("gpu", "cpu")
 MIN_CPU_SLOTS = 8
+NODE_GPUS_ENV = "CONVERGENCE_NODE_GPUS"
 
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceSet:
-    """What this machine offers: ``kind`` and the device names."""
+    """What this session offers: ``kind`` and the device names (``host:index`` on nodes)."""
 
     kind: str
     devices: tuple[str, ...]
+    per_node: int | None = None
+    """Devices per node of an allocation; None: one machine, no placement."""
+    where: str = "this machine"
+    """Where the devices are, for messages (e.g. "Slurm allocation 12: 2 nodes x 4 GPUs")."""
+
+    def placement_problem(self, n: int) -> str | None:
+        """Why a job of ``n`` ranks can never be placed on these devices; None if it can."""
+        return placement_problem(self.devices, self.per_node, self.kind, n, self.where)
+
+
+def _unit(kind: str) -> str:
+    return "GPUs" if kind == "gpu" else "CPU slots"
+
+
+def node_of(device: str) -> str | None:
+    """``"host:3"`` -> ``"host"``; None for a plain device name."""
+    host, sep, _ = device.rpartition(":")
+    return host if sep else None
+
+
+def _by_node(devices: Sequence[str]) -> dict[str, list[str]]:
+    nodes: dict[str, list[str]] = {}
+    for d in devices:
+        nodes.setdefault(node_of(d) or "", []).append(d)
+    return nodes
+
+
+def placement_problem(devices: Sequence[str], per_node: int | None, kind: str, n: int,
+                      where: str = "this machine") -> str | None:
+    """See :meth:`DeviceSet.placement_problem`."""
+    unit = _unit(kind)
+    if n > len(devices):
+        return f"needs {n} {unit}, {where} has {len(devices)}"
+    if per_node is None or n <= per_node:
+        return None
+    if n % per_node:
+        return (f"needs {n} {unit}, more than one node's {per_node} but not whole nodes "
+                f"({where}); use a multiple of {per_node}")
+    whole = sum(1 for members in _by_node(devices).values() if len(members) == per_node)
+    if n // per_node > whole:
+        return f"needs {n // per_node} whole nodes of {per_node} {unit}, {where} has {whole}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +95,23 @@ class Lease:
     lease_id: str = field(repr=False)
 
     @property
+    def hosts(self) -> tuple[str, ...]:
+        """The nodes of the lease, in order (empty on one machine)."""
+        return tuple(h for h in _by_node(self.devices) if h)
+
+    @property
     def env(self) -> dict[str, str]:
-        """Environment for the job: ``CUDA_VISIBLE_DEVICES`` for GPUs, nothing for CPU slots."""
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.devices)} if self.kind == "gpu" else {}
+        """Environment for the job: ``CUDA_VISIBLE_DEVICES`` for GPUs on one machine; on a
+        node slice, ``CONVERGENCE_NODE_GPUS`` (the indices on that node, which the Slurm step
+        maps through the step's own ``CUDA_VISIBLE_DEVICES``: convergence.launch.step_gpus);
+        nothing for CPU slots or whole nodes."""
+        if self.kind != "gpu":
+            return {}
+        if not self.hosts:
+            return {"CUDA_VISIBLE_DEVICES": ",".join(self.devices)}
+        if len(self.hosts) > 1:
+            return {}
+        return {NODE_GPUS_ENV: ",".join(d.rpartition(":")[2] for d in self.devices)}
 
 
 def default_cpu_slots() -> int:
@@ -58,7 +119,8 @@ def default_cpu_slots() -> int:
 
 
 def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
-    """GPUs if torch sees any, else ``cpu_slots`` (default :func:`default_cpu_slots`) slots."""
+    """GPUs if torch sees any (at most ``cpu_slots`` of them: --convergence-devices caps the
+    pool on GPU hosts too), else ``cpu_slots`` (default :func:`default_cpu_slots`) slots."""
     import torch  # lazy: importing torch costs seconds
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -68,7 +130,7 @@ def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
         visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                    if d.strip()]
         names = visible[:count] if len(visible) >= count else [str(i) for i in range(count)]
-        return DeviceSet(kind="gpu", devices=tuple(names))
+        return DeviceSet(kind="gpu", devices=tuple(names[:cpu_slots] if cpu_slots else names))
     slots = cpu_slots if cpu_slots is not None else default_cpu_slots()
     return DeviceSet(kind="cpu", devices=tuple(str(i) for i in range(slots)))
 
@@ -86,7 +148,8 @@ class DevicePool:
     """A cross-process pool of devices; see the module docstring."""
 
     def __init__(self, state_dir: Path, devices: Sequence[str] | int, kind: str = "cpu", *,
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, per_node: int | None = None,
+                 where: str = "the device pool") -> None:
         if kind not in KINDS:
             raise ValueError(f"device pool kind must be one of {KINDS}, got {kind!r}")
         self.devices = tuple(str(i) for i in range(devices)) if isinstance(devices, int) \
@@ -94,6 +157,8 @@ class DevicePool:
         if not self.devices:
             raise ValueError("a device pool needs at least one device")
         self.kind = kind
+        self.per_node = per_node
+        self.where = where
         self.poll_s = poll_s
         self.state_dir = Path(state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -113,11 +178,13 @@ class DevicePool:
         """
         if n < 1:
             raise ValueError(f"a lease needs at least 1 device, got {n}")
-        if n > self.size:
-            unit = "GPUs" if self.kind == "gpu" else "CPU slots"
+        if n > self.size and self.per_node is None:
             raise PoolTooSmall(
-                f"job needs {n} {unit} but the device pool has {self.size}; run fewer ranks or "
-                f"raise the pool size (--convergence-devices {n})")
+                f"job needs {n} {_unit(self.kind)} but the device pool has {self.size}; run "
+                f"fewer ranks or raise the pool size (--convergence-devices {n})")
+        problem = placement_problem(self.devices, self.per_node, self.kind, n, self.where)
+        if problem:
+            raise PoolTooSmall(f"job {problem}")
         lease = self._acquire(n, timeout)
         try:
             yield lease
@@ -136,8 +203,8 @@ class DevicePool:
             with self._lock:
                 state = self._live_state()
                 free = [d for d in self.devices if d not in state]
-                if len(free) >= n:
-                    chosen = tuple(free[:n])
+                chosen = self._place(free, n)
+                if chosen:
                     for d in chosen:
                         state[d] = {"pid": os.getpid(), "lease": lease_id}
                     self._write(state)
@@ -147,6 +214,19 @@ class DevicePool:
                     f"waited {timeout:g} s for {n} free {self.kind} devices of {self.size}; "
                     f"held: {self.holders()} (device -> pid) in {self.state_path}")
             time.sleep(self.poll_s)
+
+    def _place(self, free: list[str], n: int) -> tuple[str, ...]:
+        """``n`` free devices for one job (see the module docstring), or () if not now."""
+        if self.per_node is None:
+            return tuple(free[:n]) if len(free) >= n else ()
+        nodes = _by_node(free)
+        if n <= self.per_node:
+            fits = [members for members in nodes.values() if len(members) >= n]
+            return tuple(min(fits, key=len)[:n]) if fits else ()
+        whole = [members for members in nodes.values() if len(members) == self.per_node]
+        needed = n // self.per_node
+        return tuple(d for members in whole[:needed] for d in members) \
+            if len(whole) >= needed else ()
 
     def _release(self, lease: Lease) -> None:
         with self._lock:

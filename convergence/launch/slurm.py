@@ -21,6 +21,10 @@ Choices (and why):
   divide W and fit the allocation; the step runs on the first N hosts of
   ``scontrol show hostnames $SLURM_JOB_NODELIST`` and the first is the rendezvous head.
   Multi-node jobs take whole nodes: the device pool's ``CUDA_VISIBLE_DEVICES`` is dropped.
+  Under a Runner the device pool places the job instead (``LaunchRequest.hosts``: a slice of
+  one node or whole nodes of the allocation, convergence.launch.devices); a GPU slice reaches
+  the step as indices that convergence.launch.step_gpus maps through the step's own
+  ``CUDA_VISIBLE_DEVICES`` (Slurm replaces the exported one in steps).
 - *Port.* With several nodes the endpoint must be known before any agent starts, so the OS
   cannot pick it (``localhost:0``, as the local launcher does). Each launch takes the next
   number of a per-allocation counter kept under a file lock (``state_dir``, node-local on the
@@ -62,6 +66,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from convergence.launch.pool import NODE_GPUS_ENV
 from convergence.launch.torchrun import LAUNCHER_LOG, LocalLauncher, build_torchrun_argv
 from convergence.launch.types import FailureInfo, JobResult, LaunchRequest, OnMetrics, OnProgress
 from convergence.spec.errors import SpecError
@@ -87,6 +92,8 @@ class Allocation:
     hosts: tuple[str, ...]
     """Hostnames of the allocation, in Slurm's order (the first is the batch host)."""
     gpus_per_node: int | None = None
+    cpus_per_node: int | None = None
+    """The smallest CPU count of the allocation's nodes (``SLURM_JOB_CPUS_PER_NODE``)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], *, scontrol: str = "scontrol") -> Allocation:
@@ -101,11 +108,18 @@ class Allocation:
         gpus = environ.get("SLURM_GPUS_ON_NODE")
         return cls(job_id=job_id, hosts=expand_hostnames(nodelist, scontrol=scontrol,
                                                          environ=environ),
-                   gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None)
+                   gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
+                   cpus_per_node=cpus_per_node(environ.get("SLURM_JOB_CPUS_PER_NODE", "")))
 
     @property
     def head(self) -> str:
         return self.hosts[0]
+
+
+def cpus_per_node(value: str) -> int | None:
+    """``"4(x2),2"`` (Slurm's SLURM_JOB_CPUS_PER_NODE) -> 2: the smallest node's CPUs."""
+    counts = [int(m) for m in re.findall(r"(\d+)(?:\(x\d+\))?", value)]
+    return min(counts) if counts else None
 
 
 def expand_hostnames(nodelist: str, *, scontrol: str = "scontrol",
@@ -229,8 +243,20 @@ class SlurmLauncher(LocalLauncher):
         return self.allocation.head in here
 
     def plan(self, request: LaunchRequest) -> StepPlan:
-        nodes = 1 if request.direct else self.num_nodes(request.nproc)
-        hosts = self.allocation.hosts[:nodes]
+        if request.hosts and not request.direct:
+            # Placed by the device pool (a slice of one node, or whole nodes).
+            unknown = [h for h in request.hosts if h not in self.allocation.hosts]
+            if unknown or request.nproc % len(request.hosts):
+                raise SlurmError(f"job {request.name!r} placed on {request.hosts}, not "
+                                 f"{request.nproc} ranks on nodes of allocation "
+                                 f"{self.allocation.job_id} {self.allocation.hosts}",
+                                 key="--convergence-launcher",
+                                 fix="use one device pool per allocation (a fresh workdir)")
+            hosts = request.hosts
+            nodes = len(hosts)
+        else:
+            nodes = 1 if request.direct else self.num_nodes(request.nproc)
+            hosts = self.allocation.hosts[:nodes]
         port, n = (None, 0) if request.direct else self.ports.next(probe=self._on_head())
         # Unique within the allocation (launch number, or PID + time for direct steps): the
         # name is how the step is found again to scancel it.
@@ -257,7 +283,10 @@ class SlurmLauncher(LocalLauncher):
             request, python=self.python, nnodes=len(plan.hosts),
             nproc_per_node=plan.nproc_per_node, rdzv_endpoint=f"{plan.hosts[0]}:{plan.port}",
             rdzv_id=plan.step_name)
-        return [*self.srun_argv(plan), *torchrun]
+        # A GPU slice of a node: the step narrows Slurm's CUDA_VISIBLE_DEVICES (step_gpus.py).
+        wrap = ([self.python, "-m", "convergence.launch.step_gpus", "--"]
+                if NODE_GPUS_ENV in request.env else [])
+        return [*self.srun_argv(plan), *wrap, *torchrun]
 
     # -- running --------------------------------------------------------------------------
     def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,

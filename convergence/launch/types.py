@@ -47,6 +47,9 @@ class LaunchRequest:
     """For progress and ETA."""
     direct: bool = False
     """Run ``entry`` as a plain command (no torchrun), e.g. a seed-checkpoint step."""
+    hosts: tuple[str, ...] = ()
+    """Nodes the device pool placed the job on (a Slurm allocation); empty: the launcher
+    chooses (one machine, or the first nodes of the allocation)."""
 
 
 @dataclass(frozen=True, kw_only=True)

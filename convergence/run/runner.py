@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 from convergence.backends import Backend, get_backend
 from convergence.cache.key import cache_key, code_version, hardware_fingerprint
 from convergence.cache.store import CacheError, RunCache
-from convergence.launch.pool import DevicePool, detect_devices
+from convergence.launch.devices import session_devices
+from convergence.launch.pool import DevicePool
 from convergence.launch.slurm import SlurmLauncher
 from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
@@ -138,8 +139,9 @@ class Runner:
         self.settings = settings
         settings.work_dir.mkdir(parents=True, exist_ok=True)
         self.cache = RunCache(settings.cache_root)
-        device_set = detect_devices(settings.devices)
-        self.pool = DevicePool(settings.work_dir / "pool", device_set.devices, device_set.kind)
+        device_set = session_devices(settings.launcher, settings.devices)
+        self.pool = DevicePool(settings.work_dir / "pool", device_set.devices, device_set.kind,
+                               per_node=device_set.per_node, where=device_set.where)
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
 
@@ -170,7 +172,8 @@ class Runner:
                on_metrics: Callable[[dict[str, float]], bool] | None = None) -> JobResult:
         """Launch on ``world_size`` devices leased from the session's pool (waits for them)."""
         with self.pool.lease(world_size, timeout=self.settings.wall_limit_s) as lease:
-            request = dataclasses.replace(request, env={**request.env, **lease.env})
+            request = dataclasses.replace(request, env={**request.env, **lease.env},
+                                          hosts=lease.hosts)
             return self.launcher.launch(request, on_metrics=on_metrics,
                                         on_progress=self._on_progress)
 

@@ -24,3 +24,9 @@ class SpecError(ValueError):
         if fix:
             text += f"\n  fix: {fix}"
         super().__init__(text)
+
+
+class NotRunnableHere(SpecError):
+    """A valid pair that this session cannot run: it needs more devices than the session has,
+    or a backend that is not installed. Collection skips it with this message as the reason
+    (``--convergence-strict`` makes it an error, like every other SpecError)."""
