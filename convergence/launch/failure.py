@@ -24,6 +24,7 @@ _ROOT_CAUSE = "Root Cause (first observed failure):"
 _RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.M)
 _EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(.*)$", re.M)
 _ERRFILE_RE = re.compile(r"^\s*error_file\s*:\s*(\S+)", re.M)
+_HOST_RE = re.compile(r"^\s*host\s*:\s*(\S+)", re.M)
 _SIGNAL_TEXT_RE = re.compile(r"\((SIG[A-Z0-9]+)\)")
 _ENTRY_SPLIT = re.compile(r"^\s*\[\d+\]:\s*$", re.M)
 _TRACEBACK_HEAD = "Traceback (most recent call last):"
@@ -39,6 +40,8 @@ class RootCause:
     exitcode: int | None
     error_file: Path | None
     signal: str | None
+    host: str | None = None
+    """The node the rank ran on (torchrun's ``host :`` line)."""
 
 
 def signal_name(returncode: int | None) -> str | None:
@@ -69,8 +72,10 @@ def _parse_entry(block: str) -> RootCause | None:
     # Only the exitcode line: a traceback further down may mention any signal.
     sig_m = _SIGNAL_TEXT_RE.search(exit_m.group(2)) if exit_m else None
     sig = signal_name(exitcode) or (sig_m.group(1) if sig_m else None)
+    host_m = _HOST_RE.search(block)
     return RootCause(rank=int(rank_m.group(1)), local_rank=int(rank_m.group(2)),
-                     exitcode=exitcode, error_file=error_file, signal=sig)
+                     exitcode=exitcode, error_file=error_file, signal=sig,
+                     host=host_m.group(1) if host_m else None)
 
 
 def parse_failures(agent_log: str) -> tuple[RootCause | None, list[RootCause]]:
@@ -205,7 +210,8 @@ def diagnose(log_dir: Path, *, name: str, returncode: int | None,
         else:
             what = _last_line(tb) or f"exit code {cause.exitcode}"
             message = f"job {name!r}: rank {cause.rank} failed: {what}"
-        return FailureInfo(message=message, rank=cause.rank, signal=cause.signal, traceback=tb)
+        return FailureInfo(message=message, rank=cause.rank, signal=cause.signal, traceback=tb,
+                           node=cause.host)
     rank, tb = (None, "") if direct else _scan_ranks(log_dir)
     tb = tb or last_traceback(agent_log)
     sig = signal_name(returncode)

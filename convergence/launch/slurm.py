@@ -302,7 +302,7 @@ class SlurmLauncher(LocalLauncher):
             self._local.plan = None
             self.cancel_step(plan.step_name)
         if result.status in ("failed", "killed") and result.failure is not None:
-            result = dataclasses.replace(result, failure=_with_srun_errors(result))
+            result = dataclasses.replace(result, failure=_with_node(_with_srun_errors(result)))
         return result
 
     def step_ids(self, step_name: str) -> list[str]:
@@ -331,6 +331,16 @@ class SlurmLauncher(LocalLauncher):
         while self.step_ids(step_name) and time.monotonic() < deadline:
             time.sleep(0.2)
         return ids
+
+
+def _with_node(failure: FailureInfo) -> FailureInfo:
+    """"rank 3 was killed" -> "rank 3 on node gpu08 was killed": on a cluster the node is
+    where to look (its logs, its health)."""
+    if failure.node is None or failure.rank is None:
+        return failure
+    rank = f"rank {failure.rank}"
+    message = failure.message.replace(f"{rank} ", f"{rank} on node {failure.node} ", 1)
+    return dataclasses.replace(failure, message=message)
 
 
 def _with_srun_errors(result: JobResult) -> FailureInfo:

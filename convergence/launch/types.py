@@ -64,6 +64,8 @@ class FailureInfo:
     """The failing rank's traceback (torchelastic error file or rank log tail)."""
     step: int | None = None
     """Step at which it happened (e.g. the first NaN loss)."""
+    node: str | None = None
+    """Host the failing rank ran on (torchrun's report; the Slurm launcher names it)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,218 @@
+"""The Slurm launcher across two nodes: a real 2-node Slurm on this machine
+(tests/slurm_cluster.py ``start_multinode``: one slurmd per network namespace, own address and
+hostname, a private bridge).
+
+- the allocation is the device pool: 2 nodes x 2 CPU slots (the CPUs Slurm gave each node);
+- a built-in-trainer pair whose control (FSDP2, 2 ranks) runs on a slice of one node and whose
+  test (FSDP2+TP2, 4 ranks) spans both nodes through one srun step with a cross-node c10d
+  rendezvous passes the paired verdict;
+- a rank SIGKILLed on the second node is named with its node;
+- ``scancel`` of the allocation leaves no step process on either node.
+
+Skipped, with the reason, where Slurm or network namespaces cannot be used (not root, no
+``ip``); under ``CI=true`` (``.ci/run``) that is a failure instead: CI installs what it needs.
+Kept cheap: one cluster per session, a tiny model and few steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from filelock import FileLock
+
+from convergence.launch.devices import session_devices
+from convergence.launch.slurm import SlurmLauncher
+from convergence.launch.types import LaunchRequest
+from convergence.preflight import load_checked
+from convergence.run.runner import Runner, RunSettings
+
+sys.path.insert(0, str(Path(__file__).parent))
+from slurm_cluster import MultiNodeCluster, SlurmUnavailable, start_multinode
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6
+LOCK = Path("/tmp/convergence-slurm-multinode.lock")
+"""One multi-node test cluster per host at a time (xdist workers take turns)."""
+
+
+@pytest.fixture(scope="session")
+def cluster2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
+    with FileLock(str(LOCK)):
+        try:
+            cluster = start_multinode(tmp_path_factory.mktemp("slurm2"), num_nodes=2, cpus=2)
+        except SlurmUnavailable as exc:
+            if os.environ.get("CI") == "true":
+                pytest.fail(f"CI=true but no 2-node Slurm here: {exc}")
+            pytest.skip(f"no 2-node Slurm here: {exc}")
+        old = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = str(cluster.conf)  # srun/squeue/scontrol find it
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+            if old is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = old
+            left = [pid for pid in cluster.pids.values() if psutil.pid_exists(pid)
+                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+            assert not left, f"Slurm daemons still running: {left}"
+            assert not Path("/run/netns", cluster.network.namespaces["cnode1"]).exists()
+
+
+def _allocate(cluster: MultiNodeCluster) -> dict[str, str]:
+    """A 2-node allocation without a shell: this test process plays the batch script."""
+    done = cluster.run("salloc", "--no-shell", "-N", "2", "--exclusive", "-J", "conv-mn",
+                       timeout=60)
+    match = re.search(r"allocation (\d+)", done.stderr + done.stdout)
+    assert match, done.stderr
+    job = match.group(1)
+    fields = cluster.run("squeue", "-h", "-j", job, "-o", "%C %D %N").stdout.split()
+    cpus, nodes, nodelist = int(fields[0]), int(fields[1]), fields[2]
+    return {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": nodelist,
+            "SLURM_JOB_CPUS_PER_NODE": f"{cpus // nodes}(x{nodes})"}
+
+
+def _step_pids(cluster: MultiNodeCluster) -> dict[str, list[int]]:
+    """Per node: processes in its namespace other than its slurmd (what a step leaves)."""
+    daemons = set(cluster.pids.values())
+    return {node: [p for p in cluster.network.pids_in(node) if p not in daemons
+                   and psutil.pid_exists(p)
+                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+            for node in cluster.node_names}
+
+
+def _left_behind(cluster: MultiNodeCluster, timeout: float = 20.0) -> dict[str, list[str]]:
+    """Step processes still alive after ``timeout`` s (a finished step's slurmstepd takes a
+    moment to exit), as command lines per node; {} when every node is clean."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {node: pids for node, pids in _step_pids(cluster).items() if pids}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out = {}
+    for node, pids in left.items():
+        cmds = []
+        for pid in pids:
+            try:
+                cmds.append(" ".join(psutil.Process(pid).cmdline()))
+            except psutil.Error:
+                continue
+        if cmds:
+            out[node] = cmds
+    return out
+
+
+@pytest.fixture
+def allocation2(cluster2: MultiNodeCluster,
+                monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    alloc = _allocate(cluster2)
+    for key, value in alloc.items():
+        monkeypatch.setenv(key, value)  # the Runner's pool reads the allocation from here
+    try:
+        yield {**os.environ, **alloc}
+    finally:
+        cluster2.run("scancel", alloc["SLURM_JOB_ID"], check=False)
+
+
+def _experiment(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "two_nodes.toml"
+    path.write_text(textwrap.dedent(f"""
+        [defaults]
+        train_config = "debug"
+        steps = {STEPS}
+        seed = 42
+
+        [control]
+        name = "fsdp2"
+        parallelism = {{ dp_shard = 2 }}
+
+        [[test]]
+        name = "fsdp2-tp2"
+        parallelism = {{ dp_shard = 2, tp = 2 }}
+        early_stop = false
+    """))
+    return path
+
+
+def test_the_allocation_is_the_device_pool(allocation2: dict[str, str]) -> None:
+    devices = session_devices("slurm", None, environ=allocation2)
+    assert devices.kind == "cpu" and devices.per_node == 2
+    assert devices.devices == ("cnode1:0", "cnode1:1", "cnode2:0", "cnode2:1")
+    assert devices.placement_problem(4) is None and devices.placement_problem(3) is not None
+    capped = session_devices("slurm", 2, environ=allocation2)  # --convergence-devices 2
+    assert capped.devices == ("cnode1:0", "cnode1:1")
+    assert "needs 4 CPU slots" in str(capped.placement_problem(4))
+
+
+def test_pair_spanning_two_nodes_passes(cluster2: MultiNodeCluster,
+                                        allocation2: dict[str, str], tmp_path: Path) -> None:
+    pair = load_checked(_experiment(tmp_path), rootdir=ROOT).pairs[0]
+    launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state")
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", launcher="slurm",
+                                wall_limit_s=300.0), launcher=launcher)
+    started = time.monotonic()
+    outcome = runner.run_pair(pair)
+    assert outcome.status == "passed", outcome.error
+    assert outcome.test is not None and outcome.test.run_dir is not None
+    assert outcome.control is not None and outcome.control.run_dir is not None
+    assert len(outcome.test.metrics["loss"].values) == STEPS
+    test_log = (outcome.test.run_dir / "logs" / "launcher.log").read_text()
+    control_log = (outcome.control.run_dir / "logs" / "launcher.log").read_text()
+    # The test step ran on both nodes with the rendezvous on the first; the control on one.
+    assert "'--nodelist', 'cnode1,cnode2'" in test_log and "'--nnodes', '2'" in test_log
+    assert re.search(r"'--rdzv-endpoint', 'cnode1:\d+'", test_log)
+    assert re.search(r"'--nodelist', 'cnode\d'", control_log)
+    print(f"2-node pair: {time.monotonic() - started:.1f} s")
+    assert not _left_behind(cluster2)
+
+
+def test_killed_rank_on_node_two_is_named_and_scancel_leaves_nothing(
+        cluster2: MultiNodeCluster, allocation2: dict[str, str], tmp_path: Path) -> None:
+    launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state",
+                             kill_grace_s=3.0)
+    script = tmp_path / "die.py"
+    script.write_text("import os, signal, socket, time\n"
+                      "if os.environ['RANK'] == '3':\n"
+                      "    time.sleep(1.0)\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(60)\n")
+    result = launcher.launch(LaunchRequest(name="die", entry=[str(script)], nproc=4,
+                                           log_dir=tmp_path / "die", hosts=("cnode1", "cnode2"),
+                                           wall_limit_s=120.0))
+    assert result.status in ("failed", "killed") and result.failure is not None
+    assert result.failure.rank == 3 and result.failure.node == "cnode2", result.failure
+    assert "rank 3 on node cnode2 was killed by SIGKILL" in result.failure.message
+    assert not _left_behind(cluster2)
+
+    # scancel of the whole allocation while a step runs on both nodes: nothing stays.
+    token = f"conv-scancel-{time.time_ns()}"
+    hang = tmp_path / "hang.py"
+    hang.write_text(f"import time\ntime.sleep(300)  # {token}\n")
+    proc = subprocess.Popen(["srun", "--jobid", allocation2["SLURM_JOB_ID"], "-N", "2",
+                             "--ntasks-per-node", "1", "--overlap", sys.executable, str(hang)],
+                            env=cluster2.env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(_step_pids(cluster2).values()):
+            time.sleep(0.2)
+        assert all(_step_pids(cluster2).values()), "the step did not start on both nodes"
+        cluster2.run("scancel", allocation2["SLURM_JOB_ID"])
+        assert not _left_behind(cluster2, timeout=30)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
