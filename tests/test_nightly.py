@@ -403,3 +403,27 @@ def test_the_sbatch_script_records_each_night_and_writes_the_trend(tmp_path: Pat
     data = json.loads((trend / "trend.json").read_text())
     assert len(data["nights"]) == 2 and all(n.endswith(("-101", "-102")) for n in data["nights"])
     assert (trend / "trend.png").stat().st_size > 0 and (trend / "trend.md").is_file()
+
+
+def test_nightly_sizes_nodes_from_the_largest_pair(tmp_path: Path) -> None:
+    from convergence.nightly.sizing import largest_job, nodes_for
+
+    folder = tmp_path / "experiments"
+    folder.mkdir()
+    (folder / "small.toml").write_text(
+        '[defaults]\ntrain_config = "debug"\n[control]\nname = "c"\n'
+        'parallelism = { dp_shard = 2 }\n[[test]]\nname = "t"\n'
+        'parallelism = { dp_shard = 2, tp = 2 }\n')
+    (folder / "big.toml").write_text(
+        '[defaults]\ntrain_config = "debug"\n[control]\nname = "c"\n'
+        'parallelism = { dp_shard = 4 }\n[[test]]\nname = "t16"\n'
+        'parallelism = { dp_shard = 4, tp = 2, pp = 2 }\ntier = "nightly"\n')
+    (folder / "not_ours.toml").write_text("[job]\nname = 'torchtitan config'\n")
+    largest = largest_job([folder], rootdir=ROOT)
+    assert largest is not None and largest.world_size == 16 and "big.toml::t16" in largest.where
+    assert nodes_for(largest.world_size, 8) == 2
+    assert largest_job([folder], rootdir=ROOT, max_tier="quick").world_size == 4  # type: ignore[union-attr]
+    out = tmp_path / "out"
+    assert main(["nightly", "--experiments", str(folder), "--out", str(out), "--rootdir",
+                 str(ROOT), "--gpus-per-node", "8"]) == 0
+    assert "#SBATCH --nodes=2" in (out / "nightly.sbatch").read_text()

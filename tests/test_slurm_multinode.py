@@ -216,3 +216,29 @@ def test_killed_rank_on_node_two_is_named_and_scancel_leaves_nothing(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_nightly_sbatch_sizes_the_allocation_runs_across_nodes_and_trends(
+        cluster2: MultiNodeCluster, tmp_path: Path) -> None:
+    import json
+
+    from convergence.cli import main
+
+    experiment = _experiment(tmp_path / "experiments")
+    out = tmp_path / "nightly"
+    assert main(["nightly", "--experiments", str(experiment), "--out", str(out),
+                 "--rootdir", str(ROOT), "--devices-per-node", "2", "--time", "00:10:00",
+                 "--pytest-args", f"--convergence-workdir {tmp_path / 'work'} -q -rs"]) == 0
+    script = out / "nightly.sbatch"
+    assert "#SBATCH --nodes=2" in script.read_text()  # the 4-rank test needs both nodes
+    done = subprocess.run(["sbatch", "--wait", str(script)], env=cluster2.env(),
+                          capture_output=True, text=True, timeout=400)
+    slurm_out = "\n".join(p.read_text() for p in out.glob("slurm-*.out"))
+    assert done.returncode == 0, f"{done.stderr}\n{slurm_out}"
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert len(history) == 1 and history[0]["status"] == "passed", slurm_out
+    assert (out / "trend" / "trend.md").is_file() and (out / "trend" / "trend.json").is_file()
+    night = next((out / "nights").iterdir())
+    pair = json.loads((night / "report" / "report.json").read_text())["pairs"][0]
+    assert pair["status"] == "passed"
+    assert not _left_behind(cluster2)

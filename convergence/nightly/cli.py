@@ -9,12 +9,31 @@ import argparse
 import datetime as dt
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from convergence.nightly.history import append_history
 from convergence.nightly.sbatch import NightlySettings, render_sbatch, write_sbatch
+from convergence.nightly.sizing import largest_job, nodes_for
 from convergence.nightly.trend import write_trend
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    """--nodes, else from the largest job and the devices per node (sizing.py)."""
+    if args.nodes is not None:
+        return int(args.nodes)
+    per_node = args.devices_per_node or args.gpus_per_node
+    rootdir = Path(args.rootdir).resolve()
+    largest = largest_job([rootdir / e for e in args.experiments], rootdir=rootdir)
+    if per_node is None or largest is None:
+        print("--nodes 1 (give --gpus-per-node or --devices-per-node to size the allocation "
+              "from the largest pair)", file=sys.stderr)
+        return 1
+    nodes = nodes_for(largest.world_size, per_node)
+    print(f"--nodes {nodes}: the largest job is {largest.where}, {largest.world_size} "
+          f"devices at {per_node} per node", file=sys.stderr)
+    return nodes
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
@@ -22,7 +41,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
     settings = NightlySettings(
         experiments=tuple(args.experiments), out=str(out.resolve()),
         rootdir=str(Path(args.rootdir).resolve()), history=args.history,
-        nodes=args.nodes, time=args.time, partition=args.partition,
+        nodes=_nodes(args), time=args.time, partition=args.partition,
         gpus_per_node=args.gpus_per_node, exclusive=not args.no_exclusive,
         sbatch_options=tuple(args.sbatch_option or ()),
         pytest_args=tuple(shlex.split(args.pytest_args or "")))
@@ -70,7 +89,11 @@ def add_subcommands(sub: Any) -> None:
                                           "OUT/nightly.sbatch)")
     nightly.add_argument("--stdout", action="store_true", help="print the script instead")
     nightly.add_argument("--submit", action="store_true", help="sbatch it right away")
-    nightly.add_argument("--nodes", type=int, default=1)
+    nightly.add_argument("--nodes", type=int, help="nodes to allocate (default: enough for "
+                         "the largest job, at --devices-per-node or --gpus-per-node; else 1)")
+    nightly.add_argument("--devices-per-node", type=int, metavar="N",
+                         help="devices per node for sizing (default --gpus-per-node; on a CPU "
+                              "cluster the CPU slots per node)")
     nightly.add_argument("--time", default="08:00:00", help="Slurm time limit")
     nightly.add_argument("--partition")
     nightly.add_argument("--gpus-per-node", type=int)
