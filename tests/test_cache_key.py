@@ -80,3 +80,23 @@ def test_hardware_fingerprint_names_the_machine() -> None:
     fp = hardware_fingerprint()
     assert fp.startswith(("cpu:", "cuda:"))
     assert fp == hardware_fingerprint()
+
+
+def test_stack_fingerprint_follows_the_numerics_environment() -> None:
+    from convergence.cache.stack import accelerator_stack, numerics_env, stack_fingerprint
+
+    base = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}
+    assert numerics_env(base) == {"OMP_NUM_THREADS": "1"}  # PATH changes no number
+    keys = {stack_fingerprint(env) for env in (
+        base, {**base, "NCCL_ALGO": "Tree"}, {**base, "NCCL_ALGO": "Ring"},
+        {**base, "NCCL_PROTO": "LL128"}, {**base, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        {**base, "OMP_NUM_THREADS": "2"})}
+    assert len(keys) == 6
+    assert stack_fingerprint({**base, "HOME": "/elsewhere"}) == stack_fingerprint(base)
+    stack = accelerator_stack()
+    import torch
+
+    if torch.version.cuda is None:
+        assert "cuda" not in stack and "nccl" not in stack  # only what is present
+    else:
+        assert stack["cuda"] == torch.version.cuda

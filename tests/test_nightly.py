@@ -39,8 +39,9 @@ import report_examples as ex
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = NightlySettings(experiments=("experiments",), out="/shared/convergence-nightly",
                           rootdir="/path/to/pytest-convergence", python="python3",
-                          gpus_per_node=8)
-"""The settings scripts/nightly.sbatch was rendered from (kept in sync by a test)."""
+                          gpus_per_node=8, nodes=4)
+"""The settings scripts/nightly.sbatch was rendered from (kept in sync by a test); 4 nodes:
+what `convergence nightly --gpus-per-node 8` computes for this repository's experiments/."""
 
 
 def _report(tmp_path: Path, name: str, *, tps_scale: float = 1.0,
@@ -78,6 +79,11 @@ def test_example_script_is_the_rendered_template() -> None:
     text = (ROOT / "scripts" / "nightly.sbatch").read_text()
     assert text == render_sbatch(EXAMPLE, script_name="scripts/nightly.sbatch"), \
         "regenerate scripts/nightly.sbatch from convergence.nightly.render_sbatch(EXAMPLE)"
+    from convergence.nightly.sizing import largest_job, nodes_for
+
+    largest = largest_job([ROOT / "experiments"], rootdir=ROOT)
+    assert largest is not None and nodes_for(largest.world_size, 8) == EXAMPLE.nodes, largest
+    assert "--convergence-refresh" in text  # controls re-run each night by default
 
 
 def test_script_runs_pytest_then_records(tmp_path: Path) -> None:

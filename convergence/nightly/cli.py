@@ -44,7 +44,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         nodes=_nodes(args), time=args.time, partition=args.partition,
         gpus_per_node=args.gpus_per_node, exclusive=not args.no_exclusive,
         sbatch_options=tuple(args.sbatch_option or ()),
-        pytest_args=tuple(shlex.split(args.pytest_args or "")))
+        pytest_args=tuple(shlex.split(args.pytest_args or "")),
+        reuse_controls=args.reuse_controls)
     if args.stdout:
         print(render_sbatch(settings))
         return 0
@@ -102,6 +103,9 @@ def add_subcommands(sub: Any) -> None:
     nightly.add_argument("--sbatch-option", action="append", metavar="OPT",
                          help="extra #SBATCH option, e.g. --account=ml (repeatable)")
     nightly.add_argument("--pytest-args", help="extra pytest arguments (one string)")
+    nightly.add_argument("--reuse-controls", action="store_true",
+                         help="reuse cached control runs across nights (default: re-run them "
+                              "each night, so the trend shows the stack drifting)")
     nightly.set_defaults(func=cmd_nightly)
 
     record = sub.add_parser("record", help="append a report.json's pairs to a history file")

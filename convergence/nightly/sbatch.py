@@ -40,7 +40,12 @@ class NightlySettings:
     sbatch_options: tuple[str, ...] = ()
     """Extra ``#SBATCH`` lines' options, e.g. ``--account=ml`` or ``--exclusive``."""
     pytest_args: tuple[str, ...] = ()
-    """Extra pytest arguments, e.g. ``-n 4`` or ``--convergence-refresh``."""
+    """Extra pytest arguments, e.g. ``-n 4``."""
+    reuse_controls: bool = False
+    """Reuse cached control runs across nights. Off by default: each night re-runs its
+    controls (``--convergence-refresh``), so the control's own curve shows the stack drifting
+    (torch, CUDA, NCCL, drivers) night after night; the cache key covers the stack too, but
+    only what it can see."""
 
     def __post_init__(self) -> None:
         if not self.experiments:
@@ -63,8 +68,10 @@ _HEADER = """\
 # Each night:
 #   1. pytest -m convergence --convergence-tier nightly --convergence-launcher slurm runs every
 #      pair of the experiments below; each job is one `srun ... torchrun` step of this
-#      allocation (rendezvous on the first node). JUnit XML and report.json/.md/.html + plots
-#      go to $OUT/nights/<night>/.
+#      allocation (a slice of a node, or whole nodes; rendezvous on its first node); controls
+#      are re-run each night (--convergence-refresh) unless the script says otherwise; a pair
+#      larger than the allocation is skipped with the reason. JUnit XML and
+#      report.json/.md/.html + plots go to $OUT/nights/<night>/.
 #   2. `convergence record` appends one line per pair (verdict, final loss delta, the
 #      control's final loss, step time, tokens/s, peak memory) to the history file, even
 #      when pairs failed.
@@ -91,7 +98,7 @@ export MPLBACKEND=Agg
 
 "$PYTHON" -m pytest -m convergence --convergence-tier nightly --convergence-launcher slurm \\
     --junitxml "$NIGHT_DIR/junit.xml" --convergence-report "$NIGHT_DIR/report" \\
-    -p no:cacheprovider{pytest_args} \\
+    -p no:cacheprovider{refresh}{pytest_args} \\
     {experiments}
 status=$?
 
@@ -134,6 +141,7 @@ def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbat
     lines.append(_BODY.format(rootdir=_q(settings.rootdir), out=_q(settings.out),
                               history=_q(settings.history_path), python=_q(settings.python),
                               pytest_args=extra,
+                              refresh="" if settings.reuse_controls else " --convergence-refresh",
                               experiments=" ".join(_q(e) for e in settings.experiments)))
     return "\n".join(lines)
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from convergence.backends import Backend, get_backend
 from convergence.cache.key import cache_key, code_version, hardware_fingerprint
+from convergence.cache.stack import stack_fingerprint
 from convergence.cache.store import CacheError, RunCache
 from convergence.launch.devices import session_devices
 from convergence.launch.pool import DevicePool
@@ -178,16 +179,25 @@ class Runner:
                                         on_progress=self._on_progress)
 
     def job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
-        """The run-cache key of ``job`` (identity, config text, code, torch, hardware, hook
-        source, seed checkpoint): what makes a cached run trustworthy as this job's."""
+        """The run-cache key of ``job`` (identity, config text, code, torch, hardware, the
+        accelerator stack and numerics environment (cache/stack.py), hook source, seed
+        checkpoint): what makes a cached run trustworthy as this job's."""
         import torch  # lazy: seconds to import; only a session that runs a job needs it
 
         identity = dict(job.identity())
         identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
         identity["hook_source"] = _hook_source_hash(job.hook)
+        hardware = f"{hardware_fingerprint()} {stack_fingerprint(self._job_environ())}"
         return cache_key(identity, train_config_text=backend.config_text(job),
                          backend_version=backend.version(), code_version=code_version(),
-                         torch_version=str(torch.__version__), hardware=hardware_fingerprint())
+                         torch_version=str(torch.__version__), hardware=hardware)
+
+    def _job_environ(self) -> dict[str, str]:
+        """The environment jobs start with (launch/torchrun.job_env: one OpenMP thread unless
+        set), as the cache key's numerics part sees it."""
+        env = {**os.environ, **dict(self.settings.job_env)}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
 
     def cached_run(self, key: str, produce: Callable[[], Path], *,
                    usable: Callable[[Path], bool], read: Callable[[Path, bool], T]) -> T:
