@@ -13,7 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from convergence.nightly.history import append_history
+from convergence.nightly.decide import (
+    EXIT_DRIFT,
+    EXIT_RED,
+    BandSettings,
+    Notify,
+    decide,
+    summary_markdown,
+    write_decision,
+)
+from convergence.nightly.history import append_history, read_history
 from convergence.nightly.sbatch import NightlySettings, render_sbatch, write_sbatch
 from convergence.nightly.sizing import largest_job, nodes_for
 from convergence.nightly.trend import write_trend
@@ -45,6 +54,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node, exclusive=not args.no_exclusive,
         sbatch_options=tuple(args.sbatch_option or ()),
         pytest_args=tuple(shlex.split(args.pytest_args or "")),
+        decide_args=tuple(shlex.split(args.decide_args or "")),
         reuse_controls=args.reuse_controls)
     if args.stdout:
         print(render_sbatch(settings))
@@ -77,6 +87,22 @@ def cmd_trend(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_decide(args: argparse.Namespace) -> int:
+    try:
+        settings = BandSettings(window=args.window, k=args.k,
+                                min_nights=min(args.min_nights, args.window))
+    except ValueError as exc:
+        print(f"convergence decide: {exc}", file=sys.stderr)
+        return 2
+    decision = decide(read_history(Path(args.history)), settings)
+    problems = write_decision(decision, Path(args.out), Notify(
+        command=args.hook, url=args.post, always=args.notify == "always"))
+    print(summary_markdown(decision), end="")
+    for problem in problems:
+        print(f"convergence decide: notification failed: {problem}", file=sys.stderr)
+    return decision.exit_status
+
+
 def add_subcommands(sub: Any) -> None:
     """Register ``nightly``, ``record`` and ``trend`` on the CLI's subparsers."""
     nightly = sub.add_parser("nightly", help="write (or submit) the nightly sbatch script")
@@ -103,6 +129,8 @@ def add_subcommands(sub: Any) -> None:
     nightly.add_argument("--sbatch-option", action="append", metavar="OPT",
                          help="extra #SBATCH option, e.g. --account=ml (repeatable)")
     nightly.add_argument("--pytest-args", help="extra pytest arguments (one string)")
+    nightly.add_argument("--decide-args", help="extra `convergence decide` arguments (one "
+                         "string), e.g. \"--hook 'mail -s nightly ops@x' --post URL\"")
     nightly.add_argument("--reuse-controls", action="store_true",
                          help="reuse cached control runs across nights (default: re-run them "
                               "each night, so the trend shows the stack drifting)")
@@ -121,3 +149,22 @@ def add_subcommands(sub: Any) -> None:
     trend.add_argument("--out", required=True, metavar="DIR",
                        help="report folder: trend.md, trend.json, trend*.png, tensorboard/")
     trend.set_defaults(func=cmd_trend)
+
+    dec = sub.add_parser("decide", help="tonight vs the band of the last green nights: exit "
+                                        f"{EXIT_DRIFT} on drift, {EXIT_RED} when a pair "
+                                        "turned red; decision.json/.md, notification hooks")
+    dec.add_argument("history", help="history JSONL file")
+    dec.add_argument("--out", required=True, metavar="DIR",
+                     help="where decision.json and decision.md go")
+    dec.add_argument("--window", type=int, default=20, help="green nights in the band")
+    dec.add_argument("--min-nights", type=int, default=5,
+                     help="fewer green nights: no decision for a metric")
+    dec.add_argument("--k", type=float, default=6.0, help="band half width in robust sigmas")
+    dec.add_argument("--hook", metavar="CMD",
+                     help="shell command run with the markdown summary on stdin "
+                          "(CONVERGENCE_DECISION=<decision.json>)")
+    dec.add_argument("--post", metavar="URL", help="POST decision.json to this URL")
+    dec.add_argument("--notify", choices=("problems", "always"), default="problems",
+                     help="when the hooks and $GITHUB_STEP_SUMMARY fire (default: on drift "
+                          "or a pair turned red)")
+    dec.set_defaults(func=cmd_decide)

@@ -41,6 +41,8 @@ class NightlySettings:
     """Extra ``#SBATCH`` lines' options, e.g. ``--account=ml`` or ``--exclusive``."""
     pytest_args: tuple[str, ...] = ()
     """Extra pytest arguments, e.g. ``-n 4``."""
+    decide_args: tuple[str, ...] = ()
+    """Extra ``convergence decide`` arguments: ``--hook CMD``, ``--post URL``, ``--window N``."""
     reuse_controls: bool = False
     """Reuse cached control runs across nights. Off by default: each night re-runs its
     controls (``--convergence-refresh``), so the control's own curve shows the stack drifting
@@ -78,7 +80,12 @@ _HEADER = """\
 #   3. `convergence trend` rewrites $OUT/trend/ (trend.md, trend.json, trend*.png with one
 #      panel per pair, tensorboard/<pair>/) from the whole history, so the latest trend is
 #      always next to the nights.
-#   4. The script exits with pytest's status, so Slurm marks a failing night as FAILED.
+#   4. `convergence decide` compares tonight with the band of the last green nights (control
+#      final loss, max |dloss|, step time, tokens/s, peak memory), writes
+#      $OUT/trend/decision.md/.json and fires the notification hooks on a drift or a pair
+#      that turned red.
+#   5. The script exits with pytest's status, so Slurm marks a failing night as FAILED; when
+#      pytest passed, with decide's: 10 drift, 11 a pair turned red.
 #
 # Edit the #SBATCH lines for your site (partition, account, GPUs), or regenerate with
 #   convergence nightly --experiments ... --out ... [--partition P] [--gpus-per-node G] ...
@@ -113,6 +120,11 @@ if [ -f "$HISTORY" ]; then
     # the trend across every night so far; a failure here never hides the night's own status
     "$PYTHON" -m convergence.cli trend "$HISTORY" --out "$OUT/trend" \\
         || echo "trend report failed for night $NIGHT" >&2
+    "$PYTHON" -m convergence.cli decide "$HISTORY" --out "$OUT/trend"{decide_args}
+    decided=$?
+    case $decided in
+        10|11) if [ "$status" -eq 0 ]; then status=$decided; fi ;;
+    esac
 fi
 exit $status
 """
@@ -141,6 +153,7 @@ def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbat
     lines.append(_BODY.format(rootdir=_q(settings.rootdir), out=_q(settings.out),
                               history=_q(settings.history_path), python=_q(settings.python),
                               pytest_args=extra,
+                              decide_args="".join(f" {_q(a)}" for a in settings.decide_args),
                               refresh="" if settings.reuse_controls else " --convergence-refresh",
                               experiments=" ".join(_q(e) for e in settings.experiments)))
     return "\n".join(lines)
