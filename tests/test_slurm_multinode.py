@@ -218,26 +218,42 @@ def test_killed_rank_on_node_two_is_named_and_scancel_leaves_nothing(
             proc.wait()
 
 
-def test_nightly_sbatch_sizes_the_allocation_runs_across_nodes_and_trends(
+def test_nightly_sbatch_sizes_the_allocation_runs_across_nodes_and_decides(
         cluster2: MultiNodeCluster, tmp_path: Path) -> None:
+    """The rendered nightly script under sbatch: 2 nodes from the largest pair, the pair
+    spans them, history and trend are written; a simulated history of earlier green nights
+    whose control ended elsewhere makes tonight a drift: exit 10 and the hook fires."""
     import json
 
     from convergence.cli import main
+    from convergence.nightly.decide import EXIT_DRIFT
 
     experiment = _experiment(tmp_path / "experiments")
     out = tmp_path / "nightly"
+    out.mkdir()
+    pair_id = "two_nodes.toml::fsdp2-tp2"
+    (out / "history.jsonl").write_text("".join(
+        json.dumps({"night": f"2026010{i + 1}T000000Z-sim", "pair": pair_id, "status": "passed",
+                    "control_final_loss": 9.0 + 1e-3 * i}) + "\n" for i in range(6)))
+    hook = tmp_path / "hook.txt"
     assert main(["nightly", "--experiments", str(experiment), "--out", str(out),
                  "--rootdir", str(ROOT), "--devices-per-node", "2", "--time", "00:10:00",
-                 "--pytest-args", f"--convergence-workdir {tmp_path / 'work'} -q -rs"]) == 0
+                 "--pytest-args", f"--convergence-workdir {tmp_path / 'work'} -q -rs",
+                 "--decide-args", f"--hook 'cat > {hook}'"]) == 0
     script = out / "nightly.sbatch"
     assert "#SBATCH --nodes=2" in script.read_text()  # the 4-rank test needs both nodes
     done = subprocess.run(["sbatch", "--wait", str(script)], env=cluster2.env(),
                           capture_output=True, text=True, timeout=400)
     slurm_out = "\n".join(p.read_text() for p in out.glob("slurm-*.out"))
-    assert done.returncode == 0, f"{done.stderr}\n{slurm_out}"
+    assert done.returncode == EXIT_DRIFT, f"{done.returncode} {done.stderr}\n{slurm_out}"
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
-    assert len(history) == 1 and history[0]["status"] == "passed", slurm_out
+    assert len(history) == 7 and history[-1]["status"] == "passed", slurm_out
+    assert history[-1]["pair"] == pair_id
     assert (out / "trend" / "trend.md").is_file() and (out / "trend" / "trend.json").is_file()
+    decision = json.loads((out / "trend" / "decision.json").read_text())
+    assert decision["exit_status"] == EXIT_DRIFT
+    assert decision["findings"][0]["metric"] == "control_final_loss"
+    assert "control final loss" in hook.read_text()
     night = next((out / "nights").iterdir())
     pair = json.loads((night / "report" / "report.json").read_text())["pairs"][0]
     assert pair["status"] == "passed"
