@@ -218,6 +218,28 @@ def test_killed_rank_on_node_two_is_named_and_scancel_leaves_nothing(
             proc.wait()
 
 
+def test_hung_rank_on_node_two_is_named_with_node_file_and_line(
+        cluster2: MultiNodeCluster, allocation2: dict[str, str], tmp_path: Path) -> None:
+    """Rank 3 (on cnode2) loops in its own code while ranks 0-2 wait in all_reduce: the
+    launcher asks both nodes (hang_probe, a step of the allocation) and names it."""
+    worker = ROOT / "tests" / "fixtures" / "hang" / "worker.py"
+    metrics = tmp_path / "metrics.jsonl"
+    launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state",
+                             kill_grace_s=3.0)
+    result = launcher.launch(LaunchRequest(
+        name="hang", entry=[str(worker), str(metrics), "3"], nproc=4, log_dir=tmp_path / "logs",
+        metrics_path=metrics, total_steps=3, idle_limit_s=20.0, wall_limit_s=240.0,
+        hosts=("cnode1", "cnode2"), env={"PYTHONPATH": str(ROOT)}))
+    assert result.status == "hung", result
+    assert result.failure is not None
+    message = result.failure.message
+    assert result.last_step is not None, message  # step 1 was logged: all ranks started
+    assert "rank 3 on node cnode2 is not in a collective" in message, message
+    assert "worker.py" in message and "stuck_in_user_code" in message, message
+    assert "ranks 0, 1, 2 wait in collectives" in message, message
+    assert not _left_behind(cluster2)
+
+
 def test_nightly_sbatch_sizes_the_allocation_runs_across_nodes_and_decides(
         cluster2: MultiNodeCluster, tmp_path: Path) -> None:
     """The rendered nightly script under sbatch: 2 nodes from the largest pair, the pair

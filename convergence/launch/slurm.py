@@ -49,6 +49,7 @@ steps, ...) go in ``srun_args`` or the ``CONVERGENCE_SRUN_ARGS`` environment var
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -66,9 +67,13 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from convergence.launch.hang_probe import STEP_ENV
+from convergence.launch.hang_probe import describe as describe_probe
 from convergence.launch.pool import NODE_GPUS_ENV
-from convergence.launch.torchrun import LAUNCHER_LOG, LocalLauncher, build_torchrun_argv
+from convergence.launch.process_tree import DescendantTracker
+from convergence.launch.torchrun import LAUNCHER_LOG, LocalLauncher, build_torchrun_argv, job_env
 from convergence.launch.types import FailureInfo, JobResult, LaunchRequest, OnMetrics, OnProgress
+from convergence.launch.watch import Verdict
 from convergence.spec.errors import SpecError
 
 PORT_BASE = 20000
@@ -77,6 +82,7 @@ PORT_SPAN = 12000
 SRUN_ARGS_ENV = "CONVERGENCE_SRUN_ARGS"
 STATE_DIR_ENV = "CONVERGENCE_SLURM_STATE_DIR"
 STEP_GONE_TIMEOUT_S = 60.0
+HANG_PROBE_TIMEOUT_S = 60.0
 _SRUN_ERROR = re.compile(r"^srun: (?:error|fatal): .*$", re.M)
 
 
@@ -292,9 +298,10 @@ class SlurmLauncher(LocalLauncher):
     def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
                on_progress: OnProgress | None = None) -> JobResult:
         plan = self.plan(request)
+        env = {**request.env, STEP_ENV: plan.step_name}  # how hang_probe finds the ranks
         if len(plan.hosts) > 1:
-            env = {k: v for k, v in request.env.items() if k != "CUDA_VISIBLE_DEVICES"}
-            request = dataclasses.replace(request, env=env)
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        request = dataclasses.replace(request, env=env)
         self._local.plan = plan
         try:
             result = super().launch(request, on_metrics=on_metrics, on_progress=on_progress)
@@ -304,6 +311,41 @@ class SlurmLauncher(LocalLauncher):
         if result.status in ("failed", "killed") and result.failure is not None:
             result = dataclasses.replace(result, failure=_with_node(_with_srun_errors(result)))
         return result
+
+    def name_hung_rank(self, verdict: Verdict, tracker: DescendantTracker,
+                       request: LaunchRequest) -> Verdict:
+        """Run convergence.launch.hang_probe on the job's nodes (a step of the allocation)
+        and add its sentence -- rank, node, file and line -- to the hung verdict."""
+        plan: StepPlan | None = self._local.plan
+        if plan is None or verdict.failure is None:
+            return verdict
+        nodes = str(len(plan.hosts))
+        argv = [self.srun, "--jobid", self.allocation.job_id, "--job-name",
+                f"{plan.step_name}-hang", "--nodes", nodes, "--ntasks", nodes,
+                "--ntasks-per-node", "1", "--nodelist", ",".join(plan.hosts), "--overlap",
+                *self.srun_args, self.python, "-m", "convergence.launch.hang_probe",
+                plan.step_name]
+        env = job_env(request)
+        env.pop(STEP_ENV, None)  # the probe is not one of the job's processes
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True,
+                                  timeout=HANG_PROBE_TIMEOUT_S, env=env)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            detail = f"(could not ask the nodes which rank hangs: {exc})"
+        else:
+            reports = []
+            for line in done.stdout.splitlines():
+                try:
+                    reports.append(json.loads(line))
+                except ValueError:
+                    continue
+            detail = describe_probe(reports) if reports else (
+                f"(could not ask the nodes which rank hangs: {done.stderr.strip()[-200:]})")
+        if not detail:
+            return verdict
+        failure = dataclasses.replace(verdict.failure,
+                                      message=f"{verdict.failure.message}; {detail}")
+        return dataclasses.replace(verdict, failure=failure)
 
     def step_ids(self, step_name: str) -> list[str]:
         """IDs (``job.step``) of this allocation's live steps named ``step_name``."""

@@ -162,6 +162,12 @@ class LocalLauncher:
                          metrics_path=request.metrics_path, failure=failure,
                          last_step=watch.last_step)
 
+    def name_hung_rank(self, verdict: Verdict, tracker: DescendantTracker,
+                       request: LaunchRequest) -> Verdict:
+        """Add which rank hangs (and where) to a hung verdict; the Slurm launcher asks the
+        nodes instead (its ranks are not local processes)."""
+        return _name_hung_rank(verdict, tracker, request.log_dir)
+
     def build_argv(self, request: LaunchRequest) -> list[str]:
         """The command of one job; a subclass (the Slurm launcher) wraps it in ``srun``."""
         return build_torchrun_argv(request, python=self.python)
@@ -187,7 +193,7 @@ class LocalLauncher:
             if stop_deadline is not None and now >= stop_deadline:
                 assert verdict is not None
                 if verdict.status == "hung":  # name the rank while it can still be asked
-                    verdict = _name_hung_rank(verdict, tracker, watch.request.log_dir)
+                    verdict = self.name_hung_rank(verdict, tracker, watch.request)
                 kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
                 # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
                 # wait again (it would read the status as 0) or warn that it is still running.
