@@ -257,7 +257,7 @@ def test_pair_through_sbatch_nightly_is_identical_to_local(slurm: SlurmCluster,
     script = out / "nightly.sbatch"
     assert main(["nightly", "--experiments", str(experiment), "--out", str(out),
                  "--rootdir", str(ROOT), "--no-exclusive", "--time", "00:10:00",
-                 "--sbatch-option=--cpus-per-task=1",
+                 "--sbatch-option=--cpus-per-task=2",  # the pool: 2 CPU slots
                  "--pytest-args", f"--convergence-workdir {tmp_path / 'work'} "
                                   "--convergence-devices 2 -q"]) == 0
     done = subprocess.run(["sbatch", "--wait", str(script)], env=slurm.env(),
