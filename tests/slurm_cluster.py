@@ -18,6 +18,7 @@ only) unless ``CONVERGENCE_SLURM_NO_INSTALL=1``; every reason Slurm cannot run h
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -301,10 +302,32 @@ class Network:
         return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
+_OURS = re.compile(r"^cv(\d+)-" + NODE_PREFIX + r"\d+$")
+
+
+def sweep_stale_networks() -> list[str]:
+    """Remove the namespaces, /etc/netns files and bridges of earlier test sessions that died
+    without cleaning up (their PID, part of every name, is gone); returns what was removed."""
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    removed = []
+    for line in done.stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        match = _OURS.match(ns)
+        if match is None or Path(f"/proc/{match.group(1)}").exists():
+            continue
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
+        subprocess.run(["ip", "link", "del", f"cv{match.group(1)}br"], capture_output=True,
+                       timeout=30)
+        removed.append(ns)
+    return removed
+
+
 def make_network(num_nodes: int) -> Network:
-    """Bridge ``cv<n>br`` (10.213.<k>.1/24) and one namespace per node at .11, .12, ..."""
+    """Bridge ``cv<pid>br`` (10.213.<k>.1/24) and one namespace per node at .11, .12, ..."""
     if shutil.which("ip") is None:
         raise SlurmUnavailable("no `ip` command (apt-get install iproute2)")
+    sweep_stale_networks()
     tag = f"cv{os.getpid() % 100000}"
     subnet = f"10.213.{os.getpid() % 250 + 1}"
     net = Network(tag=tag, bridge=f"{tag}br", gateway=f"{subnet}.1")

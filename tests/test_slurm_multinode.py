@@ -36,7 +36,12 @@ from convergence.preflight import load_checked
 from convergence.run.runner import Runner, RunSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
-from slurm_cluster import MultiNodeCluster, SlurmUnavailable, start_multinode
+from slurm_cluster import (
+    MultiNodeCluster,
+    SlurmUnavailable,
+    start_multinode,
+    sweep_stale_networks,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -144,6 +149,24 @@ def _experiment(folder: Path) -> Path:
         early_stop = false
     """))
     return path
+
+
+def test_networks_of_dead_sessions_are_swept(tmp_path: Path) -> None:
+    """A session killed outright (SIGKILL) leaves its namespaces and bridge; the next start
+    removes them (their names carry the dead PID)."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and `ip` (iproute2)")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ns, bridge = f"cv{dead.pid}-cnode1", f"cv{dead.pid}br"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
+    assert ns in sweep_stale_networks()
+    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                    text=True).stdout
+    assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
 
 
 def test_the_allocation_is_the_device_pool(allocation2: dict[str, str]) -> None:
