@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,7 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
                  expect_table(raw_overrides, file=file, key=f"{key}.overrides"))
     options = expect_table(table.get("backend_options", {}), file=file,
                            key=f"{key}.backend_options")
+    flat_options = _flatten(options, file=file, key=f"{key}.backend_options")
     try:
         layout = ParallelLayout(**par)
         techniques = Techniques(**tech)
@@ -238,7 +240,7 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
                                                   what='"package.module:function"'),
             hook_mode=str(table.get("hook_mode", "after")),
             overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
-            backend_options=tuple(_flatten(options)),
+            backend_options=tuple(flat_options),
             source=file,
         )
     except SpecError as exc:
@@ -286,14 +288,41 @@ def _option_string(text: str, *, file: str, key: str) -> dict[str, str]:
     return out
 
 
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
-    """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings."""
+#: The backend option that may be written as an argv list (``command = ["python",
+#: "train.py", "--out", "{dump_dir}"]``); it is stored shell-quoted, so that splitting it like a
+#: shell gives the same words back.
+ARGV_OPTIONS = ("command",)
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "", *, file: str = "",
+             key: str = "backend_options") -> list[tuple[str, str]]:
+    """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings.
+    A list is an argv (``command`` only, strings only); anything else that is no scalar is an
+    error naming the key, never its Python repr."""
     out: list[tuple[str, str]] = []
-    for key, value in table.items():
+    for name, value in table.items():
+        path = f"{prefix}{name}"
         if isinstance(value, dict):
-            out.extend(_flatten(value, f"{prefix}{key}."))
+            out.extend(_flatten(value, f"{path}.", file=file, key=key))
+        elif isinstance(value, list):
+            if path not in ARGV_OPTIONS:
+                raise SpecError("a list is not a valid value here", file=file,
+                                key=f"{key}.{path}", fix="write a string")
+            if not value or not all(isinstance(word, str) for word in value):
+                raise SpecError(f"an argv list holds strings only, got {value!r}", file=file,
+                                key=f"{key}.{path}",
+                                fix='write each word as a string: ["python", "train.py", '
+                                    '"--steps", "{steps}"], or one string split like a shell')
+            out.append((path, shlex.join(value)))
+        elif path in ARGV_OPTIONS and not isinstance(value, str):
+            raise SpecError(f"{value!r} is no command", file=file, key=f"{key}.{path}",
+                            fix='write an argv list ["python", "train.py", "--out", '
+                                '"{dump_dir}"] or one string split like a shell')
+        elif isinstance(value, (str, int, float, bool)):
+            out.append((path, _scalar_text(value)))
         else:
-            out.append((f"{prefix}{key}", _scalar_text(value)))
+            raise SpecError(f"unsupported value {value!r}", file=file, key=f"{key}.{path}",
+                            fix="write a string, a number or a boolean")
     return out
 
 
