@@ -376,6 +376,9 @@ class Runner:
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
         status = _status(verdicts, test)
+        asked = [v.message for v in verdicts if v.not_compared and v.gate]
+        if asked and error is None:  # the experiment named a metric that a run did not log
+            status, error = "error", "not compared: " + "; ".join(asked)
         localisation = self._localise(pair, status, pair_dir, verdicts,
                                       (control_runs[0], test.metrics))
         return PairOutcome(pair=pair, status=status, control=control,

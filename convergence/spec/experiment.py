@@ -42,7 +42,8 @@ TEST_KEYS = JOB_KEYS + PAIR_KEYS
 SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
 TOP_KEYS = ("experiment", "defaults", "control", "test", "sweep")
 EXPERIMENT_KEYS = ("description", "tier")
-RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule) if f.name != "metric")
+RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule)
+                  if f.name not in ("metric", "explicit"))
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(ParallelLayout))
 TECHNIQUE_KEYS = tuple(f.name for f in dataclasses.fields(Techniques))
 
@@ -351,14 +352,16 @@ def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
             raise SpecError(f"unknown comparison {spec.get('method')!r}", file=file,
                             key=f"{path}.method", fix=f"use one of: {', '.join(METHODS)} or \"off\"")
         gate_default = metric not in ("tokens_per_s", "peak_mem_mib")
-        rules[metric] = ComparisonRule(metric=metric, **{"gate": gate_default, **spec})
+        rules[metric] = ComparisonRule(metric=metric, explicit=True,
+                                       **{"gate": gate_default, **spec})
     # A derived metric follows the metric it refines unless it is named itself: an experiment
     # that turns the grad norm off (models that differ) or judges it its own way means the
     # per-part grad norm too -- written before it existed, it must not start failing.
     for derived, base in FOLLOWS.items():
         if base in compare and derived not in compare:
             if base in rules:
-                rules[derived] = dataclasses.replace(rules[base], metric=derived)
+                rules[derived] = dataclasses.replace(rules[base], metric=derived,
+                                                     explicit=False)
             else:
                 rules.pop(derived, None)
     return tuple(rules.values())
