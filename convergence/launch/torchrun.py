@@ -100,7 +100,7 @@ def loopback_interface() -> str:
 
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address == "127.0.0.1" for a in addrs):
-            return name
+            return str(name)
     return "lo"
 
 
