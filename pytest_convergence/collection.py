@@ -64,19 +64,24 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
 
 
 def selects_convergence(markexpr: str) -> bool:
-    """Whether ``-m EXPR`` keeps an item that carries only the convergence marker:
-    ``convergence``, ``convergence and not slow`` do; ``not convergence``, ``slow``, no -m do
-    not (a plain ``pytest`` must not start training jobs the testpaths do not hold)."""
+    """Whether ``-m EXPR`` asks for convergence tests: it keeps an item that carries only the
+    convergence marker and drops an unmarked one. ``convergence``, ``convergence and not
+    slow`` do; ``not convergence``, ``slow``, ``not slow`` and no -m do not (a plain run, or a
+    CI's ``-m "not slow"``, must not start training jobs the testpaths do not hold)."""
     if not markexpr:
         return False
     # pytest has no public API for mark expressions; this one is stable across 8.x and 9.x.
     from _pytest.mark.expression import Expression
 
-    def matcher(name: str, /, **kwargs: object) -> bool:
+    def marked(name: str, /, **kwargs: object) -> bool:
         return name == MARKER and not kwargs
 
+    def unmarked(name: str, /, **kwargs: object) -> bool:
+        return False
+
     try:
-        return Expression.compile(markexpr).evaluate(matcher)
+        expression = Expression.compile(markexpr)
+        return expression.evaluate(marked) and not expression.evaluate(unmarked)
     except (pytest.UsageError, SyntaxError, ValueError):  # pytest reports the bad -m itself
         return False
 

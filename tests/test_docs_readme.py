@@ -119,3 +119,39 @@ def test_hook_source_hash_imports_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     assert not marker.exists(), "the hook's package was imported"
     assert "readme_hookpkg" not in sys.modules
     assert _hook_source_hash("readme_hookpkg.nope:fn") is None
+
+
+def test_install_lines_do_not_assume_the_public_index() -> None:
+    """Point 4: not on PyPI; installed from a clone or a wheel, extras written the same way."""
+    assert not re.search(r'pip install "?pytest-convergence', README)
+    assert 'pip install "./pytest-convergence[xdist]"' in README
+    assert "not on the public package index" in README
+
+
+def test_readme_suggests_ignoring_the_run_state_and_points_the_right_way() -> None:
+    """Point 5: .convergence/ out of version control; the hook section is above its use."""
+    assert "echo .convergence/ >>\n.gitignore" in README or ".convergence/ >> .gitignore" in README
+    assert "(see below)" not in README
+    assert README.index("## Your own parallelism") < README.index("# your parallelism (see above)")
+
+
+def test_security_model_names_who_is_trusted() -> None:
+    """Point 20: the manifest detects damage, not a planted entry."""
+    text = re.sub(r"\s+", " ", README)
+    assert "detects a damaged or half-written entry, not a planted one" in text
+    assert "anyone who can write the run cache folder" in text
+
+
+def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
+    """Point 10: README scopes the probe to built-in jobs, as wants_probe does."""
+    from convergence.run.probe import wants_probe
+    from convergence.spec.experiment import make_pair
+
+    (tmp_path / "t.toml").write_text("")
+    side = {"train_config": "t.toml", "backend": "command",
+            "backend_options": {"command": ["train.py", "{dump_dir}"]},
+            "parallelism": {"dp_shard": 2}}
+    pair = make_pair(name="cmd", control=side, test=side, rootdir=tmp_path,
+                     source=str(tmp_path / "e.toml"))
+    assert pair.regime == "paired" and not wants_probe(pair, "failed")
+    assert "only when both sides are\nbuilt-in jobs" in README

@@ -223,7 +223,7 @@ def test_xdist_auto_workers_from_devices_and_world_size(project: pytest.Pytester
 
 @pytest.mark.parametrize(("markexpr", "collected"), [
     ("convergence", True), ("convergence and not slow", True), ("not convergence", False),
-    ("slow", False), (None, False)])
+    ("slow", False), ("not slow", False), (None, False)])
 def test_convergence_paths_outside_testpaths(pytester: pytest.Pytester, markexpr: str | None,
                                              collected: bool) -> None:
     """Issue 24, trap 1: most repositories set ``testpaths = ["tests"]``; ``-m convergence``
@@ -243,7 +243,7 @@ def test_convergence_paths_outside_testpaths(pytester: pytest.Pytester, markexpr
     result = pytester.runpytest(*args)
     out = result.stdout.str()
     assert ("experiments/exp.toml::fsdp2-tp2" in out) is collected, out
-    if markexpr in (None, "not convergence"):
+    if markexpr in (None, "not convergence", "not slow"):
         assert "tests/test_plain.py::test_plain" in out, out
     # A path on the command line wins: only what it names.
     named = pytester.runpytest("--collect-only", "-q", "-m", "convergence", "tests")
