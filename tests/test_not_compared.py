@@ -71,6 +71,7 @@ def test_unlogged_gating_metric_is_shown_or_an_error(pytester: pytest.Pytester) 
     assert 'keys.grad_norm = "..."' in out, out
     # Named in compare: an error naming the metric and the fix.
     assert "ddp2-asked" in out and "asked for in compare.grad_norm" in out, out
+    assert "a metric the experiment compares was not logged:" in out, out
     report = pytester.path / "report"
     data = json.loads((report / "report.json").read_text())
     pairs = {p["name"]: p for p in data["pairs"]}

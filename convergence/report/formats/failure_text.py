@@ -113,7 +113,9 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
              f"  {outcome.status.upper()}: test {side(pair.test)} vs control "
              f"{side(pair.control)}, {pair.regime} regime"]
     if outcome.status == "error":
-        lines.append("a job broke before a verdict:")
+        asked = any(v.not_compared and v.gate for v in outcome.verdicts)
+        lines.append("a metric the experiment compares was not logged:" if asked
+                     else "a job broke before a verdict:")
         lines.append(_traceback_head(outcome.error or "(no error text)"))
     elif outcome.error:
         lines.append(f"  {outcome.error.strip()}")
