@@ -242,3 +242,25 @@ def test_every_command_is_run_or_skipped_with_a_reason(readme: dict[str, list[st
             continue
         assert command.startswith(run_here), \
             f"README command {command!r} is neither run here nor in SKIPPED with a reason"
+
+
+def test_inline_convergence_commands_parse() -> None:
+    """The ``convergence ...`` commands README names in running text (cache, nightly, record,
+    trend, ab, report): each subcommand and flag exists in the real parser (optional parts in
+    [brackets] included; DAYS, N and G are numbers)."""
+    from convergence.cli import build_parser
+
+    text = README.read_text(encoding="utf-8")
+    spans = {re.sub(r"\s+", " ", s) for s in re.findall(r"`(convergence [^`]+)`", text)}
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.choices and "run" in a.choices).choices
+    checked = 0
+    for span in sorted(spans):
+        words = shlex.split(span.replace("[", " ").replace("]", " "))[1:]
+        assert words[0] in subcommands, span
+        if len(words) == 1 and words[0] in ("run", "ab", "compare"):
+            continue  # the command's name in a sentence, its arguments elsewhere
+        words = ["30" if w in ("DAYS", "N", "G") else w for w in words]
+        parser.parse_args(words)
+        checked += 1
+    assert checked >= 8, spans
