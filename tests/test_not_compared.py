@@ -86,3 +86,37 @@ def test_unlogged_gating_metric_is_shown_or_an_error(pytester: pytest.Pytester) 
     assert '<span class="ok">pass</span>' not in html.split("grad_norm", 1)[1][:200]
     junit = (pytester.path / "junit.xml").read_text()
     assert 'name="convergence.grad_norm.verdict" value="not compared (paired)"' in junit
+
+
+def test_every_format_shows_not_compared_without_a_run(tmp_path: Path) -> None:
+    """The same, from a judged outcome (no jobs): markdown, HTML, JSON, JUnit, terminal and
+    the heatmap cell all say "not compared" for a default gating metric the test lacks."""
+    import dataclasses
+    import math
+
+    from report_examples import judge, passing_pair
+
+    from convergence.report import build_report, junit_properties, render_markdown
+    from convergence.report.formats.html import render_html
+    from convergence.report.formats.plots import _cell
+    from convergence.report.formats.terminal import render_summary
+
+    base = passing_pair()
+    assert base.control is not None and base.test is not None
+    metrics = {k: v for k, v in base.test.metrics.items() if k != "grad_norm"}
+    verdicts = judge(base.pair, [base.control.metrics], metrics)
+    outcome = dataclasses.replace(base, test=dataclasses.replace(base.test, metrics=metrics),
+                                  verdicts=verdicts, status="passed")
+    grad = outcome.verdict("grad_norm")
+    assert grad is not None and grad.not_compared and not grad.gate
+    report = build_report([outcome], environment={}, started_at=None, wall_s=None,
+                          include_curves=False)
+    record = next(v for v in report["pairs"][0]["verdicts"] if v["metric"] == "grad_norm")
+    assert record["not_compared"]
+    assert "**grad_norm** (paired): not compared:" in render_markdown(report)
+    assert '<span class="warn">not compared</span>' in render_html(report, {})
+    assert ("convergence.grad_norm.verdict", "not compared (paired)") in \
+        junit_properties(outcome)
+    assert "grad_norm not compared -- " in render_summary([outcome])
+    value, label = _cell(outcome, "grad_norm")
+    assert math.isnan(value) and label == "not\ncompared"
