@@ -97,9 +97,10 @@ def test_readme_quotes_benchmarks_numbers() -> None:
 
 def test_hook_example_in_hooks_py_replaces_tp() -> None:
     """Point 17: the worked example's hand-written TP plan must run in replace_tp mode."""
-    from convergence.trainer import hooks
+    import ast
 
-    doc = hooks.__doc__ or ""
+    source = (REPO / "convergence" / "trainer" / "hooks.py").read_text(encoding="utf-8")
+    doc = ast.get_docstring(ast.parse(source)) or ""  # read, not imported: torch costs seconds
     example = doc.split("# experiments/my_tp.toml", 1)[1]
     assert 'hook_mode = "replace_tp"' in example.split("\n\n", 1)[0]
 
