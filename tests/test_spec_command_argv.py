@@ -61,8 +61,19 @@ def test_anything_else_is_an_error_naming_the_key(tmp_path: Path, command: str) 
     assert "backend_options.command" in text and "exp.toml" in text, text
 
 
-def test_a_list_elsewhere_is_rejected(tmp_path: Path) -> None:
+def test_a_list_elsewhere_is_json_text_of_strings(tmp_path: Path) -> None:
+    """Other list options (e.g. a list of source globs) arrive as JSON text, never a repr;
+    a list where the backend wants one word is still that backend's error."""
     path = _experiment(tmp_path, '"train.py"')
-    path.write_text(path.read_text().replace('launch = "direct"', 'launch = ["direct"]'))
+    text = path.read_text()
+    path.write_text(text.replace('launch = "direct"', 'launch = ["direct"]'))
     with pytest.raises(SpecError, match="backend_options.launch"):
         load_checked(path, rootdir=tmp_path)
+    from convergence.spec.experiment import load_experiment
+
+    path.write_text(text.replace('launch = "direct"', 'extra = ["a.py", "b/**/*.py"]'))
+    (pair,) = load_experiment(path, rootdir=tmp_path).pairs
+    assert dict(pair.test.backend_options)["extra"] == '["a.py", "b/**/*.py"]'
+    path.write_text(text.replace('launch = "direct"', 'extra = ["a.py", 3]'))
+    with pytest.raises(SpecError, match="backend_options.extra"):
+        load_experiment(path, rootdir=tmp_path)

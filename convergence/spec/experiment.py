@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -298,23 +299,24 @@ ARGV_OPTIONS = ("command",)
 def _flatten(table: Mapping[str, Any], prefix: str = "", *, file: str = "",
              key: str = "backend_options") -> list[tuple[str, str]]:
     """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings.
-    A list is an argv (``command`` only, strings only); anything else that is no scalar is an
-    error naming the key, never its Python repr."""
+    A list holds strings only: ``command``'s is an argv, stored shell-quoted; any other is
+    stored as JSON text (``["a.py", "b/*.py"]``, which a backend reads back with json or
+    ast.literal_eval). Anything else that is no scalar is an error naming the key -- never its
+    Python repr."""
     out: list[tuple[str, str]] = []
     for name, value in table.items():
         path = f"{prefix}{name}"
         if isinstance(value, dict):
             out.extend(_flatten(value, f"{path}.", file=file, key=key))
         elif isinstance(value, list):
-            if path not in ARGV_OPTIONS:
-                raise SpecError("a list is not a valid value here", file=file,
-                                key=f"{key}.{path}", fix="write a string")
-            if not value or not all(isinstance(word, str) for word in value):
-                raise SpecError(f"an argv list holds strings only, got {value!r}", file=file,
+            argv = path in ARGV_OPTIONS
+            if (argv and not value) or not all(isinstance(word, str) for word in value):
+                raise SpecError(f"a list here holds strings only, got {value!r}", file=file,
                                 key=f"{key}.{path}",
                                 fix='write each word as a string: ["python", "train.py", '
-                                    '"--steps", "{steps}"], or one string split like a shell')
-            out.append((path, shlex.join(value)))
+                                    '"--steps", "{steps}"], or one string split like a shell'
+                                    if argv else 'write each item as a string: ["a", "b"]')
+            out.append((path, shlex.join(value) if argv else json.dumps(value)))
         elif path in ARGV_OPTIONS and not isinstance(value, str):
             raise SpecError(f"{value!r} is no command", file=file, key=f"{key}.{path}",
                             fix='write an argv list ["python", "train.py", "--out", '
