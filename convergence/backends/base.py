@@ -72,6 +72,22 @@ class Backend(Protocol):
         """Run metadata (seed checkpoint hash, entropy floor, ...); {} when there is none."""
         ...
 
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        """The job's *noise twin* for the twin regime (convergence/regimes/twin.py): a job
+        that reads the very same samples per optimizer step from the same seed checkpoint,
+        with the same precision and techniques, and differs from ``job`` only by legitimate
+        numerical noise -- typically another data-parallel degree, so gradients are reduced in
+        another order and rounded at other points. The regime compares the test with the
+        control within k x the measured |twin - control|.
+
+        Return None when this backend cannot derive twins at all (the twin regime then says
+        so and points at ``regime = "seed"``); raise SpecError (key ``regime``, with a fix)
+        when it can in general but not for this job. The twin must pass this backend's
+        preflight and keep ``tokens_per_step``. Called at collection (preflight) and again
+        by the runner; it must not launch anything.
+        """
+        ...
+
 
 def get_backend(name: str) -> Backend:
     if name == "builtin":

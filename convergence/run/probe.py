@@ -30,6 +30,7 @@ from convergence.backends import get_backend
 from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
+from convergence.regimes import get_regime
 from convergence.run.probe_compare import compare_probe_files
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -40,13 +41,15 @@ if TYPE_CHECKING:  # typing only: runner.py imports this module, so no runtime i
 
 
 def wants_probe(pair: PairSpec, status: str) -> bool:
-    """Probe a failed paired or twin pair (unless switched off), or any judged pair asked to.
-    A seed-band pair has no common starting point to probe (other seeds, other weights)."""
+    """Probe a failed pair whose regime allows it (paired, twin; unless switched off), or any
+    judged pair asked to. A seed-band pair has no common starting point to probe (other
+    seeds, other weights)."""
     if pair.control.backend != "builtin" or pair.test.backend != "builtin" or pair.golden:
         return False  # only the built-in trainer has a probe mode
     if getattr(pair, "probe_always", False) and status in ("passed", "failed"):
         return True
-    return status == "failed" and pair.regime in ("paired", "twin") and pair.probe_on_failure
+    return (status == "failed" and get_regime(pair.regime).probe_on_failure
+            and pair.probe_on_failure)
 
 
 def probe_overrides(step: int) -> list[str]:

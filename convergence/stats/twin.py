@@ -9,7 +9,7 @@ missing row-wise all-reduce, a CP mask offset and a CP rotary offset pass).
 
 The envelope. Besides the control, the session runs a *twin* of it: the same layout family,
 seed checkpoint, samples and precision, changed only in a way that is numerically legitimate --
-twice the data-parallel degree with half the local batch (convergence.preflight.noise_twin), so
+twice the data-parallel degree with half the local batch (Backend.noise_twin), so
 every gradient is reduced in another order and rounded at other points, as a new layout's would
 be. ``|twin - control|`` at step s is how far legitimate rounding noise alone moved the curve
 after s steps. The tolerance is
