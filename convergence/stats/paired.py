@@ -48,8 +48,18 @@ import numpy as np
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats._common import Floats, Ints, align, failed, first_true, incomplete, worst
-from convergence.stats.types import Band, MetricVerdict
+from convergence.stats._common import (
+    Floats,
+    Ints,
+    align,
+    failed,
+    first_true,
+    incomplete,
+    point_check,
+    tolerance_at,
+    worst,
+)
+from convergence.stats.types import Band, Check, MetricVerdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +172,10 @@ def _full_band(tol: Tolerance, control: Curve | None) -> Band | None:
 
 class PairedBand:
     method = "paired"
+    all_controls = False
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        return point_check(controls[0], tolerance_at(paired_tolerance(rule)))
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:

@@ -40,9 +40,9 @@ import numpy as np
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats._common import Floats, Ints, align, failed
+from convergence.stats._common import Floats, Ints, align, failed, point_check, tolerance_at
 from convergence.stats.paired import envelope_verdict
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Check, MetricVerdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +123,14 @@ def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]
 
 class TwinEnvelope:
     method = "twin"
+    all_controls = True  # the control, then its noise twins
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        if len(controls) < 2:
+            return None  # no twin, no envelope: the final verdict says so
+        # The control and its twin finished before the test started: the envelope is whole.
+        return point_check(controls[0], tolerance_at(twin_tolerance(rule, controls[0],
+                                                                    controls[1:])))
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:
