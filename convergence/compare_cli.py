@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.golden import export_golden
 from convergence.metrics.reader import describe_source, read_run
 from convergence.regimes import REGISTRY, get_regime
 from convergence.report.formats.failure_text import render_outcome
@@ -21,7 +22,6 @@ from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import METHODS, METRICS, ComparisonRule, Method, PairSpec
-from convergence.stats.golden import export_golden
 from convergence.stats.provenance import golden_provenance, read_run_meta, with_golden_note
 
 EXIT_OK, EXIT_FAILED = 0, 1

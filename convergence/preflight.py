@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from convergence.backends import get_backend
+from convergence.backends.builtin import BuiltinBackend
 from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import (
@@ -53,10 +55,6 @@ def in_tier(pair: PairSpec, max_tier: str | None) -> bool:
 
 def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     """Invariants of a pair that need no devices: same data, same tokens per step, valid jobs."""
-    # Lazy: backends import numpy and the trainer's config; importing this module (the plugin
-    # does at startup) must cost a pytest session without convergence items nothing.
-    from convergence.backends import get_backend  # lazy: see the comment above
-
     file = pair.source
     control, test = pair.control, pair.test
     for side_key, job in (("control", control), (key, test)):
@@ -95,8 +93,6 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
 
 
 def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
-    from convergence.backends.builtin import BuiltinBackend  # lazy: see check_pair
-
     if test.backend != "builtin":
         return "make local batch x DP x grad accumulation equal on both sides"
     cfg = BuiltinBackend().effective_config(test)
@@ -113,8 +109,6 @@ def validate_devices(pair: PairSpec, *, available_devices: int | None) -> None:
     """World size vs. the devices this session may use."""
     if available_devices is None:
         return
-    from convergence.backends import get_backend  # lazy: see check_pair
-
     jobs = [("control", pair.control), ("test", pair.test)]
     if not pair.golden:  # the regime's other control jobs (a twin, seed replicates)
         regime = get_regime(pair.regime)

@@ -143,7 +143,12 @@ class Runner:
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
 
-    # -- the seam for cached runs (public: used by convergence.run.probe and ab) ---------
+    # -- the seam for cached runs (public: used by convergence.run.probe and ab; typed
+    # -- there as convergence.run.seam.JobSeam) ------------------------------------------
+    @property
+    def session_id(self) -> str:
+        return self.settings.session_id
+
     def launch_request(self, name: str, entry: Sequence[str], *, nproc: int, log_dir: Path,
                        watch_idle: bool = True, in_job_context: bool = False,
                        metrics_path: Path | None = None, metrics_format: str = "jsonl",
