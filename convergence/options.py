@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from convergence.backends import backend_names
 from convergence.launch.types import Progress
 from convergence.run.runner import RunSettings
 from convergence.spec.experiment import TIERS  # quick < ci < nightly
@@ -35,8 +36,8 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option(name="backend", help="override every job's trainer backend (builtin, torchtitan, "
-           "command)", kind="choice", choices=("builtin", "torchtitan", "command")),
+    Option(name="backend", help=f"override every job's trainer backend "
+           f"({', '.join(backend_names())})", kind="choice", choices=backend_names()),
     Option(name="launcher", help="how jobs are started: local torchrun or srun+torchrun",
            kind="choice", choices=("local", "slurm"), default="local"),
     Option(name="devices", help="devices (GPUs, or CPU slots) jobs may use; default: detect",

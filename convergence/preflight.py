@@ -58,9 +58,8 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     file = pair.source
     control, test = pair.control, pair.test
     for side_key, job in (("control", control), (key, test)):
-        backend = get_backend(job.backend)
         try:
-            backend.preflight(job)
+            get_backend(job.backend).preflight(job)
         except SpecError as exc:
             # Name the experiment file (what the user edits); a check made on the effective
             # train config says so and points at it too.

@@ -1,4 +1,5 @@
-"""The Backend Protocol: one per trainer (built-in, torchtitan, any command)."""
+"""The Backend Protocol: one per trainer (built-in, torchtitan, any command, or a third
+party's: convergence.backends.registry loads them by name from entry points)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convergence.metrics.curve import RunMetrics
-from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
 
@@ -87,23 +87,3 @@ class Backend(Protocol):
         by the runner; it must not launch anything.
         """
         ...
-
-
-def get_backend(name: str) -> Backend:
-    if name == "builtin":
-        from convergence.backends.builtin import BuiltinBackend  # lazy: registry by name
-
-        return BuiltinBackend()
-    if name == "torchtitan":
-        try:
-            from convergence.backends.torchtitan import TorchtitanBackend  # lazy: optional
-        except ImportError as exc:
-            raise SpecError(f"the torchtitan backend is not available: {exc}", key="backend",
-                            fix="pip install 'pytest-convergence[torchtitan]' (and triton)") from None
-        return TorchtitanBackend()
-    if name == "command":
-        from convergence.backends.command import CommandBackend  # lazy: registry by name
-
-        return CommandBackend()
-    raise SpecError(f"unknown backend {name!r}", key="backend",
-                    fix="use one of builtin, torchtitan, command")
