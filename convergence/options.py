@@ -13,14 +13,15 @@ import argparse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from convergence.backends import backend_names
 from convergence.launch.types import Progress
 from convergence.run.runner import RunSettings
 from convergence.spec.experiment import TIERS  # quick < ci < nightly
 
-KINDS = ("string", "path", "int", "float", "bool", "choice")
+OptionKind = Literal["string", "path", "int", "float", "bool", "choice"]
+KINDS: tuple[OptionKind, ...] = get_args(OptionKind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +30,7 @@ class Option:
     """``--convergence-<name>`` / ini ``convergence_<name with _>`` in pytest, ``--<name>`` in
     the CLI."""
     help: str
-    kind: str = "string"
+    kind: OptionKind = "string"
     """One of :data:`KINDS`; ``path`` values are relative to where they were written."""
     choices: tuple[str, ...] = ()
     default: Any = None

@@ -37,7 +37,7 @@ from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progres
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
 from convergence.regimes import get_regime
-from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -449,7 +449,7 @@ def _stopped_at(test: SideOutcome) -> int | None:
     return test.result.last_step
 
 
-def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> str:
+def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> PairStatus:
     if test.result is not None and test.result.status == "nan":
         return "failed"
     return "passed" if all(v.passed for v in verdicts if v.gate) else "failed"

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats.types import Check, MetricVerdict
 
 Floats = npt.NDArray[np.float64]
@@ -50,7 +50,7 @@ def incomplete(controls: Sequence[Curve], test: Curve) -> str | None:
     return None
 
 
-def failed(rule: ComparisonRule, method: str, message: str, *,
+def failed(rule: ComparisonRule, method: Method, message: str, *,
            steps_compared: int = 0, **extra: Any) -> MetricVerdict:
     """A verdict that could not be computed, or failed before any per-step check."""
     return MetricVerdict(metric=rule.metric, method=method, passed=False, gate=rule.gate,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import point_check
 from convergence.stats.paired import PairedTolerance, envelope_verdict
 from convergence.stats.types import Check, MetricVerdict
@@ -19,7 +19,7 @@ DEFAULT_ATOL = 1e-8
 
 
 class AllClose:
-    method = "allclose"
+    method: Method = "allclose"
     all_controls = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:

@@ -12,13 +12,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import align, failed, first_true, incomplete, worst
 from convergence.stats.types import Check, MetricVerdict
 
 
 class Exact:
-    method = "exact"
+    method: Method = "exact"
     all_controls = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:

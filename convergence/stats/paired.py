@@ -47,7 +47,7 @@ from typing import Protocol
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import (
     Floats,
     Ints,
@@ -115,7 +115,7 @@ class Tolerance(Protocol):
     def describe(self) -> str: ...
 
 
-def envelope_verdict(rule: ComparisonRule, method: str, controls: Sequence[Curve], test: Curve,
+def envelope_verdict(rule: ComparisonRule, method: Method, controls: Sequence[Curve], test: Curve,
                      tol: Tolerance, *, band: str) -> MetricVerdict:
     """Pointwise check ``|test - control| <= tol(step)`` at every common step (paired,
     allclose and twin share it: allclose is the envelope without growth, twin sizes it from
@@ -171,7 +171,7 @@ def _full_band(tol: Tolerance, control: Curve | None) -> Band | None:
 
 
 class PairedBand:
-    method = "paired"
+    method: Method = "paired"
     all_controls = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:

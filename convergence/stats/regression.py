@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import failed
 from convergence.stats.types import Band, Check, MetricVerdict
 
@@ -34,7 +34,7 @@ def steady_median(curve: Curve) -> tuple[float, int]:
 
 
 class Regression:
-    method = "regression"
+    method: Method = "regression"
     all_controls = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:

@@ -55,7 +55,7 @@ from scipy import signal, special
 from scipy.ndimage import correlate1d, uniform_filter1d
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Floats, Ints, failed, first_true, incomplete, worst
 from convergence.stats.types import Band, Check, MetricVerdict
 
@@ -245,7 +245,7 @@ def longest_run(mask: npt.NDArray[np.bool_]) -> int:
 
 
 class SeedBand:
-    method = "seed"
+    method: Method = "seed"
     all_controls = True  # the K replicates
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Floats, Ints, align, failed, point_check, tolerance_at
 from convergence.stats.paired import envelope_verdict
 from convergence.stats.types import Check, MetricVerdict
@@ -122,7 +122,7 @@ def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]
 
 
 class TwinEnvelope:
-    method = "twin"
+    method: Method = "twin"
     all_controls = True  # the control, then its noise twins
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:

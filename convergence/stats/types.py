@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class MetricVerdict:
     """Outcome of comparing one metric of a test run with its control."""
 
     metric: str
-    method: str
+    method: Method
     passed: bool
     gate: bool
     """Whether this verdict decides the pair (False: reported only, e.g. throughput)."""
@@ -87,7 +87,7 @@ class Comparison(Protocol):
     """A comparison method (exact, allclose, paired band, twin envelope, seed band,
     regression)."""
 
-    method: str
+    method: Method
     all_controls: bool
     """Whether ``compare`` is given every control curve (the seed band's replicates, the
     control and its twin) or only the control's."""
