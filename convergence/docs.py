@@ -14,7 +14,9 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from convergence.backends.registry import SHIPPED as SHIPPED_BACKENDS
 from convergence.options import OPTIONS, Option
+from convergence.regimes import REGISTRY
 from convergence.spec.experiment import (
     EXPERIMENT_KEYS,
     JOB_KEYS,
@@ -25,8 +27,7 @@ from convergence.spec.experiment import (
     TECHNIQUE_KEYS,
     TIERS,
 )
-from convergence.spec.job import BACKENDS
-from convergence.spec.pair import METHODS, METRICS, REGIMES
+from convergence.spec.pair import METHODS, METRICS
 from convergence.spec.pp_schedules import (
     AT_LEAST_ONE_MICROBATCH_PER_STAGE,
     SCHEDULES,
@@ -83,7 +84,8 @@ def key_rows() -> list[KeyRow]:
          "as torchtitan takes it, `\"--training.seq_len=256 --compile.enable\"` (split like a "
          "shell would, never run through one)"),
         ("", ("backend", "backend_options"),
-         f"{_names(BACKENDS)} (default `builtin`). `command`: `backend_options.command` is an "
+         f"{_names(tuple(SHIPPED_BACKENDS))} (default `builtin`). `command`: "
+         f"`backend_options.command` is an "
          f"argv list (`[\"python\", \"train.py\", \"--out\", \"{{dump_dir}}\"]`) or one string "
          f"split like a shell, never run through one; `keys.<metric>` maps your trainer's "
          f"metric names to ours"),
@@ -93,7 +95,7 @@ def key_rows() -> list[KeyRow]:
          f"named here that a run does not log is an error; a default one is reported as "
          f"\"not compared\""),
         ("", ("regime",),
-         f"{_names(REGIMES)}: `paired` (same seed checkpoint and data, compared step by step "
+         f"{_names(REGISTRY.names())}: `paired` (same seed checkpoint and data, compared step by step "
          f"at the fp32 noise floor), `twin` (same seed checkpoint and data, not bitwise "
          f"reproducible: the envelope is measured on a twin of the control that differs only "
          f"by legitimate rounding) or `seed` (K control replicates with other seeds form a "
@@ -114,7 +116,7 @@ def key_rows() -> list[KeyRow]:
 COVERED: Mapping[str, tuple[str, ...]] = {
     "[experiment]": EXPERIMENT_KEYS, "job": JOB_KEYS, "pair": PAIR_KEYS,
     "parallelism": LAYOUT_KEYS, "techniques": TECHNIQUE_KEYS, "compare": RULE_KEYS,
-    "methods": METHODS, "regimes": REGIMES, "pp_schedule": SCHEDULES,
+    "methods": METHODS, "regimes": REGISTRY.names(), "pp_schedule": SCHEDULES,
 }
 
 

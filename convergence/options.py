@@ -13,13 +13,15 @@ import argparse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
+from convergence.backends import backend_names
 from convergence.launch.types import Progress
 from convergence.run.runner import RunSettings
 from convergence.spec.experiment import TIERS  # quick < ci < nightly
 
-KINDS = ("string", "path", "int", "float", "bool", "choice")
+OptionKind = Literal["string", "path", "int", "float", "bool", "choice"]
+KINDS: tuple[OptionKind, ...] = get_args(OptionKind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +30,7 @@ class Option:
     """``--convergence-<name>`` / ini ``convergence_<name with _>`` in pytest, ``--<name>`` in
     the CLI."""
     help: str
-    kind: str = "string"
+    kind: OptionKind = "string"
     """One of :data:`KINDS`; ``path`` values are relative to where they were written."""
     choices: tuple[str, ...] = ()
     default: Any = None
@@ -38,8 +40,8 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option(name="backend", help="override every job's trainer backend (builtin, torchtitan, "
-           "command)", kind="choice", choices=("builtin", "torchtitan", "command")),
+    Option(name="backend", help=f"override every job's trainer backend "
+           f"({', '.join(backend_names())})", kind="choice", choices=backend_names()),
     Option(name="launcher", help="how jobs are started: local torchrun or srun+torchrun",
            kind="choice", choices=("local", "slurm"), default="local"),
     Option(name="devices", help="devices (GPUs, or CPU slots) jobs may use; default: detect",

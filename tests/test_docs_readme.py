@@ -145,6 +145,7 @@ def test_security_model_names_who_is_trusted() -> None:
 
 def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
     """Point 10: README scopes the probe to built-in jobs, as wants_probe does."""
+    from convergence.regimes import REGISTRY
     from convergence.run.probe import wants_probe
     from convergence.spec.experiment import make_pair
 
@@ -153,6 +154,6 @@ def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
             "backend_options": {"command": ["train.py", "{dump_dir}"]},
             "parallelism": {"dp_shard": 2}}
     pair = make_pair(name="cmd", control=side, test=side, rootdir=tmp_path,
-                     source=str(tmp_path / "e.toml"))
+                     source=str(tmp_path / "e.toml"), regimes=REGISTRY)
     assert pair.regime == "paired" and not wants_probe(pair, "failed")
     assert "only when both sides are\nbuilt-in jobs" in README

@@ -69,11 +69,12 @@ def test_a_list_elsewhere_is_json_text_of_strings(tmp_path: Path) -> None:
     path.write_text(text.replace('launch = "direct"', 'launch = ["direct"]'))
     with pytest.raises(SpecError, match="backend_options.launch"):
         load_checked(path, rootdir=tmp_path)
+    from convergence.regimes import REGISTRY
     from convergence.spec.experiment import load_experiment
 
     path.write_text(text.replace('launch = "direct"', 'extra = ["a.py", "b/**/*.py"]'))
-    (pair,) = load_experiment(path, rootdir=tmp_path).pairs
+    (pair,) = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs
     assert dict(pair.test.backend_options)["extra"] == '["a.py", "b/**/*.py"]'
     path.write_text(text.replace('launch = "direct"', 'extra = ["a.py", 3]'))
     with pytest.raises(SpecError, match="backend_options.extra"):
-        load_experiment(path, rootdir=tmp_path)
+        load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)

@@ -149,6 +149,9 @@ class CommandBackend:
         return read_jsonl(dump_dir / options.get("metrics_file", "metrics.jsonl"),
                           key_map=key_map or None)
 
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        return None  # an arbitrary command has no settings to derive a twin from
+
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         path = dump_dir / "run_meta.json"
         try:

@@ -420,6 +420,8 @@ class TorchtitanBackend:
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         return {}
 
+    def noise_twin(self, job: JobSpec) -> JobSpec | None: return None  # no twin (yet): seed
+
 
 def _one_process(job: JobSpec) -> JobSpec:
     """The job on a single rank (seed checkpoint): no parallelism, no techniques."""

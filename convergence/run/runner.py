@@ -36,8 +36,8 @@ from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
-from convergence.preflight import noise_twin
-from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.regimes import get_regime
+from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -143,7 +143,12 @@ class Runner:
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
 
-    # -- the seam for cached runs (public: used by convergence.run.probe and ab) ---------
+    # -- the seam for cached runs (public: used by convergence.run.probe and ab; typed
+    # -- there as convergence.run.seam.JobSeam) ------------------------------------------
+    @property
+    def session_id(self) -> str:
+        return self.settings.session_id
+
     def launch_request(self, name: str, entry: Sequence[str], *, nproc: int, log_dir: Path,
                        watch_idle: bool = True, in_job_context: bool = False,
                        metrics_path: Path | None = None, metrics_format: str = "jsonl",
@@ -350,7 +355,9 @@ class Runner:
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
                 keys = get_backend(pair.test.backend).record_keys(pair.test)
-                monitor = SequentialMonitor(pair.rules, control_runs, key_map=keys)
+                policy = get_regime(pair.regime).early_stop
+                monitor = SequentialMonitor(pair.rules, control_runs, key_map=keys,
+                                            min_step=policy.min_step, patience=policy.patience)
 
                 def on_metrics(record: dict[str, float]) -> bool:
                     return bool(monitor.update(int(record["step"]), record).decided)
@@ -405,22 +412,14 @@ class Runner:
             golden = read_run(Path(pair.golden), key="golden")
             return [SideOutcome(job=pair.control, metrics=golden, cached=True,
                                 run_dir=Path(pair.golden).parent)]
-        jobs = [pair.control]
-        if pair.regime == "seed":
-            jobs += [dataclasses.replace(pair.control, seed=pair.control.seed + i,
-                                         name=f"{pair.control.name}-seed{i}")
-                     for i in range(1, pair.replicates)]
-        elif pair.regime == "twin":  # its noise envelope: see convergence/stats/twin.py
-            jobs.append(noise_twin(pair.control))
+        # The regime's control jobs: the control, and its twin or seed replicates.
+        regime = get_regime(pair.regime)
+        jobs = regime.control_jobs(pair, get_backend(pair.control.backend))
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True)
                  for job in jobs]
-        # The seed band's replicates travel with the control for the report; a twin does not
-        # (the test is compared with the control itself; its envelope is in the verdicts).
-        if pair.regime == "seed" and len(sides) > 1:
-            sides[0] = dataclasses.replace(sides[0],
-                                           replicates=tuple(s.metrics for s in sides))
-        elif pair.regime == "twin":
-            sides[0] = dataclasses.replace(sides[0], twin=sides[1].metrics)
+        # What travels with the control (seed replicates, the twin's curves) is the regime's.
+        kept = regime.control_curves([s.metrics for s in sides])
+        sides[0] = dataclasses.replace(sides[0], replicates=kept.replicates, twin=kept.twin)
         return sides
 
 
@@ -453,7 +452,7 @@ def _stopped_at(test: SideOutcome) -> int | None:
     return test.result.last_step
 
 
-def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> str:
+def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> PairStatus:
     if test.result is not None and test.result.status == "nan":
         return "failed"
     return "passed" if all(v.passed for v in verdicts if v.gate) else "failed"

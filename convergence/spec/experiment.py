@@ -26,8 +26,8 @@ from convergence.configs import shipped_configs
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
-from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
-from convergence.spec.rules import default_rules
+from convergence.spec.pair import METHODS, METRICS, ComparisonRule, PairSpec
+from convergence.spec.rules import RegimeTable
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
 TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
@@ -62,10 +62,11 @@ class Experiment:
     errors (convergence.preflight)."""
 
 
-def load_experiment(path: Path, *, rootdir: Path) -> Experiment:
+def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Experiment:
     """Parse an experiment file (keys, types, values). Raises SpecError naming file, key and
     fix. The checks that need backends or devices are convergence.preflight's:
-    ``preflight.load_checked`` is this plus them, what a caller about to run pairs wants."""
+    ``preflight.load_checked`` is this plus them, what a caller about to run pairs wants.
+    ``regimes``: the registered regimes (convergence.regimes.REGISTRY)."""
     file = str(path)
     data = read_toml(path)
     check_keys(data, TOP_KEYS, file=file, path="")
@@ -95,7 +96,7 @@ def load_experiment(path: Path, *, rootdir: Path) -> Experiment:
                             fix="give every test a unique name")
         seen.add(name)
         pairs.append(make_pair(name=name, control=control, test=test, defaults=defaults,
-                               source=file, rootdir=rootdir, key=key))
+                               source=file, rootdir=rootdir, key=key, regimes=regimes))
         keys.append(key)
     return Experiment(source=file, description=str(meta.get("description", "")),
                       pairs=tuple(pairs), keys=tuple(keys))
@@ -335,9 +336,9 @@ def _scalar_text(value: Any) -> str:
     return str(value)
 
 
-def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
-           ) -> tuple[ComparisonRule, ...]:
-    rules = {r.metric: r for r in default_rules(regime)}
+def _rules(compare: Mapping[str, Any], defaults: tuple[ComparisonRule, ...], *, file: str,
+           key: str) -> tuple[ComparisonRule, ...]:
+    rules = {r.metric: r for r in defaults}
     for metric, spec in compare.items():
         path = f"{key}.compare.{metric}"
         if metric not in METRICS:
@@ -376,9 +377,11 @@ FOLLOWS: dict[str, str] = {"grad_norm_parts": "grad_norm"}
 def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
               test: Mapping[str, Any] | JobSpec, defaults: Mapping[str, Any] | None = None,
               compare: Mapping[str, Any] | None = None, source: str = "<python>",
-              rootdir: Path, key: str = "test") -> PairSpec:
+              rootdir: Path, key: str = "test", regimes: RegimeTable) -> PairSpec:
     """Build a PairSpec from experiment-file tables (or ready JobSpecs): the Python API.
-    Parsed, not preflighted: see convergence.preflight (``make_checked_pair``)."""
+    Parsed, not preflighted: see convergence.preflight (``make_checked_pair``).
+    ``regimes``: the registered regimes (convergence.regimes.REGISTRY): the default regime
+    and its rules are theirs."""
     defaults = dict(defaults or {})
     file = source
     test_table = dict(test) if isinstance(test, Mapping) else {}
@@ -401,10 +404,10 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         side = _merge(job_defaults, {k: v for k, v in test_table.items() if k in JOB_KEYS})
         test_job = _job(name, side, file=file, key=key, rootdir=rootdir)
 
-    regime = pair_conf.get("regime") or _default_regime(control_job, test_job)
-    if regime not in REGIMES:
+    regime = pair_conf.get("regime") or regimes.default_for(control_job, test_job)
+    if regime not in regimes.names():
         raise SpecError(f"unknown regime {regime!r}", file=file, key=f"{key}.regime",
-                        fix=f"use one of: {', '.join(REGIMES)}")
+                        fix=f"use one of: {', '.join(regimes.names())}")
     tier = pair_conf.get("tier", "quick")
     if tier not in TIERS:
         raise SpecError(f"unknown tier {tier!r}", file=file, key=f"{key}.tier",
@@ -418,7 +421,8 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         pair_id=f"{Path(file).name}::{name}",
         control=control_job,
         test=test_job,
-        rules=_same_data_rules(_rules(compare_table, regime, file=file, key=key),
+        rules=_same_data_rules(_rules(compare_table, regimes.default_rules(regime),
+                                      file=file, key=key),
                                control_job, test_job),
         regime=regime,
         replicates=int(pair_conf.get("replicates", 3)),
@@ -430,36 +434,6 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         golden=pair_conf.get("golden"),
     )
     return pair
-
-
-#: Train-config overrides that take a job out of the fp32 deterministic regime unless they
-#: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
-_PAIRABLE_OVERRIDES: dict[str, str] = {
-    "training.param_dtype": "float32", "training.reduce_dtype": "float32",
-    "training.compile": "false", "training.deterministic": "true"}
-
-
-def _default_regime(control: JobSpec, test: JobSpec) -> str:
-    """Paired (step-by-step at the noise floor) only when both runs are deterministic fp32
-    (compute and reduction), uncompiled and share the seed, as the README promises; twin when
-    they share the seed but are not bitwise reproducible; seed when the seeds differ."""
-    def pairable(job: JobSpec) -> bool:
-        overrides = job.override_dict()
-        return job.techniques.bitwise_pairable and all(
-            str(overrides[k]).lower() == v for k, v in _PAIRABLE_OVERRIDES.items()
-            if k in overrides)
-
-    if control.seed != test.seed:
-        return "seed"
-    if pairable(control) and pairable(test):
-        return "paired"
-    # Same seed checkpoint and data but not bitwise reproducible (bf16, compile, ...): the twin
-    # regime measures the noise on a twin of the control (stats/twin.py). It needs to derive
-    # that twin (twice the DP degree, half the local batch), which the built-in trainer's
-    # settings allow; other backends keep the seed band.
-    if control.backend == "builtin" and test.backend == "builtin":
-        return "twin"
-    return "seed"
 
 
 def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec

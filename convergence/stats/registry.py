@@ -53,11 +53,12 @@ def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
             return not_logged(rule)
     if curve is None or not controls:
         return _missing(rule, control_runs, test, in_test=curve is not None)
-    if rule.method not in ("seed", "twin"):
+    comparison = get_comparison(rule.method)
+    if not comparison.all_controls:
         controls = controls[:1]  # seed: the K replicates; twin: the control and its twin
     if rule.metric == FINGERPRINT and rule.method == "exact":
         return compare_fingerprints(rule, controls, curve)
-    return get_comparison(rule.method).compare(rule, controls, curve)
+    return comparison.compare(rule, controls, curve)
 
 
 def missing_fix(metric: str) -> str:

@@ -52,6 +52,7 @@ from convergence.trainer.optim import (
     parts_geomean,
 )
 from convergence.trainer.parallelize import Meshes, build_meshes, parallelize_chunk
+from convergence.trainer.probe import run_probe
 from convergence.trainer.validate import check_config, pp_microbatches, stages_per_rank
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -516,9 +517,16 @@ def train(cfg: TrainConfig) -> str:
             # then stop. Steps before it ran the loop above, so the probe sees exactly the
             # state this run had at this step (same data, LR, optimizer).
             step = probe_at
-            from convergence.trainer.probe import run_probe  # lazy: probe imports train
-            status = run_probe(cfg, engine, meshes, source, plan, device, is_writer=logger,
-                               warm_up=step == 1)
+
+            def probe_forward_backward() -> torch.Tensor:
+                # The loop's own data path (read_step + the token weight): the probe sees the
+                # very batches the step would have trained on.
+                data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
+                engine.weight.use(data.num_tokens)
+                return microsteps(engine.forward_backward, data.batches, device)
+
+            status = run_probe(cfg, engine, meshes, probe_forward_backward, device,
+                               is_writer=logger, warm_up=step == 1)
     except BaseException:
         status = "failed"
         raise

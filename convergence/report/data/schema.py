@@ -16,11 +16,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypedDict
 
+from convergence.regimes import REGISTRY
 from convergence.report.data.jsonable import NON_FINITE, jsonable
 from convergence.report.data.records import JsonFloat, PairRecord, pair_record, relative_plot
 from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.spec.layout import AXES
-from convergence.spec.pair import REGIMES
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -102,7 +102,7 @@ _PAIR: dict[str, Any] = {
                  "divergence", "plots"],
     "properties": {
         "id": {"type": "string"}, "name": {"type": "string"}, "source": {"type": "string"},
-        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": list(REGIMES)},
+        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": list(REGISTRY.names())},
         "tier": {"type": "string"},
         "control": {"$ref": "#/$defs/side"}, "test": {"$ref": "#/$defs/side"},
         "techniques_changed": {"type": "object"},
