@@ -74,6 +74,8 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
             raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
                             file=exc.file or file, key=key_path, fix=exc.fix) from None
+    if test.resume is not None:
+        check_resume(test, file=file, key=key)
     if pair.regime in ("paired", "twin") and control.seed != test.seed:
         raise SpecError(f"{pair.regime} comparison needs the same seed (same seed checkpoint "
                         "and data)", file=file, key=f"{key}.seed",
@@ -99,6 +101,29 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                 "(local batch x DP x grad accumulation x seq_len)", file=file,
                 key=f"{key}.local_batch_size",
                 fix=_batch_fix(control, test, ctrl_tokens, test_tokens))
+
+
+def check_resume(test: JobSpec, *, file: str, key: str) -> None:
+    """A resuming test side (convergence.spec.resume): the resume layout passes the backend's
+    preflight and reads the same tokens per optimizer step as before the resume."""
+    from convergence.backends import get_backend  # lazy: see check_pair
+
+    after = test.after_resume()
+    where = f"{key}.resume"
+    backend = get_backend(after.backend)
+    try:
+        backend.preflight(after)
+    except SpecError as exc:
+        raise SpecError(f"[{key} {test.name!r} after the resume] {exc.detail}", file=file,
+                        key=f"{where}.{exc.key}" if exc.key else where, fix=exc.fix) from None
+    before, resumed = backend.tokens_per_step(test), backend.tokens_per_step(after)
+    if before != resumed:
+        raise SpecError(
+            f"tokens per optimizer step change at the resume: {before} before, {resumed} after "
+            "(local batch x DP x grad accumulation x seq_len); the data position and the LR "
+            "schedule would no longer line up with the control", file=file,
+            key=f"{where}.local_batch_size", fix=_batch_fix(test, after, before, resumed)
+            .replace("on the test", "in the resume table"))
 
 
 def noise_twin(control: JobSpec) -> JobSpec:
@@ -165,6 +190,8 @@ def validate_devices(pair: PairSpec, *, available_devices: int | None) -> None:
     jobs = [("control", pair.control), ("test", pair.test)]
     if pair.regime == "twin" and not pair.golden:
         jobs.append(("control", noise_twin(pair.control)))
+    if pair.test.resume is not None:
+        jobs.append(("test", pair.test.after_resume()))
     for side, job in jobs:
         if job.world_size > available_devices:
             raise SpecError(

@@ -25,6 +25,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
+from convergence.spec.resume import parse_resume
 from convergence.spec.rules import default_rules
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
@@ -37,7 +38,8 @@ PAIR_KEYS = ("compare", "regime", "replicates", "early_stop", "golden", "tier",
 #: Values of the pair key ``probe``: when the numerics probe runs on both sides.
 PROBE_MODES = ("on_failure", "always", "off")
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k != "name") + PAIR_KEYS
-TEST_KEYS = JOB_KEYS + PAIR_KEYS
+#: ``resume`` is a test side's only (convergence.spec.resume): a control is uninterrupted.
+TEST_KEYS = JOB_KEYS + PAIR_KEYS + ("resume",)
 SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
 TOP_KEYS = ("experiment", "defaults", "control", "test", "sweep")
 EXPERIMENT_KEYS = ("description", "tier")
@@ -366,6 +368,8 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     else:
         side = _merge(job_defaults, {k: v for k, v in test_table.items() if k in JOB_KEYS})
         test_job = _job(name, side, file=file, key=key, rootdir=rootdir)
+        if "resume" in test_table:
+            test_job = _with_resume(test_job, test_table["resume"], file=file, key=key)
 
     regime = pair_conf.get("regime") or _default_regime(control_job, test_job)
     if regime not in REGIMES:
@@ -398,6 +402,15 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     return pair
 
 
+def _with_resume(job: JobSpec, value: Any, *, file: str, key: str) -> JobSpec:
+    resume = parse_resume(value, layout=job.layout, techniques=job.techniques,
+                          backend=job.backend, file=file, key=f"{key}.resume")
+    try:
+        return dataclasses.replace(job, resume=resume)
+    except SpecError as exc:  # at_step outside the run: JobSpec's check, named in the file
+        raise SpecError(exc.detail, file=file, key=f"{key}.{exc.key}", fix=exc.fix) from None
+
+
 #: Train-config overrides that take a job out of the fp32 deterministic regime unless they
 #: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
 _PAIRABLE_OVERRIDES: dict[str, str] = {
@@ -411,6 +424,8 @@ def _default_regime(control: JobSpec, test: JobSpec) -> str:
     they share the seed but are not bitwise reproducible; seed when the seeds differ."""
     def pairable(job: JobSpec) -> bool:
         overrides = job.override_dict()
+        if job.resume is not None and not job.resume.techniques.bitwise_pairable:
+            return False
         return job.techniques.bitwise_pairable and all(
             str(overrides[k]).lower() == v for k, v in _PAIRABLE_OVERRIDES.items()
             if k in overrides)

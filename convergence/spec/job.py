@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.resume import Resume
 
 BACKENDS: tuple[str, ...] = ("builtin", "torchtitan", "command")
 
@@ -46,6 +48,9 @@ class JobSpec:
     """Backend-specific settings (command template, metric keys, torchtitan module)."""
     source: str = ""
     """Where this job was defined (file path), for error messages."""
+    resume: Resume | None = None
+    """Test sides only: stop after ``resume.at_step``, checkpoint, resume on ``resume.layout``
+    (convergence.spec.resume); None: one uninterrupted job."""
 
     def __post_init__(self) -> None:
         # The name becomes part of a pytest node id (``file.toml::name``) and of run folder
@@ -76,6 +81,10 @@ class JobSpec:
                             file=self.source, key="hook",
                             fix="write it as \"my_pkg.parallel:apply_my_tp\"")
 
+        if self.resume is not None and self.resume.at_step >= self.steps:
+            raise SpecError(f"resume.at_step = {self.resume.at_step} is not inside the run "
+                            f"(steps = {self.steps})", file=self.source, key="resume.at_step",
+                            fix=f"set at_step between 1 and {self.steps - 1}")
         if self.hook_mode not in ("after", "replace_tp"):
             raise SpecError(f"unknown hook_mode {self.hook_mode!r}", file=self.source,
                             key="hook_mode", fix='use "after" or "replace_tp"')
@@ -83,6 +92,17 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    def after_resume(self) -> JobSpec:
+        """The job that resumes: the resume layout, techniques and local batch, same steps
+        (the LR schedule spans the whole run). Raises ValueError on a job without resume."""
+        if self.resume is None:
+            raise ValueError(f"job {self.name!r} does not resume")
+        resume = self.resume
+        return dataclasses.replace(
+            self, layout=resume.layout, techniques=resume.techniques, resume=None,
+            local_batch_size=(resume.local_batch_size if resume.local_batch_size is not None
+                              else self.local_batch_size))
 
     def override_dict(self) -> dict[str, str]:
         return dict(self.overrides)
@@ -101,4 +121,6 @@ class JobSpec:
             "hook_mode": self.hook_mode,
             "overrides": [list(kv) for kv in self.overrides],
             "backend_options": [list(kv) for kv in self.backend_options],
+            # Only when set: the keys of jobs without a resume stay what they were.
+            **({"resume": self.resume.to_dict()} if self.resume is not None else {}),
         }
