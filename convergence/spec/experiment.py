@@ -405,10 +405,13 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
 def _with_resume(job: JobSpec, value: Any, *, file: str, key: str) -> JobSpec:
     resume = parse_resume(value, layout=job.layout, techniques=job.techniques,
                           backend=job.backend, file=file, key=f"{key}.resume")
-    try:
-        return dataclasses.replace(job, resume=resume)
-    except SpecError as exc:  # at_step outside the run: JobSpec's check, named in the file
-        raise SpecError(exc.detail, file=file, key=f"{key}.{exc.key}", fix=exc.fix) from None
+    # Here, not in JobSpec: --convergence-steps may cut a run before its resume, which the
+    # Runner reports as that pair's error (run/resume.py), not as a broken JobSpec.
+    if resume.at_step >= job.steps:
+        raise SpecError(f"resume.at_step = {resume.at_step} is not inside the run "
+                        f"(steps = {job.steps})", file=file, key=f"{key}.resume.at_step",
+                        fix=f"set at_step between 1 and {job.steps - 1}")
+    return dataclasses.replace(job, resume=resume)
 
 
 #: Train-config overrides that take a job out of the fp32 deterministic regime unless they

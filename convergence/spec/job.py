@@ -81,10 +81,6 @@ class JobSpec:
                             file=self.source, key="hook",
                             fix="write it as \"my_pkg.parallel:apply_my_tp\"")
 
-        if self.resume is not None and self.resume.at_step >= self.steps:
-            raise SpecError(f"resume.at_step = {self.resume.at_step} is not inside the run "
-                            f"(steps = {self.steps})", file=self.source, key="resume.at_step",
-                            fix=f"set at_step between 1 and {self.steps - 1}")
         if self.hook_mode not in ("after", "replace_tp"):
             raise SpecError(f"unknown hook_mode {self.hook_mode!r}", file=self.source,
                             key="hook_mode", fix='use "after" or "replace_tp"')
