@@ -266,9 +266,14 @@ def load_training_checkpoint(folder: str | Path, *, chunks: Sequence[nn.Module],
              for name, param in named_params}
     train = {"step": torch.tensor(0), "data_position": torch.tensor(0),
              "lr_step": torch.tensor(0)}
-    rng = rng_state(device)
+    rng = {"torch": torch.get_rng_state()}
     state = {"model": model, "optim": optim, "train": train, "rng": rng}
     check_servable(folder, cfg, global_batch_size, _flatten(state))
+    # The CUDA generator only where both runs had one (a CPU checkpoint resumed on a GPU keeps
+    # the GPU's seeded generator: nothing drew from the CPU run's, there was none).
+    if device.type == "cuda" and "rng.cuda" in FileSystemReader(
+            str(folder)).read_metadata().state_dict_metadata:
+        rng["cuda"] = torch.cuda.get_rng_state(device)
     dcp.load(state, checkpoint_id=str(folder))
     restore_model(chunks, model)
     restore_optimizer(named_params, optimizer, optim)
