@@ -2,8 +2,9 @@
 
 Both read runs through :func:`convergence.metrics.reader.read_metrics` (our run folders,
 torchtitan/TensorBoard dumps, JSONL files, golden files). ``compare`` judges with the rules
-pytest uses (loss and grad norm by the regime's method, throughput and memory reported only)
-and prints the text of pytest's failure section.
+pytest uses (loss, grad norm and per-part grad norm by the regime's method, the data
+fingerprint exactly, all gating; throughput and memory reported only) and prints the text of
+pytest's failure section.
 """
 
 from __future__ import annotations
@@ -26,29 +27,38 @@ from convergence.stats.provenance import golden_provenance, read_run_meta, with_
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
+#: The metrics that gate by default (from the rules, so the help cannot drift from them).
+GATING = ", ".join(r.metric for r in default_rules("paired") if r.gate)
+REPORTED = ", ".join(r.metric for r in default_rules("paired") if not r.gate)
+
 
 # -- compare --------------------------------------------------------------------------------
 
 def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     compare = sub.add_parser(
         "compare", help="compare two finished runs (A = control), with pytest's default verdict",
-        description="Judge run B against run A with the rules pytest uses: loss and grad norm "
-                    "by the regime's method (gating), throughput and memory reported only. "
+        description=f"Judge run B against run A with the rules pytest uses: {GATING} gate "
+                    f"(the data fingerprint exactly, the others by the regime's method; a "
+                    f"metric that a run does not log is reported as not compared), {REPORTED} "
+                    f"reported only. "
                     "A run is a run folder, a torchtitan dump / TensorBoard folder, a "
                     "metrics.jsonl file or a golden JSON file.")
     compare.add_argument("a", help="control: run folder, TensorBoard folder, JSONL or golden")
     compare.add_argument("b", help="test: run folder, TensorBoard folder or JSONL")
     compare.add_argument("--replicate", action="append", default=[], metavar="RUN",
-                         help="another control run with a different seed (repeatable); "
-                              "with any, the regime defaults to seed (a band of A + these)")
+                         help="another control run (repeatable): another seed's (the seed "
+                              "regime, the default with any: a band of A + these) or, with "
+                              "--regime twin, the control's twin")
     compare.add_argument("--regime", choices=REGIMES, default=None,
-                         help="paired (same seed checkpoint and data; default) or seed")
+                         help="paired (same seed checkpoint and data; default), twin (the "
+                              "envelope from the control's twin: --replicate TWIN_RUN) or seed "
+                              "(a band of A and the --replicate runs; default with any)")
     compare.add_argument("--metric", action="append", default=None, choices=METRICS,
-                         help="gate on these metrics only (repeatable; default: pytest's "
-                              "loss and grad_norm, plus throughput/memory reported)")
+                         help=f"gate on these metrics only (repeatable; default: pytest's "
+                              f"{GATING}, plus {REPORTED} reported)")
     compare.add_argument("--method", default=None, choices=METHODS,
                          help="comparison method for the gating metrics "
-                              "(default: the regime's: paired or seed)")
+                              "(default: the regime's: paired, twin or seed)")
     compare.set_defaults(func=cmd_compare)
 
 

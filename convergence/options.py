@@ -32,6 +32,9 @@ class Option:
     """One of :data:`KINDS`; ``path`` values are relative to where they were written."""
     choices: tuple[str, ...] = ()
     default: Any = None
+    cli_help: str = ""
+    """The help of ``convergence run``/``ab`` where it differs from pytest's (no pytest
+    config there, so no rootdir); empty: :attr:`help`."""
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -56,7 +59,8 @@ OPTIONS: tuple[Option, ...] = (
            default="quick"),
     Option(name="workdir", help="run folders, device-pool state and cache (default: "
            "<rootdir>/.convergence when pytest found a config file, else ./.convergence)",
-           kind="path"),
+           kind="path", cli_help="run folders, device-pool state and cache (default: "
+           "./.convergence, in the folder you run it from)"),
     Option(name="idle-limit", help="watchdog: end a job when no new metrics line came for this "
            "many seconds (a rank hung in a collective); default 300", kind="float"),
     Option(name="wall-limit", help="end a job after this many seconds in all; default 3600",
@@ -118,15 +122,16 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) 
         if opt.name in skipped:
             continue
         flag = f"--{opt.name}"
+        text = opt.cli_help or opt.help
         if opt.kind == "bool":
-            parser.add_argument(flag, action="store_true", default=None, help=opt.help)
+            parser.add_argument(flag, action="store_true", default=None, help=text)
         elif opt.kind == "choice":
-            parser.add_argument(flag, choices=opt.choices, default=None, help=opt.help)
+            parser.add_argument(flag, choices=opt.choices, default=None, help=text)
         else:
             metavar = {"path": "DIR", "int": "N"}.get(opt.kind) or (
                 "SECONDS" if opt.name.endswith("limit") else opt.name.upper())
             parser.add_argument(flag, type=_ARG_TYPES.get(opt.kind, str), default=None,
-                                metavar=metavar, help=opt.help)
+                                metavar=metavar, help=text)
 
 
 def values_from_args(args: argparse.Namespace, *, cwd: Path) -> dict[str, Any]:

@@ -6,8 +6,9 @@
                         metrics = "jsonl", metrics_file = "log.jsonl",
                         keys = { loss = "train_loss", grad_norm = "gnorm" } }
 
-The template is split into argv words *before* placeholders are filled in, and it never goes
-through a shell: a value from TOML cannot inject a command. With ``launch = "torchrun"`` (the
+``command`` is a string, split into argv words like a shell would *before* placeholders are
+filled in, or a TOML list of strings, taken word for word (``["python", "my train.py", "--out",
+"{dump_dir}"]``); it never goes through a shell: a value from TOML cannot inject a command. With ``launch = "torchrun"`` (the
 default) the words follow torchrun's own options (a script path or ``-m module``); with
 ``launch = "direct"`` the words are the whole command (a trainer that starts its own ranks).
 """

@@ -15,7 +15,8 @@ from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
 
-#: Pair statuses: passed/failed are verdicts; error means a job broke before a verdict.
+#: Pair statuses: passed/failed are verdicts; error means a job broke before a verdict, or a
+#: metric the experiment names in ``compare`` was not logged (nothing to judge it by).
 PAIR_STATUSES = ("passed", "failed", "error", "skipped")
 
 

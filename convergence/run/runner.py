@@ -381,6 +381,9 @@ class Runner:
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
         status = _status(verdicts, test)
+        asked = [v.message for v in verdicts if v.not_compared and v.gate]
+        if asked and error is None:  # the experiment named a metric that a run did not log
+            status, error = "error", "not compared: " + "; ".join(asked)
         localisation = self._localise(pair, status, pair_dir, verdicts,
                                       (control_runs[0], test.metrics))
         return PairOutcome(pair=pair, status=status, control=control,
@@ -474,16 +477,13 @@ def _recorded_wall(run_dir: Path) -> float:
 
 
 def _hook_source_hash(hook: str | None) -> str | None:
-    """A user's hook is code we run: its source belongs in the cache key."""
+    """A user's hook is code we run: its source belongs in the cache key. Located, never
+    imported (importlib.util.find_spec would import its parent packages here)."""
     if not hook:
         return None
-    import importlib.util
+    from convergence.trainer.hooks import locate_hook_module  # lazy: torch
 
-    module = hook.split(":", 1)[0]
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
+    spec = locate_hook_module(hook.split(":", 1)[0])
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return None
     return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +45,8 @@ TEST_KEYS = JOB_KEYS + PAIR_KEYS + ("resume",)
 SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
 TOP_KEYS = ("experiment", "defaults", "control", "test", "sweep")
 EXPERIMENT_KEYS = ("description", "tier")
-RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule) if f.name != "metric")
+RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule)
+                  if f.name not in ("metric", "explicit"))
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(ParallelLayout))
 TECHNIQUE_KEYS = tuple(f.name for f in dataclasses.fields(Techniques))
 
@@ -217,6 +220,7 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
                  expect_table(raw_overrides, file=file, key=f"{key}.overrides"))
     options = expect_table(table.get("backend_options", {}), file=file,
                            key=f"{key}.backend_options")
+    flat_options = _flatten(options, file=file, key=f"{key}.backend_options")
     try:
         layout = ParallelLayout(**par)
         techniques = Techniques(**tech)
@@ -240,7 +244,7 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
                                                   what='"package.module:function"'),
             hook_mode=str(table.get("hook_mode", "after")),
             overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
-            backend_options=tuple(_flatten(options)),
+            backend_options=tuple(flat_options),
             source=file,
         )
     except SpecError as exc:
@@ -288,14 +292,42 @@ def _option_string(text: str, *, file: str, key: str) -> dict[str, str]:
     return out
 
 
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
-    """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings."""
+#: The backend option that may be written as an argv list (``command = ["python",
+#: "train.py", "--out", "{dump_dir}"]``); it is stored shell-quoted, so that splitting it like a
+#: shell gives the same words back.
+ARGV_OPTIONS = ("command",)
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "", *, file: str = "",
+             key: str = "backend_options") -> list[tuple[str, str]]:
+    """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings.
+    A list holds strings only: ``command``'s is an argv, stored shell-quoted; any other is
+    stored as JSON text (``["a.py", "b/*.py"]``, which a backend reads back with json or
+    ast.literal_eval). Anything else that is no scalar is an error naming the key -- never its
+    Python repr."""
     out: list[tuple[str, str]] = []
-    for key, value in table.items():
+    for name, value in table.items():
+        path = f"{prefix}{name}"
         if isinstance(value, dict):
-            out.extend(_flatten(value, f"{prefix}{key}."))
+            out.extend(_flatten(value, f"{path}.", file=file, key=key))
+        elif isinstance(value, list):
+            argv = path in ARGV_OPTIONS
+            if (argv and not value) or not all(isinstance(word, str) for word in value):
+                raise SpecError(f"a list here holds strings only, got {value!r}", file=file,
+                                key=f"{key}.{path}",
+                                fix='write each word as a string: ["python", "train.py", '
+                                    '"--steps", "{steps}"], or one string split like a shell'
+                                    if argv else 'write each item as a string: ["a", "b"]')
+            out.append((path, shlex.join(value) if argv else json.dumps(value)))
+        elif path in ARGV_OPTIONS and not isinstance(value, str):
+            raise SpecError(f"{value!r} is no command", file=file, key=f"{key}.{path}",
+                            fix='write an argv list ["python", "train.py", "--out", '
+                                '"{dump_dir}"] or one string split like a shell')
+        elif isinstance(value, (str, int, float, bool)):
+            out.append((path, _scalar_text(value)))
         else:
-            out.append((f"{prefix}{key}", _scalar_text(value)))
+            raise SpecError(f"unsupported value {value!r}", file=file, key=f"{key}.{path}",
+                            fix="write a string, a number or a boolean")
     return out
 
 
@@ -324,14 +356,16 @@ def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
             raise SpecError(f"unknown comparison {spec.get('method')!r}", file=file,
                             key=f"{path}.method", fix=f"use one of: {', '.join(METHODS)} or \"off\"")
         gate_default = metric not in ("tokens_per_s", "peak_mem_mib")
-        rules[metric] = ComparisonRule(metric=metric, **{"gate": gate_default, **spec})
+        rules[metric] = ComparisonRule(metric=metric, explicit=True,
+                                       **{"gate": gate_default, **spec})
     # A derived metric follows the metric it refines unless it is named itself: an experiment
     # that turns the grad norm off (models that differ) or judges it its own way means the
     # per-part grad norm too -- written before it existed, it must not start failing.
     for derived, base in FOLLOWS.items():
         if base in compare and derived not in compare:
             if base in rules:
-                rules[derived] = dataclasses.replace(rules[base], metric=derived)
+                rules[derived] = dataclasses.replace(rules[base], metric=derived,
+                                                     explicit=False)
             else:
                 rules.pop(derived, None)
     return tuple(rules.values())

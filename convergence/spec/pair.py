@@ -47,6 +47,9 @@ class ComparisonRule:
     """seed: length of the final window (logged steps)."""
     max_regression: float | None = None
     """regression: allowed relative loss of the metric (0.1 = 10% slower / bigger)."""
+    explicit: bool = False
+    """Named in the experiment's ``compare`` table (not a default): a run that does not log
+    the metric is then an error of the pair, not a "not compared" note."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:

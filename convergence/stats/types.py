@@ -65,6 +65,10 @@ class MetricVerdict:
     band: Band | None = None
     """The range the test had to stay in, per compared step (None: exact, not compared, or a
     verdict saved before verdicts carried it)."""
+    not_compared: bool = False
+    """A gating metric that a run did not log, so it was not compared: reports show it in
+    amber with the fix (``message``), never as a silent pass. With ``gate`` it was asked for
+    by name in ``compare``, and the pair errors."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,6 +79,7 @@ class MetricVerdict:
             "tolerance": self.tolerance, "tolerance_at_max": self.tolerance_at_max,
             "p_values": self.p_values, "message": self.message, "details": self.details,
             "band": None if self.band is None else self.band.to_json(),
+            "not_compared": self.not_compared,
         }
 
 

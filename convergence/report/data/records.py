@@ -82,6 +82,9 @@ class VerdictRecord(TypedDict):
     tolerance_at_max: JsonFloat | None
     p_values: dict[str, JsonFloat]
     message: str
+    not_compared: bool
+    """A gating metric a run did not log (the message says how to fix it); absent in
+    reports written before it existed."""
 
 
 class ResourceRecord(TypedDict):
@@ -219,7 +222,7 @@ def verdict_record(v: MetricVerdict) -> VerdictRecord:
         "steps_compared": v.steps_compared, "first_divergent_step": v.first_divergent_step,
         "max_deviation": v.max_deviation, "max_deviation_step": v.max_deviation_step,
         "tolerance": v.tolerance, "tolerance_at_max": v.tolerance_at_max,
-        "p_values": dict(v.p_values), "message": v.message,
+        "p_values": dict(v.p_values), "message": v.message, "not_compared": v.not_compared,
     }
 
 

@@ -79,7 +79,7 @@ _VERDICT: dict[str, Any] = {
         "max_deviation": _NUM, "max_deviation_step": _OPT_INT,
         "tolerance": {"type": "string"}, "tolerance_at_max": _OPT_NUM,
         "p_values": {"type": "object", "additionalProperties": _NUM},
-        "message": {"type": "string"},
+        "message": {"type": "string"}, "not_compared": {"type": "boolean"},
     },
 }
 

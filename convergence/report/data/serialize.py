@@ -193,6 +193,7 @@ def verdict_from_json(data: Mapping[str, Any]) -> MetricVerdict:
     return MetricVerdict(
         metric=data["metric"], method=data["method"], passed=bool(data["passed"]),
         gate=bool(data["gate"]), steps_compared=int(data.get("steps_compared", 0)),
+        not_compared=bool(data.get("not_compared", False)),
         first_divergent_step=data.get("first_divergent_step"),
         max_deviation=read_float(data.get("max_deviation", 0.0)),
         max_deviation_step=data.get("max_deviation_step"),

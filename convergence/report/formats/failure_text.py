@@ -26,8 +26,8 @@ TABLE_AROUND = 3
 
 
 def _verdict_line(v: MetricVerdict, metric_width: int = 12) -> str:
-    state = verdict_state(v.passed, v.gate, v.steps_compared)
-    if v.passed and not v.gate:
+    state = verdict_state(v.passed, v.gate, v.steps_compared, v.not_compared)
+    if v.passed and not v.gate and not v.not_compared:
         state += " (report only)"
     parts = [f"  {v.metric:<{metric_width}} {v.method:<10} {state:<6}"]
     if v.first_divergent_step is not None:
@@ -121,7 +121,9 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
         lines.append(f"  resume: checkpoint after step {resume['at_step']}, {resume['before']} "
                      f"-> {resume['after']}")
     if outcome.status == "error":
-        lines.append("a job broke before a verdict:")
+        asked = any(v.not_compared and v.gate for v in outcome.verdicts)
+        lines.append("a metric the experiment compares was not logged:" if asked
+                     else "a job broke before a verdict:")
         lines.append(_traceback_head(outcome.error or "(no error text)"))
     elif outcome.error:
         lines.append(f"  {outcome.error.strip()}")

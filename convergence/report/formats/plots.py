@@ -268,7 +268,7 @@ def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:
     seen: list[str] = []
     for o in outcomes:
         for v in o.verdicts:
-            if v.gate and v.metric not in seen:
+            if (v.gate or v.not_compared) and v.metric not in seen:
                 seen.append(v.metric)
     return seen or ["loss"]
 
@@ -280,6 +280,8 @@ def _cell(outcome: PairOutcome, metric: str) -> tuple[float, str]:
     verdict = outcome.verdict(metric)
     if verdict is None:
         return math.nan, "-"
+    if verdict.not_compared:  # a gating metric a run did not log: grey, never PASS
+        return math.nan, "not\ncompared"
     word = "PASS" if verdict.passed else "FAIL"
     dev, tol = verdict.max_deviation, verdict.tolerance_at_max
     label = f"{word}\n{dev:.1e}" if math.isfinite(dev) else f"{word}\nnan"
