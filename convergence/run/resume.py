@@ -76,8 +76,9 @@ def run_resumed(runner: Runner, side: str, job: JobSpec, *, pair_dir: Path,
                            on_metrics=on_metrics)
     info = {"at_step": resume.at_step, "checkpoint": str(checkpoint),
             "before": job.layout.short_name(), "after": resume.layout.short_name()}
-    if first.result is not None and first.result.status == "stopped_early":
-        # The verdict was decided before the resume: nothing after it to run.
+    if first.result is not None and first.result.status != "ok":
+        # Decided before the resume (stopped early), or a NaN loss (a test job that gives its
+        # curve up to the NaN): there is no checkpoint to resume from, and nothing to add.
         return dataclasses.replace(first, job=job, meta={**first.meta, "resume": info})
     second = runner.run_job(side, after, pair_dir=pair_dir, cacheable=False,
                             on_metrics=on_metrics)
