@@ -247,3 +247,19 @@ def test_a_planted_resume_bug_fails_at_the_resume(tmp_path: Path, bug: str, metr
         list(range(1, 9))
     assert "the divergence starts at the resume" in headline(outcome)
     assert "resume: checkpoint after step 4, single -> single" in render_outcome(outcome)
+
+
+def test_steps_cut_before_the_resume_is_that_pairs_error(tmp_path: Path) -> None:
+    from convergence.run.runner import Runner, RunSettings
+
+    path = tmp_path / "cut.toml"
+    path.write_text('[defaults]\ntrain_config = "debug"\nsteps = 8\nseed = 42\n\n'
+                    '[control]\nname = "single"\n\n[[test]]\nname = "t"\n'
+                    "resume = { at_step = 4 }\n")
+    pair = load_experiment(path, rootdir=tmp_path).pairs[0]
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", steps=3, idle_limit_s=180,
+                                wall_limit_s=600))
+    outcome = runner.run_pair(pair)  # --convergence-steps 3: the control runs, the test not
+    assert outcome.status == "error" and outcome.error is not None
+    assert "resume.at_step = 4 is not inside the run of 3 steps" in outcome.error
+    assert "internal error" not in outcome.error
