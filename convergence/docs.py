@@ -34,6 +34,7 @@ from convergence.spec.pp_schedules import (
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
 )
+from convergence.spec.resume import RESUME_KEYS
 
 
 def _names(values: Sequence[str] | frozenset[str], quote: str = "`") -> str:
@@ -109,6 +110,12 @@ def key_rows() -> list[KeyRow]:
          f"the numerics probe (built-in trainer on both sides only): {_code(PROBE_MODES)} "
          f"(default `on_failure`: a failed paired or twin pair is probed); `probe_on_failure "
          f"= false` is `probe = \"off\"`"),
+        ("test", ("resume",),
+         f"a table ({_names(RESUME_KEYS)}): train `at_step` steps, write a training "
+         f"checkpoint, resume on `parallelism` (a whole layout; default: the side's) with "
+         f"`techniques` merged into the side's and `local_batch_size` (keep the tokens per "
+         f"step) to the end; one curve against the uninterrupted control. Built-in trainer "
+         f"only for now"),
     ]
 
 
@@ -117,6 +124,7 @@ COVERED: Mapping[str, tuple[str, ...]] = {
     "[experiment]": EXPERIMENT_KEYS, "job": JOB_KEYS, "pair": PAIR_KEYS,
     "parallelism": LAYOUT_KEYS, "techniques": TECHNIQUE_KEYS, "compare": RULE_KEYS,
     "methods": METHODS, "regimes": REGISTRY.names(), "pp_schedule": SCHEDULES,
+    "resume": RESUME_KEYS,
 }
 
 

@@ -71,6 +71,8 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
             raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
                             file=exc.file or file, key=key_path, fix=exc.fix) from None
+    if test.resume is not None:
+        check_resume(test, file=file, key=key)
     try:
         regime = get_regime(pair.regime)
     except SpecError as exc:
@@ -89,6 +91,27 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                 "(local batch x DP x grad accumulation x seq_len)", file=file,
                 key=f"{key}.local_batch_size",
                 fix=_batch_fix(control, test, ctrl_tokens, test_tokens))
+
+
+def check_resume(test: JobSpec, *, file: str, key: str) -> None:
+    """A resuming test side (convergence.spec.resume): the resume layout passes the backend's
+    preflight and reads the same tokens per optimizer step as before the resume."""
+    after = test.after_resume()
+    where = f"{key}.resume"
+    backend = get_backend(after.backend)
+    try:
+        backend.preflight(after)
+    except SpecError as exc:
+        raise SpecError(f"[{key} {test.name!r} after the resume] {exc.detail}", file=file,
+                        key=f"{where}.{exc.key}" if exc.key else where, fix=exc.fix) from None
+    before, resumed = backend.tokens_per_step(test), backend.tokens_per_step(after)
+    if before != resumed:
+        raise SpecError(
+            f"tokens per optimizer step change at the resume: {before} before, {resumed} after "
+            "(local batch x DP x grad accumulation x seq_len); the data position and the LR "
+            "schedule would no longer line up with the control", file=file,
+            key=f"{where}.local_batch_size", fix=_batch_fix(test, after, before, resumed)
+            .replace("on the test", "in the resume table"))
 
 
 def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
@@ -113,6 +136,8 @@ def validate_devices(pair: PairSpec, *, available_devices: int | None) -> None:
         regime = get_regime(pair.regime)
         others = regime.control_jobs(pair, get_backend(pair.control.backend))[1:]
         jobs.extend(("control", job) for job in others)
+    if pair.test.resume is not None:
+        jobs.append(("test", pair.test.after_resume()))
     for side, job in jobs:
         if job.world_size > available_devices:
             raise SpecError(

@@ -33,6 +33,8 @@ PAIRABLE_OVERRIDES: dict[str, str] = {
 def bitwise_pairable(job: JobSpec) -> bool:
     """Deterministic fp32 (compute and reduction) and uncompiled, whatever set it."""
     overrides = job.override_dict()
+    if job.resume is not None and not job.resume.techniques.bitwise_pairable:
+        return False  # the phase after a resume counts too
     return job.techniques.bitwise_pairable and all(
         str(overrides[k]).lower() == v for k, v in PAIRABLE_OVERRIDES.items() if k in overrides)
 

@@ -39,6 +39,7 @@ from convergence.metrics.reader import read_run
 from convergence.regimes import get_regime
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
+from convergence.run.resume import run_resumed
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -362,8 +363,12 @@ class Runner:
                 def on_metrics(record: dict[str, float]) -> bool:
                     return bool(monitor.update(int(record["step"]), record).decided)
 
-            test = self.run_job("test", pair.test, pair_dir=pair_dir, cacheable=False,
-                                on_metrics=on_metrics)
+            if pair.test.resume is not None:  # two jobs, one curve (run/resume.py)
+                test = run_resumed(self, "test", pair.test, pair_dir=pair_dir,
+                                   on_metrics=on_metrics)
+            else:
+                test = self.run_job("test", pair.test, pair_dir=pair_dir, cacheable=False,
+                                    on_metrics=on_metrics)
         except (JobFailed, SpecError, CacheError) as exc:
             return PairOutcome(pair=pair, status="error", control=control, test=test,
                                error=str(exc), wall_s=time.monotonic() - started)
@@ -400,7 +405,8 @@ class Runner:
                   runs: Sequence[RunMetrics]) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing."""
-        if not wants_probe(pair, status):
+        if not wants_probe(pair, status) or pair.test.resume is not None:
+            # The probe replays a run from step 1 on one layout: it cannot replay a resume.
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
             return None  # the sides read different data: a numerics probe has nothing to add

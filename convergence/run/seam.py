@@ -11,6 +11,7 @@ from typing import Protocol, TypeVar
 
 from convergence.backends import Backend
 from convergence.launch.types import JobResult, LaunchRequest
+from convergence.run.outcome import SideOutcome
 from convergence.spec.job import JobSpec
 
 T = TypeVar("T")
@@ -36,6 +37,10 @@ class JobSeam(Protocol):
     def seed_checkpoint(self, job: JobSpec, backend: Backend) -> Path | None: ...
 
     def job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str: ...
+
+    def run_job(self, side: str, job: JobSpec, *, pair_dir: Path, cacheable: bool,
+                on_metrics: Callable[[dict[str, float]], bool] | None = None
+                ) -> SideOutcome: ...
 
     def cached_run(self, key: str, produce: Callable[[], Path], *,
                    usable: Callable[[Path], bool], read: Callable[[Path, bool], T]) -> T: ...

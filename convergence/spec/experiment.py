@@ -27,6 +27,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import METHODS, METRICS, ComparisonRule, PairSpec
+from convergence.spec.resume import parse_resume
 from convergence.spec.rules import RegimeTable
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
@@ -39,7 +40,8 @@ PAIR_KEYS = ("compare", "regime", "replicates", "early_stop", "golden", "tier",
 #: Values of the pair key ``probe``: when the numerics probe runs on both sides.
 PROBE_MODES = ("on_failure", "always", "off")
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k != "name") + PAIR_KEYS
-TEST_KEYS = JOB_KEYS + PAIR_KEYS
+#: ``resume`` is a test side's only (convergence.spec.resume): a control is uninterrupted.
+TEST_KEYS = JOB_KEYS + PAIR_KEYS + ("resume",)
 SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
 TOP_KEYS = ("experiment", "defaults", "control", "test", "sweep")
 EXPERIMENT_KEYS = ("description", "tier")
@@ -403,6 +405,8 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     else:
         side = _merge(job_defaults, {k: v for k, v in test_table.items() if k in JOB_KEYS})
         test_job = _job(name, side, file=file, key=key, rootdir=rootdir)
+        if "resume" in test_table:
+            test_job = _with_resume(test_job, test_table["resume"], file=file, key=key)
 
     regime = pair_conf.get("regime") or regimes.default_for(control_job, test_job)
     if regime not in regimes.names():
@@ -434,6 +438,18 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         golden=pair_conf.get("golden"),
     )
     return pair
+
+
+def _with_resume(job: JobSpec, value: Any, *, file: str, key: str) -> JobSpec:
+    resume = parse_resume(value, layout=job.layout, techniques=job.techniques,
+                          backend=job.backend, file=file, key=f"{key}.resume")
+    # Here, not in JobSpec: --convergence-steps may cut a run before its resume, which the
+    # Runner reports as that pair's error (run/resume.py), not as a broken JobSpec.
+    if resume.at_step >= job.steps:
+        raise SpecError(f"resume.at_step = {resume.at_step} is not inside the run "
+                        f"(steps = {job.steps})", file=file, key=f"{key}.resume.at_step",
+                        fix=f"set at_step between 1 and {job.steps - 1}")
+    return dataclasses.replace(job, resume=resume)
 
 
 def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.resume import Resume
 
 #: A sanity bound, not a budget: a typo like ``steps = 1000000000`` is caught at collection.
 MAX_STEPS = 10_000_000
@@ -44,6 +46,9 @@ class JobSpec:
     """Backend-specific settings (command template, metric keys, torchtitan module)."""
     source: str = ""
     """Where this job was defined (file path), for error messages."""
+    resume: Resume | None = None
+    """Test sides only: stop after ``resume.at_step``, checkpoint, resume on ``resume.layout``
+    (convergence.spec.resume); None: one uninterrupted job."""
 
     def __post_init__(self) -> None:
         # The name becomes part of a pytest node id (``file.toml::name``) and of run folder
@@ -82,6 +87,17 @@ class JobSpec:
     def world_size(self) -> int:
         return self.layout.world_size
 
+    def after_resume(self) -> JobSpec:
+        """The job that resumes: the resume layout, techniques and local batch, same steps
+        (the LR schedule spans the whole run). Raises ValueError on a job without resume."""
+        if self.resume is None:
+            raise ValueError(f"job {self.name!r} does not resume")
+        resume = self.resume
+        return dataclasses.replace(
+            self, layout=resume.layout, techniques=resume.techniques, resume=None,
+            local_batch_size=(resume.local_batch_size if resume.local_batch_size is not None
+                              else self.local_batch_size))
+
     def override_dict(self) -> dict[str, str]:
         return dict(self.overrides)
 
@@ -99,4 +115,6 @@ class JobSpec:
             "hook_mode": self.hook_mode,
             "overrides": [list(kv) for kv in self.overrides],
             "backend_options": [list(kv) for kv in self.backend_options],
+            # Only when set: the keys of jobs without a resume stay what they were.
+            **({"resume": self.resume.to_dict()} if self.resume is not None else {}),
         }

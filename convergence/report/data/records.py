@@ -16,6 +16,7 @@ from convergence.report.data.curves import (
     side_stat,
 )
 from convergence.report.data.jsonable import jsonable
+from convergence.report.data.resume import ResumeRecord, resume_record
 from convergence.report.data.serialize import metrics_to_json
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
@@ -152,6 +153,8 @@ class PairRecord(TypedDict):
     plots: dict[str, str]
     plot_error: str | None
     curves: NotRequired[CurvesRecord]
+    resume: NotRequired[ResumeRecord]
+    """Only for a resuming test side (report/data/resume.py)."""
 
 
 #: Resource metrics compared test vs control: (metric, summary used per run).
@@ -304,6 +307,9 @@ def pair_record(outcome: PairOutcome, *, plots: Mapping[str, str] | None = None,
         "plots": dict(plots or {}),
         "plot_error": plot_error,
     }
+    resume = resume_record(outcome, record["first_divergent_step"])
+    if resume is not None:
+        record["resume"] = resume
     if include_curves:
         record["curves"] = curves_record(outcome)
     encoded: PairRecord = jsonable(record)  # same shape, non-finite floats as strings

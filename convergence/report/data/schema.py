@@ -123,6 +123,9 @@ _PAIR: dict[str, Any] = {
             "type": "array", "items": {"$ref": "#/$defs/divergence_row"}}},
         "plots": {"type": "object", "additionalProperties": {"type": "string"}},
         "plot_error": _OPT_STR,
+        "resume": {"type": "object", "required": ["at_step", "before", "after", "note"],
+                   "properties": {"at_step": {"type": "integer"}, "before": {"type": "string"},
+                                  "after": {"type": "string"}, "note": _OPT_STR}},
         "curves": {"type": "object", "required": ["control", "test", "control_replicates"],
                    "properties": {
                        "control": _RUN_CURVES, "test": _RUN_CURVES,

@@ -166,6 +166,11 @@ def pair_html(record: PairRecord, plot_files: Mapping[str, Path]) -> str:
         ("wall (pair, control, test)", escape(", ".join(
             fmt_wall(as_float(wall[k])) for k in ("pair", "control", "test")))),
     ]
+    resume = record.get("resume")
+    if resume is not None:
+        items.append(("resume", escape(f"checkpoint after step {resume['at_step']}, "
+                                       f"{resume['before']} → {resume['after']}"
+                                       + (f": {resume['note']}" if resume["note"] else ""))))
     if record["first_divergent_step"] is not None:
         items.append(("first divergent step",
                       f'<span class="bad">{record["first_divergent_step"]}</span>'))

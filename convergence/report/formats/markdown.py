@@ -103,6 +103,11 @@ def failure_section(record: PairRecord) -> list[str]:
             f"{code(record['id'])} · control {code(record['control']['short_name'])} vs test "
             f"{code(record['test']['short_name'])} · {text(record['regime'])} regime")
     lines = [head, ""]
+    resume = record.get("resume")
+    if resume is not None:
+        lines += [f"Resume: checkpoint after step {resume['at_step']}, "
+                  f"{code(resume['before'])} → {code(resume['after'])}"
+                  + (f" — {text(resume['note'])}" if resume["note"] else ""), ""]
     if record["first_divergent_step"] is not None:
         lines.append(f"**First divergent step: {record['first_divergent_step']}**")
         lines.append("")
