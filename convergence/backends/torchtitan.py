@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tags import TENSORBOARD_TAGS
 from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
@@ -66,6 +67,11 @@ DEFAULT_CONFIG = "llama3_debugmodel"
 DEFAULT_DATASET = "c4_test"
 OPTION_KEYS = ("module", "config", "hf_assets_path", "dataset", "dataset_path", "assets_dir")
 TRAIN_MODULE = "torchtitan.train"
+#: The entry point every job runs: torchtitan.train behind our wrapper (CPU workarounds,
+#: torch 2.13 fixes, hooks, per-step records; convergence/backends/torchtitan_launch.py).
+LAUNCH_MODULE = "convergence.backends.torchtitan_launch"
+#: Per-step records of the wrapper (data fingerprint, per-part grad norms), rank 0.
+STEP_LOG = "convergence_steps.jsonl"
 SEED_FOLDER = "checkpoint"
 #: Where a seed checkpoint lands inside the seed folder (``save(curr_step=0)``).
 SEED_STEP = "step-0"
@@ -139,6 +145,10 @@ def job_overrides(job: JobSpec, local_batch_size: int | None) -> list[str]:
         f"--parallelism.pipeline_parallel_degree={layout.pp}",
         f"--parallelism.pipeline_parallel_schedule={layout.pp_schedule}",
         f"--parallelism.context_parallel_degree={layout.cp}",
+        # torchtitan 0.3.0's default "spmd_types" leaves plain tensors that torch 2.13's
+        # fully_shard refuses (on any device); "partial_dtensor": DTensor on the
+        # model-parallel axes only, FSDP2 as usual.
+        "--parallelism.spmd_backend=partial_dtensor",
         # torchtitan's "default" is ZeRO-3 with its own smart exceptions; False means ZeRO-2.
         "--parallelism.fsdp_reshard_after_forward="
         + ("default" if tech.reshard_after_forward else "never"),
@@ -185,6 +195,15 @@ def build_argv(job: JobSpec, *, dump_dir: Path, extra: list[str],
         AC_SUBCOMMANDS[job.techniques.activation_checkpoint],
         *(override_arg(k, v) for k, v in user_ac),
     ]
+
+
+def launch_options(job: JobSpec, dump_dir: Path) -> list[str]:
+    """The wrapper's own words (convergence/backends/torchtitan_launch.py): its per-step
+    records and the user's hook."""
+    words = [f"--convergence.log={dump_dir / STEP_LOG}"]
+    if job.hook:
+        words += [f"--convergence.hook={job.hook}", f"--convergence.hook_mode={job.hook_mode}"]
+    return words
 
 
 def seed_args(seed_dir: Path) -> list[str]:
@@ -343,6 +362,17 @@ class TorchtitanBackend:
                 raise SpecError("unknown torchtitan backend option", file=file,
                                 key=f"backend_options.{key}",
                                 fix=f"use one of {', '.join(OPTION_KEYS)}")
+        if job.hook:
+            if job.hook_mode != "after":
+                raise SpecError(f"hook_mode {job.hook_mode!r} is not available for torchtitan "
+                                "jobs: torchtitan applies its own TP plan, and the hook runs "
+                                "after torchtitan's parallelisation of each model part",
+                                file=file, key="hook_mode",
+                                fix='use hook_mode = "after" (the default), or the built-in '
+                                    'backend for "replace_tp"')
+            from convergence.trainer.hooks import find_hook_module  # lazy: torch
+
+            find_hook_module(job.hook, file=file, key="hook")
         try:
             self.base_config(job)  # module/config alone first: its error names that option
             self.effective_config(job)
@@ -388,14 +418,15 @@ class TorchtitanBackend:
         # One process through torchrun: torchtitan reads WORLD_SIZE and wants a process group.
         return ["-m", "convergence.launch.loopback_torchrun", "--standalone",
                 "--nproc-per-node=1",
-                "-m", TRAIN_MODULE,
+                "-m", LAUNCH_MODULE,
                 *build_argv(single, dump_dir=seed_dir / "creator", extra=seed_args(seed_dir),
                             local_batch_size=None)]
 
     def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
         ensure_assets(assets_root(job))
         extra = load_args(seed_dir) if seed_dir is not None else []
-        return ["-m", TRAIN_MODULE, *self.argv(job, dump_dir=dump_dir, extra=extra)]
+        return ["-m", LAUNCH_MODULE, *launch_options(job, dump_dir),
+                *self.argv(job, dump_dir=dump_dir, extra=extra)]
 
     def launches_itself(self, job: JobSpec) -> bool:
         return False
@@ -414,8 +445,12 @@ class TorchtitanBackend:
         return dict(TENSORBOARD_TAGS)  # live records carry torchtitan's tags
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
-
-        return read_tensorboard(dump_dir / "tb")
+        metrics = read_tensorboard(dump_dir / "tb")
+        steps = dump_dir / STEP_LOG
+        if steps.is_file():  # the wrapper's records (absent in runs cached before it existed)
+            for name, curve in read_jsonl(steps).items():
+                metrics.setdefault(name, curve)
+        return metrics
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         return {}
