@@ -115,9 +115,13 @@ def noise_twin(control: JobSpec) -> JobSpec:
     from convergence.backends.builtin import BuiltinBackend  # lazy: see check_pair
 
     if control.backend != "builtin":
-        raise SpecError(f"the twin regime derives the control's twin from the built-in "
-                        f"trainer's settings; the {control.backend!r} backend has none",
-                        key="regime", fix='use regime = "seed" for this backend')
+        derive = getattr(get_backend(control.backend), "noise_twin", None)
+        if derive is None:
+            raise SpecError(f"the twin regime needs a twin of the control derived by its "
+                            f"backend; the {control.backend!r} backend derives none",
+                            key="regime", fix='use regime = "seed" for this backend')
+        twin: JobSpec = derive(control)
+        return twin
     cfg = BuiltinBackend().effective_config(control)
     layout, tech = control.layout, control.techniques
     local = cfg.training.local_batch_size

@@ -312,3 +312,56 @@ def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
     assert outcome.status == "passed", outcome.error or outcome.verdicts
     loss = outcome.control.metrics["loss"] if outcome.control else None
     assert loss is not None and len(loss) == 30 and loss.values[-1] < loss.values[0]
+
+
+def test_degree_checks_read_torchtitans_model_args() -> None:
+    # The debug model has 16 attention heads and 6 layers.
+    err = error_of(job(ParallelLayout(dp_shard=1, tp=3)))
+    assert err.key == "parallelism.tp" and "16 attention heads" in str(err)
+    err = error_of(job(ParallelLayout(dp_shard=1, tp=2, sequence_parallel=True),
+                       overrides=(("training.seq_len", "63"),)))
+    assert err.key == "overrides.training.seq_len"
+    err = error_of(job(ParallelLayout(dp_shard=1, pp=4, pp_schedule="Interleaved1F1B"),
+                       local_batch_size=8))
+    assert err.key == "parallelism.pp" and "6 layers" in str(err)
+    err = error_of(job(ParallelLayout(dp_shard=1, pp=2, pp_schedule="1F1B",
+                                      pp_stages_per_rank=3), local_batch_size=12))
+    assert err.key == "parallelism.pp_stages_per_rank"
+
+
+def test_noise_twin_keeps_the_samples_and_changes_the_reduction(tmp_path: Path) -> None:
+    control = job(techniques=Techniques(param_dtype="bfloat16"))
+    twin = BACKEND.noise_twin(control)
+    assert twin.layout == control.layout  # same DP ranks: the same dataset chunks
+    assert twin.local_batch_size == 4 and twin.techniques.grad_accum_steps == 2
+    assert BACKEND.tokens_per_step(twin) == BACKEND.tokens_per_step(control)
+    cfg = train_config(twin, tmp_path)
+    assert cfg.training.local_batch_size == 4 and cfg.training.global_batch_size == 16
+    with pytest.raises(SpecError) as info:
+        BACKEND.noise_twin(job(local_batch_size=3))
+    assert info.value.key == "regime"
+
+
+def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path) -> None:
+    from convergence.preflight import noise_twin
+
+    path = tmp_path / "tt.toml"
+    path.write_text(textwrap.dedent("""
+        [defaults]
+        backend = "torchtitan"
+        train_config = "tt.toml"
+        local_batch_size = 4
+        techniques = { param_dtype = "bfloat16" }
+        overrides = { "training.seq_len" = 64 }
+
+        [control]
+        name = "fsdp2"
+        parallelism = { dp_shard = 2 }
+
+        [[test]]
+        name = "fsdp2-tp2"
+        parallelism = { dp_shard = 2, tp = 2 }
+        """))
+    (pair,) = load_checked(path, rootdir=tmp_path).pairs
+    assert pair.regime == "twin"
+    assert noise_twin(pair.control).local_batch_size == 2

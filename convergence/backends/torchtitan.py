@@ -58,6 +58,7 @@ from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES
 
 if importlib.util.find_spec("torchtitan") is None:  # get_backend turns this into a SpecError
     raise ImportError("torchtitan is not installed")
@@ -389,6 +390,43 @@ class TorchtitanBackend:
                 f"{layout.microbatches} pipeline microbatches", file=file,
                 key="local_batch_size",
                 fix="make local_batch_size a multiple of parallelism.pp_microbatches")
+        if layout.pp_stages_per_rank is not None and layout.pp_stages_per_rank != (
+                2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1):
+            raise SpecError(
+                "parallelism.pp_stages_per_rank is not passed on to torchtitan (it derives the "
+                "stages per rank from the schedule: 1, or 2 for looped schedules)", file=file,
+                key="parallelism.pp_stages_per_rank",
+                fix="drop pp_stages_per_rank, or set torchtitan's own "
+                    "overrides.\"parallelism.pipeline_parallel_layers_per_stage\"")
+        check_degrees(job, self.effective_config(job))
+
+    def noise_twin(self, control: JobSpec) -> JobSpec:
+        """The control's twin for the twin regime (convergence/stats/twin.py): the same seed
+        checkpoint, samples, precision and techniques, reduced in another order.
+
+        Half the local batch with twice the gradient accumulation (``training.global_batch_size``
+        unchanged), on the same ranks. Not twice the data-parallel degree as for the built-in
+        trainer: torchtitan's dataloader gives each data-parallel rank a contiguous chunk of the
+        dataset (``split_dataset_by_node``), so another DP degree reads other samples, and the
+        twin would measure batch noise instead of rounding."""
+        import dataclasses
+
+        local = self.local_batch_size(control)
+        layout, tech = control.layout, control.techniques
+        if local % 2 or (layout.pp > 1 and (local // 2) % layout.microbatches):
+            raise SpecError(
+                f"no noise twin for control {control.name!r}: its local batch ({local}) cannot "
+                "be halved" + (" into whole pipeline microbatches" if layout.pp > 1 else ""),
+                key="regime", fix="use an even local_batch_size on the control, or "
+                                  'regime = "seed"')
+        twin = dataclasses.replace(
+            control, name=f"{control.name}-twin", local_batch_size=local // 2,
+            techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2))
+        self.preflight(twin)
+        if self.tokens_per_step(twin) != self.tokens_per_step(control):
+            raise SpecError(f"the twin of {control.name!r} would read other tokens per step",
+                            key="regime", fix='use regime = "seed" for this control')
+        return twin
 
     def tokens_per_step(self, job: JobSpec) -> int:
         training = self.effective_config(job).training
@@ -454,6 +492,36 @@ class TorchtitanBackend:
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         return {}
+
+
+def check_degrees(job: JobSpec, cfg: Any) -> None:
+    """The parallel degrees against torchtitan's model arguments (attention heads, layers,
+    sequence length), at collection instead of as a rank's traceback."""
+    model = cfg.model_spec.model
+    layout, file = job.layout, job.source
+    attention = getattr(model, "first_attention", None)
+    heads: int | None = getattr(attention, "n_heads", None)
+    kv_heads: int | None = getattr(attention, "n_kv_heads", None) or heads
+    if layout.tp > 1 and heads is not None and kv_heads is not None:
+        for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+            if count % layout.tp:
+                raise SpecError(f"tp = {layout.tp} does not divide the model's {count} {what}",
+                                file=file, key="parallelism.tp",
+                                fix=f"use a tp degree that divides {count}")
+    seq_len = int(cfg.training.seq_len)
+    divisor = (layout.tp if cfg.parallelism.enable_sequence_parallel else 1) * (
+        2 * layout.cp if layout.cp > 1 else 1)
+    if seq_len % divisor:
+        raise SpecError(f"training.seq_len {seq_len} is not a multiple of {divisor} (tp with "
+                        "sequence parallel x 2 x cp: torchtitan's load balancing)", file=file,
+                        key="overrides.training.seq_len",
+                        fix=f"use a seq_len divisible by {divisor}")
+    layers = getattr(model, "layers", None)
+    stages = layout.pp * (2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
+    if layout.pp > 1 and layers is not None and len(layers) < stages:
+        raise SpecError(f"{stages} pipeline stages for a model of {len(layers)} layers",
+                        file=file, key="parallelism.pp",
+                        fix="use fewer pipeline stages than the model has layers")
 
 
 def _one_process(job: JobSpec) -> JobSpec:

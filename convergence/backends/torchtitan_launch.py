@@ -47,6 +47,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
+from convergence.trainer.hooks import HookContext, apply_hook, load_hook
+
 PREFIX = "--convergence."
 
 
@@ -193,8 +196,6 @@ def hook_context(parallel_dims: Any, config: Any, *, mode: str, stage_index: int
                  num_stages: int = 1) -> Any:
     """The built-in trainer's HookContext, filled from torchtitan's ParallelDims (mesh axis
     names are torchtitan's: "pp", "dp_replicate", "fsdp", "cp", "tp", ...)."""
-    from convergence.trainer.hooks import HookContext
-
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     dp_mesh = parallel_dims.get_optional_mesh(names) if parallel_dims.dp_enabled else None
     pp_mesh = parallel_dims.get_optional_mesh("pp")
@@ -211,8 +212,6 @@ def wrap_model_spec(config: Any, options: LaunchOptions) -> None:
     spec = config.model_spec
     hook_fn = None
     if options.hook:
-        from convergence.trainer.hooks import load_hook
-
         hook_fn = load_hook(options.hook)
     parallelize, pipelining = spec.parallelize_fn, spec.pipelining_fn
 
@@ -223,8 +222,6 @@ def wrap_model_spec(config: Any, options: LaunchOptions) -> None:
             force_sum_reduction(model)
         parallel_dims = kwargs["parallel_dims"]
         if hook_fn is not None and not parallel_dims.pp_enabled:
-            from convergence.trainer.hooks import apply_hook
-
             ctx = hook_context(parallel_dims, config, mode=options.hook_mode)
             model = apply_hook(hook_fn, model, ctx)
         return model
@@ -235,8 +232,6 @@ def wrap_model_spec(config: Any, options: LaunchOptions) -> None:
 
     @functools.wraps(pipelining)
     def pipelining_fn(model: Any, **kwargs: Any) -> Any:
-        from convergence.trainer.hooks import apply_hook
-
         kwargs["parallelize_fn"] = parallelize_fn
         schedule, parts, has_first, has_last = pipelining(model, **kwargs)
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
@@ -264,15 +259,11 @@ class StepLog:
         self.step = 0
 
     def on_batch(self, input_dict: dict[str, Any], labels: Any) -> None:
-        from convergence.trainer.data import sample_hash
-
         self.digest += sample_hash(input_dict["input"], labels)
 
     def on_grads(self, parameters: list[Any], parallel_dims: Any) -> None:
         import torch
         import torch.distributed as dist
-
-        from convergence.trainer.data import FINGERPRINT_BITS
 
         self.step += 1
         digest = torch.tensor([self.digest % 2**FINGERPRINT_BITS], dtype=torch.int64)

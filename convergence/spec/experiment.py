@@ -405,6 +405,10 @@ _PAIRABLE_OVERRIDES: dict[str, str] = {
     "training.compile": "false", "training.deterministic": "true"}
 
 
+#: Backends that derive a noise twin of a control (convergence.preflight.noise_twin).
+TWIN_BACKENDS = ("builtin", "torchtitan")
+
+
 def _default_regime(control: JobSpec, test: JobSpec) -> str:
     """Paired (step-by-step at the noise floor) only when both runs are deterministic fp32
     (compute and reduction), uncompiled and share the seed, as the README promises; twin when
@@ -421,9 +425,9 @@ def _default_regime(control: JobSpec, test: JobSpec) -> str:
         return "paired"
     # Same seed checkpoint and data but not bitwise reproducible (bf16, compile, ...): the twin
     # regime measures the noise on a twin of the control (stats/twin.py). It needs to derive
-    # that twin (twice the DP degree, half the local batch), which the built-in trainer's
-    # settings allow; other backends keep the seed band.
-    if control.backend == "builtin" and test.backend == "builtin":
+    # that twin (another reduction order, the same samples), which the built-in trainer and
+    # torchtitan backends do (their noise_twin); the command backend keeps the seed band.
+    if control.backend == test.backend and control.backend in TWIN_BACKENDS:
         return "twin"
     return "seed"
 
