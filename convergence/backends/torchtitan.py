@@ -328,13 +328,33 @@ def ensure_assets(root: Path) -> Path:
     return root
 
 
+def source_dir() -> Path:
+    """The folder ``import torchtitan`` loads (installed package or source checkout)."""
+    spec = importlib.util.find_spec("torchtitan")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ImportError("torchtitan is not installed")
+    return Path(locations[0]).resolve()
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 over torchtitan's ``.py`` files (once per process: ~0.1 s)."""
+    from convergence.cache.key import sources_hash  # lazy: only when a key is computed
+
+    return sources_hash(source_dir())
+
+
 # -- the backend --------------------------------------------------------------------------------
 
 class TorchtitanBackend:
     name = "torchtitan"
 
     def version(self) -> str:
-        return f"torchtitan-{_dist_version('torchtitan')}"
+        """torchtitan's version and a hash of its Python sources where they are imported from
+        (site-packages, or a source checkout: an edit there is a new key, so a stale control
+        is never reused)."""
+        return f"torchtitan-{_dist_version('torchtitan')}+src.{source_hash()[:16]}"
 
     # validation
     def base_config(self, job: JobSpec) -> Any:
