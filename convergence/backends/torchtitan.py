@@ -536,6 +536,15 @@ def check_degrees(job: JobSpec, cfg: Any) -> None:
                         "sequence parallel x 2 x cp: torchtitan's load balancing)", file=file,
                         key="overrides.training.seq_len",
                         fix=f"use a seq_len divisible by {divisor}")
+    block = getattr(getattr(attention, "inner_attention", None), "block_size", None)
+    if layout.cp > 1 and block is not None:  # flex attention: its CP block mask
+        block = max(block) if isinstance(block, tuple) else int(block)
+        if seq_len % (layout.cp * block):
+            raise SpecError(f"training.seq_len {seq_len} is not a multiple of cp x the flex "
+                            f"attention block size ({layout.cp} x {block}): torch shards the "
+                            "block mask in whole blocks per CP rank", file=file,
+                            key="overrides.training.seq_len",
+                            fix=f"use a seq_len divisible by {layout.cp * block}")
     layers = getattr(model, "layers", None)
     stages = layout.pp * (2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
     if layout.pp > 1 and layers is not None and len(layers) < stages:

@@ -28,6 +28,10 @@ On CPU only (when this rank sees no CUDA device, or with ``--convergence.cpu``;
 - ``barrier(device_ids=[...])`` in ``set_pg_timeouts`` is a NCCL-only argument: a plain
   barrier there.
 
+- torchtitan 0.3.0 hands its pipeline schedule microbatch lists
+  (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``) that torch 2.13's schedules do not
+  take: ``step`` gains that form (``patch_pipeline_step``).
+
 The other device-independent obstacle is handled on the command line by the backend:
 torchtitan's default ``parallelism.spmd_backend = "spmd_types"`` leaves plain tensors that
 torch 2.13's ``fully_shard`` refuses; the backend passes ``partial_dtensor`` (DTensor on the
@@ -147,6 +151,48 @@ def patch_timeouts(*, cpu: bool) -> None:
             c10d._set_pg_timeout(timeout, group)
 
     dist_utils.set_pg_timeouts = set_pg_timeouts
+
+
+# -- pipelining: torchtitan 0.3.0 passes microbatch lists --------------------------------------
+
+def patch_pipeline_step() -> None:
+    """torchtitan 0.3.0 calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``
+    with its microbatches already split; torch 2.13's schedules take whole-batch inputs only
+    (the lists would be split again as model keyword arguments). Where ``step`` has no
+    ``arg_mbs``, it gains that form: the same per-step preparation as torch's own ``step``,
+    then ``_step_microbatches`` on the given lists."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        original = cls.step
+        if "arg_mbs" in inspect.signature(original).parameters:
+            continue
+        setattr(cls, "step", _microbatch_step(original))  # noqa: B010
+
+
+def _microbatch_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, arg_mbs: list[Any] | None = None,
+             kwarg_mbs: list[Any] | None = None, target_mbs: list[Any] | None = None,
+             losses: list[Any] | None = None, return_outputs: bool = True,
+             loss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return original(self, *args, losses=losses, return_outputs=return_outputs,
+                            loss_kwargs=loss_kwargs, **kwargs)
+        stages = getattr(self, "_stages", None) or [self._stage]
+        for stage in stages:
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                loss_kwargs=loss_kwargs)
+        for stage in stages:
+            if stage.is_last and return_outputs:
+                return self._merge_outputs(stage.output_chunks)
+        return None
+
+    return step
 
 
 # -- CPU: attention ----------------------------------------------------------------------------
@@ -272,7 +318,7 @@ class StepLog:
         mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims.dp_enabled else None
         if mesh is not None:
             dist.all_reduce(digest, group=mesh.get_group())
-        parts = part_grad_norms(parameters)
+        parts = part_grad_norms(parameters, parallel_dims.get_optional_mesh("pp"))
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         norms = [v for v in parts.values() if v > 0]
@@ -291,22 +337,30 @@ def part_of(name: str) -> str:
     return ".".join(words[-2:]) if len(words) >= 2 else ".".join(words)
 
 
-def part_grad_norms(parameters: list[Any]) -> dict[str, float]:
-    """Per part, the gradient's global 2-norm (DTensor shards reduced over their mesh)."""
-    import torch
+def part_grad_norms(parameters: list[Any], pp_mesh: Any) -> dict[str, float]:
+    """Per part, the gradient's global 2-norm: DTensor shards reduced over their mesh (FSDP,
+    TP), then the pipeline stages' sums of squares added (each stage holds other layers)."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    squares: dict[str, Any] = {}
+    squares: dict[str, float] = {}
     for name, param in parameters:
         grad = param.grad
         if grad is None:
             continue
-        sq = grad.detach().float().pow(2).sum()
+        sq = grad.detach().double().pow(2).sum()
         if isinstance(sq, DTensor):
             sq = sq.full_tensor()
         key = part_of(name)
-        squares[key] = squares.get(key, torch.zeros(())) + sq.cpu()
-    return {k: float(v.sqrt()) for k, v in sorted(squares.items())}
+        squares[key] = squares.get(key, 0.0) + float(sq)
+    if pp_mesh is not None:
+        gathered: list[dict[str, float] | None] = [None] * pp_mesh.size()
+        dist.all_gather_object(gathered, squares, group=pp_mesh.get_group())
+        squares = {}
+        for stage in gathered:
+            for key, value in (stage or {}).items():
+                squares[key] = squares.get(key, 0.0) + value
+    return {k: math.sqrt(v) for k, v in sorted(squares.items())}
 
 
 def patch_step_log(options: LaunchOptions) -> None:
@@ -352,6 +406,7 @@ def install(options: LaunchOptions) -> None:
     if cpu:
         pick_cpu_device()
     patch_timeouts(cpu=cpu)
+    patch_pipeline_step()
     if cpu:
         patch_attention()
     patch_step_log(options)
