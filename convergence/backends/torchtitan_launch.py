@@ -173,7 +173,8 @@ def patch_pipeline_step() -> None:
 
 
 def _microbatch_step(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
+    # Not functools.wraps: its __wrapped__ would make inspect.signature report the original
+    # signature, and patch_pipeline_step could no longer tell a patched step.
     def step(self: Any, *args: Any, arg_mbs: list[Any] | None = None,
              kwarg_mbs: list[Any] | None = None, target_mbs: list[Any] | None = None,
              losses: list[Any] | None = None, return_outputs: bool = True,
@@ -192,6 +193,7 @@ def _microbatch_step(original: Callable[..., Any]) -> Callable[..., Any]:
                 return self._merge_outputs(stage.output_chunks)
         return None
 
+    step.__doc__, step.__qualname__ = original.__doc__, original.__qualname__
     return step
 
 
