@@ -1,10 +1,11 @@
 """torchtitan trains for real on CPU (gloo) through the launcher shim, and a planted bug applied
 through the user's hook fails its pair.
 
-One pytest session in a subprocess (pytester): a torchtitan FSDP2 control on 1 rank (fully_shard of degree 1) and the
-same layout with ``tests/fixtures/hooks/planted_bugs.py:double_ffn_grad`` applied by our wrapper
-after torchtitan's parallelisation. torchtitan's own step lines are printed into this session's
-output (CI's log shows them). The passing pair (FSDP2 vs FSDP2+TP2+SP) is
+One pytest session in a subprocess (pytester): a torchtitan FSDP2 control on 1 rank
+(fully_shard of degree 1; one rank keeps CI's cost down) and the same layout with
+``tests/fixtures/hooks/planted_bugs.py:double_ffn_grad`` applied by our wrapper after
+torchtitan's parallelisation. torchtitan's own step lines are printed into this session's output
+(CI's log shows them). The passing pairs (FSDP2 vs FSDP2+TP2+SP and vs FSDP2+PP2) are
 experiments/torchtitan/cpu.toml, collected directly.
 """
 

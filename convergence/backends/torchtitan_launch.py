@@ -9,6 +9,10 @@ Everywhere (GPU and CPU):
 - ``torch.distributed.set_timeout``, which torchtitan 0.3.0 calls after the first step
   (``distributed/utils.py: set_pg_timeouts``), does not exist in torch 2.13: it is given the
   function torch does have, ``distributed_c10d._set_pg_timeout`` (same arguments).
+- torchtitan 0.3.0 hands its pipeline schedule microbatch lists
+  (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``) that torch 2.13's schedules do not
+  take (they would split the lists again as model inputs): ``step`` gains that form
+  (``patch_pipeline_step``).
 - the user's hook (``--convergence.hook``) is applied to each model part after torchtitan's
   parallelisation (TP, activation checkpointing, compile, FSDP), with the built-in trainer's
   ``HookContext`` (convergence/trainer/hooks.py), and the per-step data fingerprint and
@@ -19,7 +23,7 @@ On CPU only (when this rank sees no CUDA device, or with ``--convergence.cpu``;
 *for tests on CPU: numerics on GPU are torchtitan's own*):
 
 - torchtitan picks device "cuda" when no accelerator is available (``tools/utils.py``): it
-  gets "cpu" (gloo) instead;
+  gets "cpu" (gloo) instead, with a device module that answers its memory-monitor calls;
 - flex attention has no CPU backward: its compiled kernel is replaced by the same masked
   attention computed eagerly (the BlockMask's ``mask_mod`` materialised, then SDPA), and the
   block mask is built without ``torch.compile`` (inductor's C++ build costs ~80 s per job);
@@ -27,10 +31,6 @@ On CPU only (when this rank sees no CUDA device, or with ``--convergence.cpu``;
   for a plain sum (``set_force_sum_reduction_for_comms``; the same math with factor 1);
 - ``barrier(device_ids=[...])`` in ``set_pg_timeouts`` is a NCCL-only argument: a plain
   barrier there.
-
-- torchtitan 0.3.0 hands its pipeline schedule microbatch lists
-  (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``) that torch 2.13's schedules do not
-  take: ``step`` gains that form (``patch_pipeline_step``).
 
 The other device-independent obstacle is handled on the command line by the backend:
 torchtitan's default ``parallelism.spmd_backend = "spmd_types"`` leaves plain tensors that
@@ -241,14 +241,15 @@ def force_sum_reduction(model: Any) -> None:
 
 
 def hook_context(parallel_dims: Any, config: Any, *, mode: str, stage_index: int = 0,
-                 num_stages: int = 1) -> Any:
+                 num_stages: int = 1) -> HookContext:
     """The built-in trainer's HookContext, filled from torchtitan's ParallelDims (mesh axis
     names are torchtitan's: "pp", "dp_replicate", "fsdp", "cp", "tp", ...)."""
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     dp_mesh = parallel_dims.get_optional_mesh(names) if parallel_dims.dp_enabled else None
     pp_mesh = parallel_dims.get_optional_mesh("pp")
-    return HookContext(mesh=parallel_dims.world_mesh, tp_mesh=parallel_dims.get_optional_mesh("tp"),
-                       dp_mesh=dp_mesh, config=config, mode=mode,
+    return HookContext(mesh=parallel_dims.world_mesh,
+                       tp_mesh=parallel_dims.get_optional_mesh("tp"), dp_mesh=dp_mesh,
+                       config=config, mode=mode,
                        pp_rank=pp_mesh.get_local_rank() if pp_mesh is not None else 0,
                        pp_size=parallel_dims.pp, stage_index=stage_index,
                        num_stages=num_stages)
