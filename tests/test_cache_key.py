@@ -147,3 +147,26 @@ def test_command_backend_keys_the_trainers_sources(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         backend.preflight(job("['nothing/*.py']"))
     assert info.value.key == "backend_options.sources"
+
+
+def test_report_says_when_command_controls_are_keyed_by_command_text_only() -> None:
+    import dataclasses
+
+    import report_examples as ex
+
+    from convergence.report.data.schema import build_report
+
+    outcome = ex.passing_pair()
+    assert "cache_key" not in build_report([outcome], environment={}, started_at=None,
+                                           wall_s=None)["environment"]
+    command = dataclasses.replace(outcome.pair.control, backend="command",
+                                  backend_options=(("command", "train.py"),))
+    unkeyed = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair,
+                                                                    control=command))
+    env = build_report([unkeyed], environment={}, started_at=None, wall_s=None)["environment"]
+    assert "keyed by their command text only" in env["cache_key"]
+    keyed = dataclasses.replace(command, backend_options=(("command", "train.py"),
+                                                          ("sources", "['train.py']")))
+    outcome = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair, control=keyed))
+    assert "cache_key" not in build_report([outcome], environment={}, started_at=None,
+                                           wall_s=None)["environment"]
