@@ -74,6 +74,10 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
             raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
                             file=exc.file or file, key=key_path, fix=exc.fix) from None
+    if pair.probe_always and {control.backend, test.backend} != {"builtin"}:
+        raise SpecError("probe = \"always\" needs the built-in trainer on both sides (only it "
+                        "has a probe mode; torchtitan and command jobs are never probed)",
+                        file=file, key=f"{key}.probe", fix='drop probe = "always" for this pair')
     if pair.regime in ("paired", "twin") and control.seed != test.seed:
         raise SpecError(f"{pair.regime} comparison needs the same seed (same seed checkpoint "
                         "and data)", file=file, key=f"{key}.seed",

@@ -366,3 +366,28 @@ def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path)
     (pair,) = load_checked(path, rootdir=tmp_path).pairs
     assert pair.regime == "twin"
     assert noise_twin(pair.control).local_batch_size == 2
+
+
+def test_probe_always_is_refused_for_torchtitan_at_collection(tmp_path: Path) -> None:
+    """The numerics probe is the built-in trainer's: asking for it on a torchtitan pair is a
+    collection error, not a silent no-op."""
+    path = tmp_path / "tt.toml"
+    path.write_text(textwrap.dedent("""
+        [defaults]
+        backend = "torchtitan"
+        train_config = "tt.toml"
+        local_batch_size = 4
+        overrides = { "training.seq_len" = 64 }
+
+        [control]
+        name = "fsdp2"
+        parallelism = { dp_shard = 2 }
+
+        [[test]]
+        name = "fsdp2-tp2"
+        parallelism = { dp_shard = 2, tp = 2 }
+        probe = "always"
+        """))
+    with pytest.raises(SpecError) as info:
+        load_checked(path, rootdir=tmp_path)
+    assert info.value.key.endswith(".probe") and "built-in trainer" in str(info.value)
