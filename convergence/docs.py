@@ -102,7 +102,8 @@ def key_rows() -> list[KeyRow]:
          f"by legitimate rounding) or `seed` (K control replicates with other seeds form a "
          f"band); default: paired when both sides are deterministic fp32, twin when they "
          f"share the seed otherwise (bf16, compile, nondeterministic kernels; built-in "
-         f"trainer), seed when the seeds differ"),
+         f"trainer and torchtitan, whose backends derive the twin), seed when the seeds "
+         f"differ or the backend derives no twin (command)"),
         ("", ("replicates", "early_stop", "golden", "tier"),
          f"seed-band size (default 3); stop a hopeless test early (default true); compare "
          f"against a golden curve file instead of a control run; {_names(TIERS)}"),

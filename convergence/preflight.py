@@ -82,6 +82,10 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     regime.check(pair, key=key, backend=get_backend(control.backend))
     for other in REGISTRY.all():
         other.check_method_use(pair, key=key)
+    if pair.probe_always and {control.backend, test.backend} != {"builtin"}:
+        raise SpecError("probe = \"always\" needs the built-in trainer on both sides (only it "
+                        "has a probe mode; torchtitan and command jobs are never probed)",
+                        file=file, key=f"{key}.probe", fix='drop probe = "always" for this pair')
     if control.backend == test.backend:
         backend = get_backend(control.backend)
         ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)

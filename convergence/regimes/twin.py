@@ -27,7 +27,7 @@ from convergence.spec.pair import ComparisonRule, Method, PairSpec
 #: Backends whose noise_twin derives a twin for the usual controls: where both sides use one of
 #: them (and the runs are not bitwise pairable), twin is the default regime; elsewhere the seed
 #: band is. A backend that implements ``noise_twin`` adds its name here to make twin its default.
-DEFAULT_FOR_BACKENDS: frozenset[str] = frozenset({"builtin"})
+DEFAULT_FOR_BACKENDS: frozenset[str] = frozenset({"builtin", "torchtitan"})
 
 
 @dataclass(frozen=True)

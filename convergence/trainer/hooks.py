@@ -16,6 +16,9 @@ per local stage with PP):
 
 Return a new module to replace the chunk, or None after changing it in place.
 
+torchtitan jobs (``backend = "torchtitan"``) get the same call, after torchtitan's own
+parallelisation of each model part, in "after" mode only (collection refuses "replace_tp").
+
 Modes:
 - "after": called after the built-in parallelisation (TP, activation checkpointing, compile,
   FSDP/DDP) of the chunk: register tensor hooks, wrap modules, swap a kernel ...
@@ -89,7 +92,8 @@ class HookContext:
     """The data-parallel mesh FSDP/DDP use (1D, or 2D (dp_replicate, dp_shard_cp) for HSDP);
     None when there is no data parallelism."""
     config: "TrainConfig"
-    """The whole train config of this job."""
+    """The whole train config of this job (a torchtitan job: torchtitan's own config object;
+    its meshes fill ``mesh``/``tp_mesh``/``dp_mesh``, convergence/backends/torchtitan_launch.py)."""
     mode: str
     """"after" or "replace_tp" (see the module docstring)."""
     pp_rank: int = 0

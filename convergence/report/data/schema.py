@@ -213,6 +213,19 @@ def summarize(outcomes: Iterable[PairOutcome]) -> dict[str, int]:
     }
 
 
+def cache_key_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
+    """``{"cache_key": ...}`` when a control of the ``command`` backend is keyed without its
+    trainer's sources (no ``backend_options.sources``): reused controls may then be stale."""
+    names = sorted({o.pair.control.name for o in outcomes
+                    if o.pair.control.backend == "command"
+                    and "sources" not in dict(o.pair.control.backend_options)})
+    if not names:
+        return {}
+    return {"cache_key": f"command-backend controls {', '.join(names)} are keyed by their "
+                         "command text only (list the trainer's files in "
+                         "backend_options.sources to key their content)"}
+
+
 def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, Any],
                  started_at: float | dt.datetime | str | None, wall_s: float | None,
                  plots: Mapping[str, Mapping[str, str]] | None = None,
@@ -239,7 +252,8 @@ def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, A
         "generated_at": _iso(dt.datetime.now(dt.timezone.utc)),
         "started_at": _iso(started_at),
         "wall_s": jsonable(wall_s),
-        "environment": jsonable({**default_environment(), **environment}),
+        "environment": jsonable({**default_environment(), **cache_key_notes(outcomes),
+                                 **environment}),
         "summary": summarize(outcomes),
         "plots": dict(plots.get("", {})),
         "pairs": records,
