@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.compare_cli import compare_rules
 from convergence.options import (
     OPTIONS,
@@ -41,7 +42,6 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 SIDES = ("baseline", "candidate")
 DEFAULT_WORKDIR = ".convergence"
 #: Session options ``ab`` takes. Not the cache ones (nothing is cached: both sides are code
@@ -179,8 +179,6 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if outcome.status != "passed":
             print(outcome.error or render_outcome(outcome))
     if values["report"] is not None:
-        from convergence.cli import _write_reports  # lazy: the CLI imports this module
-
-        _write_reports(outcomes, values["report"],
-                       {"ab": {"baseline": args.baseline, "candidate": args.candidate}})
+        write_report_folder(outcomes, values["report"],
+                            {"ab": {"baseline": args.baseline, "candidate": args.candidate}})
     return EXIT_OK if all(o.status == "passed" for o in outcomes) else EXIT_FAILED

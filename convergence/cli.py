@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 from convergence import __version__
 from convergence.ab import add_ab_parser
 from convergence.cache_cli import add_cache_parser
+from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.compare_cli import add_compare_parser, add_export_parser
 from convergence.configs import describe
 from convergence.launch.devices import session_devices
@@ -36,14 +36,11 @@ from convergence.launch.types import Progress
 from convergence.nightly import add_subcommands as add_nightly_subcommands
 from convergence.options import OptionError, add_arguments, run_settings, values_from_args
 from convergence.preflight import in_tier, load_checked, validate_devices
-from convergence.report import write_reports
-from convergence.report.data.schema import default_environment
 from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 from convergence.report.formats.terminal import render_summary
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import SpecError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 OUTCOME_GLOBS = ("*.outcome.json", "*.json")
 
 
@@ -64,16 +61,6 @@ class _ProgressLog:
 
 
 # -- run ------------------------------------------------------------------------------------
-
-def _write_reports(outcomes: Sequence[Any], out_dir: Path, extra_env: dict[str, Any]) -> None:
-
-    # As in pytest: a CI job's summary ($GITHUB_STEP_SUMMARY, when set) gets report.md too.
-    paths = write_reports(list(outcomes), out_dir,
-                          environment={**default_environment(), **extra_env},
-                          step_summary_env=os.environ)
-    for kind, path in sorted(dict(paths).items()):
-        print(f"  {kind}: {path}")
-
 
 def cmd_run(args: argparse.Namespace) -> int:
 
@@ -105,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         outcomes.append(outcome)
     print(render_summary(outcomes))
     if values["report"] is not None:
-        _write_reports(outcomes, values["report"], {"args": sys.argv[1:]})
+        write_report_folder(outcomes, values["report"], {"args": sys.argv[1:]})
     return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
 
 
@@ -136,7 +123,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     outcomes = load_outcome_files(Path(args.source))
     print(render_summary(outcomes))
-    _write_reports(outcomes, Path(args.out), {"rebuilt_from": str(args.source)})
+    write_report_folder(outcomes, Path(args.out), {"rebuilt_from": str(args.source)})
     return EXIT_OK if all(o.status in ("passed", "skipped") for o in outcomes) else EXIT_FAILED
 
 

@@ -2,8 +2,9 @@
 
 Both read runs through :func:`convergence.metrics.reader.read_metrics` (our run folders,
 torchtitan/TensorBoard dumps, JSONL files, golden files). ``compare`` judges with the rules
-pytest uses (loss and grad norm by the regime's method, throughput and memory reported only)
-and prints the text of pytest's failure section.
+pytest uses (loss, grad norm and per-part grad norm by the regime's method, the data
+fingerprint exactly, all gating; throughput and memory reported only) and prints the text of
+pytest's failure section.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.golden import export_golden
 from convergence.metrics.reader import describe_source, read_run
+from convergence.regimes import REGISTRY, get_regime
 from convergence.report.formats.failure_text import render_outcome
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
-from convergence.spec.rules import default_rules
-from convergence.stats.golden import export_golden
+from convergence.spec.pair import METHODS, METRICS, ComparisonRule, Method, PairSpec
 from convergence.stats.provenance import golden_provenance, read_run_meta, with_golden_note
 
 EXIT_OK, EXIT_FAILED = 0, 1
+
+#: The metrics that gate by default (from the rules, so the help cannot drift from them).
+GATING = ", ".join(r.metric for r in REGISTRY.default_rules("paired") if r.gate)
+REPORTED = ", ".join(r.metric for r in REGISTRY.default_rules("paired") if not r.gate)
 
 
 # -- compare --------------------------------------------------------------------------------
@@ -32,33 +37,38 @@ EXIT_OK, EXIT_FAILED = 0, 1
 def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     compare = sub.add_parser(
         "compare", help="compare two finished runs (A = control), with pytest's default verdict",
-        description="Judge run B against run A with the rules pytest uses: loss and grad norm "
-                    "by the regime's method (gating), throughput and memory reported only. "
+        description=f"Judge run B against run A with the rules pytest uses: {GATING} gate "
+                    f"(the data fingerprint exactly, the others by the regime's method; a "
+                    f"metric that a run does not log is reported as not compared), {REPORTED} "
+                    f"reported only. "
                     "A run is a run folder, a torchtitan dump / TensorBoard folder, a "
                     "metrics.jsonl file or a golden JSON file.")
     compare.add_argument("a", help="control: run folder, TensorBoard folder, JSONL or golden")
     compare.add_argument("b", help="test: run folder, TensorBoard folder or JSONL")
     compare.add_argument("--replicate", action="append", default=[], metavar="RUN",
-                         help="another control run with a different seed (repeatable); "
-                              "with any, the regime defaults to seed (a band of A + these)")
-    compare.add_argument("--regime", choices=REGIMES, default=None,
-                         help="paired (same seed checkpoint and data; default) or seed")
+                         help="another control run (repeatable): another seed's (the seed "
+                              "regime, the default with any: a band of A + these) or, with "
+                              "--regime twin, the control's twin")
+    compare.add_argument("--regime", choices=REGISTRY.names(), default=None,
+                         help="paired (same seed checkpoint and data; default), twin (the "
+                              "envelope from the control's twin: --replicate TWIN_RUN) or seed "
+                              "(a band of A and the --replicate runs; default with any)")
     compare.add_argument("--metric", action="append", default=None, choices=METRICS,
-                         help="gate on these metrics only (repeatable; default: pytest's "
-                              "loss and grad_norm, plus throughput/memory reported)")
+                         help=f"gate on these metrics only (repeatable; default: pytest's "
+                              f"{GATING}, plus {REPORTED} reported)")
     compare.add_argument("--method", default=None, choices=METHODS,
                          help="comparison method for the gating metrics "
-                              "(default: the regime's: paired or seed)")
+                              "(default: the regime's: paired, twin or seed)")
     compare.set_defaults(func=cmd_compare)
 
 
-def compare_rules(metrics: Sequence[str] | None, method: str | None,
+def compare_rules(metrics: Sequence[str] | None, method: Method | None,
                   regime: str) -> tuple[ComparisonRule, ...]:
     """pytest's default rules for ``regime``, narrowed to ``metrics`` / with ``method``."""
-
     if metrics:
-        return tuple(ComparisonRule(metric=m, method=method or regime) for m in metrics)
-    rules = default_rules(regime)
+        default = get_regime(regime).method
+        return tuple(ComparisonRule(metric=m, method=method or default) for m in metrics)
+    rules = get_regime(regime).default_rules()
     if method is None:
         return rules
     return tuple(ComparisonRule(metric=r.metric, method=method) if r.gate else r for r in rules)
@@ -70,14 +80,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     paths = [Path(args.a), *map(Path, args.replicate)]
     controls = [read_run(p) for p in paths]
     test = read_run(Path(args.b))
+    # Without --regime: other runs given are seed replicates (the band of A + these).
     regime = args.regime or ("seed" if args.replicate else "paired")
-    if regime == "seed" and len(controls) < 2:
-        raise SpecError("the seed regime needs at least 2 control runs", key="--replicate",
-                        fix="add --replicate RUN for each other seed's control run")
-    if regime == "twin" and len(controls) < 2:
-        raise SpecError("the twin regime needs the control's twin run", key="--replicate",
-                        fix="add --replicate TWIN_RUN: the control layout with another DP "
-                            "degree, same seed and data (README: Reading the verdict)")
+    get_regime(regime).check_control_runs(len(controls))
     rules = compare_rules(args.metric, args.method, regime)
     _check_requested(args.metric or [], paths, controls, Path(args.b), test)
     verdicts = compare_all(rules, controls, test)
@@ -126,10 +131,10 @@ def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: P
     pair = PairSpec(pair_id=f"compare {test_label} vs {control_label}", control=control_job,
                     test=test_job, rules=rules, regime=regime,
                     replicates=max(2, len(controls)), early_stop=False)
-    # As the Runner keeps them: the seed band's replicates, or the twin's curves.
+    # As the Runner keeps them: what the regime keeps (the seed band's replicates, the twin).
+    kept = get_regime(regime).control_curves(controls)
     control = SideOutcome(job=control_job, metrics=controls[0], run_dir=paths[0],
-                          replicates=tuple(controls) if regime == "seed" else (),
-                          twin=controls[1] if regime == "twin" else None)
+                          replicates=kept.replicates, twin=kept.twin)
     return PairOutcome(pair=pair, status="passed" if passed else "failed", control=control,
                        test=SideOutcome(job=test_job, metrics=test, run_dir=test_path),
                        verdicts=tuple(verdicts))  # type: ignore[arg-type]

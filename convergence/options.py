@@ -13,13 +13,15 @@ import argparse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
+from convergence.backends import backend_names
 from convergence.launch.types import Progress
 from convergence.run.runner import RunSettings
 from convergence.spec.experiment import TIERS  # quick < ci < nightly
 
-KINDS = ("string", "path", "int", "float", "bool", "choice")
+OptionKind = Literal["string", "path", "int", "float", "bool", "choice"]
+KINDS: tuple[OptionKind, ...] = get_args(OptionKind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,15 +30,18 @@ class Option:
     """``--convergence-<name>`` / ini ``convergence_<name with _>`` in pytest, ``--<name>`` in
     the CLI."""
     help: str
-    kind: str = "string"
+    kind: OptionKind = "string"
     """One of :data:`KINDS`; ``path`` values are relative to where they were written."""
     choices: tuple[str, ...] = ()
     default: Any = None
+    cli_help: str = ""
+    """The help of ``convergence run``/``ab`` where it differs from pytest's (no pytest
+    config there, so no rootdir); empty: :attr:`help`."""
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option(name="backend", help="override every job's trainer backend (builtin, torchtitan, "
-           "command)", kind="choice", choices=("builtin", "torchtitan", "command")),
+    Option(name="backend", help=f"override every job's trainer backend "
+           f"({', '.join(backend_names())})", kind="choice", choices=backend_names()),
     Option(name="launcher", help="how jobs are started: local torchrun or srun+torchrun",
            kind="choice", choices=("local", "slurm"), default="local"),
     Option(name="devices", help="devices (GPUs, or CPU slots) jobs may use; default: detect",
@@ -59,7 +64,8 @@ OPTIONS: tuple[Option, ...] = (
            default="quick"),
     Option(name="workdir", help="run folders, device-pool state and cache (default: "
            "<rootdir>/.convergence when pytest found a config file, else ./.convergence)",
-           kind="path"),
+           kind="path", cli_help="run folders, device-pool state and cache (default: "
+           "./.convergence, in the folder you run it from)"),
     Option(name="idle-limit", help="watchdog: end a job when no new metrics line came for this "
            "many seconds (a rank hung in a collective); default 300", kind="float"),
     Option(name="wall-limit", help="end a job after this many seconds in all; default 3600",
@@ -121,15 +127,16 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) 
         if opt.name in skipped:
             continue
         flag = f"--{opt.name}"
+        text = opt.cli_help or opt.help
         if opt.kind == "bool":
-            parser.add_argument(flag, action="store_true", default=None, help=opt.help)
+            parser.add_argument(flag, action="store_true", default=None, help=text)
         elif opt.kind == "choice":
-            parser.add_argument(flag, choices=opt.choices, default=None, help=opt.help)
+            parser.add_argument(flag, choices=opt.choices, default=None, help=text)
         else:
             metavar = {"path": "DIR", "int": "N"}.get(opt.kind) or (
                 "SECONDS" if opt.name.endswith("limit") else opt.name.upper())
             parser.add_argument(flag, type=_ARG_TYPES.get(opt.kind, str), default=None,
-                                metavar=metavar, help=opt.help)
+                                metavar=metavar, help=text)
 
 
 def values_from_args(args: argparse.Namespace, *, cwd: Path) -> dict[str, Any]:

@@ -10,10 +10,12 @@ An invalid pair still fails before anything is launched, with file, key and fix.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from convergence.backends import get_backend
+from convergence.backends.builtin import BuiltinBackend
+from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import (
     JOB_KEYS,
@@ -39,7 +41,7 @@ def load_checked(path: Path, *, rootdir: Path, max_tier: str | None = None,
     ``not_runnable``: where a pair's :class:`NotRunnableHere` (a backend that is not
     installed) is recorded, by pair name, instead of raised (the plugin skips those pairs).
     """
-    experiment = load_experiment(path, rootdir=rootdir)
+    experiment = load_experiment(path, rootdir=rootdir, regimes=REGISTRY)
     for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
         if in_tier(pair, max_tier):
             try:
@@ -53,7 +55,7 @@ def load_checked(path: Path, *, rootdir: Path, max_tier: str | None = None,
 
 def make_checked_pair(**kwargs: Any) -> PairSpec:
     """:func:`convergence.spec.experiment.make_pair` plus :func:`check_pair`."""
-    pair = make_pair(**kwargs)
+    pair = make_pair(**kwargs, regimes=REGISTRY)
     check_pair(pair, key=str(kwargs.get("key", "test")))
     return pair
 
@@ -64,16 +66,11 @@ def in_tier(pair: PairSpec, max_tier: str | None) -> bool:
 
 def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     """Invariants of a pair that need no devices: same data, same tokens per step, valid jobs."""
-    # Lazy: backends import numpy and the trainer's config; importing this module (the plugin
-    # does at startup) must cost a pytest session without convergence items nothing.
-    from convergence.backends import get_backend  # lazy: see the comment above
-
     file = pair.source
     control, test = pair.control, pair.test
     for side_key, job in (("control", control), (key, test)):
-        backend = get_backend(job.backend)
         try:
-            backend.preflight(job)
+            get_backend(job.backend).preflight(job)
         except SpecError as exc:
             # Name the experiment file (what the user edits); a check made on the effective
             # train config says so and points at it too.
@@ -85,22 +82,21 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
             raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
                             file=exc.file or file, key=key_path, fix=exc.fix) from None
-    if pair.regime in ("paired", "twin") and control.seed != test.seed:
-        raise SpecError(f"{pair.regime} comparison needs the same seed (same seed checkpoint "
-                        "and data)", file=file, key=f"{key}.seed",
-                        fix='use the same seed on both sides, or regime = "seed"')
-    twin_rules = [r.metric for r in pair.rules if r.method == "twin"]
-    if twin_rules and pair.regime != "twin":
-        raise SpecError(f"compare.{twin_rules[0]} = \"twin\" needs the twin regime (it "
-                        "compares with a twin of the control that only that regime runs)",
-                        file=file, key=f"{key}.compare.{twin_rules[0]}",
-                        fix='set regime = "twin", or another method for this metric')
-    if pair.regime == "twin" and not pair.golden:
-        try:
-            noise_twin(control)
-        except SpecError as exc:
-            raise SpecError(f"[control {control.name!r}] {exc.detail}", file=file,
-                            key=f"{key}.regime", fix=exc.fix) from None
+    if test.resume is not None:
+        check_resume(test, file=file, key=key)
+    try:
+        regime = get_regime(pair.regime)
+    except SpecError as exc:
+        raise SpecError(exc.detail, file=file, key=f"{key}.regime", fix=exc.fix) from None
+    # The regime's own checks (same seed, its control jobs can be derived, ...), then each
+    # regime's say on the methods that need its control jobs.
+    regime.check(pair, key=key, backend=get_backend(control.backend))
+    for other in REGISTRY.all():
+        other.check_method_use(pair, key=key)
+    if pair.probe_always and {control.backend, test.backend} != {"builtin"}:
+        raise SpecError("probe = \"always\" needs the built-in trainer on both sides (only it "
+                        "has a probe mode; torchtitan and command jobs are never probed)",
+                        file=file, key=f"{key}.probe", fix='drop probe = "always" for this pair')
     if control.backend == test.backend:
         backend = get_backend(control.backend)
         ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
@@ -112,51 +108,28 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                 fix=_batch_fix(control, test, ctrl_tokens, test_tokens))
 
 
-def noise_twin(control: JobSpec) -> JobSpec:
-    """The control's twin for the twin regime (convergence/stats/twin.py): the same seed
-    checkpoint, samples, precision and techniques, with another data-parallel degree, so its
-    gradients are reduced in another order and rounded at other points -- legitimate noise only.
-
-    Twice the FSDP degree with half the local batch where the local batch is even (every
-    optimizer step reads the very same samples: convergence.trainer.data.BatchPlan); else half
-    the FSDP degree with twice the gradient accumulation (fewer ranks, same samples). Raises
-    SpecError with a fix when neither keeps the tokens per step.
-    """
-    from convergence.backends import get_backend  # lazy: see check_pair
-    from convergence.backends.builtin import BuiltinBackend  # lazy: see check_pair
-
-    if control.backend != "builtin":
-        raise SpecError(f"the twin regime derives the control's twin from the built-in "
-                        f"trainer's settings; the {control.backend!r} backend has none",
-                        key="regime", fix='use regime = "seed" for this backend')
-    cfg = BuiltinBackend().effective_config(control)
-    layout, tech = control.layout, control.techniques
-    local = cfg.training.local_batch_size
-    if local % 2 == 0:
-        twin = dataclasses.replace(
-            control, name=f"{control.name}-twin", local_batch_size=local // 2,
-            layout=dataclasses.replace(layout, dp_shard=layout.dp_shard * 2))
-    elif layout.dp_shard % 2 == 0 and (layout.dp_shard // 2) * layout.cp > 1:
-        twin = dataclasses.replace(
-            control, name=f"{control.name}-twin",
-            layout=dataclasses.replace(layout, dp_shard=layout.dp_shard // 2),
-            techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2))
-    else:
-        raise SpecError(f"no noise twin for control {control.name!r}: its local batch "
-                        f"({local}) is odd and its FSDP degree ({layout.dp_shard}) cannot be "
-                        "halved", key="regime",
-                        fix="use an even local_batch_size on the control, or regime = \"seed\"")
-    backend = get_backend("builtin")
-    backend.preflight(twin)
-    if backend.tokens_per_step(twin) != backend.tokens_per_step(control):
-        raise SpecError(f"the twin of {control.name!r} would read other tokens per step",
-                        key="regime", fix='use regime = "seed" for this control')
-    return twin
+def check_resume(test: JobSpec, *, file: str, key: str) -> None:
+    """A resuming test side (convergence.spec.resume): the resume layout passes the backend's
+    preflight and reads the same tokens per optimizer step as before the resume."""
+    after = test.after_resume()
+    where = f"{key}.resume"
+    backend = get_backend(after.backend)
+    try:
+        backend.preflight(after)
+    except SpecError as exc:
+        raise SpecError(f"[{key} {test.name!r} after the resume] {exc.detail}", file=file,
+                        key=f"{where}.{exc.key}" if exc.key else where, fix=exc.fix) from None
+    before, resumed = backend.tokens_per_step(test), backend.tokens_per_step(after)
+    if before != resumed:
+        raise SpecError(
+            f"tokens per optimizer step change at the resume: {before} before, {resumed} after "
+            "(local batch x DP x grad accumulation x seq_len); the data position and the LR "
+            "schedule would no longer line up with the control", file=file,
+            key=f"{where}.local_batch_size", fix=_batch_fix(test, after, before, resumed)
+            .replace("on the test", "in the resume table"))
 
 
 def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
-    from convergence.backends.builtin import BuiltinBackend  # lazy: see check_pair
-
     if test.backend != "builtin":
         return "make local batch x DP x grad accumulation equal on both sides"
     cfg = BuiltinBackend().effective_config(test)
@@ -176,8 +149,12 @@ def validate_devices(pair: PairSpec, *, available_devices: int | DeviceSet | Non
     if available_devices is None:
         return
     jobs = [("control", pair.control), ("test", pair.test)]
-    if pair.regime == "twin" and not pair.golden:
-        jobs.append(("control", noise_twin(pair.control)))
+    if not pair.golden:  # the regime's other control jobs (a twin, seed replicates)
+        regime = get_regime(pair.regime)
+        others = regime.control_jobs(pair, get_backend(pair.control.backend))[1:]
+        jobs.extend(("control", job) for job in others)
+    if pair.test.resume is not None:
+        jobs.append(("test", pair.test.after_resume()))
     for side, job in jobs:
         if isinstance(available_devices, int):
             problem = (None if job.world_size <= available_devices else

@@ -3,7 +3,9 @@
 A TOML file is collected as an experiment when it is listed (or lies in a folder listed) in the
 ini option ``convergence_paths``, when it is named on the command line, or when it lies inside a
 folder named ``experiments`` *and declares itself* (a ``[control]`` table, ``[[test]]`` or
-``[[sweep]]``). Anything else under ``experiments/`` -- a torchtitan job config, a train config
+``[[sweep]]``). pytest only visits its ``testpaths`` (most repositories: ``["tests"]``), so a
+session that selects convergence tests (``-m convergence``) with no path on the command line
+also visits the ``convergence_paths`` (:func:`add_convergence_paths`). Anything else under ``experiments/`` -- a torchtitan job config, a train config
 next to an experiment -- is not ours and is silently left alone: installing the plugin must never
 break another repository's collection. Item names are the test names:
 ``experiments/converging.toml::fsdp2-tp2``. Every item carries the ``convergence`` marker.
@@ -59,6 +61,50 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
         if arg_path == resolved:
             return True
     return False
+
+
+def selects_convergence(markexpr: str) -> bool:
+    """Whether ``-m EXPR`` asks for convergence tests: it keeps an item that carries only the
+    convergence marker and drops an unmarked one. ``convergence``, ``convergence and not
+    slow`` do; ``not convergence``, ``slow``, ``not slow`` and no -m do not (a plain run, or a
+    CI's ``-m "not slow"``, must not start training jobs the testpaths do not hold)."""
+    if not markexpr:
+        return False
+    # pytest has no public API for mark expressions; this one is stable across 8.x and 9.x.
+    from _pytest.mark.expression import Expression
+
+    def marked(name: str, /, **kwargs: object) -> bool:
+        return name == MARKER and not kwargs
+
+    def unmarked(name: str, /, **kwargs: object) -> bool:
+        return False
+
+    try:
+        expression = Expression.compile(markexpr)
+        return expression.evaluate(marked) and not expression.evaluate(unmarked)
+    except (pytest.UsageError, SyntaxError, ValueError):  # pytest reports the bad -m itself
+        return False
+
+
+def add_convergence_paths(config: pytest.Config) -> list[Path]:
+    """Add the ini option ``convergence_paths`` to what pytest collects when the session
+    selects convergence tests (``-m convergence``) and names no path: pytest would otherwise
+    visit only its ``testpaths`` (or the invocation folder) and never see the experiments.
+    Paths already inside a collected folder are not added twice. Returns the added paths."""
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        return []  # the user named what to collect
+    if not selects_convergence(str(config.option.markexpr or "")):
+        return []
+    have = [(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args]
+    added: list[Path] = []
+    for listed in config.getini("convergence_paths"):
+        path = Path(listed).resolve()
+        if not path.exists() or any(path == h or _under(path, h) for h in have):
+            continue
+        config.args.append(str(path))
+        have.append(path)
+        added.append(path)
+    return added
 
 
 # The tables only an experiment file has. Matched on the raw text, so a file that declares

@@ -45,8 +45,10 @@ def add_options(parser: pytest.Parser) -> None:
         group.addoption(flag, **kwargs)
         default = "" if opt.default is None else str(opt.default)
         parser.addini(_ini_name(opt), opt.help, default=default)
-    parser.addini("convergence_paths", "extra experiment TOML files to collect (besides "
-                  "*.toml inside folders named 'experiments')", type="paths", default=[])
+    parser.addini("convergence_paths", "experiment TOML files or folders to collect (besides "
+                  "those inside folders named 'experiments'); -m convergence with no path "
+                  "collects them even when testpaths does not hold them", type="paths",
+                  default=[])
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from pytest_convergence.collection import (
     MARKER_HELP,
     ConvergenceItem,
     ExperimentFile,
+    add_convergence_paths,
     collect_file,
     mark_and_deselect,
     tier_note,
@@ -48,6 +49,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
+    add_convergence_paths(config)  # -m convergence must see convergence_paths (testpaths)
     sigterm_as_interrupt(forward_to_workers=is_distributing(config))
     options = read_options(config)
     worker = is_worker(config)

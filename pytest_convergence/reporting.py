@@ -91,13 +91,18 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = get_state(config)
     if state.is_worker or not state.all_outcomes:
         return
-    from convergence.report.formats.terminal import render_summary  # lazy: plugin start-up
+    from convergence.report.formats.terminal import (  # lazy: plugin start-up
+        not_compared_lines,
+        render_summary,
+    )
 
     tr = terminalreporter
     count = len(state.all_outcomes)
     tr.write_sep("=", f"convergence matrix ({count} pair{'' if count == 1 else 's'})")
-    for line in render_summary(state.all_outcomes).rstrip("\n").splitlines():
+    for line in render_summary(state.all_outcomes, not_compared=False).rstrip("\n").splitlines():
         tr.write_line(line)
+    for line in not_compared_lines(state.all_outcomes):
+        tr.write_line(line, yellow=True)
     if state.report_error:
         tr.write_line(f"convergence: writing the reports failed: {state.report_error}", red=True)
     if state.report_paths:

@@ -1,6 +1,7 @@
 """The torchtitan backend against the real torchtitan 0.3.0: its own config parser (CPU, no
 process group) accepts the argv built for each layout and rejects bad overrides at collection;
-TensorBoard output in torchtitan's layout is read back; training itself needs CUDA."""
+TensorBoard output in torchtitan's layout is read back. Training on CPU through the launcher
+shim: tests/test_torchtitan_train.py and experiments/torchtitan/cpu.toml."""
 
 from __future__ import annotations
 
@@ -45,10 +46,15 @@ def job(layout: ParallelLayout | None = None, **changes: Any) -> JobSpec:
 
 
 def train_config(j: JobSpec, dump: Path, seed: Path | None = None) -> Any:
-    """What torchtitan itself makes of the train entry (after ``-m torchtitan.train``)."""
+    """What torchtitan itself makes of the train entry (our wrapper's options removed, as the
+    wrapper does before torchtitan parses ``sys.argv``)."""
+    from convergence.backends.torchtitan_launch import split_argv
+
     entry = BACKEND.train_entry(j, dump, seed)
-    assert entry[:2] == ["-m", "torchtitan.train"]
-    return parse(tuple(entry[2:]))
+    assert entry[:2] == ["-m", "convergence.backends.torchtitan_launch"]
+    options, rest = split_argv(entry[2:])
+    assert options.log == str(dump / "convergence_steps.jsonl")
+    return parse(tuple(rest))
 
 
 LAYOUTS = {
@@ -73,6 +79,8 @@ def test_real_parser_accepts_layout(name: str, tmp_path: Path) -> None:
             par.context_parallel_degree) == (layout.dp_replicate, layout.dp_shard, layout.tp,
                                              layout.pp, layout.cp)
     assert par.enable_sequence_parallel is layout.sequence_parallel
+    # torchtitan's default "spmd_types" leaves plain tensors torch 2.13's fully_shard refuses.
+    assert par.spmd_backend == "partial_dtensor"
     assert par.pipeline_parallel_schedule == layout.pp_schedule
     if layout.pp > 1:
         # local batch 8 split into the layout's microbatches
@@ -121,9 +129,10 @@ def test_user_overrides_win_and_booleans_become_flags(tmp_path: Path) -> None:
 def test_seed_entry_is_one_process_creating_the_checkpoint(tmp_path: Path) -> None:
     j = job(LAYOUTS["fsdp-tp-pp"], backend_options=(("assets_dir", str(tmp_path / "a")),))
     entry = BACKEND.seed_entry(j, tmp_path / "seed")
-    start = entry.index("torchtitan.train")
+    start = entry.index("convergence.backends.torchtitan_launch")
     assert entry[:start + 1] == ["-m", "convergence.launch.loopback_torchrun", "--standalone",
-                                 "--nproc-per-node=1", "-m", "torchtitan.train"]
+                                 "--nproc-per-node=1", "-m",
+                                 "convergence.backends.torchtitan_launch"]
     cfg = parse(tuple(entry[start + 1:]))
     assert cfg.checkpoint.enable and cfg.checkpoint.create_seed_checkpoint
     assert cfg.checkpoint.folder == str(tmp_path / "seed" / SEED_FOLDER)
@@ -215,14 +224,27 @@ def test_shipped_experiments_validate_at_collection(path: Path) -> None:
     exp = load_checked(path, rootdir=ROOT)
     assert exp.pairs
     for pair in exp.pairs:
-        assert pair.tier == "nightly"  # needs CUDA: not in the default run
+        # GPU sizes are nightly; cpu.toml is the tiny CPU pair CI trains for real.
+        assert pair.tier == ("ci" if path.name == "cpu.toml" else "nightly")
         assert pair.control.backend == pair.test.backend == "torchtitan"
         assert BACKEND.tokens_per_step(pair.control) == BACKEND.tokens_per_step(pair.test)
 
 
+def test_hooks_are_located_at_collection_and_only_after_mode_exists() -> None:
+    BACKEND.preflight(job(hook="os.path:join"))
+    err = error_of(job(hook="no_such_pkg_xyz.mod:fn"))
+    assert err.key == "hook" and "no_such_pkg_xyz" in str(err)
+    err = error_of(job(hook="os.path:join", hook_mode="replace_tp"))
+    assert err.key == "hook_mode" and "after" in err.fix
+    entry = BACKEND.train_entry(job(hook="os.path:join"), Path("/d"), None)
+    assert "--convergence.hook=os.path:join" in entry
+    assert "--convergence.hook_mode=after" in entry
+
+
 def test_get_backend_returns_it() -> None:
     backend = get_backend("torchtitan")
-    assert backend.name == "torchtitan" and backend.version() == "torchtitan-0.3.0"
+    assert backend.name == "torchtitan"
+    assert backend.version().startswith("torchtitan-0.3.0+src.")  # + a hash of its sources
 
 
 def write_scalars(folder: Path, tags: dict[str, list[float]]) -> None:
@@ -291,3 +313,80 @@ def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
     assert outcome.status == "passed", outcome.error or outcome.verdicts
     loss = outcome.control.metrics["loss"] if outcome.control else None
     assert loss is not None and len(loss) == 30 and loss.values[-1] < loss.values[0]
+
+
+def test_degree_checks_read_torchtitans_model_args() -> None:
+    # The debug model has 16 attention heads and 6 layers.
+    err = error_of(job(ParallelLayout(dp_shard=1, tp=3)))
+    assert err.key == "parallelism.tp" and "16 attention heads" in str(err)
+    err = error_of(job(ParallelLayout(dp_shard=1, tp=2, sequence_parallel=True),
+                       overrides=(("training.seq_len", "63"),)))
+    assert err.key == "overrides.training.seq_len"
+    err = error_of(job(ParallelLayout(dp_shard=1, pp=4, pp_schedule="Interleaved1F1B"),
+                       local_batch_size=8))
+    assert err.key == "parallelism.pp" and "6 layers" in str(err)
+    err = error_of(job(ParallelLayout(dp_shard=1, pp=2, pp_schedule="1F1B",
+                                      pp_stages_per_rank=3), local_batch_size=12))
+    assert err.key == "parallelism.pp_stages_per_rank"
+
+
+def test_noise_twin_keeps_the_samples_and_changes_the_reduction(tmp_path: Path) -> None:
+    control = job(techniques=Techniques(param_dtype="bfloat16"))
+    twin = BACKEND.noise_twin(control)
+    assert twin.layout == control.layout  # same DP ranks: the same dataset chunks
+    assert twin.local_batch_size == 4 and twin.techniques.grad_accum_steps == 2
+    assert BACKEND.tokens_per_step(twin) == BACKEND.tokens_per_step(control)
+    cfg = train_config(twin, tmp_path)
+    assert cfg.training.local_batch_size == 4 and cfg.training.global_batch_size == 16
+    with pytest.raises(SpecError) as info:
+        BACKEND.noise_twin(job(local_batch_size=3))
+    assert info.value.key == "regime"
+
+
+def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path) -> None:
+    path = tmp_path / "tt.toml"
+    path.write_text(textwrap.dedent("""
+        [defaults]
+        backend = "torchtitan"
+        train_config = "tt.toml"
+        local_batch_size = 4
+        techniques = { param_dtype = "bfloat16" }
+        overrides = { "training.seq_len" = 64 }
+
+        [control]
+        name = "fsdp2"
+        parallelism = { dp_shard = 2 }
+
+        [[test]]
+        name = "fsdp2-tp2"
+        parallelism = { dp_shard = 2, tp = 2 }
+        """))
+    (pair,) = load_checked(path, rootdir=tmp_path).pairs
+    assert pair.regime == "twin"
+    twin = BACKEND.noise_twin(pair.control)
+    assert twin is not None and twin.local_batch_size == 2
+
+
+def test_probe_always_is_refused_for_torchtitan_at_collection(tmp_path: Path) -> None:
+    """The numerics probe is the built-in trainer's: asking for it on a torchtitan pair is a
+    collection error, not a silent no-op."""
+    path = tmp_path / "tt.toml"
+    path.write_text(textwrap.dedent("""
+        [defaults]
+        backend = "torchtitan"
+        train_config = "tt.toml"
+        local_batch_size = 4
+        overrides = { "training.seq_len" = 64 }
+
+        [control]
+        name = "fsdp2"
+        parallelism = { dp_shard = 2 }
+
+        [[test]]
+        name = "fsdp2-tp2"
+        parallelism = { dp_shard = 2, tp = 2 }
+        probe = "always"
+        """))
+    with pytest.raises(SpecError) as info:
+        load_checked(path, rootdir=tmp_path)
+    assert info.value.key.endswith(".probe") and "built-in trainer" in str(info.value)

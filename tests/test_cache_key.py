@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,3 +101,92 @@ def test_stack_fingerprint_follows_the_numerics_environment() -> None:
         assert "cuda" not in stack and "nccl" not in stack  # only what is present
     else:
         assert stack["cuda"] == torch.version.cuda
+
+
+# -- external trainers' sources ---------------------------------------------------------------
+
+def _torchtitan_version(pythonpath: Path) -> str:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(pythonpath), str(Path(__file__).resolve().parents[1])])}
+    out = subprocess.run(
+        [sys.executable, "-c", "from convergence.backends.torchtitan import TorchtitanBackend, "
+         "source_dir; print(TorchtitanBackend().version()); print(source_dir())"],
+        env=env, capture_output=True, text=True, check=True, timeout=120)
+    version, where = out.stdout.split()
+    assert Path(where) == (pythonpath / "torchtitan").resolve()  # the checkout is what runs
+    return version
+
+
+def test_editing_a_torchtitan_source_checkout_changes_the_key(tmp_path: Path) -> None:
+    """A lab's source checkout on PYTHONPATH: an edit to one of its files is a new backend
+    version, hence a new cache key for every torchtitan control (and seed checkpoint)."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torchtitan is not installed")
+    checkout = tmp_path / "torchtitan-src"
+    shutil.copytree(list(spec.submodule_search_locations)[0], checkout / "torchtitan",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    before = _torchtitan_version(checkout)
+    assert before.startswith("torchtitan-") and "+src." in before
+    assert _torchtitan_version(checkout) == before  # stable
+    trainer = checkout / "torchtitan" / "trainer.py"
+    trainer.write_text(trainer.read_text() + "\n# a local fix\n")
+    assert _torchtitan_version(checkout) != before
+
+
+def test_command_backend_keys_the_trainers_sources(tmp_path: Path) -> None:
+    from convergence.backends.command import CommandBackend
+    from convergence.spec.errors import SpecError
+    from convergence.spec.job import JobSpec
+
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "train.py").write_text("print('v1')\n")
+    (tmp_path / "cfg.toml").write_text("x = 1\n")
+
+    def job(sources: str | None) -> JobSpec:
+        options = [("command", "trainer/train.py --out {dump_dir}")]
+        if sources is not None:
+            options.append(("sources", sources))
+        return JobSpec(name="j", train_config=tmp_path / "cfg.toml", backend="command",
+                       backend_options=tuple(options), source=str(tmp_path / "exp.toml"))
+
+    backend = CommandBackend()
+    keyed = job("['trainer/**/*.py']")
+    backend.preflight(keyed)
+    assert backend.source_files(keyed) == [(tmp_path / "trainer" / "train.py").resolve()]
+    before, plain = backend.config_text(keyed), backend.config_text(job(None))
+    (tmp_path / "trainer" / "train.py").write_text("print('v2')\n")
+    assert backend.config_text(keyed) != before  # an edit to the trainer: a new key
+    assert backend.config_text(job(None)) == plain  # without sources: command text only
+    with pytest.raises(SpecError) as info:
+        backend.preflight(job("['nothing/*.py']"))
+    assert info.value.key == "backend_options.sources"
+
+
+def test_report_says_when_command_controls_are_keyed_by_command_text_only() -> None:
+    import dataclasses
+
+    import report_examples as ex
+
+    from convergence.report.data.schema import build_report
+
+    outcome = ex.passing_pair()
+    assert "cache_key" not in build_report([outcome], environment={}, started_at=None,
+                                           wall_s=None)["environment"]
+    command = dataclasses.replace(outcome.pair.control, backend="command",
+                                  backend_options=(("command", "train.py"),))
+    unkeyed = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair,
+                                                                    control=command))
+    env = build_report([unkeyed], environment={}, started_at=None, wall_s=None)["environment"]
+    assert "keyed by their command text only" in env["cache_key"]
+    keyed = dataclasses.replace(command, backend_options=(("command", "train.py"),
+                                                          ("sources", "['train.py']")))
+    outcome = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair, control=keyed))
+    assert "cache_key" not in build_report([outcome], environment={}, started_at=None,
+                                           wall_s=None)["environment"]

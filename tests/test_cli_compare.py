@@ -12,7 +12,7 @@ import pytest
 from test_metrics_reader import LOSSES, write_jsonl_run, write_torchtitan_dump
 
 from convergence.cli import main
-from convergence.stats.golden import golden_metadata
+from convergence.metrics.golden import golden_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 

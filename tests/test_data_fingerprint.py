@@ -17,8 +17,8 @@ import torch
 
 from convergence.metrics.curve import Curve
 from convergence.metrics.jsonl import read_jsonl
+from convergence.regimes import default_rules
 from convergence.spec.pair import ComparisonRule
-from convergence.spec.rules import default_rules
 from convergence.stats.fingerprint import compare_fingerprints
 from convergence.stats.registry import compare_all
 from convergence.trainer.data import FINGERPRINT_BITS, sample_hash

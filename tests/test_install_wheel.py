@@ -121,3 +121,27 @@ def test_experiment_with_shipped_config_and_both_report_forms(
     data = json.loads((report / "report.json").read_text())
     assert [p["name"] for p in data["pairs"]] == ["ddp2"]
     assert data["pairs"][0]["status"] == "passed"
+
+
+def test_testpaths_repo_runs_its_convergence_paths(
+        user_env: tuple[Path, dict[str, str]]) -> None:
+    """Issue 24, trap 1, as a user meets it: a repository whose pytest config has
+    ``testpaths = ["tests"]`` (most do) and ``convergence_paths = ["experiments"]``;
+    ``pytest -m convergence`` runs its experiments (one real 3-step pair)."""
+    base, env = user_env
+    repo = base.parent / "testpaths_repo"
+    (repo / "experiments").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "experiments" / "mine.toml").write_text(EXPERIMENT)
+    (repo / "tests" / "test_plain.py").write_text("def test_plain():\n    assert True\n")
+    (repo / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
+        'convergence_paths = ["experiments"]\n')
+    proc = _run(["python", "-m", "pytest", "-m", "convergence", "-p", "no:cacheprovider",
+                 "-rA"], cwd=repo, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "PASSED experiments/mine.toml::ddp2" in out and "1 passed, 1 deselected" in out, \
+        out[-3000:]
+    plain = _run(["python", "-m", "pytest", "-p", "no:cacheprovider", "-q"], cwd=repo, env=env)
+    assert "1 passed" in plain.stdout and "mine.toml" not in plain.stdout, plain.stdout

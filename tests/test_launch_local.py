@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from convergence.launch.process_tree import pid_alive
-from convergence.launch.torchrun import PIDS_FILE, LocalLauncher
+from convergence.launch.torchrun import PIDS_FILE, LocalLauncher, local_job_env, loopback_interface
 from convergence.launch.types import JobResult, LaunchRequest, Progress
 
 WRITER = Path(__file__).parent / "fixtures" / "fake_trainers" / "writer.py"
@@ -283,14 +283,18 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
 
     req = make_request(tmp_path, "ok", steps=3)
     listening: list[tuple[str, str]] = []
+    ifnames: list[tuple[str | None, str | None]] = []
 
     def look_at_step_1(record: dict[str, float]) -> bool:
         if record.get("step") == 1:
             for proc in psutil.Process().children(recursive=True):
                 try:
                     conns = proc.net_connections(kind="inet")
+                    environ = proc.environ()
                 except psutil.Error:
                     continue
+                ifnames.append((environ.get("GLOO_SOCKET_IFNAME"),
+                                environ.get("NCCL_SOCKET_IFNAME")))
                 listening.extend((proc.name(), c.laddr.ip) for c in conns
                                  if c.status == psutil.CONN_LISTEN)
         return False
@@ -299,3 +303,12 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
     assert result.status == "ok", result
     assert len(listening) >= 2, listening  # the agent hosts two stores
     assert {ip for _, ip in listening} <= {"127.0.0.1", "::1"}, listening
+    # gloo's and NCCL's own sockets follow these, whatever the hostname resolves to.
+    assert ifnames and set(ifnames) == {(loopback_interface(), loopback_interface())}, ifnames
+
+
+def test_a_named_socket_interface_is_kept(tmp_path: Path) -> None:
+    req = make_request(tmp_path, "ok", steps=3)
+    env = local_job_env(req, {"GLOO_SOCKET_IFNAME": "eth7", "PATH": "/bin"})
+    assert env["GLOO_SOCKET_IFNAME"] == "eth7"
+    assert env["NCCL_SOCKET_IFNAME"] == loopback_interface() == "lo"

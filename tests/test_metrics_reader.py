@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from convergence.metrics.golden import export_golden
 from convergence.metrics.reader import (
     MetricsPathMissing,
     NoMetricsFound,
@@ -15,7 +16,6 @@ from convergence.metrics.reader import (
     read_run,
 )
 from convergence.spec.errors import SpecError
-from convergence.stats.golden import export_golden
 
 #: The tags torchtitan's MetricsProcessor writes (and our trainer mirrors).
 TORCHTITAN_TAGS = {"loss": "loss_metrics/global_avg_loss", "grad_norm": "grad_norm", "lr": "lr",

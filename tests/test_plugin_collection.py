@@ -248,3 +248,32 @@ def test_this_repositorys_nightly_collects_in_a_small_allocation() -> None:
             p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "error" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+
+
+@pytest.mark.parametrize(("markexpr", "collected"), [
+    ("convergence", True), ("convergence and not slow", True), ("not convergence", False),
+    ("slow", False), ("not slow", False), (None, False)])
+def test_convergence_paths_outside_testpaths(pytester: pytest.Pytester, markexpr: str | None,
+                                             collected: bool) -> None:
+    """Issue 24, trap 1: most repositories set ``testpaths = ["tests"]``; ``-m convergence``
+    with no path must still collect what ``convergence_paths`` lists -- and a plain run or
+    ``-m "not convergence"`` must not start visiting it."""
+    pytester.makepyprojecttoml("""
+        [tool.pytest.ini_options]
+        testpaths = ["tests"]
+        convergence_paths = ["experiments"]
+        markers = ["slow: slow"]
+        """)
+    (pytester.path / "experiments").mkdir()
+    (pytester.path / "experiments" / "exp.toml").write_text(EXPERIMENT)
+    (pytester.path / "tests").mkdir()
+    (pytester.path / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    args = ["--collect-only", "-q"] + ([] if markexpr is None else ["-m", markexpr])
+    result = pytester.runpytest(*args)
+    out = result.stdout.str()
+    assert ("experiments/exp.toml::fsdp2-tp2" in out) is collected, out
+    if markexpr in (None, "not convergence", "not slow"):
+        assert "tests/test_plain.py::test_plain" in out, out
+    # A path on the command line wins: only what it names.
+    named = pytester.runpytest("--collect-only", "-q", "-m", "convergence", "tests")
+    assert "exp.toml" not in named.stdout.str()

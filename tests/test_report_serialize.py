@@ -108,13 +108,16 @@ def _non_default_specs() -> PairOutcome:
     from convergence.spec.job import JobSpec
     from convergence.spec.layout import ParallelLayout, Techniques
     from convergence.spec.pair import ComparisonRule, PairSpec
+    from convergence.spec.resume import Resume
 
     job = JobSpec(name="t", train_config=Path("/x/debug.toml"),
                   layout=ParallelLayout(dp_shard=2, tp=2),
                   techniques=Techniques(param_dtype="bfloat16"), steps=7, seed=3,
                   backend="command", local_batch_size=2, hook="pkg.mod:fn",
                   hook_mode="replace_tp", overrides=(("a.b", "1"),),
-                  backend_options=(("command", "python x.py"),), source="e.toml")
+                  backend_options=(("command", "python x.py"),), source="e.toml",
+                  resume=Resume(at_step=3, layout=ParallelLayout(dp_shard=4),
+                                techniques=Techniques(), local_batch_size=1))
     pair = PairSpec(pair_id="e.toml::t", control=dataclasses.replace(job, name="c"), test=job,
                     rules=(ComparisonRule(metric="loss", method="seed", margin=0.1),),
                     regime="seed", replicates=4, early_stop=False, source="e.toml",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from convergence.preflight import load_checked, validate_devices
+from convergence.regimes import REGISTRY
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 from convergence.spec.layout import ParallelLayout
@@ -69,7 +70,7 @@ def test_parsing_is_spec_and_the_backend_checks_are_preflight(tmp_path: Path) ->
     """spec/ parses (no backend involved); convergence.preflight adds the checks that need a
     backend, with the pair's place in the file in its errors."""
     path = write(tmp_path, GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }", "{ tp = 2 }"))
-    experiment = load_experiment(path, rootdir=ROOT)
+    experiment = load_experiment(path, rootdir=ROOT, regimes=REGISTRY)
     assert experiment.keys[0] == "test[0]" and len(experiment.keys) == len(experiment.pairs)
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=ROOT)
@@ -283,7 +284,8 @@ def test_an_unnamed_control_is_named_by_its_layout(tmp_path: Path) -> None:
 
     pair = make_pair(name="tp", control={"parallelism": {"dp_shard": 2}, "train_config": "debug"},
                      test={"parallelism": {"tp": 2, "dp_shard": 2}},
-                     defaults={"train_config": "debug", "steps": 4}, rootdir=ROOT)
+                     defaults={"train_config": "debug", "steps": 4}, rootdir=ROOT,
+                     regimes=REGISTRY)
     assert pair.control.name == "fsdp2" and pair.test.name == "tp"
 
 

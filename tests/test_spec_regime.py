@@ -77,13 +77,13 @@ def test_data_rule_comes_first_and_only_with_the_same_seed(tmp_path: Path) -> No
 
 def test_the_twin_reads_the_same_samples_on_twice_the_dp_degree(tmp_path: Path) -> None:
     from convergence.backends import get_backend
-    from convergence.preflight import noise_twin
 
     path = tmp_path / "exp.toml"
     path.write_text(textwrap.dedent(BODY.format(
         root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')))
     (pair,) = load_checked(path, rootdir=ROOT).pairs
-    twin = noise_twin(pair.control)
+    twin = get_backend("builtin").noise_twin(pair.control)
+    assert twin is not None
     assert (twin.layout.dp_shard, twin.local_batch_size) == (4, 4)  # debug.toml: 8 per rank
     assert twin.name == "fsdp2-twin" and twin.seed == pair.control.seed
     assert twin.techniques == pair.control.techniques
@@ -92,7 +92,7 @@ def test_the_twin_reads_the_same_samples_on_twice_the_dp_degree(tmp_path: Path) 
 
 
 def test_odd_batch_halves_the_dp_degree_and_doubles_accumulation(tmp_path: Path) -> None:
-    from convergence.preflight import noise_twin
+    from convergence.backends import get_backend
 
     body = BODY.replace("dp_shard = 2 }}\n\n[[test]]", "dp_shard = 4 }}\n\n[[test]]")
     body = body.replace("dp_shard = 2, tp = 2", "dp_shard = 4, tp = 2")
@@ -101,8 +101,8 @@ def test_odd_batch_halves_the_dp_degree_and_doubles_accumulation(tmp_path: Path)
         root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')).replace(
         "steps = 12", "steps = 12\nlocal_batch_size = 3"))
     (pair,) = load_checked(path, rootdir=ROOT).pairs
-    twin = noise_twin(pair.control)
-    assert twin.layout.dp_shard == 2 and twin.techniques.grad_accum_steps == 2
+    twin = get_backend("builtin").noise_twin(pair.control)
+    assert twin is not None and twin.layout.dp_shard == 2 and twin.techniques.grad_accum_steps == 2
     assert twin.local_batch_size == 3
 
 

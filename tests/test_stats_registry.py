@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from convergence.metrics.curve import Curve, RunMetrics
+from convergence.metrics.golden import export_golden, golden_metadata, load_golden
+from convergence.regimes import default_rules
 from convergence.spec.pair import ComparisonRule
-from convergence.spec.rules import default_rules
-from convergence.stats.golden import export_golden, golden_metadata, load_golden
 from convergence.stats.registry import compare_all, get_comparison
 from convergence.stats.regression import Regression
 from convergence.stats.simulate import NoiseModel, simulate_run

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from convergence.metrics.curve import Curve, RunMetrics
+from convergence.regimes import default_rules
 from convergence.spec.pair import ComparisonRule
-from convergence.spec.rules import default_rules
 from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.simulate import NoiseModel, simulate_run
 

@@ -33,6 +33,9 @@ class Case:
     """Bugs: the gating metrics expected to fail (each of them)."""
     note: str = ""
     """What the bug is (one line for the table); details in the hook's docstring."""
+    resume: dict[str, Any] | None = None
+    """The test side's ``resume`` table (stop at at_step, checkpoint, resume; the resume
+    bugs' hooks break the loader only), None: one uninterrupted job."""
 
 
 FSDP2 = {"dp_shard": 2}
@@ -127,7 +130,36 @@ CORRECT: tuple[Case, ...] = (
          techniques={"param_dtype": "bfloat16"}, precision="bf16"),
 )
 
-ALL: tuple[Case, ...] = BUGS + CORRECT
+#: Resume at the middle of the run, on the same layout or onto FSDP2+TP2 (issue 29).
+RESUME_AT = STEPS // 2
+SAME = {"at_step": RESUME_AT}
+ONTO_TP2 = {"at_step": RESUME_AT, "parallelism": FSDP2_TP2}
+
+RESUME_BUGS: tuple[Case, ...] = (
+    Case(name="resume-optimizer-state-dropped", kind="bug", parallelism=FSDP2, resume=SAME,
+         hook=f"{PKG}.resume:optimizer_state_dropped", expect=("loss",),
+         note="optimizer rebuilt empty at the resume (Adam's first step again)"),
+    Case(name="resume-optimizer-state-dropped-onto-tp2", kind="bug", parallelism=FSDP2,
+         resume=ONTO_TP2, hook=f"{PKG}.resume:optimizer_state_dropped", expect=("loss",),
+         note="the same, resuming onto FSDP2+TP2"),
+    Case(name="resume-scheduler-restarted", kind="bug", parallelism=FSDP2, resume=SAME,
+         hook=f"{PKG}.resume:scheduler_restarted", expect=("loss",),
+         note="LR schedule back at step 0 at the resume (warmup again)"),
+    Case(name="resume-data-restarted", kind="bug", parallelism=FSDP2, resume=ONTO_TP2,
+         hook=f"{PKG}.resume:data_restarted", expect=("data_fingerprint",),
+         note="data loader back at sample 0 at the resume (onto FSDP2+TP2)"),
+)
+
+RESUME_CORRECT: tuple[Case, ...] = (
+    Case(name="resume-fsdp2", kind="correct", parallelism=FSDP2, resume=SAME),
+    Case(name="resume-fsdp2-onto-tp2", kind="correct", parallelism=FSDP2, resume=ONTO_TP2),
+    # Nothing in the built-in trainer draws from the generators after the initialisation
+    # (no dropout; samples by index): a reseeded RNG changes no number, so the pair passes.
+    Case(name="resume-rng-reset", kind="correct", parallelism=FSDP2, resume=SAME,
+         hook=f"{PKG}.resume:rng_reset"),
+)
+
+ALL: tuple[Case, ...] = BUGS + RESUME_BUGS + CORRECT + RESUME_CORRECT
 
 
 def by_name(name: str) -> Case:

@@ -40,6 +40,8 @@ def _value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, dict):  # a nested inline table (resume = { parallelism = {...} })
+        return _inline(value)
     raise TypeError(f"cannot write {value!r} into TOML")
 
 
@@ -73,6 +75,8 @@ def experiment_text(cases: Sequence[Case], *, seed: int, precision: str, steps: 
                                "local_batch_size": case.local_batch_size})]
         if case.hook:
             lines += [f"hook = {_value(case.hook)}", f"hook_mode = {_value(case.hook_mode)}"]
+        if case.resume:
+            lines.append(f"resume = {_inline(case.resume)}")
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,7 @@ from pairs import DEBUG_CONFIG, build_pairs
 
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
+from convergence.spec.job import JobSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,27 +92,37 @@ def _line(row: Row) -> str:
 
 
 def bug_table(rows: list[Row], steps: int) -> str:
-    out = ["| planted bug | layout | caught | expected metric | failing metrics | "
+    out = ["| planted bug | layout | resume | caught | expected metric | failing metrics | "
            "first divergent step | stopped at step | test job s | what it is |",
-           "|---|---|---|---|---|---:|---:|---:|---|"]
+           "|---|---|---|---|---|---|---:|---:|---:|---|"]
     for r in rows:
         o = r.outcome
         expected_ok = all(m in r.failing for m in r.case.expect)
         caught = "yes" if r.caught else f"**no** ({o.status})"
-        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | {caught} | "
+        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | "
+                   f"{resume_cell(o.pair.test)} | {caught} | "
                    f"{', '.join(r.case.expect)}{'' if expected_ok else ' (not failed)'} | "
                    f"{', '.join(r.failing) or '-'} | {r.first_step or '-'} | "
                    f"{o.stopped_early_at or f'ran {steps}'} | {r.test_s:.1f} | {r.case.note} |")
     return "\n".join(out)
 
 
+def resume_cell(job: JobSpec) -> str:
+    """"after 15 -> fsdp2-tp2" for a resuming test side (issue 29), "-" otherwise."""
+    if job.resume is None:
+        return "-"
+    return f"after {job.resume.at_step} → {job.resume.layout.short_name()}"
+
+
 def correct_table(rows: list[Row]) -> str:
-    out = ["| correct pair | layout | seed | regime | verdict | worst loss / tolerance | "
-           "worst grad norm / tolerance | test job s |", "|---|---|---:|---|---|---:|---:|---:|"]
+    out = ["| correct pair | layout | resume | seed | regime | verdict | worst loss / tolerance | "
+           "worst grad norm / tolerance | test job s |",
+           "|---|---|---|---:|---|---|---:|---:|---:|"]
     for r in rows:
         o = r.outcome
         verdict = "pass" if o.status == "passed" else f"**{o.status.upper()}**"
-        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | {r.case.seed} | "
+        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | "
+                   f"{resume_cell(o.pair.test)} | {r.case.seed} | "
                    f"{o.pair.regime} | {verdict} | {r.worst_ratio('loss')} | "
                    f"{r.worst_ratio('grad_norm')} | {r.test_s:.1f} |")
     return "\n".join(out)

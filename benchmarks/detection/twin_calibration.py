@@ -2,7 +2,7 @@
 correct layout needs (must stay below the default) and each planted bug reaches (must exceed it).
 
 Runs the detection catalogue in bf16 (FSDP2 mixed precision on both sides) with early stopping
-off, so every curve is whole, and the twin of each control group (convergence.preflight.
+off, so every curve is whole, and the twin of each control group (the backend's
 noise_twin). For every case and gating metric it prints
 
     needed k = max over steps of (|test - control| - floor(step)) / noise(step)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from convergence.backends.base import Backend, get_backend
+from convergence.backends.base import Backend
+from convergence.backends.registry import backend_names, get_backend
 
-__all__ = ["Backend", "get_backend"]
+__all__ = ["Backend", "backend_names", "get_backend"]

@@ -1,4 +1,5 @@
-"""The Backend Protocol: one per trainer (built-in, torchtitan, any command)."""
+"""The Backend Protocol: one per trainer (built-in, torchtitan, any command, or a third
+party's: convergence.backends.registry loads them by name from entry points)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from convergence.metrics.curve import RunMetrics
-from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 
 
@@ -72,24 +72,18 @@ class Backend(Protocol):
         """Run metadata (seed checkpoint hash, entropy floor, ...); {} when there is none."""
         ...
 
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        """The job's *noise twin* for the twin regime (convergence/regimes/twin.py): a job
+        that reads the very same samples per optimizer step from the same seed checkpoint,
+        with the same precision and techniques, and differs from ``job`` only by legitimate
+        numerical noise -- typically another data-parallel degree, so gradients are reduced in
+        another order and rounded at other points. The regime compares the test with the
+        control within k x the measured |twin - control|.
 
-def get_backend(name: str) -> Backend:
-    if name == "builtin":
-        from convergence.backends.builtin import BuiltinBackend  # lazy: registry by name
-
-        return BuiltinBackend()
-    if name == "torchtitan":
-        try:
-            from convergence.backends.torchtitan import TorchtitanBackend  # lazy: optional
-        except ImportError as exc:
-            raise NotRunnableHere(f"needs the torchtitan backend, which is not available here: "
-                                  f"{exc}", key="backend",
-                                  fix="pip install 'pytest-convergence[torchtitan]' (and "
-                                      "triton)") from None
-        return TorchtitanBackend()
-    if name == "command":
-        from convergence.backends.command import CommandBackend  # lazy: registry by name
-
-        return CommandBackend()
-    raise SpecError(f"unknown backend {name!r}", key="backend",
-                    fix="use one of builtin, torchtitan, command")
+        Return None when this backend cannot derive twins at all (the twin regime then says
+        so and points at ``regime = "seed"``); raise SpecError (key ``regime``, with a fix)
+        when it can in general but not for this job. The twin must pass this backend's
+        preflight and keep ``tokens_per_step``. Called at collection (preflight) and again
+        by the runner; it must not launch anything.
+        """
+        ...

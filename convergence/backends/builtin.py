@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import convergence
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
+from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 
@@ -74,6 +76,39 @@ class BuiltinBackend:
         cfg = self.effective_config(job)
         return (cfg.training.local_batch_size * job.layout.dp * cfg.training.grad_accum_steps
                 * cfg.data.seq_len)
+
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        """The same seed checkpoint, samples, precision and techniques, with another
+        data-parallel degree, so its gradients are reduced in another order and rounded at
+        other points -- legitimate noise only.
+
+        Twice the FSDP degree with half the local batch where the local batch is even (every
+        optimizer step reads the very same samples: convergence.trainer.data.BatchPlan); else
+        half the FSDP degree with twice the gradient accumulation (fewer ranks, same samples).
+        Raises SpecError with a fix when neither keeps the tokens per step.
+        """
+        cfg = self.effective_config(job)
+        layout, tech = job.layout, job.techniques
+        local = cfg.training.local_batch_size
+        if local % 2 == 0:
+            twin = dataclasses.replace(
+                job, name=f"{job.name}-twin", local_batch_size=local // 2,
+                layout=dataclasses.replace(layout, dp_shard=layout.dp_shard * 2))
+        elif layout.dp_shard % 2 == 0 and (layout.dp_shard // 2) * layout.cp > 1:
+            twin = dataclasses.replace(
+                job, name=f"{job.name}-twin",
+                layout=dataclasses.replace(layout, dp_shard=layout.dp_shard // 2),
+                techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2))
+        else:
+            raise SpecError(f"no noise twin for control {job.name!r}: its local batch "
+                            f"({local}) is odd and its FSDP degree ({layout.dp_shard}) cannot "
+                            "be halved", key="regime",
+                            fix="use an even local_batch_size on the control, or regime = \"seed\"")
+        self.preflight(twin)
+        if self.tokens_per_step(twin) != self.tokens_per_step(job):
+            raise SpecError(f"the twin of {job.name!r} would read other tokens per step",
+                            key="regime", fix='use regime = "seed" for this control')
+        return twin
 
     def config_text(self, job: JobSpec) -> str:
         return Path(job.train_config).read_text(encoding="utf-8")

@@ -6,14 +6,21 @@
                         metrics = "jsonl", metrics_file = "log.jsonl",
                         keys = { loss = "train_loss", grad_norm = "gnorm" } }
 
-The template is split into argv words *before* placeholders are filled in, and it never goes
-through a shell: a value from TOML cannot inject a command. With ``launch = "torchrun"`` (the
-default) the words follow torchrun's own options (a script path or ``-m module``); with
+``sources = ["train.py", "my_trainer/**/*.py"]``: glob patterns (relative to the experiment
+file's folder, or absolute) of the files that define the trainer; their content goes into the
+run-cache key, so editing the trainer never reuses a stale control. Without them the key holds
+the command text (and ``version``) only, and the report's environment says so.
+
+``command`` is a string, split into argv words like a shell would *before* placeholders are
+filled in, or a TOML list of strings, taken word for word (``["python", "my train.py", "--out",
+"{dump_dir}"]``); it never goes through a shell: a value from TOML cannot inject a command.
+With ``launch = "torchrun"`` (the default) the words follow torchrun's own options (a script path or ``-m module``); with
 ``launch = "direct"`` the words are the whole command (a trainer that starts its own ranks).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 from pathlib import Path
@@ -26,7 +33,8 @@ from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
-OPTION_KEYS = ("command", "launch", "metrics", "metrics_file", "version", "tokens_per_step")
+OPTION_KEYS = ("command", "launch", "metrics", "metrics_file", "version", "tokens_per_step",
+               "sources")
 PLACEHOLDERS = ("nproc", "world_size", "dp_replicate", "dp_shard", "dp", "tp", "pp", "cp",
                 "pp_schedule", "pp_microbatches", "steps", "seed", "dump_dir",
                 "local_batch_size", "grad_accum_steps", "train_config")
@@ -40,6 +48,22 @@ def _key_map(options: dict[str, str]) -> dict[str, str]:
     """``keys.loss = "train_loss"`` -> {"train_loss": "loss"} (their name -> ours)."""
     return {theirs: ours.split(".", 1)[1] for ours, theirs in
             ((k, v) for k, v in options.items() if k.startswith("keys."))}
+
+
+def _sources(job: JobSpec) -> list[str]:
+    """``backend_options.sources``: a list of globs (backend options are flat strings: a TOML
+    array arrives as its Python text, ``['train.py']``; a single glob as itself)."""
+    raw: Any = dict(job.backend_options).get("sources")
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        try:
+            raw = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            raw = [raw]
+    if isinstance(raw, str):
+        raw = [raw]
+    return [str(p) for p in raw]
 
 
 def placeholders(job: JobSpec, dump_dir: Path) -> dict[str, str]:
@@ -61,6 +85,31 @@ class CommandBackend:
 
     def version(self) -> str:
         return "command-1"
+
+    def source_files(self, job: JobSpec) -> list[Path]:
+        """The files ``backend_options.sources`` names (sorted, existing files only)."""
+        patterns = _sources(job)
+        base = Path(job.source).resolve().parent if job.source else Path.cwd()
+        found: set[Path] = set()
+        for pattern in patterns:
+            if Path(pattern).is_absolute():
+                root, rel = Path(Path(pattern).anchor), pattern[len(Path(pattern).anchor):]
+            else:
+                root, rel = base, pattern
+            found.update(p.resolve() for p in root.glob(rel) if p.is_file())
+        return sorted(found)
+
+    def sources_digest(self, job: JobSpec) -> str:
+        """sha256 over the trainer's source files (path + content); "" without ``sources``."""
+        import hashlib
+
+        files = self.source_files(job)
+        if not files:
+            return ""
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+        return digest.hexdigest()
 
     def preflight(self, job: JobSpec) -> None:
         options = _options(job)
@@ -90,6 +139,13 @@ class CommandBackend:
         if options.get("launch", "torchrun") not in ("torchrun", "direct"):
             raise SpecError("launch must be torchrun or direct", file=file,
                             key="backend_options.launch", fix='set launch = "torchrun"')
+        if "sources" in options:
+            patterns = _sources(job)
+            if not patterns or not self.source_files(job):
+                raise SpecError(f"backend_options.sources {patterns!r} matches no file", file=file,
+                                key="backend_options.sources",
+                                fix='list globs of the trainer\'s files relative to the '
+                                    'experiment file, e.g. sources = ["train.py"]')
         if options.get("metrics", "jsonl") not in ("jsonl", "tensorboard"):
             raise SpecError("metrics must be jsonl or tensorboard", file=file,
                             key="backend_options.metrics", fix='set metrics = "jsonl"')
@@ -106,8 +162,12 @@ class CommandBackend:
         return (job.local_batch_size or 1) * job.layout.dp * job.techniques.grad_accum_steps
 
     def config_text(self, job: JobSpec) -> str:
+        """The train config's text and the trainer's sources (``backend_options.sources``):
+        both go into the run-cache key."""
         path = Path(job.train_config)
-        return path.read_text(encoding="utf-8") if path.is_file() else ""
+        text = path.read_text(encoding="utf-8") if path.is_file() else ""
+        digest = self.sources_digest(job)
+        return text + (f"\n# trainer sources sha256 {digest}" if digest else "")
 
     def seed_identity(self, job: JobSpec) -> dict[str, Any] | None:
         return None
@@ -147,6 +207,9 @@ class CommandBackend:
 
         return read_jsonl(dump_dir / options.get("metrics_file", "metrics.jsonl"),
                           key_map=key_map or None)
+
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        return None  # an arbitrary command has no settings to derive a twin from
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         path = dump_dir / "run_meta.json"

@@ -51,12 +51,15 @@ from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any
 
+from convergence.cache.key import sources_hash
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tags import TENSORBOARD_TAGS
 from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES
 
 if importlib.util.find_spec("torchtitan") is None:  # get_backend turns this into a SpecError
     raise ImportError("torchtitan is not installed")
@@ -66,6 +69,11 @@ DEFAULT_CONFIG = "llama3_debugmodel"
 DEFAULT_DATASET = "c4_test"
 OPTION_KEYS = ("module", "config", "hf_assets_path", "dataset", "dataset_path", "assets_dir")
 TRAIN_MODULE = "torchtitan.train"
+#: The entry point every job runs: torchtitan.train behind our wrapper (CPU workarounds,
+#: torch 2.13 fixes, hooks, per-step records; convergence/backends/torchtitan_launch.py).
+LAUNCH_MODULE = "convergence.backends.torchtitan_launch"
+#: Per-step records of the wrapper (data fingerprint, per-part grad norms), rank 0.
+STEP_LOG = "convergence_steps.jsonl"
 SEED_FOLDER = "checkpoint"
 #: Where a seed checkpoint lands inside the seed folder (``save(curr_step=0)``).
 SEED_STEP = "step-0"
@@ -139,6 +147,10 @@ def job_overrides(job: JobSpec, local_batch_size: int | None) -> list[str]:
         f"--parallelism.pipeline_parallel_degree={layout.pp}",
         f"--parallelism.pipeline_parallel_schedule={layout.pp_schedule}",
         f"--parallelism.context_parallel_degree={layout.cp}",
+        # torchtitan 0.3.0's default "spmd_types" leaves plain tensors that torch 2.13's
+        # fully_shard refuses (on any device); "partial_dtensor": DTensor on the
+        # model-parallel axes only, FSDP2 as usual.
+        "--parallelism.spmd_backend=partial_dtensor",
         # torchtitan's "default" is ZeRO-3 with its own smart exceptions; False means ZeRO-2.
         "--parallelism.fsdp_reshard_after_forward="
         + ("default" if tech.reshard_after_forward else "never"),
@@ -185,6 +197,15 @@ def build_argv(job: JobSpec, *, dump_dir: Path, extra: list[str],
         AC_SUBCOMMANDS[job.techniques.activation_checkpoint],
         *(override_arg(k, v) for k, v in user_ac),
     ]
+
+
+def launch_options(job: JobSpec, dump_dir: Path) -> list[str]:
+    """The wrapper's own words (convergence/backends/torchtitan_launch.py): its per-step
+    records and the user's hook."""
+    words = [f"--convergence.log={dump_dir / STEP_LOG}"]
+    if job.hook:
+        words += [f"--convergence.hook={job.hook}", f"--convergence.hook_mode={job.hook_mode}"]
+    return words
 
 
 def seed_args(seed_dir: Path) -> list[str]:
@@ -308,13 +329,31 @@ def ensure_assets(root: Path) -> Path:
     return root
 
 
+def source_dir() -> Path:
+    """The folder ``import torchtitan`` loads (installed package or source checkout)."""
+    spec = importlib.util.find_spec("torchtitan")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        raise ImportError("torchtitan is not installed")
+    return Path(locations[0]).resolve()
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 over torchtitan's ``.py`` files (once per process: ~0.1 s)."""
+    return sources_hash(source_dir())
+
+
 # -- the backend --------------------------------------------------------------------------------
 
 class TorchtitanBackend:
     name = "torchtitan"
 
     def version(self) -> str:
-        return f"torchtitan-{_dist_version('torchtitan')}"
+        """torchtitan's version and a hash of its Python sources where they are imported from
+        (site-packages, or a source checkout: an edit there is a new key, so a stale control
+        is never reused)."""
+        return f"torchtitan-{_dist_version('torchtitan')}+src.{source_hash()[:16]}"
 
     # validation
     def base_config(self, job: JobSpec) -> Any:
@@ -343,6 +382,17 @@ class TorchtitanBackend:
                 raise SpecError("unknown torchtitan backend option", file=file,
                                 key=f"backend_options.{key}",
                                 fix=f"use one of {', '.join(OPTION_KEYS)}")
+        if job.hook:
+            if job.hook_mode != "after":
+                raise SpecError(f"hook_mode {job.hook_mode!r} is not available for torchtitan "
+                                "jobs: torchtitan applies its own TP plan, and the hook runs "
+                                "after torchtitan's parallelisation of each model part",
+                                file=file, key="hook_mode",
+                                fix='use hook_mode = "after" (the default), or the built-in '
+                                    'backend for "replace_tp"')
+            from convergence.trainer.hooks import find_hook_module  # lazy: torch
+
+            find_hook_module(job.hook, file=file, key="hook")
         try:
             self.base_config(job)  # module/config alone first: its error names that option
             self.effective_config(job)
@@ -359,6 +409,43 @@ class TorchtitanBackend:
                 f"{layout.microbatches} pipeline microbatches", file=file,
                 key="local_batch_size",
                 fix="make local_batch_size a multiple of parallelism.pp_microbatches")
+        if layout.pp_stages_per_rank is not None and layout.pp_stages_per_rank != (
+                2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1):
+            raise SpecError(
+                "parallelism.pp_stages_per_rank is not passed on to torchtitan (it derives the "
+                "stages per rank from the schedule: 1, or 2 for looped schedules)", file=file,
+                key="parallelism.pp_stages_per_rank",
+                fix="drop pp_stages_per_rank, or set torchtitan's own "
+                    "overrides.\"parallelism.pipeline_parallel_layers_per_stage\"")
+        check_degrees(job, self.effective_config(job))
+
+    def noise_twin(self, control: JobSpec) -> JobSpec:
+        """The control's twin for the twin regime (convergence/stats/twin.py): the same seed
+        checkpoint, samples, precision and techniques, reduced in another order.
+
+        Half the local batch with twice the gradient accumulation (``training.global_batch_size``
+        unchanged), on the same ranks. Not twice the data-parallel degree as for the built-in
+        trainer: torchtitan's dataloader gives each data-parallel rank a contiguous chunk of the
+        dataset (``split_dataset_by_node``), so another DP degree reads other samples, and the
+        twin would measure batch noise instead of rounding."""
+        import dataclasses
+
+        local = self.local_batch_size(control)
+        layout, tech = control.layout, control.techniques
+        if local % 2 or (layout.pp > 1 and (local // 2) % layout.microbatches):
+            raise SpecError(
+                f"no noise twin for control {control.name!r}: its local batch ({local}) cannot "
+                "be halved" + (" into whole pipeline microbatches" if layout.pp > 1 else ""),
+                key="regime", fix="use an even local_batch_size on the control, or "
+                                  'regime = "seed"')
+        twin = dataclasses.replace(
+            control, name=f"{control.name}-twin", local_batch_size=local // 2,
+            techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2))
+        self.preflight(twin)
+        if self.tokens_per_step(twin) != self.tokens_per_step(control):
+            raise SpecError(f"the twin of {control.name!r} would read other tokens per step",
+                            key="regime", fix='use regime = "seed" for this control')
+        return twin
 
     def tokens_per_step(self, job: JobSpec) -> int:
         training = self.effective_config(job).training
@@ -388,14 +475,15 @@ class TorchtitanBackend:
         # One process through torchrun: torchtitan reads WORLD_SIZE and wants a process group.
         return ["-m", "convergence.launch.loopback_torchrun", "--standalone",
                 "--nproc-per-node=1",
-                "-m", TRAIN_MODULE,
+                "-m", LAUNCH_MODULE,
                 *build_argv(single, dump_dir=seed_dir / "creator", extra=seed_args(seed_dir),
                             local_batch_size=None)]
 
     def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
         ensure_assets(assets_root(job))
         extra = load_args(seed_dir) if seed_dir is not None else []
-        return ["-m", TRAIN_MODULE, *self.argv(job, dump_dir=dump_dir, extra=extra)]
+        return ["-m", LAUNCH_MODULE, *launch_options(job, dump_dir),
+                *self.argv(job, dump_dir=dump_dir, extra=extra)]
 
     def launches_itself(self, job: JobSpec) -> bool:
         return False
@@ -414,11 +502,54 @@ class TorchtitanBackend:
         return dict(TENSORBOARD_TAGS)  # live records carry torchtitan's tags
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
-
-        return read_tensorboard(dump_dir / "tb")
+        metrics = read_tensorboard(dump_dir / "tb")
+        steps = dump_dir / STEP_LOG
+        if steps.is_file():  # the wrapper's records (absent in runs cached before it existed)
+            for name, curve in read_jsonl(steps).items():
+                metrics.setdefault(name, curve)
+        return metrics
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         return {}
+
+
+def check_degrees(job: JobSpec, cfg: Any) -> None:
+    """The parallel degrees against torchtitan's model arguments (attention heads, layers,
+    sequence length), at collection instead of as a rank's traceback."""
+    model = cfg.model_spec.model
+    layout, file = job.layout, job.source
+    attention = getattr(model, "first_attention", None)
+    heads: int | None = getattr(attention, "n_heads", None)
+    kv_heads: int | None = getattr(attention, "n_kv_heads", None) or heads
+    if layout.tp > 1 and heads is not None and kv_heads is not None:
+        for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+            if count % layout.tp:
+                raise SpecError(f"tp = {layout.tp} does not divide the model's {count} {what}",
+                                file=file, key="parallelism.tp",
+                                fix=f"use a tp degree that divides {count}")
+    seq_len = int(cfg.training.seq_len)
+    divisor = (layout.tp if cfg.parallelism.enable_sequence_parallel else 1) * (
+        2 * layout.cp if layout.cp > 1 else 1)
+    if seq_len % divisor:
+        raise SpecError(f"training.seq_len {seq_len} is not a multiple of {divisor} (tp with "
+                        "sequence parallel x 2 x cp: torchtitan's load balancing)", file=file,
+                        key="overrides.training.seq_len",
+                        fix=f"use a seq_len divisible by {divisor}")
+    block = getattr(getattr(attention, "inner_attention", None), "block_size", None)
+    if layout.cp > 1 and block is not None:  # flex attention: its CP block mask
+        block = max(block) if isinstance(block, tuple) else int(block)
+        if seq_len % (layout.cp * block):
+            raise SpecError(f"training.seq_len {seq_len} is not a multiple of cp x the flex "
+                            f"attention block size ({layout.cp} x {block}): torch shards the "
+                            "block mask in whole blocks per CP rank", file=file,
+                            key="overrides.training.seq_len",
+                            fix=f"use a seq_len divisible by {layout.cp * block}")
+    layers = getattr(model, "layers", None)
+    stages = layout.pp * (2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
+    if layout.pp > 1 and layers is not None and len(layers) < stages:
+        raise SpecError(f"{stages} pipeline stages for a model of {len(layers)} layers",
+                        file=file, key="parallelism.pp",
+                        fix="use fewer pipeline stages than the model has layers")
 
 
 def _one_process(job: JobSpec) -> JobSpec:

@@ -8,7 +8,11 @@ jobs started at once therefore never race for a port (tested with 4 concurrent j
 the options out so the rendezvous id can carry the job name (it names the per-rank log folder).
 
 A one-node rendezvous runs torchrun through ``convergence.launch.loopback_torchrun`` (same
-arguments), so that the agent's stores listen on 127.0.0.1 instead of every interface.
+arguments), so that the agent's stores listen on 127.0.0.1 instead of every interface. The ranks'
+own sockets follow ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``: a local job gets the
+loopback interface in both unless the environment names one (without it gloo binds to the
+address the hostname resolves to, which may be the machine's LAN address, and NCCL's bootstrap
+to the first non-loopback interface).
 """
 
 from __future__ import annotations
@@ -86,6 +90,31 @@ def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable,
     ]
 
 
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where gloo's and NCCL's own connections listen; a local job sets them to loopback."""
+
+
+def loopback_interface() -> str:
+    """The name of the interface holding 127.0.0.1 (``lo`` on Linux, ``lo0`` on macOS)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addrs):
+            return str(name)
+    return "lo"
+
+
+def local_job_env(request: LaunchRequest, base: Mapping[str, str] | None = None
+                  ) -> dict[str, str]:
+    """:func:`job_env` for a job on this machine only: gloo and NCCL listen on loopback unless
+    the environment already names an interface (README: Security model)."""
+    env = job_env(request, base)
+    for var in SOCKET_IFNAME_VARS:
+        if not env.get(var):
+            env[var] = loopback_interface()
+    return env
+
+
 def job_env(request: LaunchRequest, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """``os.environ`` + ``request.env`` + unbuffered output and one OpenMP thread per rank
     unless the caller chose otherwise (many ranks share few cores here)."""
@@ -121,6 +150,11 @@ class LocalLauncher:
         """After SIGTERM: how long before every process of the tree gets SIGKILL."""
         self.progress_interval_s = progress_interval_s
 
+    def job_env(self, request: LaunchRequest) -> dict[str, str]:
+        """The job's environment: on this machine only, so gloo and NCCL listen on loopback
+        (a subclass that spans nodes, such as Slurm's, gets the plain :func:`job_env`)."""
+        return local_job_env(request) if self.name == "local" else job_env(request)
+
     def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
                on_progress: OnProgress | None = None) -> JobResult:
         request.log_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +169,7 @@ class LocalLauncher:
             log.write(f"# argv: {argv!r}\n".encode())
             log.flush()
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=job_env(request),
+                                    stdin=subprocess.DEVNULL, env=self.job_env(request),
                                     cwd=request.cwd, start_new_session=True,
                                     preexec_fn=child_dies_with_us(signal.SIGTERM))
         tracker = DescendantTracker(proc.pid)

@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.golden import load_golden
 from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
-from convergence.stats.golden import load_golden
 
 #: Where a run folder of ours keeps its JSONL stream, in the order we look.
 RUN_JSONL = ("metrics.jsonl", "dump/metrics.jsonl")

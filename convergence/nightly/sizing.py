@@ -43,24 +43,31 @@ def _experiment_files(paths: Iterable[Path]) -> Iterator[Path]:
 
 def largest_job(paths: Iterable[Path], *, rootdir: Path,
                 max_tier: str = "nightly") -> LargestJob | None:
-    """The largest world size among the pairs up to ``max_tier`` (twins included)."""
-    from convergence.preflight import noise_twin  # lazy: imports the backends
+    """The largest world size among the pairs up to ``max_tier`` (the regime's other control
+    jobs -- a twin, seed replicates -- and a resumed test's second job included)."""
+    # Lazy: the regimes import the backends, which this module's importers may not need.
+    from convergence.backends import get_backend
+    from convergence.regimes import REGISTRY, get_regime
 
     best: LargestJob | None = None
     for file in _experiment_files(paths):
         try:
-            experiment = load_experiment(file, rootdir=rootdir)
+            experiment = load_experiment(file, rootdir=rootdir, regimes=REGISTRY)
         except SpecError:
             continue  # pytest reports it at collection
         for pair in experiment.pairs:
             if TIERS.index(pair.tier) > TIERS.index(max_tier):
                 continue
             jobs = [("control", pair.control), ("test", pair.test)]
-            if pair.regime == "twin" and not pair.golden:
+            if not pair.golden:
                 try:
-                    jobs.append(("twin", noise_twin(pair.control)))
+                    others = get_regime(pair.regime).control_jobs(
+                        pair, get_backend(pair.control.backend))[1:]
                 except SpecError:
-                    pass
+                    others = ()  # a backend not installed here: collection says so
+                jobs.extend(("control", job) for job in others)
+            if pair.test.resume is not None:
+                jobs.append(("test", pair.test.after_resume()))
             for side, job in jobs:
                 if best is None or job.world_size > best.world_size:
                     best = LargestJob(world_size=job.world_size,

@@ -111,12 +111,19 @@ def describe_test(short_name: str, changed: Mapping[str, object]) -> str:
     return short_name if techniques == "-" else f"{short_name} +{techniques}"
 
 
-def verdict_state(passed: bool, gate: bool, steps_compared: int = 1) -> str:
+def verdict_state(passed: bool, gate: bool, steps_compared: int = 1,
+                  not_compared: bool = False) -> str:
     """One metric's verdict as a word: "pass", "FAIL", or -- for a metric that does not gate
     (tokens/s, memory by default) -- "regressed (report only)", which never reads as a failure
-    of the pair, or "not compared (report only)" when a side did not log it."""
+    of the pair, or "not compared (report only)" when a side did not log it. A gating metric
+    a run did not log reads "not compared" (amber, with the fix), never "pass"."""
+    if not_compared:
+        return "not compared"
     if passed:
         return "pass"
     if gate:
         return "FAIL"
     return "regressed (report only)" if steps_compared else "not compared (report only)"
+
+
+NOT_COMPARED_TITLE = "Not compared (gating metrics a run did not log)"

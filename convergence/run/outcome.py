@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from convergence.launch.types import JobResult
 from convergence.metrics.curve import RunMetrics
@@ -15,8 +15,10 @@ from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
 
-#: Pair statuses: passed/failed are verdicts; error means a job broke before a verdict.
-PAIR_STATUSES = ("passed", "failed", "error", "skipped")
+#: Pair statuses: passed/failed are verdicts; error means a job broke before a verdict, or a
+#: metric the experiment names in ``compare`` was not logged (nothing to judge it by).
+PairStatus = Literal["passed", "failed", "error", "skipped"]
+PAIR_STATUSES: tuple[PairStatus, ...] = get_args(PairStatus)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +45,7 @@ class SideOutcome:
 @dataclass(frozen=True, kw_only=True)
 class PairOutcome:
     pair: PairSpec
-    status: str
-    """One of :data:`PAIR_STATUSES`."""
+    status: PairStatus
     control: SideOutcome | None
     test: SideOutcome | None
     verdicts: tuple[MetricVerdict, ...] = ()

@@ -24,29 +24,30 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from convergence.backends import get_backend
 from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
+from convergence.regimes import get_regime
 from convergence.run.probe_compare import compare_probe_files
+from convergence.run.seam import JobSeam
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
 
-if TYPE_CHECKING:  # typing only: runner.py imports this module, so no runtime import back
-    from convergence.run.runner import Runner
-
 
 def wants_probe(pair: PairSpec, status: str) -> bool:
-    """Probe a failed paired or twin pair (unless switched off), or any judged pair asked to.
-    A seed-band pair has no common starting point to probe (other seeds, other weights)."""
+    """Probe a failed pair whose regime allows it (paired, twin; unless switched off), or any
+    judged pair asked to. A seed-band pair has no common starting point to probe (other
+    seeds, other weights)."""
     if pair.control.backend != "builtin" or pair.test.backend != "builtin" or pair.golden:
         return False  # only the built-in trainer has a probe mode
     if getattr(pair, "probe_always", False) and status in ("passed", "failed"):
         return True
-    return status == "failed" and pair.regime in ("paired", "twin") and pair.probe_on_failure
+    return (status == "failed" and get_regime(pair.regime).probe_on_failure
+            and pair.probe_on_failure)
 
 
 def probe_overrides(step: int) -> list[str]:
@@ -61,7 +62,7 @@ def first_divergent_step(verdicts: Sequence[MetricVerdict]) -> int | None:
     return min(steps) if steps else None
 
 
-def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, runner: Runner,
+def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, runner: JobSeam,
                   step: int = 1) -> Path:
     """Run ``job`` in probe mode through ``runner`` (its launcher, device pool and seed
     checkpoints); returns its probe.json (raises RuntimeError on failure)."""
@@ -83,7 +84,7 @@ def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, runner: Runner,
     return path
 
 
-def cached_probe(runner: Runner, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
+def cached_probe(runner: JobSeam, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
     """probe.json of ``job``, from the run cache when this job was probed before.
 
     The key extends the job's run-cache key, so a control shared by many pairs is probed
@@ -100,7 +101,7 @@ def cached_probe(runner: Runner, side: str, job: JobSpec, probe_dir: Path, step:
         side_dir = path.parent.parent
         (side_dir / "job.json").write_text(json.dumps(
             {"job": job.identity(), "name": job.name, "probe_step": step,
-             "session": runner.settings.session_id}, default=str))
+             "session": runner.session_id}, default=str))
         return side_dir
 
     return runner.cached_run(key, produce,
@@ -108,7 +109,7 @@ def cached_probe(runner: Runner, side: str, job: JobSpec, probe_dir: Path, step:
                              read=lambda entry, cached: entry / "dump" / PROBE_FILE)
 
 
-def _probe_step(pair: PairSpec, pair_dir: Path, runner: Runner,
+def _probe_step(pair: PairSpec, pair_dir: Path, runner: JobSeam,
                 step: int) -> tuple[dict[str, Any], list[Path]]:
     """Probe both sides (cached) at ``step`` and compare; errors in the dict, never raised."""
     probe_dir = pair_dir / "probe" / f"step{step}"
@@ -147,7 +148,7 @@ def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
     return worst
 
 
-def localise(pair: PairSpec, pair_dir: Path, *, runner: Runner,
+def localise(pair: PairSpec, pair_dir: Path, *, runner: JobSeam,
              divergent_step: int | None = None,
              runs: Sequence[RunMetrics] = ()) -> dict[str, Any]:
     """Probe at step 1; when all agrees there, at ``divergent_step`` (see the module doc).

@@ -38,9 +38,10 @@ from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
-from convergence.preflight import noise_twin
-from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.regimes import get_regime
+from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
+from convergence.run.resume import run_resumed
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -146,7 +147,12 @@ class Runner:
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
 
-    # -- the seam for cached runs (public: used by convergence.run.probe and ab) ---------
+    # -- the seam for cached runs (public: used by convergence.run.probe and ab; typed
+    # -- there as convergence.run.seam.JobSeam) ------------------------------------------
+    @property
+    def session_id(self) -> str:
+        return self.settings.session_id
+
     def launch_request(self, name: str, entry: Sequence[str], *, nproc: int, log_dir: Path,
                        watch_idle: bool = True, in_job_context: bool = False,
                        metrics_path: Path | None = None, metrics_format: str = "jsonl",
@@ -363,13 +369,19 @@ class Runner:
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
                 keys = get_backend(pair.test.backend).record_keys(pair.test)
-                monitor = SequentialMonitor(pair.rules, control_runs, key_map=keys)
+                policy = get_regime(pair.regime).early_stop
+                monitor = SequentialMonitor(pair.rules, control_runs, key_map=keys,
+                                            min_step=policy.min_step, patience=policy.patience)
 
                 def on_metrics(record: dict[str, float]) -> bool:
                     return bool(monitor.update(int(record["step"]), record).decided)
 
-            test = self.run_job("test", pair.test, pair_dir=pair_dir, cacheable=False,
-                                on_metrics=on_metrics)
+            if pair.test.resume is not None:  # two jobs, one curve (run/resume.py)
+                test = run_resumed(self, "test", pair.test, pair_dir=pair_dir,
+                                   on_metrics=on_metrics)
+            else:
+                test = self.run_job("test", pair.test, pair_dir=pair_dir, cacheable=False,
+                                    on_metrics=on_metrics)
         except (JobFailed, SpecError, CacheError) as exc:
             return PairOutcome(pair=pair, status="error", control=control, test=test,
                                error=str(exc), wall_s=time.monotonic() - started)
@@ -389,6 +401,9 @@ class Runner:
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
         status = _status(verdicts, test)
+        asked = [v.message for v in verdicts if v.not_compared and v.gate]
+        if asked and error is None:  # the experiment named a metric that a run did not log
+            status, error = "error", "not compared: " + "; ".join(asked)
         localisation = self._localise(pair, status, pair_dir, verdicts,
                                       (control_runs[0], test.metrics))
         return PairOutcome(pair=pair, status=status, control=control,
@@ -403,7 +418,8 @@ class Runner:
                   runs: Sequence[RunMetrics]) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing."""
-        if not wants_probe(pair, status):
+        if not wants_probe(pair, status) or pair.test.resume is not None:
+            # The probe replays a run from step 1 on one layout: it cannot replay a resume.
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
             return None  # the sides read different data: a numerics probe has nothing to add
@@ -415,22 +431,14 @@ class Runner:
             golden = read_run(Path(pair.golden), key="golden")
             return [SideOutcome(job=pair.control, metrics=golden, cached=True,
                                 run_dir=Path(pair.golden).parent)]
-        jobs = [pair.control]
-        if pair.regime == "seed":
-            jobs += [dataclasses.replace(pair.control, seed=pair.control.seed + i,
-                                         name=f"{pair.control.name}-seed{i}")
-                     for i in range(1, pair.replicates)]
-        elif pair.regime == "twin":  # its noise envelope: see convergence/stats/twin.py
-            jobs.append(noise_twin(pair.control))
+        # The regime's control jobs: the control, and its twin or seed replicates.
+        regime = get_regime(pair.regime)
+        jobs = regime.control_jobs(pair, get_backend(pair.control.backend))
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True)
                  for job in jobs]
-        # The seed band's replicates travel with the control for the report; a twin does not
-        # (the test is compared with the control itself; its envelope is in the verdicts).
-        if pair.regime == "seed" and len(sides) > 1:
-            sides[0] = dataclasses.replace(sides[0],
-                                           replicates=tuple(s.metrics for s in sides))
-        elif pair.regime == "twin":
-            sides[0] = dataclasses.replace(sides[0], twin=sides[1].metrics)
+        # What travels with the control (seed replicates, the twin's curves) is the regime's.
+        kept = regime.control_curves([s.metrics for s in sides])
+        sides[0] = dataclasses.replace(sides[0], replicates=kept.replicates, twin=kept.twin)
         return sides
 
 
@@ -463,7 +471,7 @@ def _stopped_at(test: SideOutcome) -> int | None:
     return test.result.last_step
 
 
-def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> str:
+def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> PairStatus:
     if test.result is not None and test.result.status == "nan":
         return "failed"
     return "passed" if all(v.passed for v in verdicts if v.gate) else "failed"
@@ -481,16 +489,13 @@ def _recorded_wall(run_dir: Path) -> float:
 
 
 def _hook_source_hash(hook: str | None) -> str | None:
-    """A user's hook is code we run: its source belongs in the cache key."""
+    """A user's hook is code we run: its source belongs in the cache key. Located, never
+    imported (importlib.util.find_spec would import its parent packages here)."""
     if not hook:
         return None
-    import importlib.util
+    from convergence.trainer.hooks import locate_hook_module  # lazy: torch
 
-    module = hook.split(":", 1)[0]
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
+    spec = locate_hook_module(hook.split(":", 1)[0])
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return None
     return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +26,9 @@ from convergence.configs import shipped_configs
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
-from convergence.spec.pair import METHODS, METRICS, REGIMES, ComparisonRule, PairSpec
-from convergence.spec.rules import default_rules
+from convergence.spec.pair import METHODS, METRICS, ComparisonRule, PairSpec
+from convergence.spec.resume import parse_resume
+from convergence.spec.rules import RegimeTable
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
 TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
@@ -37,11 +40,13 @@ PAIR_KEYS = ("compare", "regime", "replicates", "early_stop", "golden", "tier",
 #: Values of the pair key ``probe``: when the numerics probe runs on both sides.
 PROBE_MODES = ("on_failure", "always", "off")
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k != "name") + PAIR_KEYS
-TEST_KEYS = JOB_KEYS + PAIR_KEYS
+#: ``resume`` is a test side's only (convergence.spec.resume): a control is uninterrupted.
+TEST_KEYS = JOB_KEYS + PAIR_KEYS + ("resume",)
 SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
 TOP_KEYS = ("experiment", "defaults", "control", "test", "sweep")
 EXPERIMENT_KEYS = ("description", "tier")
-RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule) if f.name != "metric")
+RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule)
+                  if f.name not in ("metric", "explicit"))
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(ParallelLayout))
 TECHNIQUE_KEYS = tuple(f.name for f in dataclasses.fields(Techniques))
 
@@ -59,10 +64,11 @@ class Experiment:
     errors (convergence.preflight)."""
 
 
-def load_experiment(path: Path, *, rootdir: Path) -> Experiment:
+def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Experiment:
     """Parse an experiment file (keys, types, values). Raises SpecError naming file, key and
     fix. The checks that need backends or devices are convergence.preflight's:
-    ``preflight.load_checked`` is this plus them, what a caller about to run pairs wants."""
+    ``preflight.load_checked`` is this plus them, what a caller about to run pairs wants.
+    ``regimes``: the registered regimes (convergence.regimes.REGISTRY)."""
     file = str(path)
     data = read_toml(path)
     check_keys(data, TOP_KEYS, file=file, path="")
@@ -92,7 +98,7 @@ def load_experiment(path: Path, *, rootdir: Path) -> Experiment:
                             fix="give every test a unique name")
         seen.add(name)
         pairs.append(make_pair(name=name, control=control, test=test, defaults=defaults,
-                               source=file, rootdir=rootdir, key=key))
+                               source=file, rootdir=rootdir, key=key, regimes=regimes))
         keys.append(key)
     return Experiment(source=file, description=str(meta.get("description", "")),
                       pairs=tuple(pairs), keys=tuple(keys))
@@ -215,6 +221,7 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
                  expect_table(raw_overrides, file=file, key=f"{key}.overrides"))
     options = expect_table(table.get("backend_options", {}), file=file,
                            key=f"{key}.backend_options")
+    flat_options = _flatten(options, file=file, key=f"{key}.backend_options")
     try:
         layout = ParallelLayout(**par)
         techniques = Techniques(**tech)
@@ -238,7 +245,7 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
                                                   what='"package.module:function"'),
             hook_mode=str(table.get("hook_mode", "after")),
             overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
-            backend_options=tuple(_flatten(options)),
+            backend_options=tuple(flat_options),
             source=file,
         )
     except SpecError as exc:
@@ -286,14 +293,42 @@ def _option_string(text: str, *, file: str, key: str) -> dict[str, str]:
     return out
 
 
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, str]]:
-    """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings."""
+#: The backend option that may be written as an argv list (``command = ["python",
+#: "train.py", "--out", "{dump_dir}"]``); it is stored shell-quoted, so that splitting it like a
+#: shell gives the same words back.
+ARGV_OPTIONS = ("command",)
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "", *, file: str = "",
+             key: str = "backend_options") -> list[tuple[str, str]]:
+    """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings.
+    A list holds strings only: ``command``'s is an argv, stored shell-quoted; any other is
+    stored as JSON text (``["a.py", "b/*.py"]``, which a backend reads back with json or
+    ast.literal_eval). Anything else that is no scalar is an error naming the key -- never its
+    Python repr."""
     out: list[tuple[str, str]] = []
-    for key, value in table.items():
+    for name, value in table.items():
+        path = f"{prefix}{name}"
         if isinstance(value, dict):
-            out.extend(_flatten(value, f"{prefix}{key}."))
+            out.extend(_flatten(value, f"{path}.", file=file, key=key))
+        elif isinstance(value, list):
+            argv = path in ARGV_OPTIONS
+            if (argv and not value) or not all(isinstance(word, str) for word in value):
+                raise SpecError(f"a list here holds strings only, got {value!r}", file=file,
+                                key=f"{key}.{path}",
+                                fix='write each word as a string: ["python", "train.py", '
+                                    '"--steps", "{steps}"], or one string split like a shell'
+                                    if argv else 'write each item as a string: ["a", "b"]')
+            out.append((path, shlex.join(value) if argv else json.dumps(value)))
+        elif path in ARGV_OPTIONS and not isinstance(value, str):
+            raise SpecError(f"{value!r} is no command", file=file, key=f"{key}.{path}",
+                            fix='write an argv list ["python", "train.py", "--out", '
+                                '"{dump_dir}"] or one string split like a shell')
+        elif isinstance(value, (str, int, float, bool)):
+            out.append((path, _scalar_text(value)))
         else:
-            out.append((f"{prefix}{key}", _scalar_text(value)))
+            raise SpecError(f"unsupported value {value!r}", file=file, key=f"{key}.{path}",
+                            fix="write a string, a number or a boolean")
     return out
 
 
@@ -303,9 +338,9 @@ def _scalar_text(value: Any) -> str:
     return str(value)
 
 
-def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
-           ) -> tuple[ComparisonRule, ...]:
-    rules = {r.metric: r for r in default_rules(regime)}
+def _rules(compare: Mapping[str, Any], defaults: tuple[ComparisonRule, ...], *, file: str,
+           key: str) -> tuple[ComparisonRule, ...]:
+    rules = {r.metric: r for r in defaults}
     for metric, spec in compare.items():
         path = f"{key}.compare.{metric}"
         if metric not in METRICS:
@@ -322,14 +357,16 @@ def _rules(compare: Mapping[str, Any], regime: str, *, file: str, key: str
             raise SpecError(f"unknown comparison {spec.get('method')!r}", file=file,
                             key=f"{path}.method", fix=f"use one of: {', '.join(METHODS)} or \"off\"")
         gate_default = metric not in ("tokens_per_s", "peak_mem_mib")
-        rules[metric] = ComparisonRule(metric=metric, **{"gate": gate_default, **spec})
+        rules[metric] = ComparisonRule(metric=metric, explicit=True,
+                                       **{"gate": gate_default, **spec})
     # A derived metric follows the metric it refines unless it is named itself: an experiment
     # that turns the grad norm off (models that differ) or judges it its own way means the
     # per-part grad norm too -- written before it existed, it must not start failing.
     for derived, base in FOLLOWS.items():
         if base in compare and derived not in compare:
             if base in rules:
-                rules[derived] = dataclasses.replace(rules[base], metric=derived)
+                rules[derived] = dataclasses.replace(rules[base], metric=derived,
+                                                     explicit=False)
             else:
                 rules.pop(derived, None)
     return tuple(rules.values())
@@ -342,9 +379,11 @@ FOLLOWS: dict[str, str] = {"grad_norm_parts": "grad_norm"}
 def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
               test: Mapping[str, Any] | JobSpec, defaults: Mapping[str, Any] | None = None,
               compare: Mapping[str, Any] | None = None, source: str = "<python>",
-              rootdir: Path, key: str = "test") -> PairSpec:
+              rootdir: Path, key: str = "test", regimes: RegimeTable) -> PairSpec:
     """Build a PairSpec from experiment-file tables (or ready JobSpecs): the Python API.
-    Parsed, not preflighted: see convergence.preflight (``make_checked_pair``)."""
+    Parsed, not preflighted: see convergence.preflight (``make_checked_pair``).
+    ``regimes``: the registered regimes (convergence.regimes.REGISTRY): the default regime
+    and its rules are theirs."""
     defaults = dict(defaults or {})
     file = source
     test_table = dict(test) if isinstance(test, Mapping) else {}
@@ -366,11 +405,13 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     else:
         side = _merge(job_defaults, {k: v for k, v in test_table.items() if k in JOB_KEYS})
         test_job = _job(name, side, file=file, key=key, rootdir=rootdir)
+        if "resume" in test_table:
+            test_job = _with_resume(test_job, test_table["resume"], file=file, key=key)
 
-    regime = pair_conf.get("regime") or _default_regime(control_job, test_job)
-    if regime not in REGIMES:
+    regime = pair_conf.get("regime") or regimes.default_for(control_job, test_job)
+    if regime not in regimes.names():
         raise SpecError(f"unknown regime {regime!r}", file=file, key=f"{key}.regime",
-                        fix=f"use one of: {', '.join(REGIMES)}")
+                        fix=f"use one of: {', '.join(regimes.names())}")
     tier = pair_conf.get("tier", "quick")
     if tier not in TIERS:
         raise SpecError(f"unknown tier {tier!r}", file=file, key=f"{key}.tier",
@@ -384,7 +425,8 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         pair_id=f"{Path(file).name}::{name}",
         control=control_job,
         test=test_job,
-        rules=_same_data_rules(_rules(compare_table, regime, file=file, key=key),
+        rules=_same_data_rules(_rules(compare_table, regimes.default_rules(regime),
+                                      file=file, key=key),
                                control_job, test_job),
         regime=regime,
         replicates=int(pair_conf.get("replicates", 3)),
@@ -398,34 +440,16 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     return pair
 
 
-#: Train-config overrides that take a job out of the fp32 deterministic regime unless they
-#: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
-_PAIRABLE_OVERRIDES: dict[str, str] = {
-    "training.param_dtype": "float32", "training.reduce_dtype": "float32",
-    "training.compile": "false", "training.deterministic": "true"}
-
-
-def _default_regime(control: JobSpec, test: JobSpec) -> str:
-    """Paired (step-by-step at the noise floor) only when both runs are deterministic fp32
-    (compute and reduction), uncompiled and share the seed, as the README promises; twin when
-    they share the seed but are not bitwise reproducible; seed when the seeds differ."""
-    def pairable(job: JobSpec) -> bool:
-        overrides = job.override_dict()
-        return job.techniques.bitwise_pairable and all(
-            str(overrides[k]).lower() == v for k, v in _PAIRABLE_OVERRIDES.items()
-            if k in overrides)
-
-    if control.seed != test.seed:
-        return "seed"
-    if pairable(control) and pairable(test):
-        return "paired"
-    # Same seed checkpoint and data but not bitwise reproducible (bf16, compile, ...): the twin
-    # regime measures the noise on a twin of the control (stats/twin.py). It needs to derive
-    # that twin (twice the DP degree, half the local batch), which the built-in trainer's
-    # settings allow; other backends keep the seed band.
-    if control.backend == "builtin" and test.backend == "builtin":
-        return "twin"
-    return "seed"
+def _with_resume(job: JobSpec, value: Any, *, file: str, key: str) -> JobSpec:
+    resume = parse_resume(value, layout=job.layout, techniques=job.techniques,
+                          backend=job.backend, file=file, key=f"{key}.resume")
+    # Here, not in JobSpec: --convergence-steps may cut a run before its resume, which the
+    # Runner reports as that pair's error (run/resume.py), not as a broken JobSpec.
+    if resume.at_step >= job.steps:
+        raise SpecError(f"resume.at_step = {resume.at_step} is not inside the run "
+                        f"(steps = {job.steps})", file=file, key=f"{key}.resume.at_step",
+                        fix=f"set at_step between 1 and {job.steps - 1}")
+    return dataclasses.replace(job, resume=resume)
 
 
 def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec

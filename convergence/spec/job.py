@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import ParallelLayout, Techniques
-
-BACKENDS: tuple[str, ...] = ("builtin", "torchtitan", "command")
-
+from convergence.spec.resume import Resume
 
 #: A sanity bound, not a budget: a typo like ``steps = 1000000000`` is caught at collection.
 MAX_STEPS = 10_000_000
@@ -33,7 +32,8 @@ class JobSpec:
     seed: int = 42
     """Seed of the weights (via the seed checkpoint) and of the data order."""
     backend: str = "builtin"
-    """``builtin`` | ``torchtitan`` | ``command``."""
+    """``builtin`` | ``torchtitan`` | ``command``, or one an installed package registers
+    (convergence.backends.registry; an unknown name is a preflight error)."""
     local_batch_size: int | None = None
     """Samples per DP rank per microstep; ``None`` keeps the train config's value."""
     hook: str | None = None
@@ -46,6 +46,9 @@ class JobSpec:
     """Backend-specific settings (command template, metric keys, torchtitan module)."""
     source: str = ""
     """Where this job was defined (file path), for error messages."""
+    resume: Resume | None = None
+    """Test sides only: stop after ``resume.at_step``, checkpoint, resume on ``resume.layout``
+    (convergence.spec.resume); None: one uninterrupted job."""
 
     def __post_init__(self) -> None:
         # The name becomes part of a pytest node id (``file.toml::name``) and of run folder
@@ -60,9 +63,9 @@ class JobSpec:
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise SpecError(f"seed must be an integer in [0, 2**32), got {self.seed!r}",
                             file=self.source, key="seed", fix="set seed = 42 (any 0..4294967295)")
-        if self.backend not in BACKENDS:
-            raise SpecError(f"unknown backend {self.backend!r}", file=self.source, key="backend",
-                            fix=f"use one of {', '.join(BACKENDS)}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise SpecError(f"backend must be a name, got {self.backend!r}", file=self.source,
+                            key="backend", fix='set backend = "builtin" (or another backend)')
         if not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_STEPS:
             raise SpecError(f"steps must be an integer in [1, {MAX_STEPS}], got {self.steps!r}",
                             file=self.source, key="steps",
@@ -84,6 +87,17 @@ class JobSpec:
     def world_size(self) -> int:
         return self.layout.world_size
 
+    def after_resume(self) -> JobSpec:
+        """The job that resumes: the resume layout, techniques and local batch, same steps
+        (the LR schedule spans the whole run). Raises ValueError on a job without resume."""
+        if self.resume is None:
+            raise ValueError(f"job {self.name!r} does not resume")
+        resume = self.resume
+        return dataclasses.replace(
+            self, layout=resume.layout, techniques=resume.techniques, resume=None,
+            local_batch_size=(resume.local_batch_size if resume.local_batch_size is not None
+                              else self.local_batch_size))
+
     def override_dict(self) -> dict[str, str]:
         return dict(self.overrides)
 
@@ -101,4 +115,6 @@ class JobSpec:
             "hook_mode": self.hook_mode,
             "overrides": [list(kv) for kv in self.overrides],
             "backend_options": [list(kv) for kv in self.backend_options],
+            # Only when set: the keys of jobs without a resume stay what they were.
+            **({"resume": self.resume.to_dict()} if self.resume is not None else {}),
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -11,11 +12,14 @@ from convergence.spec.job import JobSpec
 METRICS: tuple[str, ...] = ("loss", "grad_norm", "grad_norm_parts", "lr", "val_loss",
                           "tokens_per_s", "peak_mem_mib",
                           "data_fingerprint")
-METHODS: tuple[str, ...] = ("exact", "allclose", "paired", "twin", "seed", "regression")
-#: paired: bitwise-comparable fp32 runs at the noise floor; twin: same seed checkpoint and data
-#: but not bitwise reproducible (bf16, compile), with a noise envelope measured on a twin of the
-#: control; seed: different seeds, a band of control replicates.
-REGIMES: tuple[str, ...] = ("paired", "twin", "seed")
+#: The comparison methods (convergence.stats.registry implements each).
+Method = Literal["exact", "allclose", "paired", "twin", "seed", "regression"]
+METHODS: tuple[Method, ...] = get_args(Method)
+#: Regimes are not a closed list: convergence.regimes registers them (paired: bitwise-comparable
+#: fp32 runs at the noise floor; twin: same seed checkpoint and data but not bitwise
+#: reproducible, a noise envelope measured on a twin of the control; seed: different seeds, a
+#: band of control replicates), and a pair's regime is checked against that registry by
+#: convergence.preflight.
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +31,7 @@ class ComparisonRule:
 
     metric: str
     """One of :data:`METRICS`."""
-    method: str
+    method: Method
     """``exact`` | ``allclose`` | ``paired`` | ``twin`` | ``seed`` | ``regression``."""
     gate: bool = True
     """Whether a failure of this metric fails the pair (throughput/memory default to False)."""
@@ -47,6 +51,9 @@ class ComparisonRule:
     """seed: length of the final window (logged steps)."""
     max_regression: float | None = None
     """regression: allowed relative loss of the metric (0.1 = 10% slower / bigger)."""
+    explicit: bool = False
+    """Named in the experiment's ``compare`` table (not a default): a run that does not log
+    the metric is then an error of the pair, not a "not compared" note."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -67,8 +74,9 @@ class PairSpec:
     test: JobSpec
     rules: tuple[ComparisonRule, ...]
     regime: str = "paired"
-    """``paired`` (same seed checkpoint and data, bitwise-comparable), ``twin`` (same seed
-    checkpoint and data, noise envelope from a twin of the control) or ``seed`` (ensemble)."""
+    """A registered regime (convergence.regimes): ``paired`` (same seed checkpoint and data,
+    bitwise-comparable), ``twin`` (same seed checkpoint and data, noise envelope from a twin
+    of the control) or ``seed`` (ensemble)."""
     replicates: int = 3
     """seed regime: number of control replicates (different seeds) forming the band."""
     early_stop: bool = True
@@ -84,14 +92,6 @@ class PairSpec:
     golden: str | None = None
     """Optional golden curve file to compare the test against instead of a control run."""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        if self.regime not in REGIMES:
-            raise SpecError(f"unknown regime {self.regime!r}", file=self.source, key="regime",
-                            fix=f"use one of {', '.join(REGIMES)}")
-        if self.replicates < 2 and self.regime == "seed":
-            raise SpecError("the seed regime needs at least 2 control replicates",
-                            file=self.source, key="replicates", fix="set replicates >= 2")
 
     @property
     def name(self) -> str:

@@ -1,10 +1,14 @@
-"""The default comparison rules per regime: pure data (ComparisonRule values), so the pair
-builder in spec/ needs nothing from ``convergence.stats``; the comparisons that implement each
-method live in ``convergence.stats.registry``."""
+"""The comparison rules every regime shares (pure data: ComparisonRule values), and the view of
+the regimes the experiment parser is given. Each regime's default rules live in its module
+(convergence/regimes/); the comparisons that implement each method in
+``convergence.stats.registry``."""
 
 from __future__ import annotations
 
-from convergence.spec.pair import REGIMES, ComparisonRule
+from typing import Protocol
+
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import ComparisonRule
 
 #: Performance metrics: compared one-sided and reported, not gating, by default.
 PERFORMANCE_RULES: tuple[ComparisonRule, ...] = (
@@ -19,14 +23,19 @@ PERFORMANCE_RULES: tuple[ComparisonRule, ...] = (
 DATA_RULE = ComparisonRule(metric="data_fingerprint", method="exact", gate=True)
 
 
-def default_rules(regime: str) -> tuple[ComparisonRule, ...]:
-    """Loss and grad norm judged by the regime's method (a wrongly scaled gradient can leave
-    an Adam loss almost unchanged but doubles the grad norm), the per-part grad norm (a bug in
-    one kind of weight -- queries and keys under a position bug -- hides in the total), the
-    data fingerprint, plus throughput and memory."""
-    if regime not in REGIMES:
-        raise ValueError(f"unknown regime {regime!r}; use one of {', '.join(REGIMES)}")
-    return (ComparisonRule(metric="loss", method=regime),
-            ComparisonRule(metric="grad_norm", method=regime),
-            ComparisonRule(metric="grad_norm_parts", method=regime),
-            DATA_RULE) + PERFORMANCE_RULES
+class RegimeTable(Protocol):
+    """What the experiment parser needs to know of the regimes (convergence.regimes.REGISTRY
+    is one): spec/ is the bottom layer and imports nothing above it, so the parser is handed
+    this view by its caller (convergence.preflight)."""
+
+    def names(self) -> tuple[str, ...]:
+        """The regimes ``regime = "..."`` may name."""
+        ...
+
+    def default_for(self, control: JobSpec, test: JobSpec) -> str:
+        """The regime of a pair whose experiment names none."""
+        ...
+
+    def default_rules(self, name: str) -> tuple[ComparisonRule, ...]:
+        """The rules of a pair of regime ``name`` before its ``compare`` table."""
+        ...

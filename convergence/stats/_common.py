@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
-from convergence.stats.types import MetricVerdict
+from convergence.spec.pair import ComparisonRule, Method
+from convergence.stats.types import Check, MetricVerdict
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
@@ -50,7 +50,7 @@ def incomplete(controls: Sequence[Curve], test: Curve) -> str | None:
     return None
 
 
-def failed(rule: ComparisonRule, method: str, message: str, *,
+def failed(rule: ComparisonRule, method: Method, message: str, *,
            steps_compared: int = 0, **extra: Any) -> MetricVerdict:
     """A verdict that could not be computed, or failed before any per-step check."""
     return MetricVerdict(metric=rule.metric, method=method, passed=False, gate=rule.gate,
@@ -69,3 +69,22 @@ def worst(deviation: Floats, steps: Ints) -> tuple[float, int | None, int | None
 
 def first_true(mask: npt.NDArray[np.bool_], steps: Ints) -> int | None:
     return int(steps[int(np.argmax(mask))]) if mask.any() else None
+
+
+class _Tolerance(Protocol):
+    def at(self, steps: Ints, control: Floats) -> Floats: ...
+
+
+def tolerance_at(tol: _Tolerance) -> Callable[[int, float], float]:
+    """A vectorised tolerance at one step: what the early-stop checks ask step by step."""
+    return lambda step, ref: float(tol.at(np.array([step], dtype=np.int64), np.array([ref]))[0])
+
+
+def point_check(control: Curve, tolerance: Callable[[int, float], float]) -> Check:
+    """|test - control| against ``tolerance(step, control value)`` at the control's steps."""
+    reference = dict(zip(control.steps.tolist(), control.values.tolist(), strict=True))
+
+    def check(step: int, value: float) -> tuple[float, float] | None:
+        ref = reference.get(step)
+        return None if ref is None else (abs(value - ref), tolerance(step, ref))
+    return check

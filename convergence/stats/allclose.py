@@ -9,16 +9,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
+from convergence.stats._common import point_check
 from convergence.stats.paired import PairedTolerance, envelope_verdict
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Check, MetricVerdict
 
 DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-8
 
 
 class AllClose:
-    method = "allclose"
+    method: Method = "allclose"
+    all_controls = False
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        atol = DEFAULT_ATOL if rule.atol is None else rule.atol
+        rtol = DEFAULT_RTOL if rule.rtol is None else rule.rtol
+        return point_check(controls[0], lambda step, ref: atol + rtol * abs(ref))
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:

@@ -6,18 +6,33 @@ math). Bitwise, so -0.0 != 0.0 and a NaN only equals the very same NaN.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import align, failed, first_true, incomplete, worst
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Check, MetricVerdict
 
 
 class Exact:
-    method = "exact"
+    method: Method = "exact"
+    all_controls = False
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        reference = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist(),
+                             strict=True))
+
+        def check(step: int, value: float) -> tuple[float, float] | None:
+            ref = reference.get(step)
+            if ref is None:
+                return None
+            # Bitwise: any difference counts, however small (at least one ulp of the control).
+            same = np.float64(value).tobytes() == np.float64(ref).tobytes()
+            return (0.0 if same else max(abs(value - ref), math.ulp(ref))), 0.0
+        return check
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:

@@ -48,6 +48,10 @@ def not_logged(rule: ComparisonRule) -> MetricVerdict:
     """A metric a side does not log (a backend without fingerprints or per-part grad norms,
     an old cached run): nothing to hold against the pair."""
     what = "data" if rule.metric == METRIC else "metric"
+    how = ("a hash of each step's samples, as the built-in trainer does" if rule.metric == METRIC
+           else "grad_norm/<part> per step, as the built-in trainer does")
+    fix = f"log it ({how}), or set compare.{rule.metric} = \"off\" to say it is not compared"
     return MetricVerdict(metric=rule.metric, method=rule.method, passed=True, gate=False,
-                         steps_compared=0,
-                         message=f"{rule.metric}: not logged by both runs; {what} not compared")
+                         steps_compared=0, not_compared=rule.gate,
+                         message=f"{rule.metric}: not logged by both runs; {what} not "
+                                 f"compared: {fix}")

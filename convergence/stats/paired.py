@@ -47,9 +47,19 @@ from typing import Protocol
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
-from convergence.stats._common import Floats, Ints, align, failed, first_true, incomplete, worst
-from convergence.stats.types import Band, MetricVerdict
+from convergence.spec.pair import ComparisonRule, Method
+from convergence.stats._common import (
+    Floats,
+    Ints,
+    align,
+    failed,
+    first_true,
+    incomplete,
+    point_check,
+    tolerance_at,
+    worst,
+)
+from convergence.stats.types import Band, Check, MetricVerdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +115,7 @@ class Tolerance(Protocol):
     def describe(self) -> str: ...
 
 
-def envelope_verdict(rule: ComparisonRule, method: str, controls: Sequence[Curve], test: Curve,
+def envelope_verdict(rule: ComparisonRule, method: Method, controls: Sequence[Curve], test: Curve,
                      tol: Tolerance, *, band: str) -> MetricVerdict:
     """Pointwise check ``|test - control| <= tol(step)`` at every common step (paired,
     allclose and twin share it: allclose is the envelope without growth, twin sizes it from
@@ -161,7 +171,11 @@ def _full_band(tol: Tolerance, control: Curve | None) -> Band | None:
 
 
 class PairedBand:
-    method = "paired"
+    method: Method = "paired"
+    all_controls = False
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        return point_check(controls[0], tolerance_at(paired_tolerance(rule)))
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from convergence.cache.key import hardware_fingerprint
+from convergence.metrics.golden import golden_metadata
 from convergence.metrics.reader import describe_source
-from convergence.stats.golden import golden_metadata
 from convergence.stats.types import MetricVerdict
 
 #: Keys of ``metadata["environment"]`` whose difference can move a curve by itself.

@@ -46,30 +46,50 @@ def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
                 test: RunMetrics) -> MetricVerdict:
     controls: list[Curve] = [run[rule.metric] for run in control_runs if rule.metric in run]
     curve = test.get(rule.metric)
-    if rule.metric == FINGERPRINT and (curve is None or not controls):
-        return not_logged(rule)  # a backend without fingerprints: nothing to hold against it
-    if rule.metric in OPTIONAL_METRICS and curve is None and not controls:
-        return not_logged(rule)
+    if not rule.explicit:  # named in `compare`: a missing curve is an error (_missing)
+        if rule.metric == FINGERPRINT and (curve is None or not controls):
+            return not_logged(rule)  # a backend without fingerprints: shown, not held against it
+        if rule.metric in OPTIONAL_METRICS and curve is None and not controls:
+            return not_logged(rule)
     if curve is None or not controls:
         return _missing(rule, control_runs, test, in_test=curve is not None)
-    if rule.method not in ("seed", "twin"):
+    comparison = get_comparison(rule.method)
+    if not comparison.all_controls:
         controls = controls[:1]  # seed: the K replicates; twin: the control and its twin
     if rule.metric == FINGERPRINT and rule.method == "exact":
         return compare_fingerprints(rule, controls, curve)
-    return get_comparison(rule.method).compare(rule, controls, curve)
+    return comparison.compare(rule, controls, curve)
+
+
+def missing_fix(metric: str) -> str:
+    """How to get a metric compared that a run did not log."""
+    if metric == "loss":
+        return "check the backend's key/tag map (keys.loss = \"...\")"
+    return (f"log it as {metric!r} (a command trainer names its own key with backend_options "
+            f"keys.{metric} = \"...\"), or set compare.{metric} = \"off\" to say it is not "
+            f"compared")
 
 
 def _missing(rule: ComparisonRule, control_runs: Sequence[RunMetrics], test: RunMetrics,
              *, in_test: bool) -> MetricVerdict:
-    """The loss must be there (a run without a loss proves nothing); other metrics are
-    reported as not compared, without failing the pair."""
+    """The loss must be there (a run without a loss proves nothing). Another gating metric
+    asked for by name in ``compare`` (``rule.explicit``) is an error of the pair; a default
+    one is "not compared" -- visible in every report, with the fix, but not a failure."""
     side = "control" if in_test else "test"
     run = (control_runs[0] if control_runs else {}) if in_test else test
     found = ", ".join(sorted(run)) or "nothing"
-    fix = ("check the backend's key/tag map (keys.loss = \"...\")" if rule.metric == "loss"
-           else f"log it, or set compare.{rule.metric} = \"off\"")
-    is_loss = rule.metric == "loss"
-    return MetricVerdict(metric=rule.metric, method=rule.method, passed=False,
-                         gate=is_loss and rule.gate, steps_compared=0,
+    fix = missing_fix(rule.metric)
+    if rule.metric == "loss":
+        return MetricVerdict(metric=rule.metric, method=rule.method, passed=False,
+                             gate=rule.gate, steps_compared=0,
+                             message=f"loss: missing in the {side} run (found: {found}); "
+                                     f"cannot compare: {fix}")
+    if rule.explicit and rule.gate:
+        return MetricVerdict(metric=rule.metric, method=rule.method, passed=False, gate=True,
+                             steps_compared=0, not_compared=True,
+                             message=f"{rule.metric}: asked for in compare.{rule.metric} but "
+                                     f"missing in the {side} run (found: {found}): {fix}")
+    return MetricVerdict(metric=rule.metric, method=rule.method, passed=False, gate=False,
+                         steps_compared=0, not_compared=rule.gate,
                          message=f"{rule.metric}: missing in the {side} run (found: {found}); "
-                                 f"{'cannot compare' if is_loss else 'not compared'}: {fix}")
+                                 f"not compared: {fix}")

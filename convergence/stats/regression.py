@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import failed
-from convergence.stats.types import Band, MetricVerdict
+from convergence.stats.types import Band, Check, MetricVerdict
 
 DEFAULT_MAX_REGRESSION = 0.1
 WARMUP_STEPS = 3
@@ -34,7 +34,11 @@ def steady_median(curve: Curve) -> tuple[float, int]:
 
 
 class Regression:
-    method = "regression"
+    method: Method = "regression"
+    all_controls = False
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        return None  # judged on a median over the whole run: never stops a job
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:

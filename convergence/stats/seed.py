@@ -55,9 +55,9 @@ from scipy import signal, special
 from scipy.ndimage import correlate1d, uniform_filter1d
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Floats, Ints, failed, first_true, incomplete, worst
-from convergence.stats.types import Band, MetricVerdict
+from convergence.stats.types import Band, Check, MetricVerdict
 
 DEFAULT_Z = 3.0
 DEFAULT_ALPHA = 0.05
@@ -245,7 +245,20 @@ def longest_run(mask: npt.NDArray[np.bool_]) -> int:
 
 
 class SeedBand:
-    method = "seed"
+    method: Method = "seed"
+    all_controls = True  # the K replicates
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        if len(controls) < 2:
+            return None
+        band = seed_band(controls, DEFAULT_Z if rule.z is None else rule.z)
+        lookup = {s: (c, h) for s, c, h in zip(band.steps.tolist(), band.center.tolist(),
+                                               band.half_width.tolist(), strict=True)}
+
+        def check(step: int, value: float) -> tuple[float, float] | None:
+            found = lookup.get(step)
+            return None if found is None else (abs(value - found[0]), found[1])
+        return check
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:

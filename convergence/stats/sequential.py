@@ -18,25 +18,20 @@ Regression rules (throughput, memory) are judged on a median over the run and ne
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.metrics.tags import JSONL_KEYS, resolve_map
+from convergence.regimes.base import DEFAULT_EARLY_STOP
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.allclose import DEFAULT_ATOL, DEFAULT_RTOL
-from convergence.stats.paired import paired_tolerance
-from convergence.stats.seed import DEFAULT_Z, seed_band
-from convergence.stats.twin import twin_tolerance
+from convergence.stats.registry import get_comparison
+from convergence.stats.types import Check
 
 CLEAR_FACTOR = 2.0
-DEFAULT_MIN_STEP = 5
-DEFAULT_PATIENCE = 3
-
-#: (step, test value) -> (|deviation|, tolerance), or None when the control has no such step.
-Check = Callable[[int, float], "tuple[float, float] | None"]
+#: Every shipped regime's policy (convergence.regimes.base); the Runner passes the pair's.
+DEFAULT_MIN_STEP = DEFAULT_EARLY_STOP.min_step
+DEFAULT_PATIENCE = DEFAULT_EARLY_STOP.patience
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,45 +111,9 @@ class SequentialMonitor:
 
 
 def _check_for(rule: ComparisonRule, controls: list[Curve]) -> Check | None:
-    if not controls or rule.method == "regression":
+    """The rule's method says how a step is checked (Comparison.monitor); all take every
+    control curve they use (the seed band's replicates, the control and its twin)."""
+    if not controls:
         return None
-    if rule.method == "seed":
-        if len(controls) < 2:
-            return None
-        band = seed_band(controls, DEFAULT_Z if rule.z is None else rule.z)
-        lookup = {s: (c, h) for s, c, h in zip(band.steps.tolist(), band.center.tolist(),
-                                               band.half_width.tolist(), strict=True)}
-
-        def seed_check(step: int, value: float) -> tuple[float, float] | None:
-            found = lookup.get(step)
-            return None if found is None else (abs(value - found[0]), found[1])
-        return seed_check
-    control = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist(), strict=True))
-    if rule.method == "twin" and len(controls) < 2:
-        return None
-    tolerance = _tolerance(rule, controls)
-
-    def point_check(step: int, value: float) -> tuple[float, float] | None:
-        reference = control.get(step)
-        if reference is None:
-            return None
-        if rule.method == "exact":
-            same = np.float64(value).tobytes() == np.float64(reference).tobytes()
-            return (0.0 if same else max(abs(value - reference), math.ulp(reference))), 0.0
-        return abs(value - reference), tolerance(step, reference)
-    return point_check
-
-
-def _tolerance(rule: ComparisonRule, controls: Sequence[Curve]
-               ) -> Callable[[int, float], float]:
-    if rule.method == "twin":  # the control and its twin finished before the test started
-        envelope = twin_tolerance(rule, controls[0], controls[1:])
-        return lambda step, ref: float(envelope.at(np.array([step], dtype=np.int64),
-                                                   np.array([ref]))[0])
-    if rule.method == "paired":
-        tol = paired_tolerance(rule)
-        return lambda step, ref: float(tol.at(np.array([step], dtype=np.int64),
-                                              np.array([ref]))[0])
-    atol = DEFAULT_ATOL if rule.atol is None else rule.atol
-    rtol = DEFAULT_RTOL if rule.rtol is None else rule.rtol
-    return lambda step, ref: atol + rtol * abs(ref)
+    comparison = get_comparison(rule.method)
+    return comparison.monitor(rule, controls if comparison.all_controls else controls[:1])

@@ -9,7 +9,7 @@ missing row-wise all-reduce, a CP mask offset and a CP rotary offset pass).
 
 The envelope. Besides the control, the session runs a *twin* of it: the same layout family,
 seed checkpoint, samples and precision, changed only in a way that is numerically legitimate --
-twice the data-parallel degree with half the local batch (convergence.preflight.noise_twin), so
+twice the data-parallel degree with half the local batch (Backend.noise_twin), so
 every gradient is reduced in another order and rounded at other points, as a new layout's would
 be. ``|twin - control|`` at step s is how far legitimate rounding noise alone moved the curve
 after s steps. The tolerance is
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
-from convergence.stats._common import Floats, Ints, align, failed
+from convergence.spec.pair import ComparisonRule, Method
+from convergence.stats._common import Floats, Ints, align, failed, point_check, tolerance_at
 from convergence.stats.paired import envelope_verdict
-from convergence.stats.types import MetricVerdict
+from convergence.stats.types import Check, MetricVerdict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +122,15 @@ def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]
 
 
 class TwinEnvelope:
-    method = "twin"
+    method: Method = "twin"
+    all_controls = True  # the control, then its noise twins
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        if len(controls) < 2:
+            return None  # no twin, no envelope: the final verdict says so
+        # The control and its twin finished before the test started: the envelope is whole.
+        return point_check(controls[0], tolerance_at(twin_tolerance(rule, controls[0],
+                                                                    controls[1:])))
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
                 ) -> MetricVerdict:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from convergence.metrics.curve import Curve
-from convergence.spec.pair import ComparisonRule
+from convergence.spec.pair import ComparisonRule, Method
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class MetricVerdict:
     """Outcome of comparing one metric of a test run with its control."""
 
     metric: str
-    method: str
+    method: Method
     passed: bool
     gate: bool
     """Whether this verdict decides the pair (False: reported only, e.g. throughput)."""
@@ -65,6 +65,10 @@ class MetricVerdict:
     band: Band | None = None
     """The range the test had to stay in, per compared step (None: exact, not compared, or a
     verdict saved before verdicts carried it)."""
+    not_compared: bool = False
+    """A gating metric that a run did not log, so it was not compared: reports show it in
+    amber with the fix (``message``), never as a silent pass. With ``gate`` it was asked for
+    by name in ``compare``, and the pair errors."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,14 +79,30 @@ class MetricVerdict:
             "tolerance": self.tolerance, "tolerance_at_max": self.tolerance_at_max,
             "p_values": self.p_values, "message": self.message, "details": self.details,
             "band": None if self.band is None else self.band.to_json(),
+            "not_compared": self.not_compared,
         }
 
 
-class Comparison(Protocol):
-    """A comparison method (exact, allclose, paired band, seed band, regression)."""
+#: An early-stop check (convergence.stats.sequential): (step, test value) -> (|deviation|,
+#: tolerance), or None when the control has no such step.
+Check = Callable[[int, float], "tuple[float, float] | None"]
 
-    method: str
+
+class Comparison(Protocol):
+    """A comparison method (exact, allclose, paired band, twin envelope, seed band,
+    regression)."""
+
+    method: Method
+    all_controls: bool
+    """Whether ``compare`` is given every control curve (the seed band's replicates, the
+    control and its twin) or only the control's."""
 
     def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve) -> MetricVerdict:
         """``controls`` holds one curve (paired methods) or K replicates (seed band)."""
+        ...
+
+    def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
+        """The per-step check the sequential monitor applies while the test runs (the
+        controls have finished); None: this method never stops a job early (it judges the
+        whole run, e.g. a median) or the controls do not allow a check."""
         ...

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convergence.trainer: invalid config: {exc}", file=sys.stderr)
         return 2
     print(f"convergence.trainer: {status}", file=sys.stderr)
-    return 0 if status in ("finished", "stopped") else 1
+    return 0 if status in ("finished", "stopped", "checkpointed") else 1
 
 
 def _split_config(args: list[str]) -> tuple[str, list[str]]:

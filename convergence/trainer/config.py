@@ -170,6 +170,16 @@ class CheckpointConfig:
     """Folder of the seed checkpoint (torch.distributed.checkpoint) to load; "" = random init."""
     create_seed_checkpoint: bool = False
     """Create the seed checkpoint in `seed_checkpoint` (single process) and exit."""
+    save_at_step: int = 0
+    """Write a training checkpoint (model, optimizer, LR schedule, data position, RNG, step;
+    torch.distributed.checkpoint, sharded) into `save_folder` after this optimizer step and
+    stop there (status "checkpointed"). 0 = never. See convergence.trainer.resume."""
+    save_folder: str = ""
+    """Where `save_at_step` writes the training checkpoint."""
+    resume_from: str = ""
+    """Folder of a training checkpoint to resume from, under this job's (possibly other)
+    layout: train from its step + 1 to training.steps. A checkpoint that cannot serve this
+    job is an error naming it, never a fresh start."""
 
 
 @dataclass(frozen=True, kw_only=True)

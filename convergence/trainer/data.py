@@ -295,6 +295,10 @@ class BatchPlan:
     dp: int
     dp_rank: int
     grad_accum_steps: int
+    offset: int = 0
+    """Shift of every index: the data position a resume restored minus where its step count
+    puts it (convergence.trainer.resume). 0 in a run that was not resumed -- and in a correct
+    resume, which continues at sample step * global_batch_size."""
 
     @property
     def global_batch_size(self) -> int:
@@ -302,7 +306,7 @@ class BatchPlan:
 
     def indices(self, step: int, microstep: int) -> np.ndarray:
         """Sample indices of optimizer `step` (1-based), `microstep` (0-based), this rank."""
-        start = ((step - 1) * self.global_batch_size
+        start = (self.offset + (step - 1) * self.global_batch_size
                  + microstep * self.local_batch_size * self.dp
                  + self.dp_rank * self.local_batch_size)
         return np.arange(start, start + self.local_batch_size)

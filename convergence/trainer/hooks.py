@@ -6,14 +6,18 @@ Name a function in the train config (or as an override, or in an experiment's ``
     hook = "my_project.parallel:apply_my_tp"
     hook_mode = "replace_tp"        # or "after" (the default)
 
-At collection, :func:`find_hook_module` checks that the module can be found (without importing
-it: no user code runs in the pytest process); the trainer imports it on every rank before
+At collection, :func:`find_hook_module` checks that the module can be found, and the run cache
+hashes its source file (:func:`locate_hook_module`), both without importing it or its parent
+packages: no user code runs in the pytest process. The trainer imports it on every rank before
 building anything (a missing function fails at start, naming the key) and calls it once per model chunk (one chunk without PP, one
 per local stage with PP):
 
     def apply(model: nn.Module, ctx: HookContext) -> nn.Module | None
 
 Return a new module to replace the chunk, or None after changing it in place.
+
+torchtitan jobs (``backend = "torchtitan"``) get the same call, after torchtitan's own
+parallelisation of each model part, in "after" mode only (collection refuses "replace_tp").
 
 Modes:
 - "after": called after the built-in parallelisation (TP, activation checkpointing, compile,
@@ -46,6 +50,8 @@ the built-in FSDP+TP layout::
     name = "my-mlp-tp"
     parallelism = { dp_shard = 2, tp = 2 }
     hook = "my_project.parallel:apply_my_tp"
+    hook_mode = "replace_tp"        # the hook is the TP plan (in "after" mode the built-in
+                                    # plan would already have sharded these weights)
 
 A hook in "after" mode that, say, scales a gradient with
 ``p.register_hook(lambda g: 2 * g)`` changes the measured grad norm -- exactly the kind of
@@ -86,7 +92,8 @@ class HookContext:
     """The data-parallel mesh FSDP/DDP use (1D, or 2D (dp_replicate, dp_shard_cp) for HSDP);
     None when there is no data parallelism."""
     config: "TrainConfig"
-    """The whole train config of this job."""
+    """The whole train config of this job (a torchtitan job: torchtitan's own config object;
+    its meshes fill ``mesh``/``tp_mesh``/``dp_mesh``, convergence/backends/torchtitan_launch.py)."""
     mode: str
     """"after" or "replace_tp" (see the module docstring)."""
     pp_rank: int = 0
@@ -157,6 +164,24 @@ def find_hook_module(path: str, *, file: str | None = None, key: str = "hook") -
         if depth < len(parts) and not locations:
             raise SpecError(f"hook module {module_name!r}: {name!r} is a module, not a package",
                             file=file, key=key, fix="fix the dotted module path")
+
+
+def locate_hook_module(module_name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of the module the ranks will import for ``module_name``, found as
+    :func:`find_hook_module` does -- without importing it or its parent packages -- or None.
+    The run cache hashes the file it names (``spec.origin``)."""
+    extra = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    locations: list[str] | None = None
+    spec: importlib.machinery.ModuleSpec | None = None
+    parts = module_name.split(".")
+    for depth in range(1, len(parts) + 1):
+        spec = _locate(".".join(parts[:depth]), locations, extra)
+        if spec is None:
+            return None
+        locations = list(spec.submodule_search_locations or [])
+        if depth < len(parts) and not locations:
+            return None
+    return spec
 
 
 def _locate(name: str, parent_locations: list[str] | None,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,8 @@ from torch.distributed.tensor import DTensor
 
 from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
-from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, read_step
 from convergence.trainer.optim import _shard_groups
 from convergence.trainer.parallelize import Meshes
-from convergence.trainer.train import data_group, microsteps
 from convergence.trainer.validate import stages_per_rank
 
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
@@ -246,24 +245,20 @@ def stage_chunks(chunks: list[nn.Module], cfg: TrainConfig,
     return list(zip(ids, chunks, strict=True))
 
 
-def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None, source: SampleSource,
-              plan: BatchPlan, device: torch.device, *, is_writer: bool,
-              warm_up: bool = True) -> str:
+def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None,
+              forward_backward: Callable[[], torch.Tensor], device: torch.device, *,
+              is_writer: bool, warm_up: bool = True) -> str:
     """One forward+backward on the batch of ``cfg.probe.step``; probe.json from the writer.
 
     Called by the training loop in place of step ``cfg.probe.step``, so the weights and the
-    optimizer are those the run had there. ``warm_up``: whether a pipeline schedule still has
-    its first (shape-inferring) call ahead, i.e. the probe is at step 1.
+    optimizer are those the run had there. ``forward_backward``: the training loop's own data
+    path for that step (its batches, token weight and microsteps: a data bug shows here too),
+    returning this rank's loss; handed in so that this module needs nothing of the loop.
+    ``warm_up``: whether a pipeline schedule still has its first (shape-inferring) call ahead,
+    i.e. the probe is at step 1.
     """
     step = cfg.probe.step
     chunks = stage_chunks(engine.chunks, cfg, meshes)
-
-    def forward_backward() -> torch.Tensor:
-        # The training loop's own data path (read_step + the token weight): the probe sees the
-        # very batches the step would have trained on, so a data bug shows here too.
-        data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
-        engine.weight.use(data.num_tokens)
-        return microsteps(engine.forward_backward, data.batches, device)
 
     if warm_up and meshes is not None and meshes.pp is not None:
         # A pipeline schedule's first step also runs each stage's forward once more to infer

@@ -14,7 +14,7 @@ import os
 import resource
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -27,6 +27,7 @@ from convergence.process_lifetime import die_with_parent
 from convergence.spec.errors import SpecError
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer import pipeline as pl
+from convergence.trainer import resume
 from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.context_parallel import shard_sequence
@@ -52,6 +53,7 @@ from convergence.trainer.optim import (
     parts_geomean,
 )
 from convergence.trainer.parallelize import Meshes, build_meshes, parallelize_chunk
+from convergence.trainer.probe import run_probe
 from convergence.trainer.validate import check_config, pp_microbatches, stages_per_rank
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -462,22 +464,39 @@ def train(cfg: TrainConfig) -> str:
                            last_step), META_KEY: counter.counts,
                 "block_pattern": cfg.model.block_pattern or "standard"}
 
-    writer.write_meta(meta("running", 0))
+    # A resume (checkpoint.resume_from) continues a run that stopped after step K, possibly
+    # under another layout: weights and AdamW moments are loaded as this layout's shards, and
+    # the loop goes on from K+1 at the saved data position and schedule position. Those two
+    # are kept as offsets from the step count -- zero in a correct resume -- so a checkpoint
+    # that put them elsewhere is followed, not silently corrected (resume.py).
+    first_step, lr_offset, train_plan = 1, 0, plan
+    if cfg.checkpoint.resume_from:
+        restored = resume.load_training_checkpoint(
+            cfg.checkpoint.resume_from, chunks=engine.chunks, named_params=named_params,
+            optimizer=optimizer, cfg=cfg, global_batch_size=plan.global_batch_size,
+            device=device)
+        first_step = restored.step + 1
+        lr_offset = restored.lr_step - restored.step
+        train_plan = replace(plan, offset=restored.data_position
+                             - restored.step * plan.global_batch_size)
+    save_at = cfg.checkpoint.save_at_step
+
+    writer.write_meta(meta("running", first_step - 1))
     stop = StopSignal(dump / "STOP")
     probe_at = probe_step(cfg)
-    status, step = "failed", 0
+    status, step = "failed", first_step - 1
     start = time.perf_counter()
     try:
         status = "finished"
-        for step in range(1, (probe_at - 1 if probe_at else training.steps) + 1):
+        for step in range(first_step, (probe_at - 1 if probe_at else training.steps) + 1):
             step_start = time.perf_counter()
-            lr = lr_at(step, cfg)
+            lr = lr_at(step + lr_offset, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
             # The step's batches, its global valid-token count (-> the loss weight) and its
             # data fingerprint; then forward/backward over the microsteps into .grad.
-            data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
+            data = read_step(source, train_plan, step, TRAIN, device, data_group(meshes))
             engine.weight.use(data.num_tokens)
             local_loss = microsteps(counter.around(step, engine.forward_backward), data.batches,
                                     device)
@@ -508,6 +527,16 @@ def train(cfg: TrainConfig) -> str:
                 if val_loss is not None:
                     record["val_loss"] = val_loss
                 writer.log(record)
+            if step == save_at:
+                # Stop here as an interrupted job would, leaving everything a resume needs.
+                resume.save_training_checkpoint(
+                    cfg.checkpoint.save_folder, chunks=engine.chunks, named_params=named_params,
+                    optimizer=optimizer, cfg=cfg, global_batch_size=plan.global_batch_size,
+                    device=device, state=resume.TrainState(
+                        step=step, lr_step=step + lr_offset,
+                        data_position=train_plan.offset + step * plan.global_batch_size))
+                status = "checkpointed"
+                break
             if stop.should_stop(distributed, device):
                 status = "stopped"
                 break
@@ -516,9 +545,16 @@ def train(cfg: TrainConfig) -> str:
             # then stop. Steps before it ran the loop above, so the probe sees exactly the
             # state this run had at this step (same data, LR, optimizer).
             step = probe_at
-            from convergence.trainer.probe import run_probe  # lazy: probe imports train
-            status = run_probe(cfg, engine, meshes, source, plan, device, is_writer=logger,
-                               warm_up=step == 1)
+
+            def probe_forward_backward() -> torch.Tensor:
+                # The loop's own data path (read_step + the token weight): the probe sees the
+                # very batches the step would have trained on.
+                data = read_step(source, plan, step, TRAIN, device, data_group(meshes))
+                engine.weight.use(data.num_tokens)
+                return microsteps(engine.forward_backward, data.batches, device)
+
+            status = run_probe(cfg, engine, meshes, probe_forward_backward, device,
+                               is_writer=logger, warm_up=step == 1)
     except BaseException:
         status = "failed"
         raise

@@ -92,6 +92,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         fail("model.vocab_size", "byte-level text needs vocab_size >= 256", "set it to 256")
     _check_pp(cfg, fail)
     _check_techniques(cfg, fail)
+    _check_resume(cfg, fail)
     # Last, so a degree that cannot work at all is reported as such, not as a count mismatch.
     size = world_size_of(cfg)
     if world_size is not None and size != world_size:
@@ -184,3 +185,17 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
         fail("parallelism.hook_mode", "replace_tp needs a hook", "set parallelism.hook")
     if cfg.metrics.log_freq < 1:
         fail("metrics.log_freq", "must be >= 1", "set it to 1 or more")
+
+
+def _check_resume(cfg: TrainConfig, fail: Fail) -> None:
+    """The training checkpoint keys (convergence.trainer.resume)."""
+    ckpt, steps = cfg.checkpoint, cfg.training.steps
+    if ckpt.save_at_step and not 1 <= ckpt.save_at_step < steps:
+        fail("checkpoint.save_at_step", f"save_at_step={ckpt.save_at_step} is not inside the "
+             f"run (1..{steps - 1})", f"set it between 1 and training.steps - 1 = {steps - 1}")
+    if ckpt.save_at_step and not ckpt.save_folder:
+        fail("checkpoint.save_folder", "save_at_step needs a folder to write into",
+             "set --checkpoint.save_folder=DIR")
+    if (ckpt.save_at_step or ckpt.resume_from) and cfg.probe.enable:
+        fail("probe.enable", "the numerics probe replays a run from step 1; it does not "
+             "save or resume training checkpoints", "drop the checkpoint keys from the probe")

@@ -16,6 +16,7 @@ from convergence.report.data.curves import (
     side_stat,
 )
 from convergence.report.data.jsonable import jsonable
+from convergence.report.data.resume import ResumeRecord, resume_record
 from convergence.report.data.serialize import metrics_to_json
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
@@ -81,6 +82,9 @@ class VerdictRecord(TypedDict):
     tolerance_at_max: JsonFloat | None
     p_values: dict[str, JsonFloat]
     message: str
+    not_compared: bool
+    """A gating metric a run did not log (the message says how to fix it); absent in
+    reports written before it existed."""
 
 
 class ResourceRecord(TypedDict):
@@ -149,6 +153,8 @@ class PairRecord(TypedDict):
     plots: dict[str, str]
     plot_error: str | None
     curves: NotRequired[CurvesRecord]
+    resume: NotRequired[ResumeRecord]
+    """Only for a resuming test side (report/data/resume.py)."""
 
 
 #: Resource metrics compared test vs control: (metric, summary used per run).
@@ -216,7 +222,7 @@ def verdict_record(v: MetricVerdict) -> VerdictRecord:
         "steps_compared": v.steps_compared, "first_divergent_step": v.first_divergent_step,
         "max_deviation": v.max_deviation, "max_deviation_step": v.max_deviation_step,
         "tolerance": v.tolerance, "tolerance_at_max": v.tolerance_at_max,
-        "p_values": dict(v.p_values), "message": v.message,
+        "p_values": dict(v.p_values), "message": v.message, "not_compared": v.not_compared,
     }
 
 
@@ -301,6 +307,9 @@ def pair_record(outcome: PairOutcome, *, plots: Mapping[str, str] | None = None,
         "plots": dict(plots or {}),
         "plot_error": plot_error,
     }
+    resume = resume_record(outcome, record["first_divergent_step"])
+    if resume is not None:
+        record["resume"] = resume
     if include_curves:
         record["curves"] = curves_record(outcome)
     encoded: PairRecord = jsonable(record)  # same shape, non-finite floats as strings

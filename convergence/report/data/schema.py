@@ -16,11 +16,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypedDict
 
+from convergence.regimes import REGISTRY
 from convergence.report.data.jsonable import NON_FINITE, jsonable
 from convergence.report.data.records import JsonFloat, PairRecord, pair_record, relative_plot
 from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.spec.layout import AXES
-from convergence.spec.pair import REGIMES
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -79,7 +79,7 @@ _VERDICT: dict[str, Any] = {
         "max_deviation": _NUM, "max_deviation_step": _OPT_INT,
         "tolerance": {"type": "string"}, "tolerance_at_max": _OPT_NUM,
         "p_values": {"type": "object", "additionalProperties": _NUM},
-        "message": {"type": "string"},
+        "message": {"type": "string"}, "not_compared": {"type": "boolean"},
     },
 }
 
@@ -102,7 +102,7 @@ _PAIR: dict[str, Any] = {
                  "divergence", "plots"],
     "properties": {
         "id": {"type": "string"}, "name": {"type": "string"}, "source": {"type": "string"},
-        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": list(REGIMES)},
+        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": list(REGISTRY.names())},
         "tier": {"type": "string"},
         "control": {"$ref": "#/$defs/side"}, "test": {"$ref": "#/$defs/side"},
         "techniques_changed": {"type": "object"},
@@ -123,6 +123,9 @@ _PAIR: dict[str, Any] = {
             "type": "array", "items": {"$ref": "#/$defs/divergence_row"}}},
         "plots": {"type": "object", "additionalProperties": {"type": "string"}},
         "plot_error": _OPT_STR,
+        "resume": {"type": "object", "required": ["at_step", "before", "after", "note"],
+                   "properties": {"at_step": {"type": "integer"}, "before": {"type": "string"},
+                                  "after": {"type": "string"}, "note": _OPT_STR}},
         "curves": {"type": "object", "required": ["control", "test", "control_replicates"],
                    "properties": {
                        "control": _RUN_CURVES, "test": _RUN_CURVES,
@@ -210,6 +213,19 @@ def summarize(outcomes: Iterable[PairOutcome]) -> dict[str, int]:
     }
 
 
+def cache_key_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
+    """``{"cache_key": ...}`` when a control of the ``command`` backend is keyed without its
+    trainer's sources (no ``backend_options.sources``): reused controls may then be stale."""
+    names = sorted({o.pair.control.name for o in outcomes
+                    if o.pair.control.backend == "command"
+                    and "sources" not in dict(o.pair.control.backend_options)})
+    if not names:
+        return {}
+    return {"cache_key": f"command-backend controls {', '.join(names)} are keyed by their "
+                         "command text only (list the trainer's files in "
+                         "backend_options.sources to key their content)"}
+
+
 def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, Any],
                  started_at: float | dt.datetime | str | None, wall_s: float | None,
                  plots: Mapping[str, Mapping[str, str]] | None = None,
@@ -236,7 +252,8 @@ def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, A
         "generated_at": _iso(dt.datetime.now(dt.timezone.utc)),
         "started_at": _iso(started_at),
         "wall_s": jsonable(wall_s),
-        "environment": jsonable({**default_environment(), **environment}),
+        "environment": jsonable({**default_environment(), **cache_key_notes(outcomes),
+                                 **environment}),
         "summary": summarize(outcomes),
         "plots": dict(plots.get("", {})),
         "pairs": records,

@@ -20,6 +20,7 @@ from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec
+from convergence.spec.resume import Resume
 from convergence.stats.types import Band, MetricVerdict
 
 OUTCOME_FORMAT = "convergence.outcome/1"
@@ -47,6 +48,7 @@ _TO_JSON: dict[str, Any] = {
     "train_config": str, "layout": lambda v: v.to_dict(), "techniques": lambda v: v.to_dict(),
     "control": lambda v: job_to_json(v), "test": lambda v: job_to_json(v),
     "rules": lambda v: [jsonable(asdict(r)) for r in v],
+    "resume": lambda v: None if v is None else v.to_dict(),
 }
 _FROM_JSON: dict[str, Any] = {
     "train_config": Path, "layout": lambda d: ParallelLayout(**d),
@@ -54,6 +56,9 @@ _FROM_JSON: dict[str, Any] = {
     "test": lambda d: job_from_json(d), "rules": lambda v: tuple(map(_rule_from_json, v)),
     "overrides": lambda v: _pairs(v), "backend_options": lambda v: _pairs(v),
     "extra": lambda v: _pairs(v), "steps": int, "seed": int, "replicates": int,
+    "resume": lambda d: None if d is None else Resume(
+        at_step=int(d["at_step"]), layout=ParallelLayout(**d["layout"]),
+        techniques=Techniques(**d["techniques"]), local_batch_size=d.get("local_batch_size")),
 }
 
 
@@ -188,6 +193,7 @@ def verdict_from_json(data: Mapping[str, Any]) -> MetricVerdict:
     return MetricVerdict(
         metric=data["metric"], method=data["method"], passed=bool(data["passed"]),
         gate=bool(data["gate"]), steps_compared=int(data.get("steps_compared", 0)),
+        not_compared=bool(data.get("not_compared", False)),
         first_divergent_step=data.get("first_divergent_step"),
         max_deviation=read_float(data.get("max_deviation", 0.0)),
         max_deviation_step=data.get("max_deviation_step"),

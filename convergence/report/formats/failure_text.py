@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from convergence.report.data.curves import divergence_table
+from convergence.report.data.records import first_divergent_step
+from convergence.report.data.resume import resume_record
 from convergence.report.fmt import fmt_delta, fmt_float, fmt_value, verdict_state
 from convergence.report.formats.plots import PLOT_DIR, plot_names
 from convergence.report.sections.probe import failure_line
@@ -24,8 +26,8 @@ TABLE_AROUND = 3
 
 
 def _verdict_line(v: MetricVerdict, metric_width: int = 12) -> str:
-    state = verdict_state(v.passed, v.gate, v.steps_compared)
-    if v.passed and not v.gate:
+    state = verdict_state(v.passed, v.gate, v.steps_compared, v.not_compared)
+    if v.passed and not v.gate and not v.not_compared:
         state += " (report only)"
     parts = [f"  {v.metric:<{metric_width}} {v.method:<10} {state:<6}"]
     if v.first_divergent_step is not None:
@@ -94,7 +96,9 @@ def headline(outcome: PairOutcome) -> str:
         where = (f"diverges from step {v.first_divergent_step}"
                  if v.first_divergent_step is not None else "fails")
         parts.append(f"{v.metric} {where} (max |Δ| {fmt_float(float(v.max_deviation))})")
-    return f"{pair.pair_id}: " + "; ".join(parts)
+    resume = resume_record(outcome, first_divergent_step(outcome))
+    at_resume = f" -- {resume['note']}" if resume and resume["note"] else ""
+    return f"{pair.pair_id}: " + "; ".join(parts) + at_resume
 
 
 def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
@@ -112,8 +116,14 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
     lines = [headline(outcome),
              f"  {outcome.status.upper()}: test {side(pair.test)} vs control "
              f"{side(pair.control)}, {pair.regime} regime"]
+    resume = resume_record(outcome, first_divergent_step(outcome))
+    if resume is not None:
+        lines.append(f"  resume: checkpoint after step {resume['at_step']}, {resume['before']} "
+                     f"-> {resume['after']}")
     if outcome.status == "error":
-        lines.append("a job broke before a verdict:")
+        asked = any(v.not_compared and v.gate for v in outcome.verdicts)
+        lines.append("a metric the experiment compares was not logged:" if asked
+                     else "a job broke before a verdict:")
         lines.append(_traceback_head(outcome.error or "(no error text)"))
     elif outcome.error:
         lines.append(f"  {outcome.error.strip()}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from convergence.report.data.records import PairRecord, ResourceRecord, SideRecord
 from convergence.report.data.schema import ReportDocument
 from convergence.report.fmt import (
+    NOT_COMPARED_TITLE,
     as_float,
     fmt_amount,
     fmt_delta,
@@ -89,10 +90,22 @@ def _layout_text(side: SideRecord) -> str:
            f"{side['world_size']} ranks)"
 
 
-def _state_span(passed: bool, gate: bool, steps_compared: int) -> str:
-    """pass (green), FAIL (red), or a non-gating regression in amber: never shown as a FAIL."""
-    css = "ok" if passed else ("bad" if gate else "warn")
-    return f'<span class="{css}">{escape(verdict_state(passed, gate, steps_compared))}</span>'
+def _state_span(passed: bool, gate: bool, steps_compared: int,
+                not_compared: bool = False) -> str:
+    """pass (green), FAIL (red), or in amber a non-gating regression (never shown as a FAIL)
+    or a gating metric that was not compared (never shown as a pass)."""
+    css = "warn" if not_compared else ("ok" if passed else ("bad" if gate else "warn"))
+    state = verdict_state(passed, gate, steps_compared, not_compared)
+    return f'<span class="{css}">{escape(state)}</span>'
+
+
+def not_compared_html(pairs: Sequence[PairRecord]) -> str:
+    """Every pair's gating metrics that a run did not log, with the fix (amber)."""
+    items = [f'<li><code>{escape(p["name"])}</code>: <span class="warn">'
+             f'{escape(v["metric"])} not compared</span> -- {escape(v["message"])}</li>'
+             for p in pairs for v in p["verdicts"] if v.get("not_compared")]
+    return (f"<h2>{escape(NOT_COMPARED_TITLE)}</h2><ul>{''.join(items)}</ul>"
+            if items else "")
 
 
 def verdicts_html(record: PairRecord) -> str:
@@ -101,7 +114,8 @@ def verdicts_html(record: PairRecord) -> str:
         ok = v["passed"]
         rows.append([
             escape(v["metric"]), escape(v["method"]),
-            _state_span(ok, bool(v["gate"]), int(v.get("steps_compared", 1))),
+            _state_span(ok, bool(v["gate"]), int(v.get("steps_compared", 1)),
+                        bool(v.get("not_compared", False))),
             "yes" if v["gate"] else "no",
             escape(str(v["first_divergent_step"] if v["first_divergent_step"] is not None
                        else "-")),
@@ -152,6 +166,11 @@ def pair_html(record: PairRecord, plot_files: Mapping[str, Path]) -> str:
         ("wall (pair, control, test)", escape(", ".join(
             fmt_wall(as_float(wall[k])) for k in ("pair", "control", "test")))),
     ]
+    resume = record.get("resume")
+    if resume is not None:
+        items.append(("resume", escape(f"checkpoint after step {resume['at_step']}, "
+                                       f"{resume['before']} → {resume['after']}"
+                                       + (f": {resume['note']}" if resume["note"] else ""))))
     if record["first_divergent_step"] is not None:
         items.append(("first divergent step",
                       f'<span class="bad">{record["first_divergent_step"]}</span>'))
@@ -209,6 +228,7 @@ def render_html(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
 {matrix_html(pairs)}
 <div class="sub">Axis degrees are the test's ("-" = 1). |Δ| = max |test − control| (seed regime:
  − centre of the control replicates' band). tok/s and mem: test / control. * = stopped early.</div>
+{not_compared_html(pairs)}
 {sections}
 <h2>Pairs</h2>
 {pair_sections}

@@ -21,8 +21,11 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
     ]
     for v in o.verdicts:
         name = v.metric
-        props.append((f"{name}.verdict", f"{'pass' if v.passed else 'fail'} ({v.method}"
-                                         f"{'' if v.gate else ', not gating'})"))
+        word = "not compared" if v.not_compared else ("pass" if v.passed else "fail")
+        props.append((f"{name}.verdict", f"{word} ({v.method}"
+                                         f"{'' if v.gate or v.not_compared else ', not gating'})"))
+        if v.not_compared:
+            props.append((f"{name}.not_compared", v.message))
         props.append((f"{name}.max_deviation", fmt_num(v.max_deviation)
                       + ("" if v.max_deviation_step is None else f" at step {v.max_deviation_step}")))
         if v.tolerance_at_max is not None:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from convergence.report.data.records import DivergenceRecord, PairRecord
 from convergence.report.data.schema import ReportDocument
-from convergence.report.fmt import as_float, fmt_delta, fmt_num, fmt_value, fmt_wall
+from convergence.report.fmt import (
+    NOT_COMPARED_TITLE,
+    as_float,
+    fmt_delta,
+    fmt_num,
+    fmt_value,
+    fmt_wall,
+)
 from convergence.report.formats.terminal import AXIS_COLUMNS, COLUMNS, RIGHT, record_row
 from convergence.report.markup import md_cell as cell
 from convergence.report.markup import md_code as code
@@ -71,8 +78,8 @@ def divergence_lines(rows: Sequence[DivergenceRecord], reference: str) -> list[s
 def verdict_lines(record: PairRecord) -> list[str]:
     lines: list[str] = []
     for v in record["verdicts"]:
-        if v["passed"]:
-            continue
+        if v["passed"] or v.get("not_compared"):
+            continue  # not compared: its own section, for every pair
         gate = "" if v["gate"] else (": regressed (report only, does not gate)"
                                      if v.get("steps_compared", 1) else
                                      ": not compared (report only)")
@@ -96,6 +103,11 @@ def failure_section(record: PairRecord) -> list[str]:
             f"{code(record['id'])} · control {code(record['control']['short_name'])} vs test "
             f"{code(record['test']['short_name'])} · {text(record['regime'])} regime")
     lines = [head, ""]
+    resume = record.get("resume")
+    if resume is not None:
+        lines += [f"Resume: checkpoint after step {resume['at_step']}, "
+                  f"{code(resume['before'])} → {code(resume['after'])}"
+                  + (f" — {text(resume['note'])}" if resume["note"] else ""), ""]
     if record["first_divergent_step"] is not None:
         lines.append(f"**First divergent step: {record['first_divergent_step']}**")
         lines.append("")
@@ -144,6 +156,15 @@ def regression_lines(pairs: Sequence[PairRecord]) -> list[str]:
     return ["", "## Regressions (report only)", "", *lines] if lines else []
 
 
+def not_compared_lines(pairs: Sequence[PairRecord]) -> list[str]:
+    """Every pair's gating metrics that a run did not log, passed pairs too, with the fix:
+    a pair that passed on the loss alone must say so."""
+    lines = [f"- {cell(p['name'])}: **{v['metric']}** ({v['method']}): not compared: "
+             f"{text(v['message'])}"
+             for p in pairs for v in p["verdicts"] if v.get("not_compared")]
+    return ["", f"## ⚠️ {NOT_COMPARED_TITLE}", "", *lines] if lines else []
+
+
 def render_markdown(report: ReportDocument) -> str:
     """Headline, the matrix, the sections (:data:`~convergence.report.sections.SECTIONS`),
     one part per failed/errored pair, the report-only regressions, then the sections placed
@@ -162,6 +183,7 @@ def render_markdown(report: ReportDocument) -> str:
         for record in bad:
             lines += failure_section(record)
     lines += regression_lines([p for p in pairs if p not in bad])
+    lines += not_compared_lines(pairs)
     for section in SECTIONS:
         if section.markdown_after_failures:
             lines += section.markdown(report)

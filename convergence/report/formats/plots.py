@@ -96,6 +96,15 @@ def _mark_divergence(ax: Axes, step: int | None) -> None:
                    label=f"first divergence (step {step})")
 
 
+def _mark_resume(ax: Axes, outcome: PairOutcome, *, label: bool) -> None:
+    """A resuming test side: a dotted line between its checkpoint step K and K+1."""
+    resume = outcome.pair.test.resume
+    if resume is not None:
+        ax.axvline(resume.at_step + 0.5, color="0.35", linestyle=":", linewidth=1.2,
+                   label=(f"resume after step {resume.at_step} "
+                          f"({resume.layout.short_name()})") if label else None)
+
+
 def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bool:
     """Control (or replicate band) and test curves of ``metric``; False when neither exists."""
     band = replicate_band(outcome, metric)
@@ -120,6 +129,7 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
                 label=f"test ({outcome.pair.test.layout.short_name()})")
     verdict = outcome.verdict(metric)
     _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
+    _mark_resume(ax, outcome, label=True)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
     return True
@@ -230,6 +240,7 @@ def plot_pair(outcome: PairOutcome, path: Path) -> Path:
     fig.suptitle(_title(outcome), fontsize=11, color=colour)
     _curves_panel(axes[0], outcome, "loss", "loss")
     _residual_panel(axes[1], outcome, "loss")
+    _mark_resume(axes[1], outcome, label=False)
     gradient = _gradient_metric(outcome)
     _curves_panel(axes[2], outcome, gradient, GRADIENT_LABELS[gradient])
     axes[2].set_xlabel("step")
@@ -257,7 +268,7 @@ def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:
     seen: list[str] = []
     for o in outcomes:
         for v in o.verdicts:
-            if v.gate and v.metric not in seen:
+            if (v.gate or v.not_compared) and v.metric not in seen:
                 seen.append(v.metric)
     return seen or ["loss"]
 
@@ -269,6 +280,8 @@ def _cell(outcome: PairOutcome, metric: str) -> tuple[float, str]:
     verdict = outcome.verdict(metric)
     if verdict is None:
         return math.nan, "-"
+    if verdict.not_compared:  # a gating metric a run did not log: grey, never PASS
+        return math.nan, "not\ncompared"
     word = "PASS" if verdict.passed else "FAIL"
     dev, tol = verdict.max_deviation, verdict.tolerance_at_max
     label = f"{word}\n{dev:.1e}" if math.isfinite(dev) else f"{word}\nnan"

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from convergence.report.data.records import PairRecord, pair_record
 from convergence.report.fmt import (
+    NOT_COMPARED_TITLE,
     VERDICTS,
     as_float,
     cut,
@@ -114,13 +115,26 @@ def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120)
     return render_dimensions((pair_record(o, include_curves=False) for o in outcomes), width)
 
 
-def render_summary(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
+def not_compared_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
+    """Every pair's gating metrics that a run did not log, with the fix (the plugin prints
+    them in yellow): a pair that passed on the loss alone says so."""
+    lines = [f"  {o.pair.name}: {v.metric} not compared -- {v.message}"
+             for o in outcomes for v in o.verdicts if v.not_compared]
+    return [f"{NOT_COMPARED_TITLE}:", *lines] if lines else []
+
+
+def render_summary(outcomes: Iterable[PairOutcome], width: int = 120, *,
+                   not_compared: bool = True) -> str:
     """The terminal summary shared by the plugin and the CLI: the matrix, then the
     per-dimension block under it (for one pair too: it says what the test changes over its
-    control, which the matrix's degree columns leave to the reader)."""
+    control, which the matrix's degree columns leave to the reader), then the gating metrics
+    not compared (``not_compared=False``: the caller prints :func:`not_compared_lines`)."""
     outcomes = list(outcomes)
     text = render_matrix(outcomes, width)
     if outcomes:
         text = (text.rstrip("\n") + "\nby dimension (what each test adds over its control):\n"
                 + render_outcome_dimensions(outcomes, width))
+    missing = not_compared_lines(outcomes) if not_compared else []
+    if missing:
+        text = text.rstrip("\n") + "\n" + "\n".join(missing) + "\n"
     return text

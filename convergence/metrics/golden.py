@@ -66,7 +66,7 @@ def golden_metadata(path: Path) -> dict[str, Any]:
 def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"golden file {path} not found: export one with "
-                                f"convergence.stats.golden.export_golden, or fix the path")
+                                f"convergence.metrics.golden.export_golden, or fix the path")
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:

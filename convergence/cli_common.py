@@ -1,0 +1,29 @@
+"""What the command-line front ends share (``convergence`` run/report, ``ab``, ``compare``,
+``cache``): exit codes and writing a report folder. A module of its own, below them all, so
+that no front end imports another for a helper (``ab`` once reached into ``cli`` for it, and
+``cli`` imports ``ab`` to register it: a cycle)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from convergence.report import write_reports
+from convergence.report.data.schema import default_environment
+from convergence.run.outcome import PairOutcome
+
+#: 0 when everything passed, 1 when a pair or metric failed, 2 for invalid input.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def write_report_folder(outcomes: Sequence[PairOutcome], out_dir: Path,
+                        extra_env: dict[str, Any]) -> None:
+    """report.json/.md/.html and plots into ``out_dir``; prints each file written."""
+    # As in pytest: a CI job's summary ($GITHUB_STEP_SUMMARY, when set) gets report.md too.
+    paths = write_reports(list(outcomes), out_dir,
+                          environment={**default_environment(), **extra_env},
+                          step_summary_env=os.environ)
+    for kind, path in sorted(dict(paths).items()):
+        print(f"  {kind}: {path}")

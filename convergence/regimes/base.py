@@ -1,0 +1,125 @@
+"""The Regime Protocol: how a pair is judged -- one strategy per regime (paired, twin, seed).
+
+A regime decides which control jobs a pair runs besides its control (a noise twin, seed
+replicates), which checks the pair must pass before anything is launched, which comparison
+method judges its gating metrics, how its test may be stopped early and whether a failure is
+worth the numerics probe. Each regime is one module of this package; ``registry.py`` names them.
+
+This package sits just above ``convergence.spec`` and ``convergence.metrics`` (the layer test,
+tests/test_layers.py): it imports no backend, statistics or runner. What it needs from a
+backend -- the control's noise twin -- it takes as a :class:`TwinSource` argument, which every
+``convergence.backends.Backend`` is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from convergence.metrics.curve import RunMetrics
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import ComparisonRule, Method, PairSpec
+from convergence.spec.rules import DATA_RULE, PERFORMANCE_RULES
+
+
+class TwinSource(Protocol):
+    """The part of a backend a regime may ask for (convergence.backends.base.Backend)."""
+
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        """A job that differs from ``job`` only by legitimate numerical noise; None: none."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class EarlyStopPolicy:
+    """When the sequential monitor (convergence.stats.sequential) may stop a test job.
+
+    A failure is decided once a gating metric stays clearly outside its tolerance for
+    ``patience`` consecutive logged steps, counted from ``min_step`` on (the first optimizer
+    steps are the noisiest and least informative); a pass is never decided early.
+    """
+
+    min_step: int = 5
+    patience: int = 3
+
+
+#: The policy every shipped regime uses (measured on the detection catalogues, BENCHMARKS.md).
+DEFAULT_EARLY_STOP = EarlyStopPolicy()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControlCurves:
+    """What travels with the control's outcome besides its own curves (for verdicts and reports):
+    the seed band's replicates (including the control), or the noise twin's curves."""
+
+    replicates: tuple[RunMetrics, ...] = ()
+    twin: RunMetrics | None = None
+
+
+class Regime(Protocol):
+    """One way of judging a pair. Implementations are frozen and hold no state."""
+
+    # Read-only attributes (properties here, so that frozen dataclasses satisfy them).
+    @property
+    def name(self) -> str:
+        """As written in experiment files (``regime = "..."``), reports and ``--regime``."""
+        ...
+
+    @property
+    def method(self) -> Method:
+        """The comparison method of its gating metrics (convergence.stats.registry)."""
+        ...
+
+    @property
+    def early_stop(self) -> EarlyStopPolicy:
+        """When its test job may be stopped early."""
+        ...
+
+    @property
+    def probe_on_failure(self) -> bool:
+        """Whether a failed pair is localised by the numerics probe: both sides must start
+        from one seed checkpoint and read the same samples for a per-module comparison to
+        mean much."""
+        ...
+
+    def default_rules(self) -> tuple[ComparisonRule, ...]:
+        """The rules of a pair whose experiment names none (``compare`` overrides them)."""
+        ...
+
+    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+        """Whether this regime is the default for these jobs (asked in registry order)."""
+        ...
+
+    def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
+        """Preflight of a pair of this regime (``backend``: the control's); raises SpecError."""
+        ...
+
+    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
+        """Raise SpecError when a rule of ``pair`` (any regime) uses this regime's method where
+        it cannot work (the method needs controls only this regime runs)."""
+        ...
+
+    def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
+        """Every control job the pair runs, ``pair.control`` first."""
+        ...
+
+    def check_control_runs(self, count: int) -> None:
+        """``convergence compare``: raise SpecError when ``count`` control runs (A and each
+        --replicate) cannot give this regime's verdict."""
+        ...
+
+    def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
+        """From the control runs (in ``control_jobs`` order) to what the outcome keeps."""
+        ...
+
+
+def gating_rules(method: Method) -> tuple[ComparisonRule, ...]:
+    """Loss and grad norm judged by ``method`` (a wrongly scaled gradient can leave an Adam
+    loss almost unchanged but doubles the grad norm), the per-part grad norm (a bug in one kind
+    of weight -- queries and keys under a position bug -- hides in the total), the data
+    fingerprint, plus throughput and memory: the default rules of every shipped regime."""
+    return (ComparisonRule(metric="loss", method=method),
+            ComparisonRule(metric="grad_norm", method=method),
+            ComparisonRule(metric="grad_norm_parts", method=method),
+            DATA_RULE) + PERFORMANCE_RULES

@@ -1,0 +1,81 @@
+"""``paired``: bitwise-comparable fp32 runs, judged step by step at the numerical noise floor.
+
+Control and test start from the same seed checkpoint and read the same samples in the same
+order with deterministic kernels in fp32, so the curves may differ only by the rounding of
+another reduction order (convergence/stats/paired.py). No control job besides the control;
+a failure is localised by the numerics probe (both sides start from the same weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from convergence.metrics.curve import RunMetrics
+from convergence.regimes.base import (
+    DEFAULT_EARLY_STOP,
+    ControlCurves,
+    EarlyStopPolicy,
+    TwinSource,
+    gating_rules,
+)
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import ComparisonRule, Method, PairSpec
+
+#: Train-config overrides that take a job out of the fp32 deterministic regime unless they
+#: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
+PAIRABLE_OVERRIDES: dict[str, str] = {
+    "training.param_dtype": "float32", "training.reduce_dtype": "float32",
+    "training.compile": "false", "training.deterministic": "true"}
+
+
+def bitwise_pairable(job: JobSpec) -> bool:
+    """Deterministic fp32 (compute and reduction) and uncompiled, whatever set it."""
+    overrides = job.override_dict()
+    if job.resume is not None and not job.resume.techniques.bitwise_pairable:
+        return False  # the phase after a resume counts too
+    return job.techniques.bitwise_pairable and all(
+        str(overrides[k]).lower() == v for k, v in PAIRABLE_OVERRIDES.items() if k in overrides)
+
+
+def check_same_seed(pair: PairSpec, *, key: str) -> None:
+    """The regimes that compare step by step need one seed checkpoint and one sample order."""
+    if pair.control.seed != pair.test.seed:
+        raise SpecError(f"{pair.regime} comparison needs the same seed (same seed checkpoint "
+                        "and data)", file=pair.source, key=f"{key}.seed",
+                        fix='use the same seed on both sides, or regime = "seed"')
+
+
+@dataclass(frozen=True)
+class PairedRegime:
+    name: str = "paired"
+    method: Method = "paired"
+    early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
+    probe_on_failure: bool = True
+
+    def default_rules(self) -> tuple[ComparisonRule, ...]:
+        return gating_rules(self.method)
+
+    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+        """The default only when both runs are deterministic fp32 (compute and reduction),
+        uncompiled and share the seed, as the README promises."""
+        return control.seed == test.seed and bitwise_pairable(control) and bitwise_pairable(test)
+
+    def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
+        check_same_seed(pair, key=key)
+
+    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
+        return None  # one control curve: any regime has it
+
+    def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
+        return (pair.control,)
+
+    def check_control_runs(self, count: int) -> None:
+        return None  # the first run is the control; others are not used
+
+    def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
+        return ControlCurves()
+
+
+PAIRED = PairedRegime()

@@ -1,0 +1,64 @@
+"""``seed``: runs that cannot be paired (other seeds, a technique that changes the math, a
+backend without a noise twin). K control replicates with different seeds form a per-step band;
+the test must stay inside it and pass an equivalence test (TOST) on the final window
+(convergence/stats/seed.py). No numerics probe: the sides start from other weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from convergence.metrics.curve import RunMetrics
+from convergence.regimes.base import (
+    DEFAULT_EARLY_STOP,
+    ControlCurves,
+    EarlyStopPolicy,
+    TwinSource,
+    gating_rules,
+)
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import ComparisonRule, Method, PairSpec
+
+
+@dataclass(frozen=True)
+class SeedRegime:
+    name: str = "seed"
+    method: Method = "seed"
+    early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
+    probe_on_failure: bool = False
+
+    def default_rules(self) -> tuple[ComparisonRule, ...]:
+        return gating_rules(self.method)
+
+    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+        return True  # the fallback: asked last among the shipped regimes
+
+    def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
+        if pair.replicates < 2:
+            raise SpecError("the seed regime needs at least 2 control replicates",
+                            file=pair.source, key="replicates", fix="set replicates >= 2")
+
+    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
+        # Allowed anywhere: with one control curve the seed comparison fails with its reason.
+        return None
+
+    def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
+        control = pair.control
+        return (control, *(dataclasses.replace(control, seed=control.seed + i,
+                                               name=f"{control.name}-seed{i}")
+                           for i in range(1, pair.replicates)))
+
+    def check_control_runs(self, count: int) -> None:
+        if count < 2:
+            raise SpecError("the seed regime needs at least 2 control runs", key="--replicate",
+                            fix="add --replicate RUN for each other seed's control run")
+
+    def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
+        # The band's replicates travel with the control for the report.
+        return ControlCurves(replicates=tuple(runs) if len(runs) > 1 else ())
+
+
+SEED = SeedRegime()

@@ -1,0 +1,86 @@
+"""``twin``: same seed checkpoint and data, but not bitwise reproducible (bf16, compile,
+nondeterministic kernels). The noise envelope is measured, not assumed: the pair runs a twin of
+the control that differs only by legitimate rounding, derived by the control's backend
+(``Backend.noise_twin``: another data-parallel degree, the same samples), and the test may
+deviate from the control by at most k x the running max of |twin - control| plus a small
+relative floor (convergence/stats/twin.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from convergence.metrics.curve import RunMetrics
+from convergence.regimes.base import (
+    DEFAULT_EARLY_STOP,
+    ControlCurves,
+    EarlyStopPolicy,
+    TwinSource,
+    gating_rules,
+)
+from convergence.regimes.paired import check_same_seed
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import ComparisonRule, Method, PairSpec
+
+#: Backends whose noise_twin derives a twin for the usual controls: where both sides use one of
+#: them (and the runs are not bitwise pairable), twin is the default regime; elsewhere the seed
+#: band is. A backend that implements ``noise_twin`` adds its name here to make twin its default.
+DEFAULT_FOR_BACKENDS: frozenset[str] = frozenset({"builtin", "torchtitan"})
+
+
+@dataclass(frozen=True)
+class TwinRegime:
+    name: str = "twin"
+    method: Method = "twin"
+    early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
+    probe_on_failure: bool = True
+
+    def default_rules(self) -> tuple[ComparisonRule, ...]:
+        return gating_rules(self.method)
+
+    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+        # Asked after paired: same seed checkpoint and data but not bitwise reproducible.
+        return control.seed == test.seed and {control.backend, test.backend} <= \
+            DEFAULT_FOR_BACKENDS
+
+    def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
+        check_same_seed(pair, key=key)
+        if pair.golden:
+            return  # a golden curve is the control: no twin runs
+        try:
+            self.control_jobs(pair, backend)
+        except SpecError as exc:
+            raise SpecError(f"[control {pair.control.name!r}] {exc.detail}", file=pair.source,
+                            key=f"{key}.regime", fix=exc.fix) from None
+
+    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
+        twin_rules = [r.metric for r in pair.rules if r.method == self.method]
+        if twin_rules and pair.regime != self.name:
+            raise SpecError(f"compare.{twin_rules[0]} = \"twin\" needs the twin regime (it "
+                            "compares with a twin of the control that only that regime runs)",
+                            file=pair.source, key=f"{key}.compare.{twin_rules[0]}",
+                            fix='set regime = "twin", or another method for this metric')
+
+    def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
+        """The control and its noise twin; SpecError (with a fix) when there is none."""
+        twin = backend.noise_twin(pair.control)
+        if twin is None:
+            raise SpecError(f"the twin regime derives the control's twin from its backend; "
+                            f"the {pair.control.backend!r} backend derives none",
+                            key="regime", fix='use regime = "seed" for this backend')
+        return (pair.control, twin)
+
+    def check_control_runs(self, count: int) -> None:
+        if count < 2:
+            raise SpecError("the twin regime needs the control's twin run", key="--replicate",
+                            fix="add --replicate TWIN_RUN: the control layout with another DP "
+                                "degree, same seed and data (README: Reading the verdict)")
+
+    def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
+        # The test is compared with the control itself; the twin only sets the envelope.
+        return ControlCurves(twin=runs[1] if len(runs) > 1 else None)
+
+
+TWIN = TwinRegime()

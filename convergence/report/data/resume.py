@@ -1,0 +1,52 @@
+"""Where a resuming test side (convergence.spec.resume) stopped and resumed, and what that says
+about a divergence: every report format shows the same record and the same sentence."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+from convergence.run.outcome import PairOutcome
+from convergence.spec.resume import Resume
+
+#: A divergence first seen this many steps after the checkpoint is "at the resume": step K+1
+#: shows a data, weight or RNG bug; K+2 one in the optimizer or the schedule (the loss of a
+#: step is computed before its update, so a wrong update shows in the next step's loss).
+AT_RESUME_STEPS = 2
+
+
+class ResumeRecord(TypedDict):
+    at_step: int
+    """The last step before the checkpoint; the resumed job starts at at_step + 1."""
+    before: str
+    """Short name of the layout up to the checkpoint."""
+    after: str
+    """Short name of the layout the run resumed on."""
+    note: str | None
+    """Where the divergence starts relative to the resume (None when there is none)."""
+
+
+def resume_note(resume: Resume, first_divergent: int | None, before: str) -> str | None:
+    """One sentence placing the first divergent step relative to the resume."""
+    if first_divergent is None:
+        return None
+    at, after = resume.at_step, resume.layout.short_name()
+    where = f"checkpoint after step {at}, {before} -> {after}"
+    if first_divergent <= at:
+        return (f"the divergence starts before the resume, at step {first_divergent} ({where}):"
+                f" the layout {before} itself differs from the control")
+    if first_divergent <= at + AT_RESUME_STEPS:
+        return (f"the divergence starts at the resume: step {first_divergent}, right after the "
+                f"{where} -- the checkpoint lost or changed state (weights, optimizer, LR "
+                "schedule, data position, RNG)")
+    return (f"the divergence starts at step {first_divergent}, {first_divergent - at} steps "
+            f"after the resume ({where})")
+
+
+def resume_record(outcome: PairOutcome, first_divergent: int | None) -> ResumeRecord | None:
+    test = outcome.pair.test
+    if test.resume is None:
+        return None
+    before = test.layout.short_name()
+    return {"at_step": test.resume.at_step, "before": before,
+            "after": test.resume.layout.short_name(),
+            "note": resume_note(test.resume, first_divergent, before)}

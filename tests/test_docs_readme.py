@@ -1,0 +1,159 @@
+"""What the docs promise is what the code does (issue 24): README's generated parts match the
+spec and the option table, `--help` says what the CLI does, the numbers README quotes are
+BENCHMARKS.md's, and the hook's cache hash imports nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from convergence import docs
+from convergence.cli import build_parser
+from convergence.run.runner import _hook_source_hash
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text(encoding="utf-8")
+BENCHMARKS = (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")
+
+
+def test_readme_generated_parts_are_current() -> None:
+    """The key table (from the spec) and the option list (from the option table)."""
+    assert docs.render(README) == README, \
+        "README drifted from the code: run `python -m convergence.docs README.md`"
+
+
+def test_an_undocumented_spec_key_fails_the_table() -> None:
+    rows = [row for row in docs.key_rows() if "probe" not in row[1]]
+    assert docs.undocumented(rows) == ["pair.probe_on_failure", "pair.probe"]
+    assert docs.undocumented(docs.key_rows()) == []
+
+
+def test_readme_names_every_pp_schedule_and_method() -> None:
+    """Points 13-14: ZBVZeroBubble/DualPipeV, the twin method, probe and [experiment]."""
+    table = README.split("<!-- keys:begin -->")[1].split("<!-- keys:end -->")[0]
+    for word in ("ZBVZeroBubble", "DualPipeV", '"twin"', "`probe`", "`probe_on_failure`",
+                 "`[experiment]`"):
+        assert word in table, word
+
+
+def _help(*argv: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    return re.sub(r"\s+", " ", out.getvalue())
+
+
+@pytest.mark.parametrize("command", ["run", "ab"])
+def test_cli_workdir_help_says_what_the_cli_does(command: str) -> None:
+    """Point 16: the CLI's workdir is ./.convergence, not pytest's rootdir."""
+    text = _help(command)
+    assert "./.convergence, in the folder you run it from" in text
+    workdir_help = text.split("--workdir DIR ", 1)[1].split(" --", 1)[0]
+    assert "rootdir" not in workdir_help, workdir_help
+
+
+def test_compare_help_names_every_gating_metric_and_twin() -> None:
+    """Point 15: grad_norm_parts and data_fingerprint gate too; twin is a regime."""
+    text = _help("compare")
+    assert "loss, grad_norm, grad_norm_parts, data_fingerprint gate" in text
+    assert "twin (the envelope from the control's twin" in text
+    assert "paired, twin or seed" in text
+
+
+def _section(name: str) -> str:
+    return BENCHMARKS.split(f"<!-- {name}:begin -->")[1].split(f"<!-- {name}:end -->")[0]
+
+
+def test_benchmark_markers_are_balanced() -> None:
+    """Point 19: every section BENCHMARKS.md's scripts rewrite has both markers."""
+    begins = re.findall(r"<!-- ([\w-]+):begin -->", BENCHMARKS)
+    ends = re.findall(r"<!-- ([\w-]+):end -->", BENCHMARKS)
+    assert begins == ends and "progress-eta" in begins
+
+
+def test_readme_quotes_benchmarks_numbers() -> None:
+    """Points 11-12: the catalogue's size and results are BENCHMARKS.md's, per regime."""
+    fp32 = _section("detection")
+    caught = re.search(r"Detection rate: \*\*(\d+)/(\d+)\*\*", fp32)
+    alarms = re.search(r"False-alarm rate: \*\*(\d+)/(\d+)\*\*", fp32)
+    assert caught and alarms
+    assert f"catalogue of {caught.group(2)} planted" in README
+    assert f"**{caught.group(1)}/{caught.group(2)} bugs caught**" in README
+    assert f"**{alarms.group(1)}/{alarms.group(2)} false alarms**" in README
+    # The fp32 table's one bf16 pair ran in the seed regime; README must not call it twin.
+    assert re.search(r"\| bf16-fsdp2-tp2 \| fsdp2-tp2 \| 7 \| seed \|", fp32)
+    assert "bf16 (twin regime)" not in README and "its bf16 pair ran in the seed regime" in README
+    bf16 = _section("detection-bf16")
+    twin_caught = re.search(r"Detection rate: \*\*(\d+/\d+)\*\*", bf16)
+    twin_alarms = re.search(r"False-alarm rate: \*\*(\d+/\d+)\*\*", bf16)
+    assert twin_caught and twin_alarms and "twin regime for bf16" in bf16
+    assert f"**{twin_caught.group(1)}**" in README and f"**{twin_alarms.group(1)}** false" in README
+
+
+def test_hook_example_in_hooks_py_replaces_tp() -> None:
+    """Point 17: the worked example's hand-written TP plan must run in replace_tp mode."""
+    import ast
+
+    source = (REPO / "convergence" / "trainer" / "hooks.py").read_text(encoding="utf-8")
+    doc = ast.get_docstring(ast.parse(source)) or ""  # read, not imported: torch costs seconds
+    example = doc.split("# experiments/my_tp.toml", 1)[1]
+    assert 'hook_mode = "replace_tp"' in example.split("\n\n", 1)[0]
+
+
+def test_hook_source_hash_imports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point 18: hashing a hook's source for the cache key runs no user code, not even its
+    parent package's __init__ (importlib.util.find_spec would)."""
+    pkg = tmp_path / "readme_hookpkg"
+    (pkg / "sub").mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "sub" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "sub" / "mod.py").write_text("def fn(model, ctx):\n    return None\n")
+    monkeypatch.chdir(tmp_path)
+    digest = _hook_source_hash("readme_hookpkg.sub.mod:fn")
+    assert digest is not None and len(digest) == 64
+    assert not marker.exists(), "the hook's package was imported"
+    assert "readme_hookpkg" not in sys.modules
+    assert _hook_source_hash("readme_hookpkg.nope:fn") is None
+
+
+def test_install_lines_do_not_assume_the_public_index() -> None:
+    """Point 4: not on PyPI; installed from a clone or a wheel, extras written the same way."""
+    assert not re.search(r'pip install "?pytest-convergence', README)
+    assert 'pip install "./pytest-convergence[xdist]"' in README
+    assert "not on the public package index" in README
+
+
+def test_readme_suggests_ignoring_the_run_state_and_points_the_right_way() -> None:
+    """Point 5: .convergence/ out of version control; the hook section is above its use."""
+    assert "echo .convergence/ >>\n.gitignore" in README or ".convergence/ >> .gitignore" in README
+    assert "(see below)" not in README
+    assert README.index("## Your own parallelism") < README.index("# your parallelism (see above)")
+
+
+def test_security_model_names_who_is_trusted() -> None:
+    """Point 20: the manifest detects damage, not a planted entry."""
+    text = re.sub(r"\s+", " ", README)
+    assert "detects a damaged or half-written entry, not a planted one" in text
+    assert "anyone who can write the run cache folder" in text
+
+
+def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
+    """Point 10: README scopes the probe to built-in jobs, as wants_probe does."""
+    from convergence.regimes import REGISTRY
+    from convergence.run.probe import wants_probe
+    from convergence.spec.experiment import make_pair
+
+    (tmp_path / "t.toml").write_text("")
+    side = {"train_config": "t.toml", "backend": "command",
+            "backend_options": {"command": ["train.py", "{dump_dir}"]},
+            "parallelism": {"dp_shard": 2}}
+    pair = make_pair(name="cmd", control=side, test=side, rootdir=tmp_path,
+                     source=str(tmp_path / "e.toml"), regimes=REGISTRY)
+    assert pair.regime == "paired" and not wants_probe(pair, "failed")
+    assert "only when both sides are\nbuilt-in jobs" in README

@@ -1,0 +1,231 @@
+"""The library's layers, enforced: every import of ``convergence`` by ``convergence`` goes down
+(or sideways within a layer), and there is no import cycle, between modules or between
+packages.
+
+Every import counts -- at the top of a module, inside a function (lazy), or under
+``TYPE_CHECKING`` -- so a lazy import cannot hide a cycle. A lazy import is only for cost, and
+this checks that too: what it imports must pull in a costly third-party package (torch, scipy,
+matplotlib, ...) that the importing module does not already load at its top.
+
+``convergence/report`` has its own finer layering (tests/test_report_layers.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from functools import cache
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "convergence"
+
+#: Bottom to top. A unit (a subpackage, or a module directly under convergence/) imports only
+#: units of its own layer or below; ``convergence`` itself is the package's __init__ (the
+#: version).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("convergence", "configs", "process_lifetime", "dist_exit"),
+    ("spec",),              # parsed experiments: stdlib, configs
+    ("trainer",),           # the built-in trainer (runs under torchrun)
+    ("metrics",),           # curves and their readers (JSONL, TensorBoard, golden)
+    ("regimes",),           # paired / twin / seed: rules, control jobs, checks, policies
+    ("launch",),            # torchrun / srun processes, pool, watchdog
+    ("cache",),             # the run cache
+    ("stats",),             # comparisons, sequential monitor, health, provenance
+    ("backends",),          # how a job becomes a command (builtin, torchtitan, command)
+    ("preflight",),         # the checks that need backends or devices
+    ("run",),               # the spine: jobs, pairs, probe, outcomes
+    ("report",),            # terminal, JSON/MD/HTML, plots
+    ("options",),           # the one option table (plugin, CLI)
+    ("docs",),              # README's generated parts (key table, option list)
+    ("cli_common", "compare_cli", "cache_cli", "nightly"),  # front ends and their helpers
+    ("ab",),
+    ("cli",),               # the `convergence` command: registers every subcommand
+)
+
+#: Third-party packages whose import costs seconds (or is optional): the only reason for a
+#: function-local import of our own modules.
+COSTLY = frozenset({"torch", "scipy", "matplotlib", "numpy", "torchtitan", "tensorboard",
+                    "triton"})
+
+FORBIDDEN = ("pytest", "_pytest", "pytest_convergence")
+"""The library never imports pytest or the plugin."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module an import names (``from a.b import c``: a.b.c when a module, else a.b)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+@cache
+def _imports(module: str) -> tuple[tuple[str, int, bool], ...]:
+    """(imported name, line, at the top) for every import in ``module`` (TYPE_CHECKING blocks
+    count as the top: they are no cost, but they are a dependency)."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    top = {id(node) for node in tree.body}
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            top.update(id(n) for n in ast.walk(node))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from a import b``: the submodule a.b where b is one, else a itself.
+            subs = [f"{node.module}.{a.name}" for a in node.names
+                    if f"{node.module}.{a.name}" in MODULES]
+            names = subs if len(subs) == len(node.names) else [node.module, *subs]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.extend((name, node.lineno, id(node) in top) for name in names)
+    return tuple(found)
+
+
+def _graph(*, top_only: bool = False) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        deps = {_resolve(name) for name, _, at_top in _imports(module)
+                if name.startswith("convergence") and (at_top or not top_only)}
+        # A package's __init__ is imported with each of its submodules: an edge from a module
+        # to its own package (or a package to its submodule) is no dependency between units.
+        graph[module] = {d for d in deps if d and d != module
+                         and not module.startswith(d + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one member (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for dep in edges:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(graph.get(dep, ())))))
+                    break
+                if dep in on_stack:
+                    low[node] = min(low[node], index[dep])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_every_unit_has_a_layer() -> None:
+    layered = [unit for layer in LAYERS for unit in layer]
+    assert len(layered) == len(set(layered))
+    units = {_unit(m) for m in MODULES}
+    assert units - set(layered) == set(), "give each new package a layer in LAYERS"
+    assert set(layered) - units == set(), "LAYERS names a package that is gone"
+
+
+def test_imports_go_down_the_layers() -> None:
+    level = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    upward = []
+    for module, deps in _graph().items():
+        for dep in deps:
+            if level[_unit(dep)] > level[_unit(module)]:
+                upward.append(f"{module} ({_unit(module)}) imports {dep} ({_unit(dep)})")
+    assert upward == [], "imports that climb a layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_cycle_between_modules() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_no_cycle_between_packages() -> None:
+    units: dict[str, set[str]] = {}
+    for module, deps in _graph().items():
+        units.setdefault(_unit(module), set()).update(
+            _unit(d) for d in deps if _unit(d) != _unit(module))
+    assert _cycles(units) == []
+
+
+def test_the_library_never_imports_pytest_or_the_plugin() -> None:
+    found = [f"{m}:{line} {name}" for m in MODULES for name, line, _ in _imports(m)
+             if name.split(".")[0] in FORBIDDEN]
+    assert found == []
+
+
+def _third_party_at_top(module: str, seen: set[str] | None = None) -> set[str]:
+    """Third-party top-level packages loaded by importing ``module`` (its top-level imports,
+    followed through our own modules and their packages' __init__)."""
+    seen = set() if seen is None else seen
+    if module in seen:
+        return set()
+    seen.add(module)
+    found: set[str] = set()
+    parents = [".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)]
+    for parent in parents:
+        found |= _third_party_at_top(parent, seen)
+    for name, _, at_top in _imports(module):
+        if not at_top:
+            continue
+        if name.startswith("convergence"):
+            target = _resolve(name)
+            if target:
+                found |= _third_party_at_top(target, seen)
+        elif name.split(".")[0] not in sys.stdlib_module_names and name != "__future__":
+            found.add(name.split(".")[0])
+    return found
+
+
+def test_lazy_imports_are_for_cost() -> None:
+    """A function-local import of our own module must save a costly package that the
+    importing module does not load anyway; else it belongs at the top."""
+    pointless = []
+    for module in MODULES:
+        loaded = _third_party_at_top(module)
+        for name, line, at_top in _imports(module):
+            if at_top or not name.startswith("convergence"):
+                continue
+            target = _resolve(name)
+            saved = (_third_party_at_top(target) - loaded) & COSTLY if target else set()
+            if not saved:
+                pointless.append(f"{module}:{line} {name}")
+    assert pointless == [], ("lazy imports that save no costly package (move them to the "
+                             "top):\n" + "\n".join(sorted(set(pointless))))

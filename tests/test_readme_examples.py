@@ -1,0 +1,266 @@
+"""README's examples cannot rot: every indented code block of README.md is either run here, in
+a temporary folder at CPU size, or named in SKIPPED with the reason and the test that covers it.
+
+- TOML and Python examples become a user repository (the experiment files, the hook module,
+  the marked Python test, the pyproject snippet); README's ``pytest -m convergence`` collects
+  all of them there (``--collect-only``: the first example asks for 200 steps and 8 ranks).
+- One tiny pair runs for real: README's minimal experiment ("Use it in your repository": your
+  own TP hook in ``replace_tp`` mode) through README's ``pytest -m convergence
+  --convergence-report report``, at 3 steps. Its run folders then feed ``convergence compare``
+  and ``convergence export-golden`` exactly as README writes them.
+- The built-in trainer's command line runs for 2 steps on one rank.
+- Commands too slow to run here (the quick start through ``convergence run``) are parsed by
+  the real argument parser, so a renamed flag fails.
+
+Issue 24: "a docs test that runs every shell command and TOML example in README".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+#: Commands that do not run here: the reason, and what covers them instead.
+SKIPPED: dict[str, str] = {
+    "pip install": "installing: tests/test_install_wheel.py builds a wheel and installs it with "
+                   "its extras syntax into a fresh venv",
+    'pytest -m "not slow" --convergence-tier ci': "the project's own suite: .ci/run runs this "
+                                                  "command (this test included)",
+    "salloc": "needs a Slurm allocation: tests/test_slurm.py runs the Slurm launcher on a real "
+              "one-node Slurm",
+    "pytest -m convergence --convergence-launcher slurm": "needs a Slurm allocation: "
+                                                          "tests/test_slurm.py",
+}
+
+#: Blocks that are output or a file tree, not something to run (matched on the first line).
+NOT_EXAMPLES = ("e2e.toml::", "convergence/        the library")
+
+
+def code_blocks(text: str) -> list[str]:
+    """README's indented code blocks (4 spaces, after a blank line), dedented."""
+    blocks: list[list[str]] = []
+    current: list[str] | None = None
+    previous_blank = True
+    for line in text.splitlines():
+        if line.startswith("    ") and (current is not None or previous_blank):
+            if current is None:
+                current = []
+                blocks.append(current)
+            current.append(line)
+        elif not line.strip() and current is not None:
+            current.append("")
+        else:
+            current = None
+        previous_blank = not line.strip()
+    return [textwrap.dedent("\n".join(b)).strip() + "\n" for b in blocks]
+
+
+def classify(blocks: list[str]) -> dict[str, list[str]]:
+    kinds: dict[str, list[str]] = {"toml": [], "python": [], "shell": [], "other": []}
+    for block in blocks:
+        first = block.splitlines()[0]
+        if first.startswith(NOT_EXAMPLES):
+            kinds["other"].append(block)
+        elif first.startswith("# experiments/") or first.startswith("# pyproject.toml"):
+            kinds["toml"].append(block)
+        elif "import " in block or first.startswith("# my_project/"):
+            kinds["python"].append(block)
+        else:
+            kinds["shell"].append(block)
+    return kinds
+
+
+def commands(shell_blocks: list[str]) -> list[str]:
+    """One command per line (``\\`` continuations joined, ``&&`` split, comments dropped)."""
+    out: list[str] = []
+    for block in shell_blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            out += [part.strip() for part in line.split("&&") if part.strip()]
+    return out
+
+
+def _skip_reason(command: str) -> str | None:
+    return next((why for prefix, why in SKIPPED.items() if command.startswith(prefix)), None)
+
+
+def _env(repo: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    # The ranks import the hook from the user repository; this checkout's code wins.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(repo)])
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=cwd, env=_env(cwd), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _argv(command: str) -> list[str]:
+    words = shlex.split(command)
+    if words[0] == "pytest":
+        return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *words[1:]]
+    if words[0] == "convergence":
+        return [sys.executable, "-c", "from convergence.cli import main; raise SystemExit(main())",
+                *words[1:]]
+    return words
+
+
+@pytest.fixture(scope="module")
+def readme() -> dict[str, list[str]]:
+    return classify(code_blocks(README.read_text(encoding="utf-8")))
+
+
+@pytest.fixture(scope="module")
+def user_repo(tmp_path_factory: pytest.TempPathFactory,
+              readme: dict[str, list[str]]) -> Path:
+    """README's TOML and Python examples, written where they say they live."""
+    repo = tmp_path_factory.mktemp("readme_repo")
+    experiments = 0
+    for block in readme["toml"]:
+        first = block.splitlines()[0]
+        if first.startswith("# pyproject.toml"):
+            (repo / "pyproject.toml").write_text(block)
+            continue
+        experiments += 1  # two examples share the name my_layouts.toml: keep both
+        path = repo / "experiments" / f"readme_{experiments}.toml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(block)
+    for block in readme["python"]:
+        first = block.splitlines()[0]
+        if first.startswith("# my_project/"):
+            path = repo / first[2:].strip()
+        elif "convergence_pair" in block:
+            path = repo / "tests" / "test_readme_python.py"
+        else:
+            path = repo / "readme_snippets" / f"snippet_{len(list(repo.rglob('*.py')))}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(block)
+    (repo / "my_project" / "__init__.py").touch()
+    return repo
+
+
+def test_every_readme_block_is_known(readme: dict[str, list[str]]) -> None:
+    """A new README block must be classified; every example kind is present."""
+    assert len(readme["toml"]) == 3 and len(readme["python"]) == 3, readme
+    assert len(readme["other"]) == 2, readme["other"]
+    for command in commands(readme["shell"]):
+        assert command.split()[0] in ("pytest", "pip", "salloc", "convergence", "torchrun"), \
+            f"README command {command!r}: run it in tests/test_readme_examples.py or add it " \
+            f"to SKIPPED with the reason"
+
+
+def test_python_examples_compile(readme: dict[str, list[str]]) -> None:
+    for block in readme["python"]:
+        compile(block, "<README>", "exec")
+
+
+def test_toml_examples_collect_in_a_testpaths_repository(user_repo: Path,
+                                                         readme: dict[str, list[str]]) -> None:
+    """README's ``pytest -m convergence`` in a repository made of README's examples: every
+    experiment and the marked Python test are collected, none is an error."""
+    assert "pytest -m convergence" in commands(readme["shell"])
+    proc = _run([*_argv("pytest -m convergence"), "--collect-only", "-q",
+                 "--convergence-devices", "8"], user_repo)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "experiments/readme_1.toml::fsdp2-tp2-pp2" in out, out
+    assert "experiments/readme_1.toml::fsdp2-tp2-cp2" in out, out  # the sweep's grid
+    assert "experiments/readme_2.toml::fsdp2-my-tp2" in out, out
+    assert "tests/test_readme_python.py::test_my_tp[fsdp2-tp2]" in out, out
+
+
+def test_minimal_experiment_runs_and_its_runs_compare(user_repo: Path,
+                                                      readme: dict[str, list[str]]) -> None:
+    """The one real pair: README's minimal experiment with README's hook, 3 steps; then
+    README's ``convergence compare`` and ``convergence export-golden`` on its run folders."""
+    shell = commands(readme["shell"])
+    command = "pytest -m convergence --convergence-report report"
+    assert command in shell
+    proc = _run([*_argv(command), "experiments/readme_2.toml", "--convergence-steps", "3"],
+                user_repo)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    report = json.loads((user_repo / "report" / "report.json").read_text())
+    (pair,) = report["pairs"]
+    assert pair["name"] == "fsdp2-my-tp2" and pair["status"] == "passed", pair
+    control, test = pair["control"]["run_dir"], pair["test"]["run_dir"]
+
+    compare = next(c for c in shell if c.startswith("convergence compare"))
+    proc = _run(_argv(compare.replace("RUN_A", control).replace("RUN_B", test)), user_repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "loss" in proc.stdout, proc.stdout
+
+    export = next(c for c in shell if c.startswith("convergence export-golden"))
+    proc = _run(_argv(export.replace("RUN_DIR", control)), user_repo)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    golden = json.loads((user_repo / "golden.json").read_text())
+    assert golden and "loss" in json.dumps(golden)
+
+
+def test_slow_cli_commands_parse(readme: dict[str, list[str]]) -> None:
+    """``convergence run experiments/quickstart.toml`` trains 4 pairs (minutes): its words
+    are parsed by the real parser, and its file exists."""
+    from convergence.cli import build_parser
+
+    parser = build_parser()
+    run = next(c for c in commands(readme["shell"]) if c.startswith("convergence run"))
+    args = parser.parse_args(shlex.split(run)[1:])
+    assert (REPO / args.experiment).is_file(), run
+
+
+def test_builtin_trainer_command_line(tmp_path: Path, readme: dict[str, list[str]]) -> None:
+    line = next(c for c in commands(readme["shell"]) if c.startswith("torchrun"))
+    assert "-m convergence.trainer --config debug" in line
+    words = [w for w in shlex.split(line.replace("[--section.key=value ...]", ""))]
+    words[words.index("N")] = "1"
+    words += ["--training.steps=2", "--metrics.val_every=0", f"--metrics.dump_folder={tmp_path}"]
+    argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    proc = _run(argv, tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_every_command_is_run_or_skipped_with_a_reason(readme: dict[str, list[str]]) -> None:
+    run_here = ("pytest -m convergence", "convergence run", "convergence compare",
+                "convergence export-golden", "torchrun")
+    for command in commands(readme["shell"]):
+        if _skip_reason(command):
+            continue
+        assert command.startswith(run_here), \
+            f"README command {command!r} is neither run here nor in SKIPPED with a reason"
+
+
+def test_inline_convergence_commands_parse() -> None:
+    """The ``convergence ...`` commands README names in running text (cache, nightly, record,
+    trend, ab, report): each subcommand and flag exists in the real parser (optional parts in
+    [brackets] included; DAYS, N and G are numbers)."""
+    from convergence.cli import build_parser
+
+    text = README.read_text(encoding="utf-8")
+    spans = {re.sub(r"\s+", " ", s) for s in re.findall(r"`(convergence [^`]+)`", text)}
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if a.choices and "run" in a.choices).choices
+    checked = 0
+    for span in sorted(spans):
+        words = shlex.split(span.replace("[", " ").replace("]", " "))[1:]
+        assert words[0] in subcommands, span
+        if len(words) == 1 and words[0] in ("run", "ab", "compare"):
+            continue  # the command's name in a sentence, its arguments elsewhere
+        words = ["30" if w in ("DAYS", "N", "G") else w for w in words]
+        parser.parse_args(words)
+        checked += 1
+    assert checked >= 8, spans

@@ -1,0 +1,87 @@
+"""The shipped regimes as strategies, without running anything: the default choice, control
+jobs, what travels with the control, probe eligibility, and the twin's dependence on the
+backend's ``noise_twin``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convergence.metrics.curve import Curve
+from convergence.regimes import REGISTRY, get_regime
+from convergence.regimes.registry import SHIPPED
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.spec.pair import PairSpec
+
+CONTROL = JobSpec(name="fsdp2", train_config=Path("debug.toml"),
+                  layout=ParallelLayout(dp_shard=2))
+
+
+class NoTwins:
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        return None
+
+
+class Twins:
+    def noise_twin(self, job: JobSpec) -> JobSpec | None:
+        return dataclasses.replace(job, name=f"{job.name}-twin")
+
+
+def pair(regime: str, *, replicates: int = 3, test: JobSpec = CONTROL) -> PairSpec:
+    return PairSpec(pair_id="e.toml::t", control=CONTROL, test=test,
+                    rules=get_regime(regime).default_rules(), regime=regime,
+                    replicates=replicates, source="e.toml")
+
+
+def test_the_shipped_regimes_in_the_order_the_default_is_asked() -> None:
+    assert REGISTRY.names()[:3] == ("paired", "twin", "seed") == tuple(r.name for r in SHIPPED)
+    bf16 = dataclasses.replace(CONTROL, techniques=Techniques(param_dtype="bfloat16"))
+    assert REGISTRY.default_for(CONTROL, CONTROL) == "paired"
+    assert REGISTRY.default_for(CONTROL, bf16) == "twin"
+    assert REGISTRY.default_for(CONTROL, dataclasses.replace(bf16, backend="command")) == "seed"
+    assert REGISTRY.default_for(CONTROL, dataclasses.replace(CONTROL, seed=7)) == "seed"
+
+
+def test_an_unknown_regime_names_the_known_ones() -> None:
+    with pytest.raises(SpecError, match="unknown regime 'bitwise'") as err:
+        get_regime("bitwise")
+    assert "paired, twin, seed" in str(err.value)
+
+
+def test_each_regime_judges_its_gating_metrics_by_its_method() -> None:
+    for regime in SHIPPED:
+        methods = {r.metric: r.method for r in regime.default_rules()}
+        assert methods["loss"] == methods["grad_norm"] == regime.method == regime.name
+        assert methods["tokens_per_s"] == "regression"
+
+
+def test_control_jobs_and_what_travels_with_the_control() -> None:
+    curve = {"loss": Curve("loss", np.array([1, 2]), np.array([1.0, 0.9]))}
+    assert get_regime("paired").control_jobs(pair("paired"), NoTwins()) == (CONTROL,)
+    seeds = get_regime("seed").control_jobs(pair("seed", replicates=3), NoTwins())
+    assert [(j.name, j.seed) for j in seeds] == [("fsdp2", 42), ("fsdp2-seed1", 43),
+                                                 ("fsdp2-seed2", 44)]
+    assert len(get_regime("seed").control_curves([curve, curve]).replicates) == 2
+    twin = get_regime("twin").control_jobs(pair("twin"), Twins())
+    assert [j.name for j in twin] == ["fsdp2", "fsdp2-twin"]
+    kept = get_regime("twin").control_curves([curve, curve])
+    assert kept.twin is curve and kept.replicates == ()
+
+
+def test_a_backend_without_twins_leaves_the_twin_regime_with_a_fix() -> None:
+    with pytest.raises(SpecError) as err:
+        get_regime("twin").check(pair("twin"), key="test[0]", backend=NoTwins())
+    assert err.value.key == "test[0].regime" and 'regime = "seed"' in str(err.value)
+    get_regime("twin").check(dataclasses.replace(pair("twin"), golden="g.json"),
+                             key="test[0]", backend=NoTwins())  # a golden is the control
+
+
+def test_the_seed_regime_needs_two_replicates_and_probes_nothing() -> None:
+    with pytest.raises(SpecError, match="at least 2 control replicates"):
+        get_regime("seed").check(pair("seed", replicates=1), key="test", backend=NoTwins())
+    assert [r.probe_on_failure for r in SHIPPED] == [True, True, False]

@@ -1,0 +1,76 @@
+"""The torchtitan launcher shim's pieces, each against the real torch / torchtitan code it
+replaces or wraps (the whole shim trains in tests/test_torchtitan_train.py and
+experiments/torchtitan/cpu.toml)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+
+if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed "
+                        "(pip install 'pytest-convergence[torchtitan]' triton)")
+
+import torch
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    create_block_mask,
+    flex_attention,
+)
+
+from convergence.backends.torchtitan_launch import (
+    eager_flex_attention,
+    part_of,
+    patch_pipeline_step,
+    split_argv,
+)
+
+
+def test_our_options_are_removed_before_torchtitan_parses() -> None:
+    options, rest = split_argv(["--module", "llama3", "--convergence.log=/d/s.jsonl",
+                                "--convergence.hook=a.b:c", "--training.steps=3",
+                                "--convergence.cpu"])
+    assert rest == ["--module", "llama3", "--training.steps=3"]
+    assert options.log == "/d/s.jsonl" and options.hook == "a.b:c" and options.cpu is True
+    assert options.hook_mode == "after"
+    with pytest.raises(SystemExit, match="unknown option"):
+        split_argv(["--convergence.hokk=x"])
+
+
+def test_parts_are_kinds_of_weights() -> None:
+    assert part_of("layers.0.attention.wq.weight") == "wq.weight"
+    assert part_of("layers.5._checkpoint_wrapped_module.attention.wq.weight") == "wq.weight"
+    assert part_of("layers.1.feed_forward.w2.weight") == "w2.weight"
+    assert part_of("tok_embeddings.weight") == "tok_embeddings.weight"
+    assert part_of("norm.weight") == "norm.weight"
+
+
+def test_eager_attention_equals_flex_with_a_document_mask() -> None:
+    """The CPU replacement computes what flex attention computes (forward; flex has no CPU
+    backward, which is why it is replaced) for a block-causal document mask."""
+    torch.manual_seed(0)
+    batch, heads, seq, dim = 2, 4, 64, 16
+    docs = torch.tensor([[0] * 20 + [1] * 44, [0] * 64])
+
+    def document_causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (kv_idx <= q_idx)
+
+    mask = create_block_mask(document_causal, batch, None, seq, seq, device="cpu")
+    q, k, v = (torch.randn(batch, heads, seq, dim, dtype=torch.float64) for _ in range(3))
+    expected = flex_attention(q, k, v, block_mask=mask)
+    got, aux = eager_flex_attention(q, k, v, score_mod=None, block_mask=mask, scale=None,
+                                    enable_gqa=False, return_aux=AuxRequest(lse=False),
+                                    kernel_options={})
+    assert aux is None
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+def test_pipeline_schedules_take_microbatch_lists() -> None:
+    from torch.distributed.pipelining import schedules
+
+    patch_pipeline_step()
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        params = inspect.signature(cls.step).parameters
+        assert {"arg_mbs", "kwarg_mbs", "target_mbs"} <= set(params)

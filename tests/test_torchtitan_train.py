@@ -1,0 +1,88 @@
+"""torchtitan trains for real on CPU (gloo) through the launcher shim, and a planted bug applied
+through the user's hook fails its pair.
+
+One pytest session in a subprocess (pytester): a torchtitan FSDP2 control on 1 rank
+(fully_shard of degree 1; one rank keeps CI's cost down) and the same layout with
+``tests/fixtures/hooks/planted_bugs.py:double_ffn_grad`` applied by our wrapper after
+torchtitan's parallelisation. torchtitan's own step lines are printed into this session's output
+(CI's log shows them). The passing pairs (FSDP2 vs FSDP2+TP2+SP and vs FSDP2+PP2) are
+experiments/torchtitan/cpu.toml, collected directly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed "
+                        "(pip install 'pytest-convergence[torchtitan]' triton)")
+
+REPO = Path(__file__).resolve().parents[1]
+HOOKS = REPO / "tests" / "fixtures" / "hooks"
+
+BUG_EXPERIMENT = """
+[experiment]
+description = "torchtitan: a gradient scaled wrongly by a hook must fail"
+
+[defaults]
+backend = "torchtitan"
+train_config = "tt_bug.toml"
+backend_options = { module = "llama3", config = "llama3_debugmodel" }
+steps = 3
+seed = 42
+local_batch_size = 2
+overrides = { "training.seq_len" = 64, "lr_scheduler.warmup_steps" = 2, "validator.enable" = false }
+
+[control]
+name = "fsdp2"
+parallelism = { dp_shard = 1 }
+
+[[test]]
+name = "fsdp2-bug"
+parallelism = { dp_shard = 1 }
+hook = "planted_bugs:double_ffn_grad"
+early_stop = false
+"""
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def step_lines(runs: Path) -> list[str]:
+    """torchtitan's console step lines (rank 0 of each job), colours removed."""
+    lines = []
+    for log in sorted(runs.rglob("ranks/*/attempt_*/0/std*.log")):  # torchrun's per-rank logs
+        job = log.parents[5].name  # runs/<pair>/<job>/logs/ranks/.../0/std*.log
+        for raw in log.read_text(errors="replace").splitlines():
+            line = ANSI.sub("", raw).strip()
+            if re.search(r"\bstep:\s+\d+\s+loss:", line):
+                lines.append(f"{job}: {line}")
+    return lines
+
+
+def test_planted_bug_through_a_torchtitan_hook_fails(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p))
+    monkeypatch.setenv("COLUMNS", "200")
+    pytester.makeini("[pytest]\n")
+    (pytester.path / "experiments").mkdir()
+    (pytester.path / "experiments" / "tt_bug.toml").write_text(BUG_EXPERIMENT)
+    work = pytester.path / "work"
+    result = pytester.runpytest_subprocess(
+        "-m", "convergence", "-p", "no:cacheprovider", f"--convergence-workdir={work}",
+        "experiments/tt_bug.toml", timeout=600)
+    lines = step_lines(work / "runs")
+    with capsys.disabled():  # torchtitan's own steps, visible in CI's log
+        print("\n[torchtitan on CPU] " + "\n[torchtitan on CPU] ".join(lines))
+    out = result.stdout.str()
+    result.assert_outcomes(failed=1)
+    assert "fsdp2-bug" in out and "FAIL" in out
+    # The doubled gradient shows in the grad norm (and per-part grad norm), from step 1.
+    assert re.search(r"grad_norm\s+paired\s+FAIL\s+first divergent step 1", out), out
+    assert re.search(r"data_fingerprint\s+exact\s+pass", out), out
+    assert len(lines) >= 6  # 3 steps of each job
