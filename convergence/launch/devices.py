@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 
 from convergence.launch.pool import DeviceSet, detect_devices
+from convergence.launch.slurm import Allocation
 
 
 def session_devices(launcher: str, cap: int | None = None, *,
@@ -25,8 +26,6 @@ def session_devices(launcher: str, cap: int | None = None, *,
     allocation under the slurm launcher."""
     if launcher != "slurm":
         return detect_devices(cap)
-    from convergence.launch.slurm import Allocation  # lazy: the local path never needs it
-
     env = dict(os.environ if environ is None else environ)
     allocation = Allocation.from_env(env)
     per_node = allocation.gpus_per_node

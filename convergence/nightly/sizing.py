@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from convergence.backends import get_backend
+from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import TIERS, load_experiment
 
@@ -45,10 +47,6 @@ def largest_job(paths: Iterable[Path], *, rootdir: Path,
                 max_tier: str = "nightly") -> LargestJob | None:
     """The largest world size among the pairs up to ``max_tier`` (the regime's other control
     jobs -- a twin, seed replicates -- and a resumed test's second job included)."""
-    # Lazy: the regimes import the backends, which this module's importers may not need.
-    from convergence.backends import get_backend
-    from convergence.regimes import REGISTRY, get_regime
-
     best: LargestJob | None = None
     for file in _experiment_files(paths):
         try:
