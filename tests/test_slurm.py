@@ -38,6 +38,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "fixtures" / "command_trainer" / "train.py"
 STEPS = 6
 LOCK = Path("/tmp/convergence-slurm-tests.lock")
+
+# Under `pytest -n N` every test of this file goes to one worker (--dist loadgroup, as .ci/run
+# runs), and the cluster lives for this module only: the host-wide lock above is then held
+# while these tests run, not for the rest of a worker's session (a second suite beside this
+# one, or another worker, waits minutes, not the whole run).
+pytestmark = pytest.mark.xdist_group("slurm")
 """One test cluster per host at a time (xdist workers take turns)."""
 
 
@@ -134,7 +140,7 @@ def test_port_probe_skips_a_port_in_use(tmp_path: Path) -> None:
 
 # -- a real one-node Slurm -------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     lock = FileLock(str(LOCK))
     with lock:

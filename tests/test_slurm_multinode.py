@@ -48,8 +48,14 @@ STEPS = 6
 LOCK = Path("/tmp/convergence-slurm-multinode.lock")
 """One multi-node test cluster per host at a time (xdist workers take turns)."""
 
+# Under `pytest -n N` every test of this file goes to one worker (--dist loadgroup, as .ci/run
+# runs), and the cluster lives for this module only: the host-wide lock above is then held
+# while these tests run, not for the rest of a worker's session (a second suite beside this
+# one, or another worker, waits minutes, not the whole run).
+pytestmark = pytest.mark.xdist_group("slurm")
 
-@pytest.fixture(scope="session")
+
+@pytest.fixture(scope="module")
 def cluster2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
     with FileLock(str(LOCK)):
         try:
