@@ -30,7 +30,11 @@ sys.exit(rc)
 """
 
 
-def test_collect_only_of_the_quick_start_imports_no_torch() -> None:
+@pytest.mark.parametrize("paths", [["experiments/quickstart.toml"], []],
+                         ids=["quickstart", "bare"])
+def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> None:
+    """Named or bare (`testpaths`: the project's conftest skips test modules that hold no
+    convergence test unimported), collection loads none of the costly packages."""
     env = dict(os.environ)
     if torch_build_has_gpu() is not False:
         # A GPU build must ask torch how many GPUs it sees: hide them, so that what is checked
@@ -38,7 +42,7 @@ def test_collect_only_of_the_quick_start_imports_no_torch() -> None:
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, "-m", "convergence", "--collect-only", "-q",
-         "-p", "no:cacheprovider", "experiments/quickstart.toml"],
+         "-p", "no:cacheprovider", *paths],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "experiments/quickstart.toml::" in proc.stdout
