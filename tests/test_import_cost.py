@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from convergence.launch import pool
-from convergence.launch.pool import detect_devices, torch_build_has_gpu
+from convergence import torch_info
+from convergence.launch.pool import detect_devices
+from convergence.torch_info import torch_build, torch_version
 
 REPO = Path(__file__).resolve().parents[1]
 COSTLY = ("torch", "scipy", "matplotlib", "tensorboard", "torchtitan")
@@ -36,7 +37,8 @@ def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> N
     """Named or bare (`testpaths`: the project's conftest skips test modules that hold no
     convergence test unimported), collection loads none of the costly packages."""
     env = dict(os.environ)
-    if torch_build_has_gpu() is not False:
+    build = torch_build()
+    if build is None or build.has_gpu:
         # A GPU build must ask torch how many GPUs it sees: hide them, so that what is checked
         # is that nothing else in collection imports torch.
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -49,6 +51,15 @@ def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> N
     line = next(x for x in proc.stdout.splitlines() if x.startswith("MODULES="))
     loaded = set(json.loads(line.removeprefix("MODULES=")))
     assert loaded & set(COSTLY) == set(), proc.stdout
+
+
+def test_the_build_read_from_the_file_is_the_imported_torchs() -> None:
+    import torch
+
+    build = torch_build()
+    assert build is not None
+    assert (build.version, build.cuda, build.hip) == (
+        str(torch.__version__), torch.version.cuda, torch.version.hip)
 
 
 def _fake_torch(tmp_path: Path, cuda: str, hip: str) -> Path:
@@ -68,7 +79,14 @@ def test_torch_build_is_read_without_importing_it(
         expected: bool) -> None:
     monkeypatch.syspath_prepend(str(_fake_torch(tmp_path, cuda, hip)))
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    assert torch_build_has_gpu() is expected
+    torch_build.cache_clear()
+    try:
+        build = torch_build()
+        assert build is not None and build.has_gpu is expected
+        assert build.version == torch_version() == "9.9.9"
+        assert torch_info.may_see_gpus() is expected
+    finally:
+        torch_build.cache_clear()
 
 
 def test_an_unreadable_build_defers_to_torch(
@@ -77,13 +95,18 @@ def test_an_unreadable_build_defers_to_torch(
     (root / "torch" / "version.py").write_text("__version__ = '9.9.9'\n")
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    assert torch_build_has_gpu() is None
+    torch_build.cache_clear()
+    try:
+        assert torch_build() is None
+        assert torch_info.may_see_gpus() is True
+    finally:
+        torch_build.cache_clear()
 
 
 @pytest.mark.parametrize("value", ["", "-1", " -1,0"])
 def test_cuda_visible_devices_hiding_all_gpus_means_cpu_slots(
         monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
-    monkeypatch.setattr(pool, "torch_build_has_gpu", lambda: True)  # torch is never asked
+    monkeypatch.setattr(torch_info, "torch_build", lambda: None)  # torch is never asked
     found = detect_devices(cpu_slots=3)
     assert (found.kind, found.devices) == ("cpu", ("0", "1", "2"))

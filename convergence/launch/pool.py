@@ -14,11 +14,8 @@ machine must still be able to run a 4- or 8-rank layout (dp2 x tp2 x pp2); 8 slo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import re
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -29,6 +26,7 @@ from pathlib import Path
 import filelock
 
 from convergence.launch.process_tree import pid_alive
+from convergence.torch_info import may_see_gpus
 
 KINDS = ("gpu", "cpu")
 MIN_CPU_SLOTS = 8
@@ -60,41 +58,6 @@ def default_cpu_slots() -> int:
     return max(os.cpu_count() or 1, MIN_CPU_SLOTS)
 
 
-def _cuda_hidden() -> bool:
-    """CUDA_VISIBLE_DEVICES hides every GPU ("" or a list starting with -1): torch sees none."""
-    value = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return value is not None and (not value.strip() or value.strip().startswith("-1"))
-
-
-def torch_build_has_gpu() -> bool | None:
-    """Whether the installed torch was built with CUDA or ROCm, read from its version.py
-    without importing torch (seconds); None when that cannot be told (then ask torch)."""
-    if "torch" in sys.modules:
-        return None
-    try:
-        spec = importlib.util.find_spec("torch")
-    except (ImportError, ValueError):
-        return None
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    if not locations:
-        return None
-    try:
-        text = (Path(locations[0]) / "version.py").read_text()
-    except OSError:
-        return None
-    found: dict[str, str] = {}
-    for line in text.splitlines():
-        match = _VERSION_FIELD.match(line)
-        if match:
-            found[match["name"]] = match["value"].strip()
-    if set(found) != {"cuda", "hip"}:
-        return None
-    return any(value != "None" for value in found.values())
-
-
-_VERSION_FIELD = re.compile(r"^(?P<name>cuda|hip)\s*(?::[^=]*)?=\s*(?P<value>.+)$")
-
-
 def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
     """GPUs if torch sees any, else ``cpu_slots`` (default :func:`default_cpu_slots`) slots.
 
@@ -102,7 +65,7 @@ def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
     hiding every GPU is told without it, so the pytest process of a CPU machine never pays
     torch's import (seconds) before its first job.
     """
-    if _cuda_hidden() or torch_build_has_gpu() is False:
+    if not may_see_gpus():
         count = 0
     else:
         import torch  # lazy: importing torch costs seconds

@@ -46,6 +46,7 @@ from convergence.spec.pair import PairSpec
 from convergence.stats.health import control_problem
 from convergence.stats.provenance import with_golden_note
 from convergence.stats.types import MetricVerdict
+from convergence.torch_info import torch_version
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,14 +184,12 @@ class Runner:
     def job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
         """The run-cache key of ``job`` (identity, config text, code, torch, hardware, hook
         source, seed checkpoint): what makes a cached run trustworthy as this job's."""
-        import torch  # lazy: seconds to import; only a session that runs a job needs it
-
         identity = dict(job.identity())
         identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
         identity["hook_source"] = _hook_source_hash(job.hook)
         return cache_key(identity, train_config_text=backend.config_text(job),
                          backend_version=backend.version(), code_version=code_version(),
-                         torch_version=str(torch.__version__), hardware=hardware_fingerprint())
+                         torch_version=torch_version(), hardware=hardware_fingerprint())
 
     def cached_run(self, key: str, produce: Callable[[], Path], *,
                    usable: Callable[[Path], bool], read: Callable[[Path, bool], T]) -> T:
