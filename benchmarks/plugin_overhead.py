@@ -165,19 +165,20 @@ def _spread(values: list[float], digits: int = 1) -> str:
 def _tables(runs: dict[str, list[tuple[float, float]]], collect: list[float],
             report: list[float], loads: list[tuple[float, float]], num_pairs: int) -> str:
     hand = [w for w, _ in runs["hand"]]
-    rows = ["| side | wall s, mean (range) | CPU s, mean (range) | adds, wall | per pair |",
-            "|---|---:|---:|---:|---:|"]
+    rows = ["| side | wall s, mean (range) | CPU s, mean (range) | adds, wall | adds, CPU | "
+            "per pair, wall |", "|---|---:|---:|---:|---:|---:|"]
     for side in SIDES:
         wall, cpu = [w for w, _ in runs[side]], [c for _, c in runs[side]]
         name = {"hand": "by hand (seed checkpoint + 4 torchrun jobs)",
                 "plugin": "pytest -m convergence",
                 "plugin+report": "pytest -m convergence --convergence-report DIR"}[side]
         if side == "hand":
-            rows.append(f"| {name} | {_spread(wall)} | {_spread(cpu)} | | |")
+            rows.append(f"| {name} | {_spread(wall)} | {_spread(cpu)} | | | |")
             continue
         added = statistics.mean(wall) - statistics.mean(hand)
+        added_cpu = statistics.mean(cpu) - statistics.mean(c for _, c in runs["hand"])
         rows.append(f"| {name} | {_spread(wall)} | {_spread(cpu)} | {added:+.1f} s "
-                    f"({added / statistics.mean(hand) * 100:+.1f} %) | "
+                    f"({added / statistics.mean(hand) * 100:+.1f} %) | {added_cpu:+.1f} s | "
                     f"{added / num_pairs:+.2f} s |")
     fixed = statistics.mean(collect)
     rows += ["", "| fixed and per-pair cost | wall s, mean (range) |", "|---|---:|",

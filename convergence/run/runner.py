@@ -131,9 +131,9 @@ def _hash(data: Any) -> str:
 class Runner:
     """Holds the session's launcher, device pool and cache; runs pairs one at a time.
 
-    Building one costs device detection (imports torch), a sweep of the cache's temporary
-    folders and, under Slurm, ``scontrol``: build it once per session (per process: each xdist
-    worker has its own) and reuse it for every pair.
+    Building one costs device detection (imports torch on a CUDA or ROCm build), a sweep of the
+    cache's temporary folders and, under Slurm, ``scontrol``: build it once per session (per
+    process: each xdist worker has its own) and reuse it for every pair.
     """
 
     def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
