@@ -65,6 +65,7 @@ t = now()
 write_reports(outcomes, tmp / "whole", environment={}, started_at=None, wall_s=None)
 mark("write_reports, all files (warm)", t)
 out["pairs"] = len(outcomes)
+import shutil; shutil.rmtree(tmp, ignore_errors=True)
 print("RESULT=" + json.dumps(out))
 """
 
