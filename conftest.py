@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,29 @@ def _no_step_summary_of_the_ci_job(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # `pytest -m convergence` (the quick start) selects experiment files and marked tests only, but
-# `testpaths` would still import every test module here to find out (half the collection time).
-# A module that never mentions the marker or the fixture cannot hold a convergence test: skip
-# it unread. A project-level choice for this repository, not plugin behaviour (a user's project
-# may mark tests in ways a text search cannot see).
-_MAY_HOLD_CONVERGENCE_TESTS = re.compile(r"mark\.convergence|convergence_pair|pytestmark")
+# `testpaths` would still import every test module here to find out (half the collection time,
+# and torch, scipy and matplotlib with them). A module whose code (not its strings: the plugin's
+# own tests hold marked tests inside pytester sources) never names the marker or the fixture
+# cannot hold a convergence test: skip it unimported. A project-level choice for this
+# repository, not plugin behaviour (a user's project may mark tests in ways this cannot see).
+
+
+def _may_hold_convergence_tests(source: str) -> bool:
+    if "convergence" not in source:
+        return False
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return True  # let pytest import it and report the error
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "convergence" and (
+                isinstance(node.value, ast.Attribute) and node.value.attr == "mark"):
+            return True  # pytest.mark.convergence, in a decorator or a pytestmark
+        if isinstance(node, ast.arg) and node.arg == "convergence_pair":
+            return True
+        if isinstance(node, ast.Constant) and node.value == "convergence_pair":
+            return True  # usefixtures("convergence_pair")
+    return False
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
@@ -75,4 +94,4 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
         source = collection_path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
-    return None if _MAY_HOLD_CONVERGENCE_TESTS.search(source) else True
+    return None if _may_hold_convergence_tests(source) else True

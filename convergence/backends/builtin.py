@@ -13,6 +13,7 @@ from convergence.metrics.jsonl import read_jsonl
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
+from convergence.trainer.validate import check_config
 
 TRAINER_MODULE = "convergence.trainer"
 
@@ -65,12 +66,7 @@ class BuiltinBackend:
             from convergence.trainer.hooks import find_hook_module  # lazy: torch (~2 s)
 
             find_hook_module(job.hook, file=job.source, key="hook")
-        cfg = self.effective_config(job)
-        try:
-            from convergence.trainer.validate import check_config  # lazy: torch (~2 s)
-        except ImportError:  # pragma: no cover - trainer validation not present
-            return
-        check_config(cfg, job.world_size)
+        check_config(self.effective_config(job), job.world_size)  # torch-free: see blocks.py
 
     def tokens_per_step(self, job: JobSpec) -> int:
         cfg = self.effective_config(job)

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from convergence.torch_info import may_see_gpus
+
 KEY_SCHEMA = 1
 """Bump when the meaning of a key changes: every existing entry then misses."""
 
@@ -105,11 +107,10 @@ def _cpu_model() -> str:
 def hardware_fingerprint() -> str:
     """``cuda:<gpu names>`` when torch sees GPUs, else ``cpu:<model> x<count> (<arch>)``.
 
-    torch is only consulted if already imported or importable (importing costs seconds; the
-    result is cached per process).
+    torch is only consulted when it may see a GPU (:func:`convergence.torch_info.may_see_gpus`:
+    importing it costs seconds) and is importable; the result is cached per process.
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible != "":
+    if may_see_gpus():  # False: hidden by CUDA_VISIBLE_DEVICES, or a CPU-only build
         try:
             torch = sys.modules.get("torch") or __import__("torch")
             if torch.cuda.is_available():

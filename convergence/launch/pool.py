@@ -30,6 +30,7 @@ from pathlib import Path
 import filelock
 
 from convergence.launch.process_tree import pid_alive
+from convergence.torch_info import may_see_gpus
 
 KINDS = ("gpu", "cpu")
 MIN_CPU_SLOTS = 8
@@ -120,10 +121,18 @@ def default_cpu_slots() -> int:
 
 def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
     """GPUs if torch sees any (at most ``cpu_slots`` of them: --convergence-devices caps the
-    pool on GPU hosts too), else ``cpu_slots`` (default :func:`default_cpu_slots`) slots."""
-    import torch  # lazy: importing torch costs seconds
+    pool on GPU hosts too), else ``cpu_slots`` (default :func:`default_cpu_slots`) slots.
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    torch is imported only when it may see a GPU: a CPU-only build or CUDA_VISIBLE_DEVICES
+    hiding every GPU is told without it, so the pytest process of a CPU machine never pays
+    torch's import (seconds) before its first job.
+    """
+    if not may_see_gpus():
+        count = 0
+    else:
+        import torch  # lazy: importing torch costs seconds
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count > 0:
         # A lease's CUDA_VISIBLE_DEVICES replaces the parent's, so names must be what the
         # parent saw: with CUDA_VISIBLE_DEVICES=2,3 set, "0" would wrongly mean physical GPU 0.

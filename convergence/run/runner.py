@@ -48,6 +48,7 @@ from convergence.spec.pair import PairSpec
 from convergence.stats.health import control_problem
 from convergence.stats.provenance import with_golden_note
 from convergence.stats.types import MetricVerdict
+from convergence.torch_info import torch_version
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -132,9 +133,9 @@ def _hash(data: Any) -> str:
 class Runner:
     """Holds the session's launcher, device pool and cache; runs pairs one at a time.
 
-    Building one costs device detection (imports torch), a sweep of the cache's temporary
-    folders and, under Slurm, ``scontrol``: build it once per session (per process: each xdist
-    worker has its own) and reuse it for every pair.
+    Building one costs device detection (imports torch on a CUDA or ROCm build), a sweep of the
+    cache's temporary folders and, under Slurm, ``scontrol``: build it once per session (per
+    process: each xdist worker has its own) and reuse it for every pair.
     """
 
     def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
@@ -188,15 +189,13 @@ class Runner:
         """The run-cache key of ``job`` (identity, config text, code, torch, hardware, the
         accelerator stack and numerics environment (cache/stack.py), hook source, seed
         checkpoint): what makes a cached run trustworthy as this job's."""
-        import torch  # lazy: seconds to import; only a session that runs a job needs it
-
         identity = dict(job.identity())
         identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
         identity["hook_source"] = _hook_source_hash(job.hook)
         hardware = f"{hardware_fingerprint()} {stack_fingerprint(self._job_environ())}"
         return cache_key(identity, train_config_text=backend.config_text(job),
                          backend_version=backend.version(), code_version=code_version(),
-                         torch_version=str(torch.__version__), hardware=hardware)
+                         torch_version=torch_version(), hardware=hardware)
 
     def _job_environ(self) -> dict[str, str]:
         """The environment jobs start with (launch/torchrun.job_env: one OpenMP thread unless

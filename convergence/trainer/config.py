@@ -53,7 +53,7 @@ class ModelConfig:
     """Share the embedding and output weights."""
     block_pattern: str = ""
     """Comma-separated block kinds, repeated over the layers (e.g. "standard,single_sync,parallel");
-    "" = all standard. See convergence.trainer.model (BLOCK_KINDS)."""
+    "" = all standard. See convergence.trainer.blocks (BLOCK_KINDS)."""
     parallel_groups: int = 2
     """"parallel" blocks: independent slices of the hidden state (block-diagonal weights); under
     TP each rank computes parallel_groups/tp of them with no communication."""

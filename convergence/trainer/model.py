@@ -44,13 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from convergence.trainer.blocks import parse_block_pattern
 from convergence.trainer.config import ModelConfig
 
 #: Attention kernel on (batch, heads, seq, head_dim) tensors with causal semantics.
 SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-BLOCK_KINDS: tuple[str, ...] = ("standard", "single_sync", "parallel")
-
 
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Default attention: torch's fused causal SDPA (context parallel swaps this out)."""
@@ -105,14 +103,6 @@ class ModelArgs:
                    init_std=model.init_std, max_seq_len=seq_len,
                    tie_embeddings=model.tie_embeddings, block_kinds=kinds,
                    parallel_groups=groups, parallel_ffn_hidden_dim=max(wide, 1))
-
-
-def parse_block_pattern(pattern: str, n_layers: int) -> tuple[str, ...]:
-    """"" -> all "standard"; otherwise one kind per layer, or a pattern repeated over layers."""
-    if not pattern.strip():
-        return ("standard",) * n_layers
-    kinds = tuple(p.strip() for p in pattern.split(",") if p.strip())
-    return tuple(kinds[i % len(kinds)] for i in range(n_layers))
 
 
 def rope_angles(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:

@@ -11,8 +11,8 @@ from typing import Callable, NoReturn
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import AC_MODES, DTYPES
 from convergence.trainer import pp_rules
+from convergence.trainer.blocks import BLOCK_KINDS, parse_block_pattern
 from convergence.trainer.config import TrainConfig
-from convergence.trainer.model import BLOCK_KINDS, parse_block_pattern
 
 #: fail(key, message, fix) raises the SpecError.
 Fail = Callable[[str, str, str], NoReturn]
