@@ -45,8 +45,11 @@ from slurm_cluster import (
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
-LOCK = Path("/tmp/convergence-slurm-multinode.lock")
-"""One multi-node test cluster per host at a time (xdist workers take turns)."""
+LOCK = Path("/tmp/convergence-slurm-tests.lock")
+"""One Slurm test cluster per host at a time, one-node (tests/test_slurm.py) or multi-node: the
+same lock file. Two suites side by side ran a one-node and a 2-node cluster at once, and the
+one-node cluster's `sbatch --wait` then never finished (seen once, not explained); taking turns
+costs minutes."""
 
 # Under `pytest -n N` every test of this file goes to one worker (--dist loadgroup, as .ci/run
 # runs), and the cluster lives for this module only: the host-wide lock above is then held
