@@ -34,8 +34,15 @@ def _telling_lines(text: str) -> list[str]:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """A red run read in seconds: per failed test, the lines naming the rank and the abort.
 
-    Printed after pytest's tracebacks and before its short summary and closing line.
+    Printed after pytest's tracebacks and before its short summary and closing line. Before
+    that, report sections whose title starts with "shown:" (e.g. torchtitan's own step lines)
+    are printed for every test, passed ones included, so that CI's log shows them under xdist.
     """
+    for report in terminalreporter.stats.get("passed", ()):
+        for title, content in report.sections:
+            if "shown:" in title:
+                terminalreporter.section(title.split("shown:", 1)[1].strip(), sep="-")
+                terminalreporter.write_line(content)
     reports = [*terminalreporter.stats.get("failed", ()), *terminalreporter.stats.get("error", ())]
     if not reports:
         return

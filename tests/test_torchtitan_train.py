@@ -63,9 +63,13 @@ def step_lines(runs: Path) -> list[str]:
     return lines
 
 
+#: The report section that conftest.py prints at the end of every session (passed or not).
+SHOWN_SECTION = "shown: torchtitan's own step lines"
+
+
 def test_planted_bug_through_a_torchtitan_hook_fails(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        request: pytest.FixtureRequest) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p))
     monkeypatch.setenv("COLUMNS", "200")
@@ -77,8 +81,11 @@ def test_planted_bug_through_a_torchtitan_hook_fails(
         "-m", "convergence", "-p", "no:cacheprovider", f"--convergence-workdir={work}",
         "experiments/tt_bug.toml", timeout=600)
     lines = step_lines(work / "runs")
-    with capsys.disabled():  # torchtitan's own steps, visible in CI's log
-        print("\n[torchtitan on CPU] " + "\n[torchtitan on CPU] ".join(lines))
+    # torchtitan's own steps, visible in CI's log: a report section (it travels from an xdist
+    # worker to the controller, where the project's conftest.py prints it for passed tests too;
+    # a print would stay in the worker).
+    request.node.add_report_section("call", SHOWN_SECTION, "\n".join(
+        f"[torchtitan on CPU] {line}" for line in lines))
     out = result.stdout.str()
     result.assert_outcomes(failed=1)
     assert "fsdp2-bug" in out and "FAIL" in out
