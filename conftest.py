@@ -16,7 +16,9 @@ pytest_plugins = ["pytester"]
 # the C++ runtime's teardown abort, a Python exception's last line.
 _TELLING = re.compile(
     r"(rank \d+\b.*(killed|failed|aborted|exitcode)|exitcode\s*:|SIGABRT|SIGSEGV|SIGKILL"
-    r"|terminate called|hung:|timed? ?out|^E\s+\w+(Error|Exception)\b)", re.IGNORECASE)
+    r"|terminate called|hung:|timed? ?out|^E\s+\w+(Error|Exception)\b)",
+    re.IGNORECASE,
+)
 _MAX_LINES = 4
 
 
@@ -82,8 +84,11 @@ def _may_hold_convergence_tests(source: str) -> bool:
     except SyntaxError:
         return True  # let pytest import it and report the error
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr == "convergence" and (
-                isinstance(node.value, ast.Attribute) and node.value.attr == "mark"):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "convergence"
+            and (isinstance(node.value, ast.Attribute) and node.value.attr == "mark")
+        ):
             return True  # pytest.mark.convergence, in a decorator or a pytestmark
         if isinstance(node, ast.arg) and node.arg == "convergence_pair":
             return True

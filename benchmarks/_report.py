@@ -18,12 +18,17 @@ def machine() -> str:
     """One line naming the machine the numbers were taken on."""
     import torch
 
-    gpu = (f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-           if torch.cuda.is_available() else "no GPU")
+    gpu = (
+        f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+        if torch.cuda.is_available()
+        else "no GPU"
+    )
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, {gpu}, "
-            f"torch {torch.__version__}, Python {platform.python_version()}, "
-            f"1-min load {load:.1f} at the end")
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores, {gpu}, "
+        f"torch {torch.__version__}, Python {platform.python_version()}, "
+        f"1-min load {load:.1f} at the end"
+    )
 
 
 def write_section(name: str, body: str, path: Path = BENCHMARKS_MD) -> None:

@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_section
 
 PHASE = re.compile(r"^== (?P<name>.+?) took (?P<s>\d+) s \(total (?P<total>\d+) s\)$")
-CLOSING = re.compile(r"^=*\s*(?P<summary>(\d+ (passed|failed|skipped|errors?|deselected|"
-                     r"warnings?)(, )?)+) in (?P<s>[\d.]+)s")
+CLOSING = re.compile(
+    r"^=*\s*(?P<summary>(\d+ (passed|failed|skipped|errors?|deselected|"
+    r"warnings?)(, )?)+) in (?P<s>[\d.]+)s"
+)
 DURATION = re.compile(r"^(?P<s>[\d.]+)s (call|setup|teardown)\s+(?P<test>\S+)$")
 
 
@@ -31,15 +33,20 @@ def parse(log: Path) -> dict[str, object]:
     total = 0
     for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
         line = line.strip()
-        if (m := PHASE.match(line)):
+        if m := PHASE.match(line):
             phases[m["name"]] = int(m["s"])
             total = int(m["total"])
-        elif (m := CLOSING.match(line)):
+        elif m := CLOSING.match(line):
             summary, tests_s = m["summary"], float(m["s"])
-        elif (m := DURATION.match(line)):
+        elif m := DURATION.match(line):
             slowest.append((float(m["s"]), m["test"]))
-    return {"phases": phases, "summary": summary, "tests_s": tests_s, "total_s": total,
-            "slowest": sorted(slowest, reverse=True)[:5]}
+    return {
+        "phases": phases,
+        "summary": summary,
+        "tests_s": tests_s,
+        "total_s": total,
+        "slowest": sorted(slowest, reverse=True)[:5],
+    }
 
 
 def main() -> int:
@@ -52,15 +59,19 @@ def main() -> int:
     for run in args.runs:
         label, _, path = run.partition("=")
         rows.append((label, parse(Path(path))))
-    lines = ["| run | install | lint | tests | whole `.ci/run` | outcome |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| run | install | lint | tests | whole `.ci/run` | outcome |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for label, r in rows:
         ph = r["phases"]
         assert isinstance(ph, dict)
         install = sum(v for k, v in ph.items() if k.startswith("install"))
         tests_min = ph.get("tests", 0) / 60
-        lines.append(f"| {label} | {install / 60:.1f} min | {ph.get('lint', 0)} s | "
-                     f"{tests_min:.1f} min | {int(r['total_s']) / 60:.1f} min | {r['summary']} |")
+        lines.append(
+            f"| {label} | {install / 60:.1f} min | {ph.get('lint', 0)} s | "
+            f"{tests_min:.1f} min | {int(r['total_s']) / 60:.1f} min | {r['summary']} |"
+        )
     slow = ["", "Slowest tests of the first run (`--durations`):", ""]
     first = rows[0][1]["slowest"]
     assert isinstance(first, list)

@@ -23,13 +23,18 @@ from convergence.preflight import load_checked
 from convergence.run.runner import Runner, RunSettings
 
 HOOKS = REPO / "tests" / "fixtures" / "hooks"
-LAYOUTS = [("fsdp2-tp2", "{ dp_shard = 2, tp = 2 }"), ("fsdp2-pp2", "{ dp_shard = 2, pp = 2 }"),
-           ("fsdp2-cp2", "{ dp_shard = 2, cp = 2 }"), ("ddp2", "{ dp_replicate = 2 }"),
-           ("hsdp", "{ dp_replicate = 2, dp_shard = 1 }")]
+LAYOUTS = [
+    ("fsdp2-tp2", "{ dp_shard = 2, tp = 2 }"),
+    ("fsdp2-pp2", "{ dp_shard = 2, pp = 2 }"),
+    ("fsdp2-cp2", "{ dp_shard = 2, cp = 2 }"),
+    ("ddp2", "{ dp_replicate = 2 }"),
+    ("hsdp", "{ dp_replicate = 2, dp_shard = 1 }"),
+]
 
 
 def experiment(folder: Path, tests: int, steps: int) -> Path:
-    body = [f"""
+    body = [
+        f"""
         [defaults]
         train_config = "{REPO}/convergence/configs/debug.toml"
         steps = {steps}
@@ -38,7 +43,8 @@ def experiment(folder: Path, tests: int, steps: int) -> Path:
         [control]
         name = "fsdp2"
         parallelism = {{ dp_shard = 2 }}
-    """]
+    """
+    ]
     for name, layout in LAYOUTS[:tests]:
         body.append(f"""
         [[test]]
@@ -85,10 +91,14 @@ def main() -> None:
             executed = control_runs(work) - before
             # folders are reused by name: count cache hits directly as well
             hits = sum(1 for o in outcomes if o.control and o.control.cached)
-            rows.append((label, len(good), len(good) - hits, hits, wall,
-                         all(o.passed for o in outcomes)))
-            print(f"{label}: {len(good)} pairs, control runs executed {len(good) - hits} "
-                  f"(cache hits {hits}; new folders {executed}), {wall:.1f} s", flush=True)
+            rows.append(
+                (label, len(good), len(good) - hits, hits, wall, all(o.passed for o in outcomes))
+            )
+            print(
+                f"{label}: {len(good)} pairs, control runs executed {len(good) - hits} "
+                f"(cache hits {hits}; new folders {executed}), {wall:.1f} s",
+                flush=True,
+            )
         stop_rows = []
         for early in (True, False):
             runner = Runner(RunSettings(work_dir=work, early_stop=early))
@@ -100,26 +110,51 @@ def main() -> None:
             steps_run = max(test.metrics["loss"].steps) if test and "loss" in test.metrics else 0
             test_wall = test.wall_s if test else float("nan")
             failing = [v.metric for v in outcome.verdicts if v.gate and not v.passed]
-            first = min((v.first_divergent_step for v in outcome.verdicts
-                         if v.gate and v.first_divergent_step), default=None)
-            stop_rows.append(("early stop on" if early else "early stop off", outcome.status,
-                              steps_run, test_wall, wall, ",".join(failing), first))
-            print(f"early_stop={early}: {outcome.status} after {steps_run} steps, test job "
-                  f"{test_wall:.1f} s, pair {wall:.1f} s, failing {failing}", flush=True)
+            first = min(
+                (
+                    v.first_divergent_step
+                    for v in outcome.verdicts
+                    if v.gate and v.first_divergent_step
+                ),
+                default=None,
+            )
+            stop_rows.append(
+                (
+                    "early stop on" if early else "early stop off",
+                    outcome.status,
+                    steps_run,
+                    test_wall,
+                    wall,
+                    ",".join(failing),
+                    first,
+                )
+            )
+            print(
+                f"early_stop={early}: {outcome.status} after {steps_run} steps, test job "
+                f"{test_wall:.1f} s, pair {wall:.1f} s, failing {failing}",
+                flush=True,
+            )
     lines = [
         f"## Control reuse and early stopping ({time.strftime('%Y-%m-%d')}, "
-        "benchmarks/control_reuse_early_stop.py)", "",
+        "benchmarks/control_reuse_early_stop.py)",
+        "",
         f"Machine: {machine()}. `python benchmarks/control_reuse_early_stop.py --tests "
-        f"{args.tests} --steps {args.steps}`: debug model, control FSDP(2), fp32, gloo.", "",
+        f"{args.tests} --steps {args.steps}`: debug model, control FSDP(2), fp32, gloo.",
+        "",
         "| run | pairs | control runs executed | control cache hits | wall s | all passed |",
         "|---|---:|---:|---:|---:|---|",
-        *[f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]} |" for r in rows], "",
+        *[f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]} |" for r in rows],
+        "",
         "Broken pair (test hook doubles one weight's gradient; the loss stays bit-identical "
-        "under Adam, the grad norm moves by ~3e-4 relative):", "",
+        "under Adam, the grad norm moves by ~3e-4 relative):",
+        "",
         "| mode | verdict | test steps run | test job s | pair s | failing metrics | "
-        "first divergent step |", "|---|---|---:|---:|---:|---|---:|",
-        *[f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]} | {r[6]} |"
-          for r in stop_rows],
+        "first divergent step |",
+        "|---|---|---:|---:|---:|---|---:|",
+        *[
+            f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]} | {r[6]} |"
+            for r in stop_rows
+        ],
     ]
     text = "\n".join(lines)
     print(text)

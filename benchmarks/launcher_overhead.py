@@ -33,18 +33,37 @@ WRITER = REPO / "tests" / "fixtures" / "fake_trainers" / "writer.py"
 def request(work: Path, name: str, steps: int, nproc: int) -> LaunchRequest:
     job = work / name
     metrics = job / "metrics.jsonl"
-    entry = [str(WRITER), "--mode", "slow", "--sleep", "0.02", "--steps", str(steps),
-             "--metrics", str(metrics), "--stop-file", str(job / "STOP")]
-    return LaunchRequest(name=name, entry=entry, nproc=nproc, log_dir=job / "logs",
-                         metrics_path=metrics, stop_file=job / "STOP", total_steps=steps)
+    entry = [
+        str(WRITER),
+        "--mode",
+        "slow",
+        "--sleep",
+        "0.02",
+        "--steps",
+        str(steps),
+        "--metrics",
+        str(metrics),
+        "--stop-file",
+        str(job / "STOP"),
+    ]
+    return LaunchRequest(
+        name=name,
+        entry=entry,
+        nproc=nproc,
+        log_dir=job / "logs",
+        metrics_path=metrics,
+        stop_file=job / "STOP",
+        total_steps=steps,
+    )
 
 
 def run_raw(req: LaunchRequest) -> float:
     req.log_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with open(req.log_dir / "launcher.log", "wb") as log:
-        rc = subprocess.run(build_torchrun_argv(req), env=job_env(req), stdout=log,
-                            stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(
+            build_torchrun_argv(req), env=job_env(req), stdout=log, stderr=subprocess.STDOUT
+        ).returncode
     took = time.monotonic() - start
     if rc != 0:
         raise SystemExit(f"raw job {req.name} failed (rc {rc}); see {req.log_dir}")
@@ -56,6 +75,7 @@ def run_launcher(req: LaunchRequest) -> tuple[float, float]:
     the overhead that does not depend on how loaded the machine is."""
     records: list[dict[str, float]] = []
     start, cpu0 = time.monotonic(), time.process_time()
+
     def on_metrics(record: dict[str, float]) -> bool:
         records.append(record)
         return False
@@ -94,11 +114,15 @@ def main() -> None:
     ]
     table = ["| side | total (s) | median per job (s) |", "|---|---:|---:|"]
     table += [f"| {name} | {total:.2f} | {med:.2f} |" for name, total, med in rows]
-    table.append(f"| overhead | {sum(wrapped) - sum(raw):+.2f} ({overhead:+.1f} %) | "
-                 f"{per_job:+.3f} per job |")
+    table.append(
+        f"| overhead | {sum(wrapped) - sum(raw):+.2f} ({overhead:+.1f} %) | "
+        f"{per_job:+.3f} per job |"
+    )
     diffs = [w - r for w, r in zip(wrapped, raw, strict=True)]
-    table.append(f"| paired difference (launcher - raw) | median {statistics.median(diffs):+.2f}"
-                 f" | min {min(diffs):+.2f}, max {max(diffs):+.2f} |")
+    table.append(
+        f"| paired difference (launcher - raw) | median {statistics.median(diffs):+.2f}"
+        f" | min {min(diffs):+.2f}, max {max(diffs):+.2f} |"
+    )
     table.append(f"| supervisor CPU | {sum(cpu):.2f} | {statistics.median(cpu):.3f} per job |")
     text = "\n".join(table)
     print(text)
@@ -117,7 +141,8 @@ def main() -> None:
         "so its fixed cost is up to ~0.1 s of exit-detection latency plus the leftover sweep; "
         "per-job wall time is dominated by torchrun's own start (2-3 s on an idle 2-core "
         "machine, much more under load). Read the supervisor CPU row for the launcher's own "
-        "cost; wall rows only mean something on an otherwise idle machine.\n")
+        "cost; wall rows only mean something on an otherwise idle machine.\n"
+    )
     write_section("launcher_overhead", section)
     print(f"wrote the launcher section of {REPO / 'BENCHMARKS.md'}")
 

@@ -52,8 +52,9 @@ def _timed(argv: list[str], *, env: dict[str, str], log: Path) -> tuple[float, f
     log.parent.mkdir(parents=True, exist_ok=True)
     start, cpu0 = time.monotonic(), _children_cpu()
     with log.open("wb") as out:
-        rc = subprocess.run(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            check=False).returncode
+        rc = subprocess.run(
+            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, check=False
+        ).returncode
     wall, cpu = time.monotonic() - start, _children_cpu() - cpu0
     if rc != 0:
         raise SystemExit(f"{argv[:4]}... failed (rc {rc}); see {log}")
@@ -71,30 +72,60 @@ def by_hand(work: Path) -> tuple[float, float, int]:
     jobs = [pairs[0].control, *(pair.test for pair in pairs)]
     backend = BuiltinBackend()
     seed_dir = work / "seed"
-    seed = LaunchRequest(name="seed", entry=backend.seed_entry(jobs[0], seed_dir), nproc=1,
-                         log_dir=work / "seed-logs", direct=True)
+    seed = LaunchRequest(
+        name="seed",
+        entry=backend.seed_entry(jobs[0], seed_dir),
+        nproc=1,
+        log_dir=work / "seed-logs",
+        direct=True,
+    )
     wall, cpu = _timed(build_torchrun_argv(seed), env=job_env(seed), log=work / "seed.log")
     for job in jobs:
         run = work / job.name
-        request = LaunchRequest(name=job.name, entry=backend.train_entry(job, run / "dump",
-                                                                         seed_dir),
-                                nproc=job.world_size, log_dir=run / "logs")
+        request = LaunchRequest(
+            name=job.name,
+            entry=backend.train_entry(job, run / "dump", seed_dir),
+            nproc=job.world_size,
+            log_dir=run / "logs",
+        )
         w, c = _timed(build_torchrun_argv(request), env=job_env(request), log=run / "out.log")
         wall, cpu = wall + w, cpu + c
     return wall, cpu, len(pairs)
 
 
 def under_pytest(work: Path, *, report: bool) -> tuple[float, float]:
-    argv = [sys.executable, "-m", "pytest", "-m", "convergence", "-p", "no:cacheprovider",
-            "--convergence-workdir", str(work / "wd"), "--convergence-no-early-stop", "-q"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "convergence",
+        "-p",
+        "no:cacheprovider",
+        "--convergence-workdir",
+        str(work / "wd"),
+        "--convergence-no-early-stop",
+        "-q",
+    ]
     if report:
         argv += ["--convergence-report", str(work / "report")]
     return _timed(argv, env=dict(os.environ), log=work / "pytest.log")
 
 
 def collect_only(work: Path) -> float:
-    argv = [sys.executable, "-m", "pytest", "-m", "convergence", "-p", "no:cacheprovider",
-            "--collect-only", "-q", "--convergence-workdir", str(work / "wd-collect")]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "convergence",
+        "-p",
+        "no:cacheprovider",
+        "--collect-only",
+        "-q",
+        "--convergence-workdir",
+        str(work / "wd-collect"),
+    ]
     return _timed(argv, env=dict(os.environ), log=work / "collect.log")[0]
 
 
@@ -103,8 +134,16 @@ def report_alone(plugin_work: Path, out: Path) -> float:
     saved = sorted(plugin_work.rglob("*.outcome.json"))
     if not saved:
         raise SystemExit(f"no saved outcomes under {plugin_work}")
-    argv = [sys.executable, "-m", "convergence.cli", "report", "--from", str(saved[0].parent),
-            "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "convergence.cli",
+        "report",
+        "--from",
+        str(saved[0].parent),
+        "--out",
+        str(out),
+    ]
     return _timed(argv, env=dict(os.environ), log=out.parent / "report-alone.log")[0]
 
 
@@ -134,10 +173,13 @@ def main() -> None:
             collect.append(collect_only(root))
             report.append(report_alone(root / "plugin", root / "report-alone" / "out"))
             loads.append((load0, os.getloadavg()[0]))
-            print(f"round {i + 1}: " + ", ".join(f"{side} {runs[side][-1][0]:.1f} s"
-                                                  for side in SIDES)
-                  + f", collection {collect[-1]:.1f} s, report {report[-1]:.1f} s, "
-                  f"load {load0:.1f} -> {loads[-1][1]:.1f}", flush=True)
+            print(
+                f"round {i + 1}: "
+                + ", ".join(f"{side} {runs[side][-1][0]:.1f} s" for side in SIDES)
+                + f", collection {collect[-1]:.1f} s, report {report[-1]:.1f} s, "
+                f"load {load0:.1f} -> {loads[-1][1]:.1f}",
+                flush=True,
+            )
     text = _tables(runs, collect, report, loads, num_pairs)
     print(text)
     if args.no_append:
@@ -152,7 +194,8 @@ def main() -> None:
         f"after the other by hand; rounds alternate hand, plugin, plugin+report. CPU is the "
         f"user+system time of every process of the side (all ranks).\n\n"
         f"Machine: {machine()}. 1-min load average before/after each round: "
-        f"{', '.join(f'{a:.1f}/{b:.1f}' for a, b in loads)}.\n\n{text}\n")
+        f"{', '.join(f'{a:.1f}/{b:.1f}' for a, b in loads)}.\n\n{text}\n"
+    )
     write_section("plugin_overhead", section)
     print(f"wrote the plugin-overhead section of {REPO / 'BENCHMARKS.md'}")
 
@@ -162,39 +205,63 @@ def _spread(values: list[float], digits: int = 1) -> str:
     return f"{mean:.{digits}f} ({low:.{digits}f} to {high:.{digits}f})"
 
 
-def _tables(runs: dict[str, list[tuple[float, float]]], collect: list[float],
-            report: list[float], loads: list[tuple[float, float]], num_pairs: int) -> str:
+def _tables(
+    runs: dict[str, list[tuple[float, float]]],
+    collect: list[float],
+    report: list[float],
+    loads: list[tuple[float, float]],
+    num_pairs: int,
+) -> str:
     hand = [w for w, _ in runs["hand"]]
-    rows = ["| side | wall s, mean (range) | CPU s, mean (range) | adds, wall | adds, CPU | "
-            "per pair, wall |", "|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| side | wall s, mean (range) | CPU s, mean (range) | adds, wall | adds, CPU | "
+        "per pair, wall |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for side in SIDES:
         wall, cpu = [w for w, _ in runs[side]], [c for _, c in runs[side]]
-        name = {"hand": "by hand (seed checkpoint + 4 torchrun jobs)",
-                "plugin": "pytest -m convergence",
-                "plugin+report": "pytest -m convergence --convergence-report DIR"}[side]
+        name = {
+            "hand": "by hand (seed checkpoint + 4 torchrun jobs)",
+            "plugin": "pytest -m convergence",
+            "plugin+report": "pytest -m convergence --convergence-report DIR",
+        }[side]
         if side == "hand":
             rows.append(f"| {name} | {_spread(wall)} | {_spread(cpu)} | | | |")
             continue
         added = statistics.mean(wall) - statistics.mean(hand)
         added_cpu = statistics.mean(cpu) - statistics.mean(c for _, c in runs["hand"])
-        rows.append(f"| {name} | {_spread(wall)} | {_spread(cpu)} | {added:+.1f} s "
-                    f"({added / statistics.mean(hand) * 100:+.1f} %) | {added_cpu:+.1f} s | "
-                    f"{added / num_pairs:+.2f} s |")
+        rows.append(
+            f"| {name} | {_spread(wall)} | {_spread(cpu)} | {added:+.1f} s "
+            f"({added / statistics.mean(hand) * 100:+.1f} %) | {added_cpu:+.1f} s | "
+            f"{added / num_pairs:+.2f} s |"
+        )
     fixed = statistics.mean(collect)
-    rows += ["", "| fixed and per-pair cost | wall s, mean (range) |", "|---|---:|",
-             f"| collection alone (`--collect-only`, its own process) | {_spread(collect)} |",
-             f"| report alone (`convergence report --from` the outcomes, its own process) | "
-             f"{_spread(report)} |"]
+    rows += [
+        "",
+        "| fixed and per-pair cost | wall s, mean (range) |",
+        "|---|---:|",
+        f"| collection alone (`--collect-only`, its own process) | {_spread(collect)} |",
+        f"| report alone (`convergence report --from` the outcomes, its own process) | "
+        f"{_spread(report)} |",
+    ]
     for side in ("plugin", "plugin+report"):
         fixed_side = fixed + (statistics.mean(report) if side == "plugin+report" else 0.0)
-        per_pair = [(p[0] - h - fixed_side) / num_pairs for p, h in zip(runs[side], hand, strict=True)]
+        per_pair = [
+            (p[0] - h - fixed_side) / num_pairs for p, h in zip(runs[side], hand, strict=True)
+        ]
         rows.append(f"| {side}: per pair, fixed costs taken out | {_spread(per_pair, 2)} |")
-    rows += ["", "| round | load before/after | hand (s) | plugin+report (s) | adds | "
-             "target: 3 % + 1 s/pair | met |", "|---:|---|---:|---:|---:|---:|---|"]
+    rows += [
+        "",
+        "| round | load before/after | hand (s) | plugin+report (s) | adds | "
+        "target: 3 % + 1 s/pair | met |",
+        "|---:|---|---:|---:|---:|---:|---|",
+    ]
     for i, (h, (p, _)) in enumerate(zip(hand, runs["plugin+report"], strict=True)):
         target = 0.03 * h + 1.0 * num_pairs
-        rows.append(f"| {i + 1} | {loads[i][0]:.1f}/{loads[i][1]:.1f} | {h:.1f} | {p:.1f} | "
-                    f"{p - h:+.1f} | {target:.1f} | {'yes' if p - h <= target else 'no'} |")
+        rows.append(
+            f"| {i + 1} | {loads[i][0]:.1f}/{loads[i][1]:.1f} | {h:.1f} | {p:.1f} | "
+            f"{p - h:+.1f} | {target:.1f} | {'yes' if p - h <= target else 'no'} |"
+        )
     return "\n".join(rows)
 
 

@@ -29,9 +29,13 @@ def eta_seconds(match: re.Match[str]) -> int | None:
 def main() -> int:
     experiment = sys.argv[1] if len(sys.argv) > 1 else str(REPO / "experiments/quickstart.toml")
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "convergence.cli", "run", experiment],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "convergence.cli", "run", experiment],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+    )
     assert proc.stderr is not None
     lines = [(time.monotonic() - start, line.rstrip()) for line in proc.stderr]
     proc.wait()
@@ -40,7 +44,8 @@ def main() -> int:
         match = LINE.match(line)
         if match:
             jobs.setdefault(match.group(1), []).append(
-                (at, int(match.group(2)), int(match.group(3)), eta_seconds(match)))
+                (at, int(match.group(2)), int(match.group(3)), eta_seconds(match))
+            )
     for name, rows in jobs.items():
         ends = [at for at, step, total, _ in rows if step == total]
         if not ends:
@@ -49,8 +54,9 @@ def main() -> int:
         for at, step, total, eta in rows:
             left = ends[0] - at
             ratio = f"{eta / left:.2f}" if eta is not None and left > 0.5 else "-"
-            print(f"  {step:>4}/{total} | {'-' if eta is None else eta:>7} | {left:>13.1f} "
-                  f"| {ratio}")
+            print(
+                f"  {step:>4}/{total} | {'-' if eta is None else eta:>7} | {left:>13.1f} | {ratio}"
+            )
     return proc.returncode
 
 

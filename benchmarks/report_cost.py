@@ -72,10 +72,18 @@ print("RESULT=" + json.dumps(out))
 
 def one_round() -> dict[str, list[float]]:
     """One fresh process: {phase: [wall s, CPU s]} and "pairs" (their number)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(REPO / "tests")], cwd=REPO,
-                          env=env, capture_output=True, text=True, check=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(REPO / "tests")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT=")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(proc.stdout + proc.stderr)
@@ -91,12 +99,18 @@ def table(rounds: list[dict[str, list[float]]]) -> str:
     pairs = int(rounds[0]["pairs"])  # type: ignore[arg-type]
     rows = ["| phase | wall s, median (range) | CPU s, median (range) |", "|---|---:|---:|"]
     for name in (n for n in rounds[0] if n != "pairs"):
-        rows.append(f"| {name} | {_cell([r[name][0] for r in rounds])} | "
-                    f"{_cell([r[name][1] for r in rounds])} |")
-    per_pair = [[sum(v[k] for n, v in r.items() if n.startswith("plot: ")) / pairs
-                 for r in rounds] for k in (0, 1)]
-    rows.append(f"| **per pair** (its plot; the documents are shared) | {_cell(per_pair[0])} | "
-                f"{_cell(per_pair[1])} |")
+        rows.append(
+            f"| {name} | {_cell([r[name][0] for r in rounds])} | "
+            f"{_cell([r[name][1] for r in rounds])} |"
+        )
+    per_pair = [
+        [sum(v[k] for n, v in r.items() if n.startswith("plot: ")) / pairs for r in rounds]
+        for k in (0, 1)
+    ]
+    rows.append(
+        f"| **per pair** (its plot; the documents are shared) | {_cell(per_pair[0])} | "
+        f"{_cell(per_pair[1])} |"
+    )
     return "\n".join(rows)
 
 
@@ -123,7 +137,8 @@ def main() -> None:
         f"process (imports counted as a session pays them).\n\n"
         f"Machine: {machine()}. Load average (1/5/15 min) "
         f"{'/'.join(f'{x:.1f}' for x in load_before)} before, "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)} after.\n\n{text}\n")
+        f"{'/'.join(f'{x:.1f}' for x in load_after)} after.\n\n{text}\n"
+    )
     write_section("report-cost", section)
     print(f"wrote the report-cost section of {REPO / 'BENCHMARKS.md'}")
 

@@ -80,17 +80,34 @@ def trial(root: Path, sig: str, workers: int) -> Trial:
     (root / "experiments").mkdir(parents=True)
     (root / "experiments" / "forever.toml").write_text(EXPERIMENT)
     (root / "pytest.ini").write_text("[pytest]\n")
-    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence",
-            "--convergence-report", "report", "-q"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "convergence",
+        "--convergence-report",
+        "report",
+        "-q",
+    ]
     if workers > 1:
         argv += ["-n", str(workers)]
     with open(root / "out.txt", "w") as out:
-        proc = subprocess.Popen(argv, cwd=root, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_default_sigint)
+        proc = subprocess.Popen(
+            argv,
+            cwd=root,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
-        if any(p.stat().st_size for p in
-               root.glob(".convergence/runs/*/test-*/dump/metrics.jsonl")):
+        if any(
+            p.stat().st_size for p in root.glob(".convergence/runs/*/test-*/dump/metrics.jsonl")
+        ):
             break
         time.sleep(0.5)
     processes = psutil.Process(proc.pid).children(recursive=True)
@@ -114,12 +131,20 @@ def trial(root: Path, sig: str, workers: int) -> Trial:
         interrupted = bool(report.get("environment", {}).get("interrupted"))
         # The finished control is in the run cache, and the pair in flight is listed in the
         # report as interrupted (not silently dropped).
-        kept = cached and any("interrupted" in (p.get("error") or "")
-                              for p in report.get("pairs", []))
+        kept = cached and any(
+            "interrupted" in (p.get("error") or "") for p in report.get("pairs", [])
+        )
     else:
         kept = cached
-    return Trial(signal=sig, workers=workers, exited_s=exited, report_interrupted=interrupted,
-                 control_kept=kept, processes=len(processes), leftover=len(left))
+    return Trial(
+        signal=sig,
+        workers=workers,
+        exited_s=exited,
+        report_interrupted=interrupted,
+        control_kept=kept,
+        processes=len(processes),
+        leftover=len(left),
+    )
 
 
 def _yes(value: bool | None) -> str:
@@ -140,9 +165,12 @@ def main() -> int:
                     t = trial(Path(tmp), sig, workers)
                 print(t, flush=True)
                 trials.append(t)
-    rows = ["| signal to pytest | run | trials | exited (max s after the signal) | "
-            "report written, interrupted | control cached, pair listed | processes audited | "
-            "leftover after 15 s |", "|---|---|---:|---:|---|---|---:|---:|"]
+    rows = [
+        "| signal to pytest | run | trials | exited (max s after the signal) | "
+        "report written, interrupted | control cached, pair listed | processes audited | "
+        "leftover after 15 s |",
+        "|---|---|---:|---:|---|---|---:|---:|",
+    ]
     for sig in SIGNALS:
         for workers in (1, 2):
             group = [t for t in trials if t.signal == sig and t.workers == workers]
@@ -155,19 +183,30 @@ def main() -> int:
                 f"{sum(e is not None for e in exits)}/{len(group)} ({worst}) | "
                 f"{'-' if reports[0] is None else f'{sum(bool(r) for r in reports)}/{len(group)}'}"
                 f" | {sum(bool(k) for k in kept)}/{len(group)} | "
-                f"{sum(t.processes for t in group)} | {sum(t.leftover for t in group)} |")
-    body = "\n".join([
-        "## Session faults: pytest stopped mid-job (benchmarks/signals_soak.py)", "",
-        f"Machine: {machine()}. `python benchmarks/signals_soak.py --repeats {args.repeats}`: "
-        "a finished control (DDP2, 2 steps) and a test (FSDP2) that trains until stopped; the "
-        "signal goes to pytest's process alone once the test logged a step. SIGKILL writes no "
-        "report (no handler runs); its jobs end through the parent-death signal.", "",
-        *rows, "", f"Whole run: {(time.monotonic() - start) / 60:.1f} min."])
+                f"{sum(t.processes for t in group)} | {sum(t.leftover for t in group)} |"
+            )
+    body = "\n".join(
+        [
+            "## Session faults: pytest stopped mid-job (benchmarks/signals_soak.py)",
+            "",
+            f"Machine: {machine()}. `python benchmarks/signals_soak.py --repeats {args.repeats}`: "
+            "a finished control (DDP2, 2 steps) and a test (FSDP2) that trains until stopped; the "
+            "signal goes to pytest's process alone once the test logged a step. SIGKILL writes no "
+            "report (no handler runs); its jobs end through the parent-death signal.",
+            "",
+            *rows,
+            "",
+            f"Whole run: {(time.monotonic() - start) / 60:.1f} min.",
+        ]
+    )
     print("\n" + body)
     if not args.no_write:
         write_section("signals-soak", body)
-    bad = sum(t.leftover for t in trials) + sum(t.exited_s is None for t in trials) + sum(
-        t.report_interrupted is False or t.control_kept is False for t in trials)
+    bad = (
+        sum(t.leftover for t in trials)
+        + sum(t.exited_s is None for t in trials)
+        + sum(t.report_interrupted is False or t.control_kept is False for t in trials)
+    )
     return 1 if bad else 0
 
 

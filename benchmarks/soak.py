@@ -49,20 +49,28 @@ from faulty_project import (
 from convergence.cache.store import MANIFEST, RunCache
 
 GOOD_PAIR = "p00-ok"
-CACHE_DAMAGES = ("empty manifest", "manifest omits metrics (metrics edited)",
-                 "truncated metrics")
+CACHE_DAMAGES = ("empty manifest", "manifest omits metrics (metrics edited)", "truncated metrics")
 
 FAULTS: dict[str, tuple[tuple[str, ...], str, str]] = {
     # kind: (trainer options, pair status, text the error must hold)
-    "raise": (("--fault", "raise", "--fault-rank", "1", "--at", "2"), "error",
-              "rank 1 failed: RuntimeError: injected fault"),
-    "sigkill": (("--fault", "sigkill", "--fault-rank", "1", "--at", "2"), "error",
-                "rank 1 was killed by SIGKILL"),
+    "raise": (
+        ("--fault", "raise", "--fault-rank", "1", "--at", "2"),
+        "error",
+        "rank 1 failed: RuntimeError: injected fault",
+    ),
+    "sigkill": (
+        ("--fault", "sigkill", "--fault-rank", "1", "--at", "2"),
+        "error",
+        "rank 1 was killed by SIGKILL",
+    ),
     "nan": (("--fault", "nan", "--at", "2"), "failed", "loss is nan at step 2"),
     "inf": (("--fault", "inf", "--at", "3"), "failed", "loss is inf at step 3"),
     "hang": (("--fault", "hang", "--fault-rank", "1", "--at", "2"), "error", "hung: no new line"),
-    "sigstop": (("--fault", "sigstop", "--fault-rank", "1", "--at", "2"), "error",
-                "is stopped (SIGSTOP or a debugger)"),
+    "sigstop": (
+        ("--fault", "sigstop", "--fault-rank", "1", "--at", "2"),
+        "error",
+        "is stopped (SIGSTOP or a debugger)",
+    ),
     "stop_agent": (("--fault", "stop_agent"), "passed", ""),
 }
 
@@ -74,8 +82,14 @@ def plan(num_pairs: int) -> list[tuple[FaultyTest, str | None]]:
     for i in range(num_pairs):
         if i % 3 == 2:
             kind = kinds[(i // 3) % len(kinds)]
-            out.append((FaultyTest(name=f"p{i:02d}-{kind}", fault_args=FAULTS[kind][0],
-                                   early_stop=False), kind))
+            out.append(
+                (
+                    FaultyTest(
+                        name=f"p{i:02d}-{kind}", fault_args=FAULTS[kind][0], early_stop=False
+                    ),
+                    kind,
+                )
+            )
         else:
             out.append((FaultyTest(name=f"p{i:02d}-ok"), None))
     return out
@@ -94,8 +108,9 @@ def _damage(entry: Path, kind: str) -> None:
     if kind == "empty manifest":
         manifest["files"] = {}
     elif kind.startswith("manifest omits metrics"):
-        manifest["files"] = {k: v for k, v in manifest["files"].items()
-                             if not k.endswith("metrics.jsonl")}
+        manifest["files"] = {
+            k: v for k, v in manifest["files"].items() if not k.endswith("metrics.jsonl")
+        }
         edited = [{**json.loads(line), "loss": 0.5} for line in metrics.read_text().splitlines()]
         metrics.write_text("".join(json.dumps(r) + "\n" for r in edited))  # a modified control
     else:
@@ -104,8 +119,10 @@ def _damage(entry: Path, kind: str) -> None:
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in folder.rglob("*")}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
+    }
 
 
 def read_only_cache(root: Path, project: Path) -> tuple[bool, str]:
@@ -113,23 +130,37 @@ def read_only_cache(root: Path, project: Path) -> tuple[bool, str]:
     shared reference cache mounted read-only: not writable even by root): the control must
     be a hit and the cache left exactly as it was. Needs root (a private mount namespace)."""
     cache = project / ".convergence" / "cache"
-    user = make_project(root / "other-project", {
-        "soak.toml": (project / "experiments" / "soak.toml").read_text()})
+    user = make_project(
+        root / "other-project", {"soak.toml": (project / "experiments" / "soak.toml").read_text()}
+    )
     before = _snapshot(cache)
     c = shlex.quote(str(cache))
     # sh runs pytest's argv ("$@", after the "sh" that becomes $0) once the mount is read-only.
-    wrap = ["unshare", "-m", "sh", "-c",
-            f'mount --bind {c} {c} && mount -o remount,ro,bind {c} && exec "$@"', "sh"]
-    proc = run_pytest(user, f"experiments/soak.toml::{GOOD_PAIR}",
-                      f"--convergence-cache-dir={cache}", wrap=wrap, timeout=900)
+    wrap = [
+        "unshare",
+        "-m",
+        "sh",
+        "-c",
+        f'mount --bind {c} {c} && mount -o remount,ro,bind {c} && exec "$@"',
+        "sh",
+    ]
+    proc = run_pytest(
+        user,
+        f"experiments/soak.toml::{GOOD_PAIR}",
+        f"--convergence-cache-dir={cache}",
+        wrap=wrap,
+        timeout=900,
+    )
     outcome = saved_outcomes(user / ".convergence").get(GOOD_PAIR) or {}
     hit = outcome.get("status") == "passed" and (outcome.get("control") or {}).get("cached")
     unchanged = _snapshot(cache) == before
     if hit and unchanged and proc.returncode == 0:
         return True, "hit (read-only mount), cache unchanged"
-    return False, (f"rc {proc.returncode}, status {outcome.get('status')}, cached "
-                   f"{(outcome.get('control') or {}).get('cached')}, unchanged {unchanged}: "
-                   f"{proc.stdout[-400:]}")
+    return False, (
+        f"rc {proc.returncode}, status {outcome.get('status')}, cached "
+        f"{(outcome.get('control') or {}).get('cached')}, unchanged {unchanged}: "
+        f"{proc.stdout[-400:]}"
+    )
 
 
 def damaged_cache(project: Path, kind: str) -> tuple[bool, str]:
@@ -143,14 +174,22 @@ def damaged_cache(project: Path, kind: str) -> tuple[bool, str]:
     fresh = RunCache.verify(entry) is None
     if outcome.get("status") == "passed" and rerun and fresh and proc.returncode == 0:
         return True, "rerun, pair passed, fresh entry verified"
-    return False, (f"rc {proc.returncode}, status {outcome.get('status')}, rerun {rerun}, "
-                   f"fresh {fresh}: {proc.stdout[-400:]}")
+    return False, (
+        f"rc {proc.returncode}, status {outcome.get('status')}, rerun {rerun}, "
+        f"fresh {fresh}: {proc.stdout[-400:]}"
+    )
 
 
 def soak(root: Path, num_pairs: int, idle_limit: float, workers: int | None) -> dict[str, object]:
     pairs = plan(num_pairs)
-    project = make_project(root, {"soak.toml": experiment(
-        tests=[t for t, _ in pairs], train_config=odd_config(root), steps=4)})
+    project = make_project(
+        root,
+        {
+            "soak.toml": experiment(
+                tests=[t for t, _ in pairs], train_config=odd_config(root), steps=4
+            )
+        },
+    )
     args = [f"--convergence-idle-limit={idle_limit}", "-q"]
     if workers:
         args += ["-n", str(workers), "--convergence-devices", str(2 * workers)]
@@ -187,11 +226,21 @@ def soak(root: Path, num_pairs: int, idle_limit: float, workers: int | None) -> 
             cache_checks.append(("read-only mount", *read_only_cache(root, project)))
         for kind in CACHE_DAMAGES:
             cache_checks.append((kind, *damaged_cache(project, kind)))
-    return {"workers": workers or 1, "cache": cache_checks, "pairs": len(outcomes), "planned": num_pairs,
-            "faulty": sum(k is not None for _, k in pairs), "contained": contained,
-            "good_passed": good, "good": sum(k is None for _, k in pairs),
-            "pids_checked": len(pids), "leftover": len(left), "wall_s": wall,
-            "exit": proc.returncode, "problems": problems}
+    return {
+        "workers": workers or 1,
+        "cache": cache_checks,
+        "pairs": len(outcomes),
+        "planned": num_pairs,
+        "faulty": sum(k is not None for _, k in pairs),
+        "contained": contained,
+        "good_passed": good,
+        "good": sum(k is None for _, k in pairs),
+        "pids_checked": len(pids),
+        "leftover": len(left),
+        "wall_s": wall,
+        "exit": proc.returncode,
+        "problems": problems,
+    }
 
 
 def main() -> None:
@@ -211,16 +260,26 @@ def main() -> None:
         f"every third one faulty (rank raises, rank SIGKILLed, NaN loss, inf loss, rank hangs, "
         f"rank stopped, agent stopped after the last step; "
         f"--convergence-idle-limit {args.idle_limit:g}), run by "
-        "`python benchmarks/soak.py`.", "",
+        "`python benchmarks/soak.py`.",
+        "",
         "| run | pairs run | faults contained | good pairs passed | PIDs audited | "
-        "leftover processes | wall |", "|---|---|---|---|---|---|---|"]
+        "leftover processes | wall |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {'-n ' + str(r['workers']) if r['workers'] > 1 else 'one process'} | "
-                     f"{r['pairs']}/{r['planned']} | {r['contained']}/{r['faulty']} | "
-                     f"{r['good_passed']}/{r['good']} | {r['pids_checked']} | {r['leftover']} | "
-                     f"{r['wall_s']:.0f} s |")
-    lines += ["", "The one-process session's cache, then used again (a good pair each time):", "",
-              "| cache fault | as expected | what happened |", "|---|---|---|"]
+        lines.append(
+            f"| {'-n ' + str(r['workers']) if r['workers'] > 1 else 'one process'} | "
+            f"{r['pairs']}/{r['planned']} | {r['contained']}/{r['faulty']} | "
+            f"{r['good_passed']}/{r['good']} | {r['pids_checked']} | {r['leftover']} | "
+            f"{r['wall_s']:.0f} s |"
+        )
+    lines += [
+        "",
+        "The one-process session's cache, then used again (a good pair each time):",
+        "",
+        "| cache fault | as expected | what happened |",
+        "|---|---|---|",
+    ]
     for r in rows:
         for kind, ok, detail in r["cache"]:  # type: ignore[attr-defined]
             lines.append(f"| {kind} | {'yes' if ok else 'NO'} | {detail[:160]} |")

@@ -39,13 +39,25 @@ class LoopResult:
     """The first abort's output tail, for the reader."""
 
 
-def run_one(mode: str, nproc: int, *, steps: int = 3, timeout_s: float = 300.0
-            ) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", str(WORKER), "--steps", str(steps), "--exit", mode]
+def run_one(
+    mode: str, nproc: int, *, steps: int = 3, timeout_s: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKER),
+        "--steps",
+        str(steps),
+        "--exit",
+        mode,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env,
-                          cwd=REPO)
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO
+    )
 
 
 def is_abort(proc: subprocess.CompletedProcess[str]) -> bool:
@@ -64,16 +76,26 @@ def run_loop(mode: str, *, jobs: int, nproc: int) -> LoopResult:
             first = first or (proc.stdout + proc.stderr)[-1500:]
         elif proc.returncode != 0:
             failed += 1
-    return LoopResult(mode=mode, jobs=jobs, nproc=nproc, aborted=aborted, failed=failed,
-                      wall_s=time.monotonic() - start, first_abort=first)
+    return LoopResult(
+        mode=mode,
+        jobs=jobs,
+        nproc=nproc,
+        aborted=aborted,
+        failed=failed,
+        wall_s=time.monotonic() - start,
+        first_abort=first,
+    )
 
 
 def table(results: list[LoopResult]) -> str:
-    lines = ["| exit | jobs x ranks | aborted at exit | other failures | wall |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| exit | jobs x ranks | aborted at exit | other failures | wall |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r.mode} | {r.jobs} x {r.nproc} | {r.aborted} | {r.failed} | "
-                     f"{r.wall_s:.0f} s |")
+        lines.append(
+            f"| {r.mode} | {r.jobs} x {r.nproc} | {r.aborted} | {r.failed} | {r.wall_s:.0f} s |"
+        )
     return "\n".join(lines)
 
 
@@ -84,22 +106,25 @@ def main() -> int:
     parser.add_argument("--modes", default="helper,plain")
     parser.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     args = parser.parse_args()
-    results = [run_loop(mode, jobs=args.jobs, nproc=args.nproc)
-               for mode in args.modes.split(",")]
+    results = [run_loop(mode, jobs=args.jobs, nproc=args.nproc) for mode in args.modes.split(",")]
     text = table(results)
     print(text)
     if not args.no_write:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from _report import machine, write_section
 
-        write_section("teardown-loop", (
-            f"## Teardown aborts of short gloo jobs ({time.strftime('%Y-%m-%d')}, "
-            "benchmarks/teardown_loop.py)\n\n"
-            "Each job: torchrun, DDP on gloo for 3 steps with async collectives, then exit. "
-            "`helper` leaves through `convergence.dist_exit` (process group destroyed, stdio "
-            "flushed, `os._exit`), as the trainer and every fixture worker now do; `plain` "
-            "destroys the process group and lets the interpreter finalize.\n\n"
-            f"{text}\n\nMachine: {machine()}."))
+        write_section(
+            "teardown-loop",
+            (
+                f"## Teardown aborts of short gloo jobs ({time.strftime('%Y-%m-%d')}, "
+                "benchmarks/teardown_loop.py)\n\n"
+                "Each job: torchrun, DDP on gloo for 3 steps with async collectives, then exit. "
+                "`helper` leaves through `convergence.dist_exit` (process group destroyed, stdio "
+                "flushed, `os._exit`), as the trainer and every fixture worker now do; `plain` "
+                "destroys the process group and lets the interpreter finalize.\n\n"
+                f"{text}\n\nMachine: {machine()}."
+            ),
+        )
     return 1 if any(r.aborted for r in results if r.mode == "helper") else 0
 
 

@@ -32,32 +32,75 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("FSDP(2)", 2, ["--parallelism.dp_shard=2"]),
     ("FSDP(2) + CPU offload", 2, ["--parallelism.dp_shard=2", "--training.cpu_offload=true"]),
     ("FSDP(2) + AC full", 2, ["--parallelism.dp_shard=2", "--activation_checkpoint.mode=full"]),
-    ("HSDP(2x2)", 4, ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2",
-                      "--training.local_batch_size=4"]),
+    (
+        "HSDP(2x2)",
+        4,
+        [
+            "--parallelism.dp_replicate=2",
+            "--parallelism.dp_shard=2",
+            "--training.local_batch_size=4",
+        ],
+    ),
     ("FSDP(2)+TP(2)", 4, ["--parallelism.dp_shard=2", "--parallelism.tp=2"]),
-    ("FSDP(2)+TP(2)+SP", 4, ["--parallelism.dp_shard=2", "--parallelism.tp=2",
-                             "--parallelism.sequence_parallel=true"]),
+    (
+        "FSDP(2)+TP(2)+SP",
+        4,
+        ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.sequence_parallel=true"],
+    ),
     ("FSDP(2)+PP(2) 1F1B", 4, ["--parallelism.dp_shard=2", "--parallelism.pp=2"]),
-    ("FSDP(2)+PP(2) Interleaved1F1B", 4, ["--parallelism.dp_shard=2", "--parallelism.pp=2",
-                                          "--parallelism.pp_schedule=Interleaved1F1B"]),
+    (
+        "FSDP(2)+PP(2) Interleaved1F1B",
+        4,
+        [
+            "--parallelism.dp_shard=2",
+            "--parallelism.pp=2",
+            "--parallelism.pp_schedule=Interleaved1F1B",
+        ],
+    ),
     ("FSDP(2)+CP(2)", 4, ["--parallelism.dp_shard=2", "--parallelism.cp=2"]),
-    ("FSDP(2)+TP(2)+PP(2)", 8, ["--parallelism.dp_shard=2", "--parallelism.tp=2",
-                                "--parallelism.pp=2"]),
+    (
+        "FSDP(2)+TP(2)+PP(2)",
+        8,
+        ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.pp=2"],
+    ),
 ]
 
 
 def measure(nproc: int, overrides: list[str], steps: int) -> tuple[float, float, float]:
     """(median tokens/s after warm-up, final loss, wall seconds of the whole launch)."""
     with tempfile.TemporaryDirectory() as dump:
-        module = ["-m", "convergence.trainer", "--config", str(DEBUG),
-                  f"--metrics.dump_folder={dump}", f"--training.steps={steps}",
-                  "--metrics.val_every=0", "--metrics.enable_tensorboard=false", *overrides]
-        cmd = ([sys.executable, *module] if nproc == 1 else
-               [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}", *module])
+        module = [
+            "-m",
+            "convergence.trainer",
+            "--config",
+            str(DEBUG),
+            f"--metrics.dump_folder={dump}",
+            f"--training.steps={steps}",
+            "--metrics.val_every=0",
+            "--metrics.enable_tensorboard=false",
+            *overrides,
+        ]
+        cmd = (
+            [sys.executable, *module]
+            if nproc == 1
+            else [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                *module,
+            ]
+        )
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                              capture_output=True, text=True, timeout=1200)
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{cmd} failed:\n{proc.stderr[-3000:]}")
@@ -75,23 +118,28 @@ def main() -> None:
     for name, nproc, overrides in LAYOUTS:
         tps, loss, wall = measure(nproc, overrides, args.steps)
         rows.append((name, nproc, tps, loss, wall))
-        print(f"{name:32s} {nproc:2d} proc  {tps:9.0f} tok/s  loss {loss:.6f}  "
-              f"launch {wall:5.1f} s", flush=True)
+        print(
+            f"{name:32s} {nproc:2d} proc  {tps:9.0f} tok/s  loss {loss:.6f}  launch {wall:5.1f} s",
+            flush=True,
+        )
     base = rows[0][2]
     lines = [
-        f"## Trainer speed: debug.toml on CPU ({time.strftime('%Y-%m-%d')})", "",
+        f"## Trainer speed: debug.toml on CPU ({time.strftime('%Y-%m-%d')})",
+        "",
         f"Machine: {machine()}. `python benchmarks/trainer_speed.py --steps {args.steps}`: "
         f"gloo, fp32, OMP_NUM_THREADS=1, 1024 tokens per optimizer step in every layout; "
         f"tokens/s is the median per-step value after {WARMUP} warm-up steps. With more "
         "processes than cores the layouts measure communication and oversubscription, not "
         "scaling; the point is the relative cost of each parallelism's machinery on a tiny "
-        "model, and that every layout reaches the same final loss.", "",
+        "model, and that every layout reaches the same final loss.",
+        "",
         "| layout | processes | tokens/s | vs 1 process | final loss | launch wall s |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for name, nproc, tps, loss, wall in rows:
-        lines.append(f"| {name} | {nproc} | {tps:.0f} | {tps / base:.2f}x | {loss:.6f} | "
-                     f"{wall:.1f} |")
+        lines.append(
+            f"| {name} | {nproc} | {tps:.0f} | {tps / base:.2f}x | {loss:.6f} | {wall:.1f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:

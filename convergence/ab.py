@@ -51,13 +51,23 @@ AB_OPTIONS = ("workdir", "report", "steps", "devices", "launcher", "idle-limit",
 
 def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ab = sub.add_parser(
-        "ab", help="run an experiment's jobs from two commits of a trainer and compare them",
-        description=__doc__.split("\n\n", 2)[2] if __doc__ else None)
+        "ab",
+        help="run an experiment's jobs from two commits of a trainer and compare them",
+        description=__doc__.split("\n\n", 2)[2] if __doc__ else None,
+    )
     ab.add_argument("experiment", help="experiment TOML file (its jobs run on both sides)")
-    ab.add_argument("--baseline", required=True, metavar="REF|DIR",
-                    help="git ref of --repo (or a folder) to compare against")
-    ab.add_argument("--candidate", required=True, metavar="REF|DIR",
-                    help="git ref of --repo (or a folder) under test")
+    ab.add_argument(
+        "--baseline",
+        required=True,
+        metavar="REF|DIR",
+        help="git ref of --repo (or a folder) to compare against",
+    )
+    ab.add_argument(
+        "--candidate",
+        required=True,
+        metavar="REF|DIR",
+        help="git ref of --repo (or a folder) under test",
+    )
     ab.add_argument("--repo", default=".", metavar="DIR", help="the trainer's git repository")
     # The session options that make sense here, from the shared table: same flags, types,
     # checks and RunSettings as `convergence run` and pytest.
@@ -68,10 +78,12 @@ def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
 def _git(repo: Path, *args: str) -> str:
     done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SpecError(f"git {' '.join(args)} failed in {repo}: "
-                        f"{(done.stderr or done.stdout).strip()}", key="--repo",
-                        fix="point --repo at the trainer's git repository and use refs it has "
-                            "(a branch, tag or commit), or pass existing folders")
+        raise SpecError(
+            f"git {' '.join(args)} failed in {repo}: {(done.stderr or done.stdout).strip()}",
+            key="--repo",
+            fix="point --repo at the trainer's git repository and use refs it has "
+            "(a branch, tag or commit), or pass existing folders",
+        )
     return done.stdout.strip()
 
 
@@ -86,16 +98,18 @@ def checkout(repo: Path, ref: str, into: Path) -> Iterator[tuple[Path, str]]:
     top = Path(_git(repo, "rev-parse", "--show-toplevel"))
     commit = _git(top, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
     if into.exists():  # a worktree left by an interrupted run
-        subprocess.run(["git", "-C", str(top), "worktree", "remove", "--force", str(into)],
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(top), "worktree", "remove", "--force", str(into)], capture_output=True
+        )
         shutil.rmtree(into, ignore_errors=True)
     into.parent.mkdir(parents=True, exist_ok=True)
     _git(top, "worktree", "add", "--detach", str(into), commit)
     try:
         yield into, f"{ref} ({commit[:10]})"
     finally:
-        subprocess.run(["git", "-C", str(top), "worktree", "remove", "--force", str(into)],
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(top), "worktree", "remove", "--force", str(into)], capture_output=True
+        )
 
 
 def _jobs(pairs: Sequence[PairSpec]) -> list[JobSpec]:
@@ -112,8 +126,15 @@ def _side_settings(settings: RunSettings, folder: Path) -> RunSettings:
     return dataclasses.replace(settings, job_cwd=folder, job_env=(("PYTHONPATH", path),))
 
 
-def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path,
-           settings: RunSettings, rootdir: Path) -> list[PairOutcome]:
+def run_ab(
+    experiment: Path,
+    *,
+    baseline: str,
+    candidate: str,
+    repo: Path,
+    settings: RunSettings,
+    rootdir: Path,
+) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
     from convergence.stats.registry import compare_all  # lazy: scipy (~1 s)
 
@@ -121,38 +142,65 @@ def run_ab(experiment: Path, *, baseline: str, candidate: str, repo: Path,
     jobs = _jobs(pairs)
     for job in jobs:
         if not job.techniques.bitwise_pairable:
-            raise SpecError(f"job {job.name!r} is not deterministic fp32, so two runs of it "
-                            "differ by more than the paired tolerance even without a change",
-                            file=str(experiment), key="techniques",
-                            fix="compare a deterministic fp32 variant of the job (the seed "
-                                "regime's band needs replicates on both sides: not supported "
-                                "by `ab` yet)")
+            raise SpecError(
+                f"job {job.name!r} is not deterministic fp32, so two runs of it "
+                "differ by more than the paired tolerance even without a change",
+                file=str(experiment),
+                key="techniques",
+                fix="compare a deterministic fp32 variant of the job (the seed "
+                "regime's band needs replicates on both sides: not supported "
+                "by `ab` yet)",
+            )
     work = Path(settings.work_dir) / "ab"
     outcomes: list[PairOutcome] = []
-    with checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label), \
-            checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label):
-        runners = {"baseline": Runner(_side_settings(settings, base_dir)),
-                   "candidate": Runner(_side_settings(settings, cand_dir))}
+    with (
+        checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label),
+        checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label),
+    ):
+        runners = {
+            "baseline": Runner(_side_settings(settings, base_dir)),
+            "candidate": Runner(_side_settings(settings, cand_dir)),
+        }
         for job in jobs:
-            pair = PairSpec(pair_id=f"ab::{job.name}", control=job, test=job,
-                            rules=compare_rules(None, None, "paired"), regime="paired",
-                            early_stop=False, source=f"{base_label} vs {cand_label}")
+            pair = PairSpec(
+                pair_id=f"ab::{job.name}",
+                control=job,
+                test=job,
+                rules=compare_rules(None, None, "paired"),
+                regime="paired",
+                early_stop=False,
+                source=f"{base_label} vs {cand_label}",
+            )
             sides = {}
             try:
                 for side in SIDES:
                     sides[side] = runners[side].run_job(
-                        side, job, pair_dir=work / "runs" / job.name, cacheable=False)
+                        side, job, pair_dir=work / "runs" / job.name, cacheable=False
+                    )
             except JobFailed as exc:
-                outcomes.append(PairOutcome(pair=pair, status="error",
-                                            control=sides.get("baseline"), test=None,
-                                            error=str(exc)))
+                outcomes.append(
+                    PairOutcome(
+                        pair=pair,
+                        status="error",
+                        control=sides.get("baseline"),
+                        test=None,
+                        error=str(exc),
+                    )
+                )
                 continue
-            verdicts = tuple(compare_all(pair.rules, [sides["baseline"].metrics],
-                                         sides["candidate"].metrics))
+            verdicts = tuple(
+                compare_all(pair.rules, [sides["baseline"].metrics], sides["candidate"].metrics)
+            )
             passed = all(v.passed for v in verdicts if v.gate)
-            outcomes.append(PairOutcome(pair=pair, status="passed" if passed else "failed",
-                                        control=sides["baseline"], test=sides["candidate"],
-                                        verdicts=verdicts))
+            outcomes.append(
+                PairOutcome(
+                    pair=pair,
+                    status="passed" if passed else "failed",
+                    control=sides["baseline"],
+                    test=sides["candidate"],
+                    verdicts=verdicts,
+                )
+            )
     return outcomes
 
 
@@ -170,15 +218,23 @@ def cmd_ab(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     values["no-early-stop"] = True  # both sides run to their last step: whole curves compared
     settings = ab_settings(values)
-    outcomes = run_ab(Path(args.experiment), baseline=args.baseline,
-                      candidate=args.candidate, repo=Path(args.repo), settings=settings,
-                      rootdir=Path.cwd())
+    outcomes = run_ab(
+        Path(args.experiment),
+        baseline=args.baseline,
+        candidate=args.candidate,
+        repo=Path(args.repo),
+        settings=settings,
+        rootdir=Path.cwd(),
+    )
     print(f"baseline {args.baseline} vs candidate {args.candidate}:")
     print(render_summary(outcomes))
     for outcome in outcomes:
         if outcome.status != "passed":
             print(outcome.error or render_outcome(outcome))
     if values["report"] is not None:
-        write_report_folder(outcomes, values["report"],
-                            {"ab": {"baseline": args.baseline, "candidate": args.candidate}})
+        write_report_folder(
+            outcomes,
+            values["report"],
+            {"ab": {"baseline": args.baseline, "candidate": args.candidate}},
+        )
     return EXIT_OK if all(o.status == "passed" for o in outcomes) else EXIT_FAILED

@@ -27,23 +27,36 @@ DEFAULT_DIR = Path(".convergence") / "cache"
 def add_cache_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     cache = sub.add_parser("cache", help="list, verify or prune a run cache")
     actions = cache.add_subparsers(dest="cache_command", required=True)
-    for name, text in (("list", "list the entries"), ("verify", "checksum every entry"),
-                       ("prune", "delete entries not used for a while")):
+    for name, text in (
+        ("list", "list the entries"),
+        ("verify", "checksum every entry"),
+        ("prune", "delete entries not used for a while"),
+    ):
         action = actions.add_parser(name, help=text)
-        action.add_argument("--cache-dir", type=Path, default=DEFAULT_DIR, metavar="DIR",
-                            help=f"the cache folder (default {DEFAULT_DIR})")
+        action.add_argument(
+            "--cache-dir",
+            type=Path,
+            default=DEFAULT_DIR,
+            metavar="DIR",
+            help=f"the cache folder (default {DEFAULT_DIR})",
+        )
         action.set_defaults(func=cmd_cache)
-    actions.choices["verify"].add_argument("--delete", action="store_true",
-                                           help="delete the entries that fail")
-    actions.choices["prune"].add_argument("--older-than", type=float, required=True,
-                                          metavar="DAYS", help="entries older than this")
+    actions.choices["verify"].add_argument(
+        "--delete", action="store_true", help="delete the entries that fail"
+    )
+    actions.choices["prune"].add_argument(
+        "--older-than", type=float, required=True, metavar="DAYS", help="entries older than this"
+    )
 
 
 def _open(folder: Path) -> RunCache:
     if not folder.is_dir():
-        raise SpecError(f"no run cache at {folder}", key="--cache-dir",
-                        fix="pass the folder you give --convergence-cache-dir (default "
-                            f"{DEFAULT_DIR} in the project folder)")
+        raise SpecError(
+            f"no run cache at {folder}",
+            key="--cache-dir",
+            fix="pass the folder you give --convergence-cache-dir (default "
+            f"{DEFAULT_DIR} in the project folder)",
+        )
     return RunCache(folder)
 
 
@@ -72,8 +85,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
         for entry in entries:
             size = _size(entry)
             total += size
-            print(f"{entry.name[:12]}  {_age_days(entry, now):6.1f} d  "
-                  f"{size / 2**20:8.1f} MiB  {_job_name(entry)}")
+            print(
+                f"{entry.name[:12]}  {_age_days(entry, now):6.1f} d  "
+                f"{size / 2**20:8.1f} MiB  {_job_name(entry)}"
+            )
         print(f"{len(entries)} entries, {total / 2**20:.1f} MiB in {cache.root}")
         return EXIT_OK
     if args.cache_command == "verify":
@@ -95,6 +110,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
     for entry in old:
         freed += _size(entry)
         cache.remove(entry)
-    print(f"pruned {len(old)} of {len(entries)} entries older than {args.older_than:g} days "
-          f"({freed / 2**20:.1f} MiB) from {cache.root}")
+    print(
+        f"pruned {len(old)} of {len(entries)} entries older than {args.older_than:g} days "
+        f"({freed / 2**20:.1f} MiB) from {cache.root}"
+    )
     return EXIT_OK

@@ -62,6 +62,7 @@ class _ProgressLog:
 
 # -- run ------------------------------------------------------------------------------------
 
+
 def cmd_run(args: argparse.Namespace) -> int:
 
     try:
@@ -70,8 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _print_err(f"convergence run: {exc}")
         return EXIT_USAGE
     path = Path(args.experiment)
-    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve(),
-                              max_tier=values["tier"])
+    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve(), max_tier=values["tier"])
     pairs = [pair for pair in experiment.pairs if in_tier(pair, values["tier"])]
     skipped = len(experiment.pairs) - len(pairs)
     if skipped:
@@ -79,8 +79,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     devices = session_devices(values["launcher"], values["devices"])
     for pair in pairs:
         validate_devices(pair, available_devices=devices)
-    settings = run_settings(values, work_dir=(values["workdir"] or Path(".convergence")).resolve(),
-                            on_progress=_ProgressLog())
+    settings = run_settings(
+        values,
+        work_dir=(values["workdir"] or Path(".convergence")).resolve(),
+        on_progress=_ProgressLog(),
+    )
     runner = SessionRunner(settings)  # one device pool, run cache and launcher for all pairs
     outcomes = []
     for pair in pairs:
@@ -98,24 +101,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # -- report ---------------------------------------------------------------------------------
 
+
 def load_outcome_files(folder: Path) -> list[Any]:
 
     if not folder.is_dir():
-        raise SpecError("not a folder", file=str(folder),
-                        fix="pass the session folder printed at the end of the pytest run "
-                            "(.convergence/sessions/<id>)")
+        raise SpecError(
+            "not a folder",
+            file=str(folder),
+            fix="pass the session folder printed at the end of the pytest run "
+            "(.convergence/sessions/<id>)",
+        )
     files = sorted(folder.glob(OUTCOME_GLOBS[0])) or sorted(folder.glob(OUTCOME_GLOBS[1]))
     outcomes = []
     for path in files:
         try:
             outcomes.append(outcome_from_json(json.loads(path.read_text(encoding="utf-8"))))
         except (OutcomeFormatError, ValueError, KeyError) as exc:
-            raise SpecError(f"not a saved pair outcome: {exc}", file=str(path),
-                            fix="point --from at a folder of *.outcome.json files") from None
+            raise SpecError(
+                f"not a saved pair outcome: {exc}",
+                file=str(path),
+                fix="point --from at a folder of *.outcome.json files",
+            ) from None
     if not outcomes:
-        raise SpecError("no saved outcomes (*.outcome.json) in it", file=str(folder),
-                        fix="run pytest -m convergence first; it saves them under "
-                            ".convergence/sessions/")
+        raise SpecError(
+            "no saved outcomes (*.outcome.json) in it",
+            file=str(folder),
+            fix="run pytest -m convergence first; it saves them under .convergence/sessions/",
+        )
     return outcomes
 
 
@@ -129,6 +141,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 # -- configs / version ----------------------------------------------------------------------
 
+
 def cmd_configs(args: argparse.Namespace) -> int:
 
     print(describe())
@@ -139,7 +152,6 @@ def _version() -> str:
     """The installed distribution's version (what pip installed), else the source's."""
     from importlib.metadata import PackageNotFoundError, version
 
-
     try:
         return version("pytest-convergence")
     except PackageNotFoundError:
@@ -148,8 +160,11 @@ def _version() -> str:
 
 # -- main -----------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="convergence", description="loss-convergence tests outside pytest")
+    parser = argparse.ArgumentParser(
+        prog="convergence", description="loss-convergence tests outside pytest"
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -158,8 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run every pair of an experiment file")
     run.add_argument("experiment", help="experiment TOML file")
-    run.add_argument("--rootdir", default=".", help="where relative train_config paths are "
-                                                   "looked up (besides the experiment's folder)")
+    run.add_argument(
+        "--rootdir",
+        default=".",
+        help="where relative train_config paths are looked up (besides the experiment's folder)",
+    )
     # The same settings as pytest's --convergence-<name> options (one table: options.py);
     # the workdir defaults to ./.convergence here.
     add_arguments(run)
@@ -168,13 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_parser(sub)
 
     report = sub.add_parser("report", help="rebuild the reports from saved outcomes")
-    report.add_argument("--from", dest="source", required=True, metavar="OUTCOMES_DIR",
-                        help="folder of *.outcome.json (e.g. .convergence/sessions/<id>)")
+    report.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="OUTCOMES_DIR",
+        help="folder of *.outcome.json (e.g. .convergence/sessions/<id>)",
+    )
     report.add_argument("--out", required=True, metavar="DIR", help="report folder")
     report.set_defaults(func=cmd_report)
 
     add_export_parser(sub)
-
 
     add_ab_parser(sub)
 

@@ -18,12 +18,16 @@ from convergence.run.outcome import PairOutcome
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def write_report_folder(outcomes: Sequence[PairOutcome], out_dir: Path,
-                        extra_env: dict[str, Any]) -> None:
+def write_report_folder(
+    outcomes: Sequence[PairOutcome], out_dir: Path, extra_env: dict[str, Any]
+) -> None:
     """report.json/.md/.html and plots into ``out_dir``; prints each file written."""
     # As in pytest: a CI job's summary ($GITHUB_STEP_SUMMARY, when set) gets report.md too.
-    paths = write_reports(list(outcomes), out_dir,
-                          environment={**default_environment(), **extra_env},
-                          step_summary_env=os.environ)
+    paths = write_reports(
+        list(outcomes),
+        out_dir,
+        environment={**default_environment(), **extra_env},
+        step_summary_env=os.environ,
+    )
     for kind, path in sorted(dict(paths).items()):
         print(f"  {kind}: {path}")

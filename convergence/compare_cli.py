@@ -34,36 +34,58 @@ REPORTED = ", ".join(r.metric for r in REGISTRY.default_rules("paired") if not r
 
 # -- compare --------------------------------------------------------------------------------
 
+
 def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     compare = sub.add_parser(
-        "compare", help="compare two finished runs (A = control), with pytest's default verdict",
+        "compare",
+        help="compare two finished runs (A = control), with pytest's default verdict",
         description=f"Judge run B against run A with the rules pytest uses: {GATING} gate "
-                    f"(the data fingerprint exactly, the others by the regime's method; a "
-                    f"metric that a run does not log is reported as not compared), {REPORTED} "
-                    f"reported only. "
-                    "A run is a run folder, a torchtitan dump / TensorBoard folder, a "
-                    "metrics.jsonl file or a golden JSON file.")
+        f"(the data fingerprint exactly, the others by the regime's method; a "
+        f"metric that a run does not log is reported as not compared), {REPORTED} "
+        f"reported only. "
+        "A run is a run folder, a torchtitan dump / TensorBoard folder, a "
+        "metrics.jsonl file or a golden JSON file.",
+    )
     compare.add_argument("a", help="control: run folder, TensorBoard folder, JSONL or golden")
     compare.add_argument("b", help="test: run folder, TensorBoard folder or JSONL")
-    compare.add_argument("--replicate", action="append", default=[], metavar="RUN",
-                         help="another control run (repeatable): another seed's (the seed "
-                              "regime, the default with any: a band of A + these) or, with "
-                              "--regime twin, the control's twin")
-    compare.add_argument("--regime", choices=REGISTRY.names(), default=None,
-                         help="paired (same seed checkpoint and data; default), twin (the "
-                              "envelope from the control's twin: --replicate TWIN_RUN) or seed "
-                              "(a band of A and the --replicate runs; default with any)")
-    compare.add_argument("--metric", action="append", default=None, choices=METRICS,
-                         help=f"gate on these metrics only (repeatable; default: pytest's "
-                              f"{GATING}, plus {REPORTED} reported)")
-    compare.add_argument("--method", default=None, choices=METHODS,
-                         help="comparison method for the gating metrics "
-                              "(default: the regime's: paired, twin or seed)")
+    compare.add_argument(
+        "--replicate",
+        action="append",
+        default=[],
+        metavar="RUN",
+        help="another control run (repeatable): another seed's (the seed "
+        "regime, the default with any: a band of A + these) or, with "
+        "--regime twin, the control's twin",
+    )
+    compare.add_argument(
+        "--regime",
+        choices=REGISTRY.names(),
+        default=None,
+        help="paired (same seed checkpoint and data; default), twin (the "
+        "envelope from the control's twin: --replicate TWIN_RUN) or seed "
+        "(a band of A and the --replicate runs; default with any)",
+    )
+    compare.add_argument(
+        "--metric",
+        action="append",
+        default=None,
+        choices=METRICS,
+        help=f"gate on these metrics only (repeatable; default: pytest's "
+        f"{GATING}, plus {REPORTED} reported)",
+    )
+    compare.add_argument(
+        "--method",
+        default=None,
+        choices=METHODS,
+        help="comparison method for the gating metrics "
+        "(default: the regime's: paired, twin or seed)",
+    )
     compare.set_defaults(func=cmd_compare)
 
 
-def compare_rules(metrics: Sequence[str] | None, method: Method | None,
-                  regime: str) -> tuple[ComparisonRule, ...]:
+def compare_rules(
+    metrics: Sequence[str] | None, method: Method | None, regime: str
+) -> tuple[ComparisonRule, ...]:
     """pytest's default rules for ``regime``, narrowed to ``metrics`` / with ``method``."""
     if metrics:
         default = get_regime(regime).method
@@ -87,7 +109,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _check_requested(args.metric or [], paths, controls, Path(args.b), test)
     verdicts = compare_all(rules, controls, test)
     if describe_source(Path(args.a)) == "golden":
-
         verdicts = with_golden_note(Path(args.a), verdicts, read_run_meta(Path(args.b)))
     passed = all(v.passed for v in verdicts if v.gate)
     outcome = _outcome(paths, controls, Path(args.b), test, rules, regime, verdicts, passed)
@@ -95,15 +116,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK if passed else EXIT_FAILED
 
 
-def _check_requested(metrics: Sequence[str], paths: Sequence[Path], controls: Sequence[RunMetrics],
-                     test_path: Path, test: RunMetrics) -> None:
+def _check_requested(
+    metrics: Sequence[str],
+    paths: Sequence[Path],
+    controls: Sequence[RunMetrics],
+    test_path: Path,
+    test: RunMetrics,
+) -> None:
     """A metric asked for by name must be in every run (the defaults may be missing and are
     then reported as not compared, as in pytest)."""
     for metric in metrics:
         for path, run in [*zip(paths, controls, strict=True), (test_path, test)]:
             if metric not in run:
-                raise SpecError(f"run has no {metric!r} curve", file=str(path), key="--metric",
-                                fix=f"choose --metric among {', '.join(sorted(run))}")
+                raise SpecError(
+                    f"run has no {metric!r} curve",
+                    file=str(path),
+                    key="--metric",
+                    fix=f"choose --metric among {', '.join(sorted(run))}",
+                )
 
 
 def _labels(control: Path, test: Path) -> tuple[str, str]:
@@ -117,9 +147,16 @@ def _labels(control: Path, test: Path) -> tuple[str, str]:
     return control.name, test.name
 
 
-def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: Path,
-             test: RunMetrics, rules: tuple[ComparisonRule, ...], regime: str,
-             verdicts: Sequence[object], passed: bool) -> PairOutcome:
+def _outcome(
+    paths: Sequence[Path],
+    controls: Sequence[RunMetrics],
+    test_path: Path,
+    test: RunMetrics,
+    rules: tuple[ComparisonRule, ...],
+    regime: str,
+    verdicts: Sequence[object],
+    passed: bool,
+) -> PairOutcome:
     control_label, test_label = _labels(paths[0], test_path)
 
     def job(path: Path, label: str) -> JobSpec:
@@ -128,19 +165,35 @@ def _outcome(paths: Sequence[Path], controls: Sequence[RunMetrics], test_path: P
         return JobSpec(name=name, train_config=path, source=str(path))
 
     control_job, test_job = job(paths[0], control_label), job(test_path, test_label)
-    pair = PairSpec(pair_id=f"compare {test_label} vs {control_label}", control=control_job,
-                    test=test_job, rules=rules, regime=regime,
-                    replicates=max(2, len(controls)), early_stop=False)
+    pair = PairSpec(
+        pair_id=f"compare {test_label} vs {control_label}",
+        control=control_job,
+        test=test_job,
+        rules=rules,
+        regime=regime,
+        replicates=max(2, len(controls)),
+        early_stop=False,
+    )
     # As the Runner keeps them: what the regime keeps (the seed band's replicates, the twin).
     kept = get_regime(regime).control_curves(controls)
-    control = SideOutcome(job=control_job, metrics=controls[0], run_dir=paths[0],
-                          replicates=kept.replicates, twin=kept.twin)
-    return PairOutcome(pair=pair, status="passed" if passed else "failed", control=control,
-                       test=SideOutcome(job=test_job, metrics=test, run_dir=test_path),
-                       verdicts=tuple(verdicts))  # type: ignore[arg-type]
+    control = SideOutcome(
+        job=control_job,
+        metrics=controls[0],
+        run_dir=paths[0],
+        replicates=kept.replicates,
+        twin=kept.twin,
+    )
+    return PairOutcome(
+        pair=pair,
+        status="passed" if passed else "failed",
+        control=control,
+        test=SideOutcome(job=test_job, metrics=test, run_dir=test_path),
+        verdicts=tuple(verdicts),  # type: ignore[arg-type]
+    )
 
 
 # -- export-golden --------------------------------------------------------------------------
+
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     export = sub.add_parser("export-golden", help="save a run's curves as a golden file")
@@ -156,10 +209,18 @@ def cmd_export_golden(args: argparse.Namespace) -> int:
     metadata = golden_provenance(path, source_kind=describe_source(path))
     export_golden(metrics, Path(args.out), metadata=metadata)
     env = metadata["environment"]
-    print(f"golden curves ({', '.join(sorted(metrics))}) written to {args.out} "
-          f"(torch {env['torch']}, {env['hardware']}, commit {metadata['git_commit'] or '-'})")
+    print(
+        f"golden curves ({', '.join(sorted(metrics))}) written to {args.out} "
+        f"(torch {env['torch']}, {env['hardware']}, commit {metadata['git_commit'] or '-'})"
+    )
     return EXIT_OK
 
 
-__all__ = ["add_compare_parser", "add_export_parser", "cmd_compare", "cmd_export_golden",
-           "compare_rules", "read_run"]
+__all__ = [
+    "add_compare_parser",
+    "add_export_parser",
+    "cmd_compare",
+    "cmd_export_golden",
+    "compare_rules",
+    "read_run",
+]

@@ -53,99 +53,158 @@ KeyRow = tuple[str, tuple[str, ...], str]
 def key_rows() -> list[KeyRow]:
     """The rows, their values read from the spec (schedules, methods, regimes, tiers...)."""
     return [
-        ("`[experiment]`", ("description", "tier"),
-         "optional: a line that describes the file; the tier of every pair in it unless a "
-         "pair sets its own"),
-        ("any job (`[defaults]`, `[control]`, `[[test]]`, `[[sweep]]`)", ("train_config",),
-         "a shipped config by short name (`debug`, `gpt2_small`; `convergence configs` lists "
-         "them) or a TOML path (looked up next to the experiment file, then in each parent "
-         "folder up to the rootdir); optional for `torchtitan` (its config is "
-         "`backend_options.module` + `config`)"),
-        ("", ("name",), "the test's name (the pytest item `file.toml::name`); the control's "
-         "defaults to its layout (`fsdp2`)"),
-        ("", ("steps", "seed"),
-         "optimizer steps; seed of the weights (seed checkpoint) and the data order"),
-        ("", ("parallelism",),
-         f"{_names(LAYOUT_KEYS)}. `pp_schedule`: {_names(SCHEDULES)} (torch's names; "
-         f"{_names(ZERO_BUBBLE_SCHEDULES)} defer the weight gradients and run only without "
-         f"data or context parallelism in the built-in trainer; {_names(V_SCHEDULES)} hold "
-         f"exactly 2 stages per rank). `pp_microbatches`: at least the number of stages for "
-         f"{_names(AT_LEAST_ONE_MICROBATCH_PER_STAGE)} (checked at collection)"),
-        ("", ("techniques",),
-         f"{_names(TECHNIQUE_KEYS)}. `param_dtype`/`reduce_dtype` are FSDP2's mixed "
-         f"precision (need `dp_shard*cp > 1`); `activation_checkpoint`: none, full or "
-         f"selective"),
-        ("", ("local_batch_size",),
-         "samples per DP rank per microstep (default: the train config's)"),
-        ("", ("hook", "hook_mode"),
-         "your parallelism: `\"package.module:function\"`; `after` (default: after the "
-         "built-in parallelisation) or `replace_tp` (in place of the built-in TP plan)"),
-        ("", ("overrides",),
-         "any trainer setting, `{ \"optimizer.lr\" = 1e-3 }`, or a command-line option string "
-         "as torchtitan takes it, `\"--training.seq_len=256 --compile.enable\"` (split like a "
-         "shell would, never run through one)"),
-        ("", ("backend", "backend_options"),
-         f"{_names(tuple(SHIPPED_BACKENDS))} (default `builtin`). `command`: "
-         f"`backend_options.command` is an "
-         f"argv list (`[\"python\", \"train.py\", \"--out\", \"{{dump_dir}}\"]`) or one string "
-         f"split like a shell, never run through one; `keys.<metric>` maps your trainer's "
-         f"metric names to ours"),
-        ("test / defaults", ("compare",),
-         f"per metric ({_names(METRICS)}): {_code(METHODS)}, `\"off\"` or a table "
-         f"`{{ method = \"allclose\", rtol = 1e-3 }}` (keys: {_names(RULE_KEYS)}). A metric "
-         f"named here that a run does not log is an error; a default one is reported as "
-         f"\"not compared\""),
-        ("", ("regime",),
-         f"{_names(REGISTRY.names())}: `paired` (same seed checkpoint and data, compared step by step "
-         f"at the fp32 noise floor), `twin` (same seed checkpoint and data, not bitwise "
-         f"reproducible: the envelope is measured on a twin of the control that differs only "
-         f"by legitimate rounding) or `seed` (K control replicates with other seeds form a "
-         f"band); default: paired when both sides are deterministic fp32, twin when they "
-         f"share the seed otherwise (bf16, compile, nondeterministic kernels; built-in "
-         f"trainer and torchtitan, whose backends derive the twin), seed when the seeds "
-         f"differ or the backend derives no twin (command)"),
-        ("", ("replicates", "early_stop", "golden", "tier"),
-         f"seed-band size (default 3); stop a hopeless test early (default true); compare "
-         f"against a golden curve file instead of a control run; {_names(TIERS)}"),
-        ("", ("probe", "probe_on_failure"),
-         f"the numerics probe (built-in trainer on both sides only): {_code(PROBE_MODES)} "
-         f"(default `on_failure`: a failed paired or twin pair is probed); `probe_on_failure "
-         f"= false` is `probe = \"off\"`"),
-        ("test", ("resume",),
-         f"a table ({_names(RESUME_KEYS)}): train `at_step` steps, write a training "
-         f"checkpoint, resume on `parallelism` (a whole layout; default: the side's) with "
-         f"`techniques` merged into the side's and `local_batch_size` (keep the tokens per "
-         f"step) to the end; one curve against the uninterrupted control. Built-in trainer "
-         f"only for now"),
+        (
+            "`[experiment]`",
+            ("description", "tier"),
+            "optional: a line that describes the file; the tier of every pair in it unless a "
+            "pair sets its own",
+        ),
+        (
+            "any job (`[defaults]`, `[control]`, `[[test]]`, `[[sweep]]`)",
+            ("train_config",),
+            "a shipped config by short name (`debug`, `gpt2_small`; `convergence configs` lists "
+            "them) or a TOML path (looked up next to the experiment file, then in each parent "
+            "folder up to the rootdir); optional for `torchtitan` (its config is "
+            "`backend_options.module` + `config`)",
+        ),
+        (
+            "",
+            ("name",),
+            "the test's name (the pytest item `file.toml::name`); the control's "
+            "defaults to its layout (`fsdp2`)",
+        ),
+        (
+            "",
+            ("steps", "seed"),
+            "optimizer steps; seed of the weights (seed checkpoint) and the data order",
+        ),
+        (
+            "",
+            ("parallelism",),
+            f"{_names(LAYOUT_KEYS)}. `pp_schedule`: {_names(SCHEDULES)} (torch's names; "
+            f"{_names(ZERO_BUBBLE_SCHEDULES)} defer the weight gradients and run only without "
+            f"data or context parallelism in the built-in trainer; {_names(V_SCHEDULES)} hold "
+            f"exactly 2 stages per rank). `pp_microbatches`: at least the number of stages for "
+            f"{_names(AT_LEAST_ONE_MICROBATCH_PER_STAGE)} (checked at collection)",
+        ),
+        (
+            "",
+            ("techniques",),
+            f"{_names(TECHNIQUE_KEYS)}. `param_dtype`/`reduce_dtype` are FSDP2's mixed "
+            f"precision (need `dp_shard*cp > 1`); `activation_checkpoint`: none, full or "
+            f"selective",
+        ),
+        (
+            "",
+            ("local_batch_size",),
+            "samples per DP rank per microstep (default: the train config's)",
+        ),
+        (
+            "",
+            ("hook", "hook_mode"),
+            'your parallelism: `"package.module:function"`; `after` (default: after the '
+            "built-in parallelisation) or `replace_tp` (in place of the built-in TP plan)",
+        ),
+        (
+            "",
+            ("overrides",),
+            'any trainer setting, `{ "optimizer.lr" = 1e-3 }`, or a command-line option string '
+            'as torchtitan takes it, `"--training.seq_len=256 --compile.enable"` (split like a '
+            "shell would, never run through one)",
+        ),
+        (
+            "",
+            ("backend", "backend_options"),
+            f"{_names(tuple(SHIPPED_BACKENDS))} (default `builtin`). `command`: "
+            f"`backend_options.command` is an "
+            f'argv list (`["python", "train.py", "--out", "{{dump_dir}}"]`) or one string '
+            f"split like a shell, never run through one; `keys.<metric>` maps your trainer's "
+            f"metric names to ours",
+        ),
+        (
+            "test / defaults",
+            ("compare",),
+            f'per metric ({_names(METRICS)}): {_code(METHODS)}, `"off"` or a table '
+            f'`{{ method = "allclose", rtol = 1e-3 }}` (keys: {_names(RULE_KEYS)}). A metric '
+            f"named here that a run does not log is an error; a default one is reported as "
+            f'"not compared"',
+        ),
+        (
+            "",
+            ("regime",),
+            f"{_names(REGISTRY.names())}: `paired` (same seed checkpoint and data, compared step by step "
+            f"at the fp32 noise floor), `twin` (same seed checkpoint and data, not bitwise "
+            f"reproducible: the envelope is measured on a twin of the control that differs only "
+            f"by legitimate rounding) or `seed` (K control replicates with other seeds form a "
+            f"band); default: paired when both sides are deterministic fp32, twin when they "
+            f"share the seed otherwise (bf16, compile, nondeterministic kernels; built-in "
+            f"trainer and torchtitan, whose backends derive the twin), seed when the seeds "
+            f"differ or the backend derives no twin (command)",
+        ),
+        (
+            "",
+            ("replicates", "early_stop", "golden", "tier"),
+            f"seed-band size (default 3); stop a hopeless test early (default true); compare "
+            f"against a golden curve file instead of a control run; {_names(TIERS)}",
+        ),
+        (
+            "",
+            ("probe", "probe_on_failure"),
+            f"the numerics probe (built-in trainer on both sides only): {_code(PROBE_MODES)} "
+            f"(default `on_failure`: a failed paired or twin pair is probed); `probe_on_failure "
+            f'= false` is `probe = "off"`',
+        ),
+        (
+            "test",
+            ("resume",),
+            f"a table ({_names(RESUME_KEYS)}): train `at_step` steps, write a training "
+            f"checkpoint, resume on `parallelism` (a whole layout; default: the side's) with "
+            f"`techniques` merged into the side's and `local_batch_size` (keep the tokens per "
+            f"step) to the end; one curve against the uninterrupted control. Built-in trainer "
+            f"only for now",
+        ),
     ]
 
 
 #: Where a table of the spec is documented, and which keys it must cover.
 COVERED: Mapping[str, tuple[str, ...]] = {
-    "[experiment]": EXPERIMENT_KEYS, "job": JOB_KEYS, "pair": PAIR_KEYS,
-    "parallelism": LAYOUT_KEYS, "techniques": TECHNIQUE_KEYS, "compare": RULE_KEYS,
-    "methods": METHODS, "regimes": REGISTRY.names(), "pp_schedule": SCHEDULES,
+    "[experiment]": EXPERIMENT_KEYS,
+    "job": JOB_KEYS,
+    "pair": PAIR_KEYS,
+    "parallelism": LAYOUT_KEYS,
+    "techniques": TECHNIQUE_KEYS,
+    "compare": RULE_KEYS,
+    "methods": METHODS,
+    "regimes": REGISTRY.names(),
+    "pp_schedule": SCHEDULES,
     "resume": RESUME_KEYS,
 }
 
 
 def undocumented(rows: Sequence[KeyRow]) -> list[str]:
     """Spec keys and values that no row names (each must appear in backquotes)."""
-    text = " ".join(" ".join(f"`{k}`" for k in keys) + " " + meaning
-                    for _, keys, meaning in rows)
-    return [f"{table}.{key}" for table, keys in COVERED.items() for key in keys
-            if f"`{key}`" not in text and f'`"{key}"`' not in text]
+    text = " ".join(" ".join(f"`{k}`" for k in keys) + " " + meaning for _, keys, meaning in rows)
+    return [
+        f"{table}.{key}"
+        for table, keys in COVERED.items()
+        for key in keys
+        if f"`{key}`" not in text and f'`"{key}"`' not in text
+    ]
 
 
 def key_table() -> str:
     rows = key_rows()
     missing = undocumented(rows)
     if missing:
-        raise ValueError(f"README key table: undocumented spec keys {', '.join(missing)}; "
-                         f"add them to convergence/docs.py key_rows()")
+        raise ValueError(
+            f"README key table: undocumented spec keys {', '.join(missing)}; "
+            f"add them to convergence/docs.py key_rows()"
+        )
     lines = ["| where | key | meaning |", "|---|---|---|"]
-    lines += [f"| {where} | {', '.join(f'`{k}`' for k in keys)} | {meaning} |"
-              for where, keys, meaning in rows]
+    lines += [
+        f"| {where} | {', '.join(f'`{k}`' for k in keys)} | {meaning} |"
+        for where, keys, meaning in rows
+    ]
     return "\n".join(lines)
 
 
@@ -163,8 +222,7 @@ def _metavar(opt: Option) -> str:
 
 def option_list() -> str:
     """One line per option of the shared table: flag, value, help (pytest's wording)."""
-    return "\n".join(f"- `--convergence-{opt.name}{_metavar(opt)}`: {opt.help}"
-                     for opt in OPTIONS)
+    return "\n".join(f"- `--convergence-{opt.name}{_metavar(opt)}`: {opt.help}" for opt in OPTIONS)
 
 
 PARTS: Mapping[str, Callable[[], str]] = {"keys": key_table, "options": option_list}
@@ -179,9 +237,8 @@ def render(text: str) -> str:
     for name, make in PARTS.items():
         match = _block(name).search(text)
         if match is None:
-            raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> "
-                             f"block")
-        text = text[:match.start(2)] + make() + "\n" + text[match.end(2):]
+            raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> block")
+        text = text[: match.start(2)] + make() + "\n" + text[match.end(2) :]
     return text
 
 

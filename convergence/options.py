@@ -40,36 +40,80 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option(name="backend", help=f"override every job's trainer backend "
-           f"({', '.join(backend_names())})", kind="choice", choices=backend_names()),
-    Option(name="launcher", help="how jobs are started: local torchrun or srun+torchrun",
-           kind="choice", choices=("local", "slurm"), default="local"),
-    Option(name="devices", help="devices (GPUs, or CPU slots) jobs may use; default: detect",
-           kind="int"),
-    Option(name="strict", help="a pair this session cannot run (more devices than it has, a "
-           "backend that is not installed) is a collection error instead of a skip",
-           kind="bool", default=False),
-    Option(name="steps", help="override every job's steps (quick looks; verdicts still apply)",
-           kind="int"),
+    Option(
+        name="backend",
+        help=f"override every job's trainer backend ({', '.join(backend_names())})",
+        kind="choice",
+        choices=backend_names(),
+    ),
+    Option(
+        name="launcher",
+        help="how jobs are started: local torchrun or srun+torchrun",
+        kind="choice",
+        choices=("local", "slurm"),
+        default="local",
+    ),
+    Option(
+        name="devices",
+        help="devices (GPUs, or CPU slots) jobs may use; default: detect",
+        kind="int",
+    ),
+    Option(
+        name="strict",
+        help="a pair this session cannot run (more devices than it has, a "
+        "backend that is not installed) is a collection error instead of a skip",
+        kind="bool",
+        default=False,
+    ),
+    Option(
+        name="steps",
+        help="override every job's steps (quick looks; verdicts still apply)",
+        kind="int",
+    ),
     Option(name="cache-dir", help="run cache folder (default: <workdir>/cache)", kind="path"),
-    Option(name="refresh", help="ignore cached control runs and run them again", kind="bool",
-           default=False),
-    Option(name="report", help="write report.json/.md/.html and plots into this folder",
-           kind="path"),
-    Option(name="no-early-stop", help="always run the test job to its last step", kind="bool",
-           default=False),
+    Option(
+        name="refresh",
+        help="ignore cached control runs and run them again",
+        kind="bool",
+        default=False,
+    ),
+    Option(
+        name="report", help="write report.json/.md/.html and plots into this folder", kind="path"
+    ),
+    Option(
+        name="no-early-stop",
+        help="always run the test job to its last step",
+        kind="bool",
+        default=False,
+    ),
     Option(name="alpha", help="level of the seed-band equivalence test (TOST)", kind="float"),
-    Option(name="tier", help="run pairs up to this tier: quick < ci < nightly (default quick); "
-           "pairs of higher tiers are deselected", kind="choice", choices=TIERS,
-           default="quick"),
-    Option(name="workdir", help="run folders, device-pool state and cache (default: "
-           "<rootdir>/.convergence when pytest found a config file, else ./.convergence)",
-           kind="path", cli_help="run folders, device-pool state and cache (default: "
-           "./.convergence, in the folder you run it from)"),
-    Option(name="idle-limit", help="watchdog: end a job when no new metrics line came for this "
-           "many seconds (a rank hung in a collective); default 300", kind="float"),
-    Option(name="wall-limit", help="end a job after this many seconds in all; default 3600",
-           kind="float"),
+    Option(
+        name="tier",
+        help="run pairs up to this tier: quick < ci < nightly (default quick); "
+        "pairs of higher tiers are deselected",
+        kind="choice",
+        choices=TIERS,
+        default="quick",
+    ),
+    Option(
+        name="workdir",
+        help="run folders, device-pool state and cache (default: "
+        "<rootdir>/.convergence when pytest found a config file, else ./.convergence)",
+        kind="path",
+        cli_help="run folders, device-pool state and cache (default: "
+        "./.convergence, in the folder you run it from)",
+    ),
+    Option(
+        name="idle-limit",
+        help="watchdog: end a job when no new metrics line came for this "
+        "many seconds (a rank hung in a collective); default 300",
+        kind="float",
+    ),
+    Option(
+        name="wall-limit",
+        help="end a job after this many seconds in all; default 3600",
+        kind="float",
+    ),
 )
 BY_NAME: dict[str, Option] = {opt.name: opt for opt in OPTIONS}
 
@@ -91,18 +135,30 @@ def check_values(values: Mapping[str, Any], *, prefix: str) -> None:
         raise OptionError(f"{prefix}alpha must be between 0 and 1, got {alpha}")
 
 
-def run_settings(values: Mapping[str, Any], *, work_dir: Path,
-                 on_progress: Callable[[Progress], None] | None = None) -> RunSettings:
+def run_settings(
+    values: Mapping[str, Any],
+    *,
+    work_dir: Path,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> RunSettings:
     """The Runner's settings from checked values (paths already resolved)."""
     settings = RunSettings(
-        work_dir=work_dir, cache_dir=values.get("cache-dir"), refresh=bool(values.get("refresh")),
+        work_dir=work_dir,
+        cache_dir=values.get("cache-dir"),
+        refresh=bool(values.get("refresh")),
         early_stop=not values.get("no-early-stop"),
         launcher=values.get("launcher") or BY_NAME["launcher"].default,
-        devices=values.get("devices"), steps=values.get("steps"), alpha=values.get("alpha"),
-        backend=values.get("backend"), on_progress=on_progress)
-    limits = {field: values[name] for name, field in (("idle-limit", "idle_limit_s"),
-                                                       ("wall-limit", "wall_limit_s"))
-              if values.get(name) is not None}
+        devices=values.get("devices"),
+        steps=values.get("steps"),
+        alpha=values.get("alpha"),
+        backend=values.get("backend"),
+        on_progress=on_progress,
+    )
+    limits = {
+        field: values[name]
+        for name, field in (("idle-limit", "idle_limit_s"), ("wall-limit", "wall_limit_s"))
+        if values.get(name) is not None
+    }
     return replace(settings, **limits) if limits else settings
 
 
@@ -134,9 +190,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) 
             parser.add_argument(flag, choices=opt.choices, default=None, help=text)
         else:
             metavar = {"path": "DIR", "int": "N"}.get(opt.kind) or (
-                "SECONDS" if opt.name.endswith("limit") else opt.name.upper())
-            parser.add_argument(flag, type=_ARG_TYPES.get(opt.kind, str), default=None,
-                                metavar=metavar, help=text)
+                "SECONDS" if opt.name.endswith("limit") else opt.name.upper()
+            )
+            parser.add_argument(
+                flag, type=_ARG_TYPES.get(opt.kind, str), default=None, metavar=metavar, help=text
+            )
 
 
 def values_from_args(args: argparse.Namespace, *, cwd: Path) -> dict[str, Any]:

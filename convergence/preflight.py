@@ -31,8 +31,13 @@ if TYPE_CHECKING:
     from convergence.launch.pool import DeviceSet
 
 
-def load_checked(path: Path, *, rootdir: Path, max_tier: str | None = None,
-                 not_runnable: dict[str, NotRunnableHere] | None = None) -> Experiment:
+def load_checked(
+    path: Path,
+    *,
+    rootdir: Path,
+    max_tier: str | None = None,
+    not_runnable: dict[str, NotRunnableHere] | None = None,
+) -> Experiment:
     """Parse an experiment file and preflight its pairs. Raises SpecError.
 
     Pairs of a tier above ``max_tier`` are parsed (unknown keys are still errors) but their
@@ -75,13 +80,20 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             # Name the experiment file (what the user edits); a check made on the effective
             # train config says so and points at it too.
             if exc.file and exc.file != file:
-                raise SpecError(f"[{side_key} {job.name!r}] {exc.detail} (checked on the "
-                                f"effective train config {exc.file}, key '{exc.key}')",
-                                file=file, key=f"{side_key}.{exc.key}" if exc.key else side_key,
-                                fix=exc.fix) from None
+                raise SpecError(
+                    f"[{side_key} {job.name!r}] {exc.detail} (checked on the "
+                    f"effective train config {exc.file}, key '{exc.key}')",
+                    file=file,
+                    key=f"{side_key}.{exc.key}" if exc.key else side_key,
+                    fix=exc.fix,
+                ) from None
             key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
-            raise SpecError(f"[{side_key} {job.name!r}] {exc.detail}",
-                            file=exc.file or file, key=key_path, fix=exc.fix) from None
+            raise SpecError(
+                f"[{side_key} {job.name!r}] {exc.detail}",
+                file=exc.file or file,
+                key=key_path,
+                fix=exc.fix,
+            ) from None
     if test.resume is not None:
         check_resume(test, file=file, key=key)
     try:
@@ -94,18 +106,24 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     for other in REGISTRY.all():
         other.check_method_use(pair, key=key)
     if pair.probe_always and {control.backend, test.backend} != {"builtin"}:
-        raise SpecError("probe = \"always\" needs the built-in trainer on both sides (only it "
-                        "has a probe mode; torchtitan and command jobs are never probed)",
-                        file=file, key=f"{key}.probe", fix='drop probe = "always" for this pair')
+        raise SpecError(
+            'probe = "always" needs the built-in trainer on both sides (only it '
+            "has a probe mode; torchtitan and command jobs are never probed)",
+            file=file,
+            key=f"{key}.probe",
+            fix='drop probe = "always" for this pair',
+        )
     if control.backend == test.backend:
         backend = get_backend(control.backend)
         ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
         if ctrl_tokens != test_tokens:
             raise SpecError(
                 f"tokens per optimizer step differ: control {ctrl_tokens} vs test {test_tokens} "
-                "(local batch x DP x grad accumulation x seq_len)", file=file,
+                "(local batch x DP x grad accumulation x seq_len)",
+                file=file,
                 key=f"{key}.local_batch_size",
-                fix=_batch_fix(control, test, ctrl_tokens, test_tokens))
+                fix=_batch_fix(control, test, ctrl_tokens, test_tokens),
+            )
 
 
 def check_resume(test: JobSpec, *, file: str, key: str) -> None:
@@ -117,16 +135,24 @@ def check_resume(test: JobSpec, *, file: str, key: str) -> None:
     try:
         backend.preflight(after)
     except SpecError as exc:
-        raise SpecError(f"[{key} {test.name!r} after the resume] {exc.detail}", file=file,
-                        key=f"{where}.{exc.key}" if exc.key else where, fix=exc.fix) from None
+        raise SpecError(
+            f"[{key} {test.name!r} after the resume] {exc.detail}",
+            file=file,
+            key=f"{where}.{exc.key}" if exc.key else where,
+            fix=exc.fix,
+        ) from None
     before, resumed = backend.tokens_per_step(test), backend.tokens_per_step(after)
     if before != resumed:
         raise SpecError(
             f"tokens per optimizer step change at the resume: {before} before, {resumed} after "
             "(local batch x DP x grad accumulation x seq_len); the data position and the LR "
-            "schedule would no longer line up with the control", file=file,
-            key=f"{where}.local_batch_size", fix=_batch_fix(test, after, before, resumed)
-            .replace("on the test", "in the resume table"))
+            "schedule would no longer line up with the control",
+            file=file,
+            key=f"{where}.local_batch_size",
+            fix=_batch_fix(test, after, before, resumed).replace(
+                "on the test", "in the resume table"
+            ),
+        )
 
 
 def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
@@ -135,11 +161,15 @@ def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: i
     cfg = BuiltinBackend().effective_config(test)
     per_sample = test.layout.dp * cfg.training.grad_accum_steps * cfg.data.seq_len
     if ctrl_tokens % per_sample == 0:
-        return (f"set local_batch_size = {ctrl_tokens // per_sample} on the test "
-                f"(its DP degree is {test.layout.dp}, grad accumulation "
-                f"{cfg.training.grad_accum_steps})")
-    return ("change the test's local_batch_size or techniques.grad_accum_steps so that "
-            "local batch x DP x grad accumulation matches the control")
+        return (
+            f"set local_batch_size = {ctrl_tokens // per_sample} on the test "
+            f"(its DP degree is {test.layout.dp}, grad accumulation "
+            f"{cfg.training.grad_accum_steps})"
+        )
+    return (
+        "change the test's local_batch_size or techniques.grad_accum_steps so that "
+        "local batch x DP x grad accumulation matches the control"
+    )
 
 
 def validate_devices(pair: PairSpec, *, available_devices: int | DeviceSet | None) -> None:
@@ -157,20 +187,24 @@ def validate_devices(pair: PairSpec, *, available_devices: int | DeviceSet | Non
         jobs.append(("test", pair.test.after_resume()))
     for side, job in jobs:
         if isinstance(available_devices, int):
-            problem = (None if job.world_size <= available_devices else
-                       f"needs {job.world_size} devices, only {available_devices} available")
+            problem = (
+                None
+                if job.world_size <= available_devices
+                else f"needs {job.world_size} devices, only {available_devices} available"
+            )
         else:
             problem = available_devices.placement_problem(job.world_size)
         if problem:
             raise NotRunnableHere(
                 f"{side} {job.name!r} ({job.layout.short_name()}) {problem}",
-                file=pair.source, key=f"{side}.parallelism",
+                file=pair.source,
+                key=f"{side}.parallelism",
                 fix="run it in a larger allocation (--convergence-launcher slurm inside "
-                    "salloc/sbatch -N <nodes>), raise --convergence-devices (CPU slots may "
-                    "oversubscribe cores), or lower the degrees")
+                "salloc/sbatch -N <nodes>), raise --convergence-devices (CPU slots may "
+                "oversubscribe cores), or lower the degrees",
+            )
 
 
 def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:
     check_pair(pair)
     validate_devices(pair, available_devices=available_devices)
-

@@ -59,8 +59,9 @@ def torch_build() -> TorchBuild | None:
             except ValueError:
                 return None
     version, cuda, hip = (found.get(name, ...) for name in _FIELDS)
-    if not isinstance(version, str) or not all(v is None or isinstance(v, str)
-                                               for v in (cuda, hip)):
+    if not isinstance(version, str) or not all(
+        v is None or isinstance(v, str) for v in (cuda, hip)
+    ):
         return None
     return TorchBuild(version=version, cuda=cuda, hip=hip)  # type: ignore[arg-type]
 

@@ -32,7 +32,8 @@ MARKER = "convergence"
 MARKER_HELP = (
     "convergence(**defaults): a loss-convergence test. TOML pairs carry it; on a Python test "
     "its keyword arguments (train_config=, steps=, seed=, tier=, ...) are the defaults of the "
-    "convergence_pair fixture. Select with -m convergence.")
+    "convergence_pair fixture. Select with -m convergence."
+)
 
 
 def _under(path: Path, folder: Path) -> bool:
@@ -47,8 +48,7 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
     if file_path.suffix != ".toml":
         return False
     root = config.rootpath
-    rel_parent = (file_path.parent.relative_to(root) if _under(file_path, root)
-                  else file_path.parent)
+    rel_parent = file_path.parent.relative_to(root) if _under(file_path, root) else file_path.parent
     if "experiments" in rel_parent.parts and declares_experiment(file_path):
         return True
     resolved = file_path.resolve()
@@ -131,13 +131,15 @@ class ExperimentFile(pytest.File):
         strict = bool(state.options.values.get("strict"))
         skipped: dict[str, NotRunnableHere] = {}
         try:
-            experiment = load_checked(self.path, rootdir=self.config.rootpath,
-                                      max_tier=state.options.tier,
-                                      not_runnable=None if strict else skipped)
+            experiment = load_checked(
+                self.path,
+                rootdir=self.config.rootpath,
+                max_tier=state.options.tier,
+                not_runnable=None if strict else skipped,
+            )
             devices = state.device_set()
             for pair in experiment.pairs:
-                if TIERS.index(pair.tier) > TIERS.index(state.options.tier) or \
-                        pair.name in skipped:
+                if TIERS.index(pair.tier) > TIERS.index(state.options.tier) or pair.name in skipped:
                     continue
                 try:
                     validate_devices(pair, available_devices=devices)
@@ -169,8 +171,9 @@ class ConvergenceItem(pytest.Item):
     def runtest(self) -> None:
         check_outcome(execute_pair(self.config, self.pair, self.user_properties), self.config)
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
-                     style: Any = None) -> str | Any:
+    def repr_failure(
+        self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
+    ) -> str | Any:
         if isinstance(excinfo.value, ConvergenceFailure):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style=style)
@@ -178,8 +181,12 @@ class ConvergenceItem(pytest.Item):
     def reportinfo(self) -> tuple[Path, int | None, str]:
         pair = self.pair
         # A skip marker's report is placed at the item's line, which must be a number.
-        return (self.path, 0 if self.skipped else None, f"{pair.pair_id}: {pair.test.layout.short_name()} "
-                                 f"vs {pair.control.layout.short_name()}")
+        return (
+            self.path,
+            0 if self.skipped else None,
+            f"{pair.pair_id}: {pair.test.layout.short_name()} "
+            f"vs {pair.control.layout.short_name()}",
+        )
 
 
 def skip_reason(exc: NotRunnableHere) -> str:
@@ -229,8 +236,12 @@ def tier_note(config: pytest.Config) -> str | None:
     state = get_state(config)
     if not state.deselected_by_tier:
         return None
-    counts = ", ".join(f"{n} {tier}" for tier, n in sorted(
-        state.deselected_by_tier.items(), key=lambda kv: TIERS.index(kv[0])))
+    counts = ", ".join(
+        f"{n} {tier}"
+        for tier, n in sorted(state.deselected_by_tier.items(), key=lambda kv: TIERS.index(kv[0]))
+    )
     highest = max(state.deselected_by_tier, key=TIERS.index)
-    return (f"convergence: deselected {counts} pair(s) above --convergence-tier "
-            f"{state.options.tier}; run them with --convergence-tier {highest}")
+    return (
+        f"convergence: deselected {counts} pair(s) above --convergence-tier "
+        f"{state.options.tier}; run them with --convergence-tier {highest}"
+    )

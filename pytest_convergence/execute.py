@@ -19,8 +19,9 @@ from pytest_convergence.stash import get_state
 OUTCOME_SUFFIX = ".outcome.json"
 
 
-def execute_pair(config: pytest.Config, pair: PairSpec,
-                 user_properties: list[tuple[str, object]]) -> PairOutcome:
+def execute_pair(
+    config: pytest.Config, pair: PairSpec, user_properties: list[tuple[str, object]]
+) -> PairOutcome:
     """Run ``pair`` with live progress, record its outcome for the reports, and attach its
     JUnit properties. KeyboardInterrupt passes through: the launcher ends the job trees."""
     state = get_state(config)
@@ -35,10 +36,18 @@ def execute_pair(config: pytest.Config, pair: PairSpec,
         # so), not only the pairs that had finished. Runs that finished (e.g. the control)
         # are already in the run cache and are reused by the next session.
         reason = str(exc) or "Ctrl-C"
-        record_outcome(config, PairOutcome(
-            pair=pair, status="error", control=None, test=None,
-            error=f"interrupted ({reason}) before the pair finished; its finished runs are "
-                  "in the run cache and the next session reuses them"), user_properties)
+        record_outcome(
+            config,
+            PairOutcome(
+                pair=pair,
+                status="error",
+                control=None,
+                test=None,
+                error=f"interrupted ({reason}) before the pair finished; its finished runs are "
+                "in the run cache and the next session reuses them",
+            ),
+            user_properties,
+        )
         raise
     finally:
         if printer is not None:
@@ -77,8 +86,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80] or "pair"
 
 
-def record_outcome(config: pytest.Config, outcome: PairOutcome,
-                   user_properties: list[tuple[str, object]] | None = None) -> None:
+def record_outcome(
+    config: pytest.Config,
+    outcome: PairOutcome,
+    user_properties: list[tuple[str, object]] | None = None,
+) -> None:
     """Keep the outcome in memory and, for the controller and later ``convergence report``,
     as JSON in the session folder (xdist workers share it with the controller); attach its
     JUnit properties to the test."""

@@ -16,8 +16,13 @@ from convergence.report.formats.failure_text import (
 )
 from convergence.run.outcome import PairOutcome
 
-__all__ = ["TABLE_AROUND", "TRACEBACK_HEAD_LINES", "ConvergenceFailure", "headline",
-           "render_outcome"]
+__all__ = [
+    "TABLE_AROUND",
+    "TRACEBACK_HEAD_LINES",
+    "ConvergenceFailure",
+    "headline",
+    "render_outcome",
+]
 
 
 class ConvergenceFailure(pytest.fail.Exception):  # type: ignore[name-defined,misc]

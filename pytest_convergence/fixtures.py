@@ -77,9 +77,16 @@ class PairRunner:
         self.outcomes: list[PairOutcome] = []
         """Outcomes of the pairs this test ran, in order."""
 
-    def build(self, control: Mapping[str, Any], test: Mapping[str, Any], *,
-              name: str | None = None, compare: Mapping[str, Any] | None = None,
-              hook: str | None = None, **job_kw: Any) -> PairSpec:
+    def build(
+        self,
+        control: Mapping[str, Any],
+        test: Mapping[str, Any],
+        *,
+        name: str | None = None,
+        compare: Mapping[str, Any] | None = None,
+        hook: str | None = None,
+        **job_kw: Any,
+    ) -> PairSpec:
         """The validated PairSpec the call would run (raises SpecError)."""
         source = str(self._node.path)
         defaults = {**marker_defaults(self._node), **job_kw}
@@ -93,25 +100,36 @@ class PairRunner:
         pair_name = name or str(test.get("name") or self._node.name)
         if name is None and self._calls > 1:
             pair_name = f"{pair_name}-{self._calls}"
-        pair = make_checked_pair(name=pair_name, control=control, test=test_table,
-                                 defaults=defaults, compare=compare, source=source,
-                                 rootdir=self._node.config.rootpath)
+        pair = make_checked_pair(
+            name=pair_name,
+            control=control,
+            test=test_table,
+            defaults=defaults,
+            compare=compare,
+            source=source,
+            rootdir=self._node.config.rootpath,
+        )
         validate_devices(pair, available_devices=get_state(self._node.config).device_set())
         return pair
 
-    def __call__(self, control: Mapping[str, Any], test: Mapping[str, Any], *,
-                 name: str | None = None, compare: Mapping[str, Any] | None = None,
-                 hook: str | None = None, **job_kw: Any) -> PairOutcome:
+    def __call__(
+        self,
+        control: Mapping[str, Any],
+        test: Mapping[str, Any],
+        *,
+        name: str | None = None,
+        compare: Mapping[str, Any] | None = None,
+        hook: str | None = None,
+        **job_kw: Any,
+    ) -> PairOutcome:
         try:
             pair = self.build(control, test, name=name, compare=compare, hook=hook, **job_kw)
         except NotRunnableHere as exc:
             if not get_state(self._node.config).options.values.get("strict"):
                 pytest.skip(skip_reason(exc))  # too few devices, a backend not installed
-            pytest.fail(f"invalid convergence pair (nothing was launched):\n{exc}",
-                        pytrace=False)
+            pytest.fail(f"invalid convergence pair (nothing was launched):\n{exc}", pytrace=False)
         except SpecError as exc:
-            pytest.fail(f"invalid convergence pair (nothing was launched):\n{exc}",
-                        pytrace=False)
+            pytest.fail(f"invalid convergence pair (nothing was launched):\n{exc}", pytrace=False)
         outcome = execute_pair(self._node.config, pair, self._node.user_properties)
         self.outcomes.append(outcome)
         check_outcome(outcome, self._node.config)

@@ -31,8 +31,7 @@ def add_options(parser: pytest.Parser) -> None:
     for opt in OPTIONS:
         flag = f"--convergence-{opt.name}"
         if opt.kind == "bool":
-            group.addoption(flag, action="store_true", default=None, dest=_dest(opt),
-                            help=opt.help)
+            group.addoption(flag, action="store_true", default=None, dest=_dest(opt), help=opt.help)
             parser.addini(_ini_name(opt), opt.help, type="bool", default=opt.default)
             continue
         kwargs: dict[str, Any] = {"dest": _dest(opt), "default": None, "help": opt.help}
@@ -45,10 +44,14 @@ def add_options(parser: pytest.Parser) -> None:
         group.addoption(flag, **kwargs)
         default = "" if opt.default is None else str(opt.default)
         parser.addini(_ini_name(opt), opt.help, default=default)
-    parser.addini("convergence_paths", "experiment TOML files or folders to collect (besides "
-                  "those inside folders named 'experiments'); -m convergence with no path "
-                  "collects them even when testpaths does not hold them", type="paths",
-                  default=[])
+    parser.addini(
+        "convergence_paths",
+        "experiment TOML files or folders to collect (besides "
+        "those inside folders named 'experiments'); -m convergence with no path "
+        "collects them even when testpaths does not hold them",
+        type="paths",
+        default=[],
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,11 +100,12 @@ def _convert(opt: Option, value: Any) -> Any:
             return float(value)
     except ValueError:
         raise pytest.UsageError(
-            f"ini option {_ini_name(opt)} = {value!r} is not a {opt.kind}; "
-            f"fix: write a number") from None
+            f"ini option {_ini_name(opt)} = {value!r} is not a {opt.kind}; fix: write a number"
+        ) from None
     if value not in opt.choices:
-        raise pytest.UsageError(f"ini option {_ini_name(opt)} = {value!r}: use one of "
-                                f"{', '.join(opt.choices)}")
+        raise pytest.UsageError(
+            f"ini option {_ini_name(opt)} = {value!r}: use one of {', '.join(opt.choices)}"
+        )
     return value
 
 
@@ -122,13 +126,28 @@ def read_options(config: pytest.Config) -> Options:
         check_values(v, prefix="--convergence-")
     except OptionError as exc:
         raise pytest.UsageError(str(exc)) from None
-    resolved = {**v, **{opt.name: resolve_path(v[opt.name], base[opt.name])
-                        for opt in OPTIONS if opt.kind == "path"}}
+    resolved = {
+        **v,
+        **{
+            opt.name: resolve_path(v[opt.name], base[opt.name])
+            for opt in OPTIONS
+            if opt.kind == "path"
+        },
+    }
     resolved["workdir"] = resolved["workdir"] or default_workdir(config)
     return Options(
-        backend=v["backend"], launcher=v["launcher"], devices=v["devices"], steps=v["steps"],
-        cache_dir=resolved["cache-dir"], refresh=bool(v["refresh"]),
-        report_dir=resolved["report"], early_stop=not v["no-early-stop"],
-        alpha=v["alpha"], tier=v["tier"], workdir=resolved["workdir"],
-        idle_limit_s=v["idle-limit"], wall_limit_s=v["wall-limit"], values=resolved,
+        backend=v["backend"],
+        launcher=v["launcher"],
+        devices=v["devices"],
+        steps=v["steps"],
+        cache_dir=resolved["cache-dir"],
+        refresh=bool(v["refresh"]),
+        report_dir=resolved["report"],
+        early_stop=not v["no-early-stop"],
+        alpha=v["alpha"],
+        tier=v["tier"],
+        workdir=resolved["workdir"],
+        idle_limit_s=v["idle-limit"],
+        wall_limit_s=v["wall-limit"],
+        values=resolved,
     )

@@ -39,8 +39,13 @@ from pytest_convergence.xdist import (
     worker_share_dir,
 )
 
-__all__ = ["ConvergenceItem", "ExperimentFile", "convergence_pair", "pytest_configure_node",
-           "pytest_xdist_auto_num_workers"]
+__all__ = [
+    "ConvergenceItem",
+    "ExperimentFile",
+    "convergence_pair",
+    "pytest_configure_node",
+    "pytest_xdist_auto_num_workers",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -53,13 +58,20 @@ def pytest_configure(config: pytest.Config) -> None:
     sigterm_as_interrupt(forward_to_workers=is_distributing(config))
     options = read_options(config)
     worker = is_worker(config)
-    share_dir = worker_share_dir(config) if worker else (
-        options.workdir / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    share_dir = (
+        worker_share_dir(config)
+        if worker
+        else (options.workdir / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    )
     settings = run_settings(options.values, work_dir=options.workdir)
     config.stash[STATE_KEY] = SessionState(
-        options=options, settings=settings, runner=SessionRunner(settings),
-        share_dir=share_dir, is_worker=worker,
-        distributed=is_distributing(config))
+        options=options,
+        settings=settings,
+        runner=SessionRunner(settings),
+        share_dir=share_dir,
+        is_worker=worker,
+        distributed=is_distributing(config),
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -83,8 +95,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mark_and_deselect(config, items)
 
 
-def pytest_report_collectionfinish(config: pytest.Config, start_path: Path,
-                                   items: list[pytest.Item]) -> list[str]:
+def pytest_report_collectionfinish(
+    config: pytest.Config, start_path: Path, items: list[pytest.Item]
+) -> list[str]:
     note = tier_note(config)
     return [note] if note else []
 
@@ -103,6 +116,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
     session_finish(session, exitstatus)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
-                            config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     terminal_summary(terminalreporter, config)

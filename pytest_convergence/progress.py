@@ -32,8 +32,9 @@ class ProgressPrinter:
     def __init__(self, config: pytest.Config) -> None:
         self._reporter: Any = config.pluginmanager.get_plugin("terminalreporter")
         self._capman: Any = config.pluginmanager.get_plugin("capturemanager")
-        self._tty = bool(self._reporter is not None and self._reporter.isatty()
-                         and self._reporter._tw.hasmarkup)
+        self._tty = bool(
+            self._reporter is not None and self._reporter.isatty() and self._reporter._tw.hasmarkup
+        )
         self._lock = threading.Lock()
         self._lines: dict[str, str] = {}
         self._drawn = 0

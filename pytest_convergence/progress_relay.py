@@ -53,8 +53,7 @@ class ProgressRelay:
         self._offsets: dict[Path, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="convergence-progress",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="convergence-progress", daemon=True)
 
     def start(self) -> None:
         self._folder.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,9 @@ def gather_outcomes(config: pytest.Config) -> list[PairOutcome]:
 def _prune_sessions(current: Path | None) -> None:
     if current is None or not current.parent.is_dir():
         return
-    sessions = sorted((p for p in current.parent.iterdir() if p.is_dir()),
-                      key=lambda p: p.stat().st_mtime)
+    sessions = sorted(
+        (p for p in current.parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime
+    )
     for old in sessions[:-KEEP_SESSIONS]:
         if old != current:
             shutil.rmtree(old, ignore_errors=True)
@@ -77,9 +78,15 @@ def _write(config: pytest.Config, report_dir: Path, *, interrupted: bool) -> Non
     from convergence.report import write_reports, write_step_summary  # lazy: plugin start-up
 
     state = get_state(config)
-    state.report_paths = dict(write_reports(
-        state.all_outcomes, report_dir, environment=environment(config, interrupted=interrupted),
-        started_at=state.started_at, wall_s=time.time() - state.started_at))
+    state.report_paths = dict(
+        write_reports(
+            state.all_outcomes,
+            report_dir,
+            environment=environment(config, interrupted=interrupted),
+            started_at=state.started_at,
+            wall_s=time.time() - state.started_at,
+        )
+    )
     markdown = state.report_paths.get("markdown")
     if markdown is not None:
         summary = write_step_summary(markdown.read_text(encoding="utf-8"))
@@ -110,5 +117,7 @@ def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
         for kind, path in sorted(state.report_paths.items()):
             tr.write_line(f"  {kind}: {path}")
     if state.share_dir is not None and state.share_dir.is_dir():
-        tr.write_line(f"outcomes saved in {state.share_dir} "
-                      f"(rebuild reports: convergence report --from {state.share_dir} --out DIR)")
+        tr.write_line(
+            f"outcomes saved in {state.share_dir} "
+            f"(rebuild reports: convergence report --from {state.share_dir} --out DIR)"
+        )

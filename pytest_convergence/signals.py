@@ -55,6 +55,8 @@ def sigterm_as_interrupt(*, forward_to_workers: bool = False) -> bool:
 def restore_sigterm() -> None:
     """Put the default action back at unconfigure (an in-process pytest run, e.g. pytester's
     ``runpytest``, must not leave its handler behind)."""
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is _interrupt):
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is _interrupt
+    ):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

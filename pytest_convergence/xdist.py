@@ -31,8 +31,11 @@ def is_worker(config: pytest.Config) -> bool:
 
 def is_distributing(config: pytest.Config) -> bool:
     """This process is an xdist controller that will run tests in workers."""
-    return (not is_worker(config) and config.pluginmanager.hasplugin("xdist")
-            and getattr(config.option, "dist", "no") != "no")
+    return (
+        not is_worker(config)
+        and config.pluginmanager.hasplugin("xdist")
+        and getattr(config.option, "dist", "no") != "no"
+    )
 
 
 def worker_share_dir(config: pytest.Config) -> Path | None:
@@ -52,8 +55,9 @@ def _experiment_files(config: pytest.Config) -> list[Path]:
     found: list[Path] = []
     for arg in config.args:
         path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
-        candidates = [path] if path.is_file() else (
-            sorted(path.rglob("*.toml")) if path.is_dir() else [])
+        candidates = (
+            [path] if path.is_file() else (sorted(path.rglob("*.toml")) if path.is_dir() else [])
+        )
         for candidate in candidates:
             if any(part.startswith(".") for part in candidate.parts):
                 continue

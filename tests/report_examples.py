@@ -28,28 +28,51 @@ STEPS = 40
 DIVERGES_AT = 17
 SOURCE = "experiments/converging.toml"
 CONFIG = Path(__file__).resolve().parents[1] / "convergence" / "configs" / "debug.toml"
-def _job(name: str, seed: int = 42, techniques: Techniques | None = None,
-         **degrees: int) -> JobSpec:
-    return JobSpec(name=name, train_config=CONFIG, layout=ParallelLayout(**degrees),
-                   techniques=techniques or Techniques(), steps=STEPS, seed=seed, source=SOURCE)
+
+
+def _job(
+    name: str, seed: int = 42, techniques: Techniques | None = None, **degrees: int
+) -> JobSpec:
+    return JobSpec(
+        name=name,
+        train_config=CONFIG,
+        layout=ParallelLayout(**degrees),
+        techniques=techniques or Techniques(),
+        steps=STEPS,
+        seed=seed,
+        source=SOURCE,
+    )
 
 
 def _rules(regime: str) -> tuple[ComparisonRule, ...]:
     method = regime
-    return (ComparisonRule(metric="loss", method=method),
-            ComparisonRule(metric="grad_norm", method=method),
-            ComparisonRule(metric="tokens_per_s", method="regression", gate=False,
-                           max_regression=0.2))
+    return (
+        ComparisonRule(metric="loss", method=method),
+        ComparisonRule(metric="grad_norm", method=method),
+        ComparisonRule(metric="tokens_per_s", method="regression", gate=False, max_regression=0.2),
+    )
 
 
 def _pair(name: str, control: JobSpec, test: JobSpec, regime: str = "paired") -> PairSpec:
-    return PairSpec(pair_id=f"converging.toml::{name}", control=control, test=test,
-                    rules=_rules(regime), regime=regime, source=SOURCE)
+    return PairSpec(
+        pair_id=f"converging.toml::{name}",
+        control=control,
+        test=test,
+        rules=_rules(regime),
+        regime=regime,
+        source=SOURCE,
+    )
 
 
-def run_metrics(seed: int, *, tps: float = 1000.0, mem: float = 512.0,
-                loss_shift: np.ndarray | None = None, gnorm_scale: np.ndarray | None = None,
-                noise: float = 1.0) -> RunMetrics:
+def run_metrics(
+    seed: int,
+    *,
+    tps: float = 1000.0,
+    mem: float = 512.0,
+    loss_shift: np.ndarray | None = None,
+    gnorm_scale: np.ndarray | None = None,
+    noise: float = 1.0,
+) -> RunMetrics:
     """A plausible run: decaying loss with seed noise, grad norm, lr, throughput, memory."""
     rng = np.random.default_rng(seed)
     steps = np.arange(1, STEPS + 1, dtype=np.int64)
@@ -68,21 +91,46 @@ def run_metrics(seed: int, *, tps: float = 1000.0, mem: float = 512.0,
     }
 
 
-def _side(job: JobSpec, metrics: RunMetrics, *, cached: bool = False, wall_s: float = 12.5,
-          status: str = "ok", failure: FailureInfo | None = None,
-          replicates: tuple[RunMetrics, ...] = ()) -> SideOutcome:
+def _side(
+    job: JobSpec,
+    metrics: RunMetrics,
+    *,
+    cached: bool = False,
+    wall_s: float = 12.5,
+    status: str = "ok",
+    failure: FailureInfo | None = None,
+    replicates: tuple[RunMetrics, ...] = (),
+) -> SideOutcome:
     run_dir = Path(f"/tmp/conv/runs/{job.name}")
-    result = None if cached else JobResult(
-        name=job.name, status=status, returncode=0 if status == "ok" else 1, wall_s=wall_s,
-        log_dir=run_dir / "logs", metrics_path=run_dir / "dump" / "metrics.jsonl",
-        failure=failure, last_step=STEPS if status == "ok" else 3)
-    return SideOutcome(job=job, metrics=metrics, result=result, cached=cached, run_dir=run_dir,
-                       wall_s=wall_s, replicates=replicates,
-                       meta={"world_size": job.world_size, "seed_checkpoint": "abc123"})
+    result = (
+        None
+        if cached
+        else JobResult(
+            name=job.name,
+            status=status,
+            returncode=0 if status == "ok" else 1,
+            wall_s=wall_s,
+            log_dir=run_dir / "logs",
+            metrics_path=run_dir / "dump" / "metrics.jsonl",
+            failure=failure,
+            last_step=STEPS if status == "ok" else 3,
+        )
+    )
+    return SideOutcome(
+        job=job,
+        metrics=metrics,
+        result=result,
+        cached=cached,
+        run_dir=run_dir,
+        wall_s=wall_s,
+        replicates=replicates,
+        meta={"world_size": job.world_size, "seed_checkpoint": "abc123"},
+    )
 
 
-def judge(pair: PairSpec, controls: list[RunMetrics], test: RunMetrics
-          ) -> tuple[MetricVerdict, ...]:
+def judge(
+    pair: PairSpec, controls: list[RunMetrics], test: RunMetrics
+) -> tuple[MetricVerdict, ...]:
     """The verdicts the runner would give: the real comparison methods of convergence.stats."""
     return tuple(compare_all(pair.rules, controls, test))
 
@@ -96,9 +144,14 @@ def passing_pair() -> PairOutcome:
     pair = _pair("fsdp2-tp2", control, test)
     verdicts = judge(pair, [ctrl_m], test_m)
     assert all(v.passed for v in verdicts), verdicts
-    return PairOutcome(pair=pair, status="passed",
-                       control=_side(control, ctrl_m, cached=True, wall_s=11.0),
-                       test=_side(test, test_m, wall_s=14.2), verdicts=verdicts, wall_s=14.9)
+    return PairOutcome(
+        pair=pair,
+        status="passed",
+        control=_side(control, ctrl_m, cached=True, wall_s=11.0),
+        test=_side(test, test_m, wall_s=14.2),
+        verdicts=verdicts,
+        wall_s=14.9,
+    )
 
 
 def failing_pair() -> PairOutcome:
@@ -111,21 +164,35 @@ def failing_pair() -> PairOutcome:
     pair = _pair("fsdp2-pp2", control, test)
     verdicts = judge(pair, [ctrl_m], test_m)
     assert [v.first_divergent_step for v in verdicts if not v.passed] == [DIVERGES_AT] * 2
-    return PairOutcome(pair=pair, status="failed",
-                       control=_side(control, ctrl_m, wall_s=10.5),
-                       test=_side(test, test_m, wall_s=16.0), verdicts=verdicts,
-                       localisation={"module": "layers.1.attention.wo", "parameter": "weight",
-                                     "max_abs_diff": 3.2e-4},
-                       wall_s=27.1)
+    return PairOutcome(
+        pair=pair,
+        status="failed",
+        control=_side(control, ctrl_m, wall_s=10.5),
+        test=_side(test, test_m, wall_s=16.0),
+        verdicts=verdicts,
+        localisation={
+            "module": "layers.1.attention.wo",
+            "parameter": "weight",
+            "max_abs_diff": 3.2e-4,
+        },
+        wall_s=27.1,
+    )
 
 
 def errored_pair() -> PairOutcome:
     control, test = _job("fsdp2", dp_shard=2), _job("fsdp2-cp2", dp_shard=2, cp=2)
-    error = ("test job 'fsdp2-cp2' (fsdp2-cp2) rank 1 exited with code 1\n"
-             "RuntimeError: shapes do not match <q> & \"k\"\n  logs: /tmp/conv/runs/logs")
-    return PairOutcome(pair=_pair("fsdp2-cp2", control, test), status="error",
-                       control=_side(control, run_metrics(1), cached=True), test=None,
-                       error=error, wall_s=3.5)
+    error = (
+        "test job 'fsdp2-cp2' (fsdp2-cp2) rank 1 exited with code 1\n"
+        'RuntimeError: shapes do not match <q> & "k"\n  logs: /tmp/conv/runs/logs'
+    )
+    return PairOutcome(
+        pair=_pair("fsdp2-cp2", control, test),
+        status="error",
+        control=_side(control, run_metrics(1), cached=True),
+        test=None,
+        error=error,
+        wall_s=3.5,
+    )
 
 
 def seed_pair() -> PairOutcome:
@@ -138,10 +205,15 @@ def seed_pair() -> PairOutcome:
     pair = _pair("fsdp2-bf16", control, test, regime="seed")
     verdicts = judge(pair, list(reps), test_m)
     assert all(v.passed for v in verdicts), verdicts
-    return PairOutcome(pair=pair, status="passed",
-                       control=_side(control, reps[0], cached=True, replicates=reps),
-                       test=_side(test, test_m, wall_s=9.0), verdicts=verdicts,
-                       stopped_early_at=None, wall_s=9.8)
+    return PairOutcome(
+        pair=pair,
+        status="passed",
+        control=_side(control, reps[0], cached=True, replicates=reps),
+        test=_side(test, test_m, wall_s=9.0),
+        verdicts=verdicts,
+        stopped_early_at=None,
+        wall_s=9.8,
+    )
 
 
 def twin_pair() -> PairOutcome:
@@ -157,10 +229,14 @@ def twin_pair() -> PairOutcome:
     pair = _pair("fsdp2-tp2-bf16", control, test, regime="twin")
     verdicts = judge(pair, [ctrl_m, twin_m], test_m)
     assert all(v.passed for v in verdicts), verdicts
-    return PairOutcome(pair=pair, status="passed",
-                       control=dataclasses.replace(_side(control, ctrl_m, cached=True),
-                                                   twin=twin_m),
-                       test=_side(test, test_m, wall_s=9.0), verdicts=verdicts, wall_s=9.8)
+    return PairOutcome(
+        pair=pair,
+        status="passed",
+        control=dataclasses.replace(_side(control, ctrl_m, cached=True), twin=twin_m),
+        test=_side(test, test_m, wall_s=9.0),
+        verdicts=verdicts,
+        wall_s=9.8,
+    )
 
 
 def all_examples() -> list[PairOutcome]:

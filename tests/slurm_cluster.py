@@ -28,8 +28,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "salloc", "scontrol", "squeue",
-            "scancel")
+BINARIES = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "srun",
+    "sbatch",
+    "salloc",
+    "scontrol",
+    "squeue",
+    "scancel",
+)
 APT_PACKAGES = ("slurmctld", "slurmd", "munge", "slurm-client")
 INSTALL_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 60.0
@@ -53,19 +62,26 @@ def ensure_installed() -> None:
     if not missing_binaries():
         return
     if os.environ.get("CONVERGENCE_SLURM_NO_INSTALL") == "1":
-        raise SlurmUnavailable(f"Slurm binaries missing ({', '.join(missing_binaries())}) and "
-                               "CONVERGENCE_SLURM_NO_INSTALL=1")
+        raise SlurmUnavailable(
+            f"Slurm binaries missing ({', '.join(missing_binaries())}) and "
+            "CONVERGENCE_SLURM_NO_INSTALL=1"
+        )
     if os.geteuid() != 0:
-        raise SlurmUnavailable("Slurm is not installed and installing it needs root "
-                               f"(apt-get install {' '.join(APT_PACKAGES)})")
+        raise SlurmUnavailable(
+            "Slurm is not installed and installing it needs root "
+            f"(apt-get install {' '.join(APT_PACKAGES)})"
+        )
     if shutil.which("apt-get") is None:
         raise SlurmUnavailable("Slurm is not installed and there is no apt-get to install it")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update"],
-                 ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]):
+    for argv in (
+        ["apt-get", "update"],
+        ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES],
+    ):
         try:
-            done = subprocess.run(argv, env=env, capture_output=True, text=True,
-                                  timeout=INSTALL_TIMEOUT_S)
+            done = subprocess.run(
+                argv, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise SlurmUnavailable(f"{' '.join(argv)} failed: {exc}") from None
         if done.returncode != 0:
@@ -81,17 +97,28 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _slurm_conf(root: Path, node: str, ctld_port: int, slurmd_port: int,
-                munge_socket: Path, *, ctld_addr: str = "127.0.0.1",
-                nodes: tuple[tuple[str, str], ...] | None = None, cpus: int = 2) -> str:
+def _slurm_conf(
+    root: Path,
+    node: str,
+    ctld_port: int,
+    slurmd_port: int,
+    munge_socket: Path,
+    *,
+    ctld_addr: str = "127.0.0.1",
+    nodes: tuple[tuple[str, str], ...] | None = None,
+    cpus: int = 2,
+) -> str:
     # Why these settings: no cgroups or systemd in containers (proctrack/linuxproc,
     # task/none); root runs everything; short KillWait/MinJobAge so cancelled steps and ended
     # jobs disappear quickly; config_overrides so a sandbox that reports odd CPU topology
     # still registers the node with the CPUs written here. ``nodes``: (name, address) of each
     # slurmd (the multi-node cluster); default: this host as the one node, on loopback.
     members = nodes or ((node, "127.0.0.1"),)
-    node_lines = "\n".join(f"NodeName={name} NodeAddr={addr} NodeHostname={name} CPUs={cpus} "
-                            "RealMemory=1000 State=UNKNOWN" for name, addr in members)
+    node_lines = "\n".join(
+        f"NodeName={name} NodeAddr={addr} NodeHostname={name} CPUs={cpus} "
+        "RealMemory=1000 State=UNKNOWN"
+        for name, addr in members
+    )
     names = ",".join(name for name, _ in members)
     pid_file = "slurmd-%n.pid" if nodes else "slurmd.pid"
     log_file = "slurmd-%n.log" if nodes else "slurmd.log"
@@ -146,19 +173,26 @@ class SlurmCluster:
         """Environment for Slurm clients (srun, sbatch, ...) to reach this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    def run(self, *argv: str, timeout: float = 60.0,
-            check: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(list(argv), env=self.env(), capture_output=True, text=True,
-                              timeout=timeout)
+    def run(
+        self, *argv: str, timeout: float = 60.0, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
         if check and done.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): "
-                               f"{done.stderr.strip()} {done.stdout.strip()}")
+            raise RuntimeError(
+                f"{' '.join(argv)} failed ({done.returncode}): "
+                f"{done.stderr.strip()} {done.stdout.strip()}"
+            )
         return done
 
     def log_tail(self, lines: int = 15) -> str:
         out = []
-        names = ["munged.log", "slurmctld.log",
-                 *sorted(p.name for p in self.root.glob("slurmd*.log"))]
+        names = [
+            "munged.log",
+            "slurmctld.log",
+            *sorted(p.name for p in self.root.glob("slurmd*.log")),
+        ]
         for name in names:
             path = self.root / name
             if path.exists():
@@ -173,8 +207,10 @@ class SlurmCluster:
             try:
                 self.run("scancel", "--full", "--user", "root", check=False, timeout=20)
                 deadline = time.monotonic() + 20.0
-                while time.monotonic() < deadline and self.run(
-                        "squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.strip():
+                while (
+                    time.monotonic() < deadline
+                    and self.run("squeue", "-h", "-o", "%i", check=False, timeout=10).stdout.strip()
+                ):
                     time.sleep(0.2)
             except (OSError, subprocess.TimeoutExpired):
                 pass
@@ -190,22 +226,30 @@ class SlurmCluster:
 
 def _spawn(cluster: SlurmCluster, name: str, argv: list[str]) -> None:
     log = open(cluster.root / f"{name}.out", "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env=cluster.env(),
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=cluster.env(),
+        start_new_session=True,
+    )
     log.close()
     cluster.procs.append(proc)
     cluster.pids[name] = proc.pid
 
 
-def _wait_for(cluster: SlurmCluster, what: str, check: Callable[[], bool],
-              timeout: float = START_TIMEOUT_S) -> None:
+def _wait_for(
+    cluster: SlurmCluster, what: str, check: Callable[[], bool], timeout: float = START_TIMEOUT_S
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for name, proc in zip(cluster.pids, cluster.procs, strict=False):
             if proc.poll() is not None:
-                raise SlurmUnavailable(f"{name} exited with {proc.returncode} while waiting "
-                                       f"for {what}\n{cluster.log_tail()}")
+                raise SlurmUnavailable(
+                    f"{name} exited with {proc.returncode} while waiting "
+                    f"for {what}\n{cluster.log_tail()}"
+                )
         if check():
             return
         time.sleep(0.2)
@@ -240,11 +284,20 @@ def start_cluster(root: Path) -> SlurmCluster:
     conf.write_text(_slurm_conf(root, node, _free_port(), _free_port(), munge_socket))
     cluster = SlurmCluster(root=root, node=node, conf=conf)
     try:
-        _spawn(cluster, "munged", [_which("munged"), "-F", "--force", f"--key-file={key}",
-                                   f"--socket={munge_socket}",
-                                   f"--pid-file={munge_dir / 'munged.pid'}",
-                                   f"--log-file={root / 'munged.log'}",
-                                   f"--seed-file={munge_dir / 'munged.seed'}"])
+        _spawn(
+            cluster,
+            "munged",
+            [
+                _which("munged"),
+                "-F",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={munge_socket}",
+                f"--pid-file={munge_dir / 'munged.pid'}",
+                f"--log-file={root / 'munged.log'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+            ],
+        )
         _wait_for(cluster, "munged's socket", munge_socket.exists, timeout=20)
         _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(conf)])
         _spawn(cluster, "slurmd", [_which("slurmd"), "-D", "-N", node, "-f", str(conf)])
@@ -297,8 +350,12 @@ class Network:
 
     def pids_in(self, node: str) -> list[int]:
         """PIDs of the processes living in ``node``'s namespace."""
-        done = subprocess.run(["ip", "netns", "pids", self.namespaces[node]],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["ip", "netns", "pids", self.namespaces[node]],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
@@ -317,8 +374,9 @@ def sweep_stale_networks() -> list[str]:
             continue
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         shutil.rmtree(Path("/etc/netns", ns), ignore_errors=True)
-        subprocess.run(["ip", "link", "del", f"cv{match.group(1)}br"], capture_output=True,
-                       timeout=30)
+        subprocess.run(
+            ["ip", "link", "del", f"cv{match.group(1)}br"], capture_output=True, timeout=30
+        )
         removed.append(ns)
     return removed
 
@@ -337,7 +395,8 @@ def make_network(num_nodes: int) -> Network:
         _ip("link", "set", net.bridge, "up")
         names = [f"{NODE_PREFIX}{i + 1}" for i in range(num_nodes)]
         hosts = "127.0.0.1 localhost\n" + "".join(
-            f"{subnet}.{11 + i} {name}\n" for i, name in enumerate(names))
+            f"{subnet}.{11 + i} {name}\n" for i, name in enumerate(names)
+        )
         for i, name in enumerate(names):
             ns, outer, inner = f"{tag}-{name}", f"{tag}h{i}", f"{tag}n{i}"
             addr = f"{subnet}.{11 + i}"
@@ -380,8 +439,9 @@ def _nodes_idle(cluster: MultiNodeCluster) -> bool:
     except subprocess.TimeoutExpired:
         return False
     states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
-    return done.returncode == 0 and all(states.get(n) in ("idle", "mixed")
-                                        for n in cluster.node_names)
+    return done.returncode == 0 and all(
+        states.get(n) in ("idle", "mixed") for n in cluster.node_names
+    )
 
 
 def start_multinode(root: Path, num_nodes: int = 2, cpus: int = 2) -> MultiNodeCluster:
@@ -407,20 +467,39 @@ def start_multinode(root: Path, num_nodes: int = 2, cpus: int = 2) -> MultiNodeC
         munge_socket = munge_dir / "munge.socket"
         conf = root / "slurm.conf"
         host = socket.gethostname().split(".")[0]
-        conf.write_text(_slurm_conf(root, host, _free_port(), _free_port(), munge_socket,
-                                    ctld_addr=network.gateway, nodes=tuple(network.nodes.items()),
-                                    cpus=cpus))
+        conf.write_text(
+            _slurm_conf(
+                root,
+                host,
+                _free_port(),
+                _free_port(),
+                munge_socket,
+                ctld_addr=network.gateway,
+                nodes=tuple(network.nodes.items()),
+                cpus=cpus,
+            )
+        )
     except BaseException:
         network.remove()
         raise
-    cluster = MultiNodeCluster(root=root, node=host, conf=conf, network=network,
-                               node_names=tuple(network.nodes))
+    cluster = MultiNodeCluster(
+        root=root, node=host, conf=conf, network=network, node_names=tuple(network.nodes)
+    )
     try:
-        _spawn(cluster, "munged", [_which("munged"), "-F", "--force", f"--key-file={key}",
-                                   f"--socket={munge_socket}",
-                                   f"--pid-file={munge_dir / 'munged.pid'}",
-                                   f"--log-file={root / 'munged.log'}",
-                                   f"--seed-file={munge_dir / 'munged.seed'}"])
+        _spawn(
+            cluster,
+            "munged",
+            [
+                _which("munged"),
+                "-F",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={munge_socket}",
+                f"--pid-file={munge_dir / 'munged.pid'}",
+                f"--log-file={root / 'munged.log'}",
+                f"--seed-file={munge_dir / 'munged.seed'}",
+            ],
+        )
         _wait_for(cluster, "munged's socket", munge_socket.exists, timeout=20)
         _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(conf)])
         for name, ns in network.namespaces.items():
@@ -429,11 +508,25 @@ def start_multinode(root: Path, num_nodes: int = 2, cpus: int = 2) -> MultiNodeC
             # nsenter --net (not `ip netns exec`, which remounts /sys without the cgroup
             # filesystem slurmd needs), then private UTS and mount namespaces for the hostname
             # and /etc/hosts. nsenter and unshare exec, sh execs slurmd: the PID is slurmd's.
-            _spawn(cluster, f"slurmd-{name}", [
-                "nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount",
-                "--propagation", "private", "sh", "-c",
-                f'mount --bind {hosts} /etc/hosts && hostname {name} && '
-                f'exec "$0" -D -N {name} -f "$1"', _which("slurmd"), str(conf)])
+            _spawn(
+                cluster,
+                f"slurmd-{name}",
+                [
+                    "nsenter",
+                    f"--net=/run/netns/{ns}",
+                    "unshare",
+                    "--uts",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    f"mount --bind {hosts} /etc/hosts && hostname {name} && "
+                    f'exec "$0" -D -N {name} -f "$1"',
+                    _which("slurmd"),
+                    str(conf),
+                ],
+            )
         _wait_for(cluster, "the nodes to become idle", lambda: _nodes_idle(cluster))
     except BaseException:
         cluster.stop()

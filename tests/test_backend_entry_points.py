@@ -74,15 +74,31 @@ def test_an_unknown_backend_is_a_collection_error_naming_the_key(tmp_path: Path)
 
 
 def test_an_installed_third_party_backend_is_used_by_name(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = tmp_path / "tiny"
     source.mkdir()
     (source / "pyproject.toml").write_text(TINY_PYPROJECT)
     (source / "tiny_backend.py").write_text(textwrap.dedent(TINY_MODULE))
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    "--no-build-isolation", "--target", str(site), str(source)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     monkeypatch.syspath_prepend(str(site))
     assert "tiny" in backend_names()
     assert type(get_backend("tiny")).__name__ == "TinyBackend"

@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
-    pytest.importorskip("torchtitan", reason="torchtitan is not installed "
-                        "(pip install 'pytest-convergence[torchtitan]' triton)")
+    pytest.importorskip(
+        "torchtitan",
+        reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
+    )
 
 import torch
 
@@ -39,9 +41,17 @@ BACKEND = TorchtitanBackend()
 
 
 def job(layout: ParallelLayout | None = None, **changes: Any) -> JobSpec:
-    base = JobSpec(name="j", train_config=ROOT / "pyproject.toml", backend="torchtitan",
-                   layout=layout or ParallelLayout(dp_shard=2), local_batch_size=8, steps=7,
-                   seed=5, overrides=(("training.seq_len", "256"),), source="exp.toml")
+    base = JobSpec(
+        name="j",
+        train_config=ROOT / "pyproject.toml",
+        backend="torchtitan",
+        layout=layout or ParallelLayout(dp_shard=2),
+        local_batch_size=8,
+        steps=7,
+        seed=5,
+        overrides=(("training.seq_len", "256"),),
+        source="exp.toml",
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -74,10 +84,13 @@ def test_real_parser_accepts_layout(name: str, tmp_path: Path) -> None:
     BACKEND.preflight(j)
     cfg = train_config(j, tmp_path / "dump", tmp_path / "seed")
     par = cfg.parallelism
-    assert (par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
-            par.tensor_parallel_degree, par.pipeline_parallel_degree,
-            par.context_parallel_degree) == (layout.dp_replicate, layout.dp_shard, layout.tp,
-                                             layout.pp, layout.cp)
+    assert (
+        par.data_parallel_replicate_degree,
+        par.data_parallel_shard_degree,
+        par.tensor_parallel_degree,
+        par.pipeline_parallel_degree,
+        par.context_parallel_degree,
+    ) == (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.cp)
     assert par.enable_sequence_parallel is layout.sequence_parallel
     # torchtitan's default "spmd_types" leaves plain tensors torch 2.13's fully_shard refuses.
     assert par.spmd_backend == "partial_dtensor"
@@ -100,11 +113,22 @@ def test_real_parser_accepts_layout(name: str, tmp_path: Path) -> None:
 def test_techniques_map_to_torchtitan(tmp_path: Path) -> None:
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    tech = Techniques(activation_checkpoint="full", compile=True, param_dtype="bfloat16",
-                      reshard_after_forward=False, grad_accum_steps=2, deterministic=False,
-                      cpu_offload=True)
-    j = job(techniques=tech, overrides=(("training.seq_len", "256"),
-                                        ("activation_checkpoint.preserve_rng_state", "true")))
+    tech = Techniques(
+        activation_checkpoint="full",
+        compile=True,
+        param_dtype="bfloat16",
+        reshard_after_forward=False,
+        grad_accum_steps=2,
+        deterministic=False,
+        cpu_offload=True,
+    )
+    j = job(
+        techniques=tech,
+        overrides=(
+            ("training.seq_len", "256"),
+            ("activation_checkpoint.preserve_rng_state", "true"),
+        ),
+    )
     BACKEND.preflight(j)
     cfg = train_config(j, tmp_path)
     assert isinstance(cfg.activation_checkpoint, FullAC.Config)
@@ -118,8 +142,13 @@ def test_techniques_map_to_torchtitan(tmp_path: Path) -> None:
 
 
 def test_user_overrides_win_and_booleans_become_flags(tmp_path: Path) -> None:
-    j = job(overrides=(("training.seq_len", "128"), ("debug.deterministic", "false"),
-                       ("metrics.log_freq", "3")))
+    j = job(
+        overrides=(
+            ("training.seq_len", "128"),
+            ("debug.deterministic", "false"),
+            ("metrics.log_freq", "3"),
+        )
+    )
     cfg = train_config(j, tmp_path)
     assert cfg.training.seq_len == 128 and not cfg.debug.deterministic
     assert cfg.metrics.log_freq == 3
@@ -130,15 +159,23 @@ def test_seed_entry_is_one_process_creating_the_checkpoint(tmp_path: Path) -> No
     j = job(LAYOUTS["fsdp-tp-pp"], backend_options=(("assets_dir", str(tmp_path / "a")),))
     entry = BACKEND.seed_entry(j, tmp_path / "seed")
     start = entry.index("convergence.backends.torchtitan_launch")
-    assert entry[:start + 1] == ["-m", "convergence.launch.loopback_torchrun", "--standalone",
-                                 "--nproc-per-node=1", "-m",
-                                 "convergence.backends.torchtitan_launch"]
-    cfg = parse(tuple(entry[start + 1:]))
+    assert entry[: start + 1] == [
+        "-m",
+        "convergence.launch.loopback_torchrun",
+        "--standalone",
+        "--nproc-per-node=1",
+        "-m",
+        "convergence.backends.torchtitan_launch",
+    ]
+    cfg = parse(tuple(entry[start + 1 :]))
     assert cfg.checkpoint.enable and cfg.checkpoint.create_seed_checkpoint
     assert cfg.checkpoint.folder == str(tmp_path / "seed" / SEED_FOLDER)
     par = cfg.parallelism
-    assert (par.data_parallel_shard_degree, par.tensor_parallel_degree,
-            par.pipeline_parallel_degree) == (1, 1, 1)
+    assert (
+        par.data_parallel_shard_degree,
+        par.tensor_parallel_degree,
+        par.pipeline_parallel_degree,
+    ) == (1, 1, 1)
     assert cfg.debug.seed == 5
     # One seed checkpoint per model and seed, whatever the layout.
     assert BACKEND.seed_identity(j) == BACKEND.seed_identity(job(ParallelLayout(dp_shard=2)))
@@ -154,8 +191,9 @@ def test_generated_assets_feed_torchtitans_tokenizer_and_dataset(tmp_path: Path)
     tokenizer = HuggingFaceTokenizer(tokenizer_path=str(root / "tokenizer"))
     assert tokenizer.bos_id == 1 and tokenizer.eos_id == 2
     assert tokenizer.get_vocab_size() <= 2048  # the debug model's vocabulary
-    dataset = HuggingFaceTextDataset(dataset_name="c4_test", dataset_path=str(root / "corpus"),
-                                     tokenizer=tokenizer, seq_len=64)
+    dataset = HuggingFaceTextDataset(
+        dataset_name="c4_test", dataset_path=str(root / "corpus"), tokenizer=tokenizer, seq_len=64
+    )
     sample = next(iter(dataset))
     tokens = sample[0]["input"] if isinstance(sample[0], dict) else sample[0]
     assert tokens.shape[-1] == 64
@@ -196,7 +234,8 @@ def test_bad_options_fail() -> None:
 
 def test_bad_override_fails_the_pair_at_collection(tmp_path: Path) -> None:
     path = tmp_path / "tt.toml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         [defaults]
         backend = "torchtitan"
         train_config = "tt.toml"
@@ -210,7 +249,8 @@ def test_bad_override_fails_the_pair_at_collection(tmp_path: Path) -> None:
         name = "fsdp2-tp2"
         parallelism = { dp_shard = 2, tp = 2 }
         overrides = { "parallelism.tensor_paralel_degree" = 2 }
-        """))
+        """)
+    )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
     err = info.value
@@ -260,11 +300,18 @@ def write_scalars(folder: Path, tags: dict[str, list[float]]) -> None:
 def test_read_metrics_from_torchtitans_tensorboard_layout(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     # save_for_all_ranks under PP: rank 0 (first stage) logs the -1 placeholder loss.
-    write_scalars(dump / "tb" / "20260101-1200" / "rank_0",
-                  {"loss_metrics/global_avg_loss": [-1.0, -1.0, -1.0]})
-    write_scalars(dump / "tb" / "20260101-1200" / "rank_1",
-                  {"loss_metrics/global_avg_loss": [7.5, 7.25, 7.0],
-                   "grad_norm": [1.5, 1.25, 1.0], "memory/max_reserved(GiB)": [2.0, 2.0, 2.0]})
+    write_scalars(
+        dump / "tb" / "20260101-1200" / "rank_0",
+        {"loss_metrics/global_avg_loss": [-1.0, -1.0, -1.0]},
+    )
+    write_scalars(
+        dump / "tb" / "20260101-1200" / "rank_1",
+        {
+            "loss_metrics/global_avg_loss": [7.5, 7.25, 7.0],
+            "grad_norm": [1.5, 1.25, 1.0],
+            "memory/max_reserved(GiB)": [2.0, 2.0, 2.0],
+        },
+    )
     metrics = BACKEND.read_metrics(job(), dump)
     assert metrics["loss"].steps.tolist() == [1, 2, 3]
     assert metrics["loss"].values.tolist() == [7.5, 7.25, 7.0]
@@ -281,10 +328,14 @@ def test_live_metrics_tail_the_same_tensorboard_folder(tmp_path: Path) -> None:
     from convergence.metrics.tb_tail import TensorBoardTail
 
     dump = tmp_path / "dump"
-    write_scalars(dump / "tb" / "20260101-1200" / "rank_0",
-                  {"loss_metrics/global_avg_loss": [-1.0, -1.0, -1.0]})
-    write_scalars(dump / "tb" / "20260101-1200" / "rank_1",
-                  {"loss_metrics/global_avg_loss": [7.5, 7.25, 7.0], "lr/AdamW": [1e-3] * 3})
+    write_scalars(
+        dump / "tb" / "20260101-1200" / "rank_0",
+        {"loss_metrics/global_avg_loss": [-1.0, -1.0, -1.0]},
+    )
+    write_scalars(
+        dump / "tb" / "20260101-1200" / "rank_1",
+        {"loss_metrics/global_avg_loss": [7.5, 7.25, 7.0], "lr/AdamW": [1e-3] * 3},
+    )
     path = BACKEND.metrics_path(job(), dump)
     assert path == dump / "tb" and BACKEND.metrics_format(job()) == "tensorboard"
     assert BACKEND.stop_file(job(), dump) is None
@@ -302,13 +353,13 @@ def test_config_text_keys_module_config_and_file() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="torchtitan trains on CUDA only (no CUDA device here)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="torchtitan trains on CUDA only (no CUDA device here)"
+)
 def test_debug_model_pair_converges_on_gpu(tmp_path: Path) -> None:
     from convergence.run.runner import Runner, RunSettings
 
-    exp = load_checked(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml",
-                          rootdir=ROOT)
+    exp = load_checked(ROOT / "experiments" / "torchtitan" / "debug_1gpu.toml", rootdir=ROOT)
     outcome = Runner(RunSettings(work_dir=tmp_path, steps=30)).run_pair(exp.pairs[0])
     assert outcome.status == "passed", outcome.error or outcome.verdicts
     loss = outcome.control.metrics["loss"] if outcome.control else None
@@ -319,14 +370,23 @@ def test_degree_checks_read_torchtitans_model_args() -> None:
     # The debug model has 16 attention heads and 6 layers.
     err = error_of(job(ParallelLayout(dp_shard=1, tp=3)))
     assert err.key == "parallelism.tp" and "16 attention heads" in str(err)
-    err = error_of(job(ParallelLayout(dp_shard=1, tp=2, sequence_parallel=True),
-                       overrides=(("training.seq_len", "63"),)))
+    err = error_of(
+        job(
+            ParallelLayout(dp_shard=1, tp=2, sequence_parallel=True),
+            overrides=(("training.seq_len", "63"),),
+        )
+    )
     assert err.key == "overrides.training.seq_len"
-    err = error_of(job(ParallelLayout(dp_shard=1, pp=4, pp_schedule="Interleaved1F1B"),
-                       local_batch_size=8))
+    err = error_of(
+        job(ParallelLayout(dp_shard=1, pp=4, pp_schedule="Interleaved1F1B"), local_batch_size=8)
+    )
     assert err.key == "parallelism.pp" and "6 layers" in str(err)
-    err = error_of(job(ParallelLayout(dp_shard=1, pp=2, pp_schedule="1F1B",
-                                      pp_stages_per_rank=3), local_batch_size=12))
+    err = error_of(
+        job(
+            ParallelLayout(dp_shard=1, pp=2, pp_schedule="1F1B", pp_stages_per_rank=3),
+            local_batch_size=12,
+        )
+    )
     assert err.key == "parallelism.pp_stages_per_rank"
 
 
@@ -345,7 +405,8 @@ def test_noise_twin_keeps_the_samples_and_changes_the_reduction(tmp_path: Path) 
 
 def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path) -> None:
     path = tmp_path / "tt.toml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         [defaults]
         backend = "torchtitan"
         train_config = "tt.toml"
@@ -360,7 +421,8 @@ def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path)
         [[test]]
         name = "fsdp2-tp2"
         parallelism = { dp_shard = 2, tp = 2 }
-        """))
+        """)
+    )
     (pair,) = load_checked(path, rootdir=tmp_path).pairs
     assert pair.regime == "twin"
     twin = BACKEND.noise_twin(pair.control)
@@ -371,7 +433,8 @@ def test_probe_always_is_refused_for_torchtitan_at_collection(tmp_path: Path) ->
     """The numerics probe is the built-in trainer's: asking for it on a torchtitan pair is a
     collection error, not a silent no-op."""
     path = tmp_path / "tt.toml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         [defaults]
         backend = "torchtitan"
         train_config = "tt.toml"
@@ -386,7 +449,8 @@ def test_probe_always_is_refused_for_torchtitan_at_collection(tmp_path: Path) ->
         name = "fsdp2-tp2"
         parallelism = { dp_shard = 2, tp = 2 }
         probe = "always"
-        """))
+        """)
+    )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
     assert info.value.key.endswith(".probe") and "built-in trainer" in str(info.value)

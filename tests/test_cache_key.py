@@ -18,8 +18,13 @@ from convergence.cache.key import (
     sources_hash,
 )
 
-BASE: dict[str, Any] = dict(train_config_text="[model]\ndim = 64\n", backend_version="builtin-1",
-                            code_version="c0", torch_version="2.13.0+cpu", hardware="cpu:x x2")
+BASE: dict[str, Any] = dict(
+    train_config_text="[model]\ndim = 64\n",
+    backend_version="builtin-1",
+    code_version="c0",
+    torch_version="2.13.0+cpu",
+    hardware="cpu:x x2",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,8 +34,13 @@ class Layout:
 
 
 def job(**over: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"name": "fsdp2", "steps": 100, "seed": 42,
-                            "layout": Layout(dp_shard=2, tp=1), "overrides": ["a=1", "b=2"]}
+    base: dict[str, Any] = {
+        "name": "fsdp2",
+        "steps": 100,
+        "seed": 42,
+        "layout": Layout(dp_shard=2, tp=1),
+        "overrides": ["a=1", "b=2"],
+    }
     base.update(over)
     return base
 
@@ -49,8 +59,15 @@ def test_every_input_changes_the_key(field: str) -> None:
     assert cache_key(job(), **changed) != cache_key(job(), **BASE)
 
 
-@pytest.mark.parametrize("over", [{"seed": 43}, {"layout": Layout(dp_shard=2, tp=2)},
-                                  {"overrides": ["b=2", "a=1"]}, {"steps": 100.0}])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"seed": 43},
+        {"layout": Layout(dp_shard=2, tp=2)},
+        {"overrides": ["b=2", "a=1"]},
+        {"steps": 100.0},
+    ],
+)
 def test_job_identity_changes_the_key(over: dict[str, Any]) -> None:
     # list order matters (override order can matter); 100 vs 100.0 differ in JSON on purpose
     assert cache_key(job(**over), **BASE) != cache_key(job(), **BASE)
@@ -88,10 +105,17 @@ def test_stack_fingerprint_follows_the_numerics_environment() -> None:
 
     base = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "1"}
     assert numerics_env(base) == {"OMP_NUM_THREADS": "1"}  # PATH changes no number
-    keys = {stack_fingerprint(env) for env in (
-        base, {**base, "NCCL_ALGO": "Tree"}, {**base, "NCCL_ALGO": "Ring"},
-        {**base, "NCCL_PROTO": "LL128"}, {**base, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
-        {**base, "OMP_NUM_THREADS": "2"})}
+    keys = {
+        stack_fingerprint(env)
+        for env in (
+            base,
+            {**base, "NCCL_ALGO": "Tree"},
+            {**base, "NCCL_ALGO": "Ring"},
+            {**base, "NCCL_PROTO": "LL128"},
+            {**base, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+            {**base, "OMP_NUM_THREADS": "2"},
+        )
+    }
     assert len(keys) == 6
     assert stack_fingerprint({**base, "HOME": "/elsewhere"}) == stack_fingerprint(base)
     stack = accelerator_stack()
@@ -105,16 +129,28 @@ def test_stack_fingerprint_follows_the_numerics_environment() -> None:
 
 # -- external trainers' sources ---------------------------------------------------------------
 
+
 def _torchtitan_version(pythonpath: Path) -> str:
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(pythonpath), str(Path(__file__).resolve().parents[1])])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(pythonpath), str(Path(__file__).resolve().parents[1])]),
+    }
     out = subprocess.run(
-        [sys.executable, "-c", "from convergence.backends.torchtitan import TorchtitanBackend, "
-         "source_dir; print(TorchtitanBackend().version()); print(source_dir())"],
-        env=env, capture_output=True, text=True, check=True, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            "from convergence.backends.torchtitan import TorchtitanBackend, "
+            "source_dir; print(TorchtitanBackend().version()); print(source_dir())",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     version, where = out.stdout.split()
     assert Path(where) == (pythonpath / "torchtitan").resolve()  # the checkout is what runs
     return version
@@ -130,8 +166,11 @@ def test_editing_a_torchtitan_source_checkout_changes_the_key(tmp_path: Path) ->
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("torchtitan is not installed")
     checkout = tmp_path / "torchtitan-src"
-    shutil.copytree(list(spec.submodule_search_locations)[0], checkout / "torchtitan",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        list(spec.submodule_search_locations)[0],
+        checkout / "torchtitan",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     before = _torchtitan_version(checkout)
     assert before.startswith("torchtitan-") and "+src." in before
     assert _torchtitan_version(checkout) == before  # stable
@@ -153,8 +192,13 @@ def test_command_backend_keys_the_trainers_sources(tmp_path: Path) -> None:
         options = [("command", "trainer/train.py --out {dump_dir}")]
         if sources is not None:
             options.append(("sources", sources))
-        return JobSpec(name="j", train_config=tmp_path / "cfg.toml", backend="command",
-                       backend_options=tuple(options), source=str(tmp_path / "exp.toml"))
+        return JobSpec(
+            name="j",
+            train_config=tmp_path / "cfg.toml",
+            backend="command",
+            backend_options=tuple(options),
+            source=str(tmp_path / "exp.toml"),
+        )
 
     backend = CommandBackend()
     keyed = job("['trainer/**/*.py']")
@@ -177,16 +221,21 @@ def test_report_says_when_command_controls_are_keyed_by_command_text_only() -> N
     from convergence.report.data.schema import build_report
 
     outcome = ex.passing_pair()
-    assert "cache_key" not in build_report([outcome], environment={}, started_at=None,
-                                           wall_s=None)["environment"]
-    command = dataclasses.replace(outcome.pair.control, backend="command",
-                                  backend_options=(("command", "train.py"),))
-    unkeyed = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair,
-                                                                    control=command))
+    assert (
+        "cache_key"
+        not in build_report([outcome], environment={}, started_at=None, wall_s=None)["environment"]
+    )
+    command = dataclasses.replace(
+        outcome.pair.control, backend="command", backend_options=(("command", "train.py"),)
+    )
+    unkeyed = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair, control=command))
     env = build_report([unkeyed], environment={}, started_at=None, wall_s=None)["environment"]
     assert "keyed by their command text only" in env["cache_key"]
-    keyed = dataclasses.replace(command, backend_options=(("command", "train.py"),
-                                                          ("sources", "['train.py']")))
+    keyed = dataclasses.replace(
+        command, backend_options=(("command", "train.py"), ("sources", "['train.py']"))
+    )
     outcome = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair, control=keyed))
-    assert "cache_key" not in build_report([outcome], environment={}, started_at=None,
-                                           wall_s=None)["environment"]
+    assert (
+        "cache_key"
+        not in build_report([outcome], environment={}, started_at=None, wall_s=None)["environment"]
+    )

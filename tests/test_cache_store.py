@@ -32,18 +32,27 @@ def test_put_then_get_returns_verified_copy(tmp_path: Path) -> None:
     entry = cache.put(KEY, src)
     assert entry == tmp_path / "cache" / "ab" / KEY
     assert cache.get(KEY) == entry
-    assert (entry / "tb" / "events.out.tfevents.1").read_bytes() == \
-        (src / "tb" / "events.out.tfevents.1").read_bytes()
+    assert (entry / "tb" / "events.out.tfevents.1").read_bytes() == (
+        src / "tb" / "events.out.tfevents.1"
+    ).read_bytes()
     manifest = json.loads((entry / MANIFEST).read_text())
-    assert set(manifest["files"]) == {"metrics.jsonl", "run_meta.json",
-                                      "tb/events.out.tfevents.1"}
+    assert set(manifest["files"]) == {"metrics.jsonl", "run_meta.json", "tb/events.out.tfevents.1"}
     assert list((tmp_path / "cache" / ".tmp").iterdir()) == []
     assert cache.get("cd" + KEY[2:]) is None
 
 
-@pytest.mark.parametrize("damage", ["flip_byte", "truncate_file", "delete_file",
-                                    "truncate_manifest", "delete_manifest", "empty_manifest",
-                                    "manifest_omits_metrics"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "flip_byte",
+        "truncate_file",
+        "delete_file",
+        "truncate_manifest",
+        "delete_manifest",
+        "empty_manifest",
+        "manifest_omits_metrics",
+    ],
+)
 def test_damaged_entry_is_a_miss_and_is_removed(tmp_path: Path, damage: str) -> None:
     cache = RunCache(tmp_path / "cache")
     entry = cache.put(KEY, make_run(tmp_path / "run"))
@@ -109,8 +118,14 @@ def test_refresh_reruns_and_replaces(tmp_path: Path) -> None:
 
 def test_two_processes_claiming_one_key_run_the_job_once(tmp_path: Path) -> None:
     counter = tmp_path / "runs.txt"
-    argv = [sys.executable, str(WORKER), str(tmp_path / "cache"), KEY, str(counter),
-            str(tmp_path / "work")]
+    argv = [
+        sys.executable,
+        str(WORKER),
+        str(tmp_path / "cache"),
+        KEY,
+        str(counter),
+        str(tmp_path / "work"),
+    ]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert [p.returncode for p in procs] == [0, 0]
@@ -147,8 +162,9 @@ def tiny_fs(tmp_path: Path) -> Path:
     """A real 256 KiB tmpfs (needs root); skipped where mounting is not allowed."""
     mnt = tmp_path / f"tiny-{uuid.uuid4().hex[:6]}"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                         capture_output=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
     yield mnt
@@ -210,9 +226,15 @@ def test_a_read_only_cache_is_used_for_reading(tmp_path: Path) -> None:
         # sh runs the check's argv ("$@", after the "sh" that becomes $0) once the bind mount
         # of the cache over itself is remounted read-only (EROFS, even for root).
         c = shlex.quote(str(root))
-        argv = ["unshare", "-m", "sh", "-c",
-                f'mount --bind {c} {c} && mount -o remount,ro,bind {c} && exec "$@"', "sh",
-                *argv]
+        argv = [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'mount --bind {c} {c} && mount -o remount,ro,bind {c} && exec "$@"',
+            "sh",
+            *argv,
+        ]
         chmod_back: list[Path] = []
     else:
         chmod_back = [root, *root.rglob("*")]
@@ -224,8 +246,13 @@ def test_a_read_only_cache_is_used_for_reading(tmp_path: Path) -> None:
     finally:
         for path in chmod_back:
             path.chmod(0o755 if path.is_dir() else 0o644)
-    if os.geteuid() == 0 and proc.returncode != 0 and "mount" in proc.stderr \
-            and "read-only ok" not in proc.stdout and not os.environ.get("CI"):
+    if (
+        os.geteuid() == 0
+        and proc.returncode != 0
+        and "mount" in proc.stderr
+        and "read-only ok" not in proc.stdout
+        and not os.environ.get("CI")
+    ):
         pytest.skip(f"no private mount namespace here: {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "read-only ok" in proc.stdout

@@ -30,7 +30,7 @@ if os.environ.get("RANK", "0") == "0":
             f.write(json.dumps({{"step": step, "loss": loss, "grad_norm": 1.0 / step}}) + "\\n")
 '''
 
-EXPERIMENT = '''\
+EXPERIMENT = """\
 [defaults]
 train_config = "cfg.toml"
 steps = 6
@@ -44,12 +44,13 @@ parallelism = { dp_replicate = 2 }
 [[test]]
 name = "fsdp2"
 parallelism = { dp_shard = 2 }
-'''
+"""
 
 
 def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 @pytest.fixture
@@ -73,11 +74,23 @@ def repo(tmp_path: Path) -> Path:
 
 
 def test_a_change_that_moves_the_loss_fails_and_names_the_step(
-        repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(repo)
-    code = main(["ab", "exp.toml", "--baseline", "main", "--candidate", "bug",
-                 "--workdir", str(tmp_path / "work"), "--report", str(tmp_path / "report")])
+    code = main(
+        [
+            "ab",
+            "exp.toml",
+            "--baseline",
+            "main",
+            "--candidate",
+            "bug",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--report",
+            str(tmp_path / "report"),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1, out + err
     assert "loss diverges from step 4" in out, out
@@ -86,32 +99,54 @@ def test_a_change_that_moves_the_loss_fails_and_names_the_step(
     assert _git(repo, "worktree", "list").count("\n") == 0, "worktrees left behind"
 
 
-def test_the_same_commit_on_both_sides_passes(repo: Path, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_same_commit_on_both_sides_passes(
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(repo)
     head = _git(repo, "rev-parse", "HEAD")
-    code = main(["ab", "exp.toml", "--baseline", "main", "--candidate", head[:10],
-                 "--workdir", str(tmp_path / "work"), "--steps", "3"])
+    code = main(
+        [
+            "ab",
+            "exp.toml",
+            "--baseline",
+            "main",
+            "--candidate",
+            head[:10],
+            "--workdir",
+            str(tmp_path / "work"),
+            "--steps",
+            "3",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert out.count("PASS") >= 2  # both jobs (ddp2, fsdp2)
 
 
-def test_an_unknown_ref_is_a_clear_error(repo: Path, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str],
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_ref_is_a_clear_error(
+    repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(repo)
-    code = main(["ab", "exp.toml", "--baseline", "main", "--candidate", "no-such-branch",
-                 "--workdir", str(tmp_path / "work")])
+    code = main(
+        [
+            "ab",
+            "exp.toml",
+            "--baseline",
+            "main",
+            "--candidate",
+            "no-such-branch",
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "no-such-branch" in err and "fix:" in err
 
 
-def test_settings_come_from_the_shared_option_table(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_come_from_the_shared_option_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`ab` builds its RunSettings through convergence.options (relative paths against the
     invocation directory, the table's checks), with early stop always off."""
     seen = {}
@@ -122,14 +157,34 @@ def test_settings_come_from_the_shared_option_table(tmp_path: Path,
 
     monkeypatch.setattr(ab, "run_ab", fake_run_ab)
     monkeypatch.chdir(tmp_path)
-    assert main(["ab", "exp.toml", "--baseline", "a", "--candidate", "b", "--steps", "3",
-                 "--devices=2", "--workdir", "wd", "--wall-limit", "50"]) == 0
+    assert (
+        main(
+            [
+                "ab",
+                "exp.toml",
+                "--baseline",
+                "a",
+                "--candidate",
+                "b",
+                "--steps",
+                "3",
+                "--devices=2",
+                "--workdir",
+                "wd",
+                "--wall-limit",
+                "50",
+            ]
+        )
+        == 0
+    )
     settings = seen["settings"]
     assert settings.work_dir == (tmp_path / "wd").resolve()
     assert (settings.steps, settings.devices, settings.wall_limit_s) == (3, 2, 50.0)
     assert settings.early_stop is False and settings.cache_dir is None
-    expected = run_settings({"steps": 3, "devices": 2, "wall-limit": 50.0, "no-early-stop": True},
-                            work_dir=settings.work_dir)
+    expected = run_settings(
+        {"steps": 3, "devices": 2, "wall-limit": 50.0, "no-early-stop": True},
+        work_dir=settings.work_dir,
+    )
     assert settings == dataclasses.replace(expected, session_id=settings.session_id)
     assert main(["ab", "exp.toml", "--baseline", "a", "--candidate", "b", "--steps", "0"]) == 2
     assert "convergence ab: --steps must be >= 1, got 0" in capsys.readouterr().err

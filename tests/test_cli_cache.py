@@ -39,7 +39,8 @@ def test_list_names_every_entry(cache: RunCache, capsys: pytest.CaptureFixture[s
 
 
 def test_verify_finds_a_damaged_entry_and_deletes_it_when_asked(
-        cache: RunCache, capsys: pytest.CaptureFixture[str]) -> None:
+    cache: RunCache, capsys: pytest.CaptureFixture[str]
+) -> None:
     metrics = cache.entry_dir(KEY_B) / "dump" / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 9.0}\n')  # same size, other bytes
     assert main(["cache", "verify", f"--cache-dir={cache.root}"]) == 1
@@ -51,7 +52,8 @@ def test_verify_finds_a_damaged_entry_and_deletes_it_when_asked(
 
 
 def test_prune_deletes_only_entries_unused_for_longer(
-        cache: RunCache, capsys: pytest.CaptureFixture[str]) -> None:
+    cache: RunCache, capsys: pytest.CaptureFixture[str]
+) -> None:
     old = time.time() - 10 * 86400
     os.utime(cache.entry_dir(KEY_A), (old, old))
     assert main(["cache", "prune", "--cache-dir", str(cache.root), "--older-than", "7"]) == 0
@@ -59,8 +61,9 @@ def test_prune_deletes_only_entries_unused_for_longer(
     assert not cache.entry_dir(KEY_A).exists() and cache.get(KEY_B) is not None
 
 
-def test_a_missing_cache_folder_is_a_clear_error(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_missing_cache_folder_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["cache", "list", "--cache-dir", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "no run cache at" in err and "--convergence-cache-dir" in err

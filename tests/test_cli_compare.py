@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_two_torchtitan_dumps_gate_on_loss_and_grad_norm(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a = write_torchtitan_dump(tmp_path / "baseline", LOSSES)
     b = write_torchtitan_dump(tmp_path / "candidate", LOSSES)
     assert main(["compare", str(a), str(b)]) == 0
@@ -29,7 +30,8 @@ def test_two_torchtitan_dumps_gate_on_loss_and_grad_norm(
 
 
 def test_two_tb_folders_are_named_by_the_segments_that_differ(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Two dumps' tb folders: "tb vs tb" named neither run."""
     a = write_torchtitan_dump(tmp_path / "baseline", LOSSES)
     b = write_torchtitan_dump(tmp_path / "candidate", LOSSES)
@@ -41,7 +43,8 @@ def test_two_tb_folders_are_named_by_the_segments_that_differ(
 
 
 def test_a_scaled_gradient_fails_with_pytests_failure_text(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Same loss, doubled grad norm: what Adam hides in the loss and the grad norm shows.
     a = write_torchtitan_dump(tmp_path / "baseline", LOSSES)
     bug = write_torchtitan_dump(tmp_path / "bug", LOSSES, grad_scale=2.0)
@@ -55,8 +58,9 @@ def test_a_scaled_gradient_fails_with_pytests_failure_text(
     assert f"control run: {a}" in out and f"test run: {bug}" in out
 
 
-def test_method_and_metric_choices_match_pytests(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_method_and_metric_choices_match_pytests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a = write_torchtitan_dump(tmp_path / "a", LOSSES)
     bug = write_torchtitan_dump(tmp_path / "bug", LOSSES, grad_scale=2.0)
     assert main(["compare", str(a), str(bug), "--metric", "loss", "--method", "exact"]) == 0
@@ -88,7 +92,8 @@ def test_seed_regime_with_replicates(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_twin_regime_needs_the_twin_and_judges_against_its_noise(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import math
 
     def losses(wobble: float, shift: float = 0.0) -> list[float]:
@@ -107,7 +112,8 @@ def test_twin_regime_needs_the_twin_and_judges_against_its_noise(
 
 
 def test_missing_path_and_folder_without_metrics_say_different_things(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a = write_torchtitan_dump(tmp_path / "a", LOSSES)
     assert main(["compare", str(a), str(tmp_path / "typo")]) == 2
     missing = capsys.readouterr().err
@@ -121,16 +127,30 @@ def test_missing_path_and_folder_without_metrics_say_different_things(
 
 def _train(dump: Path, steps: int = 3) -> None:
     """One real run of the built-in trainer (one process, no torchrun needed)."""
-    cmd = [sys.executable, "-m", "convergence.trainer", "--config",
-           str(REPO / "convergence" / "configs" / "debug.toml"), f"--metrics.dump_folder={dump}",
-           f"--training.steps={steps}", "--metrics.val_every=0"]
-    done = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(REPO / "convergence" / "configs" / "debug.toml"),
+        f"--metrics.dump_folder={dump}",
+        f"--training.steps={steps}",
+        "--metrics.val_every=0",
+    ]
+    done = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_two_of_our_runs_and_a_golden_with_provenance(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a, b = tmp_path / "run_a", tmp_path / "run_b"
     _train(a / "dump")
     _train(b / "dump")

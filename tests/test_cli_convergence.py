@@ -33,12 +33,14 @@ def test_console_script_is_installed() -> None:
         assert command in done.stdout
 
 
-def test_report_rebuilds_reports_from_saved_outcomes(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_rebuilds_reports_from_saved_outcomes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import jsonschema
 
-    source = _save(tmp_path / "session", [make_outcome("fsdp2-tp2"),
-                                          make_outcome("fsdp2-pp2", passed=False)])
+    source = _save(
+        tmp_path / "session", [make_outcome("fsdp2-tp2"), make_outcome("fsdp2-pp2", passed=False)]
+    )
     code = main(["report", "--from", str(source), "--out", str(tmp_path / "out")])
     assert code == 1  # one pair failed
     out = capsys.readouterr().out
@@ -46,13 +48,16 @@ def test_report_rebuilds_reports_from_saved_outcomes(tmp_path: Path,
     assert "by dimension" in out  # the same summary as the plugin's: matrix, then dimensions
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     jsonschema.validate(report, REPORT_JSON_SCHEMA)
-    assert {p["id"] for p in report["pairs"]} == {"synthetic.toml::fsdp2-tp2",
-                                                       "synthetic.toml::fsdp2-pp2"}
+    assert {p["id"] for p in report["pairs"]} == {
+        "synthetic.toml::fsdp2-tp2",
+        "synthetic.toml::fsdp2-pp2",
+    }
     assert (tmp_path / "out" / "report.html").is_file()
 
 
-def test_report_appends_to_the_ci_step_summary(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_report_appends_to_the_ci_step_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """As pytest does: with $GITHUB_STEP_SUMMARY set, the rebuilt report.md is appended."""
     summary = tmp_path / "summary.md"
     summary.write_text("earlier step\n")
@@ -64,7 +69,8 @@ def test_report_appends_to_the_ci_step_summary(tmp_path: Path,
 
 
 def test_report_from_a_folder_without_outcomes_is_a_usage_error(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(["report", "--from", str(tmp_path), "--out", str(tmp_path / "out")])
     assert code == 2
     err = capsys.readouterr().err
@@ -73,10 +79,13 @@ def test_report_from_a_folder_without_outcomes_is_a_usage_error(
 
 
 def test_run_rejects_an_invalid_experiment_before_launching(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     exp = tmp_path / "bad.toml"
-    exp.write_text('[control]\nname = "fsdp2"\nparallelism = { dp_shard = 2 }\n'
-                   '[[test]]\nname = "t"\ntensor_paralel = 2\n')
+    exp.write_text(
+        '[control]\nname = "fsdp2"\nparallelism = { dp_shard = 2 }\n'
+        '[[test]]\nname = "t"\ntensor_paralel = 2\n'
+    )
     code = main(["run", str(exp), "--workdir", str(tmp_path / "wd")])
     assert code == 2
     err = capsys.readouterr().err
@@ -107,8 +116,7 @@ def test_compare_two_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     # A frozen golden curve stands in for the control run.
     golden = tmp_path / "golden.json"
     assert main(["export-golden", str(a), str(golden)]) == 0
-    assert main(["compare", str(golden), str(b), "--metric", "loss",
-                 "--metric", "grad_norm"]) == 0
+    assert main(["compare", str(golden), str(b), "--metric", "loss", "--metric", "grad_norm"]) == 0
     assert main(["compare", str(golden), str(bug)]) == 1
     capsys.readouterr()
     golden.write_text("{}")

@@ -37,24 +37,39 @@ SCRIPT = REPO / "tests" / "fixtures" / "block_kinds_tp.py"
 #: output all-gather. Backward mirrors it: per layer the same, 1 all-gather where a run of
 #: parallel blocks begins, 1 all-reduce for the output's input; the embedding has none.
 EXPECTED_12_LAYERS: dict[str, tuple[int, int]] = {
-    "standard": (26, 25),                                   # 24 per layer stack
-    "standard,single_sync": (20, 19),                       # 18
-    "standard,single_sync,parallel": (18, 17),              # 16 = 12 + 4 gathers
-    "single_sync": (14, 13),                                # 12
-    "single_sync,parallel,parallel": (10, 9),               # 8 = 4 + 4 gathers
-    "single_sync,parallel,parallel,parallel": (8, 7),       # 6 = 3 + 3 gathers
-    "parallel": (3, 2),                                     # only the model's boundaries
-    "parallel,standard,parallel,single_sync": (17, 16),     # every transition, parallel first
+    "standard": (26, 25),  # 24 per layer stack
+    "standard,single_sync": (20, 19),  # 18
+    "standard,single_sync,parallel": (18, 17),  # 16 = 12 + 4 gathers
+    "single_sync": (14, 13),  # 12
+    "single_sync,parallel,parallel": (10, 9),  # 8 = 4 + 4 gathers
+    "single_sync,parallel,parallel,parallel": (8, 7),  # 6 = 3 + 3 gathers
+    "parallel": (3, 2),  # only the model's boundaries
+    "parallel,standard,parallel,single_sync": (17, 16),  # every transition, parallel first
 }
 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("kinds") / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(SCRIPT), str(out), "12", *EXPECTED_12_LAYERS]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(SCRIPT),
+        str(out),
+        "12",
+        *EXPECTED_12_LAYERS,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results: dict[str, Any] = json.loads(out.read_text())
     return results
@@ -77,9 +92,14 @@ def test_collectives_per_pattern(tp_results: dict[str, Any], pattern: str) -> No
 
 
 def test_kinds_keep_about_the_parameter_count() -> None:
-    sizes = {pattern: count_params(build_model(ModelArgs.from_config(
-        ModelConfig(n_layers=12, block_pattern=pattern), seq_len=64)))
-        for pattern in EXPECTED_12_LAYERS}
+    sizes = {
+        pattern: count_params(
+            build_model(
+                ModelArgs.from_config(ModelConfig(n_layers=12, block_pattern=pattern), seq_len=64)
+            )
+        )
+        for pattern in EXPECTED_12_LAYERS
+    }
     base = sizes["standard"]
     assert all(abs(n - base) / base < 0.01 for n in sizes.values()), sizes
     # Not by accident: a parallel block without its wider MLP would be ~12% smaller.
@@ -93,14 +113,23 @@ def _cfg(**kwargs: Any) -> TrainConfig:
     return TrainConfig(model=ModelConfig(**model), parallelism=ParallelismConfig(**par))
 
 
-@pytest.mark.parametrize(("kwargs", "key", "words"), [
-    ({"block_pattern": "standard,paralel"}, "model.block_pattern", "paralel"),
-    ({"block_pattern": "parallel", "tp": 2, "sequence_parallel": True},
-     "parallelism.sequence_parallel", "sequence parallel"),
-    ({"block_pattern": "parallel", "parallel_groups": 1, "tp": 2}, "model.parallel_groups",
-     "tp=2 must divide"),
-    ({"block_pattern": "parallel", "parallel_groups": 3}, "model.parallel_groups", "divide"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "key", "words"),
+    [
+        ({"block_pattern": "standard,paralel"}, "model.block_pattern", "paralel"),
+        (
+            {"block_pattern": "parallel", "tp": 2, "sequence_parallel": True},
+            "parallelism.sequence_parallel",
+            "sequence parallel",
+        ),
+        (
+            {"block_pattern": "parallel", "parallel_groups": 1, "tp": 2},
+            "model.parallel_groups",
+            "tp=2 must divide",
+        ),
+        ({"block_pattern": "parallel", "parallel_groups": 3}, "model.parallel_groups", "divide"),
+    ],
+)
 def test_bad_block_settings_name_the_key(kwargs: dict[str, Any], key: str, words: str) -> None:
     with pytest.raises(SpecError) as info:
         check_config(_cfg(**kwargs))
@@ -116,32 +145,71 @@ def test_single_sync_supports_sequence_parallel_in_config() -> None:
 # The report
 
 
-def _side(name: str, pattern: str, collectives: tuple[int, int] | None, val: float | None,
-          params: int = 1000) -> dict[str, Any]:
-    counts = None if collectives is None else {
-        "forward": collectives[0], "backward": collectives[1], "total": sum(collectives),
-        "by_op": {"all_reduce": sum(collectives)}}
-    return {"name": name, "ran": True, "run_facts": {
-        "block_pattern": pattern, "collectives": counts, "num_params": params,
-        "final_val_loss": val}}
+def _side(
+    name: str,
+    pattern: str,
+    collectives: tuple[int, int] | None,
+    val: float | None,
+    params: int = 1000,
+) -> dict[str, Any]:
+    counts = (
+        None
+        if collectives is None
+        else {
+            "forward": collectives[0],
+            "backward": collectives[1],
+            "total": sum(collectives),
+            "by_op": {"all_reduce": sum(collectives)},
+        }
+    )
+    return {
+        "name": name,
+        "ran": True,
+        "run_facts": {
+            "block_pattern": pattern,
+            "collectives": counts,
+            "num_params": params,
+            "final_val_loss": val,
+        },
+    }
 
 
-def _record(test: dict[str, Any], *, status: str = "passed", tokens: float = 1200.0,
-            source: str = "experiments/comm_reduction.toml") -> dict[str, Any]:
+def _record(
+    test: dict[str, Any],
+    *,
+    status: str = "passed",
+    tokens: float = 1200.0,
+    source: str = "experiments/comm_reduction.toml",
+) -> dict[str, Any]:
     control = _side("tp2-standard", "standard", (26, 25), 5.0)
-    return {"source": source, "status": status, "control": control, "test": test,
-            "resources": {"tokens_per_s": {"control": 1000.0, "test": tokens,
-                                           "ratio": tokens / 1000.0}},
-            "verdicts": [{"metric": "val_loss", "method": "regression", "passed": status ==
-                          "passed", "tolerance_at_max": 0.1}]}
+    return {
+        "source": source,
+        "status": status,
+        "control": control,
+        "test": test,
+        "resources": {
+            "tokens_per_s": {"control": 1000.0, "test": tokens, "ratio": tokens / 1000.0}
+        },
+        "verdicts": [
+            {
+                "metric": "val_loss",
+                "method": "regression",
+                "passed": status == "passed",
+                "tolerance_at_max": 0.1,
+            }
+        ],
+    }
 
 
-REPORT: dict[str, Any] = {"plots": {}, "pairs": [
-    _record(_side("tp2-single_sync", "single_sync", (14, 13), 5.05)),
-    _record(_side("tp2-parallel", "parallel", (3, 2), 5.2), status="failed", tokens=3000.0),
-    # Not in the study: same block pattern on both sides (e.g. a layout pair).
-    {**_record(_side("fsdp2-tp2", "standard", (40, 40), 5.0)), "source": "other.toml"},
-]}
+REPORT: dict[str, Any] = {
+    "plots": {},
+    "pairs": [
+        _record(_side("tp2-single_sync", "single_sync", (14, 13), 5.05)),
+        _record(_side("tp2-parallel", "parallel", (3, 2), 5.2), status="failed", tokens=3000.0),
+        # Not in the study: same block pattern on both sides (e.g. a layout pair).
+        {**_record(_side("fsdp2-tp2", "standard", (40, 40), 5.0)), "source": "other.toml"},
+    ],
+}
 
 
 def test_table_rows() -> None:
@@ -163,7 +231,9 @@ def test_markdown_and_html_sections(tmp_path: Path) -> None:
     report = {**REPORT, "plots": {comm_blocks.PLOT_KEY: f"plots/{png.name}"}}
     md = "\n".join(comm_blocks.markdown_lines(report))
     assert f"## {comm_blocks.TITLE}" in md
-    assert "| tp2-single_sync | single_sync | 27 | 14 / 13 | 1,000 | 5.0500 | +0.0500 (+1.00%)" in md
+    assert (
+        "| tp2-single_sync | single_sync | 27 | 14 / 13 | 1,000 | 5.0500 | +0.0500 (+1.00%)" in md
+    )
     assert "fsdp2-tp2" not in md
     assert f"](plots/{png.name})" in md
     html = comm_blocks.html_section(report, {f"plots/{png.name}": png})
@@ -176,54 +246,117 @@ def test_markdown_and_html_sections(tmp_path: Path) -> None:
 
 def test_side_facts_from_run_meta_and_val_curve() -> None:
     job = JobSpec(name="t", train_config=REPO / "convergence" / "configs" / "debug.toml")
-    val = Curve(metric="val_loss", steps=np.array([10, 20], dtype=np.int64),
-                values=np.array([5.5, 5.25]))
-    side = SideOutcome(job=job, metrics={"val_loss": val}, meta={
-        "num_params": 123, "block_pattern": "single_sync",
-        "collectives": {"forward": 6, "backward": 5, "total": 11, "by_op": {}}})
+    val = Curve(
+        metric="val_loss", steps=np.array([10, 20], dtype=np.int64), values=np.array([5.5, 5.25])
+    )
+    side = SideOutcome(
+        job=job,
+        metrics={"val_loss": val},
+        meta={
+            "num_params": 123,
+            "block_pattern": "single_sync",
+            "collectives": {"forward": 6, "backward": 5, "total": 11, "by_op": {}},
+        },
+    )
     facts = records.side_facts(side)
-    assert facts == {"num_params": 123, "block_pattern": "single_sync",
-                     "collectives": side.meta["collectives"], "final_val_loss": 5.25}
+    assert facts == {
+        "num_params": 123,
+        "block_pattern": "single_sync",
+        "collectives": side.meta["collectives"],
+        "final_val_loss": 5.25,
+    }
     assert records.side_facts(None) == {}
 
 
 # ----------------------------------------------------------------------------------------------
 # The trainer: block kinds under FSDP + TP, TP + PP and sequence parallel match one process
 
-TRAIN_COMMON = ["--training.steps=5", "--metrics.val_every=5", "--metrics.val_batches=1",
-                "--metrics.enable_tensorboard=false"]
+TRAIN_COMMON = [
+    "--training.steps=5",
+    "--metrics.val_every=5",
+    "--metrics.val_batches=1",
+    "--metrics.enable_tensorboard=false",
+]
 MIXED = "--model.block_pattern=single_sync,parallel,parallel,standard"
 
 
 def _train(nproc: int, dump: Path, overrides: list[str]) -> list[dict[str, Any]]:
-    module = ["-m", "convergence.trainer", "--config", str(REPO / "convergence" / "configs" / "debug.toml"),
-              f"--metrics.dump_folder={dump}", *TRAIN_COMMON, *overrides]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", *module] if nproc > 1 else [sys.executable, *module])
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=900)
+    module = [
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(REPO / "convergence" / "configs" / "debug.toml"),
+        f"--metrics.dump_folder={dump}",
+        *TRAIN_COMMON,
+        *overrides,
+    ]
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *module,
+        ]
+        if nproc > 1
+        else [sys.executable, *module]
+    )
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("pattern", "nproc", "layout"), [
-    # PP 2 x 1F1B: the stage boundary (after layer 1) carries a hidden-dim-sharded state.
-    (MIXED, 4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.pp_schedule=1F1B",
-                "--training.local_batch_size=16"]),
-    (MIXED, 4, ["--parallelism.dp_shard=2", "--parallelism.tp=2",
-                "--training.local_batch_size=8"]),
-    ("--model.block_pattern=single_sync,standard", 4,
-     ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.sequence_parallel=true",
-      "--training.local_batch_size=8"]),
-], ids=["tp2-pp2", "fsdp2-tp2", "fsdp2-tp2-sp"])
-def test_trainer_layouts_match_one_process(pattern: str, nproc: int, layout: list[str],
-                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("pattern", "nproc", "layout"),
+    [
+        # PP 2 x 1F1B: the stage boundary (after layer 1) carries a hidden-dim-sharded state.
+        (
+            MIXED,
+            4,
+            [
+                "--parallelism.tp=2",
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=1F1B",
+                "--training.local_batch_size=16",
+            ],
+        ),
+        (
+            MIXED,
+            4,
+            ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--training.local_batch_size=8"],
+        ),
+        (
+            "--model.block_pattern=single_sync,standard",
+            4,
+            [
+                "--parallelism.dp_shard=2",
+                "--parallelism.tp=2",
+                "--parallelism.sequence_parallel=true",
+                "--training.local_batch_size=8",
+            ],
+        ),
+    ],
+    ids=["tp2-pp2", "fsdp2-tp2", "fsdp2-tp2-sp"],
+)
+def test_trainer_layouts_match_one_process(
+    pattern: str, nproc: int, layout: list[str], tmp_path: Path
+) -> None:
     ref = _train(1, tmp_path / "ref", [pattern, "--training.local_batch_size=16"])
     test = _train(nproc, tmp_path / "test", [pattern, *layout])
     for r, t in zip(ref, test, strict=True):
-        assert abs(t["loss"] - r["loss"]) <= 1e-5 and \
-            abs(t["grad_norm"] - r["grad_norm"]) <= 1e-4 * r["grad_norm"], (r, t)
+        assert (
+            abs(t["loss"] - r["loss"]) <= 1e-5
+            and abs(t["grad_norm"] - r["grad_norm"]) <= 1e-4 * r["grad_norm"]
+        ), (r, t)
     assert abs(test[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-5
     meta = json.loads((tmp_path / "test" / "run_meta.json").read_text())
     assert meta["collectives"]["total"] > 0 and meta["block_pattern"] == pattern.split("=")[1]

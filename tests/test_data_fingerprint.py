@@ -32,7 +32,7 @@ def test_sample_hash_is_order_independent_and_sees_a_duplicate() -> None:
     inputs = torch.randint(0, 256, (8, 16), generator=gen)
     targets = torch.randint(0, 256, (8, 16), generator=gen)
     whole = sample_hash(inputs, targets)
-    split = (sample_hash(inputs[:3], targets[:3]) + sample_hash(inputs[3:], targets[3:]))
+    split = sample_hash(inputs[:3], targets[:3]) + sample_hash(inputs[3:], targets[3:])
     assert whole == split % 2**FINGERPRINT_BITS
     perm = torch.randperm(8, generator=gen)
     assert sample_hash(inputs[perm], targets[perm]) == whole
@@ -56,11 +56,26 @@ def test_comparison_names_the_first_step() -> None:
 
 
 def run(dump: Path, *overrides: str) -> dict[str, Curve]:
-    cmd = [sys.executable, "-m", "convergence.trainer", "--config", str(DEBUG),
-           f"--metrics.dump_folder={dump}", "--training.steps=3", "--metrics.val_every=0",
-           "--metrics.enable_tensorboard=false", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(DEBUG),
+        f"--metrics.dump_folder={dump}",
+        "--training.steps=3",
+        "--metrics.val_every=0",
+        "--metrics.enable_tensorboard=false",
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_jsonl(dump / "metrics.jsonl")
 

@@ -26,8 +26,13 @@ from convergence.run.runner import Runner, RunSettings  # noqa: E402
 from convergence.spec.pair import PairSpec  # noqa: E402
 
 STEPS = 12
-CASES = ("ddp-sum-not-average", "dp-ranks-read-same-shard", "fsdp-dp-rank-dropped",
-         "cp-rope-ignores-offset", "fsdp2-noop-hook")
+CASES = (
+    "ddp-sum-not-average",
+    "dp-ranks-read-same-shard",
+    "fsdp-dp-rank-dropped",
+    "cp-rope-ignores-offset",
+    "fsdp2-noop-hook",
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +42,26 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PairSpec]:
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    return Runner(RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180,
-                              wall_limit_s=600))
+    return Runner(
+        RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180, wall_limit_s=600)
+    )
 
 
 def _failed_on(outcome: PairOutcome, metric: str) -> int | None:
     """The first divergent step of ``metric``, which must have failed the pair."""
-    assert outcome.status == "failed", (outcome.status, outcome.error,
-                                        [v.message for v in outcome.verdicts])
+    assert outcome.status == "failed", (
+        outcome.status,
+        outcome.error,
+        [v.message for v in outcome.verdicts],
+    )
     verdict = outcome.verdict(metric)
     assert verdict is not None and not verdict.passed and verdict.gate, verdict
     return verdict.first_divergent_step
 
 
 def test_gradient_sum_instead_of_average_is_caught_by_grad_norm_only(
-        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    runner: Runner, pairs: dict[str, PairSpec]
+) -> None:
     outcome = runner.run_pair(pairs["ddp-sum-not-average"])
     assert _failed_on(outcome, "grad_norm") == 1
     # Summed over 2 ranks instead of averaged: the step-1 gradient (same weights) is exactly 2x.
@@ -66,19 +76,20 @@ def test_gradient_sum_instead_of_average_is_caught_by_grad_norm_only(
 
 
 def test_ranks_reading_the_same_shard_is_caught_by_the_loss(
-        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    runner: Runner, pairs: dict[str, PairSpec]
+) -> None:
     outcome = runner.run_pair(pairs["dp-ranks-read-same-shard"])
     assert _failed_on(outcome, "loss") == 1
 
 
-def test_reduction_missing_a_rank_is_caught(runner: Runner,
-                                            pairs: dict[str, PairSpec]) -> None:
+def test_reduction_missing_a_rank_is_caught(runner: Runner, pairs: dict[str, PairSpec]) -> None:
     outcome = runner.run_pair(pairs["fsdp-dp-rank-dropped"])
     assert _failed_on(outcome, "grad_norm") == 1
 
 
 def test_position_bug_is_caught_at_step_1_by_the_per_part_grad_norm(
-        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    runner: Runner, pairs: dict[str, PairSpec]
+) -> None:
     """CP rotary angles without the chunk offset: at step 1 the attention is nearly uniform,
     so the loss and the total grad norm move less than their tolerances (on the Markov data the
     loss first diverged at step 16 of 30); the query/key gradients move ~3e-3 relative."""
@@ -91,8 +102,7 @@ def test_position_bug_is_caught_at_step_1_by_the_per_part_grad_norm(
     assert len(parts) >= 1 and parts.values[0] > 0
 
 
-def test_correct_pair_through_a_hook_passes(runner: Runner,
-                                            pairs: dict[str, PairSpec]) -> None:
+def test_correct_pair_through_a_hook_passes(runner: Runner, pairs: dict[str, PairSpec]) -> None:
     outcome = runner.run_pair(pairs["fsdp2-noop-hook"])
     assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
     loss = outcome.verdict("loss")

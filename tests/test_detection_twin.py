@@ -29,16 +29,22 @@ CASES = ("fsdp2-tp2", "cp-mask-ignores-offset")
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PairSpec]:
-    cases = [dataclasses.replace(by_name(n), precision="bf16",
-                                 techniques={**by_name(n).techniques,
-                                             "param_dtype": "bfloat16"}) for n in CASES]
+    cases = [
+        dataclasses.replace(
+            by_name(n),
+            precision="bf16",
+            techniques={**by_name(n).techniques, "param_dtype": "bfloat16"},
+        )
+        for n in CASES
+    ]
     return build_pairs(cases, tmp_path_factory.mktemp("exp"), steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
-    return Runner(RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180,
-                              wall_limit_s=600))
+    return Runner(
+        RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180, wall_limit_s=600)
+    )
 
 
 def test_bf16_pairs_default_to_the_twin_regime(pairs: dict[str, PairSpec]) -> None:
@@ -48,7 +54,8 @@ def test_bf16_pairs_default_to_the_twin_regime(pairs: dict[str, PairSpec]) -> No
 
 
 def test_correct_bf16_layout_passes_inside_the_measured_envelope(
-        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    runner: Runner, pairs: dict[str, PairSpec]
+) -> None:
     outcome = runner.run_pair(pairs["fsdp2-tp2"])
     assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
     assert outcome.control is not None and outcome.control.twin is not None
@@ -65,9 +72,11 @@ def test_correct_bf16_layout_passes_inside_the_measured_envelope(
 
 
 def test_cp_mask_bug_that_the_seed_band_missed_fails_early(
-        runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    runner: Runner, pairs: dict[str, PairSpec]
+) -> None:
     outcome = runner.run_pair(pairs["cp-mask-ignores-offset"])
     assert outcome.status == "failed", [v.message for v in outcome.verdicts]
-    first = min(v.first_divergent_step or STEPS + 1 for v in outcome.verdicts
-                if v.gate and not v.passed)
+    first = min(
+        v.first_divergent_step or STEPS + 1 for v in outcome.verdicts if v.gate and not v.passed
+    )
     assert first <= 2

@@ -22,18 +22,20 @@ from teardown_loop import ABORT_TEXT, run_loop  # noqa: E402
 
 def _run_python(body: str) -> subprocess.CompletedProcess[str]:
     code = f"from convergence.dist_exit import run_and_exit\n{body}"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize(("body", "code"), [
-    ("run_and_exit(lambda: None)", 0),
-    ("run_and_exit(lambda: 3)", 3),
-    ("def f():\n    raise SystemExit(4)\nrun_and_exit(f)", 4),
-    ("def f():\n    raise SystemExit('bad input')\nrun_and_exit(f)", 1),
-    ("def f():\n    raise ValueError('boom')\nrun_and_exit(f)", 1),
-    ("def f():\n    raise KeyboardInterrupt\nrun_and_exit(f)", 130),
-])
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ("run_and_exit(lambda: None)", 0),
+        ("run_and_exit(lambda: 3)", 3),
+        ("def f():\n    raise SystemExit(4)\nrun_and_exit(f)", 4),
+        ("def f():\n    raise SystemExit('bad input')\nrun_and_exit(f)", 1),
+        ("def f():\n    raise ValueError('boom')\nrun_and_exit(f)", 1),
+        ("def f():\n    raise KeyboardInterrupt\nrun_and_exit(f)", 130),
+    ],
+)
 def test_exit_codes_follow_sys_exit(body: str, code: int) -> None:
     proc = _run_python(body)
     assert proc.returncode == code, proc.stderr
@@ -41,9 +43,11 @@ def test_exit_codes_follow_sys_exit(body: str, code: int) -> None:
 
 def test_exception_traceback_and_buffered_output_are_not_lost() -> None:
     # stdout is a pipe here, so block-buffered: os._exit would drop it without the flush.
-    proc = _run_python("import sys\ndef f():\n    print('written before')\n"
-                       "    print('to stderr', file=sys.stderr)\n    raise ValueError('boom')\n"
-                       "run_and_exit(f)")
+    proc = _run_python(
+        "import sys\ndef f():\n    print('written before')\n"
+        "    print('to stderr', file=sys.stderr)\n    raise ValueError('boom')\n"
+        "run_and_exit(f)"
+    )
     assert proc.returncode == 1
     assert "written before" in proc.stdout
     assert "Traceback (most recent call last):" in proc.stderr
@@ -64,10 +68,14 @@ def test_tight_loop_of_gloo_jobs_never_aborts() -> None:
 
 def _request(tmp_path: Path, *extra: str, steps: int = 3) -> LaunchRequest:
     metrics = tmp_path / "metrics.jsonl"
-    return LaunchRequest(name="teardown", nproc=2, log_dir=tmp_path / "logs",
-                         entry=[str(WORKER), "--steps", str(steps), "--out", str(metrics),
-                                *extra],
-                         metrics_path=metrics, total_steps=steps)
+    return LaunchRequest(
+        name="teardown",
+        nproc=2,
+        log_dir=tmp_path / "logs",
+        entry=[str(WORKER), "--steps", str(steps), "--out", str(metrics), *extra],
+        metrics_path=metrics,
+        total_steps=steps,
+    )
 
 
 def test_abort_after_the_last_step_is_kept_and_named(tmp_path: Path) -> None:

@@ -23,8 +23,9 @@ BENCHMARKS = (REPO / "BENCHMARKS.md").read_text(encoding="utf-8")
 
 def test_readme_generated_parts_are_current() -> None:
     """The key table (from the spec) and the option list (from the option table)."""
-    assert docs.render(README) == README, \
+    assert docs.render(README) == README, (
         "README drifted from the code: run `python -m convergence.docs README.md`"
+    )
 
 
 def test_an_undocumented_spec_key_fails_the_table() -> None:
@@ -36,8 +37,14 @@ def test_an_undocumented_spec_key_fails_the_table() -> None:
 def test_readme_names_every_pp_schedule_and_method() -> None:
     """Points 13-14: ZBVZeroBubble/DualPipeV, the twin method, probe and [experiment]."""
     table = README.split("<!-- keys:begin -->")[1].split("<!-- keys:end -->")[0]
-    for word in ("ZBVZeroBubble", "DualPipeV", '"twin"', "`probe`", "`probe_on_failure`",
-                 "`[experiment]`"):
+    for word in (
+        "ZBVZeroBubble",
+        "DualPipeV",
+        '"twin"',
+        "`probe`",
+        "`probe_on_failure`",
+        "`[experiment]`",
+    ):
         assert word in table, word
 
 
@@ -150,10 +157,19 @@ def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
     from convergence.spec.experiment import make_pair
 
     (tmp_path / "t.toml").write_text("")
-    side = {"train_config": "t.toml", "backend": "command",
-            "backend_options": {"command": ["train.py", "{dump_dir}"]},
-            "parallelism": {"dp_shard": 2}}
-    pair = make_pair(name="cmd", control=side, test=side, rootdir=tmp_path,
-                     source=str(tmp_path / "e.toml"), regimes=REGISTRY)
+    side = {
+        "train_config": "t.toml",
+        "backend": "command",
+        "backend_options": {"command": ["train.py", "{dump_dir}"]},
+        "parallelism": {"dp_shard": 2},
+    }
+    pair = make_pair(
+        name="cmd",
+        control=side,
+        test=side,
+        rootdir=tmp_path,
+        source=str(tmp_path / "e.toml"),
+        regimes=REGISTRY,
+    )
     assert pair.regime == "paired" and not wants_probe(pair, "failed")
     assert "only when both sides are\nbuilt-in jobs" in README

@@ -70,8 +70,11 @@ class Session:
         return self.project / ".convergence"
 
     def run_dir(self, pair: str, side: str = "test") -> Path:
-        found = [d for d in run_dirs(self.workdir)
-                 if d.parent.name.endswith(f"_{pair}") and d.name.startswith(f"{side}-")]
+        found = [
+            d
+            for d in run_dirs(self.workdir)
+            if d.parent.name.endswith(f"_{pair}") and d.name.startswith(f"{side}-")
+        ]
         assert len(found) == 1, (pair, side, found)
         return found[0]
 
@@ -115,20 +118,26 @@ def squatter() -> Iterator[int]:
 
 FAULTS = (
     FaultyTest(name="ok-first", argv_file=True),
-    FaultyTest(name="raise-rank1", fault_args=("--fault", "raise", "--fault-rank", "1",
-                                               "--at", "3")),
-    FaultyTest(name="nan-at-3", fault_args=("--fault", "nan", "--at", "3"), sleep=0.5,
-               early_stop=False),
-    FaultyTest(name="sigkill-rank1", fault_args=("--fault", "sigkill", "--fault-rank", "1",
-                                                 "--at", "2")),
+    FaultyTest(
+        name="raise-rank1", fault_args=("--fault", "raise", "--fault-rank", "1", "--at", "3")
+    ),
+    FaultyTest(
+        name="nan-at-3", fault_args=("--fault", "nan", "--at", "3"), sleep=0.5, early_stop=False
+    ),
+    FaultyTest(
+        name="sigkill-rank1", fault_args=("--fault", "sigkill", "--fault-rank", "1", "--at", "2")
+    ),
     FaultyTest(name="ok-last"),
 )
-HANG = FaultyTest(name="hang-rank1", fault_args=("--fault", "hang", "--fault-rank", "1",
-                                                 "--at", "2"))
-STOPPED_RANK = FaultyTest(name="stopped-rank1", fault_args=("--fault", "sigstop",
-                                                            "--fault-rank", "1", "--at", "2"))
-STOPPED_AGENT = FaultyTest(name="stopped-agent", fault_args=("--fault", "stop_agent"),
-                           early_stop=False)
+HANG = FaultyTest(
+    name="hang-rank1", fault_args=("--fault", "hang", "--fault-rank", "1", "--at", "2")
+)
+STOPPED_RANK = FaultyTest(
+    name="stopped-rank1", fault_args=("--fault", "sigstop", "--fault-rank", "1", "--at", "2")
+)
+STOPPED_AGENT = FaultyTest(
+    name="stopped-agent", fault_args=("--fault", "stop_agent"), early_stop=False
+)
 IDLE_LIMIT_S = 20
 
 
@@ -137,23 +146,34 @@ def faults(tmp_path_factory: pytest.TempPathFactory, squatter: int) -> Iterator[
     """One session, two workers: raise / NaN / SIGKILL / NaN control next to good pairs."""
     root = tmp_path_factory.mktemp("faults")
     cfg = odd_config(root)
-    project = make_project(root, {
-        "faults.toml": experiment(tests=FAULTS, train_config=cfg),
-        "nan_control.toml": experiment(
-            tests=[FaultyTest(name="after-nan-control")], train_config=cfg,
-            control_name="ddp2-nan", control_args=("--fault", "nan", "--at", "2")),
-        "flat_control.toml": experiment(  # 20 steps: control health judges from MIN_STEPS on
-            tests=[FaultyTest(name="after-flat-control")], train_config=cfg, steps=20,
-            control_name="ddp2-flat", control_args=("--fault", "flat")),
-    })
+    project = make_project(
+        root,
+        {
+            "faults.toml": experiment(tests=FAULTS, train_config=cfg),
+            "nan_control.toml": experiment(
+                tests=[FaultyTest(name="after-nan-control")],
+                train_config=cfg,
+                control_name="ddp2-nan",
+                control_args=("--fault", "nan", "--at", "2"),
+            ),
+            "flat_control.toml": experiment(  # 20 steps: control health judges from MIN_STEPS on
+                tests=[FaultyTest(name="after-flat-control")],
+                train_config=cfg,
+                steps=20,
+                control_name="ddp2-flat",
+                control_args=("--fault", "flat"),
+            ),
+        },
+    )
     (project / "extra").mkdir()
     (project / "extra" / "hang.toml").write_text(
-        experiment(tests=[HANG, STOPPED_RANK, STOPPED_AGENT], train_config=cfg))
+        experiment(tests=[HANG, STOPPED_RANK, STOPPED_AGENT], train_config=cfg)
+    )
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(squatter)}
-    proc = run_pytest(project, "-n", "2", "--convergence-devices", "4",
-                      "--convergence-report", "report", env=env)
-    session = Session(project=project, proc=proc, outcomes=saved_outcomes(project /
-                                                                          ".convergence"))
+    proc = run_pytest(
+        project, "-n", "2", "--convergence-devices", "4", "--convergence-report", "report", env=env
+    )
+    session = Session(project=project, proc=proc, outcomes=saved_outcomes(project / ".convergence"))
     yield session
     kill_pids(_all_job_pids(session.workdir))
 
@@ -163,9 +183,15 @@ def test_faults_are_contained_and_good_pairs_pass(faults: Session) -> None:
     assert faults.proc.returncode == pytest.ExitCode.TESTS_FAILED, out
     assert "5 failed, 2 passed" in out.splitlines()[-1], out
     statuses = {name: o["status"] for name, o in faults.outcomes.items()}
-    assert statuses == {"ok-first": "passed", "raise-rank1": "error", "nan-at-3": "failed",
-                        "sigkill-rank1": "error", "ok-last": "passed",
-                        "after-nan-control": "error", "after-flat-control": "error"}, out
+    assert statuses == {
+        "ok-first": "passed",
+        "raise-rank1": "error",
+        "nan-at-3": "failed",
+        "sigkill-rank1": "error",
+        "ok-last": "passed",
+        "after-nan-control": "error",
+        "after-flat-control": "error",
+    }, out
     assert "PASSED experiments/faults.toml::ok-first" in out
     assert "PASSED experiments/faults.toml::ok-last" in out
     # The partial report of a session with faults is still written, every pair in it.
@@ -179,16 +205,20 @@ def test_a_rank_that_raises_is_named_with_its_traceback(faults: Session) -> None
     assert "test job 'raise-rank1'" in error
     assert "rank 1 failed: RuntimeError: injected fault on rank 1 at step 3" in error
     assert "Traceback (most recent call last)" in error and "trainer.py" in error
-    assert ("faults.toml::raise-rank1: ERROR: test job 'raise-rank1' (ddp2) job "
-            "'raise-rank1 test': rank 1 failed: RuntimeError: injected fault" in faults.out)
+    assert (
+        "faults.toml::raise-rank1: ERROR: test job 'raise-rank1' (ddp2) job "
+        "'raise-rank1 test': rank 1 failed: RuntimeError: injected fault" in faults.out
+    )
     assert not alive(job_pids(faults.run_dir("raise-rank1")))
 
 
 def test_nan_loss_is_reported_at_its_step_and_the_job_is_stopped(faults: Session) -> None:
     outcome = faults.outcomes["nan-at-3"]
     assert "loss is nan at step 3" in faults.error("nan-at-3")
-    assert "faults.toml::nan-at-3: test job 'nan-at-3': job 'nan-at-3 test': loss is nan at " \
-           "step 3" in faults.out
+    assert (
+        "faults.toml::nan-at-3: test job 'nan-at-3': job 'nan-at-3 test': loss is nan at "
+        "step 3" in faults.out
+    )
     result = outcome["test"]["result"]
     assert result["status"] == "nan" and result["failure"]["step"] == 3
     # Stopped, not run out: 6 steps at 0.5 s each would take 3 s more.
@@ -255,19 +285,28 @@ def test_hung_and_stopped_jobs_are_ended_by_the_watchdog(faults: Session) -> Non
     - the torchrun agent is stopped after every step was logged: the run is complete, so it is
       kept and the pair passes.
     No process of any of them is left."""
-    proc = run_pytest(faults.project, "extra/hang.toml", "-n", "3", "--convergence-devices", "6",
-                      f"--convergence-idle-limit={IDLE_LIMIT_S}", "--convergence-wall-limit=300")
+    proc = run_pytest(
+        faults.project,
+        "extra/hang.toml",
+        "-n",
+        "3",
+        "--convergence-devices",
+        "6",
+        f"--convergence-idle-limit={IDLE_LIMIT_S}",
+        "--convergence-wall-limit=300",
+    )
     out = proc.stdout
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
     assert "2 failed, 1 passed" in out.splitlines()[-1], out
-    assert ("hang.toml::hang-rank1: ERROR: test job 'hang-rank1' (ddp2) job 'hang-rank1 test' "
-            "hung: no new line in") in out, out
+    assert (
+        "hang.toml::hang-rank1: ERROR: test job 'hang-rank1' (ddp2) job 'hang-rank1 test' "
+        "hung: no new line in"
+    ) in out, out
     assert f"for {IDLE_LIMIT_S} s" in out
     outcomes = saved_outcomes(faults.workdir)
     stopped = str(outcomes["stopped-rank1"]["error"] or "")
     assert outcomes["stopped-rank1"]["status"] == "error" and "hung: no new line" in stopped
-    rank1_pid = int((faults.run_dir("stopped-rank1") / "dump" / "pids" / "rank1.pid")
-                    .read_text())
+    rank1_pid = int((faults.run_dir("stopped-rank1") / "dump" / "pids" / "rank1.pid").read_text())
     assert f"rank 1 (pid {rank1_pid}) is stopped (SIGSTOP or a debugger)" in stopped, stopped
     assert outcomes["stopped-agent"]["status"] == "passed", outcomes["stopped-agent"]
     agent_log = faults.run_dir("stopped-agent") / "logs" / "launcher.log"
@@ -305,26 +344,35 @@ def test_a_corrupt_cache_entry_is_detected_and_rerun(faults: Session) -> None:
 # -- Ctrl-C ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workers", [
-    pytest.param(None, id="one-process"),
-    pytest.param(2, id="xdist", marks=pytest.mark.slow),
-])
-def test_ctrl_c_ends_every_job_and_keeps_finished_runs(tmp_path: Path,
-                                                       workers: int | None) -> None:
+@pytest.mark.parametrize(
+    "workers",
+    [
+        pytest.param(None, id="one-process"),
+        pytest.param(2, id="xdist", marks=pytest.mark.slow),
+    ],
+)
+def test_ctrl_c_ends_every_job_and_keeps_finished_runs(tmp_path: Path, workers: int | None) -> None:
     """SIGINT while a job trains: pytest ends as interrupted, every process of every job is
     gone (by PID), the finished control stays in the cache and the report holds the finished
     pair. With xdist the signal goes to the whole process group, as a terminal's Ctrl-C does.
     (tests/test_plugin_e2e.py has the same on the built-in trainer, without the PID audit.)"""
-    tests = [FaultyTest(name="quick"),
-             FaultyTest(name="long", sleep=20.0, early_stop=False)]
-    project = make_project(tmp_path, {"c.toml": experiment(tests=tests,
-                                                           train_config=odd_config(tmp_path))})
+    tests = [FaultyTest(name="quick"), FaultyTest(name="long", sleep=20.0, early_stop=False)]
+    project = make_project(
+        tmp_path, {"c.toml": experiment(tests=tests, train_config=odd_config(tmp_path))}
+    )
     args = ["--convergence-report", "report", "-v"]
     if workers:  # both pairs at once: wait for the quick one to finish first
         args += ["-n", str(workers), "--convergence-devices", "4"]
-    proc = subprocess.Popen(pytest_argv(*args), cwd=project, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "COLUMNS": "200"}, preexec_fn=default_sigint)
+    proc = subprocess.Popen(
+        pytest_argv(*args),
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "COLUMNS": "200"},
+        preexec_fn=default_sigint,
+    )
     assert proc.stdout is not None
     lines: list[str] = []
     long_pids = project / ".convergence" / "runs" / "c.toml_long"
@@ -333,8 +381,11 @@ def test_ctrl_c_ends_every_job_and_keeps_finished_runs(tmp_path: Path,
         quick_done = False
         for line in proc.stdout:
             lines.append(line)
-            quick_done = quick_done or "c.toml::quick PASSED" in line or (
-                "PASSED" in line and "quick" in line)
+            quick_done = (
+                quick_done
+                or "c.toml::quick PASSED" in line
+                or ("PASSED" in line and "quick" in line)
+            )
             if quick_done and list(long_pids.glob("test-*/dump/pids/rank1.pid")):
                 break
             assert time.monotonic() < deadline, "".join(lines)
@@ -370,7 +421,8 @@ def test_ctrl_c_ends_every_job_and_keeps_finished_runs(tmp_path: Path,
     by_name = {p["name"]: p for p in report["pairs"]}
     assert by_name.pop("quick")["status"] == "passed", out
     assert [(p["status"], "interrupted" in p["error"]) for p in by_name.values()] == [
-        ("error", True)], out
+        ("error", True)
+    ], out
     assert report["environment"]["interrupted"] is True
 
 
@@ -379,8 +431,9 @@ def test_ctrl_c_ends_every_job_and_keeps_finished_runs(tmp_path: Path,
 
 def _mount_tmpfs(path: Path, size: str) -> None:
     path.mkdir(parents=True)
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                         capture_output=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.decode().strip()}")
 
@@ -398,8 +451,11 @@ def _fill(folder: Path) -> None:
 @pytest.fixture
 def small_disks(tmp_path: Path) -> Iterator[dict[str, Path]]:
     """Three real tmpfs: the workdir (runs, metrics), a small cache, a full report folder."""
-    mounts = {"work": tmp_path / f"work-{uuid.uuid4().hex[:6]}",
-              "cache": tmp_path / "cache", "report": tmp_path / "report"}
+    mounts = {
+        "work": tmp_path / f"work-{uuid.uuid4().hex[:6]}",
+        "cache": tmp_path / "cache",
+        "report": tmp_path / "report",
+    }
     done: list[Path] = []
     try:
         for name, size in (("work", "8m"), ("cache", "512k"), ("report", "64k")):
@@ -412,32 +468,52 @@ def small_disks(tmp_path: Path) -> Iterator[dict[str, Path]]:
 
 
 def test_disk_full_is_a_clear_error_and_leaves_no_half_cache_entry(
-        tmp_path: Path, small_disks: dict[str, Path]) -> None:
+    tmp_path: Path, small_disks: dict[str, Path]
+) -> None:
     """The metrics' disk fills up mid-run -> that pair errors with ENOSPC on its rank; a
     control too big for the cache's disk -> that pair errors "disk full ... nothing was
     stored"; the report's disk is full -> a clear line at the end. The other pairs pass."""
     cfg = odd_config(tmp_path / "p")
-    project = make_project(tmp_path / "p", {
-        "disk.toml": experiment(train_config=cfg, tests=[
-            FaultyTest(name="ok"),
-            FaultyTest(name="metrics-disk-full", fault_args=("--fault", "diskfull", "--at", "2")),
-            FaultyTest(name="ok-after")]),
-        "big_control.toml": experiment(
-            train_config=cfg, tests=[FaultyTest(name="after-big-control")],
-            control_name="ddp2-big", control_args=("--fault", "blob", "--blob-kib", "1024")),
-    })
+    project = make_project(
+        tmp_path / "p",
+        {
+            "disk.toml": experiment(
+                train_config=cfg,
+                tests=[
+                    FaultyTest(name="ok"),
+                    FaultyTest(
+                        name="metrics-disk-full", fault_args=("--fault", "diskfull", "--at", "2")
+                    ),
+                    FaultyTest(name="ok-after"),
+                ],
+            ),
+            "big_control.toml": experiment(
+                train_config=cfg,
+                tests=[FaultyTest(name="after-big-control")],
+                control_name="ddp2-big",
+                control_args=("--fault", "blob", "--blob-kib", "1024"),
+            ),
+        },
+    )
     _fill(small_disks["report"])
-    proc = run_pytest(project, f"--convergence-workdir={small_disks['work']}",
-                      f"--convergence-cache-dir={small_disks['cache']}",
-                      f"--convergence-report={small_disks['report'] / 'out'}")
+    proc = run_pytest(
+        project,
+        f"--convergence-workdir={small_disks['work']}",
+        f"--convergence-cache-dir={small_disks['cache']}",
+        f"--convergence-report={small_disks['report'] / 'out'}",
+    )
     out = proc.stdout
     assert proc.returncode == pytest.ExitCode.TESTS_FAILED, out
     outcomes = saved_outcomes(small_disks["work"])
     assert {n: o["status"] for n, o in outcomes.items()} == {
-        "ok": "passed", "metrics-disk-full": "error", "ok-after": "passed",
-        "after-big-control": "error"}, out
-    assert ("metrics-disk-full test': rank 0 failed: OSError: [Errno 28] No space left on "
-            "device") in outcomes["metrics-disk-full"]["error"]
+        "ok": "passed",
+        "metrics-disk-full": "error",
+        "ok-after": "passed",
+        "after-big-control": "error",
+    }, out
+    assert (
+        "metrics-disk-full test': rank 0 failed: OSError: [Errno 28] No space left on device"
+    ) in outcomes["metrics-disk-full"]["error"]
     big = outcomes["after-big-control"]["error"]
     assert "disk full while storing run" in big and "nothing was stored" in big, big
     assert "--convergence-cache-dir" in big
@@ -471,7 +547,10 @@ def raise_on_rank1(model, ctx):
 
 
 def test_builtin_trainer_rank_raising_in_a_hook(tmp_path: Path) -> None:
-    project = make_project(tmp_path, {"builtin.toml": textwrap.dedent(f"""
+    project = make_project(
+        tmp_path,
+        {
+            "builtin.toml": textwrap.dedent(f"""
         [defaults]
         train_config = "{DEBUG}"
         steps = 5
@@ -485,7 +564,9 @@ def test_builtin_trainer_rank_raising_in_a_hook(tmp_path: Path) -> None:
         name = "hook-raises"
         parallelism = {{ dp_shard = 2 }}
         hook = "raising_hook:raise_on_rank1"
-        """)})
+        """)
+        },
+    )
     (project / "raising_hook.py").write_text(RAISING_HOOK)
     (project / "test_after.py").write_text("def test_after_the_fault():\n    pass\n")
     proc = run_pytest(project, "experiments", "test_after.py", "-m", "")
@@ -515,22 +596,36 @@ parallelism = {{ dp_shard = 2 }}
 BAD_INPUT = {
     # file name: (experiment text, substrings the collection error must show)
     "malformed.toml": (_GOOD + "[[test]\nname = 'x'\n", ["malformed TOML", "fix:"]),
-    "unknown_key.toml": (_GOOD + "[[test]]\nname = 'x'\ntensor_paralel = 2\n",
-                         ["key 'test[0].tensor_paralel'", "unknown key", "fix:"]),
-    "wrong_type.toml": (_GOOD + "[[test]]\nname = 'x'\nsteps = 'ten'\n",
-                        ["key 'test[0].steps'", "expected an integer", "fix:"]),
-    "impossible.toml": (_GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 1, tp = 3 }\n",
-                        ["key 'test[0].parallelism.tp'", "tp=3 must divide", "fix:"]),
-    "tokens.toml": (_GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 4 }\n",
-                    ["key 'test[0].local_batch_size'", "tokens per optimizer step differ",
-                     "fix: set local_batch_size = 4"]),
-    "bad_hook.toml": (_GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 2 }\n"
-                      "hook = 'no_such_pkg_7.par:apply'\n",
-                      ["key 'test[0].hook'", "hook module 'no_such_pkg_7.par' cannot be imported",
-                       "fix:"]),
-    "no_config.toml": (_GOOD.replace(str(DEBUG), "train_configs/nope.toml")
-                       + "[[test]]\nname = 'x'\nparallelism = { dp_replicate = 2 }\n",
-                       ["key 'control.train_config'", "does not exist", "fix:"]),
+    "unknown_key.toml": (
+        _GOOD + "[[test]]\nname = 'x'\ntensor_paralel = 2\n",
+        ["key 'test[0].tensor_paralel'", "unknown key", "fix:"],
+    ),
+    "wrong_type.toml": (
+        _GOOD + "[[test]]\nname = 'x'\nsteps = 'ten'\n",
+        ["key 'test[0].steps'", "expected an integer", "fix:"],
+    ),
+    "impossible.toml": (
+        _GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 1, tp = 3 }\n",
+        ["key 'test[0].parallelism.tp'", "tp=3 must divide", "fix:"],
+    ),
+    "tokens.toml": (
+        _GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 4 }\n",
+        [
+            "key 'test[0].local_batch_size'",
+            "tokens per optimizer step differ",
+            "fix: set local_batch_size = 4",
+        ],
+    ),
+    "bad_hook.toml": (
+        _GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 2 }\n"
+        "hook = 'no_such_pkg_7.par:apply'\n",
+        ["key 'test[0].hook'", "hook module 'no_such_pkg_7.par' cannot be imported", "fix:"],
+    ),
+    "no_config.toml": (
+        _GOOD.replace(str(DEBUG), "train_configs/nope.toml")
+        + "[[test]]\nname = 'x'\nparallelism = { dp_replicate = 2 }\n",
+        ["key 'control.train_config'", "does not exist", "fix:"],
+    ),
     # Too many devices for the session is not bad input but a skip (test_plugin_collection).
 }
 

@@ -31,8 +31,7 @@ sys.exit(rc)
 """
 
 
-@pytest.mark.parametrize("paths", [["experiments/quickstart.toml"], []],
-                         ids=["quickstart", "bare"])
+@pytest.mark.parametrize("paths", [["experiments/quickstart.toml"], []], ids=["quickstart", "bare"])
 def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> None:
     """Named or bare (`testpaths`: the project's conftest skips test modules that hold no
     convergence test unimported), collection loads none of the costly packages."""
@@ -43,9 +42,24 @@ def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> N
         # is that nothing else in collection imports torch.
         env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, "-m", "convergence", "--collect-only", "-q",
-         "-p", "no:cacheprovider", *paths],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-c",
+            PROBE,
+            "-m",
+            "convergence",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *paths,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "experiments/quickstart.toml::" in proc.stdout
     line = next(x for x in proc.stdout.splitlines() if x.startswith("MODULES="))
@@ -59,7 +73,10 @@ def test_the_build_read_from_the_file_is_the_imported_torchs() -> None:
     build = torch_build()
     assert build is not None
     assert (build.version, build.cuda, build.hip) == (
-        str(torch.__version__), torch.version.cuda, torch.version.hip)
+        str(torch.__version__),
+        torch.version.cuda,
+        torch.version.hip,
+    )
 
 
 def _fake_torch(tmp_path: Path, cuda: str, hip: str) -> Path:
@@ -68,15 +85,18 @@ def _fake_torch(tmp_path: Path, cuda: str, hip: str) -> Path:
     (package / "__init__.py").write_text("raise ImportError('the fake torch is not imported')\n")
     (package / "version.py").write_text(
         "from typing import Optional\n\n__version__ = '9.9.9'\n"
-        f"cuda: Optional[str] = {cuda}\ngit_version = 'x'\nhip: Optional[str] = {hip}\n")
+        f"cuda: Optional[str] = {cuda}\ngit_version = 'x'\nhip: Optional[str] = {hip}\n"
+    )
     return tmp_path
 
 
-@pytest.mark.parametrize(("cuda", "hip", "expected"), [
-    ("None", "None", False), ("'12.4'", "None", True), ("None", "'6.2.4'", True)])
+@pytest.mark.parametrize(
+    ("cuda", "hip", "expected"),
+    [("None", "None", False), ("'12.4'", "None", True), ("None", "'6.2.4'", True)],
+)
 def test_torch_build_is_read_without_importing_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str, hip: str,
-        expected: bool) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str, hip: str, expected: bool
+) -> None:
     monkeypatch.syspath_prepend(str(_fake_torch(tmp_path, cuda, hip)))
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     torch_build.cache_clear()
@@ -90,7 +110,8 @@ def test_torch_build_is_read_without_importing_it(
 
 
 def test_an_unreadable_build_defers_to_torch(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = _fake_torch(tmp_path, "None", "None")
     (root / "torch" / "version.py").write_text("__version__ = '9.9.9'\n")
     monkeypatch.syspath_prepend(str(root))
@@ -105,7 +126,8 @@ def test_an_unreadable_build_defers_to_torch(
 
 @pytest.mark.parametrize("value", ["", "-1", " -1,0"])
 def test_cuda_visible_devices_hiding_all_gpus_means_cpu_slots(
-        monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
     monkeypatch.setattr(torch_info, "torch_build", lambda: None)  # torch is never asked
     found = detect_devices(cpu_slots=3)

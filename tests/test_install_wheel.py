@@ -57,21 +57,27 @@ def user_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     tmp = tmp_path_factory.mktemp("wheel")
     dist = tmp / "dist"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist),
-                  str(REPO)], cwd=tmp, env=env)
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)],
+        cwd=tmp,
+        env=env,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     wheel = next(dist.glob("pytest_convergence-*.whl"))
     venv = tmp / "venv"
     made = _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp, env=env)
     assert made.returncode == 0, made.stderr
     python = venv / "bin" / "python"
-    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                   cwd=tmp, env=env).stdout.strip()
+    purelib = _run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        cwd=tmp,
+        env=env,
+    ).stdout.strip()
     ours = sysconfig.get_path("purelib")
-    (Path(purelib) / "_host_deps.pth").write_text(
-        "\n".join([ours, *site.getsitepackages()]) + "\n")
-    installed = _run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
-                     cwd=tmp, env=env)
+    (Path(purelib) / "_host_deps.pth").write_text("\n".join([ours, *site.getsitepackages()]) + "\n")
+    installed = _run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], cwd=tmp, env=env
+    )
     assert installed.returncode == 0, installed.stderr[-3000:]
     repo = tmp / "user_repo"
     (repo / "experiments" / "llama").mkdir(parents=True)
@@ -97,21 +103,29 @@ def test_wheel_carries_configs_and_version(user_env: tuple[Path, dict[str, str]]
 
 def test_foreign_toml_never_disturbs_other_tests(user_env: tuple[Path, dict[str, str]]) -> None:
     repo, env = user_env
-    proc = _run(["python", "-m", "pytest",
-                 "-m", "not convergence", "-p", "no:cacheprovider", "-q"], cwd=repo, env=env)
+    proc = _run(
+        ["python", "-m", "pytest", "-m", "not convergence", "-p", "no:cacheprovider", "-q"],
+        cwd=repo,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout and "error" not in proc.stdout.lower(), proc.stdout
 
 
 @pytest.mark.parametrize("form", ["space", "equals"])
 def test_experiment_with_shipped_config_and_both_report_forms(
-        user_env: tuple[Path, dict[str, str]], form: str) -> None:
+    user_env: tuple[Path, dict[str, str]], form: str
+) -> None:
     repo, env = user_env
     report = repo / "report"
-    option = (["--convergence-report", "report"] if form == "space"
-              else ["--convergence-report=report"])
-    proc = _run(["python", "-m", "pytest", "-m", "convergence", *option,
-                 "-p", "no:cacheprovider"], cwd=repo, env=env)
+    option = (
+        ["--convergence-report", "report"] if form == "space" else ["--convergence-report=report"]
+    )
+    proc = _run(
+        ["python", "-m", "pytest", "-m", "convergence", *option, "-p", "no:cacheprovider"],
+        cwd=repo,
+        env=env,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "mine.toml::ddp2 PASSED" in out or "1 passed" in out, out[-3000:]
@@ -123,8 +137,7 @@ def test_experiment_with_shipped_config_and_both_report_forms(
     assert data["pairs"][0]["status"] == "passed"
 
 
-def test_testpaths_repo_runs_its_convergence_paths(
-        user_env: tuple[Path, dict[str, str]]) -> None:
+def test_testpaths_repo_runs_its_convergence_paths(user_env: tuple[Path, dict[str, str]]) -> None:
     """Issue 24, trap 1, as a user meets it: a repository whose pytest config has
     ``testpaths = ["tests"]`` (most do) and ``convergence_paths = ["experiments"]``;
     ``pytest -m convergence`` runs its experiments (one real 3-step pair)."""
@@ -135,13 +148,17 @@ def test_testpaths_repo_runs_its_convergence_paths(
     (repo / "experiments" / "mine.toml").write_text(EXPERIMENT)
     (repo / "tests" / "test_plain.py").write_text("def test_plain():\n    assert True\n")
     (repo / "pyproject.toml").write_text(
-        '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n'
-        'convergence_paths = ["experiments"]\n')
-    proc = _run(["python", "-m", "pytest", "-m", "convergence", "-p", "no:cacheprovider",
-                 "-rA"], cwd=repo, env=env)
+        '[tool.pytest.ini_options]\ntestpaths = ["tests"]\nconvergence_paths = ["experiments"]\n'
+    )
+    proc = _run(
+        ["python", "-m", "pytest", "-m", "convergence", "-p", "no:cacheprovider", "-rA"],
+        cwd=repo,
+        env=env,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "PASSED experiments/mine.toml::ddp2" in out and "1 passed, 1 deselected" in out, \
-        out[-3000:]
+    assert "PASSED experiments/mine.toml::ddp2" in out and "1 passed, 1 deselected" in out, out[
+        -3000:
+    ]
     plain = _run(["python", "-m", "pytest", "-p", "no:cacheprovider", "-q"], cwd=repo, env=env)
     assert "1 passed" in plain.stdout and "mine.toml" not in plain.stdout, plain.stdout

@@ -40,28 +40,56 @@ Root Cause (first observed failure):
 
 
 def test_torchrun_argv_is_a_list_with_free_port_rendezvous(tmp_path: Path) -> None:
-    req = LaunchRequest(name="fsdp2 tp2/x", entry=["-m", "convergence.trainer", "--config",
-                                                    "a b.toml"], nproc=4, log_dir=tmp_path)
+    req = LaunchRequest(
+        name="fsdp2 tp2/x",
+        entry=["-m", "convergence.trainer", "--config", "a b.toml"],
+        nproc=4,
+        log_dir=tmp_path,
+    )
     argv = build_torchrun_argv(req, python="/py")
-    assert argv == ["/py", "-m", "convergence.launch.loopback_torchrun", "--nnodes", "1",
-                    "--nproc-per-node", "4", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", "localhost:0", "--rdzv-id", "fsdp2-tp2-x",
-                    "--log-dir", str(tmp_path / "ranks"), "--redirects", "3",
-                    "--max-restarts", "0", "-m", "convergence.trainer", "--config", "a b.toml"]
+    assert argv == [
+        "/py",
+        "-m",
+        "convergence.launch.loopback_torchrun",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "4",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "--rdzv-id",
+        "fsdp2-tp2-x",
+        "--log-dir",
+        str(tmp_path / "ranks"),
+        "--redirects",
+        "3",
+        "--max-restarts",
+        "0",
+        "-m",
+        "convergence.trainer",
+        "--config",
+        "a b.toml",
+    ]
 
 
 def test_direct_argv_skips_torchrun(tmp_path: Path) -> None:
-    req = LaunchRequest(name="seed", entry=["-m", "x.seed"], nproc=1, log_dir=tmp_path,
-                        direct=True)
+    req = LaunchRequest(name="seed", entry=["-m", "x.seed"], nproc=1, log_dir=tmp_path, direct=True)
     assert build_torchrun_argv(req, python="/py") == ["/py", "-m", "x.seed"]
 
 
 def test_env_keeps_a_chosen_thread_count(tmp_path: Path) -> None:
-    req = LaunchRequest(name="j", entry=[], nproc=1, log_dir=tmp_path,
-                        env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    req = LaunchRequest(
+        name="j", entry=[], nproc=1, log_dir=tmp_path, env={"CUDA_VISIBLE_DEVICES": "2,3"}
+    )
     env = job_env(req, base={"PATH": "/bin"})
-    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "2,3", "PYTHONUNBUFFERED": "1",
-                   "OMP_NUM_THREADS": "1"}
+    assert env == {
+        "PATH": "/bin",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     assert job_env(req, base={"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
 
 
@@ -76,12 +104,23 @@ def test_root_cause_block_names_the_killed_rank_not_the_terminated_one() -> None
 def test_diagnose_reads_error_file_named_in_the_report(tmp_path: Path) -> None:
     err = tmp_path / "ranks" / "r_1" / "attempt_0" / "1" / "error.json"
     err.parent.mkdir(parents=True)
-    err.write_text(json.dumps({"message": {"message": "ValueError: x", "extraInfo": {
-        "py_callstack": "Traceback (most recent call last):\n  ...\nValueError: x\n"}}}))
+    err.write_text(
+        json.dumps(
+            {
+                "message": {
+                    "message": "ValueError: x",
+                    "extraInfo": {
+                        "py_callstack": "Traceback (most recent call last):\n  ...\nValueError: x\n"
+                    },
+                }
+            }
+        )
+    )
     report = SIGKILL_REPORT.replace("-9 (pid: 5029)  (SIGKILL)", "1 (pid: 5029)").replace(
         "error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 5029",
         f"error_file: {err}\n  traceback : Traceback (most recent call last):\n   "
-        "Signal 9 (SIGKILL) mentioned by user code")
+        "Signal 9 (SIGKILL) mentioned by user code",
+    )
     (tmp_path / "launcher.log").write_text(report)
     info = diagnose(tmp_path, name="j", returncode=1)
     assert info.rank == 1 and info.signal is None
@@ -99,8 +138,10 @@ def test_diagnose_without_report_scans_rank_logs(tmp_path: Path) -> None:
 
 def test_helpers() -> None:
     assert signal_name(-9) == "SIGKILL" and signal_name(1) is None and signal_name(None) is None
-    assert last_traceback("a\nTraceback (most recent call last):\nX\n") == \
-        "Traceback (most recent call last):\nX\n"
+    assert (
+        last_traceback("a\nTraceback (most recent call last):\nX\n")
+        == "Traceback (most recent call last):\nX\n"
+    )
     assert last_traceback("clean") == ""
     assert error_file_traceback(Path("/nonexistent/error.json")) == ""
     assert record_loss({"step": 1, "loss_metrics/global_avg_loss": 2.5}) == 2.5
@@ -110,12 +151,16 @@ def test_helpers() -> None:
 
 def test_a_sigtermed_root_cause_gives_way_to_the_real_failure() -> None:
     # torchrun's tie on whole-second timestamps can name the rank it terminated itself.
-    swapped = SIGKILL_REPORT.replace("rank      : 0 (local_rank: 0)", "rank      : @").replace(
-        "rank      : 1 (local_rank: 1)", "rank      : 0 (local_rank: 0)").replace(
-        "rank      : @", "rank      : 1 (local_rank: 1)")
-    swapped = swapped.replace("exitcode  : -15 (pid: 5028)  (SIGTERM)", "exitcode  : @").replace(
-        "exitcode  : -9 (pid: 5029)  (SIGKILL)", "exitcode  : -15 (pid: 5028)  (SIGTERM)").replace(
-        "exitcode  : @", "exitcode  : -9 (pid: 5029)  (SIGKILL)")
+    swapped = (
+        SIGKILL_REPORT.replace("rank      : 0 (local_rank: 0)", "rank      : @")
+        .replace("rank      : 1 (local_rank: 1)", "rank      : 0 (local_rank: 0)")
+        .replace("rank      : @", "rank      : 1 (local_rank: 1)")
+    )
+    swapped = (
+        swapped.replace("exitcode  : -15 (pid: 5028)  (SIGTERM)", "exitcode  : @")
+        .replace("exitcode  : -9 (pid: 5029)  (SIGKILL)", "exitcode  : -15 (pid: 5028)  (SIGTERM)")
+        .replace("exitcode  : @", "exitcode  : -9 (pid: 5029)  (SIGKILL)")
+    )
     cause = parse_root_cause(swapped)
     assert cause is not None and (cause.rank, cause.signal) == (1, "SIGKILL")
 
@@ -145,20 +190,25 @@ Root Cause (first observed failure):
 def _rank_log(root: Path, local_rank: int, last_line: str) -> None:
     log = root / "ranks" / "r_1" / "attempt_0" / str(local_rank) / "stderr.log"
     log.parent.mkdir(parents=True)
-    log.write_text(f"[rank{local_rank}]: Traceback (most recent call last):\n"
-                   f"[rank{local_rank}]:   File \"train.py\", line 3, in step\n"
-                   f"[rank{local_rank}]: {last_line}\n")
+    log.write_text(
+        f"[rank{local_rank}]: Traceback (most recent call last):\n"
+        f'[rank{local_rank}]:   File "train.py", line 3, in step\n'
+        f"[rank{local_rank}]: {last_line}\n"
+    )
 
 
-def test_the_rank_that_failed_by_itself_is_blamed_not_the_peer_that_lost_it(
-        tmp_path: Path) -> None:
+def test_the_rank_that_failed_by_itself_is_blamed_not_the_peer_that_lost_it(tmp_path: Path) -> None:
     """Rank 1 raised in a hook; rank 0 then saw gloo's "Connection closed by peer" and exited
     in the same second, and torchrun named rank 0. The message must name rank 1's error (seen
     in CI: the hook-fault test failed on this tie)."""
     (tmp_path / "launcher.log").write_text(TIED_REPORT)
-    _rank_log(tmp_path, 0, "RuntimeError: [/gloo/transport/tcp/pair.cc:553] Connection closed "
-                           "by peer [127.0.0.1]:23938. This is typically caused by a remote "
-                           "worker crashing.")
+    _rank_log(
+        tmp_path,
+        0,
+        "RuntimeError: [/gloo/transport/tcp/pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:23938. This is typically caused by a remote "
+        "worker crashing.",
+    )
     _rank_log(tmp_path, 1, "RuntimeError: hook fault on rank 1 at step 3")
     info = diagnose(tmp_path, name="j", returncode=1)
     assert info.rank == 1
@@ -169,13 +219,15 @@ def test_the_rank_that_failed_by_itself_is_blamed_not_the_peer_that_lost_it(
     # Only peer-gone errors: the named rank stays the one to look at.
     (tmp_path / "launcher.log").write_text(TIED_REPORT)
     _rank_log_path = tmp_path / "ranks" / "r_1" / "attempt_0" / "1" / "stderr.log"
-    _rank_log_path.write_text("Traceback (most recent call last):\nRuntimeError: Connection "
-                              "reset by peer\n")
+    _rank_log_path.write_text(
+        "Traceback (most recent call last):\nRuntimeError: Connection reset by peer\n"
+    )
     assert diagnose(tmp_path, name="j", returncode=1).rank == 0
 
 
 def test_only_a_local_rendezvous_goes_through_the_loopback_wrapper() -> None:
     from convergence.launch.torchrun import torchrun_module
+
     assert torchrun_module("localhost:0") == "convergence.launch.loopback_torchrun"
     assert torchrun_module("127.0.0.1:29500") == "convergence.launch.loopback_torchrun"
     assert torchrun_module("node017:29500") == "torch.distributed.run"

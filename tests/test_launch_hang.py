@@ -24,9 +24,16 @@ def test_the_rank_stuck_outside_a_collective_is_named_with_its_line(tmp_path: Pa
     rank 1 and the function it is stuck in, and says rank 0 waits in a collective."""
     metrics = tmp_path / "metrics.jsonl"
     # The idle limit also covers torchrun's start-up (torch import on a loaded 2-core box).
-    request = LaunchRequest(name="hang", entry=[str(WORKER), str(metrics)], nproc=2,
-                            log_dir=tmp_path / "logs", metrics_path=metrics, total_steps=3,
-                            idle_limit_s=45.0, env={"PYTHONPATH": str(REPO)})
+    request = LaunchRequest(
+        name="hang",
+        entry=[str(WORKER), str(metrics)],
+        nproc=2,
+        log_dir=tmp_path / "logs",
+        metrics_path=metrics,
+        total_steps=3,
+        idle_limit_s=45.0,
+        env={"PYTHONPATH": str(REPO)},
+    )
     result = LocalLauncher(kill_grace_s=2.0).launch(request)
     assert result.status == "hung", result
     assert result.failure is not None
@@ -40,8 +47,10 @@ def test_the_rank_stuck_outside_a_collective_is_named_with_its_line(tmp_path: Pa
 
 def test_a_stopped_rank_is_named(tmp_path: Path) -> None:
     """A rank stopped by SIGSTOP (or a debugger) is named by its process state alone."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                            env={**os.environ, "RANK": "3", "LOCAL_RANK": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, "RANK": "3", "LOCAL_RANK": "1"},
+    )
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         ps = psutil.Process(proc.pid)
@@ -62,8 +71,10 @@ def test_a_stopped_rank_is_named(tmp_path: Path) -> None:
 def test_a_process_without_the_dump_handler_is_not_signalled(tmp_path: Path) -> None:
     """SIGUSR1 kills a process that does not catch it: such ranks are left alone, and nothing
     is claimed about them."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                            env={**os.environ, "RANK": "0", "LOCAL_RANK": "0"})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, "RANK": "0", "LOCAL_RANK": "0"},
+    )
     try:
         assert describe_hang([psutil.Process(proc.pid)], tmp_path) == ""
         assert proc.poll() is None

@@ -18,17 +18,41 @@ from convergence.launch.types import JobResult, LaunchRequest, Progress
 WRITER = Path(__file__).parent / "fixtures" / "fake_trainers" / "writer.py"
 
 
-def make_request(tmp_path: Path, mode: str, *, name: str = "job", nproc: int = 2,
-                 steps: int = 5, extra: tuple[str, ...] = (), **kw: object) -> LaunchRequest:
+def make_request(
+    tmp_path: Path,
+    mode: str,
+    *,
+    name: str = "job",
+    nproc: int = 2,
+    steps: int = 5,
+    extra: tuple[str, ...] = (),
+    **kw: object,
+) -> LaunchRequest:
     job_dir = tmp_path / name
-    entry = [str(WRITER), "--mode", mode, "--steps", str(steps),
-             "--metrics", str(job_dir / "metrics.jsonl"),
-             "--stop-file", str(job_dir / "STOP"),
-             "--pid-file", str(job_dir / "trainer_pids.txt"), *extra]
+    entry = [
+        str(WRITER),
+        "--mode",
+        mode,
+        "--steps",
+        str(steps),
+        "--metrics",
+        str(job_dir / "metrics.jsonl"),
+        "--stop-file",
+        str(job_dir / "STOP"),
+        "--pid-file",
+        str(job_dir / "trainer_pids.txt"),
+        *extra,
+    ]
     kw.setdefault("stop_file", job_dir / "STOP")
-    return LaunchRequest(name=name, entry=entry, nproc=nproc, log_dir=job_dir / "logs",
-                         metrics_path=job_dir / "metrics.jsonl", total_steps=steps,
-                         **kw)  # type: ignore[arg-type]
+    return LaunchRequest(
+        name=name,
+        entry=entry,
+        nproc=nproc,
+        log_dir=job_dir / "logs",
+        metrics_path=job_dir / "metrics.jsonl",
+        total_steps=steps,
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def all_pids(request: LaunchRequest) -> set[int]:
@@ -58,8 +82,9 @@ def test_ok_run_reports_last_step_progress_and_leaves_nothing(tmp_path: Path) ->
     seen: list[dict[str, float]] = []
     progress: list[Progress] = []
     launcher = LocalLauncher(progress_interval_s=0.0)
-    result = launcher.launch(req, on_metrics=lambda r: seen.append(r) is not None,
-                             on_progress=progress.append)
+    result = launcher.launch(
+        req, on_metrics=lambda r: seen.append(r) is not None, on_progress=progress.append
+    )
     assert result.status == "ok", result
     assert result.ok and result.returncode == 0 and result.failure is None
     assert result.last_step == 5
@@ -138,8 +163,7 @@ def test_nan_loss_stops_the_job_with_its_step(tmp_path: Path) -> None:
 
 def test_early_stop_goes_through_the_stop_file(tmp_path: Path) -> None:
     req = make_request(tmp_path, "slow", steps=100, extra=("--sleep", "0.1"))
-    result = LocalLauncher(stop_grace_s=20.0).launch(
-        req, on_metrics=lambda r: r["step"] >= 3)
+    result = LocalLauncher(stop_grace_s=20.0).launch(req, on_metrics=lambda r: r["step"] >= 3)
     assert result.status == "stopped_early", result
     assert result.ok and result.returncode == 0  # exited by itself, not killed
     assert result.last_step is not None and 3 <= result.last_step < 100
@@ -168,8 +192,9 @@ def test_worker_ignoring_sigterm_in_own_session_still_dies(tmp_path: Path) -> No
 
 
 def test_wall_clock_limit_is_a_timeout_naming_the_job(tmp_path: Path) -> None:
-    req = make_request(tmp_path, "slow", name="slowpoke", steps=1000, extra=("--sleep", "0.1"),
-                       wall_limit_s=3.0)
+    req = make_request(
+        tmp_path, "slow", name="slowpoke", steps=1000, extra=("--sleep", "0.1"), wall_limit_s=3.0
+    )
     result = LocalLauncher(kill_grace_s=1.0).launch(req)
     assert result.status == "timeout", result
     assert result.failure is not None and "slowpoke" in result.failure.message
@@ -204,11 +229,15 @@ def test_direct_job_failure_is_read_from_its_output(tmp_path: Path) -> None:
     script.write_text("import sys\nprint('starting')\nraise SystemExit('no seed: bad config')\n")
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    raise ValueError('bad seed config')\nf()\n")
-    ok = LocalLauncher().launch(LaunchRequest(name="seed", entry=[str(script)], nproc=1,
-                                              log_dir=tmp_path / "a", direct=True))
+    ok = LocalLauncher().launch(
+        LaunchRequest(
+            name="seed", entry=[str(script)], nproc=1, log_dir=tmp_path / "a", direct=True
+        )
+    )
     assert ok.status == "failed" and ok.returncode == 1
-    res = LocalLauncher().launch(LaunchRequest(name="seed2", entry=[str(bad)], nproc=1,
-                                               log_dir=tmp_path / "b", direct=True))
+    res = LocalLauncher().launch(
+        LaunchRequest(name="seed2", entry=[str(bad)], nproc=1, log_dir=tmp_path / "b", direct=True)
+    )
     assert res.status == "failed" and res.failure is not None
     assert "ValueError: bad seed config" in res.failure.message
     assert res.failure.rank is None
@@ -234,10 +263,18 @@ def test_four_concurrent_jobs_do_not_collide_on_ports(tmp_path: Path) -> None:
 
 def test_env_reaches_the_ranks(tmp_path: Path) -> None:
     script = tmp_path / "env.py"
-    script.write_text("import os\nprint('X=' + os.environ['MY_X'], 'OMP=' + "
-                      "os.environ['OMP_NUM_THREADS'], 'U=' + os.environ['PYTHONUNBUFFERED'])\n")
-    req = LaunchRequest(name="env", entry=[str(script)], nproc=1, log_dir=tmp_path / "l",
-                        env={"MY_X": "42"}, direct=True)
+    script.write_text(
+        "import os\nprint('X=' + os.environ['MY_X'], 'OMP=' + "
+        "os.environ['OMP_NUM_THREADS'], 'U=' + os.environ['PYTHONUNBUFFERED'])\n"
+    )
+    req = LaunchRequest(
+        name="env",
+        entry=[str(script)],
+        nproc=1,
+        log_dir=tmp_path / "l",
+        env={"MY_X": "42"},
+        direct=True,
+    )
     assert LocalLauncher(python=sys.executable).launch(req).status == "ok"
     assert "X=42 OMP=1 U=1" in (tmp_path / "l" / "launcher.log").read_text()
 
@@ -293,10 +330,12 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
                     environ = proc.environ()
                 except psutil.Error:
                     continue
-                ifnames.append((environ.get("GLOO_SOCKET_IFNAME"),
-                                environ.get("NCCL_SOCKET_IFNAME")))
-                listening.extend((proc.name(), c.laddr.ip) for c in conns
-                                 if c.status == psutil.CONN_LISTEN)
+                ifnames.append(
+                    (environ.get("GLOO_SOCKET_IFNAME"), environ.get("NCCL_SOCKET_IFNAME"))
+                )
+                listening.extend(
+                    (proc.name(), c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN
+                )
         return False
 
     result = LocalLauncher().launch(req, on_metrics=look_at_step_1)

@@ -41,8 +41,11 @@ def test_cpu_lease_is_accounting_only(tmp_path: Path) -> None:
 
 def test_asking_more_than_the_pool_fails_naming_counts_and_fix(tmp_path: Path) -> None:
     pool = DevicePool(tmp_path, 2, "cpu")
-    with pytest.raises(PoolTooSmall, match=r"needs 4 CPU slots but the device pool has 2.*"
-                                           r"--convergence-devices"):
+    with pytest.raises(
+        PoolTooSmall,
+        match=r"needs 4 CPU slots but the device pool has 2.*"
+        r"--convergence-devices",
+    ):
         with pool.lease(4):
             pass
 
@@ -77,16 +80,21 @@ def test_stale_lease_of_a_dead_pid_is_reclaimed(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     pool = DevicePool(tmp_path, 2, "gpu")
-    pool.state_path.write_text(json.dumps({"0": {"pid": dead.pid, "lease": "x"},
-                                           "1": {"pid": dead.pid, "lease": "x"}}))
+    pool.state_path.write_text(
+        json.dumps({"0": {"pid": dead.pid, "lease": "x"}, "1": {"pid": dead.pid, "lease": "x"}})
+    )
     with pool.lease(2, timeout=1) as lease:
         assert lease.devices == ("0", "1")
 
 
 def test_two_processes_never_double_lease(tmp_path: Path) -> None:
     log = tmp_path / "leases.log"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "state"), "3", "2",
-                               "6", str(log)]) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path / "state"), "3", "2", "6", str(log)]
+        )
+        for _ in range(2)
+    ]
     for p in procs:
         assert p.wait(timeout=60) == 0
     rows = [line.split() for line in log.read_text().splitlines()]
@@ -94,7 +102,7 @@ def test_two_processes_never_double_lease(tmp_path: Path) -> None:
     # 3 devices, leases of 2: any two overlapping intervals would share a device.
     spans = [(float(s), float(e), set(d.split(","))) for _, s, e, d in rows]
     for i, (s1, e1, d1) in enumerate(spans):
-        for s2, e2, d2 in spans[i + 1:]:
+        for s2, e2, d2 in spans[i + 1 :]:
             overlap = s1 < e2 and s2 < e1
             assert not (overlap and d1 & d2), (s1, e1, d1, s2, e2, d2)
 
@@ -108,8 +116,10 @@ def test_detect_devices_on_this_machine(tmp_path: Path) -> None:
 
 # -- a pool of nodes (a Slurm allocation: convergence.launch.devices) -----------------------
 
-def _node_pool(tmp_path: Path, nodes: int = 2, per_node: int = 4,
-               cap: int | None = None) -> DevicePool:
+
+def _node_pool(
+    tmp_path: Path, nodes: int = 2, per_node: int = 4, cap: int | None = None
+) -> DevicePool:
     devices = [f"n{k}:{i}" for k in range(1, nodes + 1) for i in range(per_node)][:cap]
     return DevicePool(tmp_path, devices, "gpu", per_node=per_node, where="allocation 7")
 
@@ -144,8 +154,9 @@ def test_jobs_that_cannot_be_placed_are_refused_with_the_reason(tmp_path: Path) 
             pass
     with capped.lease(4, timeout=1) as whole, capped.lease(2, timeout=1) as rest:
         assert whole.hosts == ("n1",) and rest.devices == ("n2:0", "n2:1")
-    assert "needs 2 whole nodes of 4 GPUs" in str(placement_problem(
-        ("a:0", "a:1", "a:2", "a:3", "b:0", "b:1", "c:0", "c:1"), 4, "gpu", 8))
+    assert "needs 2 whole nodes of 4 GPUs" in str(
+        placement_problem(("a:0", "a:1", "a:2", "a:3", "b:0", "b:1", "c:0", "c:1"), 4, "gpu", 8)
+    )
     assert placement_problem(("a:0", "a:1", "b:0", "b:1"), 2, "cpu", 4) is None
     assert "needs 5 CPU slots" in str(placement_problem(("0", "1"), None, "cpu", 5))
 

@@ -13,8 +13,9 @@ from convergence.launch.watch import JobWatch
 
 def setup(tmp_path: Path, **kw: Any) -> tuple[LaunchRequest, Path]:
     metrics = tmp_path / "m.jsonl"
-    req = LaunchRequest(name="w", entry=[], nproc=1, log_dir=tmp_path, metrics_path=metrics,
-                        total_steps=10, **kw)
+    req = LaunchRequest(
+        name="w", entry=[], nproc=1, log_dir=tmp_path, metrics_path=metrics, total_steps=10, **kw
+    )
     return req, metrics
 
 
@@ -61,8 +62,9 @@ def test_idle_counts_from_start_and_from_each_line(tmp_path: Path) -> None:
 
 
 def test_no_metrics_file_means_only_the_wall_limit(tmp_path: Path) -> None:
-    req = LaunchRequest(name="seed", entry=[], nproc=1, log_dir=tmp_path, idle_limit_s=1.0,
-                        wall_limit_s=10.0)
+    req = LaunchRequest(
+        name="seed", entry=[], nproc=1, log_dir=tmp_path, idle_limit_s=1.0, wall_limit_s=10.0
+    )
     watch = JobWatch(req, start=0.0)
     assert watch.poll(5.0) is None
     late = watch.poll(10.5)
@@ -99,8 +101,9 @@ def paced(tmp_path: Path, arrivals: list[tuple[float, list[int]]]) -> list[Progr
     """Drive a JobWatch with an explicit clock: at each time, the steps that arrived then
     (every arrival is reported: progress_interval_s 0)."""
     metrics = tmp_path / "m.jsonl"
-    req = LaunchRequest(name="j", entry=[], nproc=1, log_dir=tmp_path, metrics_path=metrics,
-                        total_steps=100)
+    req = LaunchRequest(
+        name="j", entry=[], nproc=1, log_dir=tmp_path, metrics_path=metrics, total_steps=100
+    )
     seen: list[Progress] = []
     watch = JobWatch(req, start=0.0, on_progress=seen.append, progress_interval_s=0.0)
     for at, steps in arrivals:
@@ -145,7 +148,8 @@ def test_launch_announces_the_job_before_torchrun_starts(tmp_path: Path) -> None
     script = tmp_path / "quiet.py"
     script.write_text("print('done')\n")
     seen: list[Progress] = []
-    req = LaunchRequest(name="seed", entry=[str(script)], nproc=1, log_dir=tmp_path / "l",
-                        direct=True)
+    req = LaunchRequest(
+        name="seed", entry=[str(script)], nproc=1, log_dir=tmp_path / "l", direct=True
+    )
     assert LocalLauncher().launch(req, on_progress=seen.append).ok
     assert seen and seen[0].note == "starting (1 process, local launcher)"

@@ -25,28 +25,27 @@ PACKAGE = REPO / "convergence"
 #: version).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("convergence", "configs", "process_lifetime", "dist_exit", "torch_info"),
-    ("spec",),              # parsed experiments: stdlib, configs
-    ("trainer",),           # the built-in trainer (runs under torchrun)
-    ("metrics",),           # curves and their readers (JSONL, TensorBoard, golden)
-    ("regimes",),           # paired / twin / seed: rules, control jobs, checks, policies
-    ("launch",),            # torchrun / srun processes, pool, watchdog
-    ("cache",),             # the run cache
-    ("stats",),             # comparisons, sequential monitor, health, provenance
-    ("backends",),          # how a job becomes a command (builtin, torchtitan, command)
-    ("preflight",),         # the checks that need backends or devices
-    ("run",),               # the spine: jobs, pairs, probe, outcomes
-    ("report",),            # terminal, JSON/MD/HTML, plots
-    ("options",),           # the one option table (plugin, CLI)
-    ("docs",),              # README's generated parts (key table, option list)
+    ("spec",),  # parsed experiments: stdlib, configs
+    ("trainer",),  # the built-in trainer (runs under torchrun)
+    ("metrics",),  # curves and their readers (JSONL, TensorBoard, golden)
+    ("regimes",),  # paired / twin / seed: rules, control jobs, checks, policies
+    ("launch",),  # torchrun / srun processes, pool, watchdog
+    ("cache",),  # the run cache
+    ("stats",),  # comparisons, sequential monitor, health, provenance
+    ("backends",),  # how a job becomes a command (builtin, torchtitan, command)
+    ("preflight",),  # the checks that need backends or devices
+    ("run",),  # the spine: jobs, pairs, probe, outcomes
+    ("report",),  # terminal, JSON/MD/HTML, plots
+    ("options",),  # the one option table (plugin, CLI)
+    ("docs",),  # README's generated parts (key table, option list)
     ("cli_common", "compare_cli", "cache_cli", "nightly"),  # front ends and their helpers
     ("ab",),
-    ("cli",),               # the `convergence` command: registers every subcommand
+    ("cli",),  # the `convergence` command: registers every subcommand
 )
 
 #: Third-party packages whose import costs seconds (or is optional): the only reason for a
 #: function-local import of our own modules.
-COSTLY = frozenset({"torch", "scipy", "matplotlib", "numpy", "torchtitan", "tensorboard",
-                    "triton"})
+COSTLY = frozenset({"torch", "scipy", "matplotlib", "numpy", "torchtitan", "tensorboard", "triton"})
 
 FORBIDDEN = ("pytest", "_pytest", "pytest_convergence")
 """The library never imports pytest or the plugin."""
@@ -90,8 +89,11 @@ def _imports(module: str) -> tuple[tuple[str, int, bool], ...]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # ``from a import b``: the submodule a.b where b is one, else a itself.
-            subs = [f"{node.module}.{a.name}" for a in node.names
-                    if f"{node.module}.{a.name}" in MODULES]
+            subs = [
+                f"{node.module}.{a.name}"
+                for a in node.names
+                if f"{node.module}.{a.name}" in MODULES
+            ]
             names = subs if len(subs) == len(node.names) else [node.module, *subs]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -104,12 +106,14 @@ def _imports(module: str) -> tuple[tuple[str, int, bool], ...]:
 def _graph(*, top_only: bool = False) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module in MODULES:
-        deps = {_resolve(name) for name, _, at_top in _imports(module)
-                if name.startswith("convergence") and (at_top or not top_only)}
+        deps = {
+            _resolve(name)
+            for name, _, at_top in _imports(module)
+            if name.startswith("convergence") and (at_top or not top_only)
+        }
         # A package's __init__ is imported with each of its submodules: an edge from a module
         # to its own package (or a package to its submodule) is no dependency between units.
-        graph[module] = {d for d in deps if d and d != module
-                         and not module.startswith(d + ".")}
+        graph[module] = {d for d in deps if d and d != module and not module.startswith(d + ".")}
     return graph
 
 
@@ -181,13 +185,18 @@ def test_no_cycle_between_packages() -> None:
     units: dict[str, set[str]] = {}
     for module, deps in _graph().items():
         units.setdefault(_unit(module), set()).update(
-            _unit(d) for d in deps if _unit(d) != _unit(module))
+            _unit(d) for d in deps if _unit(d) != _unit(module)
+        )
     assert _cycles(units) == []
 
 
 def test_the_library_never_imports_pytest_or_the_plugin() -> None:
-    found = [f"{m}:{line} {name}" for m in MODULES for name, line, _ in _imports(m)
-             if name.split(".")[0] in FORBIDDEN]
+    found = [
+        f"{m}:{line} {name}"
+        for m in MODULES
+        for name, line, _ in _imports(m)
+        if name.split(".")[0] in FORBIDDEN
+    ]
     assert found == []
 
 
@@ -227,5 +236,7 @@ def test_lazy_imports_are_for_cost() -> None:
             saved = (_third_party_at_top(target) - loaded) & COSTLY if target else set()
             if not saved:
                 pointless.append(f"{module}:{line} {name}")
-    assert pointless == [], ("lazy imports that save no costly package (move them to the "
-                             "top):\n" + "\n".join(sorted(set(pointless))))
+    assert pointless == [], (
+        "lazy imports that save no costly package (move them to the "
+        "top):\n" + "\n".join(sorted(set(pointless)))
+    )

@@ -19,10 +19,15 @@ def write_lines(path: Path, records: list[dict[str, object]], tail: str = "") ->
 
 def test_reads_metrics_at_full_precision_and_ignores_others(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    write_lines(path, [{"event": "start", "step": 0, "loss": 99.0},
-                       {"step": 1, "loss": 1 / 3, "grad_norm": 2.5, "wall_s": 0.1, "lr": 1e-3},
-                       {"step": 2, "loss": 0.1 + 0.2, "grad_norm": 2.0, "note": "x"},
-                       {"step": 3, "loss": 0.25, "val_loss": 0.5, "peak_mem_mib": True}])
+    write_lines(
+        path,
+        [
+            {"event": "start", "step": 0, "loss": 99.0},
+            {"step": 1, "loss": 1 / 3, "grad_norm": 2.5, "wall_s": 0.1, "lr": 1e-3},
+            {"step": 2, "loss": 0.1 + 0.2, "grad_norm": 2.0, "note": "x"},
+            {"step": 3, "loss": 0.25, "val_loss": 0.5, "peak_mem_mib": True},
+        ],
+    )
     metrics = read_jsonl(path)
     assert sorted(metrics) == ["grad_norm", "loss", "lr", "val_loss"]
     assert metrics["loss"].steps.tolist() == [1, 2, 3]
@@ -33,8 +38,7 @@ def test_reads_metrics_at_full_precision_and_ignores_others(tmp_path: Path) -> N
 
 def test_truncated_last_line_is_ignored(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    write_lines(path, [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}],
-                tail='{"step": 3, "lo')
+    write_lines(path, [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}], tail='{"step": 3, "lo')
     assert read_jsonl(path)["loss"].steps.tolist() == [1, 2]
 
 
@@ -54,8 +58,15 @@ def test_bad_middle_line_warns_and_reads_on(tmp_path: Path) -> None:
 
 def test_repeated_step_keeps_last_and_nan_survives(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
-    write_lines(path, [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 9.0},
-                       {"step": 2, "loss": 1.0}, {"step": 3, "loss": float("nan")}])
+    write_lines(
+        path,
+        [
+            {"step": 1, "loss": 2.0},
+            {"step": 2, "loss": 9.0},
+            {"step": 2, "loss": 1.0},
+            {"step": 3, "loss": float("nan")},
+        ],
+    )
     loss = read_jsonl(path)["loss"]
     assert loss.values[:2].tolist() == [2.0, 1.0]
     assert loss.values[2] != loss.values[2]

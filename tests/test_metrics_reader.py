@@ -18,12 +18,17 @@ from convergence.metrics.reader import (
 from convergence.spec.errors import SpecError
 
 #: The tags torchtitan's MetricsProcessor writes (and our trainer mirrors).
-TORCHTITAN_TAGS = {"loss": "loss_metrics/global_avg_loss", "grad_norm": "grad_norm", "lr": "lr",
-                   "tokens_per_s": "throughput(tps)"}
+TORCHTITAN_TAGS = {
+    "loss": "loss_metrics/global_avg_loss",
+    "grad_norm": "grad_norm",
+    "lr": "lr",
+    "tokens_per_s": "throughput(tps)",
+}
 
 
-def write_torchtitan_dump(dump: Path, losses: list[float], *, grad_scale: float = 1.0,
-                          pp_ranks: int = 0) -> Path:
+def write_torchtitan_dump(
+    dump: Path, losses: list[float], *, grad_scale: float = 1.0, pp_ranks: int = 0
+) -> Path:
     """A torchtitan-style dump: ``<dump>/tb/<timestamp>/[rank_<N>/]events.out.tfevents.*``.
 
     With ``pp_ranks`` every rank writes, and all but the last log torchtitan's -1.0 placeholder
@@ -38,8 +43,9 @@ def write_torchtitan_dump(dump: Path, losses: list[float], *, grad_scale: float 
         with SummaryWriter(log_dir=str(folder)) as writer:
             for step, loss in enumerate(losses, start=1):
                 writer.add_scalar(TORCHTITAN_TAGS["loss"], loss if last else -1.0, step)
-                writer.add_scalar(TORCHTITAN_TAGS["grad_norm"],
-                                  grad_scale * (2.0 - 0.01 * step), step)
+                writer.add_scalar(
+                    TORCHTITAN_TAGS["grad_norm"], grad_scale * (2.0 - 0.01 * step), step
+                )
                 writer.add_scalar(TORCHTITAN_TAGS["lr"], 1e-3 * min(1.0, step / 4), step)
                 writer.add_scalar(TORCHTITAN_TAGS["tokens_per_s"], 1000.0, step)
     return dump

@@ -27,8 +27,13 @@ WAIT_S = 60.0
 
 def step_metrics(step: int, loss: float | None = None) -> dict[str, float]:
     loss = 3.0 - step / 100 if loss is None else loss
-    return {LOSS: loss, "loss_metrics/global_max_loss": loss + 0.1, "grad_norm": 0.5,
-            "lr/AdamW": 8e-4, "throughput(tps)": 1000.0}
+    return {
+        LOSS: loss,
+        "loss_metrics/global_max_loss": loss + 0.1,
+        "grad_norm": 0.5,
+        "lr/AdamW": 8e-4,
+        "throughput(tps)": 1000.0,
+    }
 
 
 def poll_until(tail: TensorBoardTail, last_step: int) -> list[dict[str, Any]]:
@@ -91,10 +96,8 @@ def test_a_half_written_record_and_a_half_logged_step_wait(tmp_path: Path) -> No
     assert tail.drain() == []
 
 
-def test_the_last_partial_step_comes_with_drain_and_relogged_steps_are_left(
-        tmp_path: Path) -> None:
-    write_steps(tmp_path / "tb", {1: step_metrics(1), 2: step_metrics(2),
-                                  3: {LOSS: 2.97}})
+def test_the_last_partial_step_comes_with_drain_and_relogged_steps_are_left(tmp_path: Path) -> None:
+    write_steps(tmp_path / "tb", {1: step_metrics(1), 2: step_metrics(2), 3: {LOSS: 2.97}})
     tail = TensorBoardTail(tmp_path / "tb")
     assert [r["step"] for r in tail.poll()] == [1, 2]
     last = tail.drain()
@@ -118,13 +121,22 @@ def test_pipeline_placeholder_ranks_are_skipped(tmp_path: Path) -> None:
 def test_jobwatch_reads_tensorboard_progress_nan_and_idle(tmp_path: Path) -> None:
     """Progress and the NaN verdict from event files; the idle limit only after step 1."""
     seen: list[Progress] = []
-    request = LaunchRequest(name="tt", entry=[], nproc=1, log_dir=tmp_path, total_steps=10,
-                            metrics_path=tmp_path / "tb", metrics_format="tensorboard",
-                            idle_limit_s=5.0, wall_limit_s=1000.0)
+    request = LaunchRequest(
+        name="tt",
+        entry=[],
+        nproc=1,
+        log_dir=tmp_path,
+        total_steps=10,
+        metrics_path=tmp_path / "tb",
+        metrics_format="tensorboard",
+        idle_limit_s=5.0,
+        wall_limit_s=1000.0,
+    )
     watch = JobWatch(request, start=0.0, on_progress=seen.append, progress_interval_s=0.0)
     assert watch.poll(100.0) is None  # start-up longer than the idle limit: not hung
-    write_steps(tmp_path / "tb", {1: step_metrics(1), 2: step_metrics(2),
-                                  3: step_metrics(3, loss=math.nan)})
+    write_steps(
+        tmp_path / "tb", {1: step_metrics(1), 2: step_metrics(2), 3: step_metrics(3, loss=math.nan)}
+    )
     verdict = watch.poll(101.0)
     assert verdict is not None and verdict.status == "nan" and verdict.failure is not None
     assert verdict.failure.step == 3
@@ -153,10 +165,18 @@ def test_an_early_stop_ends_a_tensorboard_job_without_a_stop_file(tmp_path: Path
         steps.append(int(record["step"]))
         return record["step"] >= 3
 
-    request = LaunchRequest(name="tt", entry=[str(script), str(tmp_path / "tb")], nproc=1,
-                            log_dir=tmp_path / "logs", metrics_path=tmp_path / "tb",
-                            metrics_format="tensorboard", total_steps=5, direct=True,
-                            wall_limit_s=300.0, idle_limit_s=300.0)
+    request = LaunchRequest(
+        name="tt",
+        entry=[str(script), str(tmp_path / "tb")],
+        nproc=1,
+        log_dir=tmp_path / "logs",
+        metrics_path=tmp_path / "tb",
+        metrics_format="tensorboard",
+        total_steps=5,
+        direct=True,
+        wall_limit_s=300.0,
+        idle_limit_s=300.0,
+    )
     result = LocalLauncher(python=sys.executable).launch(request, on_metrics=decide)
     assert result.status == "stopped_early"
     assert steps[:3] == [1, 2, 3]  # a wall-limit end would read "timeout"

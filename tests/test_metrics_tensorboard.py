@@ -19,8 +19,9 @@ def exact_value(step: int) -> float:
     return 1.0 / 3.0 + step * 1e-12
 
 
-def write(folder: Path, scalars: dict[str, list[tuple[int, float]]], *,
-          new_style: bool = True) -> None:
+def write(
+    folder: Path, scalars: dict[str, list[tuple[int, float]]], *, new_style: bool = True
+) -> None:
     writer = SummaryWriter(log_dir=str(folder))
     for tag, pairs in scalars.items():
         for step, value in pairs:
@@ -47,20 +48,36 @@ def test_every_point_at_float64(long_run: Path) -> None:
 
 
 def test_simple_value_reads_as_float32(tmp_path: Path) -> None:
-    write(tmp_path, {LOSS: [(1, exact_value(1)), (2, 2.5)], "grad_norm": [(1, 0.1)]},
-          new_style=False)
+    write(
+        tmp_path, {LOSS: [(1, exact_value(1)), (2, 2.5)], "grad_norm": [(1, 0.1)]}, new_style=False
+    )
     metrics = read_tensorboard(tmp_path)
     assert metrics["loss"].values.tolist() == [float(np.float32(exact_value(1))), 2.5]
     assert metrics["grad_norm"].values.tolist() == [float(np.float32(0.1))]
 
 
 def test_tag_names_aliases_and_units(tmp_path: Path) -> None:
-    write(tmp_path, {LOSS: [(1, 3.0)], "grad_norm": [(1, 1.5)], "lr": [(1, 1e-4)],
-                     "validation/loss": [(1, 3.5)], "throughput(tps)": [(1, 1000.0)],
-                     "memory/max_reserved(GiB)": [(1, 1.5)], "unrelated": [(1, 0.0)]})
+    write(
+        tmp_path,
+        {
+            LOSS: [(1, 3.0)],
+            "grad_norm": [(1, 1.5)],
+            "lr": [(1, 1e-4)],
+            "validation/loss": [(1, 3.5)],
+            "throughput(tps)": [(1, 1000.0)],
+            "memory/max_reserved(GiB)": [(1, 1.5)],
+            "unrelated": [(1, 0.0)],
+        },
+    )
     metrics = read_tensorboard(tmp_path)
-    assert sorted(metrics) == ["grad_norm", "loss", "lr", "peak_mem_mib", "tokens_per_s",
-                               "val_loss"]
+    assert sorted(metrics) == [
+        "grad_norm",
+        "loss",
+        "lr",
+        "peak_mem_mib",
+        "tokens_per_s",
+        "val_loss",
+    ]
     assert metrics["peak_mem_mib"].values.tolist() == [1536.0]  # GiB -> MiB
     assert metrics["val_loss"].values.tolist() == [3.5]
 
@@ -82,9 +99,13 @@ def test_pipeline_rank_folders_pick_the_last_stage(tmp_path: Path) -> None:
     run = tmp_path / "tb" / "20250101-1200"
     for rank in range(4):
         last_stage = rank >= 2  # torchtitan: other stages log a -1.0 placeholder loss
-        write(run / f"rank_{rank}",
-              {LOSS: [(s, (2.0 / s if last_stage else -1.0)) for s in (1, 2, 3)],
-               "grad_norm": [(s, 10.0 + rank) for s in (1, 2, 3)]})
+        write(
+            run / f"rank_{rank}",
+            {
+                LOSS: [(s, (2.0 / s if last_stage else -1.0)) for s in (1, 2, 3)],
+                "grad_norm": [(s, 10.0 + rank) for s in (1, 2, 3)],
+            },
+        )
     assert find_loss_logging_dir(tmp_path) == run / "rank_2"
     metrics = read_tensorboard(tmp_path / "tb")
     assert metrics["loss"].values.tolist() == [2.0, 1.0, 2.0 / 3]

@@ -37,23 +37,39 @@ sys.path.insert(0, str(Path(__file__).parent))
 import report_examples as ex
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = NightlySettings(experiments=("experiments",), out="/shared/convergence-nightly",
-                          rootdir="/path/to/pytest-convergence", python="python3",
-                          gpus_per_node=8, nodes=4)
+EXAMPLE = NightlySettings(
+    experiments=("experiments",),
+    out="/shared/convergence-nightly",
+    rootdir="/path/to/pytest-convergence",
+    python="python3",
+    gpus_per_node=8,
+    nodes=4,
+)
 """The settings scripts/nightly.sbatch was rendered from (kept in sync by a test); 4 nodes:
 what `convergence nightly --gpus-per-node 8` computes for this repository's experiments/."""
 
 
-def _report(tmp_path: Path, name: str, *, tps_scale: float = 1.0,
-            loss_shift: float = 0.0, control_shift: float = 0.0, drop: str | None = None,
-            status: dict[str, str] | None = None,
-            step_time: dict[str, float] | None = None) -> Path:
+def _report(
+    tmp_path: Path,
+    name: str,
+    *,
+    tps_scale: float = 1.0,
+    loss_shift: float = 0.0,
+    control_shift: float = 0.0,
+    drop: str | None = None,
+    status: dict[str, str] | None = None,
+    step_time: dict[str, float] | None = None,
+) -> Path:
     """A real report.json of the example pairs, changed by hand: test tokens/s scaled, test
     and control loss shifted, the pair whose id ends with ``drop`` left out, statuses
     overridden by id suffix, ``resources.step_time_s`` set (as when the run meta has tokens
     per step; the examples have none)."""
-    doc = build_report([ex.passing_pair(), ex.failing_pair(), ex.errored_pair()],
-                       environment={}, started_at=None, wall_s=10.0)
+    doc = build_report(
+        [ex.passing_pair(), ex.failing_pair(), ex.errored_pair()],
+        environment={},
+        started_at=None,
+        wall_s=10.0,
+    )
     if drop:
         doc["pairs"] = [p for p in doc["pairs"] if not p["id"].endswith(drop)]
     for pair in doc["pairs"]:
@@ -77,8 +93,9 @@ def _report(tmp_path: Path, name: str, *, tps_scale: float = 1.0,
 
 def test_example_script_is_the_rendered_template() -> None:
     text = (ROOT / "scripts" / "nightly.sbatch").read_text()
-    assert text == render_sbatch(EXAMPLE, script_name="scripts/nightly.sbatch"), \
+    assert text == render_sbatch(EXAMPLE, script_name="scripts/nightly.sbatch"), (
         "regenerate scripts/nightly.sbatch from convergence.nightly.render_sbatch(EXAMPLE)"
+    )
     from convergence.nightly.sizing import largest_job, nodes_for
 
     largest = largest_job([ROOT / "experiments"], rootdir=ROOT)
@@ -88,20 +105,50 @@ def test_example_script_is_the_rendered_template() -> None:
 
 def test_script_runs_pytest_then_records(tmp_path: Path) -> None:
     out = tmp_path / "n"
-    assert main(["nightly", "--experiments", "experiments/a.toml", "experiments/b dir",
-                 "--out", str(out), "--partition", "gpu", "--gpus-per-node", "4",
-                 "--nodes", "2", "--sbatch-option=--account=ml",
-                 "--pytest-args", "-n 2 --convergence-refresh"]) == 0
+    assert (
+        main(
+            [
+                "nightly",
+                "--experiments",
+                "experiments/a.toml",
+                "experiments/b dir",
+                "--out",
+                str(out),
+                "--partition",
+                "gpu",
+                "--gpus-per-node",
+                "4",
+                "--nodes",
+                "2",
+                "--sbatch-option=--account=ml",
+                "--pytest-args",
+                "-n 2 --convergence-refresh",
+            ]
+        )
+        == 0
+    )
     text = (out / "nightly.sbatch").read_text()
     assert subprocess.run(["bash", "-n", str(out / "nightly.sbatch")]).returncode == 0
-    for line in ("#SBATCH --nodes=2", "#SBATCH --partition=gpu", "#SBATCH --gpus-per-node=4",
-                 "#SBATCH --account=ml", "#SBATCH --exclusive",
-                 f"#SBATCH --output={out.resolve()}/slurm-%j.out"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --account=ml",
+        "#SBATCH --exclusive",
+        f"#SBATCH --output={out.resolve()}/slurm-%j.out",
+    ):
         assert line in text
-    pytest_line = text[text.index('"$PYTHON" -m pytest'):text.index("status=$?")]
-    for part in ("-m convergence", "--convergence-tier nightly", "--convergence-launcher slurm",
-                 '--junitxml "$NIGHT_DIR/junit.xml"', '--convergence-report "$NIGHT_DIR/report"',
-                 "-n 2 --convergence-refresh", "experiments/a.toml", "'experiments/b dir'"):
+    pytest_line = text[text.index('"$PYTHON" -m pytest') : text.index("status=$?")]
+    for part in (
+        "-m convergence",
+        "--convergence-tier nightly",
+        "--convergence-launcher slurm",
+        '--junitxml "$NIGHT_DIR/junit.xml"',
+        '--convergence-report "$NIGHT_DIR/report"',
+        "-n 2 --convergence-refresh",
+        "experiments/a.toml",
+        "'experiments/b dir'",
+    ):
         assert part in pytest_line, part
     assert text.index("status=$?") < text.index("convergence.cli record")
     assert text.rstrip().endswith("exit $status")
@@ -113,9 +160,12 @@ def test_no_experiments_is_an_error() -> None:
 
 
 def test_final_loss_delta_uses_last_common_step() -> None:
-    pair: dict[str, Any] = {"curves": {
-        "control": {"loss": {"steps": [1, 2, 3], "values": [3.0, 2.0, 1.0]}},
-        "test": {"loss": {"steps": [1, 2], "values": [3.0, 2.5]}}}}
+    pair: dict[str, Any] = {
+        "curves": {
+            "control": {"loss": {"steps": [1, 2, 3], "values": [3.0, 2.0, 1.0]}},
+            "test": {"loss": {"steps": [1, 2], "values": [3.0, 2.5]}},
+        }
+    }
     assert final_loss_delta(pair) == (2, 0.5)
     assert final_loss_delta({"curves": {}}) == (None, None)
 
@@ -123,8 +173,12 @@ def test_final_loss_delta_uses_last_common_step() -> None:
 def test_two_nights_to_history_to_trend(tmp_path: Path) -> None:
     history = tmp_path / "hist" / "history.jsonl"
     first = append_history(_report(tmp_path, "n1"), history, night="night-1", pytest_status=1)
-    second = append_history(_report(tmp_path, "n2", tps_scale=0.5, loss_shift=0.25), history,
-                            night="night-2", pytest_status=1)
+    second = append_history(
+        _report(tmp_path, "n2", tps_scale=0.5, loss_shift=0.25),
+        history,
+        night="night-2",
+        pytest_status=1,
+    )
     assert [r["pair"] for r in first] == [r["pair"] for r in second] and len(first) == 3
     by_status = {r["status"]: r for r in first}
     assert set(by_status) == {"passed", "failed", "error"}
@@ -159,8 +213,9 @@ def test_two_nights_to_history_to_trend(tmp_path: Path) -> None:
 def test_cli_record_and_trend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     history = tmp_path / "h.jsonl"
     for i in (1, 2):
-        assert main(["record", str(_report(tmp_path, f"r{i}")), str(history),
-                     "--night", f"n{i}"]) == 0
+        assert (
+            main(["record", str(_report(tmp_path, f"r{i}")), str(history), "--night", f"n{i}"]) == 0
+        )
     assert len(read_history(history).records) == 6
     assert main(["trend", str(history), "--out", str(tmp_path / "t")]) == 0
     assert (tmp_path / "t" / "trend.png").stat().st_size > 10_000
@@ -183,7 +238,7 @@ def _pair_id(records: list[dict[str, Any]], suffix: str) -> str:
 def _section(markdown: str, pair: str) -> str:
     """The markdown of one pair's table (up to the next heading or the closing notes)."""
     start = markdown.index(f"## {pair}\n")
-    rest = markdown[start + 3:]
+    rest = markdown[start + 3 :]
     end = min(i for i in (rest.find("\n## "), rest.find("\nStep time and")) if i >= 0)
     return rest[:end]
 
@@ -192,9 +247,11 @@ def _three_nights(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     """Night 1 all pairs; night 2 without the failing pair; night 3 all, the passing pair
     now failing (the verdict as the report says it) and the control's loss 0.125 higher."""
     history = tmp_path / "history.jsonl"
-    reports = [_report(tmp_path, "n1"),
-               _report(tmp_path, "n2", drop=FAILING, loss_shift=0.25),
-               _report(tmp_path, "n3", status={PASSING: "failed"}, control_shift=0.125)]
+    reports = [
+        _report(tmp_path, "n1"),
+        _report(tmp_path, "n2", drop=FAILING, loss_shift=0.25),
+        _report(tmp_path, "n3", status={PASSING: "failed"}, control_shift=0.125),
+    ]
     first: list[dict[str, Any]] = []
     for night, report in zip(NIGHTS, reports, strict=True):
         records = append_history(report, history, night=night, pytest_status=1)
@@ -225,22 +282,27 @@ def test_control_final_loss_and_step_times_are_recorded(tmp_path: Path) -> None:
     assert errored["step_time_s"]["test"] is None and errored["step_time_from"]["test"] is None
 
     # The report's own median step time (tokens per step / tokens/s) wins when it has one.
-    doc2 = json.loads(_report(tmp_path, "n2", step_time={"control": 0.2, "test": 0.3})
-                      .read_text())
-    passing2 = next(r for r in history_records(doc2, night="n2")
-                    if r["pair"].endswith(PASSING))
-    assert passing2["step_time_s"] == {"control": 0.2, "test": 0.3,
-                                       "ratio": pytest.approx(1.5)}
+    doc2 = json.loads(_report(tmp_path, "n2", step_time={"control": 0.2, "test": 0.3}).read_text())
+    passing2 = next(r for r in history_records(doc2, night="n2") if r["pair"].endswith(PASSING))
+    assert passing2["step_time_s"] == {"control": 0.2, "test": 0.3, "ratio": pytest.approx(1.5)}
     assert passing2["step_time_from"] == {"control": "tokens_per_s", "test": "tokens_per_s"}
 
 
 OLD_LINE = {  # a history line as version 1 wrote it: no control loss, no step time
-    "history_version": 1, "night": "old-night", "generated_at": "2024-02-01T20:00:00+00:00",
-    "slurm_job_id": "7", "pytest_status": 0, "pair": "converging.toml::fsdp2-tp2",
-    "status": "passed", "verdicts": {"loss": True}, "final_step": 40,
-    "final_loss_delta": 1e-8, "max_abs_loss_delta": 2e-8,
+    "history_version": 1,
+    "night": "old-night",
+    "generated_at": "2024-02-01T20:00:00+00:00",
+    "slurm_job_id": "7",
+    "pytest_status": 0,
+    "pair": "converging.toml::fsdp2-tp2",
+    "status": "passed",
+    "verdicts": {"loss": True},
+    "final_step": 40,
+    "final_loss_delta": 1e-8,
+    "max_abs_loss_delta": 2e-8,
     "tokens_per_s": {"control": 1000.0, "test": 930.0, "ratio": 0.93},
-    "peak_mem_mib": {"control": 512.0, "test": 300.0, "ratio": 0.59}, "wall_s": 14.9,
+    "peak_mem_mib": {"control": 512.0, "test": 300.0, "ratio": 0.59},
+    "wall_s": 14.9,
 }
 
 
@@ -294,8 +356,9 @@ def test_three_nights_with_a_pair_missing_the_middle_night(tmp_path: Path) -> No
     assert passing["passed"] == [1.0, 1.0, 0.0]
     assert passing["final_loss_delta"][1] == pytest.approx(passing["final_loss_delta"][0] + 0.25)
     control = passing["control_final_loss"]
-    assert control[0] == pytest.approx(control[1]) and control[2] == pytest.approx(control[0]
-                                                                                  + 0.125)
+    assert control[0] == pytest.approx(control[1]) and control[2] == pytest.approx(
+        control[0] + 0.125
+    )
     errored = data["pairs"][ids[ERRORED]]
     assert errored["status"] == ["error"] * 3 and errored["passed"] == [0.0] * 3
     assert errored["final_loss_delta"] == [None] * 3 and None not in errored["control_final_loss"]
@@ -303,18 +366,25 @@ def test_three_nights_with_a_pair_missing_the_middle_night(tmp_path: Path) -> No
     md = files.markdown.read_text()
     failing_rows = _section(md, ids[FAILING]).splitlines()
     assert f"| {NIGHTS[1]} | absent | – | – | – | – |" in failing_rows
-    assert [r.split(" | ")[1] for r in failing_rows if r.startswith("| 2024")] == \
-        ["failed", "absent", "failed"]
+    assert [r.split(" | ")[1] for r in failing_rows if r.startswith("| 2024")] == [
+        "failed",
+        "absent",
+        "failed",
+    ]
     passing_rows = [r for r in _section(md, ids[PASSING]).splitlines() if r.startswith("| 2024")]
     assert [r.split(" | ")[1] for r in passing_rows] == ["passed", "passed", "failed"]
     assert f"| {ids[FAILING]} | 2/3 | 0 | 2 | 0 | failed | `✗·✗` |" in md
     assert f"| {ids[PASSING]} | 3/3 | 2 | 1 | 0 | failed | `✓✓✗` |" in md
-    assert "| night | verdict | final loss Δ | control final loss | step time (s) | tokens/s |" \
-        in md
+    assert (
+        "| night | verdict | final loss Δ | control final loss | step time (s) | tokens/s |" in md
+    )
 
     # every PNG is written and listed in trend.md; trend.png holds verdict markers
-    assert [p.name for p in files.pngs] == data["plots"] == [
-        "trend.png", "trend_control_loss.png", "trend_step_time.png", "trend_tokens_per_s.png"]
+    assert (
+        [p.name for p in files.pngs]
+        == data["plots"]
+        == ["trend.png", "trend_control_loss.png", "trend_step_time.png", "trend_tokens_per_s.png"]
+    )
     for png in files.pngs:
         assert png.stat().st_size > 10_000 and f"]({png.name})" in md
     import matplotlib.image as mpimg
@@ -337,9 +407,15 @@ def test_tensorboard_export_reads_back_per_night(tmp_path: Path) -> None:
     for pair, folder in files.tensorboard.items():
         assert folder.parent == out / "tensorboard" and "::" not in folder.name
         assert len(list(folder.glob("events.out.tfevents.*"))) == 1
-        for metric in ("final_loss_delta", "control_final_loss", "step_time_s",
-                       "control_step_time_s", "tokens_per_s", "control_tokens_per_s",
-                       "passed"):
+        for metric in (
+            "final_loss_delta",
+            "control_final_loss",
+            "step_time_s",
+            "control_step_time_s",
+            "tokens_per_s",
+            "control_tokens_per_s",
+            "passed",
+        ):
             expected = [(i, v) for i, v in enumerate(series[pair][metric]) if v is not None]
             curves = read_tensorboard(folder, tag_map={f"nightly/{metric}": "loss"})
             if not expected:
@@ -349,19 +425,28 @@ def test_tensorboard_export_reads_back_per_night(tmp_path: Path) -> None:
             assert curve.steps.tolist() == [i for i, _ in expected], (pair, metric)
             assert curve.values.tolist() == [v for _, v in expected], (pair, metric)  # exact
 
-    failing = read_tensorboard(files.tensorboard[ids[FAILING]],
-                               tag_map={"nightly/final_loss_delta": "loss"})["loss"]
+    failing = read_tensorboard(
+        files.tensorboard[ids[FAILING]], tag_map={"nightly/final_loss_delta": "loss"}
+    )["loss"]
     assert failing.steps.tolist() == [0, 2]  # the night it did not run is not there
-    passed = read_tensorboard(files.tensorboard[ids[PASSING]],
-                              tag_map={"nightly/passed": "loss"})["loss"]
+    passed = read_tensorboard(files.tensorboard[ids[PASSING]], tag_map={"nightly/passed": "loss"})[
+        "loss"
+    ]
     assert passed.steps.tolist() == [0, 1, 2] and passed.values.tolist() == [1.0, 1.0, 0.0]
 
     # the wall time of each point is its night's, parsed from the night's name
     events = next(files.tensorboard[ids[FAILING]].glob("events.out.tfevents.*"))
-    times = {e.step: e.wall_time for e in EventFileLoader(str(events)).Load()
-             if any(v.tag == "nightly/final_loss_delta" for v in e.summary.value)}
-    expected_times = {i: dt.datetime.strptime(NIGHTS[i][:16], "%Y%m%dT%H%M%SZ")
-                      .replace(tzinfo=dt.timezone.utc).timestamp() for i in (0, 2)}
+    times = {
+        e.step: e.wall_time
+        for e in EventFileLoader(str(events)).Load()
+        if any(v.tag == "nightly/final_loss_delta" for v in e.summary.value)
+    }
+    expected_times = {
+        i: dt.datetime.strptime(NIGHTS[i][:16], "%Y%m%dT%H%M%SZ")
+        .replace(tzinfo=dt.timezone.utc)
+        .timestamp()
+        for i in (0, 2)
+    }
     assert times == expected_times
 
 
@@ -393,15 +478,23 @@ def test_the_sbatch_script_records_each_night_and_writes_the_trend(tmp_path: Pat
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
-    settings = NightlySettings(experiments=("experiments",), out=str(tmp_path / "nightly"),
-                               rootdir=str(ROOT), python=str(fake))
+    settings = NightlySettings(
+        experiments=("experiments",),
+        out=str(tmp_path / "nightly"),
+        rootdir=str(ROOT),
+        python=str(fake),
+    )
     script = tmp_path / "nightly.sbatch"
     script.write_text(render_sbatch(settings))
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "REPORT_JSON": str(_report(tmp_path, "night"))}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "REPORT_JSON": str(_report(tmp_path, "night"))}
     for job_id in ("101", "102"):
-        done = subprocess.run(["bash", str(script)], env={**env, "SLURM_JOB_ID": job_id},
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            ["bash", str(script)],
+            env={**env, "SLURM_JOB_ID": job_id},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 1, done.stderr  # pytest's status: a pair failed
     history = read_history(tmp_path / "nightly" / "history.jsonl")
     assert len(history.nights()) == 2
@@ -419,17 +512,33 @@ def test_nightly_sizes_nodes_from_the_largest_pair(tmp_path: Path) -> None:
     (folder / "small.toml").write_text(
         '[defaults]\ntrain_config = "debug"\n[control]\nname = "c"\n'
         'parallelism = { dp_shard = 2 }\n[[test]]\nname = "t"\n'
-        'parallelism = { dp_shard = 2, tp = 2 }\n')
+        "parallelism = { dp_shard = 2, tp = 2 }\n"
+    )
     (folder / "big.toml").write_text(
         '[defaults]\ntrain_config = "debug"\n[control]\nname = "c"\n'
         'parallelism = { dp_shard = 4 }\n[[test]]\nname = "t16"\n'
-        'parallelism = { dp_shard = 4, tp = 2, pp = 2 }\ntier = "nightly"\n')
+        'parallelism = { dp_shard = 4, tp = 2, pp = 2 }\ntier = "nightly"\n'
+    )
     (folder / "not_ours.toml").write_text("[job]\nname = 'torchtitan config'\n")
     largest = largest_job([folder], rootdir=ROOT)
     assert largest is not None and largest.world_size == 16 and "big.toml::t16" in largest.where
     assert nodes_for(largest.world_size, 8) == 2
     assert largest_job([folder], rootdir=ROOT, max_tier="quick").world_size == 4  # type: ignore[union-attr]
     out = tmp_path / "out"
-    assert main(["nightly", "--experiments", str(folder), "--out", str(out), "--rootdir",
-                 str(ROOT), "--gpus-per-node", "8"]) == 0
+    assert (
+        main(
+            [
+                "nightly",
+                "--experiments",
+                str(folder),
+                "--out",
+                str(out),
+                "--rootdir",
+                str(ROOT),
+                "--gpus-per-node",
+                "8",
+            ]
+        )
+        == 0
+    )
     assert "#SBATCH --nodes=2" in (out / "nightly.sbatch").read_text()

@@ -27,26 +27,41 @@ from convergence.nightly.decide import (
 )
 from convergence.nightly.history import History
 
-SIGMA = {"control_final_loss": 0.01, "max_abs_loss_delta": 2e-4, "step_time_s": 0.003,
-         "control_step_time_s": 0.003, "tokens_per_s": 300.0, "control_tokens_per_s": 300.0,
-         "peak_mem_mib": 5.0}
-MEAN = {"control_final_loss": 2.5, "max_abs_loss_delta": 1e-3, "step_time_s": 0.1,
-        "control_step_time_s": 0.1, "tokens_per_s": 10000.0, "control_tokens_per_s": 10000.0,
-        "peak_mem_mib": 1000.0}
+SIGMA = {
+    "control_final_loss": 0.01,
+    "max_abs_loss_delta": 2e-4,
+    "step_time_s": 0.003,
+    "control_step_time_s": 0.003,
+    "tokens_per_s": 300.0,
+    "control_tokens_per_s": 300.0,
+    "peak_mem_mib": 5.0,
+}
+MEAN = {
+    "control_final_loss": 2.5,
+    "max_abs_loss_delta": 1e-3,
+    "step_time_s": 0.1,
+    "control_step_time_s": 0.1,
+    "tokens_per_s": 10000.0,
+    "control_tokens_per_s": 10000.0,
+    "peak_mem_mib": 1000.0,
+}
 
 
-def _record(night: int, pair: str, values: dict[str, float], status: str = "passed"
-            ) -> dict[str, Any]:
+def _record(
+    night: int, pair: str, values: dict[str, float], status: str = "passed"
+) -> dict[str, Any]:
     """One history line as `convergence record` writes it (the fields decide reads)."""
-    return {"night": f"n{night:04d}", "pair": pair, "status": status,
-            "control_final_loss": values["control_final_loss"],
-            "max_abs_loss_delta": values["max_abs_loss_delta"],
-            "final_loss_delta": 0.0,
-            "step_time_s": {"test": values["step_time_s"],
-                            "control": values["control_step_time_s"]},
-            "tokens_per_s": {"test": values["tokens_per_s"],
-                             "control": values["control_tokens_per_s"]},
-            "peak_mem_mib": {"test": values["peak_mem_mib"]}}
+    return {
+        "night": f"n{night:04d}",
+        "pair": pair,
+        "status": status,
+        "control_final_loss": values["control_final_loss"],
+        "max_abs_loss_delta": values["max_abs_loss_delta"],
+        "final_loss_delta": 0.0,
+        "step_time_s": {"test": values["step_time_s"], "control": values["control_step_time_s"]},
+        "tokens_per_s": {"test": values["tokens_per_s"], "control": values["control_tokens_per_s"]},
+        "peak_mem_mib": {"test": values["peak_mem_mib"]},
+    }
 
 
 def _noise(rng: random.Random) -> dict[str, float]:
@@ -91,8 +106,10 @@ def test_an_injected_drift_is_flagged_with_its_own_exit_status(tmp_path: Path) -
 
 def test_a_pair_that_turned_red_wins_over_drift() -> None:
     records = _history(8)
-    tonight = [_record(8, "exp::p0", _noise(random.Random(2)), status="failed"),
-               _record(8, "exp::p1", _noise(random.Random(3)))]
+    tonight = [
+        _record(8, "exp::p0", _noise(random.Random(2)), status="failed"),
+        _record(8, "exp::p1", _noise(random.Random(3))),
+    ]
     decision = decide(History(records=tuple(records + tonight)))
     assert decision.exit_status == EXIT_RED
     assert decision.findings[0].kind == "red" and "turned failed" in decision.findings[0].text
@@ -116,16 +133,20 @@ class _Catch(BaseHTTPRequestHandler):
         pass
 
 
-def test_hooks_fire_on_drift_command_post_and_step_summary(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
+def test_hooks_fire_on_drift_command_post_and_step_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     records = _history(12)
     shifted = _noise(random.Random(9))
     shifted["step_time_s"] *= 1.5  # a 50% slower test step
     history = tmp_path / "history.jsonl"
-    history.write_text("".join(json.dumps(r) + "\n" for r in
-                               records + [_record(12, "exp::p0", shifted),
-                                          _record(12, "exp::p1", _noise(random.Random(1)))]))
+    history.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in records
+            + [_record(12, "exp::p0", shifted), _record(12, "exp::p1", _noise(random.Random(1)))]
+        )
+    )
     server = HTTPServer(("127.0.0.1", 0), _Catch)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -133,9 +154,18 @@ def test_hooks_fire_on_drift_command_post_and_step_summary(tmp_path: Path,
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     got = tmp_path / "hook.txt"
     try:
-        status = main(["decide", str(history), "--out", str(tmp_path / "trend"),
-                       "--hook", f"cat > {got}; echo $CONVERGENCE_DECISION >> {got}",
-                       "--post", f"http://127.0.0.1:{server.server_port}/hook"])
+        status = main(
+            [
+                "decide",
+                str(history),
+                "--out",
+                str(tmp_path / "trend"),
+                "--hook",
+                f"cat > {got}; echo $CONVERGENCE_DECISION >> {got}",
+                "--post",
+                f"http://127.0.0.1:{server.server_port}/hook",
+            ]
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -150,9 +180,15 @@ def test_hooks_fire_on_drift_command_post_and_step_summary(tmp_path: Path,
 
 
 def test_a_broken_hook_never_hides_the_status(tmp_path: Path) -> None:
-    decision = decide(History(records=tuple(_history(8) + [
-        _record(8, "exp::p0", _noise(random.Random(2)), status="error")])))
-    problems = write_decision(decision, tmp_path, Notify(command="exit 3",
-                                                         url="http://127.0.0.1:9/none"))
+    decision = decide(
+        History(
+            records=tuple(
+                _history(8) + [_record(8, "exp::p0", _noise(random.Random(2)), status="error")]
+            )
+        )
+    )
+    problems = write_decision(
+        decision, tmp_path, Notify(command="exit 3", url="http://127.0.0.1:9/none")
+    )
     assert decision.exit_status == EXIT_RED
     assert len(problems) == 2 and "exited 3" in problems[0]

@@ -60,8 +60,16 @@ def test_unlogged_gating_metric_is_shown_or_an_error(pytester: pytest.Pytester) 
     (pytester.path / "experiments" / "mine.toml").write_text(EXPERIMENT)
     (pytester.path / "experiments" / "trainer.toml").write_text("lr = 0.05\n")
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-m", "convergence", "--convergence-report", "report",
-        "--junitxml", "junit.xml", "-rA")
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "convergence",
+        "--convergence-report",
+        "report",
+        "--junitxml",
+        "junit.xml",
+        "-rA",
+    )
     out = result.stdout.str()
     result.assert_outcomes(passed=1, errors=0, failed=1)  # the error is the pair's (runtest)
     # The default rule: passed on the loss, and the terminal says what was not compared.
@@ -105,18 +113,22 @@ def test_every_format_shows_not_compared_without_a_run(tmp_path: Path) -> None:
     assert base.control is not None and base.test is not None
     metrics = {k: v for k, v in base.test.metrics.items() if k != "grad_norm"}
     verdicts = judge(base.pair, [base.control.metrics], metrics)
-    outcome = dataclasses.replace(base, test=dataclasses.replace(base.test, metrics=metrics),
-                                  verdicts=verdicts, status="passed")
+    outcome = dataclasses.replace(
+        base,
+        test=dataclasses.replace(base.test, metrics=metrics),
+        verdicts=verdicts,
+        status="passed",
+    )
     grad = outcome.verdict("grad_norm")
     assert grad is not None and grad.not_compared and not grad.gate
-    report = build_report([outcome], environment={}, started_at=None, wall_s=None,
-                          include_curves=False)
+    report = build_report(
+        [outcome], environment={}, started_at=None, wall_s=None, include_curves=False
+    )
     record = next(v for v in report["pairs"][0]["verdicts"] if v["metric"] == "grad_norm")
     assert record["not_compared"]
     assert "**grad_norm** (paired): not compared:" in render_markdown(report)
     assert '<span class="warn">not compared</span>' in render_html(report, {})
-    assert ("convergence.grad_norm.verdict", "not compared (paired)") in \
-        junit_properties(outcome)
+    assert ("convergence.grad_norm.verdict", "not compared (paired)") in junit_properties(outcome)
     assert "grad_norm not compared -- " in render_summary([outcome])
     value, label = _cell(outcome, "grad_norm")
     assert math.isnan(value) and label == "not\ncompared"

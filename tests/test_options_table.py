@@ -15,8 +15,13 @@ from convergence.options import OPTIONS, resolve_path, run_settings, values_from
 
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_every_option_is_a_pytest_flag_an_ini_key_and_a_cli_flag(tmp_path: Path) -> None:
@@ -28,8 +33,9 @@ def test_every_option_is_a_pytest_flag_an_ini_key_and_a_cli_flag(tmp_path: Path)
         assert hasattr(cli, opt.name.replace("-", "_")), opt.name
 
 
-def test_the_same_bad_value_is_refused_by_both(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_same_bad_value_is_refused_by_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     proc = _pytest(tmp_path, "--convergence-idle-limit=0")
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR
     assert "--convergence-idle-limit must be > 0 seconds, got 0.0" in proc.stderr
@@ -38,37 +44,66 @@ def test_the_same_bad_value_is_refused_by_both(tmp_path: Path,
 
 
 def test_cli_flags_become_the_runner_settings(tmp_path: Path) -> None:
-    args = build_parser().parse_args([
-        "run", "x.toml", "--launcher", "slurm", "--backend", "command", "--devices", "3",
-        "--steps", "7", "--cache-dir", "c", "--refresh", "--no-early-stop", "--alpha", "0.01",
-        "--idle-limit", "12", "--wall-limit", "99", "--workdir", "w"])
+    args = build_parser().parse_args(
+        [
+            "run",
+            "x.toml",
+            "--launcher",
+            "slurm",
+            "--backend",
+            "command",
+            "--devices",
+            "3",
+            "--steps",
+            "7",
+            "--cache-dir",
+            "c",
+            "--refresh",
+            "--no-early-stop",
+            "--alpha",
+            "0.01",
+            "--idle-limit",
+            "12",
+            "--wall-limit",
+            "99",
+            "--workdir",
+            "w",
+        ]
+    )
     values = values_from_args(args, cwd=tmp_path)
     settings = run_settings(values, work_dir=values["workdir"])
     assert (settings.launcher, settings.backend, settings.devices, settings.steps) == (
-        "slurm", "command", 3, 7)
+        "slurm",
+        "command",
+        3,
+        7,
+    )
     assert settings.cache_dir == tmp_path / "c" and settings.work_dir == tmp_path / "w"
     assert settings.refresh and not settings.early_stop and settings.alpha == 0.01
     assert (settings.idle_limit_s, settings.wall_limit_s) == (12.0, 99.0)
-    defaults = run_settings(values_from_args(build_parser().parse_args(["run", "x.toml"]),
-                                             cwd=tmp_path), work_dir=tmp_path)
+    defaults = run_settings(
+        values_from_args(build_parser().parse_args(["run", "x.toml"]), cwd=tmp_path),
+        work_dir=tmp_path,
+    )
     assert (defaults.launcher, defaults.early_stop, defaults.refresh) == ("local", True, False)
     assert (defaults.idle_limit_s, defaults.wall_limit_s) == (300.0, 3600.0)
 
 
 PATH_OPTIONS = [opt.name for opt in OPTIONS if opt.kind == "path"]
-PROBE_TEST = '''
+PROBE_TEST = """
 from pytest_convergence.options import read_options
 
 def test_show(pytestconfig):
     values = read_options(pytestconfig).values
     for name in {names!r}:
         print("RESOLVED", name, values[name])
-'''
+"""
 
 
 @pytest.mark.parametrize("first_form", ["space", "equals"])
 def test_every_path_option_resolves_against_the_invocation_dir_in_both_forms(
-        tmp_path: Path, first_form: str) -> None:
+    tmp_path: Path, first_form: str
+) -> None:
     """``--convergence-X DIR`` and ``--convergence-X=DIR`` are relative to where pytest was
     started (here a subfolder of the rootdir), for every ``kind == "path"`` option; the CLI's
     ``--X DIR`` / ``--X=DIR`` likewise (one resolve_path for both)."""
@@ -79,19 +114,36 @@ def test_every_path_option_resolves_against_the_invocation_dir_in_both_forms(
     args, cli_args = [], []
     for i, name in enumerate(PATH_OPTIONS):
         space = (i % 2 == 0) == (first_form == "space")  # alternate, then the other way round
-        args += [f"--convergence-{name}", f"d-{name}"] if space else [
-            f"--convergence-{name}=d-{name}"]
+        args += (
+            [f"--convergence-{name}", f"d-{name}"] if space else [f"--convergence-{name}=d-{name}"]
+        )
         cli_args += [f"--{name}", f"d-{name}"] if space else [f"--{name}=d-{name}"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "-q",
-                           "test_probe.py", *args], cwd=sub, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-s",
+            "-q",
+            "test_probe.py",
+            *args,
+        ],
+        cwd=sub,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    shown = dict(line.split()[1:3] for line in proc.stdout.splitlines()
-                 if line.startswith("RESOLVED"))
+    shown = dict(
+        line.split()[1:3] for line in proc.stdout.splitlines() if line.startswith("RESOLVED")
+    )
     assert shown == {name: str(sub / f"d-{name}") for name in PATH_OPTIONS}
     values = values_from_args(build_parser().parse_args(["run", "x.toml", *cli_args]), cwd=sub)
     assert {name: values[name] for name in PATH_OPTIONS} == {
-        name: sub / f"d-{name}" for name in PATH_OPTIONS}
+        name: sub / f"d-{name}" for name in PATH_OPTIONS
+    }
 
 
 def test_resolve_path_expands_home_and_keeps_absolute_paths(tmp_path: Path) -> None:

@@ -75,8 +75,19 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
 def test_options_and_ini_keys_are_registered(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--help")
     out = result.stdout.str()
-    for flag in ("backend", "launcher", "devices", "steps", "cache-dir", "refresh", "report",
-                 "no-early-stop", "alpha", "tier", "workdir"):
+    for flag in (
+        "backend",
+        "launcher",
+        "devices",
+        "steps",
+        "cache-dir",
+        "refresh",
+        "report",
+        "no-early-stop",
+        "alpha",
+        "tier",
+        "workdir",
+    ):
         assert f"--convergence-{flag}" in out
         assert f"convergence_{flag.replace('-', '_')} " in out
     assert "convergence_paths" in out
@@ -101,8 +112,9 @@ def test_marker_registered_under_strict_markers(pytester: pytest.Pytester) -> No
 
 def test_toml_pairs_become_items_with_the_test_names(project: pytest.Pytester) -> None:
     result = project.runpytest("--collect-only", "-q", "--convergence-tier", "nightly")
-    result.stdout.fnmatch_lines(["experiments/exp.toml::fsdp2-tp2",
-                                 "experiments/exp.toml::fsdp2-nightly"])
+    result.stdout.fnmatch_lines(
+        ["experiments/exp.toml::fsdp2-tp2", "experiments/exp.toml::fsdp2-nightly"]
+    )
     assert result.ret == 0
     # Nothing was launched: no run folders.
     assert not (project.path / ".convergence" / "runs").exists()
@@ -113,9 +125,14 @@ def test_higher_tiers_are_deselected_with_a_reason(project: pytest.Pytester) -> 
     out = result.stdout.str()
     assert "experiments/exp.toml::fsdp2-tp2" in out
     assert "fsdp2-nightly" not in out.split("convergence: deselected")[0]
-    result.stdout.fnmatch_lines(["*convergence: deselected 1 nightly pair(s) above "
-                                 "--convergence-tier quick; run them with "
-                                 "--convergence-tier nightly*", "*1 deselected*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*convergence: deselected 1 nightly pair(s) above "
+            "--convergence-tier quick; run them with "
+            "--convergence-tier nightly*",
+            "*1 deselected*",
+        ]
+    )
     result = project.runpytest("--collect-only", "-q", "--convergence-tier", "ci")
     result.stdout.fnmatch_lines(["*1 deselected*"])
 
@@ -148,15 +165,18 @@ def test_marker_selection(project: pytest.Pytester) -> None:
     assert "exp.toml" not in out and "test_python_pair" not in out
 
 
-def test_unknown_key_is_a_collection_error_naming_file_and_key(
-        project: pytest.Pytester) -> None:
-    bad = EXPERIMENT.replace("parallelism = { dp_shard = 2, tp = 2 }\n",
-                             "parallelism = { dp_shard = 2, tensor_paralel = 2 }\n", 1)
+def test_unknown_key_is_a_collection_error_naming_file_and_key(project: pytest.Pytester) -> None:
+    bad = EXPERIMENT.replace(
+        "parallelism = { dp_shard = 2, tp = 2 }\n",
+        "parallelism = { dp_shard = 2, tensor_paralel = 2 }\n",
+        1,
+    )
     (project.path / "experiments" / "exp.toml").write_text(bad)
     # The harness's own warning (in-process pytester: `convergence` imported before assertion
     # rewriting) names site-packages; the plugin's message must not.
-    result = project.runpytest("-m", "convergence", "-W",
-                               "ignore::pytest.PytestAssertRewriteWarning")
+    result = project.runpytest(
+        "-m", "convergence", "-W", "ignore::pytest.PytestAssertRewriteWarning"
+    )
     result.assert_outcomes(errors=1)
     out = result.stdout.str()
     assert "exp.toml" in out and "tensor_paralel" in out and "fix:" in out
@@ -173,7 +193,8 @@ def test_malformed_toml_is_a_collection_error(project: pytest.Pytester) -> None:
 
 
 def test_too_few_devices_is_a_skip_naming_the_need_and_strict_makes_it_an_error(
-        project: pytest.Pytester) -> None:
+    project: pytest.Pytester,
+) -> None:
     # A pair this session cannot run never stops the others (a nightly in a small
     # allocation); the reason names what it needs and how to get it.
     result = project.runpytest("-m", "convergence", "-rs", "--convergence-devices", "2")
@@ -182,8 +203,9 @@ def test_too_few_devices_is_a_skip_naming_the_need_and_strict_makes_it_an_error(
     assert "not runnable here" in out and "needs 4 CPU slots, this machine has 2" in out, out
     assert "--convergence-launcher slurm" in out and "--convergence-devices" in out
     assert not (project.path / ".convergence" / "runs").exists()
-    strict = project.runpytest("--collect-only", "-q", "--convergence-devices", "2",
-                               "--convergence-strict")
+    strict = project.runpytest(
+        "--collect-only", "-q", "--convergence-devices", "2", "--convergence-strict"
+    )
     assert strict.ret == pytest.ExitCode.INTERRUPTED
     text = strict.stdout.str()
     assert "needs 4 CPU slots" in text and "key 'test.parallelism'" in text and "fix:" in text
@@ -232,8 +254,16 @@ def test_xdist_auto_workers_from_devices_and_world_size(project: pytest.Pytester
     # The largest job is fsdp2-tp2 (4 ranks): 8 devices give 2 workers.
     # (xdist does not distribute --collect-only: run a plain test, deselecting the pairs.)
     project.makepyfile("def test_plain():\n    pass\n")
-    result = project.runpytest_subprocess("-n", "auto", "-m", "not convergence",
-                                          "--convergence-devices", "8", "-p", "no:cacheprovider")
+    result = project.runpytest_subprocess(
+        "-n",
+        "auto",
+        "-m",
+        "not convergence",
+        "--convergence-devices",
+        "8",
+        "-p",
+        "no:cacheprovider",
+    )
     result.stdout.fnmatch_lines(["*created: 2/2 workers*"])
     result.assert_outcomes(passed=1)
 
@@ -247,20 +277,50 @@ def test_this_repositorys_nightly_collects_in_a_small_allocation() -> None:
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "convergence", "--convergence-tier", "nightly",
-         "--convergence-devices", "8", "--collect-only", "-q", "-p", "no:cacheprovider"],
-        cwd=root, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)})
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "convergence",
+            "--convergence-tier",
+            "nightly",
+            "--convergence-devices",
+            "8",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p
+            ),
+        },
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "error" not in done.stdout.splitlines()[-1], done.stdout[-500:]
 
 
-@pytest.mark.parametrize(("markexpr", "collected"), [
-    ("convergence", True), ("convergence and not slow", True), ("not convergence", False),
-    ("slow", False), ("not slow", False), (None, False)])
-def test_convergence_paths_outside_testpaths(pytester: pytest.Pytester, markexpr: str | None,
-                                             collected: bool) -> None:
+@pytest.mark.parametrize(
+    ("markexpr", "collected"),
+    [
+        ("convergence", True),
+        ("convergence and not slow", True),
+        ("not convergence", False),
+        ("slow", False),
+        ("not slow", False),
+        (None, False),
+    ],
+)
+def test_convergence_paths_outside_testpaths(
+    pytester: pytest.Pytester, markexpr: str | None, collected: bool
+) -> None:
     """Issue 24, trap 1: most repositories set ``testpaths = ["tests"]``; ``-m convergence``
     with no path must still collect what ``convergence_paths`` lists -- and a plain run or
     ``-m "not convergence"`` must not start visiting it."""

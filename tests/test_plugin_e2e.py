@@ -80,16 +80,28 @@ def test_toml_pairs_under_xdist_share_one_control(project: pytest.Pytester) -> N
     (project.path / "experiments").mkdir()
     (project.path / "experiments" / "pairs.toml").write_text(EXPERIMENT)
     result = project.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-m", "convergence", "-n", "2",
-        "--convergence-report", "report", "--junitxml", "junit.xml", timeout=540)
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "convergence",
+        "-n",
+        "2",
+        "--convergence-report",
+        "report",
+        "--junitxml",
+        "junit.xml",
+        timeout=540,
+    )
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
     # The planted bug: the grad norm is off from the first step; the failure says where.
-    result.stdout.fnmatch_lines([
-        "*pairs.toml::fsdp2-bug: grad_norm diverges from step 1*",
-        "*grad_norm around the divergence:*",
-        "*step*control*test*Δ*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*pairs.toml::fsdp2-bug: grad_norm diverges from step 1*",
+            "*grad_norm around the divergence:*",
+            "*step*control*test*Δ*",
+        ]
+    )
     assert "PASSED experiments/pairs.toml::ddp2" in out or "1 passed" in out
     # The matrix, once, from the controller.
     assert out.count("convergence matrix (2 pairs)") == 1
@@ -135,22 +147,28 @@ def test_python_api_progress_and_cached_control(project: pytest.Pytester) -> Non
     package = REPO / "convergence"
     code_before = sources_hash(package)
     project.makepyfile(test_api=PY_API)
-    result = project.runpytest_subprocess("-p", "no:cacheprovider", "-m", "convergence",
-                                          timeout=540)
+    result = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-m", "convergence", timeout=540
+    )
     result.assert_outcomes(passed=1, deselected=1)
     # Live progress (not a tty here), no rank logs. Which steps show depends on the launcher's
     # progress throttle and the machine's speed; the control shows some step, and the test's
     # last step is always shown (the launcher forces a final progress event).
-    result.stdout.fnmatch_lines(["[[]fsdp2 control[]] starting (2 ranks, local launcher)",
-                                 "[[]fsdp2 control[]] step */8 loss *",
-                                 "[[]test_layouts[[]ddp2[]] test[]] step 8/8 loss * ETA 0:00"])
+    result.stdout.fnmatch_lines(
+        [
+            "[[]fsdp2 control[]] starting (2 ranks, local launcher)",
+            "[[]fsdp2 control[]] step */8 loss *",
+            "[[]test_layouts[[]ddp2[]] test[]] step 8/8 loss * ETA 0:00",
+        ]
+    )
     assert "Traceback" not in result.stdout.str()
     assert _saved_outcomes(project)[0]["control"]["cached"] is False
     # Second session: the control comes from the run cache (keyed by the library's sources).
     if sources_hash(package) != code_before:
         pytest.skip("the convergence sources changed during the test: new cache key")
-    result = project.runpytest_subprocess("-p", "no:cacheprovider", "-m", "convergence",
-                                          timeout=540)
+    result = project.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-m", "convergence", timeout=540
+    )
     result.assert_outcomes(passed=1, deselected=1)
     assert "[fsdp2 control]" not in result.stdout.str()
     assert _saved_outcomes(project)[0]["control"]["cached"] is True
@@ -168,15 +186,29 @@ def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester)
 
     (project.path / "experiments").mkdir()
     (project.path / "experiments" / "pairs.toml").write_text(
-        EXPERIMENT.split("[[test]]\nname = \"fsdp2-bug\"")[0]
+        EXPERIMENT.split('[[test]]\nname = "fsdp2-bug"')[0]
         + '[[test]]\nname = "ddp2-long"\nparallelism = { dp_replicate = 2 }\nsteps = 100000\n'
-        + 'early_stop = false\n')
+        + "early_stop = false\n"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence",
-         "--convergence-report", "report"], cwd=project.path, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "convergence",
+            "--convergence-report",
+            "report",
+        ],
+        cwd=project.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         # a shell's `&` leaves SIGINT ignored, and Python keeps that: restore a terminal's
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:  # wait until the long job is training
@@ -192,6 +224,8 @@ def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester)
     assert not [p for p in alive if p.status() != "zombie"], out
     report = json.loads((project.path / "report" / "report.json").read_text())
     assert [(p["name"], p["status"]) for p in report["pairs"]] == [
-        ("ddp2", "passed"), ("ddp2-long", "error")]
+        ("ddp2", "passed"),
+        ("ddp2-long", "error"),
+    ]
     assert "interrupted (Ctrl-C)" in report["pairs"][1]["error"]
     assert report["environment"]["interrupted"] is True

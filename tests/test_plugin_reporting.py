@@ -15,7 +15,7 @@ import torch  # noqa: F401  (in-process pytester runs must not re-import torch)
 REPO = Path(__file__).resolve().parents[1]
 
 # Written into pytester folders as synth.py, and exec'd here for direct use.
-SYNTH = f'''
+SYNTH = f"""
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +55,7 @@ def make_outcome(name, *, passed=True, diverge_at=5, steps=10, run_root=Path("ru
     return PairOutcome(pair=pair, status="passed" if passed else "failed",
                        control=side(control, ctrl, True), test=side(test, tst, False),
                        verdicts=(verdict,), wall_s=4.0)
-'''
+"""
 
 _ns: dict[str, Any] = {}
 exec(compile(SYNTH, "synth.py", "exec"), _ns)
@@ -66,14 +66,18 @@ def test_failure_text_names_the_divergence() -> None:
     from pytest_convergence.failure import render_outcome
 
     text = render_outcome(make_outcome("fsdp2-tp2", passed=False, diverge_at=5))
-    assert text.splitlines()[0] == ("synthetic.toml::fsdp2-tp2: loss diverges from step 5 "
-                                    "(max |Δ| 1.5)")
+    assert text.splitlines()[0] == (
+        "synthetic.toml::fsdp2-tp2: loss diverges from step 5 (max |Δ| 1.5)"
+    )
     assert "FAILED: test fsdp2-tp2 [fsdp2-tp2] vs control fsdp2 [fsdp2]" in text
     assert "first divergent step 5" in text
     assert "max |Δ| 1.5 at step 10" in text
     # The table: three steps either side of step 5, control/test/Δ.
-    rows = [line.split() for line in text.splitlines() if line.startswith("    ")
-            and line.split()[0].isdigit()]
+    rows = [
+        line.split()
+        for line in text.splitlines()
+        if line.startswith("    ") and line.split()[0].isdigit()
+    ]
     assert [int(r[0]) for r in rows] == [2, 3, 4, 5, 6, 7, 8]
     step5 = rows[3]
     assert float(step5[1]) == pytest.approx(4.5) and float(step5[2]) == pytest.approx(4.75)
@@ -88,8 +92,11 @@ def test_error_text_shows_the_job_and_traceback_head() -> None:
 
     tb = "\n".join(f"  frame {i}" for i in range(100))
     outcome = dataclasses.replace(
-        make_outcome("x"), status="error", verdicts=(),
-        error=f"test job 'x' (fsdp2-tp2) failed on rank 1: exit code 1\n{tb}\n  logs: /tmp/l")
+        make_outcome("x"),
+        status="error",
+        verdicts=(),
+        error=f"test job 'x' (fsdp2-tp2) failed on rank 1: exit code 1\n{tb}\n  logs: /tmp/l",
+    )
     text = render_outcome(outcome)
     assert "ERROR" in text and "rank 1" in text and "frame 0" in text
     assert f"frame {TRACEBACK_HEAD_LINES + 5}" not in text and "more lines in the logs" in text
@@ -133,16 +140,24 @@ def test_pair(request, name, passed, tmp_path):
 
 
 @pytest.mark.parametrize("workers", [None, "2"], ids=["single", "xdist"])
-def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pytester,
-                                                        monkeypatch: pytest.MonkeyPatch,
-                                                        workers: str | None) -> None:
+def test_session_gathers_outcomes_and_prints_the_matrix(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: str | None
+) -> None:
     monkeypatch.setenv("COLUMNS", "200")  # the short summary line is cut to the width
     pytester.makepyfile(synth=SYNTH, test_session=SESSION_TEST)
     pytester.makeini("[pytest]\n")
     summary = pytester.path / "step_summary.md"
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    args = ["-p", "no:cacheprovider", "-m", "convergence", "--convergence-report", "report",
-            "--junitxml", "junit.xml"]
+    args = [
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "convergence",
+        "--convergence-report",
+        "report",
+        "--junitxml",
+        "junit.xml",
+    ]
     if workers:
         args += ["-n", workers]
     result = pytester.runpytest_subprocess(*args)
@@ -150,8 +165,12 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
     out = result.stdout.str()
     assert "convergence matrix (2 pairs)" in out
     assert "first divergent step 5" in out
-    result.stdout.fnmatch_lines(["FAILED *fsdp2-pp2* - ConvergenceFailure: synthetic.toml::"
-                                 "fsdp2-pp2: loss diverges from step 5*"])
+    result.stdout.fnmatch_lines(
+        [
+            "FAILED *fsdp2-pp2* - ConvergenceFailure: synthetic.toml::"
+            "fsdp2-pp2: loss diverges from step 5*"
+        ]
+    )
     matrix = out.split("convergence matrix (2 pairs)")[1]
     assert "fsdp2-tp2" in matrix and "fsdp2-pp2" in matrix and "FAIL" in matrix
     sessions = list((pytester.path / ".convergence" / "sessions").iterdir())
@@ -159,7 +178,9 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
     saved = sorted(sessions[0].glob("*.outcome.json"))
     assert len(saved) == 2
     assert {json.loads(p.read_text())["pair"]["pair_id"] for p in saved} == {
-        "synthetic.toml::fsdp2-tp2", "synthetic.toml::fsdp2-pp2"}
+        "synthetic.toml::fsdp2-tp2",
+        "synthetic.toml::fsdp2-pp2",
+    }
     # Report files, written once by the controller.
     import jsonschema
 
@@ -182,7 +203,8 @@ def test_session_gathers_outcomes_and_prints_the_matrix(pytester: pytest.Pyteste
 def test_piped_progress_does_not_repeat_the_file_header(pytester: pytest.Pytester) -> None:
     """Not a tty (CI logs): progress lines between two results of one file do not make pytest
     print the file's name again before the next result."""
-    pytester.makepyfile(test_two_pairs="""
+    pytester.makepyfile(
+        test_two_pairs="""
         from convergence.launch.types import Progress
         from pytest_convergence.progress import ProgressPrinter
 
@@ -198,7 +220,8 @@ def test_piped_progress_does_not_repeat_the_file_header(pytester: pytest.Pyteste
 
         def test_second(request):
             _job(request, "second test")
-    """)
+    """
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["[[]first test[]] starting *", "[[]second test[]] step 2/2 *"])
@@ -207,17 +230,22 @@ def test_piped_progress_does_not_repeat_the_file_header(pytester: pytest.Pyteste
     # -v: each result still carries its test id after the progress lines (CI logs are read
     # by test id; a bare "PASSED" would not say which pair passed).
     verbose = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-v")
-    verbose.stdout.fnmatch_lines(["[[]first test[]] step 2/2 *",
-                                  "test_two_pairs.py::test_first PASSED*",
-                                  "[[]second test[]] step 2/2 *",
-                                  "test_two_pairs.py::test_second PASSED*"])
+    verbose.stdout.fnmatch_lines(
+        [
+            "[[]first test[]] step 2/2 *",
+            "test_two_pairs.py::test_first PASSED*",
+            "[[]second test[]] step 2/2 *",
+            "test_two_pairs.py::test_second PASSED*",
+        ]
+    )
 
 
 def test_xdist_workers_progress_reaches_the_controller(pytester: pytest.Pytester) -> None:
     """Under -n 2 the jobs run in workers, whose output the user never sees: their progress
     lines are relayed by the controller, prefixed with the worker's id."""
     pytest.importorskip("xdist")
-    pytester.makepyfile(test_workers="""
+    pytester.makepyfile(
+        test_workers="""
         import pytest
         from convergence.launch.types import Progress
         from pytest_convergence.progress_relay import WorkerProgress
@@ -231,7 +259,8 @@ def test_xdist_workers_progress_reaches_the_controller(pytester: pytest.Pytester
             for step in range(1, 5):
                 progress(Progress(name=f"{name} test", step=step, total_steps=4, loss=2.5,
                                   elapsed_s=float(step)))
-    """)
+    """
+    )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
     result.assert_outcomes(passed=2)
     out = result.stdout.str()
@@ -264,9 +293,13 @@ def test_progress_redraws_in_place_on_a_terminal(pytester: pytest.Pytester) -> N
     """)
     main, secondary = pty.openpty()
     env = {**os.environ, "COLUMNS": "100", "TERM": "xterm", "PY_COLORS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
-                             "-p", "no:xdist"], cwd=pytester.path, stdout=secondary,
-                            stderr=secondary, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-p", "no:xdist"],
+        cwd=pytester.path,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+    )
     os.close(secondary)
     chunks = []
     while True:

@@ -27,15 +27,21 @@ HOOKS = Path(__file__).parent / "fixtures" / "hooks"
 BUGGY_MODULE = "layers.1.attention.wo"
 
 
-def probe(norms: dict[str, float], grads: dict[str, float], *, loss: float = 5.0,
-          dtype: str = "float32") -> dict[str, Any]:
-    return {"version": 1, "step": 1, "param_dtype": dtype, "loss": loss, "dp_losses": [loss],
-            "modules": [{"name": k, "norm": v, "calls": 1} for k, v in norms.items()],
-            "grads": [{"name": k, "norm": v} for k, v in grads.items()]}
+def probe(
+    norms: dict[str, float], grads: dict[str, float], *, loss: float = 5.0, dtype: str = "float32"
+) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "step": 1,
+        "param_dtype": dtype,
+        "loss": loss,
+        "dp_losses": [loss],
+        "modules": [{"name": k, "norm": v, "calls": 1} for k, v in norms.items()],
+        "grads": [{"name": k, "norm": v} for k, v in grads.items()],
+    }
 
 
-NORMS = {"tok_embeddings": 250.0, "layers.0.attention.wo": 1.2, "layers.0": 251.0,
-         "output": 40.0}
+NORMS = {"tok_embeddings": 250.0, "layers.0.attention.wo": 1.2, "layers.0": 251.0, "output": 40.0}
 GRADS = {"tok_embeddings.weight": 3e-2, "layers.0.attention.wo.weight": 2e-4}
 
 
@@ -46,10 +52,13 @@ def test_fp32_noise_passes_and_first_differing_module_is_named() -> None:
     assert same["modules_differing"] == 0 and same["modules_compared"] == 4
     # Everything from layers.0.attention.wo on is off by 1e-4 relative: wo is named, not the
     # later (also differing) modules; the max |diff| is that module's.
-    bad = dict(NORMS, **{"layers.0.attention.wo": 1.2 * (1 + 1e-4), "layers.0": 251.1,
-                         "output": 40.1})
-    loc = compare_probes(probe(NORMS, GRADS), probe(bad, dict(GRADS, **{
-        "layers.0.attention.wo.weight": 4e-4}), loss=5.1))
+    bad = dict(
+        NORMS, **{"layers.0.attention.wo": 1.2 * (1 + 1e-4), "layers.0": 251.1, "output": 40.1}
+    )
+    loc = compare_probes(
+        probe(NORMS, GRADS),
+        probe(bad, dict(GRADS, **{"layers.0.attention.wo.weight": 4e-4}), loss=5.1),
+    )
     assert loc["module"] == "layers.0.attention.wo"
     assert loc["parameter"] == "layers.0.attention.wo.weight"
     assert loc["max_abs_diff"] == pytest.approx(1.2e-4)
@@ -81,7 +90,8 @@ def test_unmatched_names_and_summary_leave_out_tables(tmp_path: Path) -> None:
 
 def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
     path = tmp_path / "probe_e2e.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [defaults]
         train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = 4
@@ -107,7 +117,8 @@ def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
         name = "fsdp2-late-bug"
         parallelism = {{ dp_shard = 2 }}
         hook = "planted_late_bugs:double_ffn_grad_from_step3"
-    """))
+    """)
+    )
     return path
 
 
@@ -115,7 +126,8 @@ def _hooks_on_path() -> None:
     # The hook module must import here (collection checks it) and in the trainer's ranks.
     if str(HOOKS) not in os.environ.get("PYTHONPATH", ""):
         os.environ["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)
+            p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p
+        )
     if str(HOOKS) not in sys.path:
         sys.path.insert(0, str(HOOKS))
 
@@ -135,8 +147,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     _hooks_on_path()
     exp = load_checked(_experiment(tmp_path_factory.mktemp("exp"), "always"), rootdir=ROOT)
-    runner = Runner(RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180,
-                                wall_limit_s=600))
+    runner = Runner(
+        RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=180, wall_limit_s=600)
+    )
     return {p.name: runner.run_pair(p) for p in exp.pairs}
 
 
@@ -163,8 +176,7 @@ def test_planted_tp_plan_bug_is_localised(outcomes: dict[str, Any]) -> None:
     assert loc["module"] == BUGGY_MODULE
     rows = {r["name"]: r for r in loc["modules"]}
     # Everything before the buggy module agrees (same weights, same batch).
-    before = [r for r in loc["modules"][: [r["name"] for r in loc["modules"]].index(
-        BUGGY_MODULE)]]
+    before = [r for r in loc["modules"][: [r["name"] for r in loc["modules"]].index(BUGGY_MODULE)]]
     assert before and not any(r["differs"] for r in before)
     assert rows[BUGGY_MODULE]["differs"] and rows["output"]["differs"]
     control_file, test_file = (Path(p) for p in loc["probe_files"].split(" vs "))
@@ -172,8 +184,7 @@ def test_planted_tp_plan_bug_is_localised(outcomes: dict[str, Any]) -> None:
     assert again["module"] == BUGGY_MODULE
 
 
-def test_failure_text_and_reports_name_the_module(outcomes: dict[str, Any],
-                                                  tmp_path: Path) -> None:
+def test_failure_text_and_reports_name_the_module(outcomes: dict[str, Any], tmp_path: Path) -> None:
     from convergence.report.formats.write import write_reports
     from pytest_convergence.failure import render_outcome
 
@@ -200,19 +211,42 @@ def test_first_divergent_step_and_failure_line() -> None:
     from convergence.stats.types import MetricVerdict
 
     def verdict(metric: str, passed: bool, first: int | None, gate: bool = True) -> Any:
-        return MetricVerdict(metric=metric, method="paired", passed=passed, gate=gate,
-                             steps_compared=9, first_divergent_step=first)
+        return MetricVerdict(
+            metric=metric,
+            method="paired",
+            passed=passed,
+            gate=gate,
+            steps_compared=9,
+            first_divergent_step=first,
+        )
 
-    assert first_divergent_step([verdict("loss", False, 4), verdict("grad_norm", False, 3),
-                                 verdict("tokens_per_s", False, 1, gate=False),
-                                 verdict("lr", True, None)]) == 3
+    assert (
+        first_divergent_step(
+            [
+                verdict("loss", False, 4),
+                verdict("grad_norm", False, 3),
+                verdict("tokens_per_s", False, 1, gate=False),
+                verdict("lr", True, None),
+            ]
+        )
+        == 3
+    )
     assert first_divergent_step([verdict("loss", True, None)]) is None
-    late = {"module": None, "parameter": LATE_PARAMETER, "step": 3, "first_divergent_step": 3,
-            "step_1_agrees": True, "modules_compared": 51, "replay_loss_max_abs_diff": 0.0}
+    late = {
+        "module": None,
+        "parameter": LATE_PARAMETER,
+        "step": 3,
+        "first_divergent_step": 3,
+        "step_1_agrees": True,
+        "modules_compared": 51,
+        "replay_loss_max_abs_diff": 0.0,
+    }
     assert not agrees(late) and agrees({"module": None, "parameter": None})
     assert not agrees({"error": "boom"})
-    assert failure_line(late) == ("first divergence at step 3; probe at step 3: module outputs "
-                                  f"agree, first differing gradient {LATE_PARAMETER}")
+    assert failure_line(late) == (
+        "first divergence at step 3; probe at step 3: module outputs "
+        f"agree, first differing gradient {LATE_PARAMETER}"
+    )
     text = summary_text(late)
     assert text.startswith("step 3 (first divergent step; step 1 agreed): ") and "NOT" not in text
     off = summary_text(dict(late, replay_loss_max_abs_diff=1e-3))
@@ -220,13 +254,15 @@ def test_first_divergent_step_and_failure_line() -> None:
     # The step-1 probe found the module although the curves part at step 5 only.
     early = {"module": BUGGY_MODULE, "parameter": None, "step": 1, "first_divergent_step": 5}
     assert failure_line(early).startswith(
-        f"first divergence at step 5; probe at step 1: first differing module {BUGGY_MODULE}")
+        f"first divergence at step 5; probe at step 1: first differing module {BUGGY_MODULE}"
+    )
     assert summary_text(early).startswith("step 1 (curves part at step 5): ")
     # Per-DP-rank losses are shown where a side has DP > 1 (a data-sharding bug shows there).
     ranks = dict(early, dp_losses_control=[5.5, 5.25], dp_losses_test=[5.5, 5.5])
     assert summary_text(ranks).endswith("per-DP-rank loss [5.5, 5.25] vs [5.5, 5.5]")
-    assert "per-DP-rank" not in summary_text(dict(early, dp_losses_control=[5.5],
-                                                  dp_losses_test=[5.5]))
+    assert "per-DP-rank" not in summary_text(
+        dict(early, dp_losses_control=[5.5], dp_losses_test=[5.5])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +272,7 @@ def late_outcome(outcomes: dict[str, Any]) -> Any:
     return outcomes["fsdp2-late-bug"]
 
 
-def test_late_bug_invisible_at_step1_is_localised_at_the_divergent_step(late_outcome: Any
-                                                                        ) -> None:
+def test_late_bug_invisible_at_step1_is_localised_at_the_divergent_step(late_outcome: Any) -> None:
     outcome = late_outcome
     assert outcome.status == "failed", outcome.error
     assert outcome.verdict("grad_norm").first_divergent_step == LATE_STEP
@@ -256,14 +291,15 @@ def test_late_bug_invisible_at_step1_is_localised_at_the_divergent_step(late_out
     assert row["test"] == pytest.approx(2 * row["control"], rel=1e-5)
 
 
-def test_late_localisation_in_failure_text_and_reports(late_outcome: Any,
-                                                       tmp_path: Path) -> None:
+def test_late_localisation_in_failure_text_and_reports(late_outcome: Any, tmp_path: Path) -> None:
     from convergence.report.formats.write import write_reports
     from pytest_convergence.failure import render_outcome
 
     text = render_outcome(late_outcome)
-    assert (f"first divergence at step {LATE_STEP}; probe at step {LATE_STEP}: module outputs "
-            f"agree, first differing gradient {LATE_PARAMETER}") in text
+    assert (
+        f"first divergence at step {LATE_STEP}; probe at step {LATE_STEP}: module outputs "
+        f"agree, first differing gradient {LATE_PARAMETER}"
+    ) in text
     write_reports([late_outcome], tmp_path, environment={"python": "3"})
     md = (tmp_path / "report.md").read_text()
     assert f"step {LATE_STEP} (first divergent step; step 1 agreed)" in md

@@ -34,20 +34,22 @@ README = REPO / "README.md"
 #: Commands that do not run here: the reason, and what covers them instead.
 SKIPPED: dict[str, str] = {
     "pip install": "installing: tests/test_install_wheel.py builds a wheel and installs it with "
-                   "its extras syntax into a fresh venv",
-    'pytest -m "not slow" --convergence-tier ci -n 2 --dist loadgroup':
-        "the project's own suite: .ci/run runs this "
-                                                  "command (this test included)",
+    "its extras syntax into a fresh venv",
+    'pytest -m "not slow" --convergence-tier ci -n 2 --dist loadgroup': "the project's own suite: .ci/run runs this "
+    "command (this test included)",
     "salloc": "needs a Slurm allocation: tests/test_slurm.py runs the Slurm launcher on a real "
-              "one-node Slurm",
+    "one-node Slurm",
     "pytest -m convergence --convergence-launcher slurm": "needs a Slurm allocation: "
-                                                          "tests/test_slurm.py",
+    "tests/test_slurm.py",
 }
 
 #: Blocks that are output or a file tree, not something to run (matched on the first line).
-NOT_EXAMPLES = ("e2e.toml::", "convergence/        the library",
-                # its shipped twin, experiments/torchtitan/cpu.toml, runs in CI's ci tier
-                "# experiments/torchtitan/my_layouts.toml")
+NOT_EXAMPLES = (
+    "e2e.toml::",
+    "convergence/        the library",
+    # its shipped twin, experiments/torchtitan/cpu.toml, runs in CI's ci tier
+    "# experiments/torchtitan/my_layouts.toml",
+)
 
 
 def code_blocks(text: str) -> list[str]:
@@ -107,8 +109,9 @@ def _env(repo: Path) -> dict[str, str]:
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, cwd=cwd, env=_env(cwd), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        argv, cwd=cwd, env=_env(cwd), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _argv(command: str) -> list[str]:
@@ -116,8 +119,12 @@ def _argv(command: str) -> list[str]:
     if words[0] == "pytest":
         return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *words[1:]]
     if words[0] == "convergence":
-        return [sys.executable, "-c", "from convergence.cli import main; raise SystemExit(main())",
-                *words[1:]]
+        return [
+            sys.executable,
+            "-c",
+            "from convergence.cli import main; raise SystemExit(main())",
+            *words[1:],
+        ]
     return words
 
 
@@ -127,8 +134,7 @@ def readme() -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def user_repo(tmp_path_factory: pytest.TempPathFactory,
-              readme: dict[str, list[str]]) -> Path:
+def user_repo(tmp_path_factory: pytest.TempPathFactory, readme: dict[str, list[str]]) -> Path:
     """README's TOML and Python examples, written where they say they live."""
     repo = tmp_path_factory.mktemp("readme_repo")
     experiments = 0
@@ -160,9 +166,10 @@ def test_every_readme_block_is_known(readme: dict[str, list[str]]) -> None:
     assert len(readme["toml"]) == 3 and len(readme["python"]) == 3, readme
     assert len(readme["other"]) == 3, readme["other"]
     for command in commands(readme["shell"]):
-        assert command.split()[0] in ("pytest", "pip", "salloc", "convergence", "torchrun"), \
-            f"README command {command!r}: run it in tests/test_readme_examples.py or add it " \
+        assert command.split()[0] in ("pytest", "pip", "salloc", "convergence", "torchrun"), (
+            f"README command {command!r}: run it in tests/test_readme_examples.py or add it "
             f"to SKIPPED with the reason"
+        )
 
 
 def test_python_examples_compile(readme: dict[str, list[str]]) -> None:
@@ -170,13 +177,16 @@ def test_python_examples_compile(readme: dict[str, list[str]]) -> None:
         compile(block, "<README>", "exec")
 
 
-def test_toml_examples_collect_in_a_testpaths_repository(user_repo: Path,
-                                                         readme: dict[str, list[str]]) -> None:
+def test_toml_examples_collect_in_a_testpaths_repository(
+    user_repo: Path, readme: dict[str, list[str]]
+) -> None:
     """README's ``pytest -m convergence`` in a repository made of README's examples: every
     experiment and the marked Python test are collected, none is an error."""
     assert "pytest -m convergence" in commands(readme["shell"])
-    proc = _run([*_argv("pytest -m convergence"), "--collect-only", "-q",
-                 "--convergence-devices", "8"], user_repo)
+    proc = _run(
+        [*_argv("pytest -m convergence"), "--collect-only", "-q", "--convergence-devices", "8"],
+        user_repo,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "experiments/readme_1.toml::fsdp2-tp2-pp2" in out, out
@@ -185,15 +195,17 @@ def test_toml_examples_collect_in_a_testpaths_repository(user_repo: Path,
     assert "tests/test_readme_python.py::test_my_tp[fsdp2-tp2]" in out, out
 
 
-def test_minimal_experiment_runs_and_its_runs_compare(user_repo: Path,
-                                                      readme: dict[str, list[str]]) -> None:
+def test_minimal_experiment_runs_and_its_runs_compare(
+    user_repo: Path, readme: dict[str, list[str]]
+) -> None:
     """The one real pair: README's minimal experiment with README's hook, 3 steps; then
     README's ``convergence compare`` and ``convergence export-golden`` on its run folders."""
     shell = commands(readme["shell"])
     command = "pytest -m convergence --convergence-report report"
     assert command in shell
-    proc = _run([*_argv(command), "experiments/readme_2.toml", "--convergence-steps", "3"],
-                user_repo)
+    proc = _run(
+        [*_argv(command), "experiments/readme_2.toml", "--convergence-steps", "3"], user_repo
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     report = json.loads((user_repo / "report" / "report.json").read_text())
@@ -238,13 +250,19 @@ def test_builtin_trainer_command_line(tmp_path: Path, readme: dict[str, list[str
 
 
 def test_every_command_is_run_or_skipped_with_a_reason(readme: dict[str, list[str]]) -> None:
-    run_here = ("pytest -m convergence", "convergence run", "convergence compare",
-                "convergence export-golden", "torchrun")
+    run_here = (
+        "pytest -m convergence",
+        "convergence run",
+        "convergence compare",
+        "convergence export-golden",
+        "torchrun",
+    )
     for command in commands(readme["shell"]):
         if _skip_reason(command):
             continue
-        assert command.startswith(run_here), \
+        assert command.startswith(run_here), (
             f"README command {command!r} is neither run here nor in SKIPPED with a reason"
+        )
 
 
 def test_inline_convergence_commands_parse() -> None:

@@ -18,8 +18,7 @@ from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import PairSpec
 
-CONTROL = JobSpec(name="fsdp2", train_config=Path("debug.toml"),
-                  layout=ParallelLayout(dp_shard=2))
+CONTROL = JobSpec(name="fsdp2", train_config=Path("debug.toml"), layout=ParallelLayout(dp_shard=2))
 
 
 class NoTwins:
@@ -33,9 +32,15 @@ class Twins:
 
 
 def pair(regime: str, *, replicates: int = 3, test: JobSpec = CONTROL) -> PairSpec:
-    return PairSpec(pair_id="e.toml::t", control=CONTROL, test=test,
-                    rules=get_regime(regime).default_rules(), regime=regime,
-                    replicates=replicates, source="e.toml")
+    return PairSpec(
+        pair_id="e.toml::t",
+        control=CONTROL,
+        test=test,
+        rules=get_regime(regime).default_rules(),
+        regime=regime,
+        replicates=replicates,
+        source="e.toml",
+    )
 
 
 def test_the_shipped_regimes_in_the_order_the_default_is_asked() -> None:
@@ -64,8 +69,11 @@ def test_control_jobs_and_what_travels_with_the_control() -> None:
     curve = {"loss": Curve("loss", np.array([1, 2]), np.array([1.0, 0.9]))}
     assert get_regime("paired").control_jobs(pair("paired"), NoTwins()) == (CONTROL,)
     seeds = get_regime("seed").control_jobs(pair("seed", replicates=3), NoTwins())
-    assert [(j.name, j.seed) for j in seeds] == [("fsdp2", 42), ("fsdp2-seed1", 43),
-                                                 ("fsdp2-seed2", 44)]
+    assert [(j.name, j.seed) for j in seeds] == [
+        ("fsdp2", 42),
+        ("fsdp2-seed1", 43),
+        ("fsdp2-seed2", 44),
+    ]
     assert len(get_regime("seed").control_curves([curve, curve]).replicates) == 2
     twin = get_regime("twin").control_jobs(pair("twin"), Twins())
     assert [j.name for j in twin] == ["fsdp2", "fsdp2-twin"]
@@ -77,8 +85,9 @@ def test_a_backend_without_twins_leaves_the_twin_regime_with_a_fix() -> None:
     with pytest.raises(SpecError) as err:
         get_regime("twin").check(pair("twin"), key="test[0]", backend=NoTwins())
     assert err.value.key == "test[0].regime" and 'regime = "seed"' in str(err.value)
-    get_regime("twin").check(dataclasses.replace(pair("twin"), golden="g.json"),
-                             key="test[0]", backend=NoTwins())  # a golden is the control
+    get_regime("twin").check(
+        dataclasses.replace(pair("twin"), golden="g.json"), key="test[0]", backend=NoTwins()
+    )  # a golden is the control
 
 
 def test_the_seed_regime_needs_two_replicates_and_probes_nothing() -> None:

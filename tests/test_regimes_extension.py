@@ -40,8 +40,10 @@ class LooseRegime:
     probe_on_failure: bool = False
 
     def default_rules(self) -> tuple[ComparisonRule, ...]:
-        return tuple(dataclasses.replace(r, rtol=1e-2) if r.method == self.method else r
-                     for r in gating_rules(self.method))
+        return tuple(
+            dataclasses.replace(r, rtol=1e-2) if r.method == self.method else r
+            for r in gating_rules(self.method)
+        )
 
     def claims(self, control: JobSpec, test: JobSpec) -> bool:
         return False  # only where an experiment names it
@@ -55,8 +57,11 @@ class LooseRegime:
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
         layout = pair.control.layout
-        wide = dataclasses.replace(pair.control, name=f"{pair.control.name}-wide",
-                                   layout=dataclasses.replace(layout, dp_shard=layout.dp_shard * 2))
+        wide = dataclasses.replace(
+            pair.control,
+            name=f"{pair.control.name}-wide",
+            layout=dataclasses.replace(layout, dp_shard=layout.dp_shard * 2),
+        )
         return (pair.control, wide)
 
     def check_control_runs(self, count: int) -> None:
@@ -121,7 +126,8 @@ def test_its_own_checks_run_at_collection(tmp_path: Path, loose: LooseRegime) ->
 
 
 def test_the_runner_runs_its_control_jobs_and_keeps_its_curves(
-        tmp_path: Path, loose: LooseRegime, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, loose: LooseRegime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from convergence.run.outcome import SideOutcome
     from convergence.run.probe import wants_probe
     from convergence.run.runner import Runner, RunSettings
@@ -141,7 +147,8 @@ def test_the_runner_runs_its_control_jobs_and_keeps_its_curves(
 
 
 def test_convergence_compare_judges_with_it(
-        tmp_path: Path, loose: LooseRegime, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, loose: LooseRegime, capsys: pytest.CaptureFixture[str]
+) -> None:
     a = write_jsonl_run(tmp_path / "a", LOSSES)
     b = write_jsonl_run(tmp_path / "b", [x * 1.005 for x in LOSSES])  # 0.5%: inside 1%
     assert main(["compare", str(a), str(b), "--regime", "loose"]) == 0

@@ -25,8 +25,9 @@ def _records() -> list[dict[str, Any]]:
     return [pair_record(o, include_curves=False) for o in all_examples()]
 
 
-def _with(record: dict[str, Any], name: str, status: str, dloss: Any, **test_degrees: int
-          ) -> dict[str, Any]:
+def _with(
+    record: dict[str, Any], name: str, status: str, dloss: Any, **test_degrees: int
+) -> dict[str, Any]:
     out = copy.deepcopy(record)
     out["name"], out["status"] = name, status
     out["max_abs_delta"]["loss"] = dloss
@@ -36,8 +37,12 @@ def _with(record: dict[str, Any], name: str, status: str, dloss: Any, **test_deg
 
 def test_dimension_names_what_the_test_adds() -> None:
     by_name = {r["name"]: dimension_of(r) for r in _records()}
-    assert by_name == {"fsdp2-tp2": "+tp2", "fsdp2-pp2": "+pp2", "fsdp2-cp2": "+cp2",
-                       "fsdp2-bf16": "+param:bf16 +no-determ"}
+    assert by_name == {
+        "fsdp2-tp2": "+tp2",
+        "fsdp2-pp2": "+pp2",
+        "fsdp2-cp2": "+cp2",
+        "fsdp2-bf16": "+param:bf16 +no-determ",
+    }
     base = pair_record(passing_pair(), include_curves=False)
     assert dimension_of(_with(base, "x", "passed", 0.0, tp=2, pp=2, cp=2)) == "+tp2+cp2+pp2"
     assert dimension_of(_with(base, "x", "passed", 0.0, tp=1, cp=4)) == "+cp4"
@@ -47,20 +52,24 @@ def test_dimension_names_what_the_test_adds() -> None:
     assert dimension_of(ddp_vs_fsdp) == "-rep2+shard2"
     same = _with(base, "x", "passed", 0.0, tp=1)
     assert dimension_of(same) == SAME
-    same["techniques_changed"] = {"activation_checkpoint": "full",
-                                  "hook": "my_project.parallel:apply_my_tp"}
+    same["techniques_changed"] = {
+        "activation_checkpoint": "full",
+        "hook": "my_project.parallel:apply_my_tp",
+    }
     assert dimension_of(same) == "+ac:full +hook:apply_my_tp"
 
 
 def test_groups_count_verdicts_and_keep_the_worst_delta() -> None:
     base = pair_record(passing_pair(), include_curves=False)
     failing = pair_record(failing_pair(), include_curves=False)
-    records = [base,  # +tp2, |Δloss| 2.5e-07, passed
-               _with(base, "tp2-again", "failed", 3e-3),
-               failing,  # +pp2
-               _with(base, "tp2-broken", "error", None),
-               _with(base, "tp2-nan", "failed", "NaN", tp=2, pp=2),
-               _with(failing, "pp2-skipped", "skipped", None)]
+    records = [
+        base,  # +tp2, |Δloss| 2.5e-07, passed
+        _with(base, "tp2-again", "failed", 3e-3),
+        failing,  # +pp2
+        _with(base, "tp2-broken", "error", None),
+        _with(base, "tp2-nan", "failed", "NaN", tp=2, pp=2),
+        _with(failing, "pp2-skipped", "skipped", None),
+    ]
     rows = {r.dimension: r for r in group_by_dimension(records)}
     assert list(rows) == ["+tp2", "+pp2", "+tp2+pp2"]  # order of first appearance
     tp = rows["+tp2"]
@@ -77,8 +86,11 @@ def test_groups_count_verdicts_and_keep_the_worst_delta() -> None:
 def test_terminal_block_fits_the_width() -> None:
     records = _records()
     long = _with(records[0], "p" * 90, "passed", 1e-7, tp=2, cp=8, pp=4)
-    long["techniques_changed"] = {"activation_checkpoint": "selective", "compile": True,
-                                  "hook": "pkg.mod:" + "h" * 60}
+    long["techniques_changed"] = {
+        "activation_checkpoint": "selective",
+        "compile": True,
+        "hook": "pkg.mod:" + "h" * 60,
+    }
     for width in (120, 80):
         lines = render_dimensions([*records, long], width=width).splitlines()
         assert max(len(line) for line in lines) <= width
@@ -96,17 +108,25 @@ def test_markdown_and_html_sections(tmp_path: Path) -> None:
     assert md[1] == "### By dimension"
     assert any(line.startswith("| +pp2 | 1 | 0 | 1 | 0 | 0 |") for line in md)
     # One pair gets its row too (what the test changes over its control); none, nothing.
-    assert markdown_lines(records[:1])[1] == "### By dimension" and len(markdown_lines(
-        records[:1])) == 6
+    assert (
+        markdown_lines(records[:1])[1] == "### By dimension"
+        and len(markdown_lines(records[:1])) == 6
+    )
     assert "<h3>By dimension</h3>" in html_section(records[:1])
     assert markdown_lines([]) == [] and html_section([]) == ""
     html = html_section(records)
     assert "<h3>By dimension</h3>" in html and "+param:bf16 +no-determ" in html
     # Wired into the report files.
     outcomes = all_examples()
-    outcomes[0] = dataclasses.replace(outcomes[0], pair=dataclasses.replace(
-        outcomes[0].pair, test=dataclasses.replace(
-            outcomes[0].pair.test, layout=ParallelLayout(dp_shard=2, tp=2, pp=2))))
+    outcomes[0] = dataclasses.replace(
+        outcomes[0],
+        pair=dataclasses.replace(
+            outcomes[0].pair,
+            test=dataclasses.replace(
+                outcomes[0].pair.test, layout=ParallelLayout(dp_shard=2, tp=2, pp=2)
+            ),
+        ),
+    )
     write_reports(outcomes, tmp_path, environment={"python": "3"})
     assert "| +tp2+pp2 | 1 | 1 | 0 | 0 | 0 |" in (tmp_path / "report.md").read_text()
     html = (tmp_path / "report.html").read_text()
@@ -119,8 +139,13 @@ def test_heatmap_rows_are_named_as_the_dimension_table_names_them() -> None:
     from convergence.report.formats.plots import dimension
 
     outcome = all_examples()[0]
-    tp = dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair, test=(
-        dataclasses.replace(outcome.pair.test, layout=ParallelLayout(dp_shard=2, tp=2)))))
+    tp = dataclasses.replace(
+        outcome,
+        pair=dataclasses.replace(
+            outcome.pair,
+            test=(dataclasses.replace(outcome.pair.test, layout=ParallelLayout(dp_shard=2, tp=2))),
+        ),
+    )
     assert dimension(tp) == dimension_of(pair_record(tp, include_curves=False)) == "+tp2"
 
 

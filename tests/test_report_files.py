@@ -32,11 +32,11 @@ def outcomes() -> list[PairOutcome]:
 
 
 @pytest.fixture(scope="module")
-def written(outcomes: list[PairOutcome], tmp_path_factory: pytest.TempPathFactory
-            ) -> dict[str, Path]:
+def written(
+    outcomes: list[PairOutcome], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("report")
-    return write_reports(outcomes, out, environment=ENV, started_at=1_700_000_000.0,
-                         wall_s=42.0)
+    return write_reports(outcomes, out, environment=ENV, started_at=1_700_000_000.0, wall_s=42.0)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +51,15 @@ def _validate(doc: dict) -> None:
 
 def test_writes_every_file_atomically(written: dict[str, Path]) -> None:
     out = written["json"].parent
-    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html",
-                                                "plots"}
+    assert {p.name for p in out.iterdir()} == {"report.json", "report.md", "report.html", "plots"}
     plots = sorted(p.name for p in (out / "plots").iterdir())
-    assert plots == ["converging.toml_fsdp2-bf16.png", "converging.toml_fsdp2-cp2.png",
-                     "converging.toml_fsdp2-pp2.png", "converging.toml_fsdp2-tp2.png",
-                     "heatmap.png"]  # no temp files left behind
+    assert plots == [
+        "converging.toml_fsdp2-bf16.png",
+        "converging.toml_fsdp2-cp2.png",
+        "converging.toml_fsdp2-pp2.png",
+        "converging.toml_fsdp2-tp2.png",
+        "heatmap.png",
+    ]  # no temp files left behind
     assert written["html"].stat().st_mode & 0o044  # readable by others (CI artifacts)
 
 
@@ -65,9 +68,16 @@ def test_report_json_is_strict_and_valid(written: dict[str, Path], report: dict)
     assert "NaN" not in text.replace('"NaN"', "")
     _validate(report)
     assert report["schema_version"] == REPORT_SCHEMA_VERSION
-    assert report["summary"] == {"pairs": 4, "passed": 2, "failed": 1, "errors": 1,
-                                 "skipped": 0, "cached_runs": 3, "fresh_runs": 4,
-                                 "stopped_early": 0}
+    assert report["summary"] == {
+        "pairs": 4,
+        "passed": 2,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 0,
+        "cached_runs": 3,
+        "fresh_runs": 4,
+        "stopped_early": 0,
+    }
     env = report["environment"]
     assert env["launcher"] == "local" and env["python"] and env["hostname"]
     assert report["started_at"].startswith("2023-11-14")
@@ -88,8 +98,7 @@ def test_pair_records(report: dict) -> None:
     by_name = {p["name"]: p for p in report["pairs"]}
     fail = by_name["fsdp2-pp2"]
     assert fail["status"] == "failed" and fail["first_divergent_step"] == DIVERGES_AT
-    assert fail["test"]["degrees"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1,
-                                       "tp": 1}
+    assert fail["test"]["degrees"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
     assert fail["test"]["pp_schedule"] == "1F1B"
     loss = next(v for v in fail["verdicts"] if v["metric"] == "loss")
     assert loss["passed"] is False and loss["first_divergent_step"] == DIVERGES_AT
@@ -143,15 +152,16 @@ def test_markdown(written: dict[str, Path]) -> None:
     assert f"First divergent step: {DIVERGES_AT}" in md
     assert f"first divergent step **{DIVERGES_AT}**" in md
     # The compact table around the divergence: the first divergent row and its delta.
-    assert re.search(rf"^\| {DIVERGES_AT} \| 2\.728357666 \| 2\.730357666 \| \+2\.000e-03 \|$",
-                     md, re.M)
+    assert re.search(
+        rf"^\| {DIVERGES_AT} \| 2\.728357666 \| 2\.730357666 \| \+2\.000e-03 \|$", md, re.M
+    )
     assert "```text\ntest job 'fsdp2-cp2'" in md
     assert "fsdp2-bf16" in md and "## Failures" in md
 
 
-
 def test_markdown_matrix_drops_a_layout_column_that_repeats_every_name(
-        outcomes: list[PairOutcome]) -> None:
+    outcomes: list[PairOutcome],
+) -> None:
     from convergence.report.data.records import pair_record
     from convergence.report.formats.markdown import matrix_table
 
@@ -199,10 +209,10 @@ def test_pngs_have_content(written: dict[str, Path]) -> None:
 def test_failing_plot_marks_the_divergence(written: dict[str, Path]) -> None:
     img = matplotlib.image.imread(written["plots"] / "converging.toml_fsdp2-pp2.png")[..., :3]
     # The divergence marker and the residual are drawn in red (#d62728).
-    red = (np.abs(img - np.array([0xD6, 0x27, 0x28]) / 255).max(axis=-1) < 0.08)
+    red = np.abs(img - np.array([0xD6, 0x27, 0x28]) / 255).max(axis=-1) < 0.08
     assert red.sum() > 500
     img_ok = matplotlib.image.imread(written["plots"] / "converging.toml_fsdp2-tp2.png")[..., :3]
-    red_ok = (np.abs(img_ok - np.array([0xD6, 0x27, 0x28]) / 255).max(axis=-1) < 0.08)
+    red_ok = np.abs(img_ok - np.array([0xD6, 0x27, 0x28]) / 255).max(axis=-1) < 0.08
     assert red_ok.sum() < red.sum() / 5
 
 
@@ -221,8 +231,10 @@ def _stretched(o: PairOutcome, factor: int) -> PairOutcome:
 
     assert o.control is not None and o.test is not None
     return dataclasses.replace(
-        o, control=dataclasses.replace(o.control, metrics=stretch(o.control.metrics)),
-        test=dataclasses.replace(o.test, metrics=stretch(o.test.metrics)))
+        o,
+        control=dataclasses.replace(o.control, metrics=stretch(o.control.metrics)),
+        test=dataclasses.replace(o.test, metrics=stretch(o.test.metrics)),
+    )
 
 
 def test_plot_of_a_twin_pair_shows_the_twins_noise(tmp_path: Path) -> None:
@@ -242,14 +254,18 @@ def test_plot_of_a_long_run(tmp_path: Path) -> None:
     assert (tmp_path / "fail.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_reports_rebuild_from_saved_outcomes(outcomes: list[PairOutcome], report: dict,
-                                             tmp_path: Path) -> None:
+def test_reports_rebuild_from_saved_outcomes(
+    outcomes: list[PairOutcome], report: dict, tmp_path: Path
+) -> None:
     saved = [json.loads(json.dumps(outcome_to_json(o))) for o in outcomes]
-    again = build_report([outcome_from_json(d) for d in saved], environment=ENV,
-                         started_at=1_700_000_000.0, wall_s=42.0,
-                         plots={o.pair.pair_id: r["plots"] for o, r in
-                                zip(outcomes, report["pairs"], strict=True)}
-                         | {"": report["plots"]})
+    again = build_report(
+        [outcome_from_json(d) for d in saved],
+        environment=ENV,
+        started_at=1_700_000_000.0,
+        wall_s=42.0,
+        plots={o.pair.pair_id: r["plots"] for o, r in zip(outcomes, report["pairs"], strict=True)}
+        | {"": report["plots"]},
+    )
     for key in ("summary", "pairs", "plots", "started_at"):
         assert again[key] == report[key]
 
@@ -258,8 +274,9 @@ def test_same_name_in_two_files_gets_two_plots(tmp_path: Path) -> None:
     import dataclasses
 
     a = failing_pair()
-    b = dataclasses.replace(a, pair=dataclasses.replace(a.pair,
-                                                        pair_id="other/converging.toml::fsdp2-pp2"))
+    b = dataclasses.replace(
+        a, pair=dataclasses.replace(a.pair, pair_id="other/converging.toml::fsdp2-pp2")
+    )
     paths = write_reports([a, b], tmp_path, environment={})
     report = json.loads(paths["json"].read_text())
     plots = [p["plots"]["pair"] for p in report["pairs"]]

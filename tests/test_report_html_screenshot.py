@@ -20,18 +20,31 @@ from convergence.report import write_reports
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="headless Chromium not installed (apt-get install -y chromium)")
+    CHROMIUM is None, reason="headless Chromium not installed (apt-get install -y chromium)"
+)
 
 
 def _screenshot(html: Path, png: Path, profile: Path) -> None:
     assert CHROMIUM is not None
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-            "--no-first-run", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", f"--user-data-dir={profile}", f"--screenshot={png}",
-            "--window-size=1280,2000", html.as_uri()]
+    argv = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        f"--screenshot={png}",
+        "--window-size=1280,2000",
+        html.as_uri(),
+    ]
     # Own process group: on a timeout the renderer/GPU helpers go too, not just the parent.
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -42,7 +55,7 @@ def _screenshot(html: Path, png: Path, profile: Path) -> None:
 
 
 def _has_colour(rgb: np.ndarray, hex_colour: str, min_pixels: int) -> bool:
-    target = np.array([int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)]) / 255
+    target = np.array([int(hex_colour[i : i + 2], 16) for i in (1, 3, 5)]) / 255
     return int((np.abs(rgb - target).max(axis=-1) < 0.02).sum()) >= min_pixels
 
 

@@ -59,8 +59,9 @@ def test_groups_import_only_lower_layers_and_there_is_no_cycle() -> None:
         assert layer in LAYERS, f"{module}: not in a group ({sorted(LAYERS)})"
         for dep in deps:
             dep_layer = _layer(dep)
-            assert dep_layer is not None and LAYERS[dep_layer] <= LAYERS[layer], \
+            assert dep_layer is not None and LAYERS[dep_layer] <= LAYERS[layer], (
                 f"{module} ({layer}) imports {dep} ({dep_layer})"
+            )
     done: set[str] = set()
 
     def visit(module: str, path: tuple[str, ...]) -> None:
@@ -82,10 +83,16 @@ def test_no_function_local_imports_of_the_library() -> None:
         top = set(tree.body)
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and node not in top:
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                    [a.name for a in node.names]
-                local.update((path.relative_to(REPORT).as_posix(), n) for n in names
-                             if n.startswith("convergence"))
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else [a.name for a in node.names]
+                )
+                local.update(
+                    (path.relative_to(REPORT).as_posix(), n)
+                    for n in names
+                    if n.startswith("convergence")
+                )
     assert local == LAZY
 
 
@@ -100,7 +107,8 @@ def test_every_module_imports_on_its_own() -> None:
         "    importlib.import_module(name)\n"
         "print('matplotlib' in sys.modules)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"  # matplotlib only once a figure is drawn

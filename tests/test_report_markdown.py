@@ -12,8 +12,9 @@ from convergence.report.markup import md_cell as cell
 
 
 def _md(outcomes: list) -> str:
-    return render_markdown(build_report(outcomes, environment={}, started_at=None,
-                                        wall_s=None, include_curves=False))
+    return render_markdown(
+        build_report(outcomes, environment={}, started_at=None, wall_s=None, include_curves=False)
+    )
 
 
 def test_all_passing_has_no_failure_section() -> None:
@@ -84,11 +85,18 @@ def test_hostile_names_and_messages_are_escaped() -> None:
 
     hostile = "<img src=x onerror=alert(1)>"
     failing = failing_pair()
-    pair = dataclasses.replace(failing.pair,
-                               test=dataclasses.replace(failing.pair.test, name=hostile))
-    failing = dataclasses.replace(failing, pair=pair,
-                                  localisation={"module": "<script>alert(2)</script>",
-                                                "parameter": "weight", "max_abs_diff": 1e-3})
+    pair = dataclasses.replace(
+        failing.pair, test=dataclasses.replace(failing.pair.test, name=hostile)
+    )
+    failing = dataclasses.replace(
+        failing,
+        pair=pair,
+        localisation={
+            "module": "<script>alert(2)</script>",
+            "parameter": "weight",
+            "max_abs_diff": 1e-3,
+        },
+    )
     errored = dataclasses.replace(errored_pair(), error="boom <script>alert(3)</script>")
     md = _md([failing, errored])
     # Fenced code blocks (the error text) are shown literally by every renderer: only the rest
@@ -104,10 +112,19 @@ def test_localisation_is_a_sentence_not_a_key_value_dump() -> None:
 
     from report_examples import failing_pair
 
-    failing = dataclasses.replace(failing_pair(), localisation={
-        "module": "layers.1.attention", "parameter": "layers.1.attention.wq.weight",
-        "max_abs_diff": 1e-3, "modules_differing": 3, "modules_compared": 20, "step": 1,
-        "loss_control": 5.5, "loss_test": 5.6})
+    failing = dataclasses.replace(
+        failing_pair(),
+        localisation={
+            "module": "layers.1.attention",
+            "parameter": "layers.1.attention.wq.weight",
+            "max_abs_diff": 1e-3,
+            "modules_differing": 3,
+            "modules_compared": 20,
+            "step": 1,
+            "loss_control": 5.5,
+            "loss_test": 5.6,
+        },
+    )
     md = _md([failing])
     line = next(ln for ln in md.splitlines() if ln.startswith("Localisation"))
     assert "first differing module `layers.1.attention`" in line, line

@@ -28,21 +28,41 @@ def test_render_is_aligned_and_fits_120_columns() -> None:
     lines = text.splitlines()
     assert all(len(line) <= 120 for line in lines)
     header = lines[0]
-    for title in ("pair", "rep", "shard", "tp", "cp", "pp", "techniques", "verdict", "|Δloss|",
-                  "|Δgnorm|", "tok/s", "mem", "wall", "cache"):
+    for title in (
+        "pair",
+        "rep",
+        "shard",
+        "tp",
+        "cp",
+        "pp",
+        "techniques",
+        "verdict",
+        "|Δloss|",
+        "|Δgnorm|",
+        "tok/s",
+        "mem",
+        "wall",
+        "cache",
+    ):
         assert title in header
     # Right-aligned numbers end in the same column in every row.
     end = header.index("|Δloss|") + len("|Δloss|")
     for line in lines[2:6]:
         assert line[end - 1] != " "
     assert lines[-1] == "4 pairs: 2 passed, 1 failed, 1 error"
-    assert render_matrix([passing_pair()]).splitlines()[-1] == "1 pair: 1 passed, 0 failed, 0 errors"
+    assert (
+        render_matrix([passing_pair()]).splitlines()[-1] == "1 pair: 1 passed, 0 failed, 0 errors"
+    )
 
 
 def test_long_names_are_cut_to_the_width() -> None:
     o = passing_pair()
-    long = dataclasses.replace(o, pair=dataclasses.replace(
-        o.pair, pair_id="x.toml::" + "fsdp2-tp2-with-a-very-long-descriptive-name" * 3))
+    long = dataclasses.replace(
+        o,
+        pair=dataclasses.replace(
+            o.pair, pair_id="x.toml::" + "fsdp2-tp2-with-a-very-long-descriptive-name" * 3
+        ),
+    )
     for width in (120, 100):
         lines = render_matrix([long, failing_pair()], width=width).splitlines()
         assert max(len(line) for line in lines) <= width

@@ -20,14 +20,16 @@ def _slow_but_correct():  # type: ignore[no-untyped-def]
     tps = next(v for v in verdicts if v.metric == "tokens_per_s")
     assert not tps.passed and not tps.gate
     assert all(v.passed for v in verdicts if v.gate)
-    return dataclasses.replace(base, test=dataclasses.replace(base.test, metrics=slow),
-                               verdicts=verdicts, status="passed")
+    return dataclasses.replace(
+        base, test=dataclasses.replace(base.test, metrics=slow), verdicts=verdicts, status="passed"
+    )
 
 
 def test_a_non_gating_regression_never_reads_as_fail() -> None:
     outcome = _slow_but_correct()
-    report = build_report([outcome], environment={}, started_at=None, wall_s=None,
-                          include_curves=False)
+    report = build_report(
+        [outcome], environment={}, started_at=None, wall_s=None, include_curves=False
+    )
     html = render_html(report, {})
     assert '<span class="warn">regressed (report only)</span>' in html
     assert 'class="bad"' not in html
@@ -44,13 +46,14 @@ def test_a_metric_one_side_did_not_log_is_not_compared_not_regressed() -> None:
     assert base.control is not None and base.test is not None
     metrics = {k: v for k, v in base.test.metrics.items() if k != "tokens_per_s"}
     verdicts = judge(base.pair, [base.control.metrics], metrics)
-    outcome = dataclasses.replace(base, test=dataclasses.replace(base.test, metrics=metrics),
-                                  verdicts=verdicts)
-    tps_line = next(line for line in render_outcome(outcome).splitlines()
-                    if "tokens_per_s" in line)
+    outcome = dataclasses.replace(
+        base, test=dataclasses.replace(base.test, metrics=metrics), verdicts=verdicts
+    )
+    tps_line = next(line for line in render_outcome(outcome).splitlines() if "tokens_per_s" in line)
     assert "not compared (report only)" in tps_line and "regressed" not in tps_line
-    report = build_report([outcome], environment={}, started_at=None, wall_s=None,
-                          include_curves=False)
+    report = build_report(
+        [outcome], environment={}, started_at=None, wall_s=None, include_curves=False
+    )
     assert "## Regressions" not in render_markdown(report)
 
 
@@ -61,6 +64,6 @@ def test_verdict_rows_line_up_with_long_metric_names() -> None:
     long = dataclasses.replace(outcome.verdicts[0], metric="grad_norm_parts_long_name")
     outcome = dataclasses.replace(outcome, verdicts=(*outcome.verdicts, long))
     text = render_outcome(outcome)
-    rows = text.split("verdicts:\n", 1)[1].splitlines()[:len(outcome.verdicts)]
+    rows = text.split("verdicts:\n", 1)[1].splitlines()[: len(outcome.verdicts)]
     starts = {len(row) - len(row[2:].split(None, 1)[1]) for row in rows}
     assert len(starts) == 1, rows

@@ -24,18 +24,23 @@ def _odd_outcomes() -> list[PairOutcome]:
     loss = fail.test.metrics["loss"]
     values = loss.values.copy()
     values[30:] = math.nan  # the test run went NaN
-    nan_test = dataclasses.replace(fail.test, metrics={"loss": Curve("loss", loss.steps,
-                                                                     values)})
-    nan_pair = dataclasses.replace(fail, pair=dataclasses.replace(fail.pair,
-                                                                  pair_id="odd.toml::nan"),
-                                   test=nan_test)
+    nan_test = dataclasses.replace(fail.test, metrics={"loss": Curve("loss", loss.steps, values)})
+    nan_pair = dataclasses.replace(
+        fail, pair=dataclasses.replace(fail.pair, pair_id="odd.toml::nan"), test=nan_test
+    )
     no_curves = dataclasses.replace(
-        seed_pair(), pair=dataclasses.replace(seed_pair().pair, pair_id="odd.toml::empty"),
+        seed_pair(),
+        pair=dataclasses.replace(seed_pair().pair, pair_id="odd.toml::empty"),
         control=dataclasses.replace(seed_pair().control, metrics={}, replicates=()),
-        test=None, verdicts=())
-    bare = dataclasses.replace(errored_pair(), control=None, test=None,
-                               pair=dataclasses.replace(errored_pair().pair,
-                                                        pair_id="odd.toml::bare"))
+        test=None,
+        verdicts=(),
+    )
+    bare = dataclasses.replace(
+        errored_pair(),
+        control=None,
+        test=None,
+        pair=dataclasses.replace(errored_pair().pair, pair_id="odd.toml::bare"),
+    )
     return [nan_pair, no_curves, bare]
 
 
@@ -57,8 +62,13 @@ def test_odd_outcomes_still_make_a_full_report(tmp_path: Path) -> None:
 
 def test_divergence_table_edges() -> None:
     rows = divergence_table(failing_pair(), "loss", 2)
-    assert [r[0] for r in rows] == [DIVERGES_AT - 2, DIVERGES_AT - 1, DIVERGES_AT,
-                                    DIVERGES_AT + 1, DIVERGES_AT + 2]
+    assert [r[0] for r in rows] == [
+        DIVERGES_AT - 2,
+        DIVERGES_AT - 1,
+        DIVERGES_AT,
+        DIVERGES_AT + 1,
+        DIVERGES_AT + 2,
+    ]
     step, control, test, delta = rows[2]
     assert delta == test - control and abs(delta - 2e-3) < 1e-12
     assert divergence_table(errored_pair()) == []  # no verdict to centre on

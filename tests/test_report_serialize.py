@@ -32,7 +32,11 @@ def test_roundtrip_keeps_everything(outcome: PairOutcome) -> None:
     assert back.pair == outcome.pair  # frozen dataclasses compare field by field
     assert back.verdicts == outcome.verdicts
     assert (back.status, back.error, back.stopped_early_at, back.localisation) == (
-        outcome.status, outcome.error, outcome.stopped_early_at, outcome.localisation)
+        outcome.status,
+        outcome.error,
+        outcome.stopped_early_at,
+        outcome.localisation,
+    )
     for side_name in ("control", "test"):
         side, side_back = getattr(outcome, side_name), getattr(back, side_name)
         if side is None:
@@ -40,7 +44,10 @@ def test_roundtrip_keeps_everything(outcome: PairOutcome) -> None:
             continue
         assert side_back.result == side.result
         assert (side_back.cached, side_back.run_dir, side_back.meta) == (
-            side.cached, side.run_dir, side.meta)
+            side.cached,
+            side.run_dir,
+            side.meta,
+        )
         for name, curve in side.metrics.items():
             # Bit-exact float64: a paired verdict lives at 1e-7 and must be re-judgeable.
             assert side_back.metrics[name].values.tobytes() == curve.values.tobytes()
@@ -74,10 +81,12 @@ def test_non_finite_values_roundtrip_as_strict_json() -> None:
     loss = o.test.metrics["loss"]
     values = loss.values.copy()
     values[-3:] = [math.nan, math.inf, -math.inf]
-    test = dataclasses.replace(o.test, metrics={**o.test.metrics,
-                                                "loss": Curve("loss", loss.steps, values)})
-    verdict = dataclasses.replace(o.verdicts[0], max_deviation=math.nan,
-                                  p_values={"tost": math.inf})
+    test = dataclasses.replace(
+        o.test, metrics={**o.test.metrics, "loss": Curve("loss", loss.steps, values)}
+    )
+    verdict = dataclasses.replace(
+        o.verdicts[0], max_deviation=math.nan, p_values={"tost": math.inf}
+    )
     o = dataclasses.replace(o, test=test, verdicts=(verdict, *o.verdicts[1:]))
     data = outcome_to_json(o)
     text = json.dumps(data, allow_nan=False)
@@ -110,23 +119,47 @@ def _non_default_specs() -> PairOutcome:
     from convergence.spec.pair import ComparisonRule, PairSpec
     from convergence.spec.resume import Resume
 
-    job = JobSpec(name="t", train_config=Path("/x/debug.toml"),
-                  layout=ParallelLayout(dp_shard=2, tp=2),
-                  techniques=Techniques(param_dtype="bfloat16"), steps=7, seed=3,
-                  backend="command", local_batch_size=2, hook="pkg.mod:fn",
-                  hook_mode="replace_tp", overrides=(("a.b", "1"),),
-                  backend_options=(("command", "python x.py"),), source="e.toml",
-                  resume=Resume(at_step=3, layout=ParallelLayout(dp_shard=4),
-                                techniques=Techniques(), local_batch_size=1))
-    pair = PairSpec(pair_id="e.toml::t", control=dataclasses.replace(job, name="c"), test=job,
-                    rules=(ComparisonRule(metric="loss", method="seed", margin=0.1),),
-                    regime="seed", replicates=4, early_stop=False, source="e.toml",
-                    tier="nightly", probe_on_failure=False, probe_always=True,
-                    golden="g.json", extra=(("k", "v"),))
+    job = JobSpec(
+        name="t",
+        train_config=Path("/x/debug.toml"),
+        layout=ParallelLayout(dp_shard=2, tp=2),
+        techniques=Techniques(param_dtype="bfloat16"),
+        steps=7,
+        seed=3,
+        backend="command",
+        local_batch_size=2,
+        hook="pkg.mod:fn",
+        hook_mode="replace_tp",
+        overrides=(("a.b", "1"),),
+        backend_options=(("command", "python x.py"),),
+        source="e.toml",
+        resume=Resume(
+            at_step=3,
+            layout=ParallelLayout(dp_shard=4),
+            techniques=Techniques(),
+            local_batch_size=1,
+        ),
+    )
+    pair = PairSpec(
+        pair_id="e.toml::t",
+        control=dataclasses.replace(job, name="c"),
+        test=job,
+        rules=(ComparisonRule(metric="loss", method="seed", margin=0.1),),
+        regime="seed",
+        replicates=4,
+        early_stop=False,
+        source="e.toml",
+        tier="nightly",
+        probe_on_failure=False,
+        probe_always=True,
+        golden="g.json",
+        extra=(("k", "v"),),
+    )
     for spec in (job, pair):
         for f in dataclasses.fields(spec):
-            default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
-                       else f.default)
+            default = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
             assert getattr(spec, f.name) != default, f"set {f.name} to a non-default value"
     return PairOutcome(pair=pair, status="error", control=None, test=None, error="x")
 

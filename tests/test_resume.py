@@ -39,7 +39,7 @@ parallelism = { dp_shard = 2 }
 
 def experiment(tmp_path: Path, test: str) -> Path:
     path = tmp_path / "resume.toml"
-    path.write_text(HEAD + "\n[[test]]\nname = \"t\"\nparallelism = { dp_shard = 2 }\n" + test)
+    path.write_text(HEAD + '\n[[test]]\nname = "t"\nparallelism = { dp_shard = 2 }\n' + test)
     return path
 
 
@@ -52,9 +52,11 @@ def error_of(path: Path) -> SpecError:
 
 # -- the spec ----------------------------------------------------------------------------------
 
+
 def test_resume_defaults_to_the_same_layout(tmp_path: Path) -> None:
-    pair = load_experiment(experiment(tmp_path, "resume = { at_step = 5 }"),
-                           rootdir=tmp_path, regimes=REGISTRY).pairs[0]
+    pair = load_experiment(
+        experiment(tmp_path, "resume = { at_step = 5 }"), rootdir=tmp_path, regimes=REGISTRY
+    ).pairs[0]
     resume = pair.test.resume
     assert resume is not None and resume.at_step == 5
     assert resume.layout == pair.test.layout and resume.techniques == pair.test.techniques
@@ -63,12 +65,18 @@ def test_resume_defaults_to_the_same_layout(tmp_path: Path) -> None:
 
 
 def test_resume_onto_another_layout_with_its_own_local_batch(tmp_path: Path) -> None:
-    path = experiment(tmp_path, "local_batch_size = 4\nresume = { at_step = 6, parallelism = "
-                      "{ dp_shard = 2, pp = 2 }, local_batch_size = 8, techniques = "
-                      "{ activation_checkpoint = \"full\" } }\n")
-    path.write_text(path.read_text().replace('name = "t"\nparallelism = { dp_shard = 2 }',
-                                             'name = "t"\nparallelism = { dp_replicate = 2, '
-                                             'dp_shard = 2 }'))
+    path = experiment(
+        tmp_path,
+        "local_batch_size = 4\nresume = { at_step = 6, parallelism = "
+        "{ dp_shard = 2, pp = 2 }, local_batch_size = 8, techniques = "
+        '{ activation_checkpoint = "full" } }\n',
+    )
+    path.write_text(
+        path.read_text().replace(
+            'name = "t"\nparallelism = { dp_shard = 2 }',
+            'name = "t"\nparallelism = { dp_replicate = 2, dp_shard = 2 }',
+        )
+    )
     pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
     after = pair.test.after_resume()
     assert after.layout == ParallelLayout(dp_shard=2, pp=2) and after.local_batch_size == 8
@@ -82,27 +90,41 @@ def test_resume_onto_another_layout_with_its_own_local_batch(tmp_path: Path) -> 
     assert job_from_json(json.loads(json.dumps(job_to_json(pair.test)))) == pair.test
 
 
-@pytest.mark.parametrize(("table", "key", "words"), [
-    ("resume = { at_step = 12 }", "test[0].resume.at_step", "not inside the run"),
-    ("resume = { at_step = 0 }", "test[0].resume.at_step", "positive integer"),
-    ("resume = { parallelism = { dp_shard = 2 } }", "test[0].resume.at_step", "no at_step"),
-    ("resume = { at_step = 4, tensor_paralel = 2 }", "test[0].resume.tensor_paralel",
-     "unknown key"),
-    ("resume = { at_step = 4, parallelism = { dp_shard = 2, tp = 3 } }",
-     "test[0].resume.parallelism.tp", "tp=3"),
-    ("resume = { at_step = 4, parallelism = { dp_shard = 4 } }",
-     "test[0].resume.local_batch_size", "tokens per optimizer step change at the resume"),
-])
+@pytest.mark.parametrize(
+    ("table", "key", "words"),
+    [
+        ("resume = { at_step = 12 }", "test[0].resume.at_step", "not inside the run"),
+        ("resume = { at_step = 0 }", "test[0].resume.at_step", "positive integer"),
+        ("resume = { parallelism = { dp_shard = 2 } }", "test[0].resume.at_step", "no at_step"),
+        (
+            "resume = { at_step = 4, tensor_paralel = 2 }",
+            "test[0].resume.tensor_paralel",
+            "unknown key",
+        ),
+        (
+            "resume = { at_step = 4, parallelism = { dp_shard = 2, tp = 3 } }",
+            "test[0].resume.parallelism.tp",
+            "tp=3",
+        ),
+        (
+            "resume = { at_step = 4, parallelism = { dp_shard = 4 } }",
+            "test[0].resume.local_batch_size",
+            "tokens per optimizer step change at the resume",
+        ),
+    ],
+)
 def test_invalid_resume_is_a_collection_error_naming_the_key(
-        tmp_path: Path, table: str, key: str, words: str) -> None:
+    tmp_path: Path, table: str, key: str, words: str
+) -> None:
     error = error_of(experiment(tmp_path, table + "\n"))
     assert error.key == key and words in str(error) and error.fix
     assert error.file == str(tmp_path / "resume.toml")
 
 
 def test_the_tokens_fix_names_the_local_batch(tmp_path: Path) -> None:
-    error = error_of(experiment(tmp_path, "resume = { at_step = 4, parallelism = "
-                                "{ dp_shard = 4 } }\n"))
+    error = error_of(
+        experiment(tmp_path, "resume = { at_step = 4, parallelism = { dp_shard = 4 } }\n")
+    )
     assert "local_batch_size = 4 in the resume table" in str(error)
 
 
@@ -113,28 +135,36 @@ def test_resume_is_built_in_only_for_now(tmp_path: Path) -> None:
 
 def test_a_control_cannot_resume(tmp_path: Path) -> None:
     path = experiment(tmp_path, "")
-    path.write_text(path.read_text().replace("[control]\n", "[control]\nresume = { at_step = 3 }\n"))
+    path.write_text(
+        path.read_text().replace("[control]\n", "[control]\nresume = { at_step = 3 }\n")
+    )
     with pytest.raises(SpecError, match="unknown key") as info:
         load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)
     assert info.value.key == "control.resume"
 
 
 def test_two_jobs_and_one_curve(tmp_path: Path) -> None:
-    pair = load_experiment(experiment(tmp_path, "resume = { at_step = 5, parallelism = "
-                                      "{ dp_shard = 2, tp = 2 } }\n"), rootdir=tmp_path, regimes=REGISTRY).pairs[0]
+    pair = load_experiment(
+        experiment(tmp_path, "resume = { at_step = 5, parallelism = { dp_shard = 2, tp = 2 } }\n"),
+        rootdir=tmp_path,
+        regimes=REGISTRY,
+    ).pairs[0]
     before, after = phase_jobs(pair.test, tmp_path / "ckpt")
     assert before.layout == pair.test.layout and after.layout.tp == 2
     assert ("checkpoint.save_at_step", "5") in before.overrides
     assert ("checkpoint.resume_from", str(tmp_path / "ckpt")) in after.overrides
     assert before.steps == after.steps == 12  # the LR schedule spans the whole run
-    curve = joined({"loss": Curve.from_pairs("loss", [(1, 3.0), (2, 2.0)])},
-                   {"loss": Curve.from_pairs("loss", [(3, 1.0)])})["loss"]
+    curve = joined(
+        {"loss": Curve.from_pairs("loss", [(1, 3.0), (2, 2.0)])},
+        {"loss": Curve.from_pairs("loss", [(3, 1.0)])},
+    )["loss"]
     assert curve.steps.tolist() == [1, 2, 3] and curve.values.tolist() == [3.0, 2.0, 1.0]
 
 
 def test_the_note_places_the_divergence_relative_to_the_resume(tmp_path: Path) -> None:
-    pair = load_experiment(experiment(tmp_path, "resume = { at_step = 5 }\n"),
-                           rootdir=tmp_path, regimes=REGISTRY).pairs[0]
+    pair = load_experiment(
+        experiment(tmp_path, "resume = { at_step = 5 }\n"), rootdir=tmp_path, regimes=REGISTRY
+    ).pairs[0]
     assert pair.test.resume is not None
     assert resume_note(pair.test.resume, None, "fsdp2") is None
     assert "starts at the resume" in str(resume_note(pair.test.resume, 7, "fsdp2"))
@@ -144,13 +174,28 @@ def test_the_note_places_the_divergence_relative_to_the_resume(tmp_path: Path) -
 
 # -- the trainer's training checkpoint (one process: the cheapest real run) -------------------
 
+
 def trainer(dump: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
-        [sys.executable, "-m", "convergence.trainer", "--config", "debug",
-         "--training.steps=4", "--metrics.val_every=0", "--metrics.enable_tensorboard=false",
-         f"--metrics.dump_folder={dump}", *overrides],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "convergence.trainer",
+            "--config",
+            "debug",
+            "--training.steps=4",
+            "--metrics.val_every=0",
+            "--metrics.enable_tensorboard=false",
+            f"--metrics.dump_folder={dump}",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def records(dump: Path) -> list[dict[str, float]]:
@@ -160,16 +205,20 @@ def records(dump: Path) -> list[dict[str, float]]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("resume")
-    proc = trainer(folder / "before", "--checkpoint.save_at_step=2",
-                   f"--checkpoint.save_folder={folder / 'ckpt'}")
+    proc = trainer(
+        folder / "before",
+        "--checkpoint.save_at_step=2",
+        f"--checkpoint.save_folder={folder / 'ckpt'}",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "checkpointed" in proc.stderr
     assert [r["step"] for r in records(folder / "before")] == [1, 2]
     return folder / "ckpt"
 
 
-def test_a_resumed_run_continues_the_uninterrupted_one_exactly(checkpoint: Path,
-                                                                tmp_path: Path) -> None:
+def test_a_resumed_run_continues_the_uninterrupted_one_exactly(
+    checkpoint: Path, tmp_path: Path
+) -> None:
     whole = trainer(tmp_path / "whole")
     resumed = trainer(tmp_path / "after", f"--checkpoint.resume_from={checkpoint}")
     assert whole.returncode == 0 and resumed.returncode == 0, resumed.stderr
@@ -177,18 +226,26 @@ def test_a_resumed_run_continues_the_uninterrupted_one_exactly(checkpoint: Path,
     assert [r["step"] for r in after] == [3, 4]
     for c, t in zip(control, after, strict=True):
         # One process, same order of every operation: bitwise, data fingerprint included.
-        assert (t["loss"], t["grad_norm"], t["lr"], t["data_fingerprint"]) == \
-            (c["loss"], c["grad_norm"], c["lr"], c["data_fingerprint"])
+        assert (t["loss"], t["grad_norm"], t["lr"], t["data_fingerprint"]) == (
+            c["loss"],
+            c["grad_norm"],
+            c["lr"],
+            c["data_fingerprint"],
+        )
     manifest = json.loads((checkpoint / "resume.json").read_text())
     assert manifest["step"] == 2 and manifest["global_batch_size"] == 8
 
 
-@pytest.mark.parametrize(("overrides", "words"), [
-    (["--model.n_layers=2"], "model.n_layers: checkpoint 4, this job 2"),
-    (["--training.local_batch_size=4"], "global_batch_size: checkpoint 8, this job 4"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["--model.n_layers=2"], "model.n_layers: checkpoint 4, this job 2"),
+        (["--training.local_batch_size=4"], "global_batch_size: checkpoint 8, this job 4"),
+    ],
+)
 def test_a_checkpoint_of_another_job_is_an_error_naming_it(
-        checkpoint: Path, tmp_path: Path, overrides: list[str], words: str) -> None:
+    checkpoint: Path, tmp_path: Path, overrides: list[str], words: str
+) -> None:
     proc = trainer(tmp_path / "after", f"--checkpoint.resume_from={checkpoint}", *overrides)
     assert proc.returncode != 0
     assert f"checkpoint {checkpoint} cannot serve this resume" in proc.stderr
@@ -198,7 +255,8 @@ def test_a_checkpoint_of_another_job_is_an_error_naming_it(
 
 
 def test_a_missing_shard_or_folder_is_an_error_naming_the_checkpoint(
-        checkpoint: Path, tmp_path: Path) -> None:
+    checkpoint: Path, tmp_path: Path
+) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
     for path in checkpoint.iterdir():
@@ -213,39 +271,46 @@ def test_a_missing_shard_or_folder_is_an_error_naming_the_checkpoint(
 
 # -- a planted resume bug through the Runner ---------------------------------------------------
 
-@pytest.mark.parametrize(("bug", "metric", "step"), [
-    # K+2: step K+1's loss and gradient precede its (wrong) update; the gradient norm moves
-    # first (the loss of this 1-process run at step 6 stays inside its tolerance: step 7).
-    ("optimizer_state_dropped", "grad_norm", 6),
-    # K+1 reads step 1's samples (in the detection catalogue too: slow here, CI runs one).
-    pytest.param("data_restarted", "data_fingerprint", 5, marks=pytest.mark.slow),
-])
-def test_a_planted_resume_bug_fails_at_the_resume(tmp_path: Path, bug: str, metric: str,
-                                                  step: int,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+
+@pytest.mark.parametrize(
+    ("bug", "metric", "step"),
+    [
+        # K+2: step K+1's loss and gradient precede its (wrong) update; the gradient norm moves
+        # first (the loss of this 1-process run at step 6 stays inside its tolerance: step 7).
+        ("optimizer_state_dropped", "grad_norm", 6),
+        # K+1 reads step 1's samples (in the detection catalogue too: slow here, CI runs one).
+        pytest.param("data_restarted", "data_fingerprint", 5, marks=pytest.mark.slow),
+    ],
+)
+def test_a_planted_resume_bug_fails_at_the_resume(
+    tmp_path: Path, bug: str, metric: str, step: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from convergence.report.formats.failure_text import headline, render_outcome
     from convergence.run.runner import Runner, RunSettings
 
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(DETECTION), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(DETECTION), os.environ.get("PYTHONPATH", "")])
+    )
     monkeypatch.syspath_prepend(str(DETECTION))
     path = tmp_path / "bug.toml"
-    path.write_text('[defaults]\ntrain_config = "debug"\nsteps = 8\nseed = 42\nprobe = "off"\n'
-                    "early_stop = false\n\n[control]\nname = \"single\"\n\n[[test]]\n"
-                    f'name = "{bug}"\nhook = "detection_bugs.resume:{bug}"\n'
-                    "resume = { at_step = 4 }\n")
+    path.write_text(
+        '[defaults]\ntrain_config = "debug"\nsteps = 8\nseed = 42\nprobe = "off"\n'
+        'early_stop = false\n\n[control]\nname = "single"\n\n[[test]]\n'
+        f'name = "{bug}"\nhook = "detection_bugs.resume:{bug}"\n'
+        "resume = { at_step = 4 }\n"
+    )
     pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
     check_pair(pair)
-    runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=180,
-                                wall_limit_s=600))
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=180, wall_limit_s=600))
     outcome = runner.run_pair(pair)
     assert outcome.status == "failed", (outcome.error, [v.message for v in outcome.verdicts])
     verdict = outcome.verdict(metric)
     assert verdict is not None and not verdict.passed
     assert verdict.first_divergent_step == step
     # Steps before the resume are the control's: the checkpoint's run was right.
-    assert outcome.test is not None and outcome.test.metrics["loss"].steps.tolist() == \
-        list(range(1, 9))
+    assert outcome.test is not None and outcome.test.metrics["loss"].steps.tolist() == list(
+        range(1, 9)
+    )
     assert "the divergence starts at the resume" in headline(outcome)
     assert "resume: checkpoint after step 4, single -> single" in render_outcome(outcome)
 
@@ -254,12 +319,15 @@ def test_steps_cut_before_the_resume_is_that_pairs_error(tmp_path: Path) -> None
     from convergence.run.runner import Runner, RunSettings
 
     path = tmp_path / "cut.toml"
-    path.write_text('[defaults]\ntrain_config = "debug"\nsteps = 8\nseed = 42\n\n'
-                    '[control]\nname = "single"\n\n[[test]]\nname = "t"\n'
-                    "resume = { at_step = 4 }\n")
+    path.write_text(
+        '[defaults]\ntrain_config = "debug"\nsteps = 8\nseed = 42\n\n'
+        '[control]\nname = "single"\n\n[[test]]\nname = "t"\n'
+        "resume = { at_step = 4 }\n"
+    )
     pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
-    runner = Runner(RunSettings(work_dir=tmp_path / "work", steps=3, idle_limit_s=180,
-                                wall_limit_s=600))
+    runner = Runner(
+        RunSettings(work_dir=tmp_path / "work", steps=3, idle_limit_s=180, wall_limit_s=600)
+    )
     outcome = runner.run_pair(pair)  # --convergence-steps 3: the control runs, the test not
     assert outcome.status == "error" and outcome.error is not None
     assert "resume.at_step = 4 is not inside the run of 3 steps" in outcome.error

@@ -30,26 +30,39 @@ class FakeLauncher:
     def __init__(self) -> None:
         self.requests: list[LaunchRequest] = []
 
-    def launch(self, request: LaunchRequest, *,
-               on_metrics: Callable[[dict[str, float]], bool] | None = None,
-               on_progress: Callable[[Progress], None] | None = None) -> JobResult:
+    def launch(
+        self,
+        request: LaunchRequest,
+        *,
+        on_metrics: Callable[[dict[str, float]], bool] | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> JobResult:
         self.requests.append(request)
         assert request.metrics_path is not None
         request.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with request.metrics_path.open("w") as log:
             for step in range(1, STEPS + 1):
-                log.write(json.dumps({"step": step, "train_loss": 4.0 / step,
-                                      "gnorm": 1.0 / step}) + "\n")
+                log.write(
+                    json.dumps({"step": step, "train_loss": 4.0 / step, "gnorm": 1.0 / step}) + "\n"
+                )
         if on_progress is not None:
-            on_progress(Progress(name=request.name, step=STEPS, total_steps=STEPS, loss=1.0,
-                                 elapsed_s=0.1))
-        return JobResult(name=request.name, status="ok", returncode=0, wall_s=0.1,
-                         log_dir=request.log_dir, metrics_path=request.metrics_path)
+            on_progress(
+                Progress(name=request.name, step=STEPS, total_steps=STEPS, loss=1.0, elapsed_s=0.1)
+            )
+        return JobResult(
+            name=request.name,
+            status="ok",
+            returncode=0,
+            wall_s=0.1,
+            log_dir=request.log_dir,
+            metrics_path=request.metrics_path,
+        )
 
 
 def _pairs(folder: Path) -> list[PairSpec]:
     path = folder / "cmd.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [defaults]
         train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = {STEPS}
@@ -71,7 +84,8 @@ def _pairs(folder: Path) -> list[PairSpec]:
         [[test]]
         name = "b"
         early_stop = false
-    """))
+    """)
+    )
     return list(load_checked(path, rootdir=ROOT).pairs)
 
 
@@ -88,8 +102,10 @@ def test_one_runner_serves_every_pair(tmp_path: Path, monkeypatch: pytest.Monkey
     runs = SessionRunner(RunSettings(work_dir=tmp_path / "work", devices=1), launcher=launcher)
     assert not built  # nothing is set up before the first pair
     seen: dict[str, list[str]] = {"a": [], "b": []}
-    outcomes = [runs.run_pair(pair, on_progress=lambda p, n=pair.test.name: seen[n].append(p.name))
-                for pair in _pairs(tmp_path)]
+    outcomes = [
+        runs.run_pair(pair, on_progress=lambda p, n=pair.test.name: seen[n].append(p.name))
+        for pair in _pairs(tmp_path)
+    ]
     assert [o.status for o in outcomes] == ["passed", "passed"], [o.error for o in outcomes]
     assert len(built) == 1 and runs.runner() is built[0]
     # The control ran once (the second pair took it from the cache); each test ran once, and
@@ -103,8 +119,10 @@ def test_one_runner_serves_every_pair(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_a_cache_that_cannot_open_is_an_error_per_pair(tmp_path: Path) -> None:
     blocker = tmp_path / "cache"
     blocker.write_text("a file where the cache needs a folder")
-    runs = SessionRunner(RunSettings(work_dir=tmp_path / "work", cache_dir=blocker, devices=1),
-                         launcher=FakeLauncher())
+    runs = SessionRunner(
+        RunSettings(work_dir=tmp_path / "work", cache_dir=blocker, devices=1),
+        launcher=FakeLauncher(),
+    )
     pairs = _pairs(tmp_path)
     first = runs.run_pair(pairs[0])
     assert first.status == "error" and first.error and "is a file" in first.error
@@ -113,9 +131,11 @@ def test_a_cache_that_cannot_open_is_an_error_per_pair(tmp_path: Path) -> None:
 
 
 def test_a_bug_inside_the_runner_is_an_error_outcome_with_its_traceback(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An unexpected exception (a bug of ours, not a job failure) must not drop the pair from
     the session's outcomes and report: it becomes an error that says so, traceback kept."""
+
     def broken(self: Runner, pair: PairSpec) -> Any:
         raise TypeError("planted bug")
 

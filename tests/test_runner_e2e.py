@@ -22,7 +22,8 @@ STEPS = 8
 def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
     # The hook module must import in the trainer's ranks: put its folder on their PYTHONPATH.
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p
+    )
     sys.path.insert(0, str(HOOKS))
     work = tmp_path_factory.mktemp("work")
     return Runner(RunSettings(work_dir=work, idle_limit_s=120, wall_limit_s=600))
@@ -31,7 +32,8 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     path = tmp_path_factory.mktemp("exp") / "e2e.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [defaults]
         train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = {STEPS}
@@ -51,13 +53,15 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         hook = "planted_bugs:double_ffn_grad"
         steps = 40
         probe = "off"   # localisation has its own tests (test_probe.py)
-    """))
+    """)
+    )
     exp = load_checked(path, rootdir=ROOT)
     return {p.name: p for p in exp.pairs}
 
 
-def test_correct_pair_passes_and_control_is_cached(runner: Runner,
-                                                   experiment: dict[str, object]) -> None:
+def test_correct_pair_passes_and_control_is_cached(
+    runner: Runner, experiment: dict[str, object]
+) -> None:
     outcome = runner.run_pair(experiment["ddp2"])  # type: ignore[arg-type]
     assert outcome.status == "passed", outcome.error or [v.message for v in outcome.verdicts]
     loss = outcome.verdict("loss")
@@ -70,8 +74,9 @@ def test_correct_pair_passes_and_control_is_cached(runner: Runner,
     assert again.status == "passed"
 
 
-def test_planted_bug_fails_with_first_divergent_step(runner: Runner,
-                                                     experiment: dict[str, object]) -> None:
+def test_planted_bug_fails_with_first_divergent_step(
+    runner: Runner, experiment: dict[str, object]
+) -> None:
     outcome = runner.run_pair(experiment["fsdp2-bug"])  # type: ignore[arg-type]
     assert outcome.status == "failed"
     grad = outcome.verdict("grad_norm")
@@ -84,14 +89,18 @@ def test_planted_bug_fails_with_first_divergent_step(runner: Runner,
     assert loss is not None and loss.passed, loss.message
     # No process of the jobs outlives them.
     me = psutil.Process()
-    assert not [c for c in me.children(recursive=True) if c.is_running()
-                and c.status() != psutil.STATUS_ZOMBIE]
+    assert not [
+        c
+        for c in me.children(recursive=True)
+        if c.is_running() and c.status() != psutil.STATUS_ZOMBIE
+    ]
 
 
 def test_command_backend_pair(runner: Runner, tmp_path: Path) -> None:
     script = Path(__file__).parent / "fixtures" / "command_trainer" / "train.py"
     path = tmp_path / "cmd.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [defaults]
         train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = 6
@@ -118,7 +127,8 @@ def test_command_backend_pair(runner: Runner, tmp_path: Path) -> None:
         local_batch_size = 1
         backend_options = {{ command = "{script} --steps {{steps}} --seed {{seed}} --out {{dump_dir}} --grad-scale 2" }}
         early_stop = false
-    """))
+    """)
+    )
     pairs = {p.name: p for p in load_checked(path, rootdir=ROOT).pairs}
     good = runner.run_pair(pairs["ddp2"])
     assert good.status == "passed", good.error or [v.message for v in good.verdicts]

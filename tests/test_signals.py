@@ -41,13 +41,29 @@ def _start(project: Path, *extra: str) -> subprocess.Popen[str]:
     (project / "experiments" / "forever.toml").write_text(EXPERIMENT)
     with open(project / "out.txt", "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence",
-             "--convergence-report", "report", *extra], cwd=project, stdout=out,
-            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-m",
+                "convergence",
+                "--convergence-report",
+                "report",
+                *extra,
+            ],
+            cwd=project,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and proc.poll() is None:
-        if any(p.stat().st_size for p in
-               project.glob(".convergence/runs/*/test-*/dump/metrics.jsonl")):
+        if any(
+            p.stat().st_size for p in project.glob(".convergence/runs/*/test-*/dump/metrics.jsonl")
+        ):
             return proc
         time.sleep(0.5)
     proc.kill()

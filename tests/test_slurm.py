@@ -50,7 +50,8 @@ pytestmark = pytest.mark.xdist_group("slurm")
 def _experiment(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "slurm_cmd.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [defaults]
         train_config = "{ROOT}/convergence/configs/debug.toml"
         steps = {STEPS}
@@ -72,7 +73,8 @@ def _experiment(folder: Path) -> Path:
         parallelism = {{ dp_replicate = 2 }}
         local_batch_size = 1
         early_stop = false
-    """))
+    """)
+    )
     return path
 
 
@@ -103,6 +105,7 @@ def _alive_with(token: str) -> list[int]:
 
 # -- no Slurm needed -------------------------------------------------------------------------
 
+
 def test_outside_an_allocation_is_a_clear_error() -> None:
     with pytest.raises(SlurmError) as info:
         SlurmLauncher(environ={"PATH": os.environ.get("PATH", "")})
@@ -126,7 +129,9 @@ def test_ports_are_distinct_across_concurrent_launches(tmp_path: Path) -> None:
     assert len(got) == 100 and len(set(got)) == 100
     assert all(PORT_BASE <= p < PORT_BASE + PORT_SPAN for p in got)
     # Another allocation on the same node starts elsewhere in the range.
-    assert PortAllocator("4243", tmp_path).port_for(0) != PortAllocator("4242", tmp_path).port_for(0)
+    assert PortAllocator("4243", tmp_path).port_for(0) != PortAllocator("4242", tmp_path).port_for(
+        0
+    )
 
 
 def test_port_probe_skips_a_port_in_use(tmp_path: Path) -> None:
@@ -139,6 +144,7 @@ def test_port_probe_skips_a_port_in_use(tmp_path: Path) -> None:
 
 
 # -- a real one-node Slurm -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
@@ -158,8 +164,11 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
                 os.environ.pop("SLURM_CONF", None)
             else:
                 os.environ["SLURM_CONF"] = old
-            left = [pid for pid in cluster.pids.values() if psutil.pid_exists(pid)
-                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+            left = [
+                pid
+                for pid in cluster.pids.values()
+                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            ]
             assert not left, f"Slurm daemons still running: {left}"
 
 
@@ -167,8 +176,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 def allocation(slurm: SlurmCluster) -> Iterator[dict[str, str]]:
     """An allocation made without a shell (``salloc --no-shell``): this test process plays
     the batch script, its launcher attaches with ``srun --jobid``."""
-    done = slurm.run("salloc", "--no-shell", "-N", "1", "-c", "1", "-J", "conv-tests",
-                     timeout=60)
+    done = slurm.run("salloc", "--no-shell", "-N", "1", "-c", "1", "-J", "conv-tests", timeout=60)
     match = re.search(r"allocation (\d+)", done.stderr + done.stdout)
     assert match, done.stderr
     job = match.group(1)
@@ -187,13 +195,19 @@ def local_outcome(tmp_path_factory: pytest.TempPathFactory) -> PairOutcome:
     return outcome
 
 
-def test_plan_takes_nodes_head_and_port_from_the_allocation(slurm: SlurmCluster,
-                                                            tmp_path: Path) -> None:
+def test_plan_takes_nodes_head_and_port_from_the_allocation(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
     env = {**os.environ, "SLURM_JOB_ID": "99", "SLURM_JOB_NODELIST": "gpu[07-08]"}
     launcher = SlurmLauncher(environ=env, procs_per_node=2, state_dir=tmp_path)
     assert launcher.allocation.hosts == ("gpu07", "gpu08")
-    request = LaunchRequest(name="fsdp4 test", entry=["-m", "x"], nproc=4,
-                            log_dir=tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    request = LaunchRequest(
+        name="fsdp4 test",
+        entry=["-m", "x"],
+        nproc=4,
+        log_dir=tmp_path / "logs",
+        env={"CUDA_VISIBLE_DEVICES": "0,1"},
+    )
     launcher._local.plan = plan = launcher.plan(request)
     argv = launcher.build_argv(request)
     text = " ".join(argv)
@@ -202,17 +216,17 @@ def test_plan_takes_nodes_head_and_port_from_the_allocation(slurm: SlurmCluster,
     assert f"--rdzv-endpoint gpu07:{plan.port}" in text
     assert "--nnodes 2 --nproc-per-node 2" in text and "--overlap" in text
     # A second job of the same allocation gets another port; 1 node suffices for 2 ranks.
-    other = launcher.plan(LaunchRequest(name="b", entry=["-m", "x"], nproc=2,
-                                        log_dir=tmp_path / "b"))
+    other = launcher.plan(
+        LaunchRequest(name="b", entry=["-m", "x"], nproc=2, log_dir=tmp_path / "b")
+    )
     assert other.port != plan.port and other.hosts == ("gpu07",)
     with pytest.raises(SlurmError, match="needs 3 nodes"):
         launcher.num_nodes(6)
 
 
-def test_pair_through_srun_is_identical_to_local(slurm: SlurmCluster,
-                                                 allocation: dict[str, str],
-                                                 local_outcome: PairOutcome,
-                                                 tmp_path: Path) -> None:
+def test_pair_through_srun_is_identical_to_local(
+    slurm: SlurmCluster, allocation: dict[str, str], local_outcome: PairOutcome, tmp_path: Path
+) -> None:
     launcher = SlurmLauncher(environ=allocation, state_dir=tmp_path / "state")
     runner = Runner(RunSettings(work_dir=tmp_path / "work", devices=2), launcher=launcher)
     outcome = runner.run_pair(_pair(tmp_path))
@@ -228,32 +242,41 @@ def test_pair_through_srun_is_identical_to_local(slurm: SlurmCluster,
     assert not [s for s in _step_names(slurm) if s.startswith("conv-")]
 
 
-def test_srun_failure_is_diagnosed_and_timeout_leaves_nothing(slurm: SlurmCluster,
-                                                               allocation: dict[str, str],
-                                                               tmp_path: Path) -> None:
-    launcher = SlurmLauncher(environ=allocation, state_dir=tmp_path / "state",
-                             kill_grace_s=3.0)
+def test_srun_failure_is_diagnosed_and_timeout_leaves_nothing(
+    slurm: SlurmCluster, allocation: dict[str, str], tmp_path: Path
+) -> None:
+    launcher = SlurmLauncher(environ=allocation, state_dir=tmp_path / "state", kill_grace_s=3.0)
     bad = tmp_path / "bad.py"
-    bad.write_text("import os, sys\nif os.environ['RANK'] == '1':\n"
-                   "    raise ValueError('planted failure on rank one')\n")
-    result = launcher.launch(LaunchRequest(name="bad", entry=[str(bad)], nproc=2,
-                                           log_dir=tmp_path / "bad"))
+    bad.write_text(
+        "import os, sys\nif os.environ['RANK'] == '1':\n"
+        "    raise ValueError('planted failure on rank one')\n"
+    )
+    result = launcher.launch(
+        LaunchRequest(name="bad", entry=[str(bad)], nproc=2, log_dir=tmp_path / "bad")
+    )
     assert result.status == "failed" and result.failure is not None
     assert result.failure.rank == 1
     assert "planted failure on rank one" in result.failure.message
 
     token = f"conv-hang-{time.time_ns()}"
-    hung = launcher.launch(LaunchRequest(
-        name="hang", entry=["-c", f"import time; time.sleep(300)  # {token}"], nproc=1,
-        log_dir=tmp_path / "hang", direct=True, wall_limit_s=3.0))
+    hung = launcher.launch(
+        LaunchRequest(
+            name="hang",
+            entry=["-c", f"import time; time.sleep(300)  # {token}"],
+            nproc=1,
+            log_dir=tmp_path / "hang",
+            direct=True,
+            wall_limit_s=3.0,
+        )
+    )
     assert hung.status == "timeout"  # the 3 s wall limit ended it, not the 300 s sleep
     assert not [s for s in _step_names(slurm) if s.startswith("conv-")]
     assert not _alive_with(token)
 
 
-def test_pair_through_sbatch_nightly_is_identical_to_local(slurm: SlurmCluster,
-                                                           local_outcome: PairOutcome,
-                                                           tmp_path: Path) -> None:
+def test_pair_through_sbatch_nightly_is_identical_to_local(
+    slurm: SlurmCluster, local_outcome: PairOutcome, tmp_path: Path
+) -> None:
     import json
 
     from convergence.cli import main
@@ -261,13 +284,33 @@ def test_pair_through_sbatch_nightly_is_identical_to_local(slurm: SlurmCluster,
     experiment = _experiment(tmp_path / "experiments")
     out = tmp_path / "nightly"
     script = out / "nightly.sbatch"
-    assert main(["nightly", "--experiments", str(experiment), "--out", str(out),
-                 "--rootdir", str(ROOT), "--no-exclusive", "--time", "00:10:00",
-                 "--sbatch-option=--cpus-per-task=2",  # the pool: 2 CPU slots
-                 "--pytest-args", f"--convergence-workdir {tmp_path / 'work'} "
-                                  "--convergence-devices 2 -q"]) == 0
-    done = subprocess.run(["sbatch", "--wait", str(script)], env=slurm.env(),
-                          capture_output=True, text=True, timeout=400)
+    assert (
+        main(
+            [
+                "nightly",
+                "--experiments",
+                str(experiment),
+                "--out",
+                str(out),
+                "--rootdir",
+                str(ROOT),
+                "--no-exclusive",
+                "--time",
+                "00:10:00",
+                "--sbatch-option=--cpus-per-task=2",  # the pool: 2 CPU slots
+                "--pytest-args",
+                f"--convergence-workdir {tmp_path / 'work'} --convergence-devices 2 -q",
+            ]
+        )
+        == 0
+    )
+    done = subprocess.run(
+        ["sbatch", "--wait", str(script)],
+        env=slurm.env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     slurm_out = "\n".join(p.read_text() for p in out.glob("slurm-*.out"))
     assert done.returncode == 0, f"{done.stderr}\n{slurm_out}"
     nights = list((out / "nights").iterdir())
@@ -283,7 +326,9 @@ def test_pair_through_sbatch_nightly_is_identical_to_local(slurm: SlurmCluster,
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     assert len(history) == 1 and history[0]["status"] == "passed"
     assert history[0]["night"] == nights[0].name and history[0]["pytest_status"] == 0
-    expected = _curves(local_outcome.test.metrics)["loss"][-1] - \
-        _curves(local_outcome.control.metrics)["loss"][-1]
+    expected = (
+        _curves(local_outcome.test.metrics)["loss"][-1]
+        - _curves(local_outcome.control.metrics)["loss"][-1]
+    )
     assert history[0]["final_loss_delta"] == pytest.approx(expected, abs=0.0)
     assert not [s for s in _step_names(slurm) if s.startswith("conv-")]

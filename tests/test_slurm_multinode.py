@@ -77,32 +77,45 @@ def cluster2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClus
                 os.environ.pop("SLURM_CONF", None)
             else:
                 os.environ["SLURM_CONF"] = old
-            left = [pid for pid in cluster.pids.values() if psutil.pid_exists(pid)
-                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+            left = [
+                pid
+                for pid in cluster.pids.values()
+                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            ]
             assert not left, f"Slurm daemons still running: {left}"
             assert not Path("/run/netns", cluster.network.namespaces["cnode1"]).exists()
 
 
 def _allocate(cluster: MultiNodeCluster) -> dict[str, str]:
     """A 2-node allocation without a shell: this test process plays the batch script."""
-    done = cluster.run("salloc", "--no-shell", "-N", "2", "--exclusive", "-J", "conv-mn",
-                       timeout=60)
+    done = cluster.run(
+        "salloc", "--no-shell", "-N", "2", "--exclusive", "-J", "conv-mn", timeout=60
+    )
     match = re.search(r"allocation (\d+)", done.stderr + done.stdout)
     assert match, done.stderr
     job = match.group(1)
     fields = cluster.run("squeue", "-h", "-j", job, "-o", "%C %D %N").stdout.split()
     cpus, nodes, nodelist = int(fields[0]), int(fields[1]), fields[2]
-    return {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": nodelist,
-            "SLURM_JOB_CPUS_PER_NODE": f"{cpus // nodes}(x{nodes})"}
+    return {
+        "SLURM_JOB_ID": job,
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_JOB_CPUS_PER_NODE": f"{cpus // nodes}(x{nodes})",
+    }
 
 
 def _step_pids(cluster: MultiNodeCluster) -> dict[str, list[int]]:
     """Per node: processes in its namespace other than its slurmd (what a step leaves)."""
     daemons = set(cluster.pids.values())
-    return {node: [p for p in cluster.network.pids_in(node) if p not in daemons
-                   and psutil.pid_exists(p)
-                   and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-            for node in cluster.node_names}
+    return {
+        node: [
+            p
+            for p in cluster.network.pids_in(node)
+            if p not in daemons
+            and psutil.pid_exists(p)
+            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        for node in cluster.node_names
+    }
 
 
 def _left_behind(cluster: MultiNodeCluster, timeout: float = 20.0) -> dict[str, list[str]]:
@@ -128,8 +141,9 @@ def _left_behind(cluster: MultiNodeCluster, timeout: float = 20.0) -> dict[str, 
 
 
 @pytest.fixture
-def allocation2(cluster2: MultiNodeCluster,
-                monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+def allocation2(
+    cluster2: MultiNodeCluster, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict[str, str]]:
     alloc = _allocate(cluster2)
     for key, value in alloc.items():
         monkeypatch.setenv(key, value)  # the Runner's pool reads the allocation from here
@@ -142,7 +156,8 @@ def allocation2(cluster2: MultiNodeCluster,
 def _experiment(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "two_nodes.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [defaults]
         train_config = "debug"
         steps = {STEPS}
@@ -156,7 +171,8 @@ def _experiment(folder: Path) -> Path:
         name = "fsdp2-tp2"
         parallelism = {{ dp_shard = 2, tp = 2 }}
         early_stop = false
-    """))
+    """)
+    )
     return path
 
 
@@ -173,8 +189,7 @@ def test_networks_of_dead_sessions_are_swept(tmp_path: Path) -> None:
     subprocess.run(["ip", "netns", "add", ns], check=True)
     subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
     assert ns in sweep_stale_networks()
-    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                    text=True).stdout
+    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
 
 
@@ -188,12 +203,15 @@ def test_the_allocation_is_the_device_pool(allocation2: dict[str, str]) -> None:
     assert "needs 4 CPU slots" in str(capped.placement_problem(4))
 
 
-def test_pair_spanning_two_nodes_passes(cluster2: MultiNodeCluster,
-                                        allocation2: dict[str, str], tmp_path: Path) -> None:
+def test_pair_spanning_two_nodes_passes(
+    cluster2: MultiNodeCluster, allocation2: dict[str, str], tmp_path: Path
+) -> None:
     pair = load_checked(_experiment(tmp_path), rootdir=ROOT).pairs[0]
     launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state")
-    runner = Runner(RunSettings(work_dir=tmp_path / "work", launcher="slurm",
-                                wall_limit_s=300.0), launcher=launcher)
+    runner = Runner(
+        RunSettings(work_dir=tmp_path / "work", launcher="slurm", wall_limit_s=300.0),
+        launcher=launcher,
+    )
     started = time.monotonic()
     outcome = runner.run_pair(pair)
     assert outcome.status == "passed", outcome.error
@@ -211,18 +229,27 @@ def test_pair_spanning_two_nodes_passes(cluster2: MultiNodeCluster,
 
 
 def test_killed_rank_on_node_two_is_named_and_scancel_leaves_nothing(
-        cluster2: MultiNodeCluster, allocation2: dict[str, str], tmp_path: Path) -> None:
-    launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state",
-                             kill_grace_s=3.0)
+    cluster2: MultiNodeCluster, allocation2: dict[str, str], tmp_path: Path
+) -> None:
+    launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state", kill_grace_s=3.0)
     script = tmp_path / "die.py"
-    script.write_text("import os, signal, socket, time\n"
-                      "if os.environ['RANK'] == '3':\n"
-                      "    time.sleep(1.0)\n"
-                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
-                      "time.sleep(60)\n")
-    result = launcher.launch(LaunchRequest(name="die", entry=[str(script)], nproc=4,
-                                           log_dir=tmp_path / "die", hosts=("cnode1", "cnode2"),
-                                           wall_limit_s=120.0))
+    script.write_text(
+        "import os, signal, socket, time\n"
+        "if os.environ['RANK'] == '3':\n"
+        "    time.sleep(1.0)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    result = launcher.launch(
+        LaunchRequest(
+            name="die",
+            entry=[str(script)],
+            nproc=4,
+            log_dir=tmp_path / "die",
+            hosts=("cnode1", "cnode2"),
+            wall_limit_s=120.0,
+        )
+    )
     assert result.status in ("failed", "killed") and result.failure is not None
     assert result.failure.rank == 3 and result.failure.node == "cnode2", result.failure
     assert "rank 3 on node cnode2 was killed by SIGKILL" in result.failure.message
@@ -232,10 +259,24 @@ def test_killed_rank_on_node_two_is_named_and_scancel_leaves_nothing(
     token = f"conv-scancel-{time.time_ns()}"
     hang = tmp_path / "hang.py"
     hang.write_text(f"import time\ntime.sleep(300)  # {token}\n")
-    proc = subprocess.Popen(["srun", "--jobid", allocation2["SLURM_JOB_ID"], "-N", "2",
-                             "--ntasks-per-node", "1", "--overlap", sys.executable, str(hang)],
-                            env=cluster2.env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            "srun",
+            "--jobid",
+            allocation2["SLURM_JOB_ID"],
+            "-N",
+            "2",
+            "--ntasks-per-node",
+            "1",
+            "--overlap",
+            sys.executable,
+            str(hang),
+        ],
+        env=cluster2.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(_step_pids(cluster2).values()):
@@ -251,17 +292,27 @@ def test_killed_rank_on_node_two_is_named_and_scancel_leaves_nothing(
 
 
 def test_hung_rank_on_node_two_is_named_with_node_file_and_line(
-        cluster2: MultiNodeCluster, allocation2: dict[str, str], tmp_path: Path) -> None:
+    cluster2: MultiNodeCluster, allocation2: dict[str, str], tmp_path: Path
+) -> None:
     """Rank 3 (on cnode2) loops in its own code while ranks 0-2 wait in all_reduce: the
     launcher asks both nodes (hang_probe, a step of the allocation) and names it."""
     worker = ROOT / "tests" / "fixtures" / "hang" / "worker.py"
     metrics = tmp_path / "metrics.jsonl"
-    launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state",
-                             kill_grace_s=3.0)
-    result = launcher.launch(LaunchRequest(
-        name="hang", entry=[str(worker), str(metrics), "3"], nproc=4, log_dir=tmp_path / "logs",
-        metrics_path=metrics, total_steps=3, idle_limit_s=20.0, wall_limit_s=240.0,
-        hosts=("cnode1", "cnode2"), env={"PYTHONPATH": str(ROOT)}))
+    launcher = SlurmLauncher(environ=allocation2, state_dir=tmp_path / "state", kill_grace_s=3.0)
+    result = launcher.launch(
+        LaunchRequest(
+            name="hang",
+            entry=[str(worker), str(metrics), "3"],
+            nproc=4,
+            log_dir=tmp_path / "logs",
+            metrics_path=metrics,
+            total_steps=3,
+            idle_limit_s=20.0,
+            wall_limit_s=240.0,
+            hosts=("cnode1", "cnode2"),
+            env={"PYTHONPATH": str(ROOT)},
+        )
+    )
     assert result.status == "hung", result
     assert result.failure is not None
     message = result.failure.message
@@ -273,7 +324,8 @@ def test_hung_rank_on_node_two_is_named_with_node_file_and_line(
 
 
 def test_nightly_sbatch_sizes_the_allocation_runs_across_nodes_and_decides(
-        cluster2: MultiNodeCluster, tmp_path: Path) -> None:
+    cluster2: MultiNodeCluster, tmp_path: Path
+) -> None:
     """The rendered nightly script under sbatch: 2 nodes from the largest pair, the pair
     spans them, history and trend are written; a simulated history of earlier green nights
     whose control ended elsewhere makes tonight a drift: exit 10 and the hook fires."""
@@ -286,18 +338,52 @@ def test_nightly_sbatch_sizes_the_allocation_runs_across_nodes_and_decides(
     out = tmp_path / "nightly"
     out.mkdir()
     pair_id = "two_nodes.toml::fsdp2-tp2"
-    (out / "history.jsonl").write_text("".join(
-        json.dumps({"night": f"2026010{i + 1}T000000Z-sim", "pair": pair_id, "status": "passed",
-                    "control_final_loss": 9.0 + 1e-3 * i}) + "\n" for i in range(6)))
+    (out / "history.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {
+                    "night": f"2026010{i + 1}T000000Z-sim",
+                    "pair": pair_id,
+                    "status": "passed",
+                    "control_final_loss": 9.0 + 1e-3 * i,
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
     hook = tmp_path / "hook.txt"
-    assert main(["nightly", "--experiments", str(experiment), "--out", str(out),
-                 "--rootdir", str(ROOT), "--devices-per-node", "2", "--time", "00:10:00",
-                 "--pytest-args", f"--convergence-workdir {tmp_path / 'work'} -q -rs",
-                 "--decide-args", f"--hook 'cat > {hook}'"]) == 0
+    assert (
+        main(
+            [
+                "nightly",
+                "--experiments",
+                str(experiment),
+                "--out",
+                str(out),
+                "--rootdir",
+                str(ROOT),
+                "--devices-per-node",
+                "2",
+                "--time",
+                "00:10:00",
+                "--pytest-args",
+                f"--convergence-workdir {tmp_path / 'work'} -q -rs",
+                "--decide-args",
+                f"--hook 'cat > {hook}'",
+            ]
+        )
+        == 0
+    )
     script = out / "nightly.sbatch"
     assert "#SBATCH --nodes=2" in script.read_text()  # the 4-rank test needs both nodes
-    done = subprocess.run(["sbatch", "--wait", str(script)], env=cluster2.env(),
-                          capture_output=True, text=True, timeout=400)
+    done = subprocess.run(
+        ["sbatch", "--wait", str(script)],
+        env=cluster2.env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     slurm_out = "\n".join(p.read_text() for p in out.glob("slurm-*.out"))
     assert done.returncode == EXIT_DRIFT, f"{done.returncode} {done.stderr}\n{slurm_out}"
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]

@@ -17,7 +17,8 @@ from convergence.spec.errors import SpecError
 def _experiment(tmp_path: Path, command: str) -> Path:
     (tmp_path / "trainer.toml").write_text("# the trainer's own config\n")
     path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         [defaults]
         train_config = "trainer.toml"
         backend = "command"
@@ -31,7 +32,8 @@ def _experiment(tmp_path: Path, command: str) -> Path:
         [[test]]
         name = "fsdp2"
         parallelism = {{ dp_shard = 2 }}
-        """))
+        """)
+    )
     return path
 
 
@@ -42,10 +44,19 @@ def _argv(tmp_path: Path, command: str) -> list[str]:
 
 
 def test_a_toml_list_is_the_argv_word_for_word(tmp_path: Path) -> None:
-    argv = _argv(tmp_path, '["python", "my train.py", "--steps", "{steps}", "--out", '
-                           '"{dump_dir}", "--note=a b"]')
-    assert argv == ["python", "my train.py", "--steps", "3", "--out", str(tmp_path / "dump"),
-                    "--note=a b"]
+    argv = _argv(
+        tmp_path,
+        '["python", "my train.py", "--steps", "{steps}", "--out", "{dump_dir}", "--note=a b"]',
+    )
+    assert argv == [
+        "python",
+        "my train.py",
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path / "dump"),
+        "--note=a b",
+    ]
 
 
 def test_a_string_is_split_like_a_shell(tmp_path: Path) -> None:

@@ -83,17 +83,24 @@ def test_spec_is_the_bottom_layer() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, convergence.spec.experiment, convergence.spec.rules; "
-            "print(sorted(m for m in sys.modules if m.startswith('convergence.')))")
-    loaded = eval(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 check=True).stdout)
-    assert [m for m in loaded if not m.startswith(("convergence.spec", "convergence.configs"))
-            ] == []
+    code = (
+        "import sys, convergence.spec.experiment, convergence.spec.rules; "
+        "print(sorted(m for m in sys.modules if m.startswith('convergence.')))"
+    )
+    loaded = eval(
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert [
+        m for m in loaded if not m.startswith(("convergence.spec", "convergence.configs"))
+    ] == []
 
 
 def test_unknown_key_is_named(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }",
-                                          "{ dp_shard = 2, tensor_paralel = 2 }")
+    body = GOOD.format(root=ROOT).replace(
+        "{ dp_shard = 2, tp = 2 }", "{ dp_shard = 2, tensor_paralel = 2 }"
+    )
     err = error_for(tmp_path, body)
     assert "exp.toml" in str(err)
     assert "test[0].parallelism.tensor_paralel" in str(err)
@@ -155,26 +162,30 @@ def test_more_devices_than_available(tmp_path: Path) -> None:
 
 def test_twin_regime_for_bf16(tmp_path: Path) -> None:
     body = GOOD.format(root=ROOT).replace(
-        'grid = {',
-        'techniques = { param_dtype = "bfloat16" }\ngrid = {')
+        "grid = {", 'techniques = { param_dtype = "bfloat16" }\ngrid = {'
+    )
     exp = load_checked(write(tmp_path, body), rootdir=ROOT)
-    assert exp.pairs[0].regime == "paired"   # fp32 test: step-by-step comparison
+    assert exp.pairs[0].regime == "paired"  # fp32 test: step-by-step comparison
     bf16 = exp.pairs[1]
     assert bf16.regime == "twin"  # same seed checkpoint and data, noise measured on a twin
     assert bf16.rule_for("loss").method == "twin"
     assert bf16.rule_for("grad_norm").method == "twin"
 
 
-@pytest.mark.parametrize(("old", "new", "words"), [
-    ("seed = 7", "seed = -1", ("seed", "[0, 2**32)")),
-    ("seed = 7", "seed = 4294967296", ("seed", "[0, 2**32)")),
-    ('name = "fsdp2-tp2"', 'name = ""', ("name", "non-empty")),
-    ('name = "fsdp2-tp2"', 'name = "a::b"', ("name", "'::'")),
-    ('name = "fsdp2-tp2"', 'name = "../escape"', ("name", "'/'")),
-    ("steps = 12", "steps = 1000000000", ("steps", "[1, 10000000]")),
-])
+@pytest.mark.parametrize(
+    ("old", "new", "words"),
+    [
+        ("seed = 7", "seed = -1", ("seed", "[0, 2**32)")),
+        ("seed = 7", "seed = 4294967296", ("seed", "[0, 2**32)")),
+        ('name = "fsdp2-tp2"', 'name = ""', ("name", "non-empty")),
+        ('name = "fsdp2-tp2"', 'name = "a::b"', ("name", "'::'")),
+        ('name = "fsdp2-tp2"', 'name = "../escape"', ("name", "'/'")),
+        ("steps = 12", "steps = 1000000000", ("steps", "[1, 10000000]")),
+    ],
+)
 def test_values_that_would_break_later_fail_at_collection(
-        tmp_path: Path, old: str, new: str, words: tuple[str, ...]) -> None:
+    tmp_path: Path, old: str, new: str, words: tuple[str, ...]
+) -> None:
     err = error_for(tmp_path, GOOD.format(root=ROOT).replace(old, new, 1))
     for word in words:
         assert word in str(err), err
@@ -191,29 +202,37 @@ def test_shipped_config_by_short_name_and_a_helpful_error(tmp_path: Path) -> Non
 
 def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) -> None:
     (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "mine.toml").write_text((ROOT / "convergence" / "configs" /
-                                                     "debug.toml").read_text())
+    (tmp_path / "configs" / "mine.toml").write_text(
+        (ROOT / "convergence" / "configs" / "debug.toml").read_text()
+    )
     nested = tmp_path / "experiments" / "team"
     nested.mkdir(parents=True)
-    body = GOOD.format(root=ROOT).replace(f'"{ROOT}/convergence/configs/debug.toml"',
-                                          '"configs/mine.toml"')
+    body = GOOD.format(root=ROOT).replace(
+        f'"{ROOT}/convergence/configs/debug.toml"', '"configs/mine.toml"'
+    )
     (nested / "exp.toml").write_text(textwrap.dedent(body))
     exp = load_checked(nested / "exp.toml", rootdir=tmp_path)
     assert exp.pairs[0].control.train_config == (tmp_path / "configs" / "mine.toml").resolve()
 
 
-@pytest.mark.parametrize(("techniques", "regime"), [
-    ("{}", "paired"),
-    ('{ reduce_dtype = "bfloat16" }', "twin"),
-    ('{ param_dtype = "bfloat16" }', "twin"),
-    ("{ compile = true }", "twin"),
-    ("{ deterministic = false }", "twin"),
-])
+@pytest.mark.parametrize(
+    ("techniques", "regime"),
+    [
+        ("{}", "paired"),
+        ('{ reduce_dtype = "bfloat16" }', "twin"),
+        ('{ param_dtype = "bfloat16" }', "twin"),
+        ("{ compile = true }", "twin"),
+        ("{ deterministic = false }", "twin"),
+    ],
+)
 def test_default_regime_is_paired_only_for_deterministic_fp32(
-        tmp_path: Path, techniques: str, regime: str) -> None:
+    tmp_path: Path, techniques: str, regime: str
+) -> None:
     body = GOOD.format(root=ROOT).replace(
         "parallelism = { dp_shard = 2, tp = 2 }\n",
-        f"parallelism = {{ dp_shard = 2, tp = 2 }}\ntechniques = {techniques}\n", 1)
+        f"parallelism = {{ dp_shard = 2, tp = 2 }}\ntechniques = {techniques}\n",
+        1,
+    )
     exp = load_checked(write(tmp_path, body), rootdir=ROOT)
     assert exp.pairs[0].regime == regime
 
@@ -245,13 +264,18 @@ def test_a_torchtitan_job_needs_no_train_config_file(tmp_path: Path) -> None:
 
 
 def test_overrides_as_a_torchtitan_option_string(tmp_path: Path) -> None:
-    raw = ('overrides = "--training.seq_len=256 --compile.enable '
-           '--lr_scheduler.warmup_steps 2 --job.description=\'a b\'"')
+    raw = (
+        'overrides = "--training.seq_len=256 --compile.enable '
+        "--lr_scheduler.warmup_steps 2 --job.description='a b'\""
+    )
     path = write(tmp_path, TORCHTITAN.format(overrides=raw))
     (pair,) = load_checked(path, rootdir=tmp_path, max_tier="quick").pairs
-    assert dict(pair.test.overrides) == {"training.seq_len": "256", "compile.enable": "true",
-                                        "lr_scheduler.warmup_steps": "2",
-                                        "job.description": "a b"}
+    assert dict(pair.test.overrides) == {
+        "training.seq_len": "256",
+        "compile.enable": "true",
+        "lr_scheduler.warmup_steps": "2",
+        "job.description": "a b",
+    }
     bad = write(tmp_path, TORCHTITAN.format(overrides='overrides = "training.steps=3"'))
     with pytest.raises(SpecError) as info:
         load_checked(bad, rootdir=tmp_path, max_tier="quick")
@@ -259,7 +283,9 @@ def test_overrides_as_a_torchtitan_option_string(tmp_path: Path) -> None:
 
 
 def test_a_command_job_without_train_config_asks_for_its_own_config(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         [control]
         name = "ddp2"
         backend = "command"
@@ -269,7 +295,8 @@ def test_a_command_job_without_train_config_asks_for_its_own_config(tmp_path: Pa
         [[test]]
         name = "fsdp2"
         parallelism = { dp_shard = 2 }
-        """)
+        """,
+    )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
     assert "your trainer's config file" in info.value.fix and "debug" not in info.value.fix
@@ -282,21 +309,29 @@ def test_an_unnamed_control_is_named_by_its_layout(tmp_path: Path) -> None:
     assert exp.pairs[0].control.name == "fsdp2"
     from convergence.spec.experiment import make_pair
 
-    pair = make_pair(name="tp", control={"parallelism": {"dp_shard": 2}, "train_config": "debug"},
-                     test={"parallelism": {"tp": 2, "dp_shard": 2}},
-                     defaults={"train_config": "debug", "steps": 4}, rootdir=ROOT,
-                     regimes=REGISTRY)
+    pair = make_pair(
+        name="tp",
+        control={"parallelism": {"dp_shard": 2}, "train_config": "debug"},
+        test={"parallelism": {"tp": 2, "dp_shard": 2}},
+        defaults={"train_config": "debug", "steps": 4},
+        rootdir=ROOT,
+        regimes=REGISTRY,
+    )
     assert pair.control.name == "fsdp2" and pair.test.name == "tp"
 
 
-@pytest.mark.parametrize(("compare", "parts"), [
-    ('{ loss = "off", grad_norm = "off" }', None),
-    ('{ grad_norm = { method = "allclose", rtol = 1e-3 } }', ("allclose", 1e-3)),
-    ('{ grad_norm = "paired", grad_norm_parts = "off" }', None),
-    ('{ loss = "paired" }', ("paired", None)),
-])
+@pytest.mark.parametrize(
+    ("compare", "parts"),
+    [
+        ('{ loss = "off", grad_norm = "off" }', None),
+        ('{ grad_norm = { method = "allclose", rtol = 1e-3 } }', ("allclose", 1e-3)),
+        ('{ grad_norm = "paired", grad_norm_parts = "off" }', None),
+        ('{ loss = "paired" }', ("paired", None)),
+    ],
+)
 def test_the_per_part_grad_norm_follows_the_grad_norm_unless_named(
-        tmp_path: Path, compare: str, parts: tuple[str, float | None] | None) -> None:
+    tmp_path: Path, compare: str, parts: tuple[str, float | None] | None
+) -> None:
     """An experiment written before grad_norm_parts existed that turns the grad norm off
     (models that differ) must not start failing on it."""
     body = f"""

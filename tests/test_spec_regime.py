@@ -41,16 +41,27 @@ def test_fp32_deterministic_is_paired(tmp_path: Path) -> None:
     assert regime_of(tmp_path, "") == "paired"
 
 
-@pytest.mark.parametrize("extra", [
-    'techniques = { reduce_dtype = "bfloat16" }',  # only the gradient reduction in bf16
-    'techniques = { param_dtype = "bfloat16" }',
-    'techniques = { param_dtype = "float16", reduce_dtype = "float16" }',
-    "techniques = { compile = true }",
-    "techniques = { deterministic = false }",
-    'overrides = { "training.reduce_dtype" = "bfloat16" }',  # behind techniques' back
-    'overrides = { "training.deterministic" = false }',
-], ids=["reduce_bf16", "param_bf16", "fp16", "compile", "nondeterministic",
-        "override_reduce_bf16", "override_nondeterministic"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        'techniques = { reduce_dtype = "bfloat16" }',  # only the gradient reduction in bf16
+        'techniques = { param_dtype = "bfloat16" }',
+        'techniques = { param_dtype = "float16", reduce_dtype = "float16" }',
+        "techniques = { compile = true }",
+        "techniques = { deterministic = false }",
+        'overrides = { "training.reduce_dtype" = "bfloat16" }',  # behind techniques' back
+        'overrides = { "training.deterministic" = false }',
+    ],
+    ids=[
+        "reduce_bf16",
+        "param_bf16",
+        "fp16",
+        "compile",
+        "nondeterministic",
+        "override_reduce_bf16",
+        "override_nondeterministic",
+    ],
+)
 def test_anything_but_deterministic_fp32_is_twin(tmp_path: Path, extra: str) -> None:
     assert regime_of(tmp_path, extra) == "twin"
 
@@ -79,8 +90,9 @@ def test_the_twin_reads_the_same_samples_on_twice_the_dp_degree(tmp_path: Path) 
     from convergence.backends import get_backend
 
     path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(BODY.format(
-        root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')))
+    path.write_text(
+        textwrap.dedent(BODY.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }'))
+    )
     (pair,) = load_checked(path, rootdir=ROOT).pairs
     twin = get_backend("builtin").noise_twin(pair.control)
     assert twin is not None
@@ -97,9 +109,11 @@ def test_odd_batch_halves_the_dp_degree_and_doubles_accumulation(tmp_path: Path)
     body = BODY.replace("dp_shard = 2 }}\n\n[[test]]", "dp_shard = 4 }}\n\n[[test]]")
     body = body.replace("dp_shard = 2, tp = 2", "dp_shard = 4, tp = 2")
     path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(body.format(
-        root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')).replace(
-        "steps = 12", "steps = 12\nlocal_batch_size = 3"))
+    path.write_text(
+        textwrap.dedent(
+            body.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')
+        ).replace("steps = 12", "steps = 12\nlocal_batch_size = 3")
+    )
     (pair,) = load_checked(path, rootdir=ROOT).pairs
     twin = get_backend("builtin").noise_twin(pair.control)
     assert twin is not None and twin.layout.dp_shard == 2 and twin.techniques.grad_accum_steps == 2
@@ -110,9 +124,11 @@ def test_no_twin_is_a_collection_error_naming_the_fix(tmp_path: Path) -> None:
     from convergence.spec.errors import SpecError
 
     path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(BODY.format(
-        root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')).replace(
-        "steps = 12", "steps = 12\nlocal_batch_size = 3"))
+    path.write_text(
+        textwrap.dedent(
+            BODY.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')
+        ).replace("steps = 12", "steps = 12\nlocal_batch_size = 3")
+    )
     with pytest.raises(SpecError) as err:
         load_checked(path, rootdir=ROOT)
     text = str(err.value)

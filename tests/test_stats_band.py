@@ -32,14 +32,23 @@ def _outside(verdict: MetricVerdict, test: Curve) -> list[int]:
     """Steps where the test left its verdict's band, recomputed from the band alone."""
     assert verdict.band is not None
     lookup = dict(zip(test.steps.tolist(), test.values.tolist(), strict=True))
-    return [s for s, lo, hi in zip(verdict.band.steps, verdict.band.lower, verdict.band.upper,
-                                   strict=True) if not lo <= lookup[s] <= hi]
+    return [
+        s
+        for s, lo, hi in zip(
+            verdict.band.steps, verdict.band.lower, verdict.band.upper, strict=True
+        )
+        if not lo <= lookup[s] <= hi
+    ]
 
 
-@pytest.mark.parametrize(("comparison", "params"), [
-    (PairedBand(), {}), (AllClose(), {"atol": 1e-4, "rtol": 1e-5})], ids=["paired", "allclose"])
-def test_pointwise_band_is_the_range_the_verdict_checked(comparison: Comparison,
-                                                         params: dict[str, float]) -> None:
+@pytest.mark.parametrize(
+    ("comparison", "params"),
+    [(PairedBand(), {}), (AllClose(), {"atol": 1e-4, "rtol": 1e-5})],
+    ids=["paired", "allclose"],
+)
+def test_pointwise_band_is_the_range_the_verdict_checked(
+    comparison: Comparison, params: dict[str, float]
+) -> None:
     rule = ComparisonRule(metric="loss", method=comparison.method, **params)  # type: ignore[arg-type]
     shift = np.where(STEPS >= 20, 5e-3, 1e-7)
     test = _loss(shift)
@@ -68,23 +77,26 @@ def test_seed_band_is_the_band_the_verdict_checked() -> None:
     assert outside[0] == verdict.first_divergent_step
     assert len(outside) == verdict.details["steps_outside"]
     full = seed_band(controls)
-    np.testing.assert_allclose(np.add(verdict.band.lower, verdict.band.upper) / 2,
-                               full.center, rtol=1e-14)
+    np.testing.assert_allclose(
+        np.add(verdict.band.lower, verdict.band.upper) / 2, full.center, rtol=1e-14
+    )
 
 
 def test_regression_band_is_the_limit_on_the_median() -> None:
     steps = np.arange(1, 21, dtype=np.int64)
     control = Curve("tokens_per_s", steps, np.full(20, 1000.0))
-    rule = ComparisonRule(metric="tokens_per_s", method="regression", max_regression=0.2,
-                          gate=False)
-    slow = Regression().compare(rule, [control],
-                                Curve("tokens_per_s", steps, np.full(20, 790.0)))
+    rule = ComparisonRule(
+        metric="tokens_per_s", method="regression", max_regression=0.2, gate=False
+    )
+    slow = Regression().compare(rule, [control], Curve("tokens_per_s", steps, np.full(20, 790.0)))
     assert not slow.passed and slow.band is not None
     assert slow.band.steps == tuple(range(WARMUP_STEPS + 1, 21))
     assert slow.band.lower == pytest.approx([800.0] * 17) and set(slow.band.upper) == {np.inf}
-    memory = Regression().compare(ComparisonRule(metric="peak_mem_mib", method="regression"),
-                                  [Curve("peak_mem_mib", steps, np.full(20, 100.0))],
-                                  Curve("peak_mem_mib", steps, np.full(20, 105.0)))
+    memory = Regression().compare(
+        ComparisonRule(metric="peak_mem_mib", method="regression"),
+        [Curve("peak_mem_mib", steps, np.full(20, 100.0))],
+        Curve("peak_mem_mib", steps, np.full(20, 105.0)),
+    )
     assert memory.passed and memory.band is not None
     assert set(memory.band.lower) == {-np.inf}
     assert memory.band.upper == pytest.approx([110.0] * 17)
@@ -94,8 +106,9 @@ def test_regression_band_is_the_limit_on_the_median() -> None:
 def test_a_test_that_stopped_early_still_gets_the_whole_band(method: str) -> None:
     rule = ComparisonRule(metric="loss", method=method)
     controls = [_loss(0.01 * k) for k in range(3 if method == "seed" else 1)]
-    verdict = {"paired": PairedBand(), "allclose": AllClose(), "seed": SeedBand()}[
-        method].compare(rule, controls, _loss().upto(20))
+    verdict = {"paired": PairedBand(), "allclose": AllClose(), "seed": SeedBand()}[method].compare(
+        rule, controls, _loss().upto(20)
+    )
     assert not verdict.passed and "ends at step 20" in verdict.message
     assert verdict.band is not None and verdict.band.steps == tuple(STEPS.tolist())
 

@@ -107,8 +107,11 @@ def test_paired_nan_fails() -> None:
 
 def test_incomplete_test_run_fails_every_method() -> None:
     short = loss_curve().upto(50)
-    for comparison, method in ((Exact(), "exact"), (AllClose(), "allclose"),
-                               (PairedBand(), "paired")):
+    for comparison, method in (
+        (Exact(), "exact"),
+        (AllClose(), "allclose"),
+        (PairedBand(), "paired"),
+    ):
         verdict = comparison.compare(rule(method=method), [loss_curve()], short)
         assert not verdict.passed
         assert "ends at step 50" in verdict.message

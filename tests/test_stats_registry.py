@@ -25,9 +25,12 @@ def curve(metric: str, values: np.ndarray) -> Curve:
 
 def run(scale: float = 1.0, tps: float = 1000.0, mem: float = 500.0) -> RunMetrics:
     loss = 3.0 + np.exp(-STEPS / 10.0)
-    return {"loss": curve("loss", loss), "grad_norm": curve("grad_norm", scale * loss / 3),
-            "tokens_per_s": curve("tokens_per_s", np.full(50, tps)),
-            "peak_mem_mib": curve("peak_mem_mib", np.full(50, mem))}
+    return {
+        "loss": curve("loss", loss),
+        "grad_norm": curve("grad_norm", scale * loss / 3),
+        "tokens_per_s": curve("tokens_per_s", np.full(50, tps)),
+        "peak_mem_mib": curve("peak_mem_mib", np.full(50, mem)),
+    }
 
 
 def test_get_comparison_and_unknown_method() -> None:
@@ -51,8 +54,10 @@ def test_default_rules_per_regime() -> None:
 def test_compare_all_paired_catches_grad_scale_bug() -> None:
     verdicts = {v.metric: v for v in compare_all(default_rules("paired"), [run()], run())}
     assert all(v.passed for v in verdicts.values())
-    verdicts = {v.metric: v for v in compare_all(default_rules("paired"), [run()],
-                                                  run(scale=2.0, tps=700.0))}
+    verdicts = {
+        v.metric: v
+        for v in compare_all(default_rules("paired"), [run()], run(scale=2.0, tps=700.0))
+    }
     assert verdicts["loss"].passed and not verdicts["grad_norm"].passed
     assert not verdicts["tokens_per_s"].passed and not verdicts["tokens_per_s"].gate
 
@@ -77,13 +82,22 @@ def test_missing_metric_loss_fails_others_do_not_gate() -> None:
     control = run()
     del control["grad_norm"]
     verdicts = {v.metric: v for v in compare_all(default_rules("paired"), [control], run())}
-    assert not verdicts["grad_norm"].gate and "missing in the control" in verdicts["grad_norm"].message
+    assert (
+        not verdicts["grad_norm"].gate and "missing in the control" in verdicts["grad_norm"].message
+    )
 
 
-@pytest.mark.parametrize(("metric", "test_value", "passed"), [
-    ("tokens_per_s", 950.0, True), ("tokens_per_s", 850.0, False), ("tokens_per_s", 2000.0, True),
-    ("peak_mem_mib", 1050.0, True), ("peak_mem_mib", 1200.0, False), ("peak_mem_mib", 10.0, True),
-])
+@pytest.mark.parametrize(
+    ("metric", "test_value", "passed"),
+    [
+        ("tokens_per_s", 950.0, True),
+        ("tokens_per_s", 850.0, False),
+        ("tokens_per_s", 2000.0, True),
+        ("peak_mem_mib", 1050.0, True),
+        ("peak_mem_mib", 1200.0, False),
+        ("peak_mem_mib", 10.0, True),
+    ],
+)
 def test_regression_is_one_sided(metric: str, test_value: float, passed: bool) -> None:
     control_value = 1000.0
     control = curve(metric, np.full(50, control_value))
@@ -125,8 +139,9 @@ def test_golden_errors_name_file_and_key(tmp_path: Path) -> None:
     path.write_text(json.dumps({"schema": 2, "curves": {}}))
     with pytest.raises(ValueError, match="'schema' is 2"):
         load_golden(path)
-    path.write_text(json.dumps({"schema": 1, "curves": {"loss": {"steps": [2, 1],
-                                                                  "values": [1.0, 2.0]}}}))
+    path.write_text(
+        json.dumps({"schema": 1, "curves": {"loss": {"steps": [2, 1], "values": [1.0, 2.0]}}})
+    )
     with pytest.raises(ValueError, match=r"curves\.loss\.steps.*increasing"):
         load_golden(path)
     with pytest.raises(TypeError, match="JSON-serializable"):

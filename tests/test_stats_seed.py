@@ -18,8 +18,7 @@ def false_alarm_and_power(num_replicates: int, shift: float, cases: int, seed: i
     rng = np.random.default_rng(seed)
     fails = 0
     for _ in range(cases):
-        controls, test = simulate_case(rng, MODEL, num_replicates,
-                                       shift=shift * MODEL.sigma_step)
+        controls, test = simulate_case(rng, MODEL, num_replicates, shift=shift * MODEL.sigma_step)
         fails += not SeedBand().compare(RULE, controls, test).passed
     return fails / cases
 

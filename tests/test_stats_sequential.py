@@ -15,9 +15,11 @@ STEPS = np.arange(1, 201, dtype=np.int64)
 
 def paired_run(grad_scale: float = 1.0, noise: float = 0.0) -> RunMetrics:
     loss = 2.0 + 8.0 * np.exp(-STEPS / 30.0) + noise * np.sin(STEPS)
-    return {"loss": Curve("loss", STEPS, loss),
-            "grad_norm": Curve("grad_norm", STEPS, grad_scale * (1 + np.exp(-STEPS / 50.0))),
-            "tokens_per_s": Curve("tokens_per_s", STEPS, np.full(200, 1000.0))}
+    return {
+        "loss": Curve("loss", STEPS, loss),
+        "grad_norm": Curve("grad_norm", STEPS, grad_scale * (1 + np.exp(-STEPS / 50.0))),
+        "tokens_per_s": Curve("tokens_per_s", STEPS, np.full(200, 1000.0)),
+    }
 
 
 def feed(monitor: SequentialMonitor, run: RunMetrics) -> int | None:
@@ -53,8 +55,9 @@ def test_nan_loss_decides_at_once() -> None:
 
 
 def test_isolated_excursions_reset_the_streak() -> None:
-    monitor = SequentialMonitor([ComparisonRule(metric="loss", method="paired")],
-                                [paired_run()], min_step=1, patience=3)
+    monitor = SequentialMonitor(
+        [ComparisonRule(metric="loss", method="paired")], [paired_run()], min_step=1, patience=3
+    )
     control = paired_run()["loss"].values
     for step in range(1, 60):
         bump = 1.0 if step % 3 == 0 else 0.0  # outside every third step only
@@ -63,16 +66,19 @@ def test_isolated_excursions_reset_the_streak() -> None:
 
 
 def test_non_gating_and_regression_rules_never_stop() -> None:
-    rules = [ComparisonRule(metric="grad_norm", method="paired", gate=False),
-             ComparisonRule(metric="tokens_per_s", method="regression", gate=True)]
+    rules = [
+        ComparisonRule(metric="grad_norm", method="paired", gate=False),
+        ComparisonRule(metric="tokens_per_s", method="regression", gate=True),
+    ]
     slow = paired_run(grad_scale=5.0)
     slow["tokens_per_s"] = Curve("tokens_per_s", STEPS, np.full(200, 1.0))
     assert feed(SequentialMonitor(rules, [paired_run()]), slow) is None
 
 
 def test_key_map_reads_the_trainers_own_names() -> None:
-    monitor = SequentialMonitor(default_rules("paired"), [paired_run()],
-                                key_map={"train_loss": "loss"})
+    monitor = SequentialMonitor(
+        default_rules("paired"), [paired_run()], key_map={"train_loss": "loss"}
+    )
     assert monitor.update(1, {"step": 1, "train_loss": float("inf")}).decided
 
 

@@ -88,8 +88,10 @@ def test_early_stop_uses_the_envelope() -> None:
     for step, value in zip(STEPS.tolist(), BASE.tolist(), strict=True):
         assert not monitor.update(step, {"step": step, "loss": value}).decided
     monitor = SequentialMonitor([rule()], [{"loss": control}, {"loss": twin}])
-    decided = [monitor.update(step, {"step": step, "loss": value + 0.5}).decided
-               for step, value in zip(STEPS.tolist(), BASE.tolist(), strict=True)]
+    decided = [
+        monitor.update(step, {"step": step, "loss": value + 0.5}).decided
+        for step, value in zip(STEPS.tolist(), BASE.tolist(), strict=True)
+    ]
     assert decided.index(True) == 6  # min_step 5, then 3 steps clearly outside: step 7
 
 
@@ -98,5 +100,6 @@ def test_the_verdict_carries_its_band() -> None:
     verdict = TwinEnvelope().compare(rule(), [control, twin], control)
     tol = twin_tolerance(rule(), control, [twin]).at(STEPS, BASE)
     assert verdict.band is not None and list(verdict.band.steps) == STEPS.tolist()
-    assert np.allclose(verdict.band.upper, BASE + tol) and np.allclose(verdict.band.lower,
-                                                                       BASE - tol)
+    assert np.allclose(verdict.band.upper, BASE + tol) and np.allclose(
+        verdict.band.lower, BASE - tol
+    )

@@ -73,8 +73,10 @@ def test_dp_vs_tp_keeps_the_global_batch(rel: str) -> None:
     assert control.local_batch_size == test.local_batch_size
     cfg = BuiltinBackend().effective_config(control)
     # global = micro x accumulation x DP, on both sides
-    assert BuiltinBackend().tokens_per_step(test) == \
-        control.local_batch_size * k * 2 * cfg.data.seq_len
+    assert (
+        BuiltinBackend().tokens_per_step(test)
+        == control.local_batch_size * k * 2 * cfg.data.seq_len
+    )
     if "cluster" not in rel:
         assert BuiltinBackend().effective_config(test).metrics.log_freq == 1  # every step
 
@@ -86,23 +88,33 @@ def test_dp_vs_tp_with_the_same_accumulation_is_rejected() -> None:
     data = read_toml(path)
     test = dict(data["test"][0], techniques={"grad_accum_steps": 2})
     with pytest.raises(SpecError) as info:
-        make_checked_pair(name=test["name"], control=data["control"], test=test,
-                  defaults=data["defaults"], source=str(path), rootdir=REPO, key="test[0]")
+        make_checked_pair(
+            name=test["name"],
+            control=data["control"],
+            test=test,
+            defaults=data["defaults"],
+            source=str(path),
+            rootdir=REPO,
+            key="test[0]",
+        )
     err = info.value
     assert err.key == "test[0].local_batch_size" and err.file == str(path)
     assert "control 2048 vs test 1024" in err.detail
     assert "local_batch_size = 16" in (err.fix or "")
 
 
-@pytest.mark.parametrize("rel", ("experiments/zero_stages.toml",
-                                 "experiments/cluster/zero_stages.toml"))
+@pytest.mark.parametrize(
+    "rel", ("experiments/zero_stages.toml", "experiments/cluster/zero_stages.toml")
+)
 def test_zero_stages_control_is_ddp_and_tests_are_the_fsdp_stages(rel: str) -> None:
     pairs = _load(rel).pairs
     control = pairs[0].control
     n = control.layout.dp_replicate
     assert n >= 2 and control.layout == ParallelLayout(dp_replicate=n)  # plain DDP
-    stages = {p.test.name: (p.test.techniques.reshard_after_forward,
-                            p.test.techniques.cpu_offload) for p in pairs}
+    stages = {
+        p.test.name: (p.test.techniques.reshard_after_forward, p.test.techniques.cpu_offload)
+        for p in pairs
+    }
     assert sorted(stages.values()) == [(False, False), (True, False), (True, True)]
     for pair in pairs:
         assert pair.control == control
@@ -111,8 +123,11 @@ def test_zero_stages_control_is_ddp_and_tests_are_the_fsdp_stages(rel: str) -> N
 
 # -- step time in the report record -----------------------------------------------------------
 def test_step_time_is_tokens_per_step_over_tokens_per_s_without_the_first_step() -> None:
-    job = JobSpec(name="j", train_config=REPO / "convergence" / "configs" / "debug.toml",
-                  layout=ParallelLayout(dp_shard=2))
+    job = JobSpec(
+        name="j",
+        train_config=REPO / "convergence" / "configs" / "debug.toml",
+        layout=ParallelLayout(dp_shard=2),
+    )
     tps = Curve("tokens_per_s", np.arange(1, 5), np.array([10.0, 1000.0, 500.0, 250.0]))
     side = SideOutcome(job=job, metrics={"tokens_per_s": tps}, meta={"tokens_per_step": 1000})
     assert step_time_s(side) == pytest.approx(2.0)  # median of 1, 2, 4 s; step 1 left out
@@ -122,57 +137,92 @@ def test_step_time_is_tokens_per_step_over_tokens_per_s_without_the_first_step()
 
 # -- the trade-off table, from hand-built report records --------------------------------------
 def _side(name: str, short: str, ran: bool = True, **techniques: Any) -> dict[str, Any]:
-    return {"name": name, "short_name": short, "ran": ran, "hook": None,
-            "techniques": {"param_dtype": "float32", "grad_accum_steps": 1, **techniques}}
+    return {
+        "name": name,
+        "short_name": short,
+        "ran": ran,
+        "hook": None,
+        "techniques": {"param_dtype": "float32", "grad_accum_steps": 1, **techniques},
+    }
 
 
-def _record(test: dict[str, Any], *, status: str = "passed", source: str = "exp/zero.toml",
-            control: dict[str, Any] | None = None, step: tuple[Any, Any] = (0.5, 0.6),
-            tps: tuple[Any, Any] = (2000.0, 1000.0), mem: tuple[Any, Any] = (400.0, 300.0),
-            dloss: Any = 2.5e-7) -> dict[str, Any]:
+def _record(
+    test: dict[str, Any],
+    *,
+    status: str = "passed",
+    source: str = "exp/zero.toml",
+    control: dict[str, Any] | None = None,
+    step: tuple[Any, Any] = (0.5, 0.6),
+    tps: tuple[Any, Any] = (2000.0, 1000.0),
+    mem: tuple[Any, Any] = (400.0, 300.0),
+    dloss: Any = 2.5e-7,
+) -> dict[str, Any]:
     def res(pair: tuple[Any, Any]) -> dict[str, Any]:
         ctrl, tst = pair
         ratio = None if ctrl is None or tst is None else tst / ctrl
         return {"control": ctrl, "test": tst, "ratio": ratio}
 
-    return {"id": f"{source}::{test['name']}", "source": source, "status": status,
-            "control": control or _side("ddp2", "ddp2"), "test": test,
-            "resources": {"step_time_s": res(step), "tokens_per_s": res(tps),
-                          "peak_mem_mib": res(mem)},
-            "max_abs_delta": {"loss": dloss, "grad_norm": 0.0}}
+    return {
+        "id": f"{source}::{test['name']}",
+        "source": source,
+        "status": status,
+        "control": control or _side("ddp2", "ddp2"),
+        "test": test,
+        "resources": {"step_time_s": res(step), "tokens_per_s": res(tps), "peak_mem_mib": res(mem)},
+        "max_abs_delta": {"loss": dloss, "grad_norm": 0.0},
+    }
 
 
 def test_tradeoff_rows_are_relative_to_the_control() -> None:
     pairs = [
         _record(_side("fsdp2-no-reshard", "fsdp2", reshard_after_forward=False)),
-        _record(_side("fsdp2-bad", "fsdp2"), status="failed", step=(0.5, 1.0),
-                tps=(2000.0, 1000.0), mem=(400.0, 200.0), dloss=0.125),
+        _record(
+            _side("fsdp2-bad", "fsdp2"),
+            status="failed",
+            step=(0.5, 1.0),
+            tps=(2000.0, 1000.0),
+            mem=(400.0, 200.0),
+            dloss=0.125,
+        ),
     ]
     (table,) = resources.tables(pairs)
     assert (table.source, table.control) == ("exp/zero.toml", "ddp2")
     control, no_reshard, bad = table.rows
-    assert (control.role, control.verdict, control.step_time_s, control.peak_mem_mib) == \
-        ("control", "reference", 0.5, 400.0)
+    assert (control.role, control.verdict, control.step_time_s, control.peak_mem_mib) == (
+        "control",
+        "reference",
+        0.5,
+        400.0,
+    )
     assert control.step_time_rel is None and control.max_abs_dloss is None
     assert no_reshard.layout == "fsdp2 +no-reshard" and no_reshard.verdict == "PASS"
     assert no_reshard.step_time_rel == pytest.approx(0.2)
     assert no_reshard.tokens_per_s_rel == pytest.approx(-0.5)
     assert no_reshard.peak_mem_rel == pytest.approx(-0.25)
     assert bad.verdict == "FAIL" and bad.max_abs_dloss == 0.125
-    assert resources.cells(bad)[4:] == ["1", "+100.0%", "1,000", "-50.0%", "200", "-50.0%",
-                                       "0.125"]
+    assert resources.cells(bad)[4:] == ["1", "+100.0%", "1,000", "-50.0%", "200", "-50.0%", "0.125"]
 
 
 def test_tradeoff_groups_by_file_and_control_and_skips_groups_that_never_ran() -> None:
-    accum = _record(_side("tp2-accum4", "tp2", grad_accum_steps=4), source="a/dp_vs_tp.toml",
-                    control=_side("ddp2-accum2", "ddp2", grad_accum_steps=2))
-    never = _record(_side("x", "fsdp2", ran=False), source="b.toml",
-                    control=_side("c", "ddp2", ran=False), status="skipped")
-    other_control = _record(_side("t", "fsdp2"), source="a/dp_vs_tp.toml",
-                            control=_side("fsdp2", "fsdp2"))
+    accum = _record(
+        _side("tp2-accum4", "tp2", grad_accum_steps=4),
+        source="a/dp_vs_tp.toml",
+        control=_side("ddp2-accum2", "ddp2", grad_accum_steps=2),
+    )
+    never = _record(
+        _side("x", "fsdp2", ran=False),
+        source="b.toml",
+        control=_side("c", "ddp2", ran=False),
+        status="skipped",
+    )
+    other_control = _record(
+        _side("t", "fsdp2"), source="a/dp_vs_tp.toml", control=_side("fsdp2", "fsdp2")
+    )
     found = resources.tables([accum, never, other_control])
-    assert [(t.source, t.control) for t in found] == [("a/dp_vs_tp.toml", "ddp2-accum2"),
-                                                      ("a/dp_vs_tp.toml", "fsdp2")]
+    assert [(t.source, t.control) for t in found] == [
+        ("a/dp_vs_tp.toml", "ddp2-accum2"),
+        ("a/dp_vs_tp.toml", "fsdp2"),
+    ]
     assert [r.layout for r in found[0].rows] == ["ddp2 +accum:2", "tp2 +accum:4"]
 
 
@@ -207,8 +257,13 @@ def test_full_reports_carry_the_table() -> None:
     from convergence.report import build_report, render_markdown
     from convergence.report.formats.html import render_html
 
-    report = build_report([passing_pair(), failing_pair()], environment={}, started_at=None,
-                          wall_s=None, include_curves=False)
+    report = build_report(
+        [passing_pair(), failing_pair()],
+        environment={},
+        started_at=None,
+        wall_s=None,
+        include_curves=False,
+    )
     for record in report["pairs"]:
         assert set(record["resources"]) >= {"tokens_per_s", "peak_mem_mib", "step_time_s"}
     md = render_markdown(report)
@@ -237,24 +292,43 @@ def test_logged_peak_memory_is_the_max_over_ranks(tmp_path: Path) -> None:
     """The writer is rank 0; the memory-hungry rank is 1. Its peak must be the one logged."""
     (tmp_path / "ballast.py").write_text(textwrap.dedent(BALLAST_HOOK))
     dump = tmp_path / "dump"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "convergence.trainer", "--config", str(REPO / "convergence" / "configs" / "debug.toml"),
-           f"--metrics.dump_folder={dump}", "--training.steps=2", "--metrics.val_every=0",
-           "--metrics.enable_tensorboard=false", "--parallelism.dp_shard=2",
-           "--parallelism.hook=ballast:ballast_on_rank1"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(REPO / "convergence" / "configs" / "debug.toml"),
+        f"--metrics.dump_folder={dump}",
+        "--training.steps=2",
+        "--metrics.val_every=0",
+        "--metrics.enable_tensorboard=false",
+        "--parallelism.dp_shard=2",
+        "--parallelism.hook=ballast:ballast_on_rank1",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    peaks = [json.loads(line)["peak_mem_mib"]
-             for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    peaks = [
+        json.loads(line)["peak_mem_mib"]
+        for line in (dump / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(peaks) == 2 and min(peaks) > 1024, peaks  # rank 0 alone is ~400 MiB
 
 
 # -- the CPU sizes end to end through the plugin ----------------------------------------------
 def test_cpu_studies_pass_through_the_plugin_with_the_table(
-        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The shipped CPU files, unchanged, in a fresh project: 3 steps instead of 8-10, and one
     pair of each file (5 launches, not 8: CI runs every pair of both files at full size
     anyway, through the ci tier; this test is about the plugin -> report table path)."""
@@ -265,20 +339,38 @@ def test_cpu_studies_pass_through_the_plugin_with_the_table(
         (pytester.path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, pytester.path / rel)
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-m", "convergence", "--convergence-tier", "ci",
-        "--convergence-steps", "3", "--convergence-report", "report",
-        "-k", "tp2-accum4 or fsdp2-cpu-offload", timeout=900)
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "convergence",
+        "--convergence-tier",
+        "ci",
+        "--convergence-steps",
+        "3",
+        "--convergence-report",
+        "report",
+        "-k",
+        "tp2-accum4 or fsdp2-cpu-offload",
+        timeout=900,
+    )
     result.assert_outcomes(passed=2)
     md = (pytester.path / "report" / "report.md").read_text(encoding="utf-8")
     assert "## Resources" in md
-    section = md[md.index("## Resources"):]
+    section = md[md.index("## Resources") :]
     assert "### dp_vs_tp.toml — control ddp2-accum2" in section
     assert "### zero_stages.toml — control ddp2" in section
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
-            for line in section.splitlines() if line.startswith("| ")}
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ")
+        for line in section.splitlines()
+        if line.startswith("| ")
+    }
     assert "fsdp2-no-reshard" not in rows  # deselected: not run, not in the table
-    for job, layout in (("ddp2-accum2", "ddp2 +accum:2"), ("tp2-accum4", "tp2 +accum:4"),
-                        ("ddp2", "ddp2"), ("fsdp2-cpu-offload", "fsdp2 +offload")):
+    for job, layout in (
+        ("ddp2-accum2", "ddp2 +accum:2"),
+        ("tp2-accum4", "tp2 +accum:4"),
+        ("ddp2", "ddp2"),
+        ("fsdp2-cpu-offload", "fsdp2 +offload"),
+    ):
         cells = rows[job]
         assert cells[2] == layout
         assert all(c != "-" for c in (cells[4], cells[6], cells[8])), cells  # ran, measured

@@ -10,8 +10,10 @@ import os
 import pytest
 
 if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
-    pytest.importorskip("torchtitan", reason="torchtitan is not installed "
-                        "(pip install 'pytest-convergence[torchtitan]' triton)")
+    pytest.importorskip(
+        "torchtitan",
+        reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
+    )
 
 import torch
 from torch.nn.attention.flex_attention import (
@@ -29,9 +31,16 @@ from convergence.backends.torchtitan_launch import (
 
 
 def test_our_options_are_removed_before_torchtitan_parses() -> None:
-    options, rest = split_argv(["--module", "llama3", "--convergence.log=/d/s.jsonl",
-                                "--convergence.hook=a.b:c", "--training.steps=3",
-                                "--convergence.cpu"])
+    options, rest = split_argv(
+        [
+            "--module",
+            "llama3",
+            "--convergence.log=/d/s.jsonl",
+            "--convergence.hook=a.b:c",
+            "--training.steps=3",
+            "--convergence.cpu",
+        ]
+    )
     assert rest == ["--module", "llama3", "--training.steps=3"]
     assert options.log == "/d/s.jsonl" and options.hook == "a.b:c" and options.cpu is True
     assert options.hook_mode == "after"
@@ -60,9 +69,17 @@ def test_eager_attention_equals_flex_with_a_document_mask() -> None:
     mask = create_block_mask(document_causal, batch, None, seq, seq, device="cpu")
     q, k, v = (torch.randn(batch, heads, seq, dim, dtype=torch.float64) for _ in range(3))
     expected = flex_attention(q, k, v, block_mask=mask)
-    got, aux = eager_flex_attention(q, k, v, score_mod=None, block_mask=mask, scale=None,
-                                    enable_gqa=False, return_aux=AuxRequest(lse=False),
-                                    kernel_options={})
+    got, aux = eager_flex_attention(
+        q,
+        k,
+        v,
+        score_mod=None,
+        block_mask=mask,
+        scale=None,
+        enable_gqa=False,
+        return_aux=AuxRequest(lse=False),
+        kernel_options={},
+    )
     assert aux is None
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 

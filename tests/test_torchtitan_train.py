@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
-    pytest.importorskip("torchtitan", reason="torchtitan is not installed "
-                        "(pip install 'pytest-convergence[torchtitan]' triton)")
+    pytest.importorskip(
+        "torchtitan",
+        reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
+    )
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = REPO / "tests" / "fixtures" / "hooks"
@@ -68,24 +70,33 @@ SHOWN_SECTION = "shown: torchtitan's own step lines"
 
 
 def test_planted_bug_through_a_torchtitan_hook_fails(
-        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
-        request: pytest.FixtureRequest) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p))
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p),
+    )
     monkeypatch.setenv("COLUMNS", "200")
     pytester.makeini("[pytest]\n")
     (pytester.path / "experiments").mkdir()
     (pytester.path / "experiments" / "tt_bug.toml").write_text(BUG_EXPERIMENT)
     work = pytester.path / "work"
     result = pytester.runpytest_subprocess(
-        "-m", "convergence", "-p", "no:cacheprovider", f"--convergence-workdir={work}",
-        "experiments/tt_bug.toml", timeout=600)
+        "-m",
+        "convergence",
+        "-p",
+        "no:cacheprovider",
+        f"--convergence-workdir={work}",
+        "experiments/tt_bug.toml",
+        timeout=600,
+    )
     lines = step_lines(work / "runs")
     # torchtitan's own steps, visible in CI's log: a report section (it travels from an xdist
     # worker to the controller, where the project's conftest.py prints it for passed tests too;
     # a print would stay in the worker).
-    request.node.add_report_section("call", SHOWN_SECTION, "\n".join(
-        f"[torchtitan on CPU] {line}" for line in lines))
+    request.node.add_report_section(
+        "call", SHOWN_SECTION, "\n".join(f"[torchtitan on CPU] {line}" for line in lines)
+    )
     out = result.stdout.str()
     result.assert_outcomes(failed=1)
     assert "fsdp2-bug" in out and "FAIL" in out

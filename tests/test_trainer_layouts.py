@@ -18,23 +18,39 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 STEPS = 20
-COMMON = [f"--training.steps={STEPS}", "--metrics.val_every=10", "--metrics.val_batches=1",
-          "--metrics.enable_tensorboard=false"]
+COMMON = [
+    f"--training.steps={STEPS}",
+    "--metrics.val_every=10",
+    "--metrics.val_batches=1",
+    "--metrics.enable_tensorboard=false",
+]
 
 
-def run_trainer(nproc: int, dump: Path, overrides: list[str], timeout: float = 600
-                ) -> list[dict[str, float]]:
+def run_trainer(
+    nproc: int, dump: Path, overrides: list[str], timeout: float = 600
+) -> list[dict[str, float]]:
     """Run the trainer (torchrun when nproc > 1) and return its metrics.jsonl records."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    module = ["-m", "convergence.trainer", "--config", str(DEBUG),
-              f"--metrics.dump_folder={dump}", *overrides]
+    module = [
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(DEBUG),
+        f"--metrics.dump_folder={dump}",
+        *overrides,
+    ]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", *module]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *module,
+        ]
     else:
         cmd = [sys.executable, *module]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = (dump / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -44,22 +60,41 @@ def run_trainer(nproc: int, dump: Path, overrides: list[str], timeout: float = 6
 def seed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("seed") / "ckpt"
     proc = subprocess.run(
-        [sys.executable, "-m", "convergence.trainer", "--config", str(DEBUG),
-         "--checkpoint.create_seed_checkpoint=true", f"--checkpoint.seed_checkpoint={folder}"],
-        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-        timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "convergence.trainer",
+            "--config",
+            str(DEBUG),
+            "--checkpoint.create_seed_checkpoint=true",
+            f"--checkpoint.seed_checkpoint={folder}",
+        ],
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (folder / "sha256.txt").is_file()
     return folder
 
 
 @pytest.fixture(scope="module")
-def reference(seed_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
-              ) -> list[dict[str, float]]:
+def reference(
+    seed_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, float]]:
     """The single-process run every layout is compared with: 16 samples per step."""
     dump = tmp_path_factory.mktemp("reference")
-    return run_trainer(1, dump, [*COMMON, f"--checkpoint.seed_checkpoint={seed_checkpoint}",
-                                 "--training.local_batch_size=16"])
+    return run_trainer(
+        1,
+        dump,
+        [
+            *COMMON,
+            f"--checkpoint.seed_checkpoint={seed_checkpoint}",
+            "--training.local_batch_size=16",
+        ],
+    )
 
 
 def assert_matches(test: list[dict[str, float]], ref: list[dict[str, float]]) -> None:
@@ -69,11 +104,14 @@ def assert_matches(test: list[dict[str, float]], ref: list[dict[str, float]]) ->
         assert rel <= 1e-5, f"step-1 {key}: {test[0][key]} vs {ref[0][key]} (rel {rel:.2e})"
     dev = max(abs(t["loss"] - r["loss"]) for t, r in zip(test, ref, strict=True))
     assert dev <= 1e-4, f"max |loss - reference| over {STEPS} steps = {dev:.2e}"
-    gn_dev = max(abs(t["grad_norm"] - r["grad_norm"]) / r["grad_norm"]
-                 for t, r in zip(test, ref, strict=True))
+    gn_dev = max(
+        abs(t["grad_norm"] - r["grad_norm"]) / r["grad_norm"]
+        for t, r in zip(test, ref, strict=True)
+    )
     assert gn_dev <= 1e-3, f"max relative grad-norm deviation {gn_dev:.2e}"
-    val = [(t["val_loss"], r["val_loss"]) for t, r in zip(test, ref, strict=True)
-           if "val_loss" in r]
+    val = [
+        (t["val_loss"], r["val_loss"]) for t, r in zip(test, ref, strict=True) if "val_loss" in r
+    ]
     assert val and all(abs(t - r) <= 1e-4 for t, r in val), val
     # Printed for the record (pytest -s): the measured agreement of this layout.
     print(f"max |dloss|={dev:.2e} max rel dgrad_norm={gn_dev:.2e}")
@@ -83,42 +121,83 @@ def assert_matches(test: list[dict[str, float]], ref: list[dict[str, float]]) ->
 LAYOUTS = [
     ("ddp2", 2, ["--parallelism.dp_replicate=2"]),
     ("fsdp2", 2, ["--parallelism.dp_shard=2"]),
-    ("hsdp2x2", 4, ["--parallelism.dp_replicate=2", "--parallelism.dp_shard=2",
-                    "--training.local_batch_size=4"]),
+    (
+        "hsdp2x2",
+        4,
+        [
+            "--parallelism.dp_replicate=2",
+            "--parallelism.dp_shard=2",
+            "--training.local_batch_size=4",
+        ],
+    ),
     ("fsdp2_tp2", 4, ["--parallelism.dp_shard=2", "--parallelism.tp=2"]),
-    ("fsdp2_tp2_sp", 4, ["--parallelism.dp_shard=2", "--parallelism.tp=2",
-                         "--parallelism.sequence_parallel=true"]),
-    ("fsdp2_pp2_1f1b", 4, ["--parallelism.dp_shard=2", "--parallelism.pp=2",
-                           "--parallelism.pp_schedule=1F1B"]),
-    ("fsdp2_pp2_interleaved", 4, ["--parallelism.dp_shard=2", "--parallelism.pp=2",
-                                  "--parallelism.pp_schedule=Interleaved1F1B"]),
+    (
+        "fsdp2_tp2_sp",
+        4,
+        ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.sequence_parallel=true"],
+    ),
+    (
+        "fsdp2_pp2_1f1b",
+        4,
+        ["--parallelism.dp_shard=2", "--parallelism.pp=2", "--parallelism.pp_schedule=1F1B"],
+    ),
+    (
+        "fsdp2_pp2_interleaved",
+        4,
+        [
+            "--parallelism.dp_shard=2",
+            "--parallelism.pp=2",
+            "--parallelism.pp_schedule=Interleaved1F1B",
+        ],
+    ),
     ("fsdp2_cp2", 4, ["--parallelism.dp_shard=2", "--parallelism.cp=2"]),
-    ("fsdp2_tp2_pp2", 8, ["--parallelism.dp_shard=2", "--parallelism.tp=2",
-                          "--parallelism.pp=2"]),
+    ("fsdp2_tp2_pp2", 8, ["--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.pp=2"]),
     ("grad_accum2", 1, ["--training.grad_accum_steps=2"]),
     ("fsdp2_cpu_offload", 2, ["--parallelism.dp_shard=2", "--training.cpu_offload=true"]),
     ("fsdp2_ac_full", 2, ["--parallelism.dp_shard=2", "--activation_checkpoint.mode=full"]),
-    ("fsdp2_ac_selective_zero2", 2, ["--parallelism.dp_shard=2",
-                                    "--activation_checkpoint.mode=selective",
-                                    "--parallelism.reshard_after_forward=false"]),
+    (
+        "fsdp2_ac_selective_zero2",
+        2,
+        [
+            "--parallelism.dp_shard=2",
+            "--activation_checkpoint.mode=selective",
+            "--parallelism.reshard_after_forward=false",
+        ],
+    ),
 ]
 
 
 @pytest.mark.parametrize(("nproc", "overrides"), [pytest.param(n, o, id=i) for i, n, o in LAYOUTS])
-def test_layout_matches_single_process(nproc: int, overrides: list[str], seed_checkpoint: Path,
-                                       reference: list[dict[str, float]],
-                                       tmp_path: Path) -> None:
-    test = run_trainer(nproc, tmp_path, [*COMMON, *overrides,
-                                         f"--checkpoint.seed_checkpoint={seed_checkpoint}"])
+def test_layout_matches_single_process(
+    nproc: int,
+    overrides: list[str],
+    seed_checkpoint: Path,
+    reference: list[dict[str, float]],
+    tmp_path: Path,
+) -> None:
+    test = run_trainer(
+        nproc, tmp_path, [*COMMON, *overrides, f"--checkpoint.seed_checkpoint={seed_checkpoint}"]
+    )
     assert_matches(test, reference)
 
 
 @pytest.mark.slow
-def test_4d_fsdp_tp_pp_cp_matches(seed_checkpoint: Path, reference: list[dict[str, float]],
-                                  tmp_path: Path) -> None:
-    test = run_trainer(16, tmp_path, [
-        *COMMON, f"--checkpoint.seed_checkpoint={seed_checkpoint}", "--parallelism.dp_shard=2",
-        "--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.cp=2"], timeout=1800)
+def test_4d_fsdp_tp_pp_cp_matches(
+    seed_checkpoint: Path, reference: list[dict[str, float]], tmp_path: Path
+) -> None:
+    test = run_trainer(
+        16,
+        tmp_path,
+        [
+            *COMMON,
+            f"--checkpoint.seed_checkpoint={seed_checkpoint}",
+            "--parallelism.dp_shard=2",
+            "--parallelism.tp=2",
+            "--parallelism.pp=2",
+            "--parallelism.cp=2",
+        ],
+        timeout=1800,
+    )
     assert_matches(test, reference)
 
 

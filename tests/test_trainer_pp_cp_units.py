@@ -32,17 +32,29 @@ FIXTURES = Path(__file__).parent / "fixtures" / "ppcp"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_torchrun(script: str, nproc: int, out: Path, *args: str,
-                 timeout: float = 240) -> dict[str, Any]:
+def run_torchrun(
+    script: str, nproc: int, out: Path, *args: str, timeout: float = 240
+) -> dict[str, Any]:
     """Launch `script` on `nproc` gloo ranks; return the JSON rank 0 wrote to `out`."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(FIXTURES / script), str(out), *args]
-    proc = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(FIXTURES / script),
+        str(out),
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
-        pytest.fail(f"{script} on {nproc} ranks failed (rc {proc.returncode}):\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"{script} on {nproc} ranks failed (rc {proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -57,12 +69,13 @@ def test_causal_mask_offset_is_global_causal() -> None:
     local = seq // cp
     for rank in range(cp):
         mask = causal_mask_with_offset(local, seq, rank * local, torch.device("cpu"))
-        assert torch.equal(mask, full[rank * local:(rank + 1) * local])
+        assert torch.equal(mask, full[rank * local : (rank + 1) * local])
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["cp2", "cp4"])
-def cp_results(request: pytest.FixtureRequest,
-               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def cp_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     out = tmp_path_factory.mktemp(f"cp{request.param}") / "result.json"
     return run_torchrun("cp_worker.py", request.param, out)
 
@@ -85,14 +98,22 @@ def test_cp_model_matches_single_process(cp_results: dict[str, Any], kind: str) 
 
 # ---------------------------------------------------------------- pipeline parallel
 
-TINY = ModelArgs.from_config(ModelConfig(vocab_size=32, dim=32, n_layers=8, n_heads=4,
-                                         n_kv_heads=2), seq_len=16)
+TINY = ModelArgs.from_config(
+    ModelConfig(vocab_size=32, dim=32, n_layers=8, n_heads=4, n_kv_heads=2), seq_len=16
+)
 
 
-@pytest.mark.parametrize(("schedule", "rank", "expected"), [
-    ("1F1B", 1, [1]), ("Interleaved1F1B", 0, [0, 2]), ("Interleaved1F1B", 1, [1, 3]),
-    ("ZBVZeroBubble", 0, [0, 3]), ("ZBVZeroBubble", 1, [1, 2]), ("DualPipeV", 1, [1, 2]),
-])
+@pytest.mark.parametrize(
+    ("schedule", "rank", "expected"),
+    [
+        ("1F1B", 1, [1]),
+        ("Interleaved1F1B", 0, [0, 2]),
+        ("Interleaved1F1B", 1, [1, 3]),
+        ("ZBVZeroBubble", 0, [0, 3]),
+        ("ZBVZeroBubble", 1, [1, 2]),
+        ("DualPipeV", 1, [1, 2]),
+    ],
+)
 def test_stage_placement_loop_and_v(schedule: str, rank: int, expected: list[int]) -> None:
     spr = resolve_stages_per_rank(schedule, 0)
     assert stage_ids_this_rank(rank, 2, spr, schedule) == expected
@@ -114,8 +135,7 @@ def test_pp_rules_schedule_sets_match_torch_classes() -> None:
     for name in pp_rules.SCHEDULES:
         cls = get_schedule_class(name)
         assert issubclass(cls, PipelineScheduleMulti) == (name in pp_rules.MULTI_STAGE_SCHEDULES)
-        assert issubclass(cls, PipelineScheduleSingle) == (
-            name in pp_rules.SINGLE_STAGE_SCHEDULES)
+        assert issubclass(cls, PipelineScheduleSingle) == (name in pp_rules.SINGLE_STAGE_SCHEDULES)
     # One table for the experiment spec and the trainer (spec/pp_schedules.py).
     assert SPEC_SCHEDULES is pp_rules.SCHEDULES
     assert SPEC_MULTI is pp_rules.MULTI_STAGE_SCHEDULES
@@ -128,8 +148,9 @@ def test_loss_lives_on_rank0_for_v_schedules_else_last_rank() -> None:
 
 
 def test_split_keeps_contiguous_blocks_and_owned_modules() -> None:
-    chunks = split_model_for_pp(build_model, TINY, pp_rank=1, pp_size=2, stages_per_rank=2,
-                                schedule_name="Interleaved1F1B")
+    chunks = split_model_for_pp(
+        build_model, TINY, pp_rank=1, pp_size=2, stages_per_rank=2, schedule_name="Interleaved1F1B"
+    )
     assert [i for i, _ in chunks] == [1, 3]
     (_, first), (_, last) = chunks
     assert list(first.layers) == ["2", "3"] and list(last.layers) == ["6", "7"]
@@ -140,15 +161,19 @@ def test_split_keeps_contiguous_blocks_and_owned_modules() -> None:
     assert stage0.tok_embeddings is not None and stage0.output is None
 
 
-@pytest.mark.parametrize(("schedule", "pp", "spr", "match"), [
-    ("1F1B", 2, 2, "one stage per rank"),
-    ("Interleaved1F1B", 2, 1, ">= 2 stages per rank"),
-    ("ZBVZeroBubble", 2, 4, "exactly 2"),
-    ("Interleaved1F1B", 3, 2, "n_layers=8 is not divisible by the 6"),
-    ("Zero", 2, 1, "unknown parallelism.pp_schedule"),
-])
-def test_split_rejects_bad_layouts_naming_the_key(schedule: str, pp: int, spr: int,
-                                                   match: str) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "pp", "spr", "match"),
+    [
+        ("1F1B", 2, 2, "one stage per rank"),
+        ("Interleaved1F1B", 2, 1, ">= 2 stages per rank"),
+        ("ZBVZeroBubble", 2, 4, "exactly 2"),
+        ("Interleaved1F1B", 3, 2, "n_layers=8 is not divisible by the 6"),
+        ("Zero", 2, 1, "unknown parallelism.pp_schedule"),
+    ],
+)
+def test_split_rejects_bad_layouts_naming_the_key(
+    schedule: str, pp: int, spr: int, match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         split_model_for_pp(build_model, TINY, 0, pp, spr, schedule)
 
@@ -162,18 +187,21 @@ def test_every_schedule_is_checked_somewhere() -> None:
     assert set(PP_DEFAULT.split(",")) | set(PP_MORE.split(",")) == set(SCHEDULES)
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param((2, 1, 1, PP_DEFAULT), id="pp2"),
-    pytest.param((2, 1, 1, PP_MORE), id="pp2-more", marks=pytest.mark.slow),
-    pytest.param((2, 2, 1, PP_DEFAULT), id="pp2-fsdp2"),
-    pytest.param((2, 1, 2, "GPipe,1F1B,Interleaved1F1B"), id="pp2-cp2"),
-])
-def pp_results(request: pytest.FixtureRequest,
-               tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param((2, 1, 1, PP_DEFAULT), id="pp2"),
+        pytest.param((2, 1, 1, PP_MORE), id="pp2-more", marks=pytest.mark.slow),
+        pytest.param((2, 2, 1, PP_DEFAULT), id="pp2-fsdp2"),
+        pytest.param((2, 1, 2, "GPipe,1F1B,Interleaved1F1B"), id="pp2-cp2"),
+    ],
+)
+def pp_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     pp, dp, cp, schedules = request.param
     out = tmp_path_factory.mktemp(f"pp{pp}dp{dp}cp{cp}") / "result.json"
-    result = run_torchrun("pp_worker.py", pp * dp * cp, out, str(pp), str(dp), str(cp),
-                          schedules)
+    result = run_torchrun("pp_worker.py", pp * dp * cp, out, str(pp), str(dp), str(cp), schedules)
     names = schedules.split(",")
     result["_schedules"] = names + (["1F1B+accum"] if "1F1B" in names else [])
     return result

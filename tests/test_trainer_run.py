@@ -19,21 +19,40 @@ QUICK = ["--training.steps=3", "--metrics.val_every=0"]
 
 
 def trainer_cmd(nproc: int, dump: Path, overrides: list[str]) -> list[str]:
-    module = ["-m", "convergence.trainer", "--config", str(DEBUG),
-              f"--metrics.dump_folder={dump}", *overrides]
+    module = [
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(DEBUG),
+        f"--metrics.dump_folder={dump}",
+        *overrides,
+    ]
     if nproc == 1:
         return [sys.executable, *module]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", *module]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *module,
+    ]
 
 
-def run(nproc: int, dump: Path, overrides: list[str], extra_path: Path | None = None
-        ) -> subprocess.CompletedProcess[str]:
+def run(
+    nproc: int, dump: Path, overrides: list[str], extra_path: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(extra_path), env.get("PYTHONPATH", "")])
-    return subprocess.run(trainer_cmd(nproc, dump, overrides), cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        trainer_cmd(nproc, dump, overrides),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def records(dump: Path) -> list[dict[str, float]]:
@@ -60,9 +79,20 @@ def test_unimportable_hook_fails_at_start(tmp_path: Path) -> None:
 def test_seed_checkpoint_hash_and_metadata(tmp_path: Path) -> None:
     ckpt = tmp_path / "seed"
     create = subprocess.run(
-        [sys.executable, "-m", "convergence.trainer", "--config", str(DEBUG),
-         "--checkpoint.create_seed_checkpoint=true", f"--checkpoint.seed_checkpoint={ckpt}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "convergence.trainer",
+            "--config",
+            str(DEBUG),
+            "--checkpoint.create_seed_checkpoint=true",
+            f"--checkpoint.seed_checkpoint={ckpt}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert create.returncode == 0, create.stderr
     sha = (ckpt / "sha256.txt").read_text().strip()
     assert len(sha) == 64 and sha in create.stdout
@@ -83,11 +113,19 @@ def test_tensorboard_has_torchtitan_tags_at_full_precision(tmp_path: Path) -> No
     proc = run(1, tmp_path, ["--training.steps=2", "--metrics.val_every=2"])
     assert proc.returncode == 0, proc.stderr
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
     tags = set(acc.Tags()["tensors"])
-    assert {"loss_metrics/global_avg_loss", "grad_norm", "lr", "throughput(tps)",
-            "memory/max_reserved(MiB)", "validation_metrics/loss"} <= tags
+    assert {
+        "loss_metrics/global_avg_loss",
+        "grad_norm",
+        "lr",
+        "throughput(tps)",
+        "memory/max_reserved(MiB)",
+        "validation_metrics/loss",
+    } <= tags
     from tensorboard.util import tensor_util
+
     event = acc.Tensors("grad_norm")[0]
     value = float(tensor_util.make_ndarray(event.tensor_proto))
     assert value == records(tmp_path)[0]["grad_norm"]  # exact float64, not float32
@@ -95,8 +133,14 @@ def test_tensorboard_has_torchtitan_tags_at_full_precision(tmp_path: Path) -> No
 
 def test_stop_file_ends_the_run_cleanly(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(trainer_cmd(1, tmp_path, ["--training.steps=100000"]), cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        trainer_cmd(1, tmp_path, ["--training.steps=100000"]),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_metrics(tmp_path, proc)
         (tmp_path / "STOP").touch()
@@ -112,10 +156,14 @@ def test_stop_file_ends_the_run_cleanly(tmp_path: Path) -> None:
 
 def test_sigterm_to_torchrun_stops_every_rank_cleanly(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(trainer_cmd(2, tmp_path, ["--training.steps=100000",
-                                                      "--parallelism.dp_shard=2"]),
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        trainer_cmd(2, tmp_path, ["--training.steps=100000", "--parallelism.dp_shard=2"]),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_metrics(tmp_path, proc)
         # torchrun forwards SIGTERM to its workers; they finish the step and agree to stop.
@@ -184,8 +232,12 @@ def hook_dir(tmp_path: Path) -> Path:
 def test_after_hook_is_applied_on_every_rank(tmp_path: Path, hook_dir: Path) -> None:
     base = run(2, tmp_path / "base", [*QUICK, "--parallelism.dp_shard=2"])
     assert base.returncode == 0, base.stderr[-3000:]
-    hooked = run(2, tmp_path / "hooked", [*QUICK, "--parallelism.dp_shard=2",
-                                          "--parallelism.hook=my_hooks:double_grad"], hook_dir)
+    hooked = run(
+        2,
+        tmp_path / "hooked",
+        [*QUICK, "--parallelism.dp_shard=2", "--parallelism.hook=my_hooks:double_grad"],
+        hook_dir,
+    )
     assert hooked.returncode == 0, hooked.stderr[-3000:]
     b, h = records(tmp_path / "base")[0], records(tmp_path / "hooked")[0]
     assert h["loss"] == pytest.approx(b["loss"], rel=1e-6)  # same forward
@@ -196,9 +248,18 @@ def test_replace_tp_hook_matches_builtin_math(tmp_path: Path, hook_dir: Path) ->
     """A hand-written (MLP-only) TP plan in place of the built-in one: same numbers as FSDP."""
     fsdp = run(2, tmp_path / "fsdp", [*QUICK, "--parallelism.dp_shard=2"])
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    hooked = run(4, tmp_path / "tp", [*QUICK, "--parallelism.dp_shard=2", "--parallelism.tp=2",
-                                      "--parallelism.hook=my_hooks:mlp_tp",
-                                      "--parallelism.hook_mode=replace_tp"], hook_dir)
+    hooked = run(
+        4,
+        tmp_path / "tp",
+        [
+            *QUICK,
+            "--parallelism.dp_shard=2",
+            "--parallelism.tp=2",
+            "--parallelism.hook=my_hooks:mlp_tp",
+            "--parallelism.hook_mode=replace_tp",
+        ],
+        hook_dir,
+    )
     assert hooked.returncode == 0, hooked.stderr[-3000:]
     for f, h in zip(records(tmp_path / "fsdp"), records(tmp_path / "tp"), strict=True):
         assert h["loss"] == pytest.approx(f["loss"], abs=1e-5)

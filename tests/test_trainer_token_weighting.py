@@ -22,18 +22,34 @@ from convergence.trainer.data import IGNORE_INDEX, TRAIN, BatchPlan, build_sourc
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 STEPS = 3
-PADDED = ["--data.pad_fraction=0.5", f"--training.steps={STEPS}", "--metrics.val_every=3",
-          "--metrics.val_batches=1", "--metrics.enable_tensorboard=false"]
+PADDED = [
+    "--data.pad_fraction=0.5",
+    f"--training.steps={STEPS}",
+    "--metrics.val_every=3",
+    "--metrics.val_batches=1",
+    "--metrics.enable_tensorboard=false",
+]
 
 
 def run_trainer(nproc: int, dump: Path, overrides: list[str]) -> list[dict[str, float]]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    module = ["-m", "convergence.trainer", "--config", str(DEBUG),
-              f"--metrics.dump_folder={dump}", *PADDED, *overrides]
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable])
-    proc = subprocess.run([*launch, *module], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    module = [
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(DEBUG),
+        f"--metrics.dump_folder={dump}",
+        *PADDED,
+        *overrides,
+    ]
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
+    proc = subprocess.run(
+        [*launch, *module], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
 
@@ -46,7 +62,7 @@ def test_padding_makes_ranks_hold_uneven_token_counts() -> None:
     targets = source.samples(plan.indices(1, 0), TRAIN)[:, 1:]
     valid = targets != IGNORE_INDEX
     half = targets.shape[1] // 2
-    assert valid[:8].sum() != valid[8:].sum()             # DP ranks of 8 samples each
+    assert valid[:8].sum() != valid[8:].sum()  # DP ranks of 8 samples each
     assert valid[:, :half].sum() != valid[:, half:].sum()  # CP chunks of a sequence
     assert 0 < valid.mean() < 1
 
@@ -59,15 +75,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]
 # Each reads 16 samples per optimizer step, as the reference does.
 LAYOUTS = [
     ("cp2", 2, ["--parallelism.cp=2", "--training.local_batch_size=16"]),
-    ("fsdp2_accum2", 2, ["--parallelism.dp_shard=2", "--training.local_batch_size=4",
-                         "--training.grad_accum_steps=2"]),
+    (
+        "fsdp2_accum2",
+        2,
+        [
+            "--parallelism.dp_shard=2",
+            "--training.local_batch_size=4",
+            "--training.grad_accum_steps=2",
+        ],
+    ),
     ("pp2", 2, ["--parallelism.pp=2", "--training.local_batch_size=16"]),
 ]
 
 
 @pytest.mark.parametrize(("nproc", "overrides"), [pytest.param(n, o, id=i) for i, n, o in LAYOUTS])
-def test_padded_loss_is_layout_independent(nproc: int, overrides: list[str], tmp_path: Path,
-                                           reference: list[dict[str, float]]) -> None:
+def test_padded_loss_is_layout_independent(
+    nproc: int, overrides: list[str], tmp_path: Path, reference: list[dict[str, float]]
+) -> None:
     test = run_trainer(nproc, tmp_path, overrides)
     assert [r["step"] for r in test] == [r["step"] for r in reference] == [1, 2, 3]
     for t, r in zip(test, reference, strict=True):

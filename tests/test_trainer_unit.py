@@ -33,49 +33,120 @@ def cfg(*overrides: str):  # type: ignore[no-untyped-def]
     return load_train_config(DEBUG, list(overrides))
 
 
-@pytest.mark.parametrize(("overrides", "world", "key", "words"), [
-    (["--parallelism.tp=3"], None, "parallelism.tp", "n_heads"),
-    (["--parallelism.tp=4"], None, "parallelism.tp", "n_kv_heads"),
-    (["--parallelism.pp=3"], None, "parallelism.pp", "n_layers"),
-    (["--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B",
-      "--parallelism.pp_stages_per_rank=3"], None, "parallelism.pp", "n_layers"),
-    (["--parallelism.cp=3"], None, "parallelism.cp", "seq_len"),
-    (["--parallelism.pp=2", "--parallelism.pp_microbatches=3"], None,
-     "parallelism.pp_microbatches", "local_batch_size"),
-    (["--parallelism.dp_shard=2"], 4, "parallelism", "world size"),
-    (["--parallelism.sequence_parallel=true"], None, "parallelism.sequence_parallel", "tp"),
-    (["--training.cpu_offload=true"], None, "training.cpu_offload", "dp_shard"),
-    (["--parallelism.dp_replicate=2", "--training.param_dtype=bfloat16"], 2,
-     "training.param_dtype", "silently train in float32"),
-    (["--parallelism.tp=2", "--training.reduce_dtype=bfloat16"], 2, "training.reduce_dtype",
-     "no FSDP"),
-    (["--parallelism.hook=nocolon"], None, "parallelism.hook", "package.module:function"),
-    (["--model.n_kv_heads=3"], None, "model.n_kv_heads", "divide"),
-    (["--activation_checkpoint.mode=some"], None, "activation_checkpoint.mode", "mode"),
-    (["--parallelism.dp_shard=2", "--parallelism.pp=2",
-      "--parallelism.pp_schedule=InterleavedZeroBubble"], 4, "parallelism.pp_schedule",
-     "gradients would be wrong"),
-    (["--parallelism.dp_replicate=2", "--parallelism.pp=2",
-      "--parallelism.pp_schedule=ZBVZeroBubble"], 4, "parallelism.pp_schedule", "misses"),
-    # Refused by torch's schedule constructors (build_schedule), so refused here first.
-    (["--parallelism.pp=2", "--parallelism.pp_microbatches=1"], 2,
-     "parallelism.pp_microbatches", "at least one microbatch per pipeline stage"),
-    (["--parallelism.pp=2", "--parallelism.pp_schedule=DualPipeV",
-      "--parallelism.pp_microbatches=2"], 2, "parallelism.pp_microbatches",
-     "2 microbatches < 4 stages"),
-    (["--parallelism.pp=2", "--parallelism.pp_schedule=1F1B",
-      "--parallelism.pp_stages_per_rank=2"], 2, "parallelism.pp_stages_per_rank",
-     "one stage per rank"),
-    (["--parallelism.pp=2", "--parallelism.pp_schedule=ZBVZeroBubble",
-      "--parallelism.pp_stages_per_rank=4"], 2, "parallelism.pp_stages_per_rank",
-     "exactly 2 stages per rank"),
-    (["--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B",
-      "--parallelism.pp_stages_per_rank=1"], 2, "parallelism.pp_stages_per_rank",
-     ">= 2 stages per rank"),
-    (["--parallelism.pp_schedule=Zero"], None, "parallelism.pp_schedule", "unknown schedule"),
-])
-def test_check_config_names_key_and_constraint(overrides: list[str], world: int | None,
-                                              key: str, words: str) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "world", "key", "words"),
+    [
+        (["--parallelism.tp=3"], None, "parallelism.tp", "n_heads"),
+        (["--parallelism.tp=4"], None, "parallelism.tp", "n_kv_heads"),
+        (["--parallelism.pp=3"], None, "parallelism.pp", "n_layers"),
+        (
+            [
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=Interleaved1F1B",
+                "--parallelism.pp_stages_per_rank=3",
+            ],
+            None,
+            "parallelism.pp",
+            "n_layers",
+        ),
+        (["--parallelism.cp=3"], None, "parallelism.cp", "seq_len"),
+        (
+            ["--parallelism.pp=2", "--parallelism.pp_microbatches=3"],
+            None,
+            "parallelism.pp_microbatches",
+            "local_batch_size",
+        ),
+        (["--parallelism.dp_shard=2"], 4, "parallelism", "world size"),
+        (["--parallelism.sequence_parallel=true"], None, "parallelism.sequence_parallel", "tp"),
+        (["--training.cpu_offload=true"], None, "training.cpu_offload", "dp_shard"),
+        (
+            ["--parallelism.dp_replicate=2", "--training.param_dtype=bfloat16"],
+            2,
+            "training.param_dtype",
+            "silently train in float32",
+        ),
+        (
+            ["--parallelism.tp=2", "--training.reduce_dtype=bfloat16"],
+            2,
+            "training.reduce_dtype",
+            "no FSDP",
+        ),
+        (["--parallelism.hook=nocolon"], None, "parallelism.hook", "package.module:function"),
+        (["--model.n_kv_heads=3"], None, "model.n_kv_heads", "divide"),
+        (["--activation_checkpoint.mode=some"], None, "activation_checkpoint.mode", "mode"),
+        (
+            [
+                "--parallelism.dp_shard=2",
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=InterleavedZeroBubble",
+            ],
+            4,
+            "parallelism.pp_schedule",
+            "gradients would be wrong",
+        ),
+        (
+            [
+                "--parallelism.dp_replicate=2",
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=ZBVZeroBubble",
+            ],
+            4,
+            "parallelism.pp_schedule",
+            "misses",
+        ),
+        # Refused by torch's schedule constructors (build_schedule), so refused here first.
+        (
+            ["--parallelism.pp=2", "--parallelism.pp_microbatches=1"],
+            2,
+            "parallelism.pp_microbatches",
+            "at least one microbatch per pipeline stage",
+        ),
+        (
+            [
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=DualPipeV",
+                "--parallelism.pp_microbatches=2",
+            ],
+            2,
+            "parallelism.pp_microbatches",
+            "2 microbatches < 4 stages",
+        ),
+        (
+            [
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=1F1B",
+                "--parallelism.pp_stages_per_rank=2",
+            ],
+            2,
+            "parallelism.pp_stages_per_rank",
+            "one stage per rank",
+        ),
+        (
+            [
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=ZBVZeroBubble",
+                "--parallelism.pp_stages_per_rank=4",
+            ],
+            2,
+            "parallelism.pp_stages_per_rank",
+            "exactly 2 stages per rank",
+        ),
+        (
+            [
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=Interleaved1F1B",
+                "--parallelism.pp_stages_per_rank=1",
+            ],
+            2,
+            "parallelism.pp_stages_per_rank",
+            ">= 2 stages per rank",
+        ),
+        (["--parallelism.pp_schedule=Zero"], None, "parallelism.pp_schedule", "unknown schedule"),
+    ],
+)
+def test_check_config_names_key_and_constraint(
+    overrides: list[str], world: int | None, key: str, words: str
+) -> None:
     with pytest.raises(SpecError) as info:
         check_config(cfg(*overrides), world)
     assert info.value.key == key
@@ -85,8 +156,16 @@ def test_check_config_names_key_and_constraint(overrides: list[str], world: int 
 
 def test_check_config_accepts_the_tested_layouts() -> None:
     check_config(cfg(), 1)
-    check_config(cfg("--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.pp=2",
-                     "--parallelism.cp=2", "--parallelism.sequence_parallel=true"), 16)
+    check_config(
+        cfg(
+            "--parallelism.dp_shard=2",
+            "--parallelism.tp=2",
+            "--parallelism.pp=2",
+            "--parallelism.cp=2",
+            "--parallelism.sequence_parallel=true",
+        ),
+        16,
+    )
     check_config(cfg("--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B"), 2)
     check_config(cfg("--parallelism.dp_shard=2", "--training.param_dtype=bfloat16"), 2)
 
@@ -95,20 +174,36 @@ def test_issue_layout_interleaved_zero_bubble_with_fsdp_names_key_and_fix() -> N
     """{dp_shard=2, pp=2, InterleavedZeroBubble}: refused by the collection-time check (not in
     build_schedule after launch), naming the key and a schedule that works."""
     with pytest.raises(SpecError) as info:
-        check_config(cfg("--parallelism.dp_shard=2", "--parallelism.pp=2",
-                         "--parallelism.pp_schedule=InterleavedZeroBubble"), 4)
+        check_config(
+            cfg(
+                "--parallelism.dp_shard=2",
+                "--parallelism.pp=2",
+                "--parallelism.pp_schedule=InterleavedZeroBubble",
+            ),
+            4,
+        )
     assert info.value.key == "parallelism.pp_schedule"
     assert "Interleaved1F1B" in info.value.fix and "pp only" in info.value.fix
 
 
-@pytest.mark.parametrize(("layout", "key", "words"), [
-    ('{ dp_shard = 2, pp = 2, pp_schedule = "InterleavedZeroBubble" }',
-     "parallelism.pp_schedule", "gradients would be wrong"),
-    ("{ pp = 2, pp_microbatches = 1 }", "parallelism.pp_microbatches",
-     "at least one microbatch per pipeline stage"),
-])
-def test_unsupported_pp_layout_fails_loading_the_experiment(tmp_path: Path, layout: str,
-                                                             key: str, words: str) -> None:
+@pytest.mark.parametrize(
+    ("layout", "key", "words"),
+    [
+        (
+            '{ dp_shard = 2, pp = 2, pp_schedule = "InterleavedZeroBubble" }',
+            "parallelism.pp_schedule",
+            "gradients would be wrong",
+        ),
+        (
+            "{ pp = 2, pp_microbatches = 1 }",
+            "parallelism.pp_microbatches",
+            "at least one microbatch per pipeline stage",
+        ),
+    ],
+)
+def test_unsupported_pp_layout_fails_loading_the_experiment(
+    tmp_path: Path, layout: str, key: str, words: str
+) -> None:
     """What pytest collection does with an experiment file (preflight.load_checked: parse, then
     the builtin backend's preflight -> check_config): refused before any job is launched."""
     from convergence.preflight import load_checked
@@ -135,6 +230,7 @@ parallelism = {layout}
 
 def test_pp_rules_resolve_defaults_like_the_trainer() -> None:
     from convergence.trainer import pp_rules
+
     assert pp_rules.stages_per_rank("1F1B", 0, pp=2) == 1
     assert pp_rules.stages_per_rank("Interleaved1F1B", 0, pp=2) == 2
     assert pp_rules.stages_per_rank("Interleaved1F1B", 0, pp=1) == 1  # no PP: one "stage"
@@ -144,14 +240,22 @@ def test_pp_rules_resolve_defaults_like_the_trainer() -> None:
     assert pp_rules.stage_ids(1, 4, 2, "Interleaved1F1B") == [1, 5]
     # Every schedule with its defaults is accepted with pp alone (8 layers, batch 8).
     for schedule in pp_rules.SCHEDULES:
-        assert pp_rules.layout_problem(schedule=schedule, pp=2, stages_configured=0,
-                                       microbatches_configured=0, n_layers=8,
-                                       local_batch_size=8, data_parallel=1) is None, schedule
+        assert (
+            pp_rules.layout_problem(
+                schedule=schedule,
+                pp=2,
+                stages_configured=0,
+                microbatches_configured=0,
+                n_layers=8,
+                local_batch_size=8,
+                data_parallel=1,
+            )
+            is None
+        ), schedule
 
 
 def test_markov_entropy_floor_is_the_empirical_optimum() -> None:
-    lang = MarkovLanguage.build(vocab_size=64, seq_len=128, seed=3, concentration=0.1,
-                                order_seed=0)
+    lang = MarkovLanguage.build(vocab_size=64, seq_len=128, seed=3, concentration=0.1, order_seed=0)
     tokens = lang.samples(np.arange(400), TRAIN)
     probs = np.diff(np.concatenate([np.zeros((64, 1)), lang.cum_probs], axis=1), axis=1)
     nll = -np.log(probs[tokens[:, :-1], tokens[:, 1:]]).mean()
@@ -161,8 +265,15 @@ def test_markov_entropy_floor_is_the_empirical_optimum() -> None:
 
 @pytest.mark.parametrize(("lag", "copy_span"), [(2, 0), (3, 0), (1, 16), (2, 8)])
 def test_lagged_and_copy_floor_is_the_empirical_optimum(lag: int, copy_span: int) -> None:
-    lang = MarkovLanguage.build(vocab_size=64, seq_len=64, seed=3, concentration=0.1,
-                                order_seed=0, lag=lag, copy_span=copy_span)
+    lang = MarkovLanguage.build(
+        vocab_size=64,
+        seq_len=64,
+        seed=3,
+        concentration=0.1,
+        order_seed=0,
+        lag=lag,
+        copy_span=copy_span,
+    )
     tokens = lang.samples(np.arange(1500), TRAIN)
     distance = 65 - copy_span
     if copy_span:
@@ -180,15 +291,19 @@ def test_lagged_and_copy_floor_is_the_empirical_optimum(lag: int, copy_span: int
         else:
             nll.append(np.zeros(len(tokens)))
     assert abs(float(np.mean(nll)) - lang.entropy_floor) < 0.03  # 96k targets
-    plain = MarkovLanguage.build(vocab_size=64, seq_len=64, seed=3, concentration=0.1,
-                                 order_seed=0)
+    plain = MarkovLanguage.build(vocab_size=64, seq_len=64, seed=3, concentration=0.1, order_seed=0)
     assert lang.markov_entropy == pytest.approx(plain.entropy_floor, rel=1e-12)
 
 
-@pytest.mark.parametrize(("override", "key"), [
-    ("--data.copy_span=33", "data.copy_span"), ("--data.copy_span=-1", "data.copy_span"),
-    ("--data.lag=0", "data.lag"), ("--data.lag=40", "data.lag"),
-])
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("--data.copy_span=33", "data.copy_span"),
+        ("--data.copy_span=-1", "data.copy_span"),
+        ("--data.lag=0", "data.lag"),
+        ("--data.lag=40", "data.lag"),
+    ],
+)
 def test_bad_synthetic_structure_names_the_key(override: str, key: str) -> None:
     with pytest.raises(SpecError) as info:
         build_source(cfg(override))
@@ -205,13 +320,20 @@ def test_samples_depend_only_on_index_and_split() -> None:
     assert not (other_order.samples(np.array([5]), TRAIN) == a[0]).all()
 
 
-@pytest.mark.parametrize(("dp", "accum", "local"), [(1, 1, 16), (2, 1, 8), (4, 1, 4),
-                                                    (1, 2, 8), (2, 2, 4)])
+@pytest.mark.parametrize(
+    ("dp", "accum", "local"), [(1, 1, 16), (2, 1, 8), (4, 1, 4), (1, 2, 8), (2, 2, 4)]
+)
 def test_every_layout_reads_the_same_samples_per_step(dp: int, accum: int, local: int) -> None:
     for step in (1, 2, 9):
-        seen = np.concatenate([
-            BatchPlan(local_batch_size=local, dp=dp, dp_rank=r, grad_accum_steps=accum)
-            .indices(step, m) for r in range(dp) for m in range(accum)])
+        seen = np.concatenate(
+            [
+                BatchPlan(local_batch_size=local, dp=dp, dp_rank=r, grad_accum_steps=accum).indices(
+                    step, m
+                )
+                for r in range(dp)
+                for m in range(accum)
+            ]
+        )
         assert sorted(seen) == list(range((step - 1) * 16, step * 16))
 
 
@@ -270,18 +392,22 @@ def test_grad_norm_and_clip_match_torch_on_plain_tensors() -> None:
     assert norm.item() == pytest.approx(ref_norm.item(), rel=1e-6)
     for p, r in zip(params, ref, strict=True):
         assert torch.allclose(p.grad, r.grad, rtol=1e-6)
-    assert math.isclose(torch.cat([p.grad.flatten() for p in params]).norm().item(), 0.5,
-                        rel_tol=1e-5)
+    assert math.isclose(
+        torch.cat([p.grad.flatten() for p in params]).norm().item(), 0.5, rel_tol=1e-5
+    )
 
 
-@pytest.mark.parametrize(("name", "part"), [
-    ("layers.3.attention.wq.weight", "attention.wq"),
-    ("layers.0._checkpoint_wrapped_module.attention.wk.weight", "attention.wk"),
-    ("_orig_mod.layers.1.feed_forward.w2.weight", "feed_forward.w2"),
-    ("layers.2.attention_norm.weight", "attention_norm"),
-    ("tok_embeddings.weight", "tok_embeddings"),
-    ("norm.weight", "norm"),
-])
+@pytest.mark.parametrize(
+    ("name", "part"),
+    [
+        ("layers.3.attention.wq.weight", "attention.wq"),
+        ("layers.0._checkpoint_wrapped_module.attention.wk.weight", "attention.wk"),
+        ("_orig_mod.layers.1.feed_forward.w2.weight", "feed_forward.w2"),
+        ("layers.2.attention_norm.weight", "attention_norm"),
+        ("tok_embeddings.weight", "tok_embeddings"),
+        ("norm.weight", "norm"),
+    ],
+)
 def test_parameter_part_is_the_same_for_every_layer_and_wrapper(name: str, part: str) -> None:
     assert parameter_part(name) == part
 
@@ -289,16 +415,27 @@ def test_parameter_part_is_the_same_for_every_layer_and_wrapper(name: str, part:
 def test_grad_norms_per_part_add_up_to_the_total() -> None:
     model = build_model(ModelArgs.from_config(cfg().model, seq_len=16), "cpu")
     parts = model_parts(build_model(ModelArgs.from_config(cfg().model, seq_len=16), "meta"))
-    assert {"attention.wq", "attention.wk", "feed_forward.w1", "tok_embeddings", "output",
-            "norm"} <= set(parts)
+    assert {
+        "attention.wq",
+        "attention.wk",
+        "feed_forward.w1",
+        "tok_embeddings",
+        "output",
+        "norm",
+    } <= set(parts)
     tokens = torch.randint(0, 256, (2, 16))
     torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     named = list(model.named_parameters())
     total, per_part = grad_norms(named, parts, None)
     assert total.item() == global_grad_norm([p for _, p in named], None).item()
     assert per_part.pow(2).sum().item() == pytest.approx(total.item() ** 2, rel=1e-12)
-    wq = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for n, p in named
-                       if n.endswith("attention.wq.weight")))
+    wq = math.sqrt(
+        sum(
+            float(p.grad.double().pow(2).sum())
+            for n, p in named
+            if n.endswith("attention.wq.weight")
+        )
+    )
     assert per_part[parts.index("attention.wq")].item() == pytest.approx(wq, rel=1e-12)
     # The geometric mean moves by the average relative change of the parts: scaling one
     # part's gradient by (1 + e) moves it by ~e / K, while the total may barely move.

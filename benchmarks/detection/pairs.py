@@ -61,18 +61,35 @@ def _job_lines(case_like: dict[str, Any]) -> list[str]:
 DEBUG_CONFIG = REPO / "convergence" / "configs" / "debug.toml"
 
 
-def experiment_text(cases: Sequence[Case], *, seed: int, precision: str, steps: int,
-                    config: Path = DEBUG_CONFIG) -> str:
+def experiment_text(
+    cases: Sequence[Case], *, seed: int, precision: str, steps: int, config: Path = DEBUG_CONFIG
+) -> str:
     techniques = {"param_dtype": "bfloat16"} if precision == "bf16" else {}
-    lines = ["[defaults]", f"train_config = {_value(str(config))}",
-             f"steps = {steps}", f"seed = {seed}",
-             # Localisation is a separate feature (and costs two probe jobs per failure).
-             'probe = "off"', "", "[control]", 'name = "fsdp2"',
-             *_job_lines({"parallelism": {"dp_shard": 2}, "techniques": techniques})]
+    lines = [
+        "[defaults]",
+        f"train_config = {_value(str(config))}",
+        f"steps = {steps}",
+        f"seed = {seed}",
+        # Localisation is a separate feature (and costs two probe jobs per failure).
+        'probe = "off"',
+        "",
+        "[control]",
+        'name = "fsdp2"',
+        *_job_lines({"parallelism": {"dp_shard": 2}, "techniques": techniques}),
+    ]
     for case in cases:
-        lines += ["", "[[test]]", f"name = {_value(case.name)}",
-                  *_job_lines({"parallelism": case.parallelism, "techniques": case.techniques,
-                               "local_batch_size": case.local_batch_size})]
+        lines += [
+            "",
+            "[[test]]",
+            f"name = {_value(case.name)}",
+            *_job_lines(
+                {
+                    "parallelism": case.parallelism,
+                    "techniques": case.techniques,
+                    "local_batch_size": case.local_batch_size,
+                }
+            ),
+        ]
         if case.hook:
             lines += [f"hook = {_value(case.hook)}", f"hook_mode = {_value(case.hook_mode)}"]
         if case.resume:
@@ -80,8 +97,9 @@ def experiment_text(cases: Sequence[Case], *, seed: int, precision: str, steps: 
     return "\n".join(lines) + "\n"
 
 
-def build_pairs(cases: Iterable[Case], folder: Path, *, steps: int,
-                config: Path = DEBUG_CONFIG) -> dict[str, PairSpec]:
+def build_pairs(
+    cases: Iterable[Case], folder: Path, *, steps: int, config: Path = DEBUG_CONFIG
+) -> dict[str, PairSpec]:
     """Write one experiment file per control group into ``folder``; the pairs by case name."""
     put_bugs_on_path()
     groups: dict[tuple[int, str], list[Case]] = defaultdict(list)
@@ -90,8 +108,9 @@ def build_pairs(cases: Iterable[Case], folder: Path, *, steps: int,
     pairs: dict[str, PairSpec] = {}
     for (seed, precision), members in groups.items():
         path = folder / f"detection_seed{seed}_{precision}.toml"
-        path.write_text(experiment_text(members, seed=seed, precision=precision, steps=steps,
-                                        config=config))
+        path.write_text(
+            experiment_text(members, seed=seed, precision=precision, steps=steps, config=config)
+        )
         for pair in load_checked(path, rootdir=REPO).pairs:
             pairs[pair.name] = pair
     return pairs

@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))          # catalogue, pairs, run
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _report
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs, run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
 from catalogue import by_name
@@ -58,28 +58,36 @@ def main() -> int:
     for label, data in LANGUAGES.items():
         with tempfile.TemporaryDirectory(prefix="position-data-") as tmp:
             config = config_with(data, Path(tmp))
-            (row,) = run_cases([by_name(CASE)], steps=args.steps, early_stop=False,
-                               work=Path(tmp), config=config)
+            (row,) = run_cases(
+                [by_name(CASE)], steps=args.steps, early_stop=False, work=Path(tmp), config=config
+            )
         firsts = []
         for metric in METRICS:
             verdict = row.outcome.verdict(metric)
             step = None if verdict is None or verdict.passed else verdict.first_divergent_step
             firsts.append("-" if step is None else str(step))
         rows.append(f"| {label} | " + " | ".join(firsts) + " |")
-    table = "\n".join(["| synthetic data | loss | grad norm | per-part grad norm |",
-                       "|---|---:|---:|---:|", *rows])
-    body = "\n\n".join([
-        "## A position bug per metric and per kind of data (benchmarks/detection/position_data.py)",
-        f"Machine: {machine()}. `python benchmarks/detection/position_data.py`: the planted "
-        f"`{CASE}` bug (CP rotary angles without the chunk offset, FSDP(2)+CP(2)) against "
-        f"FSDP(2), debug model, {args.steps} steps, early stopping off. First step at which each "
-        "metric leaves its paired tolerance (- = never).",
-        table,
-        "How to read it: a language where only positional attention reaches the floor (lag, "
-        "copy) would show a position bug in the loss sooner only once the model has learned "
-        "that attention; the per-part grad norm does not wait for it (query/key gradients). "
-        f"Whole run: {(time.monotonic() - start) / 60:.1f} min.",
-    ])
+    table = "\n".join(
+        [
+            "| synthetic data | loss | grad norm | per-part grad norm |",
+            "|---|---:|---:|---:|",
+            *rows,
+        ]
+    )
+    body = "\n\n".join(
+        [
+            "## A position bug per metric and per kind of data (benchmarks/detection/position_data.py)",
+            f"Machine: {machine()}. `python benchmarks/detection/position_data.py`: the planted "
+            f"`{CASE}` bug (CP rotary angles without the chunk offset, FSDP(2)+CP(2)) against "
+            f"FSDP(2), debug model, {args.steps} steps, early stopping off. First step at which each "
+            "metric leaves its paired tolerance (- = never).",
+            table,
+            "How to read it: a language where only positional attention reaches the floor (lag, "
+            "copy) would show a position bug in the loss sooner only once the model has learned "
+            "that attention; the per-part grad norm does not wait for it (query/key gradients). "
+            f"Whole run: {(time.monotonic() - start) / 60:.1f} min.",
+        ]
+    )
     print("\n" + body)
     if not args.no_write:
         write_section("position-data", body)

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))          # catalogue, pairs
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _report
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
 from catalogue import ALL, STEPS, Case
@@ -43,8 +43,11 @@ class Row:
 
     @property
     def first_step(self) -> int | None:
-        steps = [v.first_divergent_step for v in self.outcome.verdicts
-                 if v.gate and not v.passed and v.first_divergent_step is not None]
+        steps = [
+            v.first_divergent_step
+            for v in self.outcome.verdicts
+            if v.gate and not v.passed and v.first_divergent_step is not None
+        ]
         return min(steps) if steps else None
 
     @property
@@ -66,11 +69,15 @@ class Row:
         return test.wall_s if test is not None else float("nan")
 
 
-def run_cases(cases: list[Case], *, steps: int, early_stop: bool, work: Path,
-              config: Path = DEBUG_CONFIG) -> list[Row]:
+def run_cases(
+    cases: list[Case], *, steps: int, early_stop: bool, work: Path, config: Path = DEBUG_CONFIG
+) -> list[Row]:
     pairs = build_pairs(cases, work, steps=steps, config=config)
-    runner = Runner(RunSettings(work_dir=work / "work", early_stop=early_stop,
-                                idle_limit_s=300, wall_limit_s=1200))
+    runner = Runner(
+        RunSettings(
+            work_dir=work / "work", early_stop=early_stop, idle_limit_s=300, wall_limit_s=1200
+        )
+    )
     rows = []
     for case in cases:
         start = time.monotonic()
@@ -83,48 +90,61 @@ def run_cases(cases: list[Case], *, steps: int, early_stop: bool, work: Path,
 
 def _line(row: Row) -> str:
     o = row.outcome
-    what = ("caught" if row.caught else "MISSED") if row.case.kind == "bug" else (
-        "passed" if o.status == "passed" else f"FALSE ALARM ({o.status})")
+    what = (
+        ("caught" if row.caught else "MISSED")
+        if row.case.kind == "bug"
+        else ("passed" if o.status == "passed" else f"FALSE ALARM ({o.status})")
+    )
     extra = f" error: {o.error.splitlines()[0]}" if o.error else ""
-    return (f"{row.case.kind:7s} {row.case.name:32s} {what:12s} failing={row.failing} "
-            f"first={row.first_step} stopped={o.stopped_early_at} test_s={row.test_s:.1f}"
-            f"{extra}")
+    return (
+        f"{row.case.kind:7s} {row.case.name:32s} {what:12s} failing={row.failing} "
+        f"first={row.first_step} stopped={o.stopped_early_at} test_s={row.test_s:.1f}"
+        f"{extra}"
+    )
 
 
 def bug_table(rows: list[Row], steps: int) -> str:
-    out = ["| planted bug | layout | resume | caught | expected metric | failing metrics | "
-           "first divergent step | stopped at step | test job s | what it is |",
-           "|---|---|---|---|---|---|---:|---:|---:|---|"]
+    out = [
+        "| planted bug | layout | resume | caught | expected metric | failing metrics | "
+        "first divergent step | stopped at step | test job s | what it is |",
+        "|---|---|---|---|---|---|---:|---:|---:|---|",
+    ]
     for r in rows:
         o = r.outcome
         expected_ok = all(m in r.failing for m in r.case.expect)
         caught = "yes" if r.caught else f"**no** ({o.status})"
-        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | "
-                   f"{resume_cell(o.pair.test)} | {caught} | "
-                   f"{', '.join(r.case.expect)}{'' if expected_ok else ' (not failed)'} | "
-                   f"{', '.join(r.failing) or '-'} | {r.first_step or '-'} | "
-                   f"{o.stopped_early_at or f'ran {steps}'} | {r.test_s:.1f} | {r.case.note} |")
+        out.append(
+            f"| {r.case.name} | {o.pair.test.layout.short_name()} | "
+            f"{resume_cell(o.pair.test)} | {caught} | "
+            f"{', '.join(r.case.expect)}{'' if expected_ok else ' (not failed)'} | "
+            f"{', '.join(r.failing) or '-'} | {r.first_step or '-'} | "
+            f"{o.stopped_early_at or f'ran {steps}'} | {r.test_s:.1f} | {r.case.note} |"
+        )
     return "\n".join(out)
 
 
 def resume_cell(job: JobSpec) -> str:
-    """"after 15 -> fsdp2-tp2" for a resuming test side (issue 29), "-" otherwise."""
+    """ "after 15 -> fsdp2-tp2" for a resuming test side (issue 29), "-" otherwise."""
     if job.resume is None:
         return "-"
     return f"after {job.resume.at_step} → {job.resume.layout.short_name()}"
 
 
 def correct_table(rows: list[Row]) -> str:
-    out = ["| correct pair | layout | resume | seed | regime | verdict | worst loss / tolerance | "
-           "worst grad norm / tolerance | test job s |",
-           "|---|---|---|---:|---|---|---:|---:|---:|"]
+    out = [
+        "| correct pair | layout | resume | seed | regime | verdict | worst loss / tolerance | "
+        "worst grad norm / tolerance | test job s |",
+        "|---|---|---|---:|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         o = r.outcome
         verdict = "pass" if o.status == "passed" else f"**{o.status.upper()}**"
-        out.append(f"| {r.case.name} | {o.pair.test.layout.short_name()} | "
-                   f"{resume_cell(o.pair.test)} | {r.case.seed} | "
-                   f"{o.pair.regime} | {verdict} | {r.worst_ratio('loss')} | "
-                   f"{r.worst_ratio('grad_norm')} | {r.test_s:.1f} |")
+        out.append(
+            f"| {r.case.name} | {o.pair.test.layout.short_name()} | "
+            f"{resume_cell(o.pair.test)} | {r.case.seed} | "
+            f"{o.pair.regime} | {verdict} | {r.worst_ratio('loss')} | "
+            f"{r.worst_ratio('grad_norm')} | {r.test_s:.1f} |"
+        )
     return "\n".join(out)
 
 
@@ -135,21 +155,33 @@ def summary(bugs: list[Row], correct: list[Row], steps: int, total_s: float) -> 
     errors = sum(r.outcome.status == "error" for r in [*bugs, *correct])
     lines = []
     if bugs:
-        lines.append(f"Detection rate: **{caught}/{len(bugs)}** planted bugs caught by the "
-                     f"default rules ({quarter} of them diverging within the first quarter of "
-                     f"the {steps} steps).")
+        lines.append(
+            f"Detection rate: **{caught}/{len(bugs)}** planted bugs caught by the "
+            f"default rules ({quarter} of them diverging within the first quarter of "
+            f"the {steps} steps)."
+        )
     if correct:
         lines.append(f"False-alarm rate: **{alarms}/{len(correct)}** correct pairs failed.")
     if errors:
-        lines.append(f"{errors} pair(s) ended in an error (a job crashed: no verdict, counted "
-                     "neither way; see the tables).")
-    ratios = {m: [r.outcome.verdict(m).details.get("max_ratio") for r in correct
-                  if r.outcome.verdict(m) is not None] for m in ("loss", "grad_norm")}
+        lines.append(
+            f"{errors} pair(s) ended in an error (a job crashed: no verdict, counted "
+            "neither way; see the tables)."
+        )
+    ratios = {
+        m: [
+            r.outcome.verdict(m).details.get("max_ratio")
+            for r in correct
+            if r.outcome.verdict(m) is not None
+        ]
+        for m in ("loss", "grad_norm")
+    }
     worst = {m: max((x for x in v if x is not None), default=None) for m, v in ratios.items()}
     if worst["loss"] is not None and worst["grad_norm"] is not None:
         # Headroom: how close the correct pairs came to a false alarm (1.0 = at the tolerance).
-        lines.append(f"Headroom: the worst correct pair used {worst['loss']:.1%} of its loss "
-                     f"tolerance and {worst['grad_norm']:.2%} of its grad-norm tolerance.")
+        lines.append(
+            f"Headroom: the worst correct pair used {worst['loss']:.1%} of its loss "
+            f"tolerance and {worst['grad_norm']:.2%} of its grad-norm tolerance."
+        )
     lines.append(f"Whole run: {total_s / 60:.1f} min.")
     return " ".join(lines)
 
@@ -157,8 +189,13 @@ def summary(bugs: list[Row], correct: list[Row], steps: int, total_s: float) -> 
 def _commit() -> str:
     import subprocess
 
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=Path(__file__).parent, check=False)
+    done = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+        check=False,
+    )
     return done.stdout.strip() or "unknown"
 
 
@@ -169,8 +206,9 @@ def has_fsdp(case: Case) -> bool:
 
 def as_bf16(case: Case) -> Case:
     """The case with bf16 parameters on both sides (the control group's too: precision)."""
-    return dataclasses.replace(case, precision="bf16",
-                               techniques={**case.techniques, "param_dtype": "bfloat16"})
+    return dataclasses.replace(
+        case, precision="bf16", techniques={**case.techniques, "param_dtype": "bfloat16"}
+    )
 
 
 def main() -> int:
@@ -179,15 +217,26 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     parser.add_argument("--kind", choices=("bug", "correct"), help="only bugs / correct pairs")
     parser.add_argument("--no-early-stop", action="store_true")
-    parser.add_argument("--train-config", type=Path, default=DEBUG_CONFIG,
-                        help="train config of every pair (default: the shipped debug.toml)")
-    parser.add_argument("--precision", choices=("as-declared", "bf16"), default="as-declared",
-                        help="bf16: every case with bf16 params on both sides (FSDP mixed "
-                             "precision), i.e. the default regime a GPU user gets (twin)")
+    parser.add_argument(
+        "--train-config",
+        type=Path,
+        default=DEBUG_CONFIG,
+        help="train config of every pair (default: the shipped debug.toml)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("as-declared", "bf16"),
+        default="as-declared",
+        help="bf16: every case with bf16 params on both sides (FSDP mixed "
+        "precision), i.e. the default regime a GPU user gets (twin)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
     args = parser.parse_args()
-    cases = [c for c in ALL if (not args.only or c.name in args.only)
-             and (args.kind is None or c.kind == args.kind)]
+    cases = [
+        c
+        for c in ALL
+        if (not args.only or c.name in args.only) and (args.kind is None or c.kind == args.kind)
+    ]
     skipped: list[str] = []
     if args.precision == "bf16":
         # bf16 params come from FSDP2's MixedPrecisionPolicy: a layout without FSDP
@@ -197,36 +246,56 @@ def main() -> int:
         cases = [as_bf16(c) for c in cases if has_fsdp(c)]
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="detection-") as tmp:
-        rows = run_cases(cases, steps=args.steps, early_stop=not args.no_early_stop,
-                         work=Path(tmp), config=args.train_config.resolve())
+        rows = run_cases(
+            cases,
+            steps=args.steps,
+            early_stop=not args.no_early_stop,
+            work=Path(tmp),
+            config=args.train_config.resolve(),
+        )
     total = time.monotonic() - start
     bugs = [r for r in rows if r.case.kind == "bug"]
     correct = [r for r in rows if r.case.kind == "correct"]
-    command = "python benchmarks/detection/run.py" + (
-        f" --steps {args.steps}" if args.steps != STEPS else "") + (
-        " --no-early-stop" if args.no_early_stop else "") + (
-        " --precision bf16" if args.precision == "bf16" else "")
-    section, title = ("detection", "Verdict quality: detection power and false alarms") \
-        if args.precision != "bf16" else (
-        "detection-bf16", "Verdict quality in bf16: the same catalogue, bf16 params on both sides")
-    body = "\n\n".join(part for part in (
-        f"## {title} (benchmarks/detection/run.py)",
-        f"Machine: {machine()}. Commit {_commit()}. `{command}`: debug model, {args.steps} steps, control FSDP(2) "
-        "per seed and precision, default comparison rules (loss, grad norm, per-part grad norm "
-        "and data fingerprint, paired regime "
-        "for fp32, twin regime for bf16: the control's twin FSDP(4) with half the local batch "
-        "measures the noise envelope), early stopping on. Planted "
-        "bugs are parallelism hooks in benchmarks/detection/detection_bugs/ (each docstring "
-        "names the real bug it stands for). \"test job s\" is the time to verdict once the "
-        "control is cached.",
-        summary(bugs, correct, args.steps, total) + (
-            f" Left out (no FSDP, so no bf16 params): {', '.join(skipped)}." if skipped else ""),
-        bug_table(bugs, args.steps) if bugs else "",
-        correct_table(correct) if correct else "",
-    ) if part)
+    command = (
+        "python benchmarks/detection/run.py"
+        + (f" --steps {args.steps}" if args.steps != STEPS else "")
+        + (" --no-early-stop" if args.no_early_stop else "")
+        + (" --precision bf16" if args.precision == "bf16" else "")
+    )
+    section, title = (
+        ("detection", "Verdict quality: detection power and false alarms")
+        if args.precision != "bf16"
+        else (
+            "detection-bf16",
+            "Verdict quality in bf16: the same catalogue, bf16 params on both sides",
+        )
+    )
+    body = "\n\n".join(
+        part
+        for part in (
+            f"## {title} (benchmarks/detection/run.py)",
+            f"Machine: {machine()}. Commit {_commit()}. `{command}`: debug model, {args.steps} steps, control FSDP(2) "
+            "per seed and precision, default comparison rules (loss, grad norm, per-part grad norm "
+            "and data fingerprint, paired regime "
+            "for fp32, twin regime for bf16: the control's twin FSDP(4) with half the local batch "
+            "measures the noise envelope), early stopping on. Planted "
+            "bugs are parallelism hooks in benchmarks/detection/detection_bugs/ (each docstring "
+            'names the real bug it stands for). "test job s" is the time to verdict once the '
+            "control is cached.",
+            summary(bugs, correct, args.steps, total)
+            + (f" Left out (no FSDP, so no bf16 params): {', '.join(skipped)}." if skipped else ""),
+            bug_table(bugs, args.steps) if bugs else "",
+            correct_table(correct) if correct else "",
+        )
+        if part
+    )
     print("\n" + body)
-    if (not args.no_write and not args.only and args.kind is None
-            and args.train_config.resolve() == DEBUG_CONFIG):
+    if (
+        not args.no_write
+        and not args.only
+        and args.kind is None
+        and args.train_config.resolve() == DEBUG_CONFIG
+    ):
         write_section(section, body)
     missed = sum(not r.caught for r in bugs)
     alarms = sum(r.outcome.status != "passed" for r in correct)  # errors fail the script

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))          # catalogue, pairs, run
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # _report
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs, run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
 from catalogue import ALL
@@ -59,10 +59,15 @@ def collect(steps: int, seeds_extra: bool) -> dict[str, Any]:
             out[row.case.name] = {"kind": row.case.kind, "error": outcome.error}
             continue
         control, twin = outcome.control.metrics, outcome.control.twin or {}
-        out[row.case.name] = {"kind": row.case.kind, "layout": row.case.parallelism,
-                              "seed": row.case.seed, "status": outcome.status,
-                              "control": _curves(control), "twin": _curves(twin),
-                              "test": _curves(outcome.test.metrics)}
+        out[row.case.name] = {
+            "kind": row.case.kind,
+            "layout": row.case.parallelism,
+            "seed": row.case.seed,
+            "status": outcome.status,
+            "control": _curves(control),
+            "twin": _curves(twin),
+            "test": _curves(outcome.test.metrics),
+        }
     return out
 
 
@@ -72,8 +77,7 @@ def needed_k(control: Curve, twin: Curve, test: Curve) -> tuple[float, float, fl
     steps, noise = twin_noise(control, [twin])
     common, ci, ti = np.intersect1d(control.steps, test.steps, return_indices=True)
     d = np.abs(test.values[ti] - control.values[ci])
-    floor = base.atol * (1 + base.growth * np.sqrt(common)) + base.rtol * np.abs(
-        control.values[ci])
+    floor = base.atol * (1 + base.growth * np.sqrt(common)) + base.rtol * np.abs(control.values[ci])
     index = np.clip(np.searchsorted(steps, common, side="right") - 1, 0, None)
     measured = noise[index]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -82,11 +86,20 @@ def needed_k(control: Curve, twin: Curve, test: Curve) -> tuple[float, float, fl
 
 
 def table(data: dict[str, Any]) -> tuple[str, dict[str, int]]:
-    lines = ["| case | kind | seed | " + " | ".join(f"{m}: needed k" for m in METRICS)
-             + " | loss |d| step 1 | grad norm |d|/g step 1 | verdict at default k |",
-             "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---|"]
-    counts: dict[str, Any] = {"bug": 0, "caught": 0, "correct": 0, "false_alarm": 0,
-                              "worst_correct": {m: 0.0 for m in METRICS}, "weakest_bug": []}
+    lines = [
+        "| case | kind | seed | "
+        + " | ".join(f"{m}: needed k" for m in METRICS)
+        + " | loss |d| step 1 | grad norm |d|/g step 1 | verdict at default k |",
+        "|---|---|---:|" + "---:|" * len(METRICS) + "---:|---:|---|",
+    ]
+    counts: dict[str, Any] = {
+        "bug": 0,
+        "caught": 0,
+        "correct": 0,
+        "false_alarm": 0,
+        "worst_correct": {m: 0.0 for m in METRICS},
+        "weakest_bug": [],
+    }
     for name, case in data.items():
         if "error" in case:
             lines.append(f"| {name} | {case['kind']} | | error: {case['error']} |")
@@ -98,9 +111,14 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, int]]:
             if metric not in case["test"] or metric not in case["twin"]:
                 ks.append("-")
                 continue
-            control, twin, test = (Curve(metric, np.asarray(case[s][metric][0], np.int64),
-                                         np.asarray(case[s][metric][1], np.float64))
-                                   for s in ("control", "twin", "test"))
+            control, twin, test = (
+                Curve(
+                    metric,
+                    np.asarray(case[s][metric][0], np.int64),
+                    np.asarray(case[s][metric][1], np.float64),
+                )
+                for s in ("control", "twin", "test")
+            )
             k, d1, rel1 = needed_k(control, twin, test)
             failed |= k > TWIN_DEFAULTS[metric].k
             best = max(best, k)
@@ -120,10 +138,16 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, int]]:
             counts["caught"] += failed
         else:
             counts["false_alarm"] += failed
-        verdict = ("caught" if failed else "**missed**") if kind == "bug" else (
-            "**false alarm**" if failed else "pass")
-        lines.append(f"| {name} | {kind} | {case['seed']} | " + " | ".join(ks)
-                     + f" | {loss1:.2g} | {gn1:.2g} | {verdict} |")
+        verdict = (
+            ("caught" if failed else "**missed**")
+            if kind == "bug"
+            else ("**false alarm**" if failed else "pass")
+        )
+        lines.append(
+            f"| {name} | {kind} | {case['seed']} | "
+            + " | ".join(ks)
+            + f" | {loss1:.2g} | {gn1:.2g} | {verdict} |"
+        )
     return "\n".join(lines), counts
 
 
@@ -132,8 +156,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
-    parser.add_argument("--all-seeds", action="store_true",
-                        help="also the catalogue's other-seed cases (control per seed)")
+    parser.add_argument(
+        "--all-seeds",
+        action="store_true",
+        help="also the catalogue's other-seed cases (control per seed)",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     start = time.monotonic()
@@ -146,24 +173,31 @@ def main() -> int:
             args.save.write_text(json.dumps(data))
     meta = data.pop("_meta", {"collect_min": float("nan"), "machine": machine()})
     text, counts = table(data)
-    defaults = ", ".join(f"{m}: k {TWIN_DEFAULTS[m].k:g}, atol {TWIN_DEFAULTS[m].atol:g}, "
-                         f"rtol {TWIN_DEFAULTS[m].rtol:g}" for m in METRICS)
-    body = "\n\n".join((
-        "## Twin regime calibration, CPU bf16 (benchmarks/detection/twin_calibration.py)",
-        f"Machine: {meta['machine']}. `python benchmarks/detection/twin_calibration.py"
-        f"{' --all-seeds' if args.all_seeds else ''}`: the detection catalogue with bf16 params "
-        f"on both sides (FSDP2 mixed precision), debug model, {args.steps} steps, early "
-        "stopping off; control FSDP(2), twin FSDP(4) with half the local batch. Needed k: "
-        "max over steps of (|test - control| - floor) / running max |twin - control|. "
-        f"Defaults: {defaults}.",
-        f"Caught **{counts['caught']}/{counts['bug']}** planted bugs; false alarms "
-        f"**{counts['false_alarm']}/{counts['correct']}** correct pairs. Whole run: "
-        f"{meta['collect_min']:.1f} min.",
-        "Headroom: the worst correct pair needs k = " + ", ".join(
-            f"{v:.2g} ({m})" for m, v in counts["worst_correct"].items())
-        + "; the least visible bug ({1}) reaches k = {0:.3g} on its most telling metric.".format(
-            *min(counts["weakest_bug"], default=(float("nan"), "-"))),
-        text))
+    defaults = ", ".join(
+        f"{m}: k {TWIN_DEFAULTS[m].k:g}, atol {TWIN_DEFAULTS[m].atol:g}, "
+        f"rtol {TWIN_DEFAULTS[m].rtol:g}"
+        for m in METRICS
+    )
+    body = "\n\n".join(
+        (
+            "## Twin regime calibration, CPU bf16 (benchmarks/detection/twin_calibration.py)",
+            f"Machine: {meta['machine']}. `python benchmarks/detection/twin_calibration.py"
+            f"{' --all-seeds' if args.all_seeds else ''}`: the detection catalogue with bf16 params "
+            f"on both sides (FSDP2 mixed precision), debug model, {args.steps} steps, early "
+            "stopping off; control FSDP(2), twin FSDP(4) with half the local batch. Needed k: "
+            "max over steps of (|test - control| - floor) / running max |twin - control|. "
+            f"Defaults: {defaults}.",
+            f"Caught **{counts['caught']}/{counts['bug']}** planted bugs; false alarms "
+            f"**{counts['false_alarm']}/{counts['correct']}** correct pairs. Whole run: "
+            f"{meta['collect_min']:.1f} min.",
+            "Headroom: the worst correct pair needs k = "
+            + ", ".join(f"{v:.2g} ({m})" for m, v in counts["worst_correct"].items())
+            + "; the least visible bug ({1}) reaches k = {0:.3g} on its most telling metric.".format(
+                *min(counts["weakest_bug"], default=(float("nan"), "-"))
+            ),
+            text,
+        )
+    )
     print(body)
     if not args.no_write:
         write_section("twin-calibration", body)

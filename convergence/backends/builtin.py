@@ -70,8 +70,12 @@ class BuiltinBackend:
 
     def tokens_per_step(self, job: JobSpec) -> int:
         cfg = self.effective_config(job)
-        return (cfg.training.local_batch_size * job.layout.dp * cfg.training.grad_accum_steps
-                * cfg.data.seq_len)
+        return (
+            cfg.training.local_batch_size
+            * job.layout.dp
+            * cfg.training.grad_accum_steps
+            * cfg.data.seq_len
+        )
 
     def noise_twin(self, job: JobSpec) -> JobSpec | None:
         """The same seed checkpoint, samples, precision and techniques, with another
@@ -88,22 +92,33 @@ class BuiltinBackend:
         local = cfg.training.local_batch_size
         if local % 2 == 0:
             twin = dataclasses.replace(
-                job, name=f"{job.name}-twin", local_batch_size=local // 2,
-                layout=dataclasses.replace(layout, dp_shard=layout.dp_shard * 2))
+                job,
+                name=f"{job.name}-twin",
+                local_batch_size=local // 2,
+                layout=dataclasses.replace(layout, dp_shard=layout.dp_shard * 2),
+            )
         elif layout.dp_shard % 2 == 0 and (layout.dp_shard // 2) * layout.cp > 1:
             twin = dataclasses.replace(
-                job, name=f"{job.name}-twin",
+                job,
+                name=f"{job.name}-twin",
                 layout=dataclasses.replace(layout, dp_shard=layout.dp_shard // 2),
-                techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2))
+                techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2),
+            )
         else:
-            raise SpecError(f"no noise twin for control {job.name!r}: its local batch "
-                            f"({local}) is odd and its FSDP degree ({layout.dp_shard}) cannot "
-                            "be halved", key="regime",
-                            fix="use an even local_batch_size on the control, or regime = \"seed\"")
+            raise SpecError(
+                f"no noise twin for control {job.name!r}: its local batch "
+                f"({local}) is odd and its FSDP degree ({layout.dp_shard}) cannot "
+                "be halved",
+                key="regime",
+                fix='use an even local_batch_size on the control, or regime = "seed"',
+            )
         self.preflight(twin)
         if self.tokens_per_step(twin) != self.tokens_per_step(job):
-            raise SpecError(f"the twin of {job.name!r} would read other tokens per step",
-                            key="regime", fix='use regime = "seed" for this control')
+            raise SpecError(
+                f"the twin of {job.name!r} would read other tokens per step",
+                key="regime",
+                fix='use regime = "seed" for this control',
+            )
         return twin
 
     def config_text(self, job: JobSpec) -> str:
@@ -113,18 +128,34 @@ class BuiltinBackend:
         cfg = self.effective_config(job)
         # The weights depend only on the model shape, the init and the seed: every layout of
         # the same model and seed shares one seed checkpoint.
-        return {"backend": self.version(), "model": cfg.to_dict()["model"],
-                "seed": cfg.training.seed, "max_seq_len": cfg.data.seq_len}
+        return {
+            "backend": self.version(),
+            "model": cfg.to_dict()["model"],
+            "seed": cfg.training.seed,
+            "max_seq_len": cfg.data.seq_len,
+        }
 
     def seed_entry(self, job: JobSpec, seed_dir: Path) -> list[str]:
-        return ["-m", TRAINER_MODULE, "--config", str(job.train_config), *job_overrides(job),
-                "--checkpoint.create_seed_checkpoint=true",
-                f"--checkpoint.seed_checkpoint={seed_dir}",
-                f"--metrics.dump_folder={seed_dir}/creator"]
+        return [
+            "-m",
+            TRAINER_MODULE,
+            "--config",
+            str(job.train_config),
+            *job_overrides(job),
+            "--checkpoint.create_seed_checkpoint=true",
+            f"--checkpoint.seed_checkpoint={seed_dir}",
+            f"--metrics.dump_folder={seed_dir}/creator",
+        ]
 
     def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
-        entry = ["-m", TRAINER_MODULE, "--config", str(job.train_config), *job_overrides(job),
-                 f"--metrics.dump_folder={dump_dir}"]
+        entry = [
+            "-m",
+            TRAINER_MODULE,
+            "--config",
+            str(job.train_config),
+            *job_overrides(job),
+            f"--metrics.dump_folder={dump_dir}",
+        ]
         if seed_dir is not None:
             entry.append(f"--checkpoint.seed_checkpoint={seed_dir}")
         return entry

@@ -33,11 +33,33 @@ from convergence.metrics.tensorboard import read_tensorboard
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
-OPTION_KEYS = ("command", "launch", "metrics", "metrics_file", "version", "tokens_per_step",
-               "sources")
-PLACEHOLDERS = ("nproc", "world_size", "dp_replicate", "dp_shard", "dp", "tp", "pp", "cp",
-                "pp_schedule", "pp_microbatches", "steps", "seed", "dump_dir",
-                "local_batch_size", "grad_accum_steps", "train_config")
+OPTION_KEYS = (
+    "command",
+    "launch",
+    "metrics",
+    "metrics_file",
+    "version",
+    "tokens_per_step",
+    "sources",
+)
+PLACEHOLDERS = (
+    "nproc",
+    "world_size",
+    "dp_replicate",
+    "dp_shard",
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "pp_schedule",
+    "pp_microbatches",
+    "steps",
+    "seed",
+    "dump_dir",
+    "local_batch_size",
+    "grad_accum_steps",
+    "train_config",
+)
 
 
 def _options(job: JobSpec) -> dict[str, str]:
@@ -46,8 +68,10 @@ def _options(job: JobSpec) -> dict[str, str]:
 
 def _key_map(options: dict[str, str]) -> dict[str, str]:
     """``keys.loss = "train_loss"`` -> {"train_loss": "loss"} (their name -> ours)."""
-    return {theirs: ours.split(".", 1)[1] for ours, theirs in
-            ((k, v) for k, v in options.items() if k.startswith("keys."))}
+    return {
+        theirs: ours.split(".", 1)[1]
+        for ours, theirs in ((k, v) for k, v in options.items() if k.startswith("keys."))
+    }
 
 
 def _sources(job: JobSpec) -> list[str]:
@@ -69,11 +93,19 @@ def _sources(job: JobSpec) -> list[str]:
 def placeholders(job: JobSpec, dump_dir: Path) -> dict[str, str]:
     layout = job.layout
     return {
-        "nproc": str(job.world_size), "world_size": str(job.world_size),
-        "dp_replicate": str(layout.dp_replicate), "dp_shard": str(layout.dp_shard),
-        "dp": str(layout.dp), "tp": str(layout.tp), "pp": str(layout.pp), "cp": str(layout.cp),
-        "pp_schedule": layout.pp_schedule, "pp_microbatches": str(layout.microbatches),
-        "steps": str(job.steps), "seed": str(job.seed), "dump_dir": str(dump_dir),
+        "nproc": str(job.world_size),
+        "world_size": str(job.world_size),
+        "dp_replicate": str(layout.dp_replicate),
+        "dp_shard": str(layout.dp_shard),
+        "dp": str(layout.dp),
+        "tp": str(layout.tp),
+        "pp": str(layout.pp),
+        "cp": str(layout.cp),
+        "pp_schedule": layout.pp_schedule,
+        "pp_microbatches": str(layout.microbatches),
+        "steps": str(job.steps),
+        "seed": str(job.seed),
+        "dump_dir": str(dump_dir),
         "local_batch_size": str(job.local_batch_size or ""),
         "grad_accum_steps": str(job.techniques.grad_accum_steps),
         "train_config": str(job.train_config),
@@ -93,7 +125,7 @@ class CommandBackend:
         found: set[Path] = set()
         for pattern in patterns:
             if Path(pattern).is_absolute():
-                root, rel = Path(Path(pattern).anchor), pattern[len(Path(pattern).anchor):]
+                root, rel = Path(Path(pattern).anchor), pattern[len(Path(pattern).anchor) :]
             else:
                 root, rel = base, pattern
             found.update(p.resolve() for p in root.glob(rel) if p.is_file())
@@ -116,39 +148,64 @@ class CommandBackend:
         file = job.source
         for key in options:
             if key not in OPTION_KEYS and not key.startswith("keys."):
-                raise SpecError("unknown backend option", file=file, key=f"backend_options.{key}",
-                                fix=f"use one of {', '.join(OPTION_KEYS)} or keys.<metric>")
+                raise SpecError(
+                    "unknown backend option",
+                    file=file,
+                    key=f"backend_options.{key}",
+                    fix=f"use one of {', '.join(OPTION_KEYS)} or keys.<metric>",
+                )
         template = options.get("command")
         if not template:
-            raise SpecError("the command backend needs a command template", file=file,
-                            key="backend_options.command",
-                            fix='set backend_options = { command = "train.py --steps {steps} '
-                                '--out {dump_dir}" }')
+            raise SpecError(
+                "the command backend needs a command template",
+                file=file,
+                key="backend_options.command",
+                fix='set backend_options = { command = "train.py --steps {steps} '
+                '--out {dump_dir}" }',
+            )
         try:
             words = shlex.split(template)
         except ValueError as exc:
-            raise SpecError(f"cannot split the command: {exc}", file=file,
-                            key="backend_options.command", fix="balance the quotes") from None
+            raise SpecError(
+                f"cannot split the command: {exc}",
+                file=file,
+                key="backend_options.command",
+                fix="balance the quotes",
+            ) from None
         for word in words:
             try:
                 word.format(**placeholders(job, Path("DUMP")))
             except (KeyError, IndexError, ValueError) as exc:
-                raise SpecError(f"unknown placeholder {exc} in {word!r}", file=file,
-                                key="backend_options.command",
-                                fix=f"use only {{{'}, {'.join(PLACEHOLDERS)}}}") from None
+                raise SpecError(
+                    f"unknown placeholder {exc} in {word!r}",
+                    file=file,
+                    key="backend_options.command",
+                    fix=f"use only {{{'}, {'.join(PLACEHOLDERS)}}}",
+                ) from None
         if options.get("launch", "torchrun") not in ("torchrun", "direct"):
-            raise SpecError("launch must be torchrun or direct", file=file,
-                            key="backend_options.launch", fix='set launch = "torchrun"')
+            raise SpecError(
+                "launch must be torchrun or direct",
+                file=file,
+                key="backend_options.launch",
+                fix='set launch = "torchrun"',
+            )
         if "sources" in options:
             patterns = _sources(job)
             if not patterns or not self.source_files(job):
-                raise SpecError(f"backend_options.sources {patterns!r} matches no file", file=file,
-                                key="backend_options.sources",
-                                fix='list globs of the trainer\'s files relative to the '
-                                    'experiment file, e.g. sources = ["train.py"]')
+                raise SpecError(
+                    f"backend_options.sources {patterns!r} matches no file",
+                    file=file,
+                    key="backend_options.sources",
+                    fix="list globs of the trainer's files relative to the "
+                    'experiment file, e.g. sources = ["train.py"]',
+                )
         if options.get("metrics", "jsonl") not in ("jsonl", "tensorboard"):
-            raise SpecError("metrics must be jsonl or tensorboard", file=file,
-                            key="backend_options.metrics", fix='set metrics = "jsonl"')
+            raise SpecError(
+                "metrics must be jsonl or tensorboard",
+                file=file,
+                key="backend_options.metrics",
+                fix='set metrics = "jsonl"',
+            )
 
     def launches_itself(self, job: JobSpec) -> bool:
         return _options(job).get("launch", "torchrun") == "direct"
@@ -201,12 +258,13 @@ class CommandBackend:
         options = _options(job)
         key_map = _key_map(options)
         if options.get("metrics", "jsonl") == "tensorboard":
+            return read_tensorboard(
+                dump_dir / options.get("metrics_file", ""), tag_map=key_map or None
+            )
 
-            return read_tensorboard(dump_dir / options.get("metrics_file", ""),
-                                    tag_map=key_map or None)
-
-        return read_jsonl(dump_dir / options.get("metrics_file", "metrics.jsonl"),
-                          key_map=key_map or None)
+        return read_jsonl(
+            dump_dir / options.get("metrics_file", "metrics.jsonl"), key_map=key_map or None
+        )
 
     def noise_twin(self, job: JobSpec) -> JobSpec | None:
         return None  # an arbitrary command has no settings to derive a twin from

@@ -56,19 +56,23 @@ def get_backend(name: str) -> Backend:
     targets = _targets()
     target = targets.get(name)
     if target is None:
-        raise SpecError(f"unknown backend {name!r}", key="backend",
-                        fix=f"use one of {', '.join(targets)} (or install a package that "
-                            f"registers it under the {GROUP!r} entry points)")
+        raise SpecError(
+            f"unknown backend {name!r}",
+            key="backend",
+            fix=f"use one of {', '.join(targets)} (or install a package that "
+            f"registers it under the {GROUP!r} entry points)",
+        )
     module, _, attribute = target.partition(":")
     try:
         factory = getattr(importlib.import_module(module), attribute)
     except ImportError as exc:
         # Not an error in the file: this session lacks an optional package; collection
         # skips the pair with this reason (--convergence-strict: an error).
-        raise NotRunnableHere(f"needs the {name} backend, which is not available here: {exc}",
-                              key="backend",
-                              fix=_INSTALL_HINTS.get(name, f"install the package that provides "
-                                                           f"{target}")) from None
+        raise NotRunnableHere(
+            f"needs the {name} backend, which is not available here: {exc}",
+            key="backend",
+            fix=_INSTALL_HINTS.get(name, f"install the package that provides {target}"),
+        ) from None
     backend: Backend = factory()
     return backend
 
@@ -78,5 +82,8 @@ if TYPE_CHECKING:  # mypy --strict checks that the shipped backends satisfy the 
     from convergence.backends.command import CommandBackend
     from convergence.backends.torchtitan import TorchtitanBackend
 
-    _SHIPPED_ARE_BACKENDS: tuple[Backend, ...] = (BuiltinBackend(), CommandBackend(),
-                                                  TorchtitanBackend())
+    _SHIPPED_ARE_BACKENDS: tuple[Backend, ...] = (
+        BuiltinBackend(),
+        CommandBackend(),
+        TorchtitanBackend(),
+    )

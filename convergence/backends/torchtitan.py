@@ -79,12 +79,16 @@ SEED_FOLDER = "checkpoint"
 SEED_STEP = "step-0"
 #: A stand-in for folders that do not exist yet when validating (absolute: torchtitan checks).
 PLACEHOLDER_DIR = Path("/nonexistent/convergence-preflight")
-AC_SUBCOMMANDS = {"none": "activation-checkpoint:none", "full": "activation-checkpoint:full",
-                  "selective": "activation-checkpoint:selective"}
+AC_SUBCOMMANDS = {
+    "none": "activation-checkpoint:none",
+    "full": "activation-checkpoint:full",
+    "selective": "activation-checkpoint:selective",
+}
 ASSETS_VERSION = "v1"
 
 
 # -- options and argv -------------------------------------------------------------------------
+
 
 def _options(job: JobSpec) -> dict[str, str]:
     return dict(job.backend_options)
@@ -108,8 +112,10 @@ def asset_paths(job: JobSpec) -> tuple[str, str]:
     """(hf_assets_path, dataset_path) the job trains with."""
     options = _options(job)
     root = assets_root(job)
-    return (options.get("hf_assets_path", str(root / "tokenizer")),
-            options.get("dataset_path", str(root / "corpus")))
+    return (
+        options.get("hf_assets_path", str(root / "tokenizer")),
+        options.get("dataset_path", str(root / "corpus")),
+    )
 
 
 def flag(key: str, value: bool) -> str:
@@ -168,16 +174,21 @@ def job_overrides(job: JobSpec, local_batch_size: int | None) -> list[str]:
             # torchtitan 0.3.0 captures CUDA graphs by default and refuses them with PP.
             words.append(flag("training.disable_cuda_graphs", True))
             # torchtitan splits the local batch into microbatches of this size.
-            words.append("--parallelism.pipeline_parallel_microbatch_size="
-                         f"{max(1, local_batch_size // layout.microbatches)}")
+            words.append(
+                "--parallelism.pipeline_parallel_microbatch_size="
+                f"{max(1, local_batch_size // layout.microbatches)}"
+            )
         if tech.grad_accum_steps > 1:
-            words.append("--training.global_batch_size="
-                         f"{local_batch_size * layout.dp * tech.grad_accum_steps}")
+            words.append(
+                "--training.global_batch_size="
+                f"{local_batch_size * layout.dp * tech.grad_accum_steps}"
+            )
     return words
 
 
-def build_argv(job: JobSpec, *, dump_dir: Path, extra: list[str],
-               local_batch_size: int | None) -> list[str]:
+def build_argv(
+    job: JobSpec, *, dump_dir: Path, extra: list[str], local_batch_size: int | None
+) -> list[str]:
     """``--module M --config C`` + spec-derived words + ``extra`` + user overrides, with the
     activation checkpoint subcommand (and its own options) last, as tyro requires."""
     module, config = module_and_config(job)
@@ -186,12 +197,16 @@ def build_argv(job: JobSpec, *, dump_dir: Path, extra: list[str],
     user = [(k, v) for k, v in job.overrides if not _is_ac_key(k)]
     user_ac = [(k, v) for k, v in job.overrides if _is_ac_key(k)]
     return [
-        "--module", module, "--config", config,
+        "--module",
+        module,
+        "--config",
+        config,
         f"--hf_assets_path={hf_assets}",
         f"--dataloader.dataset={options.get('dataset', DEFAULT_DATASET)}",
         f"--dataloader.dataset_path={dataset_path}",
         f"--dump_folder={dump_dir}",
-        *job_overrides(job, local_batch_size), *extra,
+        *job_overrides(job, local_batch_size),
+        *extra,
         # User overrides come after the spec-derived words so they win.
         *(override_arg(k, v) for k, v in user),
         AC_SUBCOMMANDS[job.techniques.activation_checkpoint],
@@ -209,18 +224,25 @@ def launch_options(job: JobSpec, dump_dir: Path) -> list[str]:
 
 
 def seed_args(seed_dir: Path) -> list[str]:
-    return [flag("checkpoint.enable", True), flag("checkpoint.create_seed_checkpoint", True),
-            f"--checkpoint.folder={seed_dir / SEED_FOLDER}",
-            flag("checkpoint.last_save_model_only", True)]
+    return [
+        flag("checkpoint.enable", True),
+        flag("checkpoint.create_seed_checkpoint", True),
+        f"--checkpoint.folder={seed_dir / SEED_FOLDER}",
+        flag("checkpoint.last_save_model_only", True),
+    ]
 
 
 def load_args(seed_dir: Path) -> list[str]:
-    return [flag("checkpoint.enable", True), flag("checkpoint.load_only", True),
-            f"--checkpoint.initial_load_path={seed_dir / SEED_FOLDER / SEED_STEP}",
-            flag("checkpoint.initial_load_model_only", True)]
+    return [
+        flag("checkpoint.enable", True),
+        flag("checkpoint.load_only", True),
+        f"--checkpoint.initial_load_path={seed_dir / SEED_FOLDER / SEED_STEP}",
+        flag("checkpoint.initial_load_model_only", True),
+    ]
 
 
 # -- torchtitan's own parser (imported lazily, once per process) -----------------------------
+
 
 @functools.cache
 def _config_manager() -> Any:
@@ -245,8 +267,12 @@ def _clean(text: str) -> str:
     keep = []
     for raw in text.splitlines():
         line = raw.strip().strip("│").strip()
-        if (_NOISE.match(line) or line.startswith(("For full helptext", "in /"))
-                or "has no effect without" in line or "does not exist!" in line):
+        if (
+            _NOISE.match(line)
+            or line.startswith(("For full helptext", "in /"))
+            or "has no effect without" in line
+            or "does not exist!" in line
+        ):
             continue
         keep.append(re.sub(r"\s+", " ", line))
     return "\n".join(keep) or "invalid arguments"
@@ -315,9 +341,17 @@ def ensure_assets(root: Path) -> Path:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(build / "tokenizer" / "tokenizer.json"))
-    (build / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "add_bos_token": True,
-         "add_eos_token": True}))
+    (build / "tokenizer" / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": BOS,
+                "eos_token": EOS,
+                "unk_token": UNK,
+                "add_bos_token": True,
+                "add_eos_token": True,
+            }
+        )
+    )
     with (build / "corpus" / "data.jsonl").open("w") as fh:
         for doc in _corpus(words):
             fh.write(json.dumps({"text": doc}) + "\n")
@@ -346,6 +380,7 @@ def source_hash() -> str:
 
 # -- the backend --------------------------------------------------------------------------------
 
+
 class TorchtitanBackend:
     name = "torchtitan"
 
@@ -366,11 +401,16 @@ class TorchtitanBackend:
             return job.local_batch_size
         return int(self.base_config(job).training.local_batch_size)
 
-    def argv(self, job: JobSpec, *, dump_dir: Path = PLACEHOLDER_DIR,
-             extra: list[str] | None = None) -> list[str]:
+    def argv(
+        self, job: JobSpec, *, dump_dir: Path = PLACEHOLDER_DIR, extra: list[str] | None = None
+    ) -> list[str]:
         """Everything after ``-m torchtitan.train``."""
-        return build_argv(job, dump_dir=dump_dir, extra=list(extra or []),
-                          local_batch_size=self.local_batch_size(job))
+        return build_argv(
+            job,
+            dump_dir=dump_dir,
+            extra=list(extra or []),
+            local_batch_size=self.local_batch_size(job),
+        )
 
     def effective_config(self, job: JobSpec) -> Any:
         return parse(tuple(self.argv(job, extra=load_args(PLACEHOLDER_DIR))))
@@ -379,17 +419,23 @@ class TorchtitanBackend:
         file = job.source
         for key in _options(job):
             if key not in OPTION_KEYS:
-                raise SpecError("unknown torchtitan backend option", file=file,
-                                key=f"backend_options.{key}",
-                                fix=f"use one of {', '.join(OPTION_KEYS)}")
+                raise SpecError(
+                    "unknown torchtitan backend option",
+                    file=file,
+                    key=f"backend_options.{key}",
+                    fix=f"use one of {', '.join(OPTION_KEYS)}",
+                )
         if job.hook:
             if job.hook_mode != "after":
-                raise SpecError(f"hook_mode {job.hook_mode!r} is not available for torchtitan "
-                                "jobs: torchtitan applies its own TP plan, and the hook runs "
-                                "after torchtitan's parallelisation of each model part",
-                                file=file, key="hook_mode",
-                                fix='use hook_mode = "after" (the default), or the built-in '
-                                    'backend for "replace_tp"')
+                raise SpecError(
+                    f"hook_mode {job.hook_mode!r} is not available for torchtitan "
+                    "jobs: torchtitan applies its own TP plan, and the hook runs "
+                    "after torchtitan's parallelisation of each model part",
+                    file=file,
+                    key="hook_mode",
+                    fix='use hook_mode = "after" (the default), or the built-in '
+                    'backend for "replace_tp"',
+                )
             from convergence.trainer.hooks import find_hook_module  # lazy: torch
 
             find_hook_module(job.hook, file=file, key="hook")
@@ -397,26 +443,34 @@ class TorchtitanBackend:
             self.base_config(job)  # module/config alone first: its error names that option
             self.effective_config(job)
         except ParseError as exc:
-            raise SpecError(f"torchtitan rejects the job's configuration:\n{exc.text}",
-                            file=file, key=_blame(job, exc.text),
-                            fix="fix the override (see torchtitan's message above; "
-                                "`python -m torchtitan.config.manager --module M --config C "
-                                "--help` lists every key)") from None
+            raise SpecError(
+                f"torchtitan rejects the job's configuration:\n{exc.text}",
+                file=file,
+                key=_blame(job, exc.text),
+                fix="fix the override (see torchtitan's message above; "
+                "`python -m torchtitan.config.manager --module M --config C "
+                "--help` lists every key)",
+            ) from None
         layout = job.layout
         if layout.pp > 1 and self.local_batch_size(job) % layout.microbatches:
             raise SpecError(
                 f"local batch {self.local_batch_size(job)} does not split into "
-                f"{layout.microbatches} pipeline microbatches", file=file,
+                f"{layout.microbatches} pipeline microbatches",
+                file=file,
                 key="local_batch_size",
-                fix="make local_batch_size a multiple of parallelism.pp_microbatches")
+                fix="make local_batch_size a multiple of parallelism.pp_microbatches",
+            )
         if layout.pp_stages_per_rank is not None and layout.pp_stages_per_rank != (
-                2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1):
+            2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+        ):
             raise SpecError(
                 "parallelism.pp_stages_per_rank is not passed on to torchtitan (it derives the "
-                "stages per rank from the schedule: 1, or 2 for looped schedules)", file=file,
+                "stages per rank from the schedule: 1, or 2 for looped schedules)",
+                file=file,
                 key="parallelism.pp_stages_per_rank",
                 fix="drop pp_stages_per_rank, or set torchtitan's own "
-                    "overrides.\"parallelism.pipeline_parallel_layers_per_stage\"")
+                'overrides."parallelism.pipeline_parallel_layers_per_stage"',
+            )
         check_degrees(job, self.effective_config(job))
 
     def noise_twin(self, control: JobSpec) -> JobSpec:
@@ -436,15 +490,22 @@ class TorchtitanBackend:
             raise SpecError(
                 f"no noise twin for control {control.name!r}: its local batch ({local}) cannot "
                 "be halved" + (" into whole pipeline microbatches" if layout.pp > 1 else ""),
-                key="regime", fix="use an even local_batch_size on the control, or "
-                                  'regime = "seed"')
+                key="regime",
+                fix='use an even local_batch_size on the control, or regime = "seed"',
+            )
         twin = dataclasses.replace(
-            control, name=f"{control.name}-twin", local_batch_size=local // 2,
-            techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2))
+            control,
+            name=f"{control.name}-twin",
+            local_batch_size=local // 2,
+            techniques=dataclasses.replace(tech, grad_accum_steps=tech.grad_accum_steps * 2),
+        )
         self.preflight(twin)
         if self.tokens_per_step(twin) != self.tokens_per_step(control):
-            raise SpecError(f"the twin of {control.name!r} would read other tokens per step",
-                            key="regime", fix='use regime = "seed" for this control')
+            raise SpecError(
+                f"the twin of {control.name!r} would read other tokens per step",
+                key="regime",
+                fix='use regime = "seed" for this control',
+            )
         return twin
 
     def tokens_per_step(self, job: JobSpec) -> int:
@@ -458,32 +519,50 @@ class TorchtitanBackend:
         module, config = module_and_config(job)
         path = Path(job.train_config)
         text = path.read_text(encoding="utf-8") if path.is_file() else ""
-        return json.dumps({"module": module, "config": config, "train_config": text,
-                           "options": sorted(_options(job).items()),
-                           "assets": ASSETS_VERSION})
+        return json.dumps(
+            {
+                "module": module,
+                "config": config,
+                "train_config": text,
+                "options": sorted(_options(job).items()),
+                "assets": ASSETS_VERSION,
+            }
+        )
 
     # seed checkpoint
     def seed_identity(self, job: JobSpec) -> dict[str, Any] | None:
         module, config = module_and_config(job)
         # Weights depend on the model (module + config), the init and the seed only.
-        return {"backend": self.version(), "module": module, "config": config,
-                "seed": job.seed}
+        return {"backend": self.version(), "module": module, "config": config, "seed": job.seed}
 
     def seed_entry(self, job: JobSpec, seed_dir: Path) -> list[str]:
         ensure_assets(assets_root(job))
         single = _one_process(job)
         # One process through torchrun: torchtitan reads WORLD_SIZE and wants a process group.
-        return ["-m", "convergence.launch.loopback_torchrun", "--standalone",
-                "--nproc-per-node=1",
-                "-m", LAUNCH_MODULE,
-                *build_argv(single, dump_dir=seed_dir / "creator", extra=seed_args(seed_dir),
-                            local_batch_size=None)]
+        return [
+            "-m",
+            "convergence.launch.loopback_torchrun",
+            "--standalone",
+            "--nproc-per-node=1",
+            "-m",
+            LAUNCH_MODULE,
+            *build_argv(
+                single,
+                dump_dir=seed_dir / "creator",
+                extra=seed_args(seed_dir),
+                local_batch_size=None,
+            ),
+        ]
 
     def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
         ensure_assets(assets_root(job))
         extra = load_args(seed_dir) if seed_dir is not None else []
-        return ["-m", LAUNCH_MODULE, *launch_options(job, dump_dir),
-                *self.argv(job, dump_dir=dump_dir, extra=extra)]
+        return [
+            "-m",
+            LAUNCH_MODULE,
+            *launch_options(job, dump_dir),
+            *self.argv(job, dump_dir=dump_dir, extra=extra),
+        ]
 
     def launches_itself(self, job: JobSpec) -> bool:
         return False
@@ -524,38 +603,50 @@ def check_degrees(job: JobSpec, cfg: Any) -> None:
     if layout.tp > 1 and heads is not None and kv_heads is not None:
         for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
             if count % layout.tp:
-                raise SpecError(f"tp = {layout.tp} does not divide the model's {count} {what}",
-                                file=file, key="parallelism.tp",
-                                fix=f"use a tp degree that divides {count}")
+                raise SpecError(
+                    f"tp = {layout.tp} does not divide the model's {count} {what}",
+                    file=file,
+                    key="parallelism.tp",
+                    fix=f"use a tp degree that divides {count}",
+                )
     seq_len = int(cfg.training.seq_len)
     divisor = (layout.tp if cfg.parallelism.enable_sequence_parallel else 1) * (
-        2 * layout.cp if layout.cp > 1 else 1)
+        2 * layout.cp if layout.cp > 1 else 1
+    )
     if seq_len % divisor:
-        raise SpecError(f"training.seq_len {seq_len} is not a multiple of {divisor} (tp with "
-                        "sequence parallel x 2 x cp: torchtitan's load balancing)", file=file,
-                        key="overrides.training.seq_len",
-                        fix=f"use a seq_len divisible by {divisor}")
+        raise SpecError(
+            f"training.seq_len {seq_len} is not a multiple of {divisor} (tp with "
+            "sequence parallel x 2 x cp: torchtitan's load balancing)",
+            file=file,
+            key="overrides.training.seq_len",
+            fix=f"use a seq_len divisible by {divisor}",
+        )
     block = getattr(getattr(attention, "inner_attention", None), "block_size", None)
     if layout.cp > 1 and block is not None:  # flex attention: its CP block mask
         block = max(block) if isinstance(block, tuple) else int(block)
         if seq_len % (layout.cp * block):
-            raise SpecError(f"training.seq_len {seq_len} is not a multiple of cp x the flex "
-                            f"attention block size ({layout.cp} x {block}): torch shards the "
-                            "block mask in whole blocks per CP rank", file=file,
-                            key="overrides.training.seq_len",
-                            fix=f"use a seq_len divisible by {layout.cp * block}")
+            raise SpecError(
+                f"training.seq_len {seq_len} is not a multiple of cp x the flex "
+                f"attention block size ({layout.cp} x {block}): torch shards the "
+                "block mask in whole blocks per CP rank",
+                file=file,
+                key="overrides.training.seq_len",
+                fix=f"use a seq_len divisible by {layout.cp * block}",
+            )
     layers = getattr(model, "layers", None)
     stages = layout.pp * (2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1)
     if layout.pp > 1 and layers is not None and len(layers) < stages:
-        raise SpecError(f"{stages} pipeline stages for a model of {len(layers)} layers",
-                        file=file, key="parallelism.pp",
-                        fix="use fewer pipeline stages than the model has layers")
+        raise SpecError(
+            f"{stages} pipeline stages for a model of {len(layers)} layers",
+            file=file,
+            key="parallelism.pp",
+            fix="use fewer pipeline stages than the model has layers",
+        )
 
 
 def _one_process(job: JobSpec) -> JobSpec:
     """The job on a single rank (seed checkpoint): no parallelism, no techniques."""
     import dataclasses
-
 
     return dataclasses.replace(job, layout=ParallelLayout(), techniques=Techniques(), steps=1)
 
@@ -587,6 +678,7 @@ def _blame(job: JobSpec, message: str) -> str:
         if theirs in text:
             return ours
     if "Config function" in message or "config_registry" in message:
-        return "backend_options.config" if "Config function" in message else \
-            "backend_options.module"
+        return (
+            "backend_options.config" if "Config function" in message else "backend_options.module"
+        )
     return "overrides" if job.overrides else "backend_options"

@@ -81,19 +81,22 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
         if not word.startswith(PREFIX):
             rest.append(word)
             continue
-        key, sep, value = word[len(PREFIX):].partition("=")
+        key, sep, value = word[len(PREFIX) :].partition("=")
         if key == "cpu":
             ours["cpu"] = True
         elif key in ("hook", "hook_mode", "log") and sep:
             ours[key] = value
         else:
-            raise SystemExit(f"torchtitan_launch: unknown option {word!r} (use "
-                             f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
-                             f"{PREFIX}log=PATH)")
+            raise SystemExit(
+                f"torchtitan_launch: unknown option {word!r} (use "
+                f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
+                f"{PREFIX}log=PATH)"
+            )
     return LaunchOptions(**ours), rest
 
 
 # -- CPU: the device ---------------------------------------------------------------------------
+
 
 def cpu_device_module() -> Any:
     """``torch.cpu`` plus the CUDA-module calls torchtitan makes (device name, properties,
@@ -108,7 +111,8 @@ def cpu_device_module() -> Any:
     module.__dict__.update(
         get_device_name=lambda device=None: "cpu",
         get_device_properties=lambda device=None: types.SimpleNamespace(
-            name="cpu", total_memory=total),
+            name="cpu", total_memory=total
+        ),
         current_device=lambda: 0,
         memory_stats=lambda device=None: {},
         reset_peak_memory_stats=lambda device=None: None,
@@ -133,6 +137,7 @@ def pick_cpu_device() -> None:
 
 # -- timeouts ----------------------------------------------------------------------------------
 
+
 def patch_timeouts(*, cpu: bool) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -145,8 +150,9 @@ def patch_timeouts(*, cpu: bool) -> None:
 
     def set_pg_timeouts(timeout: Any, parallel_dims: Any) -> None:
         dist.barrier()  # gloo takes no device_ids
-        groups = [mesh.get_group()
-                  for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
+        groups = [
+            mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()
+        ]
         for group in [*groups, None]:
             c10d._set_pg_timeout(timeout, group)
 
@@ -154,6 +160,7 @@ def patch_timeouts(*, cpu: bool) -> None:
 
 
 # -- pipelining: torchtitan 0.3.0 passes microbatch lists --------------------------------------
+
 
 def patch_pipeline_step() -> None:
     """torchtitan 0.3.0 calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``
@@ -175,19 +182,33 @@ def patch_pipeline_step() -> None:
 def _microbatch_step(original: Callable[..., Any]) -> Callable[..., Any]:
     # Not functools.wraps: its __wrapped__ would make inspect.signature report the original
     # signature, and patch_pipeline_step could no longer tell a patched step.
-    def step(self: Any, *args: Any, arg_mbs: list[Any] | None = None,
-             kwarg_mbs: list[Any] | None = None, target_mbs: list[Any] | None = None,
-             losses: list[Any] | None = None, return_outputs: bool = True,
-             loss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+    def step(
+        self: Any,
+        *args: Any,
+        arg_mbs: list[Any] | None = None,
+        kwarg_mbs: list[Any] | None = None,
+        target_mbs: list[Any] | None = None,
+        losses: list[Any] | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-            return original(self, *args, losses=losses, return_outputs=return_outputs,
-                            loss_kwargs=loss_kwargs, **kwargs)
+            return original(
+                self,
+                *args,
+                losses=losses,
+                return_outputs=return_outputs,
+                loss_kwargs=loss_kwargs,
+                **kwargs,
+            )
         stages = getattr(self, "_stages", None) or [self._stage]
         for stage in stages:
             stage.has_backward = self._has_backward
             stage.clear_runtime_states()
-        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
-                                loss_kwargs=loss_kwargs)
+        self._step_microbatches(
+            arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+        )
         for stage in stages:
             if stage.is_last and return_outputs:
                 return self._merge_outputs(stage.output_chunks)
@@ -199,9 +220,19 @@ def _microbatch_step(original: Callable[..., Any]) -> Callable[..., Any]:
 
 # -- CPU: attention ----------------------------------------------------------------------------
 
-def eager_flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any, block_mask: Any,
-                         scale: float | None, enable_gqa: bool, return_aux: Any,
-                         kernel_options: dict[str, Any]) -> tuple[Any, Any]:
+
+def eager_flex_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    return_aux: Any,
+    kernel_options: dict[str, Any],
+) -> tuple[Any, Any]:
     """``FlexAttention.compiled_flex_attn`` without a compiled kernel: the block mask's
     ``mask_mod`` evaluated on every (query, key) position, then SDPA with that boolean mask --
     exactly the attention flex computes when there is no ``score_mod`` (the debug model's
@@ -210,14 +241,18 @@ def eager_flex_attention(q: Any, k: Any, v: Any, *, score_mod: Any, block_mask: 
     from torch.nn.attention.flex_attention import create_mask
 
     if score_mod is not None or getattr(return_aux, "lse", False):
-        raise NotImplementedError("torchtitan_launch on CPU: flex attention with a score_mod "
-                                  "or log-sum-exp output has no eager replacement")
+        raise NotImplementedError(
+            "torchtitan_launch on CPU: flex attention with a score_mod "
+            "or log-sum-exp output has no eager replacement"
+        )
     mask = None
     if block_mask is not None:
-        mask = create_mask(block_mask.mask_mod, q.shape[0], q.shape[1], q.shape[-2],
-                           k.shape[-2], device=q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=enable_gqa)
+        mask = create_mask(
+            block_mask.mask_mod, q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], device=q.device
+        )
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
     return out, None
 
 
@@ -232,6 +267,7 @@ def patch_attention() -> None:
 
 # -- the model parts: hook and CPU reductions ---------------------------------------------------
 
+
 def force_sum_reduction(model: Any) -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -240,19 +276,25 @@ def force_sum_reduction(model: Any) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def hook_context(parallel_dims: Any, config: Any, *, mode: str, stage_index: int = 0,
-                 num_stages: int = 1) -> HookContext:
+def hook_context(
+    parallel_dims: Any, config: Any, *, mode: str, stage_index: int = 0, num_stages: int = 1
+) -> HookContext:
     """The built-in trainer's HookContext, filled from torchtitan's ParallelDims (mesh axis
     names are torchtitan's: "pp", "dp_replicate", "fsdp", "cp", "tp", ...)."""
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     dp_mesh = parallel_dims.get_optional_mesh(names) if parallel_dims.dp_enabled else None
     pp_mesh = parallel_dims.get_optional_mesh("pp")
-    return HookContext(mesh=parallel_dims.world_mesh,
-                       tp_mesh=parallel_dims.get_optional_mesh("tp"), dp_mesh=dp_mesh,
-                       config=config, mode=mode,
-                       pp_rank=pp_mesh.get_local_rank() if pp_mesh is not None else 0,
-                       pp_size=parallel_dims.pp, stage_index=stage_index,
-                       num_stages=num_stages)
+    return HookContext(
+        mesh=parallel_dims.world_mesh,
+        tp_mesh=parallel_dims.get_optional_mesh("tp"),
+        dp_mesh=dp_mesh,
+        config=config,
+        mode=mode,
+        pp_rank=pp_mesh.get_local_rank() if pp_mesh is not None else 0,
+        pp_size=parallel_dims.pp,
+        stage_index=stage_index,
+        num_stages=num_stages,
+    )
 
 
 def wrap_model_spec(config: Any, options: LaunchOptions) -> None:
@@ -285,8 +327,13 @@ def wrap_model_spec(config: Any, options: LaunchOptions) -> None:
         schedule, parts, has_first, has_last = pipelining(model, **kwargs)
         stages = getattr(schedule, "_stages", None) or [schedule._stage]
         for i, stage in enumerate(stages):
-            ctx = hook_context(kwargs["parallel_dims"], config, mode=options.hook_mode,
-                               stage_index=stage.stage_index, num_stages=stage.num_stages)
+            ctx = hook_context(
+                kwargs["parallel_dims"],
+                config,
+                mode=options.hook_mode,
+                stage_index=stage.stage_index,
+                num_stages=stage.num_stages,
+            )
             parts[i] = apply_hook(hook_fn, parts[i], ctx)
             stage.submod = parts[i]
         return schedule, parts, has_first, has_last
@@ -295,6 +342,7 @@ def wrap_model_spec(config: Any, options: LaunchOptions) -> None:
 
 
 # -- per-step records: the data fingerprint and per-part gradient norms -------------------------
+
 
 class StepLog:
     """Collects what a step read and its gradients; rank 0 appends one JSON line per step with
@@ -326,9 +374,11 @@ class StepLog:
             return
         norms = [v for v in parts.values() if v > 0]
         geomean = math.exp(sum(math.log(v) for v in norms) / len(norms)) if norms else 0.0
-        record = {"step": self.step,
-                  "data_fingerprint": int(digest.item()) % 2**FINGERPRINT_BITS,
-                  "grad_norm_parts": geomean}
+        record = {
+            "step": self.step,
+            "data_fingerprint": int(digest.item()) % 2**FINGERPRINT_BITS,
+            "grad_norm_parts": geomean,
+        }
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
 
@@ -402,6 +452,7 @@ def patch_step_log(options: LaunchOptions) -> None:
 
 
 # -- main ---------------------------------------------------------------------------------------
+
 
 def install(options: LaunchOptions) -> None:
     """Every change to torchtitan's modules, before its main() runs."""

@@ -45,19 +45,33 @@ def _canonical(value: Any, where: str) -> Any:
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(f"cache key: {where} is {value}, which has no canonical JSON form")
         return value
-    raise TypeError(f"cache key: {where} has type {type(value).__name__}, which cannot be "
-                    "hashed canonically; pass str/int/float/bool/None, lists, dicts, Paths "
-                    "or dataclasses of those")
+    raise TypeError(
+        f"cache key: {where} has type {type(value).__name__}, which cannot be "
+        "hashed canonically; pass str/int/float/bool/None, lists, dicts, Paths "
+        "or dataclasses of those"
+    )
 
 
 def canonical_json(value: Any) -> str:
     """Sorted keys, no whitespace, UTF-8: the same data always gives the same text."""
-    return json.dumps(_canonical(value, "job"), sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False, allow_nan=False)
+    return json.dumps(
+        _canonical(value, "job"),
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
 
 
-def cache_key(job_identity: Mapping[str, Any], *, train_config_text: str, backend_version: str,
-              code_version: str, torch_version: str, hardware: str) -> str:
+def cache_key(
+    job_identity: Mapping[str, Any],
+    *,
+    train_config_text: str,
+    backend_version: str,
+    code_version: str,
+    torch_version: str,
+    hardware: str,
+) -> str:
     """The hex sha256 naming a run in the :class:`~convergence.cache.store.RunCache`."""
     payload = {
         "schema": KEY_SCHEMA,
@@ -89,8 +103,9 @@ RESULT_PACKAGES: tuple[str, ...] = ("trainer", "backends")
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """Hash of the sources that decide a run's result (computed once per process)."""
-    return hashlib.sha256("".join(sources_hash(_PACKAGE_ROOT / name)
-                                  for name in RESULT_PACKAGES).encode()).hexdigest()
+    return hashlib.sha256(
+        "".join(sources_hash(_PACKAGE_ROOT / name) for name in RESULT_PACKAGES).encode()
+    ).hexdigest()
 
 
 def _cpu_model() -> str:

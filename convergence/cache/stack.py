@@ -25,18 +25,40 @@ from typing import Any
 
 NUMERICS_ENV: tuple[str, ...] = (
     # NCCL: which algorithm, protocol and how many channels/threads reduce (summation order).
-    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_MIN_CTAS",
-    "NCCL_MAX_CTAS", "NCCL_NTHREADS", "NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE",
-    "NCCL_TREE_THRESHOLD", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_IB_DISABLE",
-    "NCCL_CROSS_NIC", "NCCL_ALGO_TUNER", "NCCL_TUNER_PLUGIN",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_MIN_CTAS",
+    "NCCL_MAX_CTAS",
+    "NCCL_NTHREADS",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_COLLNET_ENABLE",
+    "NCCL_TREE_THRESHOLD",
+    "NCCL_P2P_DISABLE",
+    "NCCL_SHM_DISABLE",
+    "NCCL_IB_DISABLE",
+    "NCCL_CROSS_NIC",
+    "NCCL_ALGO_TUNER",
+    "NCCL_TUNER_PLUGIN",
     # cuBLAS / cuDNN / TF32: kernel choice and precision of matmuls and convolutions.
-    "CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "NVIDIA_TF32_OVERRIDE",
-    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_CUDNN_V8_API_DISABLED",
-    "TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT", "CUDA_LAUNCH_BLOCKING",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "CUBLASLT_WORKSPACE_SIZE",
+    "NVIDIA_TF32_OVERRIDE",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "TORCH_CUDNN_V8_API_DISABLED",
+    "TORCH_CUDNN_V8_API_LRU_CACHE_LIMIT",
+    "CUDA_LAUNCH_BLOCKING",
     # torch: determinism and the CPU kernel family.
-    "CUBLAS_DETERMINISTIC", "TORCH_DETERMINISTIC", "ATEN_CPU_CAPABILITY",
+    "CUBLAS_DETERMINISTIC",
+    "TORCH_DETERMINISTIC",
+    "ATEN_CPU_CAPABILITY",
     # CPU threads: how many pieces a reduction is split into.
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "MKL_CBWR",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
     # Gloo's allreduce algorithm (the CPU collectives of these tests).
     "GLOO_ALGORITHM",
 )
@@ -68,13 +90,15 @@ def accelerator_stack() -> dict[str, Any]:
     stack["cuda"] = torch.version.cuda
     stack["hip"] = getattr(torch.version, "hip", None)
     try:
-        stack["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() \
-            else None
+        stack["cudnn"] = (
+            torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        )
     except (RuntimeError, AttributeError):
         stack["cudnn"] = None
     try:
-        stack["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) \
-            if torch.cuda.is_available() else None
+        stack["nccl"] = (
+            ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+        )
     except (RuntimeError, AttributeError, TypeError):
         stack["nccl"] = None
     stack["driver"] = _driver_version()

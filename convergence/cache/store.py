@@ -78,10 +78,13 @@ def _ensure_folder(root: Path, sub: str, what: str) -> None:
         raise CacheError(
             f"run cache {root}: {blocker} is a file, but the cache needs a folder there (for "
             f"{what}); fix: remove {blocker}, or use another cache folder "
-            f"(--convergence-cache-dir DIR)") from None
+            f"(--convergence-cache-dir DIR)"
+        ) from None
     except OSError as exc:
-        raise CacheError(f"run cache {root}: cannot create {path}: {exc.strerror or exc}; fix: "
-                         f"use a writable cache folder (--convergence-cache-dir DIR)") from None
+        raise CacheError(
+            f"run cache {root}: cannot create {path}: {exc.strerror or exc}; fix: "
+            f"use a writable cache folder (--convergence-cache-dir DIR)"
+        ) from None
 
 
 def _check_key(key: str) -> None:
@@ -118,8 +121,10 @@ class RunCache:
         self.read_only = _read_only(self.root)
         """The folder exists but this process may not write it: reads only (module docstring)."""
         if self.read_only:
-            log.warning("run cache %s is read-only: cached runs are used, new ones are not "
-                        "stored", self.root)
+            log.warning(
+                "run cache %s is read-only: cached runs are used, new ones are not stored",
+                self.root,
+            )
             return
         for sub, what in ((_TMP, "runs being stored"), (_LOCKS, "lock files")):
             _ensure_folder(self.root, sub, what)
@@ -145,11 +150,16 @@ class RunCache:
                     pass
             return entry
         if self.read_only:
-            log.warning("run cache: entry %s is corrupt (%s); read-only cache, running again "
-                        "without touching it", entry, problem)
+            log.warning(
+                "run cache: entry %s is corrupt (%s); read-only cache, running again "
+                "without touching it",
+                entry,
+                problem,
+            )
             return None
-        log.warning("run cache: entry %s is corrupt (%s); deleting it and running again",
-                    entry, problem)
+        log.warning(
+            "run cache: entry %s is corrupt (%s); deleting it and running again", entry, problem
+        )
         self._discard(entry)
         return None
 
@@ -167,8 +177,11 @@ class RunCache:
         # file (a metrics file lost, or one edited after the fact), proves nothing about it.
         if not files:
             return f"{MANIFEST} lists no files"
-        present = {p.relative_to(entry).as_posix() for p in entry.rglob("*")
-                   if p.is_file() and p.name != MANIFEST}
+        present = {
+            p.relative_to(entry).as_posix()
+            for p in entry.rglob("*")
+            if p.is_file() and p.name != MANIFEST
+        }
         unlisted = sorted(present - set(files))
         if unlisted:
             return f"files not in {MANIFEST}: {', '.join(unlisted[:3])}"
@@ -192,8 +205,10 @@ class RunCache:
             raise CacheError(f"run cache {self.root} is read-only: cannot store run {key[:12]}")
         src_dir = Path(src_dir)
         if (src_dir / MANIFEST).exists():
-            raise ValueError(f"{src_dir / MANIFEST}: the run folder may not hold a file named "
-                             f"{MANIFEST} (the cache writes its own); rename it")
+            raise ValueError(
+                f"{src_dir / MANIFEST}: the run folder may not hold a file named "
+                f"{MANIFEST} (the cache writes its own); rename it"
+            )
         tmp = self.root / _TMP / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
             _copy_tree(src_dir, tmp)
@@ -208,10 +223,13 @@ class RunCache:
                 raise CacheError(
                     f"run cache {self.root}: disk full while storing run {key[:12]} from "
                     f"{src_dir}; nothing was stored. Free space or move the cache elsewhere "
-                    "(--convergence-cache-dir DIR)") from exc
+                    "(--convergence-cache-dir DIR)"
+                ) from exc
             if isinstance(exc, OSError):
-                raise CacheError(f"run cache {self.root}: could not store run {key[:12]} from "
-                                 f"{src_dir}: {exc}; nothing was stored") from exc
+                raise CacheError(
+                    f"run cache {self.root}: could not store run {key[:12]} from "
+                    f"{src_dir}: {exc}; nothing was stored"
+                ) from exc
             raise
         return entry
 
@@ -220,9 +238,10 @@ class RunCache:
         files = {}
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
             files[path.relative_to(folder).as_posix()] = {
-                "sha256": file_sha256(path), "size": path.stat().st_size}
-        manifest = {"version": MANIFEST_VERSION, "key": key, "created": time.time(),
-                    "files": files}
+                "sha256": file_sha256(path),
+                "size": path.stat().st_size,
+            }
+        manifest = {"version": MANIFEST_VERSION, "key": key, "created": time.time(), "files": files}
         with (folder / MANIFEST).open("w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
@@ -233,12 +252,14 @@ class RunCache:
     def lock(self, key: str, timeout: float | None = None) -> filelock.FileLock:
         """A cross-process lock for ``key`` (``with cache.lock(key): ...``)."""
         _check_key(key)
-        return filelock.FileLock(str(self.root / _LOCKS / f"{key}.lock"),
-                                 timeout=-1 if timeout is None else timeout)
+        return filelock.FileLock(
+            str(self.root / _LOCKS / f"{key}.lock"), timeout=-1 if timeout is None else timeout
+        )
 
     @contextmanager
-    def claim(self, key: str, *, refresh: bool = False,
-              timeout: float | None = None) -> Iterator[Claim]:
+    def claim(
+        self, key: str, *, refresh: bool = False, timeout: float | None = None
+    ) -> Iterator[Claim]:
         """Hold ``key`` so no other worker runs the same job meanwhile::
 
             with cache.claim(key) as c:
@@ -259,8 +280,11 @@ class RunCache:
 
     def entries(self) -> list[Path]:
         """Every entry folder (verified or not), oldest first."""
-        found = [p for p in self.root.glob("??/*") if p.is_dir() and len(p.parent.name) == 2
-                 and not p.parent.name.startswith(".")]
+        found = [
+            p
+            for p in self.root.glob("??/*")
+            if p.is_dir() and len(p.parent.name) == 2 and not p.parent.name.startswith(".")
+        ]
         return sorted(found, key=lambda p: p.stat().st_mtime)
 
     def remove(self, entry: Path) -> None:

@@ -28,7 +28,9 @@ def describe() -> str:
     """One line per shipped config: name, path, the first line of its comment."""
     lines = []
     for name, path in shipped_configs().items():
-        first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines()
-                      if ln.startswith("#")), "")
+        first = next(
+            (ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")),
+            "",
+        )
         lines.append(f"{name:12s} {first}  ({path})")
     return "\n".join(lines)

@@ -7,6 +7,18 @@ from convergence.launch.process_tree import terminate_tree
 from convergence.launch.torchrun import LocalLauncher, build_torchrun_argv
 from convergence.launch.types import FailureInfo, JobResult, Launcher, LaunchRequest, Progress
 
-__all__ = ["DevicePool", "DeviceSet", "FailureInfo", "JobResult", "Launcher", "LaunchRequest",
-           "Lease", "LocalLauncher", "PoolTooSmall", "Progress", "build_torchrun_argv",
-           "detect_devices", "terminate_tree"]
+__all__ = [
+    "DevicePool",
+    "DeviceSet",
+    "FailureInfo",
+    "JobResult",
+    "Launcher",
+    "LaunchRequest",
+    "Lease",
+    "LocalLauncher",
+    "PoolTooSmall",
+    "Progress",
+    "build_torchrun_argv",
+    "detect_devices",
+    "terminate_tree",
+]

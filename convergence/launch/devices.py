@@ -20,8 +20,9 @@ from convergence.launch.pool import DeviceSet, detect_devices
 from convergence.launch.slurm import Allocation
 
 
-def session_devices(launcher: str, cap: int | None = None, *,
-                    environ: Mapping[str, str] | None = None) -> DeviceSet:
+def session_devices(
+    launcher: str, cap: int | None = None, *, environ: Mapping[str, str] | None = None
+) -> DeviceSet:
     """What the session's pool holds (see the module docstring); raises SlurmError outside an
     allocation under the slurm launcher."""
     if launcher != "slurm":
@@ -38,8 +39,9 @@ def session_devices(launcher: str, cap: int | None = None, *,
             kind, per_node = "cpu", allocation.cpus_per_node or 1
     devices = tuple(f"{host}:{i}" for host in allocation.hosts for i in range(per_node))
     unit = "GPUs" if kind == "gpu" else "CPU slots"
-    where = (f"Slurm allocation {allocation.job_id} ({len(allocation.hosts)} nodes x "
-             f"{per_node} {unit}")
+    where = (
+        f"Slurm allocation {allocation.job_id} ({len(allocation.hosts)} nodes x {per_node} {unit}"
+    )
     if cap is not None and cap < len(devices):
         devices = devices[:cap]
         where += f", capped at {cap} by --convergence-devices"

@@ -73,9 +73,14 @@ def _parse_entry(block: str) -> RootCause | None:
     sig_m = _SIGNAL_TEXT_RE.search(exit_m.group(2)) if exit_m else None
     sig = signal_name(exitcode) or (sig_m.group(1) if sig_m else None)
     host_m = _HOST_RE.search(block)
-    return RootCause(rank=int(rank_m.group(1)), local_rank=int(rank_m.group(2)),
-                     exitcode=exitcode, error_file=error_file, signal=sig,
-                     host=host_m.group(1) if host_m else None)
+    return RootCause(
+        rank=int(rank_m.group(1)),
+        local_rank=int(rank_m.group(2)),
+        exitcode=exitcode,
+        error_file=error_file,
+        signal=sig,
+        host=host_m.group(1) if host_m else None,
+    )
 
 
 def parse_failures(agent_log: str) -> tuple[RootCause | None, list[RootCause]]:
@@ -84,8 +89,11 @@ def parse_failures(agent_log: str) -> tuple[RootCause | None, list[RootCause]]:
     if idx < 0:
         return None, []
     start = agent_log.rfind("Failures:", 0, idx)
-    others = [e for e in map(_parse_entry, _ENTRY_SPLIT.split(agent_log[start:idx]))
-              if e is not None] if start >= 0 else []
+    others = (
+        [e for e in map(_parse_entry, _ENTRY_SPLIT.split(agent_log[start:idx])) if e is not None]
+        if start >= 0
+        else []
+    )
     return _parse_entry(agent_log[idx:]), others
 
 
@@ -132,8 +140,10 @@ def error_file_traceback(path: Path) -> str:
 
 def rank_stderr_files(log_dir: Path, local_rank: int) -> list[Path]:
     """The rank's stderr logs, newest attempt last."""
-    return sorted((log_dir / "ranks").glob(f"*/attempt_*/{local_rank}/stderr.log"),
-                  key=lambda p: p.stat().st_mtime)
+    return sorted(
+        (log_dir / "ranks").glob(f"*/attempt_*/{local_rank}/stderr.log"),
+        key=lambda p: p.stat().st_mtime,
+    )
 
 
 def _rank_traceback(log_dir: Path, cause: RootCause) -> str:
@@ -155,8 +165,9 @@ def _scan_ranks(log_dir: Path) -> tuple[int | None, str]:
     """No root-cause block: the first rank whose stderr holds a traceback of its own failure
     (a peer-gone error only when no rank has another)."""
     logs = sorted((log_dir / "ranks").glob("*/attempt_*/*/stderr.log"))
-    found: list[tuple[int | None, str]] = [(int(path.parent.name), last_traceback(_read(path)))
-                                           for path in logs]
+    found: list[tuple[int | None, str]] = [
+        (int(path.parent.name), last_traceback(_read(path))) for path in logs
+    ]
     found = [(rank, tb) for rank, tb in found if tb]
     own = [(rank, tb) for rank, tb in found if not is_peer_gone(tb)]
     return (own or found or [(None, "")])[0]
@@ -173,7 +184,9 @@ def _last_line(traceback: str) -> str:
 _PEER_GONE = re.compile(
     r"Connection (closed|reset) by peer|Broken pipe|remote (worker|process|peer)|"
     r"NCCL communicator was aborted|socket timeout|Connection refused|"
-    r"DistNetworkError|DistBackendError: .*(closed|reset|timeout)", re.IGNORECASE)
+    r"DistNetworkError|DistBackendError: .*(closed|reset|timeout)",
+    re.IGNORECASE,
+)
 
 
 def is_peer_gone(traceback: str) -> bool:
@@ -181,8 +194,9 @@ def is_peer_gone(traceback: str) -> bool:
     return bool(_PEER_GONE.search(_last_line(traceback)))
 
 
-def _first_own_failure(log_dir: Path, cause: RootCause, tb: str,
-                       others: list[RootCause]) -> tuple[RootCause, str]:
+def _first_own_failure(
+    log_dir: Path, cause: RootCause, tb: str, others: list[RootCause]
+) -> tuple[RootCause, str]:
     """torchrun names one rank of those that exited in the same second; when it names one
     that only lost its peer, blame a rank that failed by itself (e.g. raised in a hook)."""
     if cause.signal or not is_peer_gone(tb):
@@ -196,8 +210,9 @@ def _first_own_failure(log_dir: Path, cause: RootCause, tb: str,
     return cause, tb
 
 
-def diagnose(log_dir: Path, *, name: str, returncode: int | None,
-             direct: bool = False) -> FailureInfo:
+def diagnose(
+    log_dir: Path, *, name: str, returncode: int | None, direct: bool = False
+) -> FailureInfo:
     """Build the :class:`FailureInfo` of a job that exited unsuccessfully by itself."""
     agent_log = _read(log_dir / "launcher.log")
     cause = None if direct else parse_root_cause(agent_log)
@@ -210,8 +225,9 @@ def diagnose(log_dir: Path, *, name: str, returncode: int | None,
         else:
             what = _last_line(tb) or f"exit code {cause.exitcode}"
             message = f"job {name!r}: rank {cause.rank} failed: {what}"
-        return FailureInfo(message=message, rank=cause.rank, signal=cause.signal, traceback=tb,
-                           node=cause.host)
+        return FailureInfo(
+            message=message, rank=cause.rank, signal=cause.signal, traceback=tb, node=cause.host
+        )
     rank, tb = (None, "") if direct else _scan_ranks(log_dir)
     tb = tb or last_traceback(agent_log)
     sig = signal_name(returncode)
@@ -228,8 +244,9 @@ def diagnose(log_dir: Path, *, name: str, returncode: int | None,
 _TEARDOWN_SIGNALS = ("SIGABRT", "SIGSEGV")
 
 
-def finished_then_aborted(failure: FailureInfo, *, last_step: int | None,
-                          total_steps: int | None) -> bool:
+def finished_then_aborted(
+    failure: FailureInfo, *, last_step: int | None, total_steps: int | None
+) -> bool:
     """A rank died of a teardown signal after the job had logged its last step.
 
     Why such a run is kept as finished: the logging rank writes the last step's metrics only
@@ -257,12 +274,18 @@ def note_in_launcher_log(log_dir: Path, message: str) -> None:
         pass
 
 
-def note_teardown_abort(log_dir: Path, failure: FailureInfo, *, steps: int | None
-                        ) -> FailureInfo:
+def note_teardown_abort(log_dir: Path, failure: FailureInfo, *, steps: int | None) -> FailureInfo:
     """Record a teardown abort in ``launcher.log`` and return the note for the result."""
     where = f"rank {failure.rank}" if failure.rank is not None else "a rank"
-    message = (f"{where} was killed by {failure.signal} at exit, after all {steps} steps were "
-               "logged (teardown abort; the run is complete and kept)")
+    message = (
+        f"{where} was killed by {failure.signal} at exit, after all {steps} steps were "
+        "logged (teardown abort; the run is complete and kept)"
+    )
     note_in_launcher_log(log_dir, message)
-    return FailureInfo(message=message, rank=failure.rank, signal=failure.signal,
-                       traceback=failure.traceback, step=steps)
+    return FailureInfo(
+        message=message,
+        rank=failure.rank,
+        signal=failure.signal,
+        traceback=failure.traceback,
+        step=steps,
+    )

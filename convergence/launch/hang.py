@@ -87,13 +87,17 @@ def _stopped(ranks: dict[int, psutil.Process]) -> list[str]:
 
 
 def _stderr_log(log_dir: Path, local_rank: int) -> Path | None:
-    logs = sorted((log_dir / "ranks").glob(f"*/attempt_*/{local_rank}/stderr.log"),
-                  key=lambda p: p.stat().st_mtime)
+    logs = sorted(
+        (log_dir / "ranks").glob(f"*/attempt_*/{local_rank}/stderr.log"),
+        key=lambda p: p.stat().st_mtime,
+    )
     return logs[-1] if logs else None
 
 
-_THREAD = re.compile(r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n"
-                     r"((?:[ \t]+File \".*\n?)+)")
+_THREAD = re.compile(
+    r"(?:Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\n"
+    r"((?:[ \t]+File \".*\n?)+)"
+)
 
 
 def _dumped_stacks(text: str) -> list[list[str]]:
@@ -149,8 +153,9 @@ def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
         else:
             outside.append(f"rank {rank} is not in a collective: {where}")
     if not outside:
-        return (f"every rank waits in a collective (stacks in {log_dir / 'ranks'})"
-                if waiting else "")
+        return (
+            f"every rank waits in a collective (stacks in {log_dir / 'ranks'})" if waiting else ""
+        )
     tail = ""
     if len(waiting) == 1:
         tail = f"; rank {waiting[0]} waits in a collective"

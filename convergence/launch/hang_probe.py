@@ -100,14 +100,23 @@ def describe(reports: list[dict[str, object]]) -> str:
             if isinstance(row, dict):
                 rows.append((int(row["rank"]), str(rep.get("node")), row))
     rows.sort(key=lambda r: r[0])
-    stopped = [f"rank {r} on node {n} (pid {row['pid']}) is "
-               + ("stopped (SIGSTOP or a debugger)" if row["state"] == "stopped"
-                  else "exited but was not reaped")
-               for r, n, row in rows if row["state"] in ("stopped", "zombie")]
+    stopped = [
+        f"rank {r} on node {n} (pid {row['pid']}) is "
+        + (
+            "stopped (SIGSTOP or a debugger)"
+            if row["state"] == "stopped"
+            else "exited but was not reaped"
+        )
+        for r, n, row in rows
+        if row["state"] in ("stopped", "zombie")
+    ]
     if stopped:
         return "; ".join(stopped)
-    outside = [f"rank {r} on node {n} is not in a collective: {row['where']}"
-               for r, n, row in rows if row["state"] == "outside"]
+    outside = [
+        f"rank {r} on node {n} is not in a collective: {row['where']}"
+        for r, n, row in rows
+        if row["state"] == "outside"
+    ]
     waiting = [r for r, _, row in rows if row["state"] == "waiting"]
     if not outside:
         return "every rank waits in a collective" if waiting else ""

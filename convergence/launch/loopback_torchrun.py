@@ -38,8 +38,9 @@ def _bind_loopback(port: int) -> socket.socket:
     return sock
 
 
-def loopback_store(store_class: Any, host: str, port: int, *args: Any,
-                   is_master: bool = False, **kwargs: Any) -> Any:
+def loopback_store(
+    store_class: Any, host: str, port: int, *args: Any, is_master: bool = False, **kwargs: Any
+) -> Any:
     """``store_class(host, port, ...)``, listening on 127.0.0.1 when it hosts a loopback store."""
     if is_master and host in LOOPBACK_NAMES and kwargs.get("master_listen_fd") is None:
         sock = _bind_loopback(port)
@@ -56,8 +57,10 @@ def install() -> bool:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     except ImportError:
         return False
-    if not (hasattr(backend, "TCPStore")
-            and hasattr(DynamicRendezvousHandler, "_create_tcp_store_server")):
+    if not (
+        hasattr(backend, "TCPStore")
+        and hasattr(DynamicRendezvousHandler, "_create_tcp_store_server")
+    ):
         return False
     store_class = backend.TCPStore
 
@@ -65,8 +68,13 @@ def install() -> bool:
         return loopback_store(store_class, host, port, *args, **kwargs)
 
     def bootstrap_store(self: Any, master_addr: str, master_port: int) -> Any:
-        return loopback_store(dist.TCPStore, host=master_addr,  # type: ignore[attr-defined]
-                              port=master_port, is_master=True, multi_tenant=True)
+        return loopback_store(
+            dist.TCPStore,  # type: ignore[attr-defined]
+            host=master_addr,
+            port=master_port,
+            is_master=True,
+            multi_tenant=True,
+        )
 
     backend.TCPStore = rendezvous_store
     # On the class (not an instance): every handler torchrun creates uses it.
@@ -77,9 +85,13 @@ def install() -> bool:
 
 def main() -> None:
     if not install():
-        print("convergence: torch moved torchrun's store constructors; the rendezvous stores "
-              "of this job listen on every interface", file=sys.stderr)
+        print(
+            "convergence: torch moved torchrun's store constructors; the rendezvous stores "
+            "of this job listen on every interface",
+            file=sys.stderr,
+        )
     from torch.distributed.run import main as torchrun_main
+
     torchrun_main()
 
 

@@ -70,8 +70,9 @@ def _by_node(devices: Sequence[str]) -> dict[str, list[str]]:
     return nodes
 
 
-def placement_problem(devices: Sequence[str], per_node: int | None, kind: str, n: int,
-                      where: str = "this machine") -> str | None:
+def placement_problem(
+    devices: Sequence[str], per_node: int | None, kind: str, n: int, where: str = "this machine"
+) -> str | None:
     """See :meth:`DeviceSet.placement_problem`."""
     unit = _unit(kind)
     if n > len(devices):
@@ -79,8 +80,10 @@ def placement_problem(devices: Sequence[str], per_node: int | None, kind: str, n
     if per_node is None or n <= per_node:
         return None
     if n % per_node:
-        return (f"needs {n} {unit}, more than one node's {per_node} but not whole nodes "
-                f"({where}); use a multiple of {per_node}")
+        return (
+            f"needs {n} {unit}, more than one node's {per_node} but not whole nodes "
+            f"({where}); use a multiple of {per_node}"
+        )
     whole = sum(1 for members in _by_node(devices).values() if len(members) == per_node)
     if n // per_node > whole:
         return f"needs {n // per_node} whole nodes of {per_node} {unit}, {where} has {whole}"
@@ -136,8 +139,9 @@ def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
     if count > 0:
         # A lease's CUDA_VISIBLE_DEVICES replaces the parent's, so names must be what the
         # parent saw: with CUDA_VISIBLE_DEVICES=2,3 set, "0" would wrongly mean physical GPU 0.
-        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-                   if d.strip()]
+        visible = [
+            d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()
+        ]
         names = visible[:count] if len(visible) >= count else [str(i) for i in range(count)]
         return DeviceSet(kind="gpu", devices=tuple(names[:cpu_slots] if cpu_slots else names))
     slots = cpu_slots if cpu_slots is not None else default_cpu_slots()
@@ -156,13 +160,21 @@ class PoolTooSmall(ValueError):
 class DevicePool:
     """A cross-process pool of devices; see the module docstring."""
 
-    def __init__(self, state_dir: Path, devices: Sequence[str] | int, kind: str = "cpu", *,
-                 poll_s: float = 0.1, per_node: int | None = None,
-                 where: str = "the device pool") -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        devices: Sequence[str] | int,
+        kind: str = "cpu",
+        *,
+        poll_s: float = 0.1,
+        per_node: int | None = None,
+        where: str = "the device pool",
+    ) -> None:
         if kind not in KINDS:
             raise ValueError(f"device pool kind must be one of {KINDS}, got {kind!r}")
-        self.devices = tuple(str(i) for i in range(devices)) if isinstance(devices, int) \
-            else tuple(devices)
+        self.devices = (
+            tuple(str(i) for i in range(devices)) if isinstance(devices, int) else tuple(devices)
+        )
         if not self.devices:
             raise ValueError("a device pool needs at least one device")
         self.kind = kind
@@ -190,7 +202,8 @@ class DevicePool:
         if n > self.size and self.per_node is None:
             raise PoolTooSmall(
                 f"job needs {n} {_unit(self.kind)} but the device pool has {self.size}; run "
-                f"fewer ranks or raise the pool size (--convergence-devices {n})")
+                f"fewer ranks or raise the pool size (--convergence-devices {n})"
+            )
         problem = placement_problem(self.devices, self.per_node, self.kind, n, self.where)
         if problem:
             raise PoolTooSmall(f"job {problem}")
@@ -221,7 +234,8 @@ class DevicePool:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"waited {timeout:g} s for {n} free {self.kind} devices of {self.size}; "
-                    f"held: {self.holders()} (device -> pid) in {self.state_path}")
+                    f"held: {self.holders()} (device -> pid) in {self.state_path}"
+                )
             time.sleep(self.poll_s)
 
     def _place(self, free: list[str], n: int) -> tuple[str, ...]:
@@ -234,8 +248,9 @@ class DevicePool:
             return tuple(min(fits, key=len)[:n]) if fits else ()
         whole = [members for members in nodes.values() if len(members) == self.per_node]
         needed = n // self.per_node
-        return tuple(d for members in whole[:needed] for d in members) \
-            if len(whole) >= needed else ()
+        return (
+            tuple(d for members in whole[:needed] for d in members) if len(whole) >= needed else ()
+        )
 
     def _release(self, lease: Lease) -> None:
         with self._lock:
@@ -251,8 +266,11 @@ class DevicePool:
             raw = {}  # no file yet, or a write cut short by a crash: owners re-lease
         if not isinstance(raw, dict):
             return {}
-        return {d: v for d, v in raw.items()
-                if isinstance(v, dict) and isinstance(v.get("pid"), int) and pid_alive(_owner(v))}
+        return {
+            d: v
+            for d, v in raw.items()
+            if isinstance(v, dict) and isinstance(v.get("pid"), int) and pid_alive(_owner(v))
+        }
 
     def _write(self, state: dict[str, dict[str, object]]) -> None:
         tmp = self.state_path.with_suffix(f".tmp{os.getpid()}")

@@ -104,8 +104,9 @@ def _reap_root(root: psutil.Process | None, timeout_s: float) -> int | None:
         return None
 
 
-def terminate_tree(pid: int, grace_s: float = 5.0, *,
-                   extra: Iterable[psutil.Process] = ()) -> TreeKill:
+def terminate_tree(
+    pid: int, grace_s: float = 5.0, *, extra: Iterable[psutil.Process] = ()
+) -> TreeKill:
     """End ``pid`` and everything below it; return when none of it is alive.
 
     1. collect all descendants of ``pid`` (plus ``extra``, e.g. a tracker's processes);

@@ -29,8 +29,9 @@ def format_progress(p: Progress) -> str:
     total = f"/{p.total_steps}" if p.total_steps else ""
     loss = f" loss {p.loss:.4g}" if p.loss is not None else ""
     eta = p.eta_s
-    return f"[{p.name}] step {p.step}{total}{loss}" + ("" if eta is None else
-                                                      f" ETA {format_eta(eta)}")
+    return f"[{p.name}] step {p.step}{total}{loss}" + (
+        "" if eta is None else f" ETA {format_eta(eta)}"
+    )
 
 
 class LogThrottle:

@@ -108,14 +108,18 @@ class Allocation:
         if not job_id or not nodelist:
             raise SlurmError(
                 "the slurm launcher runs jobs inside a Slurm allocation, but SLURM_JOB_ID / "
-                "SLURM_JOB_NODELIST are not set", key="--convergence-launcher",
+                "SLURM_JOB_NODELIST are not set",
+                key="--convergence-launcher",
                 fix="run pytest inside `salloc -N <nodes> ...` or an sbatch script "
-                    "(see scripts/nightly.sbatch), or use --convergence-launcher local")
+                "(see scripts/nightly.sbatch), or use --convergence-launcher local",
+            )
         gpus = environ.get("SLURM_GPUS_ON_NODE")
-        return cls(job_id=job_id, hosts=expand_hostnames(nodelist, scontrol=scontrol,
-                                                         environ=environ),
-                   gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
-                   cpus_per_node=cpus_per_node(environ.get("SLURM_JOB_CPUS_PER_NODE", "")))
+        return cls(
+            job_id=job_id,
+            hosts=expand_hostnames(nodelist, scontrol=scontrol, environ=environ),
+            gpus_per_node=int(gpus) if gpus and gpus.isdigit() else None,
+            cpus_per_node=cpus_per_node(environ.get("SLURM_JOB_CPUS_PER_NODE", "")),
+        )
 
     @property
     def head(self) -> str:
@@ -128,21 +132,31 @@ def cpus_per_node(value: str) -> int | None:
     return min(counts) if counts else None
 
 
-def expand_hostnames(nodelist: str, *, scontrol: str = "scontrol",
-                     environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+def expand_hostnames(
+    nodelist: str, *, scontrol: str = "scontrol", environ: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
     """``node[01-02]`` -> ``("node01", "node02")`` via ``scontrol show hostnames``."""
     try:
-        done = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True,
-                              text=True, timeout=30, env=dict(environ or os.environ))
+        done = subprocess.run(
+            [scontrol, "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(environ or os.environ),
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SlurmError(f"cannot run `{scontrol} show hostnames {nodelist}`: {exc}",
-                         key="--convergence-launcher",
-                         fix="put Slurm's client commands on PATH") from None
+        raise SlurmError(
+            f"cannot run `{scontrol} show hostnames {nodelist}`: {exc}",
+            key="--convergence-launcher",
+            fix="put Slurm's client commands on PATH",
+        ) from None
     hosts = tuple(h for h in done.stdout.split() if h)
     if done.returncode != 0 or not hosts:
-        raise SlurmError(f"`{scontrol} show hostnames {nodelist}` failed: "
-                         f"{done.stderr.strip() or 'no hosts'}", key="SLURM_JOB_NODELIST",
-                         fix="run inside a valid allocation")
+        raise SlurmError(
+            f"`{scontrol} show hostnames {nodelist}` failed: {done.stderr.strip() or 'no hosts'}",
+            key="SLURM_JOB_NODELIST",
+            fix="run inside a valid allocation",
+        )
     return hosts
 
 
@@ -209,17 +223,27 @@ class SlurmLauncher(LocalLauncher):
 
     name = "slurm"
 
-    def __init__(self, *, environ: Mapping[str, str] | None = None,
-                 srun_args: Sequence[str] | None = None, procs_per_node: int | None = None,
-                 state_dir: Path | None = None, srun: str = "srun", scontrol: str = "scontrol",
-                 squeue: str = "squeue", scancel: str = "scancel",
-                 python: str = sys.executable, **local_options: float) -> None:
+    def __init__(
+        self,
+        *,
+        environ: Mapping[str, str] | None = None,
+        srun_args: Sequence[str] | None = None,
+        procs_per_node: int | None = None,
+        state_dir: Path | None = None,
+        srun: str = "srun",
+        scontrol: str = "scontrol",
+        squeue: str = "squeue",
+        scancel: str = "scancel",
+        python: str = sys.executable,
+        **local_options: float,
+    ) -> None:
         super().__init__(python=python, **local_options)
         env = dict(os.environ if environ is None else environ)
         self.allocation = Allocation.from_env(env, scontrol=scontrol)
         self.srun, self.squeue, self.scancel = srun, squeue, scancel
-        self.srun_args = tuple(srun_args if srun_args is not None
-                               else shlex.split(env.get(SRUN_ARGS_ENV, "")))
+        self.srun_args = tuple(
+            srun_args if srun_args is not None else shlex.split(env.get(SRUN_ARGS_ENV, ""))
+        )
         self.procs_per_node = procs_per_node
         state = state_dir or Path(env.get(STATE_DIR_ENV) or tempfile.gettempdir())
         self.ports = PortAllocator(self.allocation.job_id, state)
@@ -232,20 +256,28 @@ class SlurmLauncher(LocalLauncher):
         nodes = max(1, math.ceil(world_size / per_node))
         available = len(self.allocation.hosts)
         if world_size % nodes:
-            raise SlurmError(f"{world_size} ranks cannot be split evenly over {nodes} nodes "
-                             f"of {per_node} processes", key="procs_per_node",
-                             fix="choose a world size that is a multiple of the processes "
-                                 "per node")
+            raise SlurmError(
+                f"{world_size} ranks cannot be split evenly over {nodes} nodes "
+                f"of {per_node} processes",
+                key="procs_per_node",
+                fix="choose a world size that is a multiple of the processes per node",
+            )
         if nodes > available:
-            raise SlurmError(f"a job of {world_size} ranks needs {nodes} nodes "
-                             f"({per_node} per node) but allocation {self.allocation.job_id} "
-                             f"has {available}", key="--nodes",
-                             fix=f"allocate at least {nodes} nodes (salloc/sbatch -N {nodes})")
+            raise SlurmError(
+                f"a job of {world_size} ranks needs {nodes} nodes "
+                f"({per_node} per node) but allocation {self.allocation.job_id} "
+                f"has {available}",
+                key="--nodes",
+                fix=f"allocate at least {nodes} nodes (salloc/sbatch -N {nodes})",
+            )
         return nodes
 
     def _on_head(self) -> bool:
-        here = {socket.gethostname(), socket.gethostname().split(".")[0],
-                os.environ.get("SLURMD_NODENAME", "")}
+        here = {
+            socket.gethostname(),
+            socket.gethostname().split(".")[0],
+            os.environ.get("SLURMD_NODENAME", ""),
+        }
         return self.allocation.head in here
 
     def plan(self, request: LaunchRequest) -> StepPlan:
@@ -253,11 +285,13 @@ class SlurmLauncher(LocalLauncher):
             # Placed by the device pool (a slice of one node, or whole nodes).
             unknown = [h for h in request.hosts if h not in self.allocation.hosts]
             if unknown or request.nproc % len(request.hosts):
-                raise SlurmError(f"job {request.name!r} placed on {request.hosts}, not "
-                                 f"{request.nproc} ranks on nodes of allocation "
-                                 f"{self.allocation.job_id} {self.allocation.hosts}",
-                                 key="--convergence-launcher",
-                                 fix="use one device pool per allocation (a fresh workdir)")
+                raise SlurmError(
+                    f"job {request.name!r} placed on {request.hosts}, not "
+                    f"{request.nproc} ranks on nodes of allocation "
+                    f"{self.allocation.job_id} {self.allocation.hosts}",
+                    key="--convergence-launcher",
+                    fix="use one device pool per allocation (a fresh workdir)",
+                )
             hosts = request.hosts
             nodes = len(hosts)
         else:
@@ -268,17 +302,32 @@ class SlurmLauncher(LocalLauncher):
         # name is how the step is found again to scancel it.
         tag = f"{n}" if port is not None else f"d{os.getpid()}-{time.monotonic_ns()}"
         step = f"conv-{self.allocation.job_id}-{tag}-{_slug(request.name)}"
-        return StepPlan(step_name=step, hosts=hosts, nproc_per_node=request.nproc // nodes,
-                        port=port)
+        return StepPlan(
+            step_name=step, hosts=hosts, nproc_per_node=request.nproc // nodes, port=port
+        )
 
     def srun_argv(self, plan: StepPlan) -> list[str]:
         nodes = str(len(plan.hosts))
-        return [self.srun, "--jobid", self.allocation.job_id, "--job-name", plan.step_name,
-                "--nodes", nodes, "--ntasks", nodes, "--ntasks-per-node", "1",
-                "--nodelist", ",".join(plan.hosts),
-                # --overlap: steps of one allocation share its resources (the device pool
-                # partitions the devices) instead of queueing behind each other.
-                "--overlap", "--kill-on-bad-exit=1", *self.srun_args]
+        return [
+            self.srun,
+            "--jobid",
+            self.allocation.job_id,
+            "--job-name",
+            plan.step_name,
+            "--nodes",
+            nodes,
+            "--ntasks",
+            nodes,
+            "--ntasks-per-node",
+            "1",
+            "--nodelist",
+            ",".join(plan.hosts),
+            # --overlap: steps of one allocation share its resources (the device pool
+            # partitions the devices) instead of queueing behind each other.
+            "--overlap",
+            "--kill-on-bad-exit=1",
+            *self.srun_args,
+        ]
 
     def build_argv(self, request: LaunchRequest) -> list[str]:
         plan: StepPlan = self._local.plan
@@ -286,17 +335,29 @@ class SlurmLauncher(LocalLauncher):
             return [*self.srun_argv(plan), self.python, *request.entry]
         assert plan.port is not None
         torchrun = build_torchrun_argv(
-            request, python=self.python, nnodes=len(plan.hosts),
-            nproc_per_node=plan.nproc_per_node, rdzv_endpoint=f"{plan.hosts[0]}:{plan.port}",
-            rdzv_id=plan.step_name)
+            request,
+            python=self.python,
+            nnodes=len(plan.hosts),
+            nproc_per_node=plan.nproc_per_node,
+            rdzv_endpoint=f"{plan.hosts[0]}:{plan.port}",
+            rdzv_id=plan.step_name,
+        )
         # A GPU slice of a node: the step narrows Slurm's CUDA_VISIBLE_DEVICES (step_gpus.py).
-        wrap = ([self.python, "-m", "convergence.launch.step_gpus", "--"]
-                if NODE_GPUS_ENV in request.env else [])
+        wrap = (
+            [self.python, "-m", "convergence.launch.step_gpus", "--"]
+            if NODE_GPUS_ENV in request.env
+            else []
+        )
         return [*self.srun_argv(plan), *wrap, *torchrun]
 
     # -- running --------------------------------------------------------------------------
-    def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
-               on_progress: OnProgress | None = None) -> JobResult:
+    def launch(
+        self,
+        request: LaunchRequest,
+        *,
+        on_metrics: OnMetrics | None = None,
+        on_progress: OnProgress | None = None,
+    ) -> JobResult:
         plan = self.plan(request)
         env = {**request.env, STEP_ENV: plan.step_name}  # how hang_probe finds the ranks
         if len(plan.hosts) > 1:
@@ -312,24 +373,42 @@ class SlurmLauncher(LocalLauncher):
             result = dataclasses.replace(result, failure=_with_node(_with_srun_errors(result)))
         return result
 
-    def name_hung_rank(self, verdict: Verdict, tracker: DescendantTracker,
-                       request: LaunchRequest) -> Verdict:
+    def name_hung_rank(
+        self, verdict: Verdict, tracker: DescendantTracker, request: LaunchRequest
+    ) -> Verdict:
         """Run convergence.launch.hang_probe on the job's nodes (a step of the allocation)
         and add its sentence -- rank, node, file and line -- to the hung verdict."""
         plan: StepPlan | None = self._local.plan
         if plan is None or verdict.failure is None:
             return verdict
         nodes = str(len(plan.hosts))
-        argv = [self.srun, "--jobid", self.allocation.job_id, "--job-name",
-                f"{plan.step_name}-hang", "--nodes", nodes, "--ntasks", nodes,
-                "--ntasks-per-node", "1", "--nodelist", ",".join(plan.hosts), "--overlap",
-                *self.srun_args, self.python, "-m", "convergence.launch.hang_probe",
-                plan.step_name]
+        argv = [
+            self.srun,
+            "--jobid",
+            self.allocation.job_id,
+            "--job-name",
+            f"{plan.step_name}-hang",
+            "--nodes",
+            nodes,
+            "--ntasks",
+            nodes,
+            "--ntasks-per-node",
+            "1",
+            "--nodelist",
+            ",".join(plan.hosts),
+            "--overlap",
+            *self.srun_args,
+            self.python,
+            "-m",
+            "convergence.launch.hang_probe",
+            plan.step_name,
+        ]
         env = job_env(request)
         env.pop(STEP_ENV, None)  # the probe is not one of the job's processes
         try:
-            done = subprocess.run(argv, capture_output=True, text=True,
-                                  timeout=HANG_PROBE_TIMEOUT_S, env=env)
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=HANG_PROBE_TIMEOUT_S, env=env
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             detail = f"(could not ask the nodes which rank hangs: {exc})"
         else:
@@ -339,20 +418,35 @@ class SlurmLauncher(LocalLauncher):
                     reports.append(json.loads(line))
                 except ValueError:
                     continue
-            detail = describe_probe(reports) if reports else (
-                f"(could not ask the nodes which rank hangs: {done.stderr.strip()[-200:]})")
+            detail = (
+                describe_probe(reports)
+                if reports
+                else (f"(could not ask the nodes which rank hangs: {done.stderr.strip()[-200:]})")
+            )
         if not detail:
             return verdict
-        failure = dataclasses.replace(verdict.failure,
-                                      message=f"{verdict.failure.message}; {detail}")
+        failure = dataclasses.replace(
+            verdict.failure, message=f"{verdict.failure.message}; {detail}"
+        )
         return dataclasses.replace(verdict, failure=failure)
 
     def step_ids(self, step_name: str) -> list[str]:
         """IDs (``job.step``) of this allocation's live steps named ``step_name``."""
         try:
-            done = subprocess.run([self.squeue, "--steps", "--noheader", "--jobs",
-                                   self.allocation.job_id, "--format", "%i %j"],
-                                  capture_output=True, text=True, timeout=30)
+            done = subprocess.run(
+                [
+                    self.squeue,
+                    "--steps",
+                    "--noheader",
+                    "--jobs",
+                    self.allocation.job_id,
+                    "--format",
+                    "%i %j",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired):
             return []
         ids = []
@@ -376,7 +470,7 @@ class SlurmLauncher(LocalLauncher):
 
 
 def _with_node(failure: FailureInfo) -> FailureInfo:
-    """"rank 3 was killed" -> "rank 3 on node gpu08 was killed": on a cluster the node is
+    """ "rank 3 was killed" -> "rank 3 on node gpu08 was killed": on a cluster the node is
     where to look (its logs, its health)."""
     if failure.node is None or failure.rank is None:
         return failure
@@ -399,5 +493,6 @@ def _with_srun_errors(result: JobResult) -> FailureInfo:
     if not errors:
         return failure
     detail = "; ".join(e.removeprefix("srun: ") for e in errors[-3:])
-    return dataclasses.replace(failure, message=f"{failure.message} [{detail}]",
-                               traceback="\n".join(errors) + "\n")
+    return dataclasses.replace(
+        failure, message=f"{failure.message} [{detail}]", traceback="\n".join(errors) + "\n"
+    )

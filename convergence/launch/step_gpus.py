@@ -27,9 +27,11 @@ def narrowed(indices: str, step_visible: str | None) -> str:
         return ",".join(str(i) for i in wanted)
     missing = [i for i in wanted if i >= len(seen)]
     if missing:
-        raise SystemExit(f"step_gpus: {NODE_GPUS_ENV}={indices} but this step sees only "
-                         f"CUDA_VISIBLE_DEVICES={step_visible}: give the allocation's GPUs to "
-                         "the step (srun --gpus-per-node, CONVERGENCE_SRUN_ARGS)")
+        raise SystemExit(
+            f"step_gpus: {NODE_GPUS_ENV}={indices} but this step sees only "
+            f"CUDA_VISIBLE_DEVICES={step_visible}: give the allocation's GPUs to "
+            "the step (srun --gpus-per-node, CONVERGENCE_SRUN_ARGS)"
+        )
     return ",".join(seen[i] for i in wanted)
 
 
@@ -40,8 +42,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m convergence.launch.step_gpus -- COMMAND ...")
     indices = os.environ.pop(NODE_GPUS_ENV, "")
     if indices:
-        os.environ["CUDA_VISIBLE_DEVICES"] = narrowed(indices,
-                                                      os.environ.get("CUDA_VISIBLE_DEVICES"))
+        os.environ["CUDA_VISIBLE_DEVICES"] = narrowed(
+            indices, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
     os.execvp(argv[0], argv)
 
 

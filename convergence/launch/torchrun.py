@@ -62,14 +62,22 @@ def _rdzv_id(name: str) -> str:
 def torchrun_module(rdzv_endpoint: str) -> str:
     """The module that runs torchrun: the loopback-only wrapper for a local rendezvous."""
     host = rdzv_endpoint.rsplit(":", 1)[0]
-    return ("convergence.launch.loopback_torchrun" if host in LOOPBACK_NAMES
-            else "torch.distributed.run")
+    return (
+        "convergence.launch.loopback_torchrun"
+        if host in LOOPBACK_NAMES
+        else "torch.distributed.run"
+    )
 
 
-def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable,
-                        nnodes: int = 1, nproc_per_node: int | None = None,
-                        rdzv_endpoint: str = "localhost:0",
-                        rdzv_id: str | None = None) -> list[str]:
+def build_torchrun_argv(
+    request: LaunchRequest,
+    *,
+    python: str = sys.executable,
+    nnodes: int = 1,
+    nproc_per_node: int | None = None,
+    rdzv_endpoint: str = "localhost:0",
+    rdzv_id: str | None = None,
+) -> list[str]:
     """The argv that runs ``request`` (a list: never a shell string).
 
     The keyword options exist for multi-node launchers (Slurm): the defaults are the local,
@@ -77,15 +85,25 @@ def build_torchrun_argv(request: LaunchRequest, *, python: str = sys.executable,
     if request.direct:
         return [python, *request.entry]
     return [
-        python, "-m", torchrun_module(rdzv_endpoint),
-        "--nnodes", str(nnodes),
-        "--nproc-per-node", str(request.nproc if nproc_per_node is None else nproc_per_node),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", rdzv_endpoint,
-        "--rdzv-id", rdzv_id or _rdzv_id(request.name),
-        "--log-dir", str(request.log_dir / RANKS_DIR),
-        "--redirects", "3",  # per-rank stdout.log/stderr.log under --log-dir
-        "--max-restarts", "0",  # a convergence run that restarts is not the run we compare
+        python,
+        "-m",
+        torchrun_module(rdzv_endpoint),
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(request.nproc if nproc_per_node is None else nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rdzv_endpoint,
+        "--rdzv-id",
+        rdzv_id or _rdzv_id(request.name),
+        "--log-dir",
+        str(request.log_dir / RANKS_DIR),
+        "--redirects",
+        "3",  # per-rank stdout.log/stderr.log under --log-dir
+        "--max-restarts",
+        "0",  # a convergence run that restarts is not the run we compare
         *request.entry,
     ]
 
@@ -104,8 +122,7 @@ def loopback_interface() -> str:
     return "lo"
 
 
-def local_job_env(request: LaunchRequest, base: Mapping[str, str] | None = None
-                  ) -> dict[str, str]:
+def local_job_env(request: LaunchRequest, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """:func:`job_env` for a job on this machine only: gloo and NCCL listen on loopback unless
     the environment already names an interface (README: Security model)."""
     env = job_env(request, base)
@@ -135,9 +152,16 @@ class LocalLauncher:
 
     name = "local"
 
-    def __init__(self, *, python: str = sys.executable, poll_interval_s: float = 0.1,
-                 stop_grace_s: float = 30.0, kill_grace_s: float = 5.0,
-                 progress_interval_s: float = 1.0, track_interval_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        *,
+        python: str = sys.executable,
+        poll_interval_s: float = 0.1,
+        stop_grace_s: float = 30.0,
+        kill_grace_s: float = 5.0,
+        progress_interval_s: float = 1.0,
+        track_interval_s: float = 0.5,
+    ) -> None:
         self.python = python
         self.poll_interval_s = poll_interval_s
         self.track_interval_s = track_interval_s
@@ -155,8 +179,13 @@ class LocalLauncher:
         (a subclass that spans nodes, such as Slurm's, gets the plain :func:`job_env`)."""
         return local_job_env(request) if self.name == "local" else job_env(request)
 
-    def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
-               on_progress: OnProgress | None = None) -> JobResult:
+    def launch(
+        self,
+        request: LaunchRequest,
+        *,
+        on_metrics: OnMetrics | None = None,
+        on_progress: OnProgress | None = None,
+    ) -> JobResult:
         request.log_dir.mkdir(parents=True, exist_ok=True)
         # One launch = one set of logs: an earlier attempt's rank logs or root-cause report in
         # the same folder would be mistaken for this run's when diagnosing a failure.
@@ -168,18 +197,36 @@ class LocalLauncher:
         with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
             log.write(f"# argv: {argv!r}\n".encode())
             log.flush()
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=self.job_env(request),
-                                    cwd=request.cwd, start_new_session=True,
-                                    preexec_fn=child_dies_with_us(signal.SIGTERM))
+            proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.job_env(request),
+                cwd=request.cwd,
+                start_new_session=True,
+                preexec_fn=child_dies_with_us(signal.SIGTERM),
+            )
         tracker = DescendantTracker(proc.pid)
         if on_progress is not None:  # torchrun's start-up is silent for many seconds
             what = "1 process" if request.direct else f"{request.nproc} ranks"
-            on_progress(Progress(name=request.name, step=0, total_steps=request.total_steps,
-                                 loss=None, elapsed_s=0.0,
-                                 note=f"starting ({what}, {self.name} launcher)"))
-        watch = JobWatch(request, start=start, on_metrics=on_metrics, on_progress=on_progress,
-                         progress_interval_s=self.progress_interval_s)
+            on_progress(
+                Progress(
+                    name=request.name,
+                    step=0,
+                    total_steps=request.total_steps,
+                    loss=None,
+                    elapsed_s=0.0,
+                    note=f"starting ({what}, {self.name} launcher)",
+                )
+            )
+        watch = JobWatch(
+            request,
+            start=start,
+            on_metrics=on_metrics,
+            on_progress=on_progress,
+            progress_interval_s=self.progress_interval_s,
+        )
         try:
             status, returncode, failure = self._supervise(proc, tracker, watch)
         except BaseException:
@@ -191,13 +238,20 @@ class LocalLauncher:
             raise
         kill_leftovers(tracker.processes)
         _write_pids(request.log_dir, proc.pid, tracker)
-        return JobResult(name=request.name, status=status, returncode=returncode,
-                         wall_s=time.monotonic() - start, log_dir=request.log_dir,
-                         metrics_path=request.metrics_path, failure=failure,
-                         last_step=watch.last_step)
+        return JobResult(
+            name=request.name,
+            status=status,
+            returncode=returncode,
+            wall_s=time.monotonic() - start,
+            log_dir=request.log_dir,
+            metrics_path=request.metrics_path,
+            failure=failure,
+            last_step=watch.last_step,
+        )
 
-    def name_hung_rank(self, verdict: Verdict, tracker: DescendantTracker,
-                       request: LaunchRequest) -> Verdict:
+    def name_hung_rank(
+        self, verdict: Verdict, tracker: DescendantTracker, request: LaunchRequest
+    ) -> Verdict:
         """Add which rank hangs (and where) to a hung verdict; the Slurm launcher asks the
         nodes instead (its ranks are not local processes)."""
         return _name_hung_rank(verdict, tracker, request.log_dir)
@@ -206,8 +260,9 @@ class LocalLauncher:
         """The command of one job; a subclass (the Slurm launcher) wraps it in ``srun``."""
         return build_torchrun_argv(request, python=self.python)
 
-    def _supervise(self, proc: subprocess.Popen[bytes], tracker: DescendantTracker,
-                   watch: JobWatch) -> tuple[str, int | None, FailureInfo | None]:
+    def _supervise(
+        self, proc: subprocess.Popen[bytes], tracker: DescendantTracker, watch: JobWatch
+    ) -> tuple[str, int | None, FailureInfo | None]:
         verdict: Verdict | None = None
         stop_deadline: float | None = None
         tracked_at = -float("inf")
@@ -238,8 +293,9 @@ class LocalLauncher:
             time.sleep(self.poll_interval_s)
         return self._exited(proc, watch, verdict)
 
-    def _exited(self, proc: subprocess.Popen[bytes], watch: JobWatch,
-                verdict: Verdict | None) -> tuple[str, int | None, FailureInfo | None]:
+    def _exited(
+        self, proc: subprocess.Popen[bytes], watch: JobWatch, verdict: Verdict | None
+    ) -> tuple[str, int | None, FailureInfo | None]:
         """The process ended by itself (perhaps after we asked it to stop)."""
         returncode = proc.returncode
         late = watch.finish(time.monotonic())
@@ -251,12 +307,14 @@ class LocalLauncher:
             return "ok", returncode, None
         req = watch.request
         failure = diagnose(req.log_dir, name=req.name, returncode=returncode, direct=req.direct)
-        if finished_then_aborted(failure, last_step=watch.last_step,
-                                 total_steps=req.total_steps):
+        if finished_then_aborted(failure, last_step=watch.last_step, total_steps=req.total_steps):
             # Kept, not thrown away: see finished_then_aborted. The failure stays attached to
             # the ok result so the runner and the logs can say what happened.
-            return "ok", returncode, note_teardown_abort(req.log_dir, failure,
-                                                         steps=req.total_steps)
+            return (
+                "ok",
+                returncode,
+                note_teardown_abort(req.log_dir, failure, steps=req.total_steps),
+            )
         return ("killed" if failure.signal else "failed"), returncode, failure
 
 
@@ -269,6 +327,5 @@ def _name_hung_rank(verdict: Verdict, tracker: DescendantTracker, log_dir: Path)
         detail = f"(could not inspect the ranks: {exc})"
     if not detail or verdict.failure is None:
         return verdict
-    failure = dataclasses.replace(verdict.failure,
-                                  message=f"{verdict.failure.message}; {detail}")
+    failure = dataclasses.replace(verdict.failure, message=f"{verdict.failure.message}; {detail}")
     return dataclasses.replace(verdict, failure=failure)

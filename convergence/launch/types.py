@@ -124,5 +124,10 @@ class Launcher(Protocol):
 
     name: str
 
-    def launch(self, request: LaunchRequest, *, on_metrics: OnMetrics | None = None,
-               on_progress: OnProgress | None = None) -> JobResult: ...
+    def launch(
+        self,
+        request: LaunchRequest,
+        *,
+        on_metrics: OnMetrics | None = None,
+        on_progress: OnProgress | None = None,
+    ) -> JobResult: ...

@@ -49,9 +49,15 @@ alone often holds a warm-up, and an ETA from it was 10-20x off."""
 class JobWatch:
     """Follows one job's metrics JSONL and applies the watchdog limits."""
 
-    def __init__(self, request: LaunchRequest, *, start: float,
-                 on_metrics: OnMetrics | None = None, on_progress: OnProgress | None = None,
-                 progress_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        request: LaunchRequest,
+        *,
+        start: float,
+        on_metrics: OnMetrics | None = None,
+        on_progress: OnProgress | None = None,
+        progress_interval_s: float = 1.0,
+    ) -> None:
         self.request = request
         self.start = start
         self.on_metrics = on_metrics
@@ -59,9 +65,11 @@ class JobWatch:
         self.progress_interval_s = progress_interval_s
         self._tail: JsonlTail | TensorBoardTail | None = None
         if request.metrics_path is not None:
-            self._tail = (TensorBoardTail(request.metrics_path)
-                          if request.metrics_format == "tensorboard"
-                          else JsonlTail(request.metrics_path))
+            self._tail = (
+                TensorBoardTail(request.metrics_path)
+                if request.metrics_format == "tensorboard"
+                else JsonlTail(request.metrics_path)
+            )
         self.last_step: int | None = None
         self.last_loss: float | None = None
         self._last_line_at = start  # counting from start: a job hanging before step 1 is hung
@@ -112,8 +120,10 @@ class JobWatch:
             return None
         if self.last_loss is not None and not math.isfinite(self.last_loss):
             self.stopping = True
-            message = (f"job {self.request.name!r}: loss is {self.last_loss} at step {step} "
-                       f"({self.request.metrics_path})")
+            message = (
+                f"job {self.request.name!r}: loss is {self.last_loss} at step {step} "
+                f"({self.request.metrics_path})"
+            )
             return Verdict(status="nan", failure=FailureInfo(message=message, step=step))
         if self.on_metrics is not None and self.on_metrics(record):
             self.stopping = True
@@ -126,25 +136,32 @@ class JobWatch:
         at = f"last step {self.last_step}" if self.last_step is not None else "no step logged"
         if elapsed > req.wall_limit_s:
             self.stopping = True
-            msg = (f"job {req.name!r} exceeded its wall-clock limit of {req.wall_limit_s:g} s "
-                   f"({at}); raise wall_limit_s if the job is just slow")
+            msg = (
+                f"job {req.name!r} exceeded its wall-clock limit of {req.wall_limit_s:g} s "
+                f"({at}); raise wall_limit_s if the job is just slow"
+            )
             return Verdict(status="timeout", failure=FailureInfo(message=msg, step=self.last_step))
         # Without a metrics file there is no progress signal: only the wall limit applies. A
         # TensorBoard job (torchtitan) is idle-limited from its first step on: its start-up
         # (model build, checkpoint load, compilation) can take longer than any idle limit
         # fitting a step, and before this tail existed it had only the wall limit.
-        watched = self._tail is not None and (req.metrics_format != "tensorboard"
-                                              or self.last_step is not None)
+        watched = self._tail is not None and (
+            req.metrics_format != "tensorboard" or self.last_step is not None
+        )
         if watched and now - self._last_line_at > req.idle_limit_s:
             self.stopping = True
             if req.total_steps is not None and (self.last_step or 0) >= req.total_steps:
                 # Every step is logged but the job does not exit (a stopped or stuck torchrun
                 # agent, a rank stuck in teardown): the run is complete; end it, keep it.
-                msg = (f"job {req.name!r} logged all {req.total_steps} steps but did not exit "
-                       f"within {req.idle_limit_s:g} s; it was ended and its run kept")
+                msg = (
+                    f"job {req.name!r} logged all {req.total_steps} steps but did not exit "
+                    f"within {req.idle_limit_s:g} s; it was ended and its run kept"
+                )
                 return Verdict(status="ok", failure=FailureInfo(message=msg, step=self.last_step))
-            msg = (f"job {req.name!r} hung: no new line in {req.metrics_path} for "
-                   f"{req.idle_limit_s:g} s ({at})")
+            msg = (
+                f"job {req.name!r} hung: no new line in {req.metrics_path} for "
+                f"{req.idle_limit_s:g} s ({at})"
+            )
             return Verdict(status="hung", failure=FailureInfo(message=msg, step=self.last_step))
         return None
 
@@ -157,9 +174,16 @@ class JobWatch:
         if not (due or force):
             return
         self._progress_at, self._progress_step = now, self.last_step
-        self.on_progress(Progress(name=self.request.name, step=self.last_step,
-                                  total_steps=self.request.total_steps, loss=self.last_loss,
-                                  elapsed_s=now - self.start, pace_s=self.pace_s()))
+        self.on_progress(
+            Progress(
+                name=self.request.name,
+                step=self.last_step,
+                total_steps=self.request.total_steps,
+                loss=self.last_loss,
+                elapsed_s=now - self.start,
+                pace_s=self.pace_s(),
+            )
+        )
 
     def pace_s(self) -> float | None:
         """Seconds per step over about the last :data:`PACE_STEPS` steps, from the times the

@@ -34,8 +34,7 @@ class Curve:
         return Curve(self.metric, self.steps[keep], self.values[keep])
 
     def to_json(self) -> dict[str, list[float] | list[int] | str]:
-        return {"metric": self.metric, "steps": self.steps.tolist(),
-                "values": self.values.tolist()}
+        return {"metric": self.metric, "steps": self.steps.tolist(), "values": self.values.tolist()}
 
     @staticmethod
     def from_json(data: dict[str, object]) -> Curve:

@@ -30,7 +30,8 @@ def read_jsonl(path: Path, key_map: Mapping[str, str] | None = None) -> RunMetri
     if not path.is_file():
         raise FileNotFoundError(
             f"metrics file {path} not found: the job wrote no metrics there; check the job's "
-            f"log, and the backend's metrics_file option if it writes elsewhere")
+            f"log, and the backend's metrics_file option if it writes elsewhere"
+        )
     source_map = resolve_map(JSONL_KEYS, key_map)
     pairs: dict[str, list[tuple[int, float]]] = {source: [] for source in source_map}
     for record in _records(path):
@@ -58,8 +59,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
         if obj is None:
             # A crash mid-line followed by a resumed job appending gives one bad line in the
             # middle; the rest of the file is still good, so say so and read on.
-            warnings.warn(f"{path}:{number}: not a JSON object, skipped: {line[:80]!r}",
-                          stacklevel=3)
+            warnings.warn(
+                f"{path}:{number}: not a JSON object, skipped: {line[:80]!r}", stacklevel=3
+            )
             continue
         records.append(obj)
     if tail.strip():

@@ -28,9 +28,11 @@ from convergence.spec.errors import SpecError
 #: Where a run folder of ours keeps its JSONL stream, in the order we look.
 RUN_JSONL = ("metrics.jsonl", "dump/metrics.jsonl")
 EVENT_PREFIX = "events.out.tfevents."
-ACCEPTED = ("a run folder (holding metrics.jsonl or dump/metrics.jsonl), a torchtitan dump or "
-            "TensorBoard folder (events.out.tfevents.* files), a metrics.jsonl file, or a golden "
-            "JSON file")
+ACCEPTED = (
+    "a run folder (holding metrics.jsonl or dump/metrics.jsonl), a torchtitan dump or "
+    "TensorBoard folder (events.out.tfevents.* files), a metrics.jsonl file, or a golden "
+    "JSON file"
+)
 
 
 class MetricsPathMissing(FileNotFoundError):
@@ -53,8 +55,12 @@ class NotAGolden(ValueError):
     """A JSON file that is not a golden file of a schema we read."""
 
 
-def read_metrics(path: Path, *, key_map: Mapping[str, str] | None = None,
-                 tag_map: Mapping[str, str] | None = None) -> RunMetrics:
+def read_metrics(
+    path: Path,
+    *,
+    key_map: Mapping[str, str] | None = None,
+    tag_map: Mapping[str, str] | None = None,
+) -> RunMetrics:
     """All metric curves of the run at ``path`` (see the module docstring for what it takes).
 
     ``key_map``/``tag_map`` map a JSONL file's keys / TensorBoard tags to our metric names for
@@ -63,11 +69,17 @@ def read_metrics(path: Path, *, key_map: Mapping[str, str] | None = None,
     path = Path(path)
     if not path.exists():
         raise MetricsPathMissing(path)
-    metrics = _read_file(path, key_map, tag_map) if path.is_file() else _read_folder(
-        path, key_map, tag_map)
+    metrics = (
+        _read_file(path, key_map, tag_map)
+        if path.is_file()
+        else _read_folder(path, key_map, tag_map)
+    )
     if not metrics:
-        raise NoMetricsFound(path, "its files hold no metric we know (loss, grad_norm, lr, ...); "
-                                   "map the trainer's names with a key/tag map")
+        raise NoMetricsFound(
+            path,
+            "its files hold no metric we know (loss, grad_norm, lr, ...); "
+            "map the trainer's names with a key/tag map",
+        )
     return metrics
 
 
@@ -78,18 +90,24 @@ def read_run(path: Path, *, key: str | None = None) -> RunMetrics:
     try:
         return read_metrics(path)
     except MetricsPathMissing:
-        raise SpecError("does not exist", file=str(path), key=key,
-                        fix=f"check the path; pass {ACCEPTED}") from None
+        raise SpecError(
+            "does not exist", file=str(path), key=key, fix=f"check the path; pass {ACCEPTED}"
+        ) from None
     except NotAGolden as exc:
-        raise SpecError(f"not a golden file: {exc}", file=str(path), key=key,
-                        fix="create it with: convergence export-golden RUN_DIR OUT.json"
-                        ) from None
+        raise SpecError(
+            f"not a golden file: {exc}",
+            file=str(path),
+            key=key,
+            fix="create it with: convergence export-golden RUN_DIR OUT.json",
+        ) from None
     except NoMetricsFound as exc:
-        raise SpecError(f"no metrics found ({exc.why})", file=str(path), key=key,
-                        fix=f"pass {ACCEPTED}") from None
+        raise SpecError(
+            f"no metrics found ({exc.why})", file=str(path), key=key, fix=f"pass {ACCEPTED}"
+        ) from None
     except (FileNotFoundError, ValueError) as exc:  # e.g. a corrupt event file
-        raise SpecError(f"cannot read its metrics: {exc}", file=str(path), key=key,
-                        fix=f"pass {ACCEPTED}") from None
+        raise SpecError(
+            f"cannot read its metrics: {exc}", file=str(path), key=key, fix=f"pass {ACCEPTED}"
+        ) from None
 
 
 def describe_source(path: Path) -> str:
@@ -103,17 +121,16 @@ def describe_source(path: Path) -> str:
     return "TensorBoard folder"
 
 
-def _read_file(path: Path, key_map: Mapping[str, str] | None,
-               tag_map: Mapping[str, str] | None) -> RunMetrics:
+def _read_file(
+    path: Path, key_map: Mapping[str, str] | None, tag_map: Mapping[str, str] | None
+) -> RunMetrics:
     kind = _file_kind(path)
     if kind == "golden":
-
         try:
             return load_golden(path)
         except ValueError as exc:
             raise NotAGolden(str(exc)) from None
     if kind == "tensorboard":
-
         return read_tensorboard(path, tag_map)
 
     return read_jsonl(path, key_map)
@@ -140,8 +157,9 @@ def _looks_like_golden(path: Path) -> bool:
     return isinstance(document, dict) and "curves" in document
 
 
-def _read_folder(path: Path, key_map: Mapping[str, str] | None,
-                 tag_map: Mapping[str, str] | None) -> RunMetrics:
+def _read_folder(
+    path: Path, key_map: Mapping[str, str] | None, tag_map: Mapping[str, str] | None
+) -> RunMetrics:
 
     # Our runs write the JSONL stream and TensorBoard; the JSONL is what the backend reads
     # for the verdict (float64 exact), so compare reads the same.
@@ -149,12 +167,22 @@ def _read_folder(path: Path, key_map: Mapping[str, str] | None,
         if (path / name).is_file():
             return read_jsonl(path / name, key_map)
     if not any(p.is_file() for p in path.rglob(EVENT_PREFIX + "*")):
-        raise NoMetricsFound(path, f"no metrics.jsonl, dump/metrics.jsonl or {EVENT_PREFIX}* "
-                                   f"files in it; pass {ACCEPTED} (torchtitan: enable "
-                                   f"metrics.enable_tensorboard)")
+        raise NoMetricsFound(
+            path,
+            f"no metrics.jsonl, dump/metrics.jsonl or {EVENT_PREFIX}* "
+            f"files in it; pass {ACCEPTED} (torchtitan: enable "
+            f"metrics.enable_tensorboard)",
+        )
 
     return read_tensorboard(path, tag_map)
 
 
-__all__ = ["ACCEPTED", "MetricsPathMissing", "NoMetricsFound", "NotAGolden", "describe_source",
-           "read_metrics", "read_run"]
+__all__ = [
+    "ACCEPTED",
+    "MetricsPathMissing",
+    "NoMetricsFound",
+    "NotAGolden",
+    "describe_source",
+    "read_metrics",
+    "read_run",
+]

@@ -39,8 +39,9 @@ JSONL_KEYS: dict[str, str] = {name: name for name in METRICS}
 SOURCE_SCALE: dict[str, float] = {"memory/max_reserved(GiB)": 1024.0}
 
 
-def resolve_map(defaults: Mapping[str, str], override: Mapping[str, str] | None,
-                *, what: str = "key_map") -> dict[str, str]:
+def resolve_map(
+    defaults: Mapping[str, str], override: Mapping[str, str] | None, *, what: str = "key_map"
+) -> dict[str, str]:
     """The effective source map: ``override`` (their name -> ours) first, then the defaults.
 
     A metric named by the override no longer takes its default sources: a user who says
@@ -50,8 +51,10 @@ def resolve_map(defaults: Mapping[str, str], override: Mapping[str, str] | None,
     override = dict(override or {})
     for source, metric in override.items():
         if metric not in METRICS:
-            raise ValueError(f"{what}: {source!r} maps to unknown metric {metric!r}; "
-                             f"map it to one of {', '.join(METRICS)}")
+            raise ValueError(
+                f"{what}: {source!r} maps to unknown metric {metric!r}; "
+                f"map it to one of {', '.join(METRICS)}"
+            )
     overridden = set(override.values())
     merged = dict(override)
     for source, metric in defaults.items():
@@ -70,8 +73,9 @@ def sources_for(source_map: Mapping[str, str], metric: str) -> list[str]:
     return [source for source, name in source_map.items() if name == metric]
 
 
-def assemble(source_map: Mapping[str, str],
-             pairs: Mapping[str, list[tuple[int, float]]]) -> RunMetrics:
+def assemble(
+    source_map: Mapping[str, str], pairs: Mapping[str, list[tuple[int, float]]]
+) -> RunMetrics:
     """Curves from raw (step, value) lists per source: per metric, the first source with data.
 
     Unit factors (:data:`SOURCE_SCALE`) are applied here, once.

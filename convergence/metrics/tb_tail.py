@@ -101,10 +101,17 @@ class TensorBoardTail:
         if self._folder is not None:
             return self._folder
         order = sorted(self._steps, key=lambda f: (rank_of(f) or 0, str(f)))
-        real = [f for f in order if any(v != PLACEHOLDER_LOSS for tags in self._steps[f].values()
-                                        for t, v in tags.items() if t in LOSS_TAGS)]
-        known = any(t in LOSS_TAGS for f in order for tags in self._steps[f].values()
-                    for t in tags)
+        real = [
+            f
+            for f in order
+            if any(
+                v != PLACEHOLDER_LOSS
+                for tags in self._steps[f].values()
+                for t, v in tags.items()
+                if t in LOSS_TAGS
+            )
+        ]
+        known = any(t in LOSS_TAGS for f in order for tags in self._steps[f].values() for t in tags)
         if real:
             self._folder = real[0]
         elif not known:

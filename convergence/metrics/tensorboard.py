@@ -70,11 +70,11 @@ def find_loss_logging_dir(root: Path, tag_map: Mapping[str, str] | None = None) 
     candidates = [folder for folder in scan if _holds_loss(scan[folder], loss_tags)]
     if not candidates:
         return None
-    return min(candidates, key=lambda folder: (-newest[folder], rank_of(folder) or 0,
-                                               str(folder)))
+    return min(candidates, key=lambda folder: (-newest[folder], rank_of(folder) or 0, str(folder)))
 
 
 # -- folders --------------------------------------------------------------------------------
+
 
 def _chosen_folders(scan: Scan, loss_tags: list[str]) -> list[Path]:
     """Every folder, except that ``rank_<N>`` siblings contribute one: the loss holder."""
@@ -103,16 +103,21 @@ def rank_of(folder: Path) -> int | None:
 
 # -- files ----------------------------------------------------------------------------------
 
+
 def _event_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise FileNotFoundError(f"TensorBoard path {path} does not exist: the job wrote no "
-                                f"events there; check the backend's metrics_file option")
+        raise FileNotFoundError(
+            f"TensorBoard path {path} does not exist: the job wrote no "
+            f"events there; check the backend's metrics_file option"
+        )
     files = list(_iter_event_files(path))
     if not files:
-        raise FileNotFoundError(f"no {EVENT_GLOB} files under {path}: was TensorBoard logging "
-                                f"enabled in the job (torchtitan: metrics.enable_tensorboard)?")
+        raise FileNotFoundError(
+            f"no {EVENT_GLOB} files under {path}: was TensorBoard logging "
+            f"enabled in the job (torchtitan: metrics.enable_tensorboard)?"
+        )
     return files
 
 
@@ -142,8 +147,7 @@ def _scalars(path: Path, tags: set[str]) -> Iterator[tuple[str, int, float]]:
         yield from event_scalars(record, tags)
 
 
-def event_scalars(record: bytes, tags: set[str] | None = None
-                  ) -> Iterator[tuple[str, int, float]]:
+def event_scalars(record: bytes, tags: set[str] | None = None) -> Iterator[tuple[str, int, float]]:
     """(tag, step, value) of the scalars in one event record (of ``tags``; None: all)."""
     from tensorboard.compat.proto.event_pb2 import Event
 
@@ -171,16 +175,18 @@ def split_records(data: bytes, path: Path) -> tuple[list[bytes], int]:
     records: list[bytes] = []
     offset, size = 0, len(data)
     while offset + 12 <= size:
-        header = data[offset:offset + 8]
+        header = data[offset : offset + 8]
         (length,) = struct.unpack("<Q", header)
-        (length_crc,) = struct.unpack("<I", data[offset + 8:offset + 12])
+        (length_crc,) = struct.unpack("<I", data[offset + 8 : offset + 12])
         if _masked_crc32c(header) != length_crc:
-            raise ValueError(f"{path}: corrupt TensorBoard record at byte {offset} (bad length "
-                             f"checksum); delete or move the damaged file and re-read")
+            raise ValueError(
+                f"{path}: corrupt TensorBoard record at byte {offset} (bad length "
+                f"checksum); delete or move the damaged file and re-read"
+            )
         end = offset + 12 + length + 4
         if end > size:
             break
-        records.append(data[offset + 12:offset + 12 + length])
+        records.append(data[offset + 12 : offset + 12 + length])
         offset = end
     return records, offset
 

@@ -36,26 +36,38 @@ def _nodes(args: argparse.Namespace) -> int:
     rootdir = Path(args.rootdir).resolve()
     largest = largest_job([rootdir / e for e in args.experiments], rootdir=rootdir)
     if per_node is None or largest is None:
-        print("--nodes 1 (give --gpus-per-node or --devices-per-node to size the allocation "
-              "from the largest pair)", file=sys.stderr)
+        print(
+            "--nodes 1 (give --gpus-per-node or --devices-per-node to size the allocation "
+            "from the largest pair)",
+            file=sys.stderr,
+        )
         return 1
     nodes = nodes_for(largest.world_size, per_node)
-    print(f"--nodes {nodes}: the largest job is {largest.where}, {largest.world_size} "
-          f"devices at {per_node} per node", file=sys.stderr)
+    print(
+        f"--nodes {nodes}: the largest job is {largest.where}, {largest.world_size} "
+        f"devices at {per_node} per node",
+        file=sys.stderr,
+    )
     return nodes
 
 
 def cmd_nightly(args: argparse.Namespace) -> int:
     out = Path(args.out)
     settings = NightlySettings(
-        experiments=tuple(args.experiments), out=str(out.resolve()),
-        rootdir=str(Path(args.rootdir).resolve()), history=args.history,
-        nodes=_nodes(args), time=args.time, partition=args.partition,
-        gpus_per_node=args.gpus_per_node, exclusive=not args.no_exclusive,
+        experiments=tuple(args.experiments),
+        out=str(out.resolve()),
+        rootdir=str(Path(args.rootdir).resolve()),
+        history=args.history,
+        nodes=_nodes(args),
+        time=args.time,
+        partition=args.partition,
+        gpus_per_node=args.gpus_per_node,
+        exclusive=not args.no_exclusive,
         sbatch_options=tuple(args.sbatch_option or ()),
         pytest_args=tuple(shlex.split(args.pytest_args or "")),
         decide_args=tuple(shlex.split(args.decide_args or "")),
-        reuse_controls=args.reuse_controls)
+        reuse_controls=args.reuse_controls,
+    )
     if args.stdout:
         print(render_sbatch(settings))
         return 0
@@ -71,8 +83,9 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 def cmd_record(args: argparse.Namespace) -> int:
     night = args.night or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    records = append_history(Path(args.report), Path(args.history), night=night,
-                             pytest_status=args.pytest_status)
+    records = append_history(
+        Path(args.report), Path(args.history), night=night, pytest_status=args.pytest_status
+    )
     print(f"{len(records)} pair(s) of night {night} appended to {args.history}")
     return 0
 
@@ -82,21 +95,27 @@ def cmd_trend(args: argparse.Namespace) -> int:
     for path in (files.markdown, files.json, *files.pngs):
         print(f"  {path}")
     if files.tensorboard:
-        print(f"  {Path(args.out) / 'tensorboard'} ({len(files.tensorboard)} run(s): "
-              f"tensorboard --logdir {Path(args.out) / 'tensorboard'})")
+        print(
+            f"  {Path(args.out) / 'tensorboard'} ({len(files.tensorboard)} run(s): "
+            f"tensorboard --logdir {Path(args.out) / 'tensorboard'})"
+        )
     return 0
 
 
 def cmd_decide(args: argparse.Namespace) -> int:
     try:
-        settings = BandSettings(window=args.window, k=args.k,
-                                min_nights=min(args.min_nights, args.window))
+        settings = BandSettings(
+            window=args.window, k=args.k, min_nights=min(args.min_nights, args.window)
+        )
     except ValueError as exc:
         print(f"convergence decide: {exc}", file=sys.stderr)
         return 2
     decision = decide(read_history(Path(args.history)), settings)
-    problems = write_decision(decision, Path(args.out), Notify(
-        command=args.hook, url=args.post, always=args.notify == "always"))
+    problems = write_decision(
+        decision,
+        Path(args.out),
+        Notify(command=args.hook, url=args.post, always=args.notify == "always"),
+    )
     print(summary_markdown(decision), end="")
     for problem in problems:
         print(f"convergence decide: notification failed: {problem}", file=sys.stderr)
@@ -106,34 +125,63 @@ def cmd_decide(args: argparse.Namespace) -> int:
 def add_subcommands(sub: Any) -> None:
     """Register ``nightly``, ``record`` and ``trend`` on the CLI's subparsers."""
     nightly = sub.add_parser("nightly", help="write (or submit) the nightly sbatch script")
-    nightly.add_argument("--experiments", nargs="+", required=True, metavar="PATH",
-                         help="experiment TOML files or folders (pytest arguments)")
-    nightly.add_argument("--out", required=True, metavar="DIR",
-                         help="folder for nights, Slurm output and history.jsonl")
+    nightly.add_argument(
+        "--experiments",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="experiment TOML files or folders (pytest arguments)",
+    )
+    nightly.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="folder for nights, Slurm output and history.jsonl",
+    )
     nightly.add_argument("--history", help="history file (default OUT/history.jsonl)")
     nightly.add_argument("--rootdir", default=".", help="where pytest runs (default: here)")
-    nightly.add_argument("--script", help="where to write the script (default "
-                                          "OUT/nightly.sbatch)")
+    nightly.add_argument("--script", help="where to write the script (default OUT/nightly.sbatch)")
     nightly.add_argument("--stdout", action="store_true", help="print the script instead")
     nightly.add_argument("--submit", action="store_true", help="sbatch it right away")
-    nightly.add_argument("--nodes", type=int, help="nodes to allocate (default: enough for "
-                         "the largest job, at --devices-per-node or --gpus-per-node; else 1)")
-    nightly.add_argument("--devices-per-node", type=int, metavar="N",
-                         help="devices per node for sizing (default --gpus-per-node; on a CPU "
-                              "cluster the CPU slots per node)")
+    nightly.add_argument(
+        "--nodes",
+        type=int,
+        help="nodes to allocate (default: enough for "
+        "the largest job, at --devices-per-node or --gpus-per-node; else 1)",
+    )
+    nightly.add_argument(
+        "--devices-per-node",
+        type=int,
+        metavar="N",
+        help="devices per node for sizing (default --gpus-per-node; on a CPU "
+        "cluster the CPU slots per node)",
+    )
     nightly.add_argument("--time", default="08:00:00", help="Slurm time limit")
     nightly.add_argument("--partition")
     nightly.add_argument("--gpus-per-node", type=int)
-    nightly.add_argument("--no-exclusive", action="store_true",
-                         help="share nodes with other jobs (default: --exclusive)")
-    nightly.add_argument("--sbatch-option", action="append", metavar="OPT",
-                         help="extra #SBATCH option, e.g. --account=ml (repeatable)")
+    nightly.add_argument(
+        "--no-exclusive",
+        action="store_true",
+        help="share nodes with other jobs (default: --exclusive)",
+    )
+    nightly.add_argument(
+        "--sbatch-option",
+        action="append",
+        metavar="OPT",
+        help="extra #SBATCH option, e.g. --account=ml (repeatable)",
+    )
     nightly.add_argument("--pytest-args", help="extra pytest arguments (one string)")
-    nightly.add_argument("--decide-args", help="extra `convergence decide` arguments (one "
-                         "string), e.g. \"--hook 'mail -s nightly ops@x' --post URL\"")
-    nightly.add_argument("--reuse-controls", action="store_true",
-                         help="reuse cached control runs across nights (default: re-run them "
-                              "each night, so the trend shows the stack drifting)")
+    nightly.add_argument(
+        "--decide-args",
+        help="extra `convergence decide` arguments (one "
+        "string), e.g. \"--hook 'mail -s nightly ops@x' --post URL\"",
+    )
+    nightly.add_argument(
+        "--reuse-controls",
+        action="store_true",
+        help="reuse cached control runs across nights (default: re-run them "
+        "each night, so the trend shows the stack drifting)",
+    )
     nightly.set_defaults(func=cmd_nightly)
 
     record = sub.add_parser("record", help="append a report.json's pairs to a history file")
@@ -143,28 +191,45 @@ def add_subcommands(sub: Any) -> None:
     record.add_argument("--pytest-status", type=int, help="pytest's exit status that night")
     record.set_defaults(func=cmd_record)
 
-    trend = sub.add_parser("trend", help="trend report across nights (markdown, JSON, "
-                                          "PNGs, TensorBoard runs)")
+    trend = sub.add_parser(
+        "trend", help="trend report across nights (markdown, JSON, PNGs, TensorBoard runs)"
+    )
     trend.add_argument("history", help="history JSONL file")
-    trend.add_argument("--out", required=True, metavar="DIR",
-                       help="report folder: trend.md, trend.json, trend*.png, tensorboard/")
+    trend.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="report folder: trend.md, trend.json, trend*.png, tensorboard/",
+    )
     trend.set_defaults(func=cmd_trend)
 
-    dec = sub.add_parser("decide", help="tonight vs the band of the last green nights: exit "
-                                        f"{EXIT_DRIFT} on drift, {EXIT_RED} when a pair "
-                                        "turned red; decision.json/.md, notification hooks")
+    dec = sub.add_parser(
+        "decide",
+        help="tonight vs the band of the last green nights: exit "
+        f"{EXIT_DRIFT} on drift, {EXIT_RED} when a pair "
+        "turned red; decision.json/.md, notification hooks",
+    )
     dec.add_argument("history", help="history JSONL file")
-    dec.add_argument("--out", required=True, metavar="DIR",
-                     help="where decision.json and decision.md go")
+    dec.add_argument(
+        "--out", required=True, metavar="DIR", help="where decision.json and decision.md go"
+    )
     dec.add_argument("--window", type=int, default=20, help="green nights in the band")
-    dec.add_argument("--min-nights", type=int, default=5,
-                     help="fewer green nights: no decision for a metric")
+    dec.add_argument(
+        "--min-nights", type=int, default=5, help="fewer green nights: no decision for a metric"
+    )
     dec.add_argument("--k", type=float, default=6.0, help="band half width in robust sigmas")
-    dec.add_argument("--hook", metavar="CMD",
-                     help="shell command run with the markdown summary on stdin "
-                          "(CONVERGENCE_DECISION=<decision.json>)")
+    dec.add_argument(
+        "--hook",
+        metavar="CMD",
+        help="shell command run with the markdown summary on stdin "
+        "(CONVERGENCE_DECISION=<decision.json>)",
+    )
     dec.add_argument("--post", metavar="URL", help="POST decision.json to this URL")
-    dec.add_argument("--notify", choices=("problems", "always"), default="problems",
-                     help="when the hooks and $GITHUB_STEP_SUMMARY fire (default: on drift "
-                          "or a pair turned red)")
+    dec.add_argument(
+        "--notify",
+        choices=("problems", "always"),
+        default="problems",
+        help="when the hooks and $GITHUB_STEP_SUMMARY fire (default: on drift "
+        "or a pair turned red)",
+    )
     dec.set_defaults(func=cmd_decide)

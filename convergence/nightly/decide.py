@@ -58,9 +58,15 @@ DECIDED: tuple[tuple[str, str, str], ...] = (
 )
 #: Relative floor of the band's half width per metric (before k): timings are noisier than
 #: losses, and a deterministic loss repeats exactly.
-REL_FLOOR = {"control_final_loss": 1e-6, "max_abs_loss_delta": 0.05, "step_time_s": 0.01,
-             "control_step_time_s": 0.01, "tokens_per_s": 0.01, "control_tokens_per_s": 0.01,
-             "peak_mem_mib": 0.005}
+REL_FLOOR = {
+    "control_final_loss": 1e-6,
+    "max_abs_loss_delta": 0.05,
+    "step_time_s": 0.01,
+    "control_step_time_s": 0.01,
+    "tokens_per_s": 0.01,
+    "control_tokens_per_s": 0.01,
+    "peak_mem_mib": 0.005,
+}
 ABS_FLOOR = {"max_abs_loss_delta": 1e-7}
 
 
@@ -75,8 +81,10 @@ class BandSettings:
 
     def __post_init__(self) -> None:
         if self.window < 2 or self.min_nights < 2 or self.min_nights > self.window:
-            raise ValueError(f"need 2 <= min_nights <= window, got window={self.window}, "
-                             f"min_nights={self.min_nights}")
+            raise ValueError(
+                f"need 2 <= min_nights <= window, got window={self.window}, "
+                f"min_nights={self.min_nights}"
+            )
         if not self.k > 0:
             raise ValueError(f"k must be > 0, got {self.k}")
 
@@ -112,17 +120,23 @@ class Decision:
         return EXIT_DRIFT if self.findings else EXIT_CLEAN
 
     def to_json(self) -> dict[str, object]:
-        return {"night": self.night, "exit_status": self.exit_status, "pairs": self.pairs,
-                "findings": [asdict(f) for f in self.findings],
-                "undecided": list(self.undecided), "settings": asdict(self.settings)}
+        return {
+            "night": self.night,
+            "exit_status": self.exit_status,
+            "pairs": self.pairs,
+            "findings": [asdict(f) for f in self.findings],
+            "undecided": list(self.undecided),
+            "settings": asdict(self.settings),
+        }
 
 
 def band(values: Sequence[float], metric: str, k: float) -> tuple[float, float, float]:
     """(low, median, high) of the robust band (see the module docstring)."""
     median = statistics.median(values)
     mad = statistics.median(abs(v - median) for v in values)
-    half = k * max(1.4826 * mad, REL_FLOOR.get(metric, 0.01) * abs(median),
-                   ABS_FLOOR.get(metric, 0.0))
+    half = k * max(
+        1.4826 * mad, REL_FLOOR.get(metric, 0.01) * abs(median), ABS_FLOOR.get(metric, 0.0)
+    )
     return median - half, median, median + half
 
 
@@ -155,40 +169,75 @@ def decide(history: History, settings: BandSettings | None = None) -> Decision:
         now, now_raw = by_night[tonight]
         earlier = [by_night[n] for n in nights[:-1] if n in by_night]
         if now.status in ("failed", "error") and earlier and earlier[-1][0].status == "passed":
-            findings.append(Finding(pair=pair, kind="red", text=(
-                f"{pair}: turned {now.status} tonight (passed on {earlier[-1][0].night})")))
+            findings.append(
+                Finding(
+                    pair=pair,
+                    kind="red",
+                    text=(
+                        f"{pair}: turned {now.status} tonight (passed on {earlier[-1][0].night})"
+                    ),
+                )
+            )
         if now.status != "passed":
             continue  # a red or skipped pair's numbers are not compared
-        green = [(r, raw) for r, raw in earlier if r.status == "passed"][-cfg.window:]
+        green = [(r, raw) for r, raw in earlier if r.status == "passed"][-cfg.window :]
         for metric, worse, label in DECIDED:
             value = _value(now, now_raw, metric)
             if value is None:
                 continue
-            past = [v for v in (_value(r, raw, metric) for r, raw in green)
-                    if v is not None and math.isfinite(v)]
+            past = [
+                v
+                for v in (_value(r, raw, metric) for r, raw in green)
+                if v is not None and math.isfinite(v)
+            ]
             if len(past) < cfg.min_nights:
-                undecided.append(f"{pair}: {metric} ({len(past)} green nights, need "
-                                 f"{cfg.min_nights})")
+                undecided.append(
+                    f"{pair}: {metric} ({len(past)} green nights, need {cfg.min_nights})"
+                )
                 continue
             low, median, high = band(past, metric, cfg.k)
-            out = (value > high and worse in ("up", "both")) or \
-                  (value < low and worse in ("down", "both"))
+            out = (value > high and worse in ("up", "both")) or (
+                value < low and worse in ("down", "both")
+            )
             if out:
-                findings.append(Finding(
-                    pair=pair, kind="drift", metric=metric, value=value, low=low, high=high,
-                    median=median, nights=len(past), text=(
-                        f"{pair}: {label} {value:.6g} outside [{low:.6g}, {high:.6g}] "
-                        f"(median {median:.6g} of the last {len(past)} green nights)")))
-    return Decision(night=tonight, findings=tuple(findings), undecided=tuple(undecided),
-                    pairs=pairs, settings=cfg)
+                findings.append(
+                    Finding(
+                        pair=pair,
+                        kind="drift",
+                        metric=metric,
+                        value=value,
+                        low=low,
+                        high=high,
+                        median=median,
+                        nights=len(past),
+                        text=(
+                            f"{pair}: {label} {value:.6g} outside [{low:.6g}, {high:.6g}] "
+                            f"(median {median:.6g} of the last {len(past)} green nights)"
+                        ),
+                    )
+                )
+    return Decision(
+        night=tonight,
+        findings=tuple(findings),
+        undecided=tuple(undecided),
+        pairs=pairs,
+        settings=cfg,
+    )
 
 
 def summary_markdown(decision: Decision) -> str:
-    head = {EXIT_CLEAN: "no drift, no pair turned red", EXIT_DRIFT: "DRIFT",
-            EXIT_RED: "A PAIR TURNED RED"}[decision.exit_status]
-    lines = [f"## Nightly convergence {decision.night or '(no nights)'}: {head}", "",
-             f"{decision.pairs} pair(s) ran tonight; band: the last {decision.settings.window} "
-             f"green nights, median ± {decision.settings.k:g} robust σ.", ""]
+    head = {
+        EXIT_CLEAN: "no drift, no pair turned red",
+        EXIT_DRIFT: "DRIFT",
+        EXIT_RED: "A PAIR TURNED RED",
+    }[decision.exit_status]
+    lines = [
+        f"## Nightly convergence {decision.night or '(no nights)'}: {head}",
+        "",
+        f"{decision.pairs} pair(s) ran tonight; band: the last {decision.settings.window} "
+        f"green nights, median ± {decision.settings.k:g} robust σ.",
+        "",
+    ]
     lines += [f"- {f.text}" for f in decision.findings]
     if decision.undecided:
         lines += ["", f"Not decided yet ({len(decision.undecided)}): too few green nights."]
@@ -226,18 +275,28 @@ def write_decision(decision: Decision, out: Path, notify: Notify | None = None) 
             problems.append(f"GITHUB_STEP_SUMMARY: {exc}")
     if hooks.command:
         try:
-            done = subprocess.run(hooks.command, shell=True, input=text, text=True,
-                                  capture_output=True, timeout=60,
-                                  env={**os.environ,
-                                       "CONVERGENCE_DECISION": str(out / "decision.json")})
+            done = subprocess.run(
+                hooks.command,
+                shell=True,
+                input=text,
+                text=True,
+                capture_output=True,
+                timeout=60,
+                env={**os.environ, "CONVERGENCE_DECISION": str(out / "decision.json")},
+            )
             if done.returncode != 0:
-                problems.append(f"hook command exited {done.returncode}: "
-                                f"{done.stderr.strip()[-300:]}")
+                problems.append(
+                    f"hook command exited {done.returncode}: {done.stderr.strip()[-300:]}"
+                )
         except (OSError, subprocess.TimeoutExpired) as exc:
             problems.append(f"hook command: {exc}")
     if hooks.url:
-        request = urllib.request.Request(hooks.url, data=doc.encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            hooks.url,
+            data=doc.encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 response.read()

@@ -54,6 +54,7 @@ def json_num(value: float | None) -> float | str | None:
 
 # -- report.json -> records -----------------------------------------------------------------
 
+
 def _loss_curve(pair: Mapping[str, Any], side: str) -> dict[str, Any] | None:
     curve = ((pair.get("curves") or {}).get(side) or {}).get("loss")
     return curve if curve and curve.get("steps") else None
@@ -126,8 +127,9 @@ def _encoded(values: Mapping[str, float | None]) -> dict[str, float | str | None
     return {k: json_num(v) for k, v in values.items()}
 
 
-def history_records(report: Mapping[str, Any], *, night: str,
-                    pytest_status: int | None = None) -> list[dict[str, Any]]:
+def history_records(
+    report: Mapping[str, Any], *, night: str, pytest_status: int | None = None
+) -> list[dict[str, Any]]:
     """One history record (a JSON-ready dict, one line of the file) per pair of a report."""
     env = report.get("environment") or {}
     records = []
@@ -135,26 +137,28 @@ def history_records(report: Mapping[str, Any], *, night: str,
         step, delta = final_loss_delta(pair)
         control_step, control_loss = control_final_loss(pair)
         step_time, step_time_from = step_times(pair)
-        records.append({
-            "history_version": HISTORY_VERSION,
-            "night": night,
-            "generated_at": report.get("generated_at"),
-            "slurm_job_id": env.get("slurm_job_id") or os.environ.get("SLURM_JOB_ID"),
-            "pytest_status": pytest_status,
-            "pair": pair["id"],
-            "status": pair["status"],
-            "verdicts": {v["metric"]: bool(v["passed"]) for v in pair.get("verdicts", [])},
-            "final_step": step,
-            "final_loss_delta": json_num(delta),
-            "control_final_step": control_step,
-            "control_final_loss": json_num(control_loss),
-            "max_abs_loss_delta": (pair.get("max_abs_delta") or {}).get("loss"),
-            "tokens_per_s": _encoded(_resource(pair, "tokens_per_s")),
-            "peak_mem_mib": _encoded(_resource(pair, "peak_mem_mib")),
-            "step_time_s": _encoded(step_time),
-            "step_time_from": step_time_from,
-            "wall_s": (pair.get("wall_s") or {}).get("pair"),
-        })
+        records.append(
+            {
+                "history_version": HISTORY_VERSION,
+                "night": night,
+                "generated_at": report.get("generated_at"),
+                "slurm_job_id": env.get("slurm_job_id") or os.environ.get("SLURM_JOB_ID"),
+                "pytest_status": pytest_status,
+                "pair": pair["id"],
+                "status": pair["status"],
+                "verdicts": {v["metric"]: bool(v["passed"]) for v in pair.get("verdicts", [])},
+                "final_step": step,
+                "final_loss_delta": json_num(delta),
+                "control_final_step": control_step,
+                "control_final_loss": json_num(control_loss),
+                "max_abs_loss_delta": (pair.get("max_abs_delta") or {}).get("loss"),
+                "tokens_per_s": _encoded(_resource(pair, "tokens_per_s")),
+                "peak_mem_mib": _encoded(_resource(pair, "peak_mem_mib")),
+                "step_time_s": _encoded(step_time),
+                "step_time_from": step_time_from,
+                "wall_s": (pair.get("wall_s") or {}).get("pair"),
+            }
+        )
     return records
 
 
@@ -162,22 +166,32 @@ def load_report(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise SpecError(f"cannot read the report: {exc.strerror}", file=str(path),
-                        fix="pass the report.json written by --convergence-report") from None
+        raise SpecError(
+            f"cannot read the report: {exc.strerror}",
+            file=str(path),
+            fix="pass the report.json written by --convergence-report",
+        ) from None
     except ValueError as exc:
-        raise SpecError(f"not JSON: {exc}", file=str(path),
-                        fix="pass the report.json written by --convergence-report") from None
+        raise SpecError(
+            f"not JSON: {exc}",
+            file=str(path),
+            fix="pass the report.json written by --convergence-report",
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("pairs"), list):
-        raise SpecError("not a pytest-convergence report (no 'pairs' list)", file=str(path),
-                        key="pairs", fix="pass the report.json written by --convergence-report")
+        raise SpecError(
+            "not a pytest-convergence report (no 'pairs' list)",
+            file=str(path),
+            key="pairs",
+            fix="pass the report.json written by --convergence-report",
+        )
     return data
 
 
-def append_history(report_path: Path, history: Path, *, night: str,
-                   pytest_status: int | None = None) -> list[dict[str, Any]]:
+def append_history(
+    report_path: Path, history: Path, *, night: str, pytest_status: int | None = None
+) -> list[dict[str, Any]]:
     """Append the night's records to ``history`` (created with its folder if needed)."""
-    records = history_records(load_report(report_path), night=night,
-                              pytest_status=pytest_status)
+    records = history_records(load_report(report_path), night=night, pytest_status=pytest_status)
     history.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
     with open(history, "a", encoding="utf-8") as fh:
@@ -186,6 +200,7 @@ def append_history(report_path: Path, history: Path, *, night: str,
 
 
 # -- reading it back ------------------------------------------------------------------------
+
 
 def _side_value(raw: Mapping[str, Any], key: str, side: str) -> float | None:
     """``raw[key][side]``; a bare number counts as the test's (the test is what a row shows)."""
@@ -233,9 +248,11 @@ class NightRecord:
         step = raw.get("final_step")
         status = raw.get("pytest_status")
         return cls(
-            night=str(raw["night"]), pair=str(raw["pair"]),
+            night=str(raw["night"]),
+            pair=str(raw["pair"]),
             status=str(raw.get("status") or "unknown"),
-            generated_at=raw.get("generated_at") if isinstance(raw.get("generated_at"), str)
+            generated_at=raw.get("generated_at")
+            if isinstance(raw.get("generated_at"), str)
             else None,
             pytest_status=status if isinstance(status, int) else None,
             verdicts=dict(raw.get("verdicts") or {}),
@@ -298,9 +315,11 @@ def read_history(path: Path) -> History:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise SpecError(f"cannot read the history: {exc.strerror}", file=str(path),
-                        fix="pass the history.jsonl that `convergence record` appends to"
-                        ) from None
+        raise SpecError(
+            f"cannot read the history: {exc.strerror}",
+            file=str(path),
+            fix="pass the history.jsonl that `convergence record` appends to",
+        ) from None
     records, skipped = [], 0
     for line in lines:
         if not line.strip():
@@ -315,6 +334,9 @@ def read_history(path: Path) -> History:
         else:
             skipped += 1
     if not records:
-        raise SpecError("no history records in it", file=str(path),
-                        fix="run a night first (sbatch the script from `convergence nightly`)")
+        raise SpecError(
+            "no history records in it",
+            file=str(path),
+            fix="run a night first (sbatch the script from `convergence nightly`)",
+        )
     return History(records=tuple(records), skipped_lines=skipped)

@@ -54,14 +54,27 @@ class PlotSpec:
 
 
 PLOTS: tuple[PlotSpec, ...] = (
-    PlotSpec(file="trend.png", title="final loss Δ (test − control)",
-             metrics=(("final_loss_delta", "test − control"),), zero_line=True),
-    PlotSpec(file="trend_control_loss.png", title="control final loss",
-             metrics=(("control_final_loss", "control"),)),
-    PlotSpec(file="trend_step_time.png", title="step time (s)",
-             metrics=(("step_time_s", "test"), ("control_step_time_s", "control"))),
-    PlotSpec(file="trend_tokens_per_s.png", title="tokens/s",
-             metrics=(("tokens_per_s", "test"), ("control_tokens_per_s", "control"))),
+    PlotSpec(
+        file="trend.png",
+        title="final loss Δ (test − control)",
+        metrics=(("final_loss_delta", "test − control"),),
+        zero_line=True,
+    ),
+    PlotSpec(
+        file="trend_control_loss.png",
+        title="control final loss",
+        metrics=(("control_final_loss", "control"),),
+    ),
+    PlotSpec(
+        file="trend_step_time.png",
+        title="step time (s)",
+        metrics=(("step_time_s", "test"), ("control_step_time_s", "control")),
+    ),
+    PlotSpec(
+        file="trend_tokens_per_s.png",
+        title="tokens/s",
+        metrics=(("tokens_per_s", "test"), ("control_tokens_per_s", "control")),
+    ),
 )
 
 
@@ -94,23 +107,41 @@ def _figure(rows: int, cols: int) -> Figure:
     # Fixed margins in inches (constrained layout doubles the time): title + legend on top,
     # rotated night names below.
     width, height = fig.get_size_inches()
-    fig.subplots_adjust(left=0.75 / width, right=1 - 0.2 / width, top=1 - 1.0 / height,
-                        bottom=1.0 / height, hspace=0.45, wspace=0.35)
+    fig.subplots_adjust(
+        left=0.75 / width,
+        right=1 - 0.2 / width,
+        top=1 - 1.0 / height,
+        bottom=1.0 / height,
+        hspace=0.45,
+        wspace=0.35,
+    )
     return fig
 
 
 def _title(pair: str, limit: int = 48) -> str:
     # the end of an id (file::name) is the part that tells pairs apart
-    return pair if len(pair) <= limit else "…" + pair[-(limit - 1):]
+    return pair if len(pair) <= limit else "…" + pair[-(limit - 1) :]
 
 
-def _panel(ax: Axes, spec: PlotSpec, series: Mapping[str, list[float | None]],
-           statuses: Sequence[str | None]) -> None:
+def _panel(
+    ax: Axes,
+    spec: PlotSpec,
+    series: Mapping[str, list[float | None]],
+    statuses: Sequence[str | None],
+) -> None:
     for k, (metric, _) in enumerate(spec.metrics):
         values = series.get(metric) or [None] * len(statuses)
-        style: dict[str, Any] = ({"color": LINE_COLOR, "linewidth": 1.2} if k == 0 else
-                 {"color": SECOND_COLOR, "linewidth": 1.0, "linestyle": "--", "marker": ".",
-                  "markersize": 4})
+        style: dict[str, Any] = (
+            {"color": LINE_COLOR, "linewidth": 1.2}
+            if k == 0
+            else {
+                "color": SECOND_COLOR,
+                "linewidth": 1.0,
+                "linestyle": "--",
+                "marker": ".",
+                "markersize": 4,
+            }
+        )
         for run in runs(values):
             ax.plot(run, [float(values[i] or 0.0) for i in run], zorder=2, **style)
     if spec.zero_line:
@@ -123,30 +154,62 @@ def _panel(ax: Axes, spec: PlotSpec, series: Mapping[str, list[float | None]],
         marker, color, _ = VERDICT_STYLE.get(status, _OTHER_STYLE)
         value = primary[i] if i < len(primary) else None
         if _present(value):
-            ax.plot([i], [value], linestyle="none", marker=marker, color=color, markersize=6,
-                    markeredgewidth=1.8, zorder=3)
+            ax.plot(
+                [i],
+                [value],
+                linestyle="none",
+                marker=marker,
+                color=color,
+                markersize=6,
+                markeredgewidth=1.8,
+                zorder=3,
+            )
         else:
-            ax.plot([i], [0.04], linestyle="none", marker=marker, color=color, markersize=6,
-                    markeredgewidth=1.8, transform=edge, clip_on=False, zorder=3)
+            ax.plot(
+                [i],
+                [0.04],
+                linestyle="none",
+                marker=marker,
+                color=color,
+                markersize=6,
+                markeredgewidth=1.8,
+                transform=edge,
+                clip_on=False,
+                zorder=3,
+            )
 
 
 def _legend(fig: Figure, spec: PlotSpec) -> None:
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], linestyle="none", marker=m, color=c, markeredgewidth=1.8,
-                      label=label) for m, c, label in VERDICT_STYLE.values()]
+    handles = [
+        Line2D([], [], linestyle="none", marker=m, color=c, markeredgewidth=1.8, label=label)
+        for m, c, label in VERDICT_STYLE.values()
+    ]
     if len(spec.metrics) > 1:
-        handles += [Line2D([], [], color=LINE_COLOR, label=spec.metrics[0][1]),
-                    Line2D([], [], color=SECOND_COLOR, linestyle="--", marker=".",
-                           label=spec.metrics[1][1])]
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8,
-               frameon=False, bbox_to_anchor=(0.5, 1 - 0.45 / fig.get_size_inches()[1]))
+        handles += [
+            Line2D([], [], color=LINE_COLOR, label=spec.metrics[0][1]),
+            Line2D(
+                [], [], color=SECOND_COLOR, linestyle="--", marker=".", label=spec.metrics[1][1]
+            ),
+        ]
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 1 - 0.45 / fig.get_size_inches()[1]),
+    )
 
 
-def plot_trend_panels(nights: Sequence[str],
-                      series: Mapping[str, Mapping[str, list[float | None]]],
-                      statuses: Mapping[str, Sequence[str | None]], spec: PlotSpec,
-                      path: Path) -> Path:
+def plot_trend_panels(
+    nights: Sequence[str],
+    series: Mapping[str, Mapping[str, list[float | None]]],
+    statuses: Mapping[str, Sequence[str | None]],
+    spec: PlotSpec,
+    path: Path,
+) -> Path:
     """One PNG for ``spec``: a grid with one panel per pair (sorted), shared night axis."""
     pairs = sorted(series)
     rows, cols = grid_shape(max(1, len(pairs)))
@@ -159,19 +222,17 @@ def plot_trend_panels(nights: Sequence[str],
         ax.set_title(_title(pair), fontsize=8)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
-    for ax in axes[len(pairs):]:
+    for ax in axes[len(pairs) :]:
         ax.set_visible(False)
     for ax in axes:
         ax.set_xlim(-0.5, max(0.5, len(nights) - 0.5))
         ax.set_xticks(x[::step])
-        ax.set_xticklabels([nights[i] for i in x[::step]], rotation=30, ha="right",
-                           fontsize=6)
+        ax.set_xticklabels([nights[i] for i in x[::step]], rotation=30, ha="right", fontsize=6)
     # sharex hides labels on all but the bottom row; a short last row leaves the columns
     # above its gaps without them, so show them on every panel that has none below it
-    for k, ax in enumerate(axes[:len(pairs)]):
+    for k, ax in enumerate(axes[: len(pairs)]):
         if k + cols >= len(pairs):
             ax.tick_params(labelbottom=True)
     fig.suptitle(f"pytest-convergence nightly trend: {spec.title}", fontsize=10)
     _legend(fig, spec)
     return save_png(fig, path)
-

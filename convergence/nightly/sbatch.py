@@ -51,8 +51,11 @@ class NightlySettings:
 
     def __post_init__(self) -> None:
         if not self.experiments:
-            raise SpecError("no experiments given", key="--experiments",
-                            fix="pass experiment TOML files or folders")
+            raise SpecError(
+                "no experiments given",
+                key="--experiments",
+                fix="pass experiment TOML files or folders",
+            )
         if self.nodes < 1:
             raise SpecError("must be at least 1", key="--nodes", fix="use --nodes 1 or more")
 
@@ -137,9 +140,13 @@ def _q(text: str) -> str:
 def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbatch") -> str:
     """The sbatch script for ``settings`` (a bash script with ``#SBATCH`` lines)."""
     lines = [_HEADER.format(script=script_name, history=settings.history_path)]
-    sbatch = [f"--job-name={settings.job_name}", f"--nodes={settings.nodes}",
-              "--ntasks-per-node=1", f"--time={settings.time}",
-              f"--output={settings.out}/slurm-%j.out"]
+    sbatch = [
+        f"--job-name={settings.job_name}",
+        f"--nodes={settings.nodes}",
+        "--ntasks-per-node=1",
+        f"--time={settings.time}",
+        f"--output={settings.out}/slurm-%j.out",
+    ]
     if settings.partition:
         sbatch.append(f"--partition={settings.partition}")
     if settings.gpus_per_node:
@@ -150,12 +157,18 @@ def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbat
     lines.extend(f"#SBATCH {opt}" for opt in sbatch)
     lines.append("")
     extra = "".join(f" {_q(a)}" for a in settings.pytest_args)
-    lines.append(_BODY.format(rootdir=_q(settings.rootdir), out=_q(settings.out),
-                              history=_q(settings.history_path), python=_q(settings.python),
-                              pytest_args=extra,
-                              decide_args="".join(f" {_q(a)}" for a in settings.decide_args),
-                              refresh="" if settings.reuse_controls else " --convergence-refresh",
-                              experiments=" ".join(_q(e) for e in settings.experiments)))
+    lines.append(
+        _BODY.format(
+            rootdir=_q(settings.rootdir),
+            out=_q(settings.out),
+            history=_q(settings.history_path),
+            python=_q(settings.python),
+            pytest_args=extra,
+            decide_args="".join(f" {_q(a)}" for a in settings.decide_args),
+            refresh="" if settings.reuse_controls else " --convergence-refresh",
+            experiments=" ".join(_q(e) for e in settings.experiments),
+        )
+    )
     return "\n".join(lines)
 
 

@@ -43,8 +43,9 @@ def _experiment_files(paths: Iterable[Path]) -> Iterator[Path]:
                 continue
 
 
-def largest_job(paths: Iterable[Path], *, rootdir: Path,
-                max_tier: str = "nightly") -> LargestJob | None:
+def largest_job(
+    paths: Iterable[Path], *, rootdir: Path, max_tier: str = "nightly"
+) -> LargestJob | None:
     """The largest world size among the pairs up to ``max_tier`` (the regime's other control
     jobs -- a twin, seed replicates -- and a resumed test's second job included)."""
     best: LargestJob | None = None
@@ -60,7 +61,8 @@ def largest_job(paths: Iterable[Path], *, rootdir: Path,
             if not pair.golden:
                 try:
                     others = get_regime(pair.regime).control_jobs(
-                        pair, get_backend(pair.control.backend))[1:]
+                        pair, get_backend(pair.control.backend)
+                    )[1:]
                 except SpecError:
                     others = ()  # a backend not installed here: collection says so
                 jobs.extend(("control", job) for job in others)
@@ -68,9 +70,10 @@ def largest_job(paths: Iterable[Path], *, rootdir: Path,
                 jobs.append(("test", pair.test.after_resume()))
             for side, job in jobs:
                 if best is None or job.world_size > best.world_size:
-                    best = LargestJob(world_size=job.world_size,
-                                      where=f"{file}::{pair.name} ({side} "
-                                            f"{job.layout.short_name()})")
+                    best = LargestJob(
+                        world_size=job.world_size,
+                        where=f"{file}::{pair.name} ({side} {job.layout.short_name()})",
+                    )
     return best
 
 

@@ -27,9 +27,16 @@ from pathlib import Path
 
 TAG_PREFIX = "nightly/"
 #: Series of the trend written as scalars (``nightly/<name>``).
-SCALARS: tuple[str, ...] = ("final_loss_delta", "control_final_loss", "step_time_s",
-                            "control_step_time_s", "tokens_per_s", "control_tokens_per_s",
-                            "peak_mem_mib", "passed")
+SCALARS: tuple[str, ...] = (
+    "final_loss_delta",
+    "control_final_loss",
+    "step_time_s",
+    "control_step_time_s",
+    "tokens_per_s",
+    "control_tokens_per_s",
+    "peak_mem_mib",
+    "passed",
+)
 EVENT_GLOB = "events.out.tfevents.*"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 
@@ -61,9 +68,12 @@ def _clear(root: Path) -> None:
             folder.rmdir()
 
 
-def export_tensorboard(nights: Sequence[str], night_times: Sequence[float | None],
-                       series: Mapping[str, Mapping[str, Sequence[float | None]]],
-                       root: Path) -> dict[str, Path]:
+def export_tensorboard(
+    nights: Sequence[str],
+    night_times: Sequence[float | None],
+    series: Mapping[str, Mapping[str, Sequence[float | None]]],
+    root: Path,
+) -> dict[str, Path]:
     """Write one TensorBoard run per pair under ``root``; returns pair -> its folder."""
     from torch.utils.tensorboard import SummaryWriter
 
@@ -74,12 +84,18 @@ def export_tensorboard(nights: Sequence[str], night_times: Sequence[float | None
         try:
             for metric in SCALARS:
                 values = series[pair].get(metric) or []
-                for step, value in enumerate(values[:len(nights)]):
+                for step, value in enumerate(values[: len(nights)]):
                     if value is None:
                         continue
                     wall = night_times[step] if step < len(night_times) else None
-                    writer.add_scalar(TAG_PREFIX + metric, float(value), global_step=step,
-                                      walltime=wall, new_style=True, double_precision=True)
+                    writer.add_scalar(
+                        TAG_PREFIX + metric,
+                        float(value),
+                        global_step=step,
+                        walltime=wall,
+                        new_style=True,
+                        double_precision=True,
+                    )
         finally:
             writer.close()
     return folders

@@ -75,13 +75,24 @@ def build_trend(history: History) -> Trend:
         if times[i] is None:
             times[i] = entry.night_time()
     series: Series = {
-        pair: {metric: [None if r is None else getattr(r, metric) for r in per_night]
-               for metric, _ in TREND_METRICS}
-        for pair, per_night in rows.items()}
-    statuses = {pair: [None if r is None else r.status for r in per_night]
-                for pair, per_night in rows.items()}
-    return Trend(nights=tuple(nights), night_times=tuple(times), series=series,
-                 statuses=statuses, rows=rows, skipped_lines=history.skipped_lines)
+        pair: {
+            metric: [None if r is None else getattr(r, metric) for r in per_night]
+            for metric, _ in TREND_METRICS
+        }
+        for pair, per_night in rows.items()
+    }
+    statuses = {
+        pair: [None if r is None else r.status for r in per_night]
+        for pair, per_night in rows.items()
+    }
+    return Trend(
+        nights=tuple(nights),
+        night_times=tuple(times),
+        series=series,
+        statuses=statuses,
+        rows=rows,
+        skipped_lines=history.skipped_lines,
+    )
 
 
 def trend_series(history: History) -> tuple[list[str], Series]:
@@ -92,12 +103,13 @@ def trend_series(history: History) -> tuple[list[str], Series]:
 
 # -- markdown -------------------------------------------------------------------------------
 
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "–"
     if not math.isfinite(value):
         return str(value)
-    if abs(value) >= 10 ** digits:
+    if abs(value) >= 10**digits:
         return f"{value:.0f}"  # tokens/s: 1234, not 1.23e+03
     return f"{value:.{digits}g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
 
@@ -112,30 +124,36 @@ def _step_time(record: NightRecord, side: str) -> str:
 def _row(night: str, record: NightRecord | None) -> str:
     if record is None:
         return f"| {night} | {ABSENT} | – | – | – | – |"
-    return (f"| {night} | {record.status} | {_fmt(record.final_loss_delta)} | "
-            f"{_fmt(record.control_final_loss, 5)} | "  # a drift of 1e-3 must show
-            f"{_step_time(record, 'test')} / {_step_time(record, 'control')} | "
-            f"{_fmt(record.tokens_per_s)} / {_fmt(record.control_tokens_per_s)} |")
+    return (
+        f"| {night} | {record.status} | {_fmt(record.final_loss_delta)} | "
+        f"{_fmt(record.control_final_loss, 5)} | "  # a drift of 1e-3 must show
+        f"{_step_time(record, 'test')} / {_step_time(record, 'control')} | "
+        f"{_fmt(record.tokens_per_s)} / {_fmt(record.control_tokens_per_s)} |"
+    )
 
 
 def _overview(trend: Trend) -> list[str]:
-    lines = ["| pair | nights run | passed | failed | error | last verdict | per night |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| pair | nights run | passed | failed | error | last verdict | per night |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for pair in trend.pairs():
         statuses = trend.statuses[pair]
         ran = [s for s in statuses if s is not None]
-        strip = "".join(ABSENT_MARK if s is None else VERDICT_MARKS.get(s, "?")
-                        for s in statuses)
-        lines.append(f"| {pair} | {len(ran)}/{len(statuses)} | {ran.count('passed')} | "
-                     f"{ran.count('failed')} | {ran.count('error')} | "
-                     f"{ran[-1] if ran else '–'} | `{strip}` |")
+        strip = "".join(ABSENT_MARK if s is None else VERDICT_MARKS.get(s, "?") for s in statuses)
+        lines.append(
+            f"| {pair} | {len(ran)}/{len(statuses)} | {ran.count('passed')} | "
+            f"{ran.count('failed')} | {ran.count('error')} | "
+            f"{ran[-1] if ran else '–'} | `{strip}` |"
+        )
     marks = ", ".join(f"{m} {s}" for s, m in VERDICT_MARKS.items())
     lines += ["", f"Per night, oldest first: {marks}, {ABSENT_MARK} did not run."]
     return lines
 
 
-def render_trend_markdown(history: History | Trend, *, plots: tuple[str, ...] = (),
-                          tensorboard: str | None = None) -> str:
+def render_trend_markdown(
+    history: History | Trend, *, plots: tuple[str, ...] = (), tensorboard: str | None = None
+) -> str:
     """The trend as markdown; ``plots`` are PNG names relative to the markdown's folder
     (default: the standard set), ``tensorboard`` the TensorBoard folder likewise."""
     trend = history if isinstance(history, Trend) else build_trend(history)
@@ -148,28 +166,43 @@ def render_trend_markdown(history: History | Trend, *, plots: tuple[str, ...] = 
         alt = "trend" if name == "trend.png" else title
         lines += [f"![{alt}]({name})", ""]
     if tensorboard:
-        lines += [f"TensorBoard (one run per pair, the night's index as the step): "
-                  f"`tensorboard --logdir {tensorboard}`", ""]
+        lines += [
+            f"TensorBoard (one run per pair, the night's index as the step): "
+            f"`tensorboard --logdir {tensorboard}`",
+            "",
+        ]
     lines += ["## Overview", "", *_overview(trend), ""]
     for pair in trend.pairs():
-        lines += [f"## {pair}", "",
-                  "| night | verdict | final loss Δ | control final loss | step time (s) "
-                  "| tokens/s |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"## {pair}",
+            "",
+            "| night | verdict | final loss Δ | control final loss | step time (s) | tokens/s |",
+            "|---|---|---|---|---|---|",
+        ]
         rows = zip(nights, trend.rows[pair], strict=False)
         lines += [_row(night, record) for night, record in rows]
         lines.append("")
-    wall_marked = any(r is not None and "wall" in r.step_time_from.values()
-                      for per_night in trend.rows.values() for r in per_night)
-    lines.append("Step time and tokens/s: test / control. Final loss Δ: test − control at the "
-                 "last step both logged.")
+    wall_marked = any(
+        r is not None and "wall" in r.step_time_from.values()
+        for per_night in trend.rows.values()
+        for r in per_night
+    )
+    lines.append(
+        "Step time and tokens/s: test / control. Final loss Δ: test − control at the "
+        "last step both logged."
+    )
     if wall_marked:
-        lines += ["", "\\* wall time / steps (the run's meta had no tokens per step): includes "
-                      "start-up, an upper bound."]
+        lines += [
+            "",
+            "\\* wall time / steps (the run's meta had no tokens per step): includes "
+            "start-up, an upper bound.",
+        ]
     lines.append("")
     return "\n".join(lines)
 
 
 # -- json and the files ---------------------------------------------------------------------
+
 
 def _iso(stamp: float | None) -> str | None:
     if stamp is None:
@@ -177,14 +210,19 @@ def _iso(stamp: float | None) -> str | None:
     return dt.datetime.fromtimestamp(stamp, dt.timezone.utc).isoformat()
 
 
-def trend_json(trend: Trend, *, plots: tuple[str, ...] = (),
-               tensorboard: dict[str, str] | None = None) -> dict[str, object]:
+def trend_json(
+    trend: Trend, *, plots: tuple[str, ...] = (), tensorboard: dict[str, str] | None = None
+) -> dict[str, object]:
     return {
         "nights": list(trend.nights),
         "night_times": [_iso(t) for t in trend.night_times],
-        "pairs": {pair: {"status": trend.statuses[pair],
-                         **{m: [json_num(v) for v in vs] for m, vs in per.items()}}
-                  for pair, per in sorted(trend.series.items())},
+        "pairs": {
+            pair: {
+                "status": trend.statuses[pair],
+                **{m: [json_num(v) for v in vs] for m, vs in per.items()},
+            }
+            for pair, per in sorted(trend.series.items())
+        },
         "plots": list(plots),
         "tensorboard": dict(tensorboard or {}),
         "skipped_lines": trend.skipped_lines,
@@ -208,17 +246,21 @@ class TrendFiles:
 def write_trend(history_path: Path, out: Path) -> TrendFiles:
     trend = build_trend(read_history(history_path))
     out.mkdir(parents=True, exist_ok=True)
-    pngs = tuple(plot_trend_panels(trend.nights, trend.series, trend.statuses, spec,
-                                   out / spec.file) for spec in PLOTS)
-    runs = export_tensorboard(trend.nights, trend.night_times, trend.series,
-                              out / "tensorboard")
+    pngs = tuple(
+        plot_trend_panels(trend.nights, trend.series, trend.statuses, spec, out / spec.file)
+        for spec in PLOTS
+    )
+    runs = export_tensorboard(trend.nights, trend.night_times, trend.series, out / "tensorboard")
     names = tuple(p.name for p in pngs)
     md = out / "trend.md"
-    md.write_text(render_trend_markdown(trend, plots=names, tensorboard="tensorboard"),
-                  encoding="utf-8")
+    md.write_text(
+        render_trend_markdown(trend, plots=names, tensorboard="tensorboard"), encoding="utf-8"
+    )
     js = out / "trend.json"
     relative = {pair: path.relative_to(out).as_posix() for pair, path in runs.items()}
-    js.write_text(json.dumps(trend_json(trend, plots=names, tensorboard=relative), indent=2),
-                  encoding="utf-8")
-    return TrendFiles(markdown=md, json=js, png=pngs[0], pngs=pngs, tensorboard=runs,
-                      series=trend.series)
+    js.write_text(
+        json.dumps(trend_json(trend, plots=names, tensorboard=relative), indent=2), encoding="utf-8"
+    )
+    return TrendFiles(
+        markdown=md, json=js, png=pngs[0], pngs=pngs, tensorboard=runs, series=trend.series
+    )

@@ -6,5 +6,13 @@ from __future__ import annotations
 from convergence.regimes.base import ControlCurves, EarlyStopPolicy, Regime, TwinSource
 from convergence.regimes.registry import REGISTRY, default_rules, get_regime, registered
 
-__all__ = ["REGISTRY", "ControlCurves", "EarlyStopPolicy", "Regime", "TwinSource",
-           "default_rules", "get_regime", "registered"]
+__all__ = [
+    "REGISTRY",
+    "ControlCurves",
+    "EarlyStopPolicy",
+    "Regime",
+    "TwinSource",
+    "default_rules",
+    "get_regime",
+    "registered",
+]

@@ -119,7 +119,9 @@ def gating_rules(method: Method) -> tuple[ComparisonRule, ...]:
     loss almost unchanged but doubles the grad norm), the per-part grad norm (a bug in one kind
     of weight -- queries and keys under a position bug -- hides in the total), the data
     fingerprint, plus throughput and memory: the default rules of every shipped regime."""
-    return (ComparisonRule(metric="loss", method=method),
-            ComparisonRule(metric="grad_norm", method=method),
-            ComparisonRule(metric="grad_norm_parts", method=method),
-            DATA_RULE) + PERFORMANCE_RULES
+    return (
+        ComparisonRule(metric="loss", method=method),
+        ComparisonRule(metric="grad_norm", method=method),
+        ComparisonRule(metric="grad_norm_parts", method=method),
+        DATA_RULE,
+    ) + PERFORMANCE_RULES

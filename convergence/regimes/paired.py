@@ -26,8 +26,11 @@ from convergence.spec.pair import ComparisonRule, Method, PairSpec
 #: Train-config overrides that take a job out of the fp32 deterministic regime unless they
 #: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
 PAIRABLE_OVERRIDES: dict[str, str] = {
-    "training.param_dtype": "float32", "training.reduce_dtype": "float32",
-    "training.compile": "false", "training.deterministic": "true"}
+    "training.param_dtype": "float32",
+    "training.reduce_dtype": "float32",
+    "training.compile": "false",
+    "training.deterministic": "true",
+}
 
 
 def bitwise_pairable(job: JobSpec) -> bool:
@@ -36,15 +39,19 @@ def bitwise_pairable(job: JobSpec) -> bool:
     if job.resume is not None and not job.resume.techniques.bitwise_pairable:
         return False  # the phase after a resume counts too
     return job.techniques.bitwise_pairable and all(
-        str(overrides[k]).lower() == v for k, v in PAIRABLE_OVERRIDES.items() if k in overrides)
+        str(overrides[k]).lower() == v for k, v in PAIRABLE_OVERRIDES.items() if k in overrides
+    )
 
 
 def check_same_seed(pair: PairSpec, *, key: str) -> None:
     """The regimes that compare step by step need one seed checkpoint and one sample order."""
     if pair.control.seed != pair.test.seed:
-        raise SpecError(f"{pair.regime} comparison needs the same seed (same seed checkpoint "
-                        "and data)", file=pair.source, key=f"{key}.seed",
-                        fix='use the same seed on both sides, or regime = "seed"')
+        raise SpecError(
+            f"{pair.regime} comparison needs the same seed (same seed checkpoint and data)",
+            file=pair.source,
+            key=f"{key}.seed",
+            fix='use the same seed on both sides, or regime = "seed"',
+        )
 
 
 @dataclass(frozen=True)

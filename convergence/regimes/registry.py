@@ -51,16 +51,22 @@ class RegimeRegistry:
         try:
             return self._regimes[name]
         except KeyError:
-            raise SpecError(f"unknown regime {name!r}", key="regime",
-                            fix=f"use one of {', '.join(self._regimes)}") from None
+            raise SpecError(
+                f"unknown regime {name!r}",
+                key="regime",
+                fix=f"use one of {', '.join(self._regimes)}",
+            ) from None
 
     def default_for(self, control: JobSpec, test: JobSpec) -> str:
         """The first regime (in registration order) that claims the pair."""
         for regime in self._regimes.values():
             if regime.claims(control, test):
                 return regime.name
-        raise SpecError("no regime applies to this pair", key="regime",
-                        fix=f"name one: regime = one of {', '.join(self._regimes)}")
+        raise SpecError(
+            "no regime applies to this pair",
+            key="regime",
+            fix=f"name one: regime = one of {', '.join(self._regimes)}",
+        )
 
     def default_rules(self, name: str) -> tuple[ComparisonRule, ...]:
         return self.get(name).default_rules()

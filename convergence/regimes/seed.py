@@ -38,8 +38,12 @@ class SeedRegime:
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
         if pair.replicates < 2:
-            raise SpecError("the seed regime needs at least 2 control replicates",
-                            file=pair.source, key="replicates", fix="set replicates >= 2")
+            raise SpecError(
+                "the seed regime needs at least 2 control replicates",
+                file=pair.source,
+                key="replicates",
+                fix="set replicates >= 2",
+            )
 
     def check_method_use(self, pair: PairSpec, *, key: str) -> None:
         # Allowed anywhere: with one control curve the seed comparison fails with its reason.
@@ -47,14 +51,21 @@ class SeedRegime:
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
         control = pair.control
-        return (control, *(dataclasses.replace(control, seed=control.seed + i,
-                                               name=f"{control.name}-seed{i}")
-                           for i in range(1, pair.replicates)))
+        return (
+            control,
+            *(
+                dataclasses.replace(control, seed=control.seed + i, name=f"{control.name}-seed{i}")
+                for i in range(1, pair.replicates)
+            ),
+        )
 
     def check_control_runs(self, count: int) -> None:
         if count < 2:
-            raise SpecError("the seed regime needs at least 2 control runs", key="--replicate",
-                            fix="add --replicate RUN for each other seed's control run")
+            raise SpecError(
+                "the seed regime needs at least 2 control runs",
+                key="--replicate",
+                fix="add --replicate RUN for each other seed's control run",
+            )
 
     def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
         # The band's replicates travel with the control for the report.

@@ -42,8 +42,7 @@ class TwinRegime:
 
     def claims(self, control: JobSpec, test: JobSpec) -> bool:
         # Asked after paired: same seed checkpoint and data but not bitwise reproducible.
-        return control.seed == test.seed and {control.backend, test.backend} <= \
-            DEFAULT_FOR_BACKENDS
+        return control.seed == test.seed and {control.backend, test.backend} <= DEFAULT_FOR_BACKENDS
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
         check_same_seed(pair, key=key)
@@ -52,31 +51,44 @@ class TwinRegime:
         try:
             self.control_jobs(pair, backend)
         except SpecError as exc:
-            raise SpecError(f"[control {pair.control.name!r}] {exc.detail}", file=pair.source,
-                            key=f"{key}.regime", fix=exc.fix) from None
+            raise SpecError(
+                f"[control {pair.control.name!r}] {exc.detail}",
+                file=pair.source,
+                key=f"{key}.regime",
+                fix=exc.fix,
+            ) from None
 
     def check_method_use(self, pair: PairSpec, *, key: str) -> None:
         twin_rules = [r.metric for r in pair.rules if r.method == self.method]
         if twin_rules and pair.regime != self.name:
-            raise SpecError(f"compare.{twin_rules[0]} = \"twin\" needs the twin regime (it "
-                            "compares with a twin of the control that only that regime runs)",
-                            file=pair.source, key=f"{key}.compare.{twin_rules[0]}",
-                            fix='set regime = "twin", or another method for this metric')
+            raise SpecError(
+                f'compare.{twin_rules[0]} = "twin" needs the twin regime (it '
+                "compares with a twin of the control that only that regime runs)",
+                file=pair.source,
+                key=f"{key}.compare.{twin_rules[0]}",
+                fix='set regime = "twin", or another method for this metric',
+            )
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
         """The control and its noise twin; SpecError (with a fix) when there is none."""
         twin = backend.noise_twin(pair.control)
         if twin is None:
-            raise SpecError(f"the twin regime derives the control's twin from its backend; "
-                            f"the {pair.control.backend!r} backend derives none",
-                            key="regime", fix='use regime = "seed" for this backend')
+            raise SpecError(
+                f"the twin regime derives the control's twin from its backend; "
+                f"the {pair.control.backend!r} backend derives none",
+                key="regime",
+                fix='use regime = "seed" for this backend',
+            )
         return (pair.control, twin)
 
     def check_control_runs(self, count: int) -> None:
         if count < 2:
-            raise SpecError("the twin regime needs the control's twin run", key="--replicate",
-                            fix="add --replicate TWIN_RUN: the control layout with another DP "
-                                "degree, same seed and data (README: Reading the verdict)")
+            raise SpecError(
+                "the twin regime needs the control's twin run",
+                key="--replicate",
+                fix="add --replicate TWIN_RUN: the control layout with another DP "
+                "degree, same seed and data (README: Reading the verdict)",
+            )
 
     def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
         # The test is compared with the control itself; the twin only sets the envelope.

@@ -10,9 +10,15 @@ VERDICTS = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SK
 
 #: Short names for technique fields in the matrix (the report keeps full names).
 TECHNIQUE_ABBREV = {
-    "param_dtype": "param", "reduce_dtype": "reduce", "activation_checkpoint": "ac",
-    "compile": "compile", "reshard_after_forward": "reshard", "cpu_offload": "offload",
-    "grad_accum_steps": "accum", "deterministic": "determ", "hook": "hook",
+    "param_dtype": "param",
+    "reduce_dtype": "reduce",
+    "activation_checkpoint": "ac",
+    "compile": "compile",
+    "reshard_after_forward": "reshard",
+    "cpu_offload": "offload",
+    "grad_accum_steps": "accum",
+    "deterministic": "determ",
+    "hook": "hook",
 }
 DTYPE_ABBREV = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -111,8 +117,9 @@ def describe_test(short_name: str, changed: Mapping[str, object]) -> str:
     return short_name if techniques == "-" else f"{short_name} +{techniques}"
 
 
-def verdict_state(passed: bool, gate: bool, steps_compared: int = 1,
-                  not_compared: bool = False) -> str:
+def verdict_state(
+    passed: bool, gate: bool, steps_compared: int = 1, not_compared: bool = False
+) -> str:
     """One metric's verdict as a word: "pass", "FAIL", or -- for a metric that does not gate
     (tokens/s, memory by default) -- "regressed (report only)", which never reads as a failure
     of the pair, or "not compared (report only)" when a side did not log it. A gating metric

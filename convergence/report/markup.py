@@ -30,11 +30,14 @@ def md_cell(value: object) -> str:
     return md_text(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
-def md_table(header: Sequence[str], rows: Sequence[Sequence[object]],
-             right: Sequence[bool] | None = None) -> list[str]:
+def md_table(
+    header: Sequence[str], rows: Sequence[Sequence[object]], right: Sequence[bool] | None = None
+) -> list[str]:
     right = right or [False] * len(header)
-    lines = ["| " + " | ".join(md_cell(h) for h in header) + " |",
-             "|" + "|".join("---:" if r else ":---" for r in right) + "|"]
+    lines = [
+        "| " + " | ".join(md_cell(h) for h in header) + " |",
+        "|" + "|".join("---:" if r else ":---" for r in right) + "|",
+    ]
     lines += ["| " + " | ".join(md_cell(v) for v in row) + " |" for row in rows]
     return lines
 
@@ -60,17 +63,23 @@ def html_img(rel: str | None, plot_files: Mapping[str, Path], alt: str) -> str:
     return f'<img src="{uri}" alt="{escape(alt)}">'
 
 
-def html_table(header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[bool],
-               row_class: Sequence[str] | None = None,
-               cell_class: Mapping[int, str] | None = None) -> str:
+def html_table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    right: Sequence[bool],
+    row_class: Sequence[str] | None = None,
+    cell_class: Mapping[int, str] | None = None,
+) -> str:
     """An HTML table; header and cells are already-escaped HTML."""
     head = "".join(f"<th>{h}</th>" for h in header)
     body = []
     for i, row in enumerate(rows):
         cells = []
         for j, value in enumerate(row):
-            classes = " ".join(c for c in (("num" if right[j] else ""),
-                                           (cell_class or {}).get(j, "")) if c)
+            classes = " ".join(
+                c for c in (("num" if right[j] else ""), (cell_class or {}).get(j, "")) if c
+            )
             cells.append(f'<td class="{classes}">{value}</td>' if classes else f"<td>{value}</td>")
         cls = f' class="{escape(row_class[i])}"' if row_class else ""
         body.append(f"<tr{cls}>{''.join(cells)}</tr>")

@@ -46,8 +46,7 @@ def wants_probe(pair: PairSpec, status: str) -> bool:
         return False  # only the built-in trainer has a probe mode
     if getattr(pair, "probe_always", False) and status in ("passed", "failed"):
         return True
-    return (status == "failed" and get_regime(pair.regime).probe_on_failure
-            and pair.probe_on_failure)
+    return status == "failed" and get_regime(pair.regime).probe_on_failure and pair.probe_on_failure
 
 
 def probe_overrides(step: int) -> list[str]:
@@ -57,13 +56,17 @@ def probe_overrides(step: int) -> list[str]:
 
 def first_divergent_step(verdicts: Sequence[MetricVerdict]) -> int | None:
     """Earliest first-divergent step over the failing gate verdicts (None when none says)."""
-    steps = [v.first_divergent_step for v in verdicts
-             if v.gate and not v.passed and v.first_divergent_step is not None]
+    steps = [
+        v.first_divergent_step
+        for v in verdicts
+        if v.gate and not v.passed and v.first_divergent_step is not None
+    ]
     return min(steps) if steps else None
 
 
-def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, runner: JobSeam,
-                  step: int = 1) -> Path:
+def run_probe_job(
+    side: str, job: JobSpec, probe_dir: Path, *, runner: JobSeam, step: int = 1
+) -> Path:
     """Run ``job`` in probe mode through ``runner`` (its launcher, device pool and seed
     checkpoints); returns its probe.json (raises RuntimeError on failure)."""
     from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
@@ -72,8 +75,12 @@ def run_probe_job(side: str, job: JobSpec, probe_dir: Path, *, runner: JobSeam,
     seed_dir = runner.seed_checkpoint(job, backend)
     dump = probe_dir / side / "dump"
     request = runner.launch_request(
-        f"{job.name} probe", [*backend.train_entry(job, dump, seed_dir), *probe_overrides(step)],
-        nproc=job.world_size, log_dir=probe_dir / side / "logs", watch_idle=False)
+        f"{job.name} probe",
+        [*backend.train_entry(job, dump, seed_dir), *probe_overrides(step)],
+        nproc=job.world_size,
+        log_dir=probe_dir / side / "logs",
+        watch_idle=False,
+    )
     result = runner.launch(request, job.world_size)
     if not result.ok:
         what = result.failure.message if result.failure else f"status {result.status}"
@@ -99,23 +106,37 @@ def cached_probe(runner: JobSeam, side: str, job: JobSpec, probe_dir: Path, step
     def produce() -> Path:
         path = run_probe_job(side, job, probe_dir, runner=runner, step=step)
         side_dir = path.parent.parent
-        (side_dir / "job.json").write_text(json.dumps(
-            {"job": job.identity(), "name": job.name, "probe_step": step,
-             "session": runner.session_id}, default=str))
+        (side_dir / "job.json").write_text(
+            json.dumps(
+                {
+                    "job": job.identity(),
+                    "name": job.name,
+                    "probe_step": step,
+                    "session": runner.session_id,
+                },
+                default=str,
+            )
+        )
         return side_dir
 
-    return runner.cached_run(key, produce,
-                             usable=lambda path: (path / "dump" / PROBE_FILE).is_file(),
-                             read=lambda entry, cached: entry / "dump" / PROBE_FILE)
+    return runner.cached_run(
+        key,
+        produce,
+        usable=lambda path: (path / "dump" / PROBE_FILE).is_file(),
+        read=lambda entry, cached: entry / "dump" / PROBE_FILE,
+    )
 
 
-def _probe_step(pair: PairSpec, pair_dir: Path, runner: JobSeam,
-                step: int) -> tuple[dict[str, Any], list[Path]]:
+def _probe_step(
+    pair: PairSpec, pair_dir: Path, runner: JobSeam, step: int
+) -> tuple[dict[str, Any], list[Path]]:
     """Probe both sides (cached) at ``step`` and compare; errors in the dict, never raised."""
     probe_dir = pair_dir / "probe" / f"step{step}"
     try:
-        paths = [cached_probe(runner, side, job, probe_dir, step)
-                 for side, job in (("control", pair.control), ("test", pair.test))]
+        paths = [
+            cached_probe(runner, side, job, probe_dir, step)
+            for side, job in (("control", pair.control), ("test", pair.test))
+        ]
         result = compare_probe_files(paths[0], paths[1])
     except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
         return {"error": f"numerics probe failed: {exc}", "step": step}, []
@@ -125,12 +146,14 @@ def _probe_step(pair: PairSpec, pair_dir: Path, runner: JobSeam,
 
 def agrees(result: Mapping[str, Any]) -> bool:
     """A probe comparison that found no differing module or gradient (and no error)."""
-    return "error" not in result and result.get("module") is None and (
-        result.get("parameter") is None)
+    return (
+        "error" not in result and result.get("module") is None and (result.get("parameter") is None)
+    )
 
 
-def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
-                     step: int) -> float | None:
+def replay_deviation(
+    probe_files: Sequence[Path], runs: Sequence[RunMetrics], step: int
+) -> float | None:
     """Largest |replayed loss - run's loss| over the steps before ``step`` (both sides).
 
     The probe job's metrics.jsonl (beside probe.json) holds the replayed steps; None when
@@ -148,9 +171,14 @@ def replay_deviation(probe_files: Sequence[Path], runs: Sequence[RunMetrics],
     return worst
 
 
-def localise(pair: PairSpec, pair_dir: Path, *, runner: JobSeam,
-             divergent_step: int | None = None,
-             runs: Sequence[RunMetrics] = ()) -> dict[str, Any]:
+def localise(
+    pair: PairSpec,
+    pair_dir: Path,
+    *,
+    runner: JobSeam,
+    divergent_step: int | None = None,
+    runs: Sequence[RunMetrics] = (),
+) -> dict[str, Any]:
     """Probe at step 1; when all agrees there, at ``divergent_step`` (see the module doc).
 
     ``runs``: the control's and the test's metrics, to check the replay against.
@@ -165,5 +193,8 @@ def localise(pair: PairSpec, pair_dir: Path, *, runner: JobSeam,
     if paths and runs:
         head["replay_loss_max_abs_diff"] = replay_deviation(paths, runs, divergent_step)
     # Scalars first (the failure message prints them in order), then the tables.
-    return {**{k: v for k, v in later.items() if not isinstance(v, list)}, **head,
-            **{k: v for k, v in later.items() if isinstance(v, list)}}
+    return {
+        **{k: v for k, v in later.items() if not isinstance(v, list)},
+        **head,
+        **{k: v for k, v in later.items() if isinstance(v, list)},
+    }

@@ -42,8 +42,12 @@ def _differs(a: float | None, b: float | None, rtol: float, atol: float) -> bool
     return abs(a - b) > atol + rtol * max(abs(a), abs(b))
 
 
-def _table(control: Sequence[Mapping[str, Any]], test: Sequence[Mapping[str, Any]],
-           rtol: float, atol: float) -> tuple[list[dict[str, Any]], list[str]]:
+def _table(
+    control: Sequence[Mapping[str, Any]],
+    test: Sequence[Mapping[str, Any]],
+    rtol: float,
+    atol: float,
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Rows in the control's forward order for names present on both sides; missing names."""
     by_name = {row["name"]: row for row in test}
     rows: list[dict[str, Any]] = []
@@ -57,8 +61,16 @@ def _table(control: Sequence[Mapping[str, Any]], test: Sequence[Mapping[str, Any
             diff = abs(c - t)
             scale = max(abs(c), abs(t))
             rel = diff / scale if scale > 0 else 0.0
-        rows.append({"name": row["name"], "control": c, "test": t, "abs_diff": diff,
-                     "rel_diff": rel, "differs": _differs(c, t, rtol, atol)})
+        rows.append(
+            {
+                "name": row["name"],
+                "control": c,
+                "test": t,
+                "abs_diff": diff,
+                "rel_diff": rel,
+                "differs": _differs(c, t, rtol, atol),
+            }
+        )
     names_c = {row["name"] for row in control}
     missing = sorted(names_c.symmetric_difference(by_name))
     return rows, missing
@@ -68,26 +80,34 @@ def _first(rows: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return next((r for r in rows if r["differs"]), None)
 
 
-def compare_probes(control: Mapping[str, Any], test: Mapping[str, Any], *,
-                   rtol: float | None = None, atol: float | None = None) -> dict[str, Any]:
+def compare_probes(
+    control: Mapping[str, Any],
+    test: Mapping[str, Any],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> dict[str, Any]:
     """Localisation dict of two loaded probe.json documents (see the module docstring)."""
     # The looser of the two sides' compute dtypes decides.
-    dtype = max((str(side.get("param_dtype") or "float32") for side in (control, test)),
-                key=lambda d: tolerance_for(d)[0])
+    dtype = max(
+        (str(side.get("param_dtype") or "float32") for side in (control, test)),
+        key=lambda d: tolerance_for(d)[0],
+    )
     default_rtol, default_atol = tolerance_for(dtype)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
-    modules, missing_modules = _table(control.get("modules", []), test.get("modules", []),
-                                      rtol, atol)
-    params, missing_params = _table(control.get("grads", []), test.get("grads", []),
-                                    rtol, atol)
+    modules, missing_modules = _table(
+        control.get("modules", []), test.get("modules", []), rtol, atol
+    )
+    params, missing_params = _table(control.get("grads", []), test.get("grads", []), rtol, atol)
     first_module, first_param = _first(modules), _first(params)
     loss_c, loss_t = control.get("loss"), test.get("loss")
     out: dict[str, Any] = {
         "module": first_module["name"] if first_module else None,
         "parameter": first_param["name"] if first_param else None,
-        "max_abs_diff": first_module["abs_diff"] if first_module else max(
-            (r["abs_diff"] for r in modules if r["abs_diff"] is not None), default=0.0),
+        "max_abs_diff": first_module["abs_diff"]
+        if first_module
+        else max((r["abs_diff"] for r in modules if r["abs_diff"] is not None), default=0.0),
         "loss_control": loss_c,
         "loss_test": loss_t,
         "loss_differs": _differs(loss_c, loss_t, rtol, atol),
@@ -122,8 +142,9 @@ def load_probe(path: Path) -> dict[str, Any]:
     return data
 
 
-def compare_probe_files(control: Path, test: Path, *, rtol: float | None = None,
-                        atol: float | None = None) -> dict[str, Any]:
+def compare_probe_files(
+    control: Path, test: Path, *, rtol: float | None = None, atol: float | None = None
+) -> dict[str, Any]:
     return compare_probes(load_probe(control), load_probe(test), rtol=rtol, atol=atol)
 
 
@@ -133,5 +154,8 @@ TABLE_KEYS: tuple[str, ...] = ("modules", "parameters")
 
 def summary_items(localisation: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """The one-line entries of a localisation dict (tables and long lists left out)."""
-    return [(k, v) for k, v in localisation.items()
-            if k not in TABLE_KEYS and not isinstance(v, (list, dict))]
+    return [
+        (k, v)
+        for k, v in localisation.items()
+        if k not in TABLE_KEYS and not isinstance(v, (list, dict))
+    ]

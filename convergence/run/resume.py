@@ -33,13 +33,21 @@ def phase_jobs(job: JobSpec, checkpoint: Path) -> tuple[JobSpec, JobSpec]:
     assert job.resume is not None
     at = job.resume.at_step
     before = dataclasses.replace(
-        job, name=f"{job.name}-to-step{at}", resume=None,
-        overrides=(*job.overrides, ("checkpoint.save_at_step", str(at)),
-                   ("checkpoint.save_folder", str(checkpoint))))
+        job,
+        name=f"{job.name}-to-step{at}",
+        resume=None,
+        overrides=(
+            *job.overrides,
+            ("checkpoint.save_at_step", str(at)),
+            ("checkpoint.save_folder", str(checkpoint)),
+        ),
+    )
     after = job.after_resume()
     after = dataclasses.replace(
-        after, name=f"{job.name}-resumed",
-        overrides=(*after.overrides, ("checkpoint.resume_from", str(checkpoint))))
+        after,
+        name=f"{job.name}-resumed",
+        overrides=(*after.overrides, ("checkpoint.resume_from", str(checkpoint))),
+    )
     return before, after
 
 
@@ -56,30 +64,46 @@ def joined(first: RunMetrics, second: RunMetrics) -> RunMetrics:
     return out
 
 
-def run_resumed(runner: JobSeam, side: str, job: JobSpec, *, pair_dir: Path,
-                on_metrics: Callable[[dict[str, float]], bool] | None = None) -> SideOutcome:
+def run_resumed(
+    runner: JobSeam,
+    side: str,
+    job: JobSpec,
+    *,
+    pair_dir: Path,
+    on_metrics: Callable[[dict[str, float]], bool] | None = None,
+) -> SideOutcome:
     """Run a resuming side; raises JobFailed (either job) or SpecError like Runner.run_job."""
     resume = job.resume
     assert resume is not None
     if resume.at_step >= job.steps:  # --convergence-steps cut the run before the resume
-        raise SpecError(f"resume.at_step = {resume.at_step} is not inside the run of "
-                        f"{job.steps} steps", file=job.source, key="resume.at_step",
-                        fix="run more steps (--convergence-steps), or resume earlier")
+        raise SpecError(
+            f"resume.at_step = {resume.at_step} is not inside the run of {job.steps} steps",
+            file=job.source,
+            key="resume.at_step",
+            fix="run more steps (--convergence-steps), or resume earlier",
+        )
     backend = get_backend(job.backend)
     key = runner.job_key(job, backend, runner.seed_checkpoint(job, backend))
     checkpoint = pair_dir / f"{side}-{CHECKPOINT_DIR}-{key[:10]}"
     before, after = phase_jobs(job, checkpoint)
-    first = runner.run_job(side, before, pair_dir=pair_dir, cacheable=False,
-                           on_metrics=on_metrics)
-    info = {"at_step": resume.at_step, "checkpoint": str(checkpoint),
-            "before": job.layout.short_name(), "after": resume.layout.short_name()}
+    first = runner.run_job(side, before, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics)
+    info = {
+        "at_step": resume.at_step,
+        "checkpoint": str(checkpoint),
+        "before": job.layout.short_name(),
+        "after": resume.layout.short_name(),
+    }
     if first.result is not None and first.result.status != "ok":
         # Decided before the resume (stopped early), or a NaN loss (a test job that gives its
         # curve up to the NaN): there is no checkpoint to resume from, and nothing to add.
         return dataclasses.replace(first, job=job, meta={**first.meta, "resume": info})
-    second = runner.run_job(side, after, pair_dir=pair_dir, cacheable=False,
-                            on_metrics=on_metrics)
-    return SideOutcome(job=job, metrics=joined(first.metrics, second.metrics),
-                       result=second.result, cached=False, run_dir=second.run_dir,
-                       wall_s=first.wall_s + second.wall_s,
-                       meta={**second.meta, "resume": {**info, "first_run": str(first.run_dir)}})
+    second = runner.run_job(side, after, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics)
+    return SideOutcome(
+        job=job,
+        metrics=joined(first.metrics, second.metrics),
+        result=second.result,
+        cached=False,
+        run_dir=second.run_dir,
+        wall_s=first.wall_s + second.wall_s,
+        meta={**second.meta, "resume": {**info, "first_run": str(first.run_dir)}},
+    )

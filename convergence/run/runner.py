@@ -107,6 +107,7 @@ class JobFailed(Exception):
 
 def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
     """Session overrides (steps, backend, alpha) applied to a pair's jobs and rules."""
+
     def job(j: JobSpec) -> JobSpec:
         changes: dict[str, Any] = {}
         if settings.steps is not None:
@@ -117,8 +118,9 @@ def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
 
     rules = pair.rules
     if settings.alpha is not None:
-        rules = tuple(dataclasses.replace(r, alpha=settings.alpha) if r.method == "seed" else r
-                      for r in rules)
+        rules = tuple(
+            dataclasses.replace(r, alpha=settings.alpha) if r.method == "seed" else r for r in rules
+        )
     return dataclasses.replace(pair, control=job(pair.control), test=job(pair.test), rules=rules)
 
 
@@ -143,8 +145,13 @@ class Runner:
         settings.work_dir.mkdir(parents=True, exist_ok=True)
         self.cache = RunCache(settings.cache_root)
         device_set = session_devices(settings.launcher, settings.devices)
-        self.pool = DevicePool(settings.work_dir / "pool", device_set.devices, device_set.kind,
-                               per_node=device_set.per_node, where=device_set.where)
+        self.pool = DevicePool(
+            settings.work_dir / "pool",
+            device_set.devices,
+            device_set.kind,
+            per_node=device_set.per_node,
+            where=device_set.where,
+        )
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
 
@@ -154,11 +161,21 @@ class Runner:
     def session_id(self) -> str:
         return self.settings.session_id
 
-    def launch_request(self, name: str, entry: Sequence[str], *, nproc: int, log_dir: Path,
-                       watch_idle: bool = True, in_job_context: bool = False,
-                       metrics_path: Path | None = None, metrics_format: str = "jsonl",
-                       stop_file: Path | None = None, total_steps: int | None = None,
-                       direct: bool = False) -> LaunchRequest:
+    def launch_request(
+        self,
+        name: str,
+        entry: Sequence[str],
+        *,
+        nproc: int,
+        log_dir: Path,
+        watch_idle: bool = True,
+        in_job_context: bool = False,
+        metrics_path: Path | None = None,
+        metrics_format: str = "jsonl",
+        stop_file: Path | None = None,
+        total_steps: int | None = None,
+        direct: bool = False,
+    ) -> LaunchRequest:
         """The one place a LaunchRequest is built from the session's settings.
 
         ``watch_idle`` False: the idle limit is the wall limit (a seed checkpoint or a probe
@@ -168,22 +185,35 @@ class Runner:
         """
         limits = self.settings
         return LaunchRequest(
-            name=name, entry=entry, nproc=nproc, log_dir=log_dir,
-            metrics_path=metrics_path, metrics_format=metrics_format, stop_file=stop_file,
+            name=name,
+            entry=entry,
+            nproc=nproc,
+            log_dir=log_dir,
+            metrics_path=metrics_path,
+            metrics_format=metrics_format,
+            stop_file=stop_file,
             total_steps=total_steps,
             wall_limit_s=limits.wall_limit_s,
             idle_limit_s=limits.idle_limit_s if watch_idle else limits.wall_limit_s,
             cwd=(limits.job_cwd or Path.cwd()) if in_job_context else Path.cwd(),
-            env=dict(limits.job_env) if in_job_context else {}, direct=direct)
+            env=dict(limits.job_env) if in_job_context else {},
+            direct=direct,
+        )
 
-    def launch(self, request: LaunchRequest, world_size: int,
-               on_metrics: Callable[[dict[str, float]], bool] | None = None) -> JobResult:
+    def launch(
+        self,
+        request: LaunchRequest,
+        world_size: int,
+        on_metrics: Callable[[dict[str, float]], bool] | None = None,
+    ) -> JobResult:
         """Launch on ``world_size`` devices leased from the session's pool (waits for them)."""
         with self.pool.lease(world_size, timeout=self.settings.wall_limit_s) as lease:
-            request = dataclasses.replace(request, env={**request.env, **lease.env},
-                                          hosts=lease.hosts)
-            return self.launcher.launch(request, on_metrics=on_metrics,
-                                        on_progress=self._on_progress)
+            request = dataclasses.replace(
+                request, env={**request.env, **lease.env}, hosts=lease.hosts
+            )
+            return self.launcher.launch(
+                request, on_metrics=on_metrics, on_progress=self._on_progress
+            )
 
     def job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str:
         """The run-cache key of ``job`` (identity, config text, code, torch, hardware, the
@@ -193,9 +223,14 @@ class Runner:
         identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
         identity["hook_source"] = _hook_source_hash(job.hook)
         hardware = f"{hardware_fingerprint()} {stack_fingerprint(self._job_environ())}"
-        return cache_key(identity, train_config_text=backend.config_text(job),
-                         backend_version=backend.version(), code_version=code_version(),
-                         torch_version=torch_version(), hardware=hardware)
+        return cache_key(
+            identity,
+            train_config_text=backend.config_text(job),
+            backend_version=backend.version(),
+            code_version=code_version(),
+            torch_version=torch_version(),
+            hardware=hardware,
+        )
 
     def _job_environ(self) -> dict[str, str]:
         """The environment jobs start with (launch/torchrun.job_env: one OpenMP thread unless
@@ -204,8 +239,14 @@ class Runner:
         env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
-    def cached_run(self, key: str, produce: Callable[[], Path], *,
-                   usable: Callable[[Path], bool], read: Callable[[Path, bool], T]) -> T:
+    def cached_run(
+        self,
+        key: str,
+        produce: Callable[[], Path],
+        *,
+        usable: Callable[[Path], bool],
+        read: Callable[[Path, bool], T],
+    ) -> T:
         """``read(entry, cached)`` of the cache entry for ``key``: the stored one when
         ``usable`` accepts it (and, with --refresh, this session made it), else
         ``produce()``'s folder, committed. The key stays claimed until ``read`` returns, so
@@ -232,8 +273,13 @@ class Runner:
             shutil.rmtree(build, ignore_errors=True)
             seed_dir = build / "seed"
             request = self.launch_request(
-                f"seed-checkpoint {job.name}", backend.seed_entry(job, seed_dir), nproc=1,
-                log_dir=build / "logs", direct=True, watch_idle=False)
+                f"seed-checkpoint {job.name}",
+                backend.seed_entry(job, seed_dir),
+                nproc=1,
+                log_dir=build / "logs",
+                direct=True,
+                watch_idle=False,
+            )
             result = self.launcher.launch(request)  # one process: no lease from the pool
             if not result.ok:
                 raise JobFailed("seed-checkpoint", job, result)
@@ -242,8 +288,15 @@ class Runner:
                 shutil.rmtree(build, ignore_errors=True)
             return entry / "seed"
 
-    def run_job(self, side: str, job: JobSpec, *, pair_dir: Path, cacheable: bool,
-                on_metrics: Callable[[dict[str, float]], bool] | None = None) -> SideOutcome:
+    def run_job(
+        self,
+        side: str,
+        job: JobSpec,
+        *,
+        pair_dir: Path,
+        cacheable: bool,
+        on_metrics: Callable[[dict[str, float]], bool] | None = None,
+    ) -> SideOutcome:
         backend = get_backend(job.backend)
         seed_dir = self.seed_checkpoint(job, backend)
         key = self.job_key(job, backend, seed_dir)
@@ -251,15 +304,20 @@ class Runner:
             fresh: list[JobResult] = []
 
             def produce() -> Path:
-                run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir,
-                                                  key, on_metrics)
+                run_dir, result = self._run_fresh(
+                    side, job, backend, seed_dir, pair_dir, key, on_metrics
+                )
                 fresh.append(result)
                 return run_dir
 
             return self.cached_run(
-                key, produce, usable=lambda path: self._complete(path, job, backend),
+                key,
+                produce,
+                usable=lambda path: self._complete(path, job, backend),
                 read=lambda entry, cached: self._side_from_dir(
-                    job, backend, entry, cached=cached, result=fresh[0] if fresh else None))
+                    job, backend, entry, cached=cached, result=fresh[0] if fresh else None
+                ),
+            )
         run_dir, result = self._run_fresh(side, job, backend, seed_dir, pair_dir, key, on_metrics)
         return self._side_from_dir(job, backend, run_dir, cached=False, result=result)
 
@@ -281,42 +339,78 @@ class Runner:
             return True
         return bool(_recorded(entry, "session") == self.settings.session_id)
 
-    def _run_fresh(self, side: str, job: JobSpec, backend: Backend, seed_dir: Path | None,
-                   pair_dir: Path, key: str,
-                   on_metrics: Callable[[dict[str, float]], bool] | None
-                   ) -> tuple[Path, JobResult]:
+    def _run_fresh(
+        self,
+        side: str,
+        job: JobSpec,
+        backend: Backend,
+        seed_dir: Path | None,
+        pair_dir: Path,
+        key: str,
+        on_metrics: Callable[[dict[str, float]], bool] | None,
+    ) -> tuple[Path, JobResult]:
         run_dir = pair_dir / f"{side}-{_slug(job.name)}-{key[:10]}"
         shutil.rmtree(run_dir, ignore_errors=True)
         dump = run_dir / "dump"
         request = self.launch_request(
-            f"{job.name} {side}", backend.train_entry(job, dump, seed_dir),
-            nproc=job.world_size, log_dir=run_dir / "logs", in_job_context=True,
+            f"{job.name} {side}",
+            backend.train_entry(job, dump, seed_dir),
+            nproc=job.world_size,
+            log_dir=run_dir / "logs",
+            in_job_context=True,
             metrics_path=backend.metrics_path(job, dump),
-            metrics_format=backend.metrics_format(job), stop_file=backend.stop_file(job, dump),
-            total_steps=job.steps, direct=backend.launches_itself(job))
+            metrics_format=backend.metrics_format(job),
+            stop_file=backend.stop_file(job, dump),
+            total_steps=job.steps,
+            direct=backend.launches_itself(job),
+        )
         result = self.launch(request, job.world_size, on_metrics)
-        (run_dir / "job.json").write_text(json.dumps(
-            {"job": job.identity(), "name": job.name, "status": result.status,
-             "wall_s": result.wall_s, "key": key, "session": self.settings.session_id,
-             "note": result.failure.message if result.ok and result.failure else None},
-            indent=2, default=str))
+        (run_dir / "job.json").write_text(
+            json.dumps(
+                {
+                    "job": job.identity(),
+                    "name": job.name,
+                    "status": result.status,
+                    "wall_s": result.wall_s,
+                    "key": key,
+                    "session": self.settings.session_id,
+                    "note": result.failure.message if result.ok and result.failure else None,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         # A NaN test job still gives a verdict (its curve up to the NaN); a NaN control must
         # not: it would be cached and trusted as the reference for every later session.
         if not result.ok and (result.status != "nan" or side != "test"):
             raise JobFailed(side, job, result)
         return run_dir, result
 
-    def _side_from_dir(self, job: JobSpec, backend: Backend, run_dir: Path, *, cached: bool,
-                       result: JobResult | None = None) -> SideOutcome:
+    def _side_from_dir(
+        self,
+        job: JobSpec,
+        backend: Backend,
+        run_dir: Path,
+        *,
+        cached: bool,
+        result: JobResult | None = None,
+    ) -> SideOutcome:
         dump = run_dir / "dump"
         wall = result.wall_s if result else _recorded_wall(run_dir)
-        return SideOutcome(job=job, metrics=backend.read_metrics(job, dump), result=result,
-                           cached=cached, run_dir=run_dir, wall_s=wall,
-                           meta=backend.read_meta(job, dump))
+        return SideOutcome(
+            job=job,
+            metrics=backend.read_metrics(job, dump),
+            result=result,
+            cached=cached,
+            run_dir=run_dir,
+            wall_s=wall,
+            meta=backend.read_meta(job, dump),
+        )
 
     # -- pairs --------------------------------------------------------------------------
-    def run_pair(self, pair: PairSpec, *,
-                 on_progress: Callable[[Progress], None] | None = None) -> PairOutcome:
+    def run_pair(
+        self, pair: PairSpec, *, on_progress: Callable[[Progress], None] | None = None
+    ) -> PairOutcome:
         """Run ``pair`` and judge it. A job failure becomes status "error", never raised.
 
         ``on_progress``: where this pair's progress goes (default ``settings.on_progress``);
@@ -342,9 +436,14 @@ class Runner:
             kept = f"traceback in {where}"
         except OSError:
             kept = "traceback:\n" + text
-        return PairOutcome(pair=pair, status="error", control=None, test=None,
-                           error=f"internal error in pytest-convergence (a bug: please report "
-                                 f"it): {type(exc).__name__}: {exc}; {kept}")
+        return PairOutcome(
+            pair=pair,
+            status="error",
+            control=None,
+            test=None,
+            error=f"internal error in pytest-convergence (a bug: please report "
+            f"it): {type(exc).__name__}: {exc}; {kept}",
+        )
 
     def _run_pair(self, pair: PairSpec) -> PairOutcome:
         # Lazy: the comparisons import scipy (seconds); the plugin imports this module at
@@ -362,32 +461,56 @@ class Runner:
             control = controls[0]
             unhealthy = None if pair.golden else _control_problem(control)
             if unhealthy:
-                return PairOutcome(pair=pair, status="error", control=control, test=None,
-                                   error=unhealthy, wall_s=time.monotonic() - started)
+                return PairOutcome(
+                    pair=pair,
+                    status="error",
+                    control=control,
+                    test=None,
+                    error=unhealthy,
+                    wall_s=time.monotonic() - started,
+                )
             control_runs = [c.metrics for c in controls]
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
                 keys = get_backend(pair.test.backend).record_keys(pair.test)
                 policy = get_regime(pair.regime).early_stop
-                monitor = SequentialMonitor(pair.rules, control_runs, key_map=keys,
-                                            min_step=policy.min_step, patience=policy.patience)
+                monitor = SequentialMonitor(
+                    pair.rules,
+                    control_runs,
+                    key_map=keys,
+                    min_step=policy.min_step,
+                    patience=policy.patience,
+                )
 
                 def on_metrics(record: dict[str, float]) -> bool:
                     return bool(monitor.update(int(record["step"]), record).decided)
 
             if pair.test.resume is not None:  # two jobs, one curve (run/resume.py)
-                test = run_resumed(self, "test", pair.test, pair_dir=pair_dir,
-                                   on_metrics=on_metrics)
+                test = run_resumed(
+                    self, "test", pair.test, pair_dir=pair_dir, on_metrics=on_metrics
+                )
             else:
-                test = self.run_job("test", pair.test, pair_dir=pair_dir, cacheable=False,
-                                    on_metrics=on_metrics)
+                test = self.run_job(
+                    "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
+                )
         except (JobFailed, SpecError, CacheError) as exc:
-            return PairOutcome(pair=pair, status="error", control=control, test=test,
-                               error=str(exc), wall_s=time.monotonic() - started)
+            return PairOutcome(
+                pair=pair,
+                status="error",
+                control=control,
+                test=test,
+                error=str(exc),
+                wall_s=time.monotonic() - started,
+            )
         except OSError as exc:  # our own writes (run folder, logs, metrics): e.g. disk full
-            return PairOutcome(pair=pair, status="error", control=control, test=test,
-                               error=_os_error_text(exc, self.settings.work_dir),
-                               wall_s=time.monotonic() - started)
+            return PairOutcome(
+                pair=pair,
+                status="error",
+                control=control,
+                test=test,
+                error=_os_error_text(exc, self.settings.work_dir),
+                wall_s=time.monotonic() - started,
+            )
         stopped = _stopped_at(test)
         if stopped is not None:
             # A test stopped early is judged on the steps it ran: the sequential monitor already
@@ -403,18 +526,30 @@ class Runner:
         asked = [v.message for v in verdicts if v.not_compared and v.gate]
         if asked and error is None:  # the experiment named a metric that a run did not log
             status, error = "error", "not compared: " + "; ".join(asked)
-        localisation = self._localise(pair, status, pair_dir, verdicts,
-                                      (control_runs[0], test.metrics))
-        return PairOutcome(pair=pair, status=status, control=control,
-                           error=error, localisation=localisation,
-                           test=dataclasses.replace(test, replicates=()),
-                           verdicts=tuple(verdicts), stopped_early_at=stopped,
-                           wall_s=time.monotonic() - started)
+        localisation = self._localise(
+            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics)
+        )
+        return PairOutcome(
+            pair=pair,
+            status=status,
+            control=control,
+            error=error,
+            localisation=localisation,
+            test=dataclasses.replace(test, replicates=()),
+            verdicts=tuple(verdicts),
+            stopped_early_at=stopped,
+            wall_s=time.monotonic() - started,
+        )
 
     # -- numerics probe (failure localisation; see convergence.run.probe) ----------------
-    def _localise(self, pair: PairSpec, status: str, pair_dir: Path,
-                  verdicts: Sequence[MetricVerdict],
-                  runs: Sequence[RunMetrics]) -> dict[str, Any] | None:
+    def _localise(
+        self,
+        pair: PairSpec,
+        status: str,
+        pair_dir: Path,
+        verdicts: Sequence[MetricVerdict],
+        runs: Sequence[RunMetrics],
+    ) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing."""
         if not wants_probe(pair, status) or pair.test.resume is not None:
@@ -422,19 +557,22 @@ class Runner:
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
             return None  # the sides read different data: a numerics probe has nothing to add
-        return localise(pair, pair_dir, runner=self,
-                        divergent_step=first_divergent_step(verdicts), runs=runs)
+        return localise(
+            pair, pair_dir, runner=self, divergent_step=first_divergent_step(verdicts), runs=runs
+        )
 
     def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
         if pair.golden:
             golden = read_run(Path(pair.golden), key="golden")
-            return [SideOutcome(job=pair.control, metrics=golden, cached=True,
-                                run_dir=Path(pair.golden).parent)]
+            return [
+                SideOutcome(
+                    job=pair.control, metrics=golden, cached=True, run_dir=Path(pair.golden).parent
+                )
+            ]
         # The regime's control jobs: the control, and its twin or seed replicates.
         regime = get_regime(pair.regime)
         jobs = regime.control_jobs(pair, get_backend(pair.control.backend))
-        sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True)
-                 for job in jobs]
+        sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True) for job in jobs]
         # What travels with the control (seed replicates, the twin's curves) is the regime's.
         kept = regime.control_curves([s.metrics for s in sides])
         sides[0] = dataclasses.replace(sides[0], replicates=kept.replicates, twin=kept.twin)
@@ -444,8 +582,9 @@ class Runner:
 def _control_problem(control: SideOutcome) -> str | None:
     """A control that did not learn or undercut the entropy floor is no reference (stats.health)."""
     floor = (control.meta or {}).get("entropy_floor")
-    problem = control_problem(control.metrics.get("loss"),
-                              float(floor) if isinstance(floor, (int, float)) else None)
+    problem = control_problem(
+        control.metrics.get("loss"), float(floor) if isinstance(floor, (int, float)) else None
+    )
     return f"control job {control.job.name!r}: {problem}" if problem else None
 
 
@@ -453,8 +592,10 @@ def _os_error_text(exc: OSError, work_dir: Path) -> str:
     import errno
 
     if exc.errno == errno.ENOSPC:
-        return (f"disk full while writing {exc.filename or 'a run file'} ({exc}); free space "
-                f"in {work_dir} or move it elsewhere (--convergence-workdir DIR)")
+        return (
+            f"disk full while writing {exc.filename or 'a run file'} ({exc}); free space "
+            f"in {work_dir} or move it elsewhere (--convergence-workdir DIR)"
+        )
     return f"I/O error: {exc} (work folder {work_dir})"
 
 
@@ -505,5 +646,6 @@ def _make_launcher(name: str) -> Launcher:
         return LocalLauncher()
     if name == "slurm":
         return SlurmLauncher()
-    raise SpecError(f"unknown launcher {name!r}", key="--convergence-launcher",
-                    fix="use local or slurm")
+    raise SpecError(
+        f"unknown launcher {name!r}", key="--convergence-launcher", fix="use local or slurm"
+    )

@@ -25,22 +25,48 @@ class JobSeam(Protocol):
         """Identifies the session (a run-cache entry made by it is reused under --refresh)."""
         ...
 
-    def launch_request(self, name: str, entry: Sequence[str], *, nproc: int, log_dir: Path,
-                       watch_idle: bool = True, in_job_context: bool = False,
-                       metrics_path: Path | None = None, metrics_format: str = "jsonl",
-                       stop_file: Path | None = None, total_steps: int | None = None,
-                       direct: bool = False) -> LaunchRequest: ...
+    def launch_request(
+        self,
+        name: str,
+        entry: Sequence[str],
+        *,
+        nproc: int,
+        log_dir: Path,
+        watch_idle: bool = True,
+        in_job_context: bool = False,
+        metrics_path: Path | None = None,
+        metrics_format: str = "jsonl",
+        stop_file: Path | None = None,
+        total_steps: int | None = None,
+        direct: bool = False,
+    ) -> LaunchRequest: ...
 
-    def launch(self, request: LaunchRequest, world_size: int,
-               on_metrics: Callable[[dict[str, float]], bool] | None = None) -> JobResult: ...
+    def launch(
+        self,
+        request: LaunchRequest,
+        world_size: int,
+        on_metrics: Callable[[dict[str, float]], bool] | None = None,
+    ) -> JobResult: ...
 
     def seed_checkpoint(self, job: JobSpec, backend: Backend) -> Path | None: ...
 
     def job_key(self, job: JobSpec, backend: Backend, seed_dir: Path | None) -> str: ...
 
-    def run_job(self, side: str, job: JobSpec, *, pair_dir: Path, cacheable: bool,
-                on_metrics: Callable[[dict[str, float]], bool] | None = None
-                ) -> SideOutcome: ...
+    def run_job(
+        self,
+        side: str,
+        job: JobSpec,
+        *,
+        pair_dir: Path,
+        cacheable: bool,
+        on_metrics: Callable[[dict[str, float]], bool] | None = None,
+    ) -> SideOutcome: ...
 
-    def cached_run(self, key: str, produce: Callable[[], Path], *,
-                   usable: Callable[[Path], bool], read: Callable[[Path, bool], T]) -> T: ...
+    def cached_run(
+        self,
+        key: str,
+        produce: Callable[[], Path],
+        *,
+        usable: Callable[[Path], bool],
+        read: Callable[[Path, bool], T],
+    ) -> T: ...

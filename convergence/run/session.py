@@ -32,8 +32,9 @@ class SessionRunner:
             self._runner = Runner(self.settings, launcher=self._launcher)
         return self._runner
 
-    def run_pair(self, pair: PairSpec, *,
-                 on_progress: Callable[[Progress], None] | None = None) -> PairOutcome:
+    def run_pair(
+        self, pair: PairSpec, *, on_progress: Callable[[Progress], None] | None = None
+    ) -> PairOutcome:
         """Run and judge ``pair``. Never raises for a job failure: it becomes status "error";
         so does a cache that cannot be opened (e.g. a file where it needs a folder), per pair
         as before the Runner was shared."""

@@ -8,8 +8,14 @@ class SpecError(ValueError):
     without reading our code.
     """
 
-    def __init__(self, message: str, *, file: str | None = None, key: str | None = None,
-                 fix: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        key: str | None = None,
+        fix: str | None = None,
+    ) -> None:
         self.file = file
         self.key = key
         self.fix = fix

@@ -33,10 +33,30 @@ from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
 TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
 
-JOB_KEYS = ("name", "train_config", "steps", "seed", "backend", "local_batch_size",
-            "parallelism", "techniques", "hook", "hook_mode", "overrides", "backend_options")
-PAIR_KEYS = ("compare", "regime", "replicates", "early_stop", "golden", "tier",
-             "probe_on_failure", "probe")
+JOB_KEYS = (
+    "name",
+    "train_config",
+    "steps",
+    "seed",
+    "backend",
+    "local_batch_size",
+    "parallelism",
+    "techniques",
+    "hook",
+    "hook_mode",
+    "overrides",
+    "backend_options",
+)
+PAIR_KEYS = (
+    "compare",
+    "regime",
+    "replicates",
+    "early_stop",
+    "golden",
+    "tier",
+    "probe_on_failure",
+    "probe",
+)
 #: Values of the pair key ``probe``: when the numerics probe runs on both sides.
 PROBE_MODES = ("on_failure", "always", "off")
 DEFAULTS_KEYS = tuple(k for k in JOB_KEYS if k != "name") + PAIR_KEYS
@@ -45,8 +65,9 @@ TEST_KEYS = JOB_KEYS + PAIR_KEYS + ("resume",)
 SWEEP_KEYS = ("name", "grid") + tuple(k for k in TEST_KEYS if k != "name")
 TOP_KEYS = ("experiment", "defaults", "control", "test", "sweep")
 EXPERIMENT_KEYS = ("description", "tier")
-RULE_KEYS = tuple(f.name for f in dataclasses.fields(ComparisonRule)
-                  if f.name not in ("metric", "explicit"))
+RULE_KEYS = tuple(
+    f.name for f in dataclasses.fields(ComparisonRule) if f.name not in ("metric", "explicit")
+)
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(ParallelLayout))
 TECHNIQUE_KEYS = tuple(f.name for f in dataclasses.fields(Techniques))
 
@@ -79,48 +100,81 @@ def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Exper
     if "tier" in meta:
         defaults.setdefault("tier", meta["tier"])
     if "control" not in data:
-        raise SpecError("no [control] table", file=file, key="control",
-                        fix="add a [control] table with the trusted layout, e.g. "
-                            "parallelism = { dp_shard = 2 }")
+        raise SpecError(
+            "no [control] table",
+            file=file,
+            key="control",
+            fix="add a [control] table with the trusted layout, e.g. "
+            "parallelism = { dp_shard = 2 }",
+        )
     control = expect_table(data["control"], file=file, key="control")
     check_keys(control, JOB_KEYS, file=file, path="control")
     tests = _tests(data, file)
     if not tests:
-        raise SpecError("no [[test]] or [[sweep]] entries", file=file, key="test",
-                        fix="add at least one [[test]] with the layout to verify")
+        raise SpecError(
+            "no [[test]] or [[sweep]] entries",
+            file=file,
+            key="test",
+            fix="add at least one [[test]] with the layout to verify",
+        )
     pairs: list[PairSpec] = []
     keys: list[str] = []
     seen: set[str] = set()
     for key, test in tests:
         name = str(test.get("name", ""))
         if name in seen:
-            raise SpecError(f"duplicate test name {name!r}", file=file, key=f"{key}.name",
-                            fix="give every test a unique name")
+            raise SpecError(
+                f"duplicate test name {name!r}",
+                file=file,
+                key=f"{key}.name",
+                fix="give every test a unique name",
+            )
         seen.add(name)
-        pairs.append(make_pair(name=name, control=control, test=test, defaults=defaults,
-                               source=file, rootdir=rootdir, key=key, regimes=regimes))
+        pairs.append(
+            make_pair(
+                name=name,
+                control=control,
+                test=test,
+                defaults=defaults,
+                source=file,
+                rootdir=rootdir,
+                key=key,
+                regimes=regimes,
+            )
+        )
         keys.append(key)
-    return Experiment(source=file, description=str(meta.get("description", "")),
-                      pairs=tuple(pairs), keys=tuple(keys))
+    return Experiment(
+        source=file,
+        description=str(meta.get("description", "")),
+        pairs=tuple(pairs),
+        keys=tuple(keys),
+    )
 
 
 def _tests(data: Mapping[str, Any], file: str) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
-    raw_tests = expect(data.get("test", []), list, file=file, key="test",
-                       what="an array of tables ([[test]])")
+    raw_tests = expect(
+        data.get("test", []), list, file=file, key="test", what="an array of tables ([[test]])"
+    )
     for i, raw in enumerate(raw_tests):
         key = f"test[{i}]"
         test = expect_table(raw, file=file, key=key)
         check_keys(test, TEST_KEYS, file=file, path=key)
         if "name" not in test:
-            raise SpecError("test has no name", file=file, key=f"{key}.name",
-                            fix='add name = "fsdp2-tp2" (it becomes the pytest item name)')
+            raise SpecError(
+                "test has no name",
+                file=file,
+                key=f"{key}.name",
+                fix='add name = "fsdp2-tp2" (it becomes the pytest item name)',
+            )
         out.append((key, test))
-    raw_sweeps = expect(data.get("sweep", []), list, file=file, key="sweep",
-                        what="an array of tables ([[sweep]])")
+    raw_sweeps = expect(
+        data.get("sweep", []), list, file=file, key="sweep", what="an array of tables ([[sweep]])"
+    )
     for i, raw in enumerate(raw_sweeps):
-        out.extend(_expand_sweep(expect_table(raw, file=file, key=f"sweep[{i}]"), f"sweep[{i}]",
-                                 file))
+        out.extend(
+            _expand_sweep(expect_table(raw, file=file, key=f"sweep[{i}]"), f"sweep[{i}]", file)
+        )
     return out
 
 
@@ -129,16 +183,28 @@ def _expand_sweep(sweep: dict[str, Any], key: str, file: str) -> list[tuple[str,
     check_keys(sweep, SWEEP_KEYS, file=file, path=key)
     grid = expect_table(sweep.get("grid", {}), file=file, key=f"{key}.grid")
     if not grid:
-        raise SpecError("empty grid", file=file, key=f"{key}.grid",
-                        fix="give lists of values, e.g. grid = { tp = [1, 2], pp = [1, 2] }")
+        raise SpecError(
+            "empty grid",
+            file=file,
+            key=f"{key}.grid",
+            fix="give lists of values, e.g. grid = { tp = [1, 2], pp = [1, 2] }",
+        )
     template = str(sweep.get("name", "-".join(f"{k}{{{k}}}" for k in grid)))
     axes = []
     for name, values in grid.items():
         if name not in LAYOUT_KEYS and name not in TECHNIQUE_KEYS:
-            raise SpecError("unknown grid key", file=file, key=f"{key}.grid.{name}",
-                            fix=f"use parallelism or technique keys: {', '.join(LAYOUT_KEYS)}")
-        axes.append((name, expect(values, list, file=file, key=f"{key}.grid.{name}",
-                                  what="a list of values")))
+            raise SpecError(
+                "unknown grid key",
+                file=file,
+                key=f"{key}.grid.{name}",
+                fix=f"use parallelism or technique keys: {', '.join(LAYOUT_KEYS)}",
+            )
+        axes.append(
+            (
+                name,
+                expect(values, list, file=file, key=f"{key}.grid.{name}", what="a list of values"),
+            )
+        )
     out = []
     for combo in itertools.product(*(values for _, values in axes)):
         chosen = dict(zip((name for name, _ in axes), combo, strict=True))
@@ -151,8 +217,12 @@ def _expand_sweep(sweep: dict[str, Any], key: str, file: str) -> list[tuple[str,
         try:
             test["name"] = template.format(**chosen)
         except KeyError as exc:
-            raise SpecError(f"name template uses {exc} which is not in the grid", file=file,
-                            key=f"{key}.name", fix="use only grid keys in {braces}") from None
+            raise SpecError(
+                f"name template uses {exc} which is not in the grid",
+                file=file,
+                key=f"{key}.name",
+                fix="use only grid keys in {braces}",
+            ) from None
         out.append((f"{key}[{test['name']}]", test))
     return out
 
@@ -177,18 +247,30 @@ def _resolve_config(value: Any, *, file: str, key: str, rootdir: Path) -> Path:
     if not path.suffix and len(path.parts) == 1:  # a bare name: only the shipped configs
         if text in shipped:
             return shipped[text]
-        raise SpecError(f"no shipped train config named {text!r}", file=file, key=key,
-                        fix=f"use one of {', '.join(map(repr, shipped))} (`convergence "
-                        "configs` lists them), or a path to your own TOML")
-    candidates = [path] if path.is_absolute() else [
-        folder / path for folder in _folders_up(Path(file).resolve().parent, rootdir.resolve())]
+        raise SpecError(
+            f"no shipped train config named {text!r}",
+            file=file,
+            key=key,
+            fix=f"use one of {', '.join(map(repr, shipped))} (`convergence "
+            "configs` lists them), or a path to your own TOML",
+        )
+    candidates = (
+        [path]
+        if path.is_absolute()
+        else [
+            folder / path for folder in _folders_up(Path(file).resolve().parent, rootdir.resolve())
+        ]
+    )
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    raise SpecError(f"train config {text!r} does not exist (looked in "
-                    f"{', '.join(str(c) for c in candidates)})", file=file, key=key,
-                    fix=f"point it at an existing TOML, or name a shipped config: "
-                    f"{', '.join(map(repr, shipped))}")
+    raise SpecError(
+        f"train config {text!r} does not exist (looked in {', '.join(str(c) for c in candidates)})",
+        file=file,
+        key=key,
+        fix=f"point it at an existing TOML, or name a shipped config: "
+        f"{', '.join(map(repr, shipped))}",
+    )
 
 
 def _folders_up(start: Path, stop: Path) -> list[Path]:
@@ -202,25 +284,32 @@ def _folders_up(start: Path, stop: Path) -> list[Path]:
     return folders
 
 
-def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
-         rootdir: Path) -> JobSpec:
+def _job(
+    name: str | None, table: Mapping[str, Any], *, file: str, key: str, rootdir: Path
+) -> JobSpec:
     """The JobSpec of one side; ``name`` None: the layout's short name (e.g. "fsdp2-tp2")."""
     backend = str(table.get("backend", "builtin"))
     if "train_config" not in table and backend != "torchtitan":
-        fix = ('set train_config = "debug" (a shipped config) in [defaults]' if backend == "builtin"
-               else "set train_config to your trainer's config file (hashed into the run-cache "
-                    "key, so a changed config is never mistaken for a cached one)")
+        fix = (
+            'set train_config = "debug" (a shipped config) in [defaults]'
+            if backend == "builtin"
+            else "set train_config to your trainer's config file (hashed into the run-cache "
+            "key, so a changed config is never mistaken for a cached one)"
+        )
         raise SpecError("no train_config", file=file, key=f"{key}.train_config", fix=fix)
     par = expect_table(table.get("parallelism", {}), file=file, key=f"{key}.parallelism")
     check_keys(par, LAYOUT_KEYS, file=file, path=f"{key}.parallelism")
     tech = expect_table(table.get("techniques", {}), file=file, key=f"{key}.techniques")
     check_keys(tech, TECHNIQUE_KEYS, file=file, path=f"{key}.techniques")
     raw_overrides = table.get("overrides", {})
-    overrides = (_option_string(raw_overrides, file=file, key=f"{key}.overrides")
-                 if isinstance(raw_overrides, str) else
-                 expect_table(raw_overrides, file=file, key=f"{key}.overrides"))
-    options = expect_table(table.get("backend_options", {}), file=file,
-                           key=f"{key}.backend_options")
+    overrides = (
+        _option_string(raw_overrides, file=file, key=f"{key}.overrides")
+        if isinstance(raw_overrides, str)
+        else expect_table(raw_overrides, file=file, key=f"{key}.overrides")
+    )
+    options = expect_table(
+        table.get("backend_options", {}), file=file, key=f"{key}.backend_options"
+    )
     flat_options = _flatten(options, file=file, key=f"{key}.backend_options")
     try:
         layout = ParallelLayout(**par)
@@ -230,19 +319,26 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
             name=name if name is not None else layout.short_name(),
             # torchtitan names its config by module + config; a file is optional (hashed
             # into the key when given): the backend's config_text covers the rest.
-            train_config=(_resolve_config(table["train_config"], file=file,
-                                          key=f"{key}.train_config", rootdir=rootdir)
-                          if "train_config" in table else Path(NO_TRAIN_CONFIG)),
+            train_config=(
+                _resolve_config(
+                    table["train_config"], file=file, key=f"{key}.train_config", rootdir=rootdir
+                )
+                if "train_config" in table
+                else Path(NO_TRAIN_CONFIG)
+            ),
             layout=layout,
             techniques=techniques,
-            steps=expect(table.get("steps", 100), int, file=file, key=f"{key}.steps",
-                         what="an integer"),
-            seed=expect(table.get("seed", 42), int, file=file, key=f"{key}.seed",
-                        what="an integer"),
+            steps=expect(
+                table.get("steps", 100), int, file=file, key=f"{key}.steps", what="an integer"
+            ),
+            seed=expect(
+                table.get("seed", 42), int, file=file, key=f"{key}.seed", what="an integer"
+            ),
             backend=backend,
             local_batch_size=table.get("local_batch_size"),
-            hook=None if hook is None else expect(hook, str, file=file, key=f"{key}.hook",
-                                                  what='"package.module:function"'),
+            hook=None
+            if hook is None
+            else expect(hook, str, file=file, key=f"{key}.hook", what='"package.module:function"'),
             hook_mode=str(table.get("hook_mode", "after")),
             overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
             backend_options=tuple(flat_options),
@@ -251,8 +347,11 @@ def _job(name: str | None, table: Mapping[str, Any], *, file: str, key: str,
     except SpecError as exc:
         if exc.file:
             raise
-        sub = "parallelism" if exc.key in LAYOUT_KEYS else (
-            "techniques" if exc.key in TECHNIQUE_KEYS else "")
+        sub = (
+            "parallelism"
+            if exc.key in LAYOUT_KEYS
+            else ("techniques" if exc.key in TECHNIQUE_KEYS else "")
+        )
         path = ".".join(p for p in (key, sub, exc.key or "") if p)
         raise SpecError(exc.detail, file=file, key=path, fix=exc.fix) from None
     except TypeError as exc:
@@ -272,15 +371,23 @@ def _option_string(text: str, *, file: str, key: str) -> dict[str, str]:
     try:
         words = shlex.split(text)
     except ValueError as exc:
-        raise SpecError(f"cannot split the option string: {exc}", file=file, key=key,
-                        fix="quote values with spaces, e.g. '--job.description=\"a b\"'") from None
+        raise SpecError(
+            f"cannot split the option string: {exc}",
+            file=file,
+            key=key,
+            fix="quote values with spaces, e.g. '--job.description=\"a b\"'",
+        ) from None
     out: dict[str, str] = {}
     i = 0
     while i < len(words):
         word = words[i]
         if not word.startswith("--") or len(word) < 3:
-            raise SpecError(f"{word!r} is not an option (--section.key=value)", file=file,
-                            key=key, fix='write options as "--training.steps=10 --a.b=c"')
+            raise SpecError(
+                f"{word!r} is not an option (--section.key=value)",
+                file=file,
+                key=key,
+                fix='write options as "--training.steps=10 --a.b=c"',
+            )
         name, eq, value = word[2:].partition("=")
         if not eq:
             following = words[i + 1] if i + 1 < len(words) else None
@@ -299,8 +406,9 @@ def _option_string(text: str, *, file: str, key: str) -> dict[str, str]:
 ARGV_OPTIONS = ("command",)
 
 
-def _flatten(table: Mapping[str, Any], prefix: str = "", *, file: str = "",
-             key: str = "backend_options") -> list[tuple[str, str]]:
+def _flatten(
+    table: Mapping[str, Any], prefix: str = "", *, file: str = "", key: str = "backend_options"
+) -> list[tuple[str, str]]:
     """``{keys = {loss = "l"}}`` -> [("keys.loss", "l")]: backend options stay flat strings.
     A list holds strings only: ``command``'s is an argv, stored shell-quoted; any other is
     stored as JSON text (``["a.py", "b/*.py"]``, which a backend reads back with json or
@@ -314,21 +422,33 @@ def _flatten(table: Mapping[str, Any], prefix: str = "", *, file: str = "",
         elif isinstance(value, list):
             argv = path in ARGV_OPTIONS
             if (argv and not value) or not all(isinstance(word, str) for word in value):
-                raise SpecError(f"a list here holds strings only, got {value!r}", file=file,
-                                key=f"{key}.{path}",
-                                fix='write each word as a string: ["python", "train.py", '
-                                    '"--steps", "{steps}"], or one string split like a shell'
-                                    if argv else 'write each item as a string: ["a", "b"]')
+                raise SpecError(
+                    f"a list here holds strings only, got {value!r}",
+                    file=file,
+                    key=f"{key}.{path}",
+                    fix='write each word as a string: ["python", "train.py", '
+                    '"--steps", "{steps}"], or one string split like a shell'
+                    if argv
+                    else 'write each item as a string: ["a", "b"]',
+                )
             out.append((path, shlex.join(value) if argv else json.dumps(value)))
         elif path in ARGV_OPTIONS and not isinstance(value, str):
-            raise SpecError(f"{value!r} is no command", file=file, key=f"{key}.{path}",
-                            fix='write an argv list ["python", "train.py", "--out", '
-                                '"{dump_dir}"] or one string split like a shell')
+            raise SpecError(
+                f"{value!r} is no command",
+                file=file,
+                key=f"{key}.{path}",
+                fix='write an argv list ["python", "train.py", "--out", '
+                '"{dump_dir}"] or one string split like a shell',
+            )
         elif isinstance(value, (str, int, float, bool)):
             out.append((path, _scalar_text(value)))
         else:
-            raise SpecError(f"unsupported value {value!r}", file=file, key=f"{key}.{path}",
-                            fix="write a string, a number or a boolean")
+            raise SpecError(
+                f"unsupported value {value!r}",
+                file=file,
+                key=f"{key}.{path}",
+                fix="write a string, a number or a boolean",
+            )
     return out
 
 
@@ -338,14 +458,16 @@ def _scalar_text(value: Any) -> str:
     return str(value)
 
 
-def _rules(compare: Mapping[str, Any], defaults: tuple[ComparisonRule, ...], *, file: str,
-           key: str) -> tuple[ComparisonRule, ...]:
+def _rules(
+    compare: Mapping[str, Any], defaults: tuple[ComparisonRule, ...], *, file: str, key: str
+) -> tuple[ComparisonRule, ...]:
     rules = {r.metric: r for r in defaults}
     for metric, spec in compare.items():
         path = f"{key}.compare.{metric}"
         if metric not in METRICS:
-            raise SpecError("unknown metric", file=file, key=path,
-                            fix=f"compare one of: {', '.join(METRICS)}")
+            raise SpecError(
+                "unknown metric", file=file, key=path, fix=f"compare one of: {', '.join(METRICS)}"
+            )
         if spec == "off":
             rules.pop(metric, None)
             continue
@@ -354,19 +476,23 @@ def _rules(compare: Mapping[str, Any], defaults: tuple[ComparisonRule, ...], *, 
         spec = expect_table(spec, file=file, key=path)
         check_keys(spec, RULE_KEYS, file=file, path=path)
         if spec.get("method") not in METHODS:
-            raise SpecError(f"unknown comparison {spec.get('method')!r}", file=file,
-                            key=f"{path}.method", fix=f"use one of: {', '.join(METHODS)} or \"off\"")
+            raise SpecError(
+                f"unknown comparison {spec.get('method')!r}",
+                file=file,
+                key=f"{path}.method",
+                fix=f'use one of: {", ".join(METHODS)} or "off"',
+            )
         gate_default = metric not in ("tokens_per_s", "peak_mem_mib")
-        rules[metric] = ComparisonRule(metric=metric, explicit=True,
-                                       **{"gate": gate_default, **spec})
+        rules[metric] = ComparisonRule(
+            metric=metric, explicit=True, **{"gate": gate_default, **spec}
+        )
     # A derived metric follows the metric it refines unless it is named itself: an experiment
     # that turns the grad norm off (models that differ) or judges it its own way means the
     # per-part grad norm too -- written before it existed, it must not start failing.
     for derived, base in FOLLOWS.items():
         if base in compare and derived not in compare:
             if base in rules:
-                rules[derived] = dataclasses.replace(rules[base], metric=derived,
-                                                     explicit=False)
+                rules[derived] = dataclasses.replace(rules[base], metric=derived, explicit=False)
             else:
                 rules.pop(derived, None)
     return tuple(rules.values())
@@ -376,10 +502,18 @@ def _rules(compare: Mapping[str, Any], defaults: tuple[ComparisonRule, ...], *, 
 FOLLOWS: dict[str, str] = {"grad_norm_parts": "grad_norm"}
 
 
-def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
-              test: Mapping[str, Any] | JobSpec, defaults: Mapping[str, Any] | None = None,
-              compare: Mapping[str, Any] | None = None, source: str = "<python>",
-              rootdir: Path, key: str = "test", regimes: RegimeTable) -> PairSpec:
+def make_pair(
+    *,
+    name: str,
+    control: Mapping[str, Any] | JobSpec,
+    test: Mapping[str, Any] | JobSpec,
+    defaults: Mapping[str, Any] | None = None,
+    compare: Mapping[str, Any] | None = None,
+    source: str = "<python>",
+    rootdir: Path,
+    key: str = "test",
+    regimes: RegimeTable,
+) -> PairSpec:
     """Build a PairSpec from experiment-file tables (or ready JobSpecs): the Python API.
     Parsed, not preflighted: see convergence.preflight (``make_checked_pair``).
     ``regimes``: the registered regimes (convergence.regimes.REGISTRY): the default regime
@@ -389,8 +523,10 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
     test_table = dict(test) if isinstance(test, Mapping) else {}
     if compare:
         test_table["compare"] = {**test_table.get("compare", {}), **compare}
-    pair_conf = _merge({k: v for k, v in defaults.items() if k in PAIR_KEYS},
-                       {k: v for k, v in test_table.items() if k in PAIR_KEYS})
+    pair_conf = _merge(
+        {k: v for k, v in defaults.items() if k in PAIR_KEYS},
+        {k: v for k, v in test_table.items() if k in PAIR_KEYS},
+    )
     job_defaults = {k: v for k, v in defaults.items() if k in JOB_KEYS}
     if isinstance(control, JobSpec):
         control_job = control
@@ -398,8 +534,13 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
         ctrl = _merge(job_defaults, control)
         # An unnamed control is named by its layout ("fsdp2"): a bare "control" read as
         # "[control control]" in progress lines and reports.
-        control_job = _job(str(ctrl["name"]) if "name" in ctrl else None, ctrl, file=file,
-                           key="control", rootdir=rootdir)
+        control_job = _job(
+            str(ctrl["name"]) if "name" in ctrl else None,
+            ctrl,
+            file=file,
+            key="control",
+            rootdir=rootdir,
+        )
     if isinstance(test, JobSpec):
         test_job = test
     else:
@@ -410,24 +551,38 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
 
     regime = pair_conf.get("regime") or regimes.default_for(control_job, test_job)
     if regime not in regimes.names():
-        raise SpecError(f"unknown regime {regime!r}", file=file, key=f"{key}.regime",
-                        fix=f"use one of: {', '.join(regimes.names())}")
+        raise SpecError(
+            f"unknown regime {regime!r}",
+            file=file,
+            key=f"{key}.regime",
+            fix=f"use one of: {', '.join(regimes.names())}",
+        )
     tier = pair_conf.get("tier", "quick")
     if tier not in TIERS:
-        raise SpecError(f"unknown tier {tier!r}", file=file, key=f"{key}.tier",
-                        fix=f"use one of: {', '.join(TIERS)}")
+        raise SpecError(
+            f"unknown tier {tier!r}",
+            file=file,
+            key=f"{key}.tier",
+            fix=f"use one of: {', '.join(TIERS)}",
+        )
     compare_table = expect_table(pair_conf.get("compare", {}), file=file, key=f"{key}.compare")
     probe = pair_conf.get("probe", "on_failure")
     if probe not in PROBE_MODES:
-        raise SpecError(f"unknown probe mode {probe!r}", file=file, key=f"{key}.probe",
-                        fix=f"use one of: {', '.join(PROBE_MODES)}")
+        raise SpecError(
+            f"unknown probe mode {probe!r}",
+            file=file,
+            key=f"{key}.probe",
+            fix=f"use one of: {', '.join(PROBE_MODES)}",
+        )
     pair = PairSpec(
         pair_id=f"{Path(file).name}::{name}",
         control=control_job,
         test=test_job,
-        rules=_same_data_rules(_rules(compare_table, regimes.default_rules(regime),
-                                      file=file, key=key),
-                               control_job, test_job),
+        rules=_same_data_rules(
+            _rules(compare_table, regimes.default_rules(regime), file=file, key=key),
+            control_job,
+            test_job,
+        ),
         regime=regime,
         replicates=int(pair_conf.get("replicates", 3)),
         early_stop=bool(pair_conf.get("early_stop", True)),
@@ -441,19 +596,29 @@ def make_pair(*, name: str, control: Mapping[str, Any] | JobSpec,
 
 
 def _with_resume(job: JobSpec, value: Any, *, file: str, key: str) -> JobSpec:
-    resume = parse_resume(value, layout=job.layout, techniques=job.techniques,
-                          backend=job.backend, file=file, key=f"{key}.resume")
+    resume = parse_resume(
+        value,
+        layout=job.layout,
+        techniques=job.techniques,
+        backend=job.backend,
+        file=file,
+        key=f"{key}.resume",
+    )
     # Here, not in JobSpec: --convergence-steps may cut a run before its resume, which the
     # Runner reports as that pair's error (run/resume.py), not as a broken JobSpec.
     if resume.at_step >= job.steps:
-        raise SpecError(f"resume.at_step = {resume.at_step} is not inside the run "
-                        f"(steps = {job.steps})", file=file, key=f"{key}.resume.at_step",
-                        fix=f"set at_step between 1 and {job.steps - 1}")
+        raise SpecError(
+            f"resume.at_step = {resume.at_step} is not inside the run (steps = {job.steps})",
+            file=file,
+            key=f"{key}.resume.at_step",
+            fix=f"set at_step between 1 and {job.steps - 1}",
+        )
     return dataclasses.replace(job, resume=resume)
 
 
-def _same_data_rules(rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec
-                     ) -> tuple[ComparisonRule, ...]:
+def _same_data_rules(
+    rules: tuple[ComparisonRule, ...], control: JobSpec, test: JobSpec
+) -> tuple[ComparisonRule, ...]:
     """The data fingerprint is compared only where both sides must read the same samples:
     the seed picks the sample order, so a test with another seed reads other data. Put first:
     a data difference is named before any numerics."""

@@ -54,34 +54,64 @@ class JobSpec:
         # The name becomes part of a pytest node id (``file.toml::name``) and of run folder
         # names: "::" would split the id, a path separator would escape the folder.
         if not isinstance(self.name, str) or not self.name.strip():
-            raise SpecError("a job needs a non-empty name", file=self.source, key="name",
-                            fix='set name = "fsdp2-tp2" (letters, digits, -, _, .)')
+            raise SpecError(
+                "a job needs a non-empty name",
+                file=self.source,
+                key="name",
+                fix='set name = "fsdp2-tp2" (letters, digits, -, _, .)',
+            )
         bad = [s for s in ("::", "/", "\\") if s in self.name]
         if bad:
-            raise SpecError(f"name {self.name!r} contains {bad[0]!r}", file=self.source,
-                            key="name", fix="use letters, digits, '-', '_' or '.' in names")
+            raise SpecError(
+                f"name {self.name!r} contains {bad[0]!r}",
+                file=self.source,
+                key="name",
+                fix="use letters, digits, '-', '_' or '.' in names",
+            )
         if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-            raise SpecError(f"seed must be an integer in [0, 2**32), got {self.seed!r}",
-                            file=self.source, key="seed", fix="set seed = 42 (any 0..4294967295)")
+            raise SpecError(
+                f"seed must be an integer in [0, 2**32), got {self.seed!r}",
+                file=self.source,
+                key="seed",
+                fix="set seed = 42 (any 0..4294967295)",
+            )
         if not isinstance(self.backend, str) or not self.backend:
-            raise SpecError(f"backend must be a name, got {self.backend!r}", file=self.source,
-                            key="backend", fix='set backend = "builtin" (or another backend)')
+            raise SpecError(
+                f"backend must be a name, got {self.backend!r}",
+                file=self.source,
+                key="backend",
+                fix='set backend = "builtin" (or another backend)',
+            )
         if not isinstance(self.steps, int) or not 1 <= self.steps <= MAX_STEPS:
-            raise SpecError(f"steps must be an integer in [1, {MAX_STEPS}], got {self.steps!r}",
-                            file=self.source, key="steps",
-                            fix="set steps >= 1 (a convergence test rarely needs more than a "
-                            "few thousand; the wall limit ends a job that runs too long)")
+            raise SpecError(
+                f"steps must be an integer in [1, {MAX_STEPS}], got {self.steps!r}",
+                file=self.source,
+                key="steps",
+                fix="set steps >= 1 (a convergence test rarely needs more than a "
+                "few thousand; the wall limit ends a job that runs too long)",
+            )
         if self.local_batch_size is not None and self.local_batch_size < 1:
-            raise SpecError("local_batch_size must be >= 1", file=self.source,
-                            key="local_batch_size", fix="set local_batch_size >= 1")
+            raise SpecError(
+                "local_batch_size must be >= 1",
+                file=self.source,
+                key="local_batch_size",
+                fix="set local_batch_size >= 1",
+            )
         if self.hook is not None and (":" not in self.hook or self.hook.count(":") != 1):
-            raise SpecError(f"hook {self.hook!r} is not 'package.module:function'",
-                            file=self.source, key="hook",
-                            fix="write it as \"my_pkg.parallel:apply_my_tp\"")
+            raise SpecError(
+                f"hook {self.hook!r} is not 'package.module:function'",
+                file=self.source,
+                key="hook",
+                fix='write it as "my_pkg.parallel:apply_my_tp"',
+            )
 
         if self.hook_mode not in ("after", "replace_tp"):
-            raise SpecError(f"unknown hook_mode {self.hook_mode!r}", file=self.source,
-                            key="hook_mode", fix='use "after" or "replace_tp"')
+            raise SpecError(
+                f"unknown hook_mode {self.hook_mode!r}",
+                file=self.source,
+                key="hook_mode",
+                fix='use "after" or "replace_tp"',
+            )
 
     @property
     def world_size(self) -> int:
@@ -94,9 +124,16 @@ class JobSpec:
             raise ValueError(f"job {self.name!r} does not resume")
         resume = self.resume
         return dataclasses.replace(
-            self, layout=resume.layout, techniques=resume.techniques, resume=None,
-            local_batch_size=(resume.local_batch_size if resume.local_batch_size is not None
-                              else self.local_batch_size))
+            self,
+            layout=resume.layout,
+            techniques=resume.techniques,
+            resume=None,
+            local_batch_size=(
+                resume.local_batch_size
+                if resume.local_batch_size is not None
+                else self.local_batch_size
+            ),
+        )
 
     def override_dict(self) -> dict[str, str]:
         return dict(self.overrides)

@@ -21,8 +21,9 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 def _positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise SpecError(f"must be a positive integer, got {value!r}", key=name,
-                        fix=f"set {name} to 1 or more")
+        raise SpecError(
+            f"must be a positive integer, got {value!r}", key=name, fix=f"set {name} to 1 or more"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,15 +53,21 @@ class ParallelLayout:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
             _positive(name, getattr(self, name))
         if self.pp_schedule not in PP_SCHEDULES:
-            raise SpecError(f"unknown PP schedule {self.pp_schedule!r}", key="pp_schedule",
-                            fix=f"use one of {', '.join(PP_SCHEDULES)}")
+            raise SpecError(
+                f"unknown PP schedule {self.pp_schedule!r}",
+                key="pp_schedule",
+                fix=f"use one of {', '.join(PP_SCHEDULES)}",
+            )
         if self.pp_microbatches is not None:
             _positive("pp_microbatches", self.pp_microbatches)
         if self.pp_stages_per_rank is not None:
             _positive("pp_stages_per_rank", self.pp_stages_per_rank)
         if self.sequence_parallel and self.tp == 1:
-            raise SpecError("sequence_parallel needs tp > 1", key="sequence_parallel",
-                            fix="set tp >= 2 or drop sequence_parallel")
+            raise SpecError(
+                "sequence_parallel needs tp > 1",
+                key="sequence_parallel",
+                fix="set tp >= 2 or drop sequence_parallel",
+            )
 
     @property
     def world_size(self) -> int:
@@ -132,11 +139,17 @@ class Techniques:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
-                raise SpecError(f"unknown dtype {getattr(self, name)!r}", key=name,
-                                fix=f"use one of {', '.join(DTYPES)}")
+                raise SpecError(
+                    f"unknown dtype {getattr(self, name)!r}",
+                    key=name,
+                    fix=f"use one of {', '.join(DTYPES)}",
+                )
         if self.activation_checkpoint not in AC_MODES:
-            raise SpecError(f"unknown mode {self.activation_checkpoint!r}",
-                            key="activation_checkpoint", fix=f"use one of {', '.join(AC_MODES)}")
+            raise SpecError(
+                f"unknown mode {self.activation_checkpoint!r}",
+                key="activation_checkpoint",
+                fix=f"use one of {', '.join(AC_MODES)}",
+            )
         _positive("grad_accum_steps", self.grad_accum_steps)
 
     @property
@@ -148,8 +161,12 @@ class Techniques:
         nondeterministic kernels each add noise far above that floor, so the paired tolerance
         would fail a correct run.
         """
-        return (self.deterministic and self.param_dtype == "float32"
-                and self.reduce_dtype == "float32" and not self.compile)
+        return (
+            self.deterministic
+            and self.param_dtype == "float32"
+            and self.reduce_dtype == "float32"
+            and not self.compile
+        )
 
     def changed_from(self, other: Techniques) -> dict[str, Any]:
         """The fields whose value differs from ``other`` (for report columns)."""

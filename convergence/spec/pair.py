@@ -9,9 +9,16 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
 #: Metric names used throughout the library (backends map their own tags onto these).
-METRICS: tuple[str, ...] = ("loss", "grad_norm", "grad_norm_parts", "lr", "val_loss",
-                          "tokens_per_s", "peak_mem_mib",
-                          "data_fingerprint")
+METRICS: tuple[str, ...] = (
+    "loss",
+    "grad_norm",
+    "grad_norm_parts",
+    "lr",
+    "val_loss",
+    "tokens_per_s",
+    "peak_mem_mib",
+    "data_fingerprint",
+)
 #: The comparison methods (convergence.stats.registry implements each).
 Method = Literal["exact", "allclose", "paired", "twin", "seed", "regression"]
 METHODS: tuple[Method, ...] = get_args(Method)
@@ -57,11 +64,17 @@ class ComparisonRule:
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
-            raise SpecError(f"unknown metric {self.metric!r}", key=f"compare.{self.metric}",
-                            fix=f"use one of {', '.join(METRICS)}")
+            raise SpecError(
+                f"unknown metric {self.metric!r}",
+                key=f"compare.{self.metric}",
+                fix=f"use one of {', '.join(METRICS)}",
+            )
         if self.method not in METHODS:
-            raise SpecError(f"unknown comparison {self.method!r}", key=f"compare.{self.metric}",
-                            fix=f"use one of {', '.join(METHODS)}")
+            raise SpecError(
+                f"unknown comparison {self.method!r}",
+                key=f"compare.{self.metric}",
+                fix=f"use one of {', '.join(METHODS)}",
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,8 +8,15 @@ tests/test_trainer_pp_cp_units.py holds the sets to what torch's schedule classe
 
 from __future__ import annotations
 
-SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
-                              "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SCHEDULES: tuple[str, ...] = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 """Schedule names accepted by parallelism.pp_schedule (torch's own names)."""
 
 SINGLE_STAGE_SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B"})
@@ -21,8 +28,9 @@ MULTI_STAGE_SCHEDULES: frozenset[str] = frozenset(SCHEDULES) - SINGLE_STAGE_SCHE
 V_SCHEDULES: frozenset[str] = frozenset({"ZBVZeroBubble", "DualPipeV"})
 """Schedules whose rank r holds stages r and 2pp-1-r (exactly 2 per rank)."""
 
-ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble",
-                                                   "DualPipeV"})
+ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset(
+    {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+)
 """Schedules that split backward into input-grad and weight-grad passes (see
 pipeline.fsdp_per_block_ok and the data-parallel rule in layout_problem)."""
 

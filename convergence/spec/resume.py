@@ -38,35 +38,51 @@ class Resume:
     must stay the same: another DP degree needs another local batch."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.at_step, int) or isinstance(self.at_step, bool) \
-                or self.at_step < 1:
-            raise SpecError(f"at_step must be a positive integer, got {self.at_step!r}",
-                            key="resume.at_step", fix="set at_step to a step inside the run, "
-                            "e.g. at_step = 10 for a 20-step run")
+        if not isinstance(self.at_step, int) or isinstance(self.at_step, bool) or self.at_step < 1:
+            raise SpecError(
+                f"at_step must be a positive integer, got {self.at_step!r}",
+                key="resume.at_step",
+                fix="set at_step to a step inside the run, e.g. at_step = 10 for a 20-step run",
+            )
         if self.local_batch_size is not None and self.local_batch_size < 1:
-            raise SpecError("local_batch_size must be >= 1", key="resume.local_batch_size",
-                            fix="set it to 1 or more, or drop it")
+            raise SpecError(
+                "local_batch_size must be >= 1",
+                key="resume.local_batch_size",
+                fix="set it to 1 or more, or drop it",
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"at_step": self.at_step, "layout": self.layout.to_dict(),
-                "techniques": self.techniques.to_dict(),
-                "local_batch_size": self.local_batch_size}
+        return {
+            "at_step": self.at_step,
+            "layout": self.layout.to_dict(),
+            "techniques": self.techniques.to_dict(),
+            "local_batch_size": self.local_batch_size,
+        }
 
 
-def parse_resume(value: Any, *, layout: ParallelLayout, techniques: Techniques,
-                 backend: str, file: str, key: str) -> Resume:
+def parse_resume(
+    value: Any, *, layout: ParallelLayout, techniques: Techniques, backend: str, file: str, key: str
+) -> Resume:
     """The ``resume`` table of a test side (``key`` is its path, e.g. ``test[0].resume``):
     ``parallelism`` replaces the side's layout (a whole layout, as in ``parallelism``),
     ``techniques`` merge into the side's."""
     table = expect_table(value, file=file, key=key)
     check_keys(table, RESUME_KEYS, file=file, path=key)
     if backend != "builtin":
-        raise SpecError(f"resume is built-in only for now: the {backend!r} backend's own "
-                        "checkpointing flags are not mapped yet", file=file, key=key,
-                        fix='drop resume from this test, or use backend = "builtin"')
+        raise SpecError(
+            f"resume is built-in only for now: the {backend!r} backend's own "
+            "checkpointing flags are not mapped yet",
+            file=file,
+            key=key,
+            fix='drop resume from this test, or use backend = "builtin"',
+        )
     if "at_step" not in table:
-        raise SpecError("resume has no at_step", file=file, key=f"{key}.at_step",
-                        fix="set at_step = K: the step after which the side checkpoints")
+        raise SpecError(
+            "resume has no at_step",
+            file=file,
+            key=f"{key}.at_step",
+            fix="set at_step = K: the step after which the side checkpoints",
+        )
     par = table.get("parallelism")
     tech = expect_table(table.get("techniques", {}), file=file, key=f"{key}.techniques")
     check_keys(tech, TECHNIQUE_KEYS, file=file, path=f"{key}.techniques")
@@ -76,23 +92,28 @@ def parse_resume(value: Any, *, layout: ParallelLayout, techniques: Techniques,
             check_keys(par, LAYOUT_KEYS, file=file, path=f"{key}.parallelism")
         batch = table.get("local_batch_size")
         return Resume(
-            at_step=expect(table["at_step"], int, file=file, key=f"{key}.at_step",
-                           what="an integer"),
+            at_step=expect(
+                table["at_step"], int, file=file, key=f"{key}.at_step", what="an integer"
+            ),
             layout=ParallelLayout(**par) if par is not None else layout,
             techniques=Techniques(**{**techniques.to_dict(), **tech}),
-            local_batch_size=None if batch is None else expect(
-                batch, int, file=file, key=f"{key}.local_batch_size", what="an integer"))
+            local_batch_size=None
+            if batch is None
+            else expect(batch, int, file=file, key=f"{key}.local_batch_size", what="an integer"),
+        )
     except SpecError as exc:
         if exc.file:
             raise
         sub = _sub_table(exc.key or "")
-        raise SpecError(exc.detail, file=file, key=".".join(
-            p for p in (key, sub, (exc.key or "").removeprefix("resume.")) if p),
-            fix=exc.fix) from None
+        raise SpecError(
+            exc.detail,
+            file=file,
+            key=".".join(p for p in (key, sub, (exc.key or "").removeprefix("resume.")) if p),
+            fix=exc.fix,
+        ) from None
 
 
 def _sub_table(name: str) -> str:
     if name in LAYOUT_KEYS:
         return "parallelism"
     return "techniques" if name in TECHNIQUE_KEYS else ""
-

@@ -21,11 +21,15 @@ def read_toml(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"malformed TOML: {exc}", file=str(path),
-                        fix="fix the TOML syntax at the reported line and column") from None
+        raise SpecError(
+            f"malformed TOML: {exc}",
+            file=str(path),
+            fix="fix the TOML syntax at the reported line and column",
+        ) from None
     except UnicodeDecodeError as exc:
-        raise SpecError(f"not UTF-8 text: {exc}", file=str(path),
-                        fix="save the file as UTF-8") from None
+        raise SpecError(
+            f"not UTF-8 text: {exc}", file=str(path), fix="save the file as UTF-8"
+        ) from None
 
 
 def check_keys(table: Mapping[str, Any], allowed: Iterable[str], *, file: str, path: str) -> None:
@@ -34,8 +38,12 @@ def check_keys(table: Mapping[str, Any], allowed: Iterable[str], *, file: str, p
     for key in table:
         if key not in allowed:
             where = f"{path}.{key}" if path else key
-            raise SpecError("unknown key", file=file, key=where,
-                            fix=f"remove it or use one of: {', '.join(allowed)}")
+            raise SpecError(
+                "unknown key",
+                file=file,
+                key=where,
+                fix=f"remove it or use one of: {', '.join(allowed)}",
+            )
 
 
 def expect(value: Any, kind: type | tuple[type, ...], *, file: str, key: str, what: str) -> Any:
@@ -46,8 +54,9 @@ def expect(value: Any, kind: type | tuple[type, ...], *, file: str, key: str, wh
     else:
         ok = isinstance(value, kinds)
     if not ok:
-        raise SpecError(f"expected {what}, got {value!r}", file=file, key=key,
-                        fix=f"write {key} as {what}")
+        raise SpecError(
+            f"expected {what}, got {value!r}", file=file, key=key, fix=f"write {key} as {what}"
+        )
     return value
 
 

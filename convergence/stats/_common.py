@@ -27,10 +27,10 @@ class Aligned:
 
 
 def align(control: Curve, test: Curve) -> Aligned:
-    steps, ci, ti = np.intersect1d(control.steps, test.steps, assume_unique=True,
-                                   return_indices=True)
-    return Aligned(steps=steps.astype(np.int64), test=test.values[ti],
-                   control=control.values[ci])
+    steps, ci, ti = np.intersect1d(
+        control.steps, test.steps, assume_unique=True, return_indices=True
+    )
+    return Aligned(steps=steps.astype(np.int64), test=test.values[ti], control=control.values[ci])
 
 
 def incomplete(controls: Sequence[Curve], test: Curve) -> str | None:
@@ -50,12 +50,19 @@ def incomplete(controls: Sequence[Curve], test: Curve) -> str | None:
     return None
 
 
-def failed(rule: ComparisonRule, method: Method, message: str, *,
-           steps_compared: int = 0, **extra: Any) -> MetricVerdict:
+def failed(
+    rule: ComparisonRule, method: Method, message: str, *, steps_compared: int = 0, **extra: Any
+) -> MetricVerdict:
     """A verdict that could not be computed, or failed before any per-step check."""
-    return MetricVerdict(metric=rule.metric, method=method, passed=False, gate=rule.gate,
-                         steps_compared=steps_compared, message=f"{rule.metric}: {message}",
-                         **extra)
+    return MetricVerdict(
+        metric=rule.metric,
+        method=method,
+        passed=False,
+        gate=rule.gate,
+        steps_compared=steps_compared,
+        message=f"{rule.metric}: {message}",
+        **extra,
+    )
 
 
 def worst(deviation: Floats, steps: Ints) -> tuple[float, int | None, int | None]:
@@ -87,4 +94,5 @@ def point_check(control: Curve, tolerance: Callable[[int, float], float]) -> Che
     def check(step: int, value: float) -> tuple[float, float] | None:
         ref = reference.get(step)
         return None if ref is None else (abs(value - ref), tolerance(step, ref))
+
     return check

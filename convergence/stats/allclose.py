@@ -27,8 +27,12 @@ class AllClose:
         rtol = DEFAULT_RTOL if rule.rtol is None else rule.rtol
         return point_check(controls[0], lambda step, ref: atol + rtol * abs(ref))
 
-    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
-                ) -> MetricVerdict:
-        tol = PairedTolerance(atol=DEFAULT_ATOL if rule.atol is None else rule.atol, growth=0.0,
-                              rtol=DEFAULT_RTOL if rule.rtol is None else rule.rtol)
+    def compare(
+        self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+    ) -> MetricVerdict:
+        tol = PairedTolerance(
+            atol=DEFAULT_ATOL if rule.atol is None else rule.atol,
+            growth=0.0,
+            rtol=DEFAULT_RTOL if rule.rtol is None else rule.rtol,
+        )
         return envelope_verdict(rule, self.method, controls, test, tol, band=tol.describe())

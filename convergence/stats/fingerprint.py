@@ -22,8 +22,9 @@ from convergence.stats.types import MetricVerdict
 METRIC = "data_fingerprint"
 
 
-def compare_fingerprints(rule: ComparisonRule, controls: Sequence[Curve], test: Curve
-                         ) -> MetricVerdict:
+def compare_fingerprints(
+    rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+) -> MetricVerdict:
     """Exact equality at every step both logged (values are integers < 2**48: exact floats)."""
     if not controls or len(controls[0]) == 0 or len(test) == 0:
         return failed(rule, rule.method, "no fingerprints to compare", tolerance="equal")
@@ -36,22 +37,39 @@ def compare_fingerprints(rule: ComparisonRule, controls: Sequence[Curve], test: 
     if first is None:
         message = f"data identical at all {pairs.steps.size} steps"
     else:
-        message = (f"data differs at step {first} (test read different samples; "
-                   f"{num_differ} of {pairs.steps.size} steps differ): a data bug, not numerics")
-    return MetricVerdict(metric=rule.metric, method=rule.method, passed=first is None,
-                         gate=rule.gate, steps_compared=int(pairs.steps.size),
-                         first_divergent_step=first, tolerance="equal",
-                         max_deviation=float(num_differ), message=message)
+        message = (
+            f"data differs at step {first} (test read different samples; "
+            f"{num_differ} of {pairs.steps.size} steps differ): a data bug, not numerics"
+        )
+    return MetricVerdict(
+        metric=rule.metric,
+        method=rule.method,
+        passed=first is None,
+        gate=rule.gate,
+        steps_compared=int(pairs.steps.size),
+        first_divergent_step=first,
+        tolerance="equal",
+        max_deviation=float(num_differ),
+        message=message,
+    )
 
 
 def not_logged(rule: ComparisonRule) -> MetricVerdict:
     """A metric a side does not log (a backend without fingerprints or per-part grad norms,
     an old cached run): nothing to hold against the pair."""
     what = "data" if rule.metric == METRIC else "metric"
-    how = ("a hash of each step's samples, as the built-in trainer does" if rule.metric == METRIC
-           else "grad_norm/<part> per step, as the built-in trainer does")
-    fix = f"log it ({how}), or set compare.{rule.metric} = \"off\" to say it is not compared"
-    return MetricVerdict(metric=rule.metric, method=rule.method, passed=True, gate=False,
-                         steps_compared=0, not_compared=rule.gate,
-                         message=f"{rule.metric}: not logged by both runs; {what} not "
-                                 f"compared: {fix}")
+    how = (
+        "a hash of each step's samples, as the built-in trainer does"
+        if rule.metric == METRIC
+        else "grad_norm/<part> per step, as the built-in trainer does"
+    )
+    fix = f'log it ({how}), or set compare.{rule.metric} = "off" to say it is not compared'
+    return MetricVerdict(
+        metric=rule.metric,
+        method=rule.method,
+        passed=True,
+        gate=False,
+        steps_compared=0,
+        not_compared=rule.gate,
+        message=f"{rule.metric}: not logged by both runs; {what} not compared: {fix}",
+    )

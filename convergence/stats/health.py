@@ -48,18 +48,22 @@ def control_problem(loss: Curve | None, entropy_floor: float | None) -> str | No
     if floor is not None:
         margin = max(FLOOR_MARGIN_NATS, FLOOR_MARGIN_FRACTION * floor)
         if last < floor - margin:
-            return (f"the control's loss ({last:.4g}, mean of its last {WINDOW} steps) is below "
-                    f"the data's entropy floor {floor:.4g} by more than {margin:.3g}: no correct "
-                    f"model can do that, so the control leaks (e.g. a broken causal mask) and is "
-                    f"no reference; fix the control layout or its hook")
+            return (
+                f"the control's loss ({last:.4g}, mean of its last {WINDOW} steps) is below "
+                f"the data's entropy floor {floor:.4g} by more than {margin:.3g}: no correct "
+                f"model can do that, so the control leaks (e.g. a broken causal mask) and is "
+                f"no reference; fix the control layout or its hook"
+            )
     if len(loss) < MIN_STEPS:
         return None
     gap = first - floor if floor is not None else abs(first)
     drop = first - last
     if gap > 0 and drop < MIN_DROP_FRACTION * gap:
         target = "the entropy floor" if floor is not None else "zero"
-        return (f"the control did not learn: its loss went from {first:.4g} to {last:.4g} (means "
-                f"of the first and last {WINDOW} steps), less than {MIN_DROP_FRACTION:.0%} of the "
-                f"way to {target}; a flat control certifies nothing. Check its learning rate, "
-                f"optimizer and steps")
+        return (
+            f"the control did not learn: its loss went from {first:.4g} to {last:.4g} (means "
+            f"of the first and last {WINDOW} steps), less than {MIN_DROP_FRACTION:.0%} of the "
+            f"way to {target}; a flat control certifies nothing. Check its learning rate, "
+            f"optimizer and steps"
+        )
     return None

@@ -75,8 +75,7 @@ class PairedTolerance:
     def describe(self) -> str:
         if self.growth == 0:
             return f"atol {self.atol:g} + rtol {self.rtol:g}*|control|"
-        return (f"atol {self.atol:g}*(1+{self.growth:g}*sqrt(step)) "
-                f"+ rtol {self.rtol:g}*|control|")
+        return f"atol {self.atol:g}*(1+{self.growth:g}*sqrt(step)) + rtol {self.rtol:g}*|control|"
 
 
 _LOSS = PairedTolerance(atol=1e-5, growth=0.1, rtol=1e-6)
@@ -93,9 +92,11 @@ PAIRED_DEFAULTS: dict[str, PairedTolerance] = {
 def paired_tolerance(rule: ComparisonRule) -> PairedTolerance:
     """The rule's tolerance: its own parameters where set, else the metric's defaults."""
     base = PAIRED_DEFAULTS.get(rule.metric, _LOSS)
-    return PairedTolerance(atol=base.atol if rule.atol is None else rule.atol,
-                           growth=base.growth if rule.growth is None else rule.growth,
-                           rtol=base.rtol if rule.rtol is None else rule.rtol)
+    return PairedTolerance(
+        atol=base.atol if rule.atol is None else rule.atol,
+        growth=base.growth if rule.growth is None else rule.growth,
+        rtol=base.rtol if rule.rtol is None else rule.rtol,
+    )
 
 
 class Tolerance(Protocol):
@@ -115,20 +116,37 @@ class Tolerance(Protocol):
     def describe(self) -> str: ...
 
 
-def envelope_verdict(rule: ComparisonRule, method: Method, controls: Sequence[Curve], test: Curve,
-                     tol: Tolerance, *, band: str) -> MetricVerdict:
+def envelope_verdict(
+    rule: ComparisonRule,
+    method: Method,
+    controls: Sequence[Curve],
+    test: Curve,
+    tol: Tolerance,
+    *,
+    band: str,
+) -> MetricVerdict:
     """Pointwise check ``|test - control| <= tol(step)`` at every common step (paired,
     allclose and twin share it: allclose is the envelope without growth, twin sizes it from
     a twin run)."""
     described = tol.describe()
     problem = incomplete(controls, test)
     if problem:
-        return failed(rule, method, problem, tolerance=described,
-                      band=_full_band(tol, controls[0] if controls else None))
+        return failed(
+            rule,
+            method,
+            problem,
+            tolerance=described,
+            band=_full_band(tol, controls[0] if controls else None),
+        )
     pairs = align(controls[0], test)
     if pairs.steps.size == 0:
-        return failed(rule, method, "no step logged by both runs", tolerance=described,
-                      band=_full_band(tol, controls[0]))
+        return failed(
+            rule,
+            method,
+            "no step logged by both runs",
+            tolerance=described,
+            band=_full_band(tol, controls[0]),
+        )
     tolerance = tol.at(pairs.steps, pairs.control)
     deviation = np.abs(pairs.test - pairs.control)
     outside = ~(deviation <= tolerance)  # NaN is outside
@@ -139,26 +157,40 @@ def envelope_verdict(rule: ComparisonRule, method: Method, controls: Sequence[Cu
     first = first_true(outside, pairs.steps)
     passed = first is None
     if passed:
-        message = (f"{rule.metric}: within {band} at all {pairs.steps.size} steps "
-                   f"(max |diff| {max_dev:.3g} at step {max_step}, "
-                   f"{float(ratio.max()):.2g}x of the tolerance at worst)")
+        message = (
+            f"{rule.metric}: within {band} at all {pairs.steps.size} steps "
+            f"(max |diff| {max_dev:.3g} at step {max_step}, "
+            f"{float(ratio.max()):.2g}x of the tolerance at worst)"
+        )
     else:
         first_i = int(np.argmax(outside))
-        message = (f"{rule.metric}: outside {band} at {int(outside.sum())} of "
-                   f"{pairs.steps.size} steps, first at step {first} "
-                   f"(|diff| {deviation[first_i]:.3g} > tol {tolerance[first_i]:.3g}); "
-                   f"max |diff| {max_dev:.3g} at step {max_step}")
-    return MetricVerdict(metric=rule.metric, method=method, passed=passed,
-                         gate=rule.gate, steps_compared=int(pairs.steps.size),
-                         first_divergent_step=first, max_deviation=max_dev,
-                         max_deviation_step=max_step, tolerance=described,
-                         tolerance_at_max=None if index is None else float(tolerance[index]),
-                         message=message,
-                         band=Band.of(pairs.steps, pairs.control - tolerance,
-                                      pairs.control + tolerance),
-                         details={"max_ratio": _json_float(float(ratio.max())), "atol": tol.atol,
-                                  "growth": tol.growth, "rtol": tol.rtol,
-                                  "steps_outside": int(outside.sum())})
+        message = (
+            f"{rule.metric}: outside {band} at {int(outside.sum())} of "
+            f"{pairs.steps.size} steps, first at step {first} "
+            f"(|diff| {deviation[first_i]:.3g} > tol {tolerance[first_i]:.3g}); "
+            f"max |diff| {max_dev:.3g} at step {max_step}"
+        )
+    return MetricVerdict(
+        metric=rule.metric,
+        method=method,
+        passed=passed,
+        gate=rule.gate,
+        steps_compared=int(pairs.steps.size),
+        first_divergent_step=first,
+        max_deviation=max_dev,
+        max_deviation_step=max_step,
+        tolerance=described,
+        tolerance_at_max=None if index is None else float(tolerance[index]),
+        message=message,
+        band=Band.of(pairs.steps, pairs.control - tolerance, pairs.control + tolerance),
+        details={
+            "max_ratio": _json_float(float(ratio.max())),
+            "atol": tol.atol,
+            "growth": tol.growth,
+            "rtol": tol.rtol,
+            "steps_outside": int(outside.sum()),
+        },
+    )
 
 
 def _full_band(tol: Tolerance, control: Curve | None) -> Band | None:
@@ -177,10 +209,12 @@ class PairedBand:
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return point_check(controls[0], tolerance_at(paired_tolerance(rule)))
 
-    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
-                ) -> MetricVerdict:
-        return envelope_verdict(rule, self.method, controls, test, paired_tolerance(rule),
-                                band="the paired band")
+    def compare(
+        self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+    ) -> MetricVerdict:
+        return envelope_verdict(
+            rule, self.method, controls, test, paired_tolerance(rule), band="the paired band"
+        )
 
 
 def _json_float(value: float) -> float | None:

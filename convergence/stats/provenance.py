@@ -64,9 +64,11 @@ def run_environment(run_meta: Mapping[str, Any]) -> dict[str, Any]:
     torch version), this machine's for the rest (export and runs normally share a machine)."""
     import torch
 
-
-    return {"torch": str(run_meta.get("torch_version") or torch.__version__),
-            "cuda": torch.version.cuda, "hardware": hardware_fingerprint()}
+    return {
+        "torch": str(run_meta.get("torch_version") or torch.__version__),
+        "cuda": torch.version.cuda,
+        "hardware": hardware_fingerprint(),
+    }
 
 
 def environment_differences(golden: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
@@ -75,46 +77,64 @@ def environment_differences(golden: Mapping[str, Any], current: Mapping[str, Any
     recorded = golden.get("environment")
     if not isinstance(recorded, Mapping):
         return []
-    return [f"{key} {recorded[key]} -> {current[key]}" for key in ENVIRONMENT_KEYS
-            if key in recorded and key in current and recorded[key] != current[key]]
+    return [
+        f"{key} {recorded[key]} -> {current[key]}"
+        for key in ENVIRONMENT_KEYS
+        if key in recorded and key in current and recorded[key] != current[key]
+    ]
 
 
-def environment_note(golden_path: Path, golden: Mapping[str, Any],
-                     current: Mapping[str, Any]) -> str | None:
+def environment_note(
+    golden_path: Path, golden: Mapping[str, Any], current: Mapping[str, Any]
+) -> str | None:
     """One sentence for the verdict message, or None when the environments match."""
     differences = environment_differences(golden, current)
     if not differences:
         return None
-    return (f"golden {golden_path} was recorded in another environment "
-            f"({'; '.join(differences)}): a deviation may come from the environment, not the "
-            f"code; re-export the golden here to tell them apart")
+    return (
+        f"golden {golden_path} was recorded in another environment "
+        f"({'; '.join(differences)}): a deviation may come from the environment, not the "
+        f"code; re-export the golden here to tell them apart"
+    )
 
 
-def with_golden_note(golden_path: Path, verdicts: Sequence[MetricVerdict],
-                     test_run_meta: Mapping[str, Any]) -> tuple[MetricVerdict, ...]:
+def with_golden_note(
+    golden_path: Path, verdicts: Sequence[MetricVerdict], test_run_meta: Mapping[str, Any]
+) -> tuple[MetricVerdict, ...]:
     """``verdicts`` with the environment note on the loss verdict when ``golden_path`` is a
     golden file recorded elsewhere than the test run (unchanged otherwise)."""
 
     if describe_source(golden_path) != "golden":
         return tuple(verdicts)
-    note = environment_note(golden_path, golden_metadata(golden_path),
-                            run_environment(test_run_meta))
+    note = environment_note(
+        golden_path, golden_metadata(golden_path), run_environment(test_run_meta)
+    )
     if note is None:
         return tuple(verdicts)
-    return tuple(dataclasses.replace(v, message=f"{v.message}; {note}" if v.message else note)
-                 if v.metric == "loss" else v for v in verdicts)
+    return tuple(
+        dataclasses.replace(v, message=f"{v.message}; {note}" if v.message else note)
+        if v.metric == "loss"
+        else v
+        for v in verdicts
+    )
 
 
 def git_commit(folder: Path) -> str | None:
     """HEAD of the git repository holding ``folder`` (with ``-dirty`` for uncommitted changes),
     or None outside a repository or without git."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True,
-                              text=True, timeout=10)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=10
+        )
         if head.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=folder, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -124,5 +144,13 @@ def _hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-__all__ = ["ENVIRONMENT_KEYS", "environment_differences", "environment_note", "git_commit",
-           "golden_provenance", "read_run_meta", "run_environment", "with_golden_note"]
+__all__ = [
+    "ENVIRONMENT_KEYS",
+    "environment_differences",
+    "environment_note",
+    "git_commit",
+    "golden_provenance",
+    "read_run_meta",
+    "run_environment",
+    "with_golden_note",
+]

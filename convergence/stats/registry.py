@@ -18,8 +18,8 @@ from convergence.stats.twin import TwinEnvelope
 from convergence.stats.types import Comparison, MetricVerdict
 
 _COMPARISONS: dict[str, Comparison] = {
-    c.method: c for c in (Exact(), AllClose(), PairedBand(), TwinEnvelope(), SeedBand(),
-                          Regression())
+    c.method: c
+    for c in (Exact(), AllClose(), PairedBand(), TwinEnvelope(), SeedBand(), Regression())
 }
 
 
@@ -27,8 +27,9 @@ def get_comparison(method: str) -> Comparison:
     try:
         return _COMPARISONS[method]
     except KeyError:
-        raise ValueError(f"unknown comparison method {method!r}; use one of "
-                         f"{', '.join(METHODS)}") from None
+        raise ValueError(
+            f"unknown comparison method {method!r}; use one of {', '.join(METHODS)}"
+        ) from None
 
 
 #: Metrics that some backends do not log: when neither side has one, it is reported as not
@@ -36,14 +37,16 @@ def get_comparison(method: str) -> Comparison:
 OPTIONAL_METRICS: frozenset[str] = frozenset({FINGERPRINT, "grad_norm_parts"})
 
 
-def compare_all(rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics],
-                test: RunMetrics) -> tuple[MetricVerdict, ...]:
+def compare_all(
+    rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics], test: RunMetrics
+) -> tuple[MetricVerdict, ...]:
     """One verdict per rule. Paired methods use the first control run; ``seed`` uses all."""
     return tuple(compare_one(rule, control_runs, test) for rule in rules)
 
 
-def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
-                test: RunMetrics) -> MetricVerdict:
+def compare_one(
+    rule: ComparisonRule, control_runs: Sequence[RunMetrics], test: RunMetrics
+) -> MetricVerdict:
     controls: list[Curve] = [run[rule.metric] for run in control_runs if rule.metric in run]
     curve = test.get(rule.metric)
     if not rule.explicit:  # named in `compare`: a missing curve is an error (_missing)
@@ -64,14 +67,17 @@ def compare_one(rule: ComparisonRule, control_runs: Sequence[RunMetrics],
 def missing_fix(metric: str) -> str:
     """How to get a metric compared that a run did not log."""
     if metric == "loss":
-        return "check the backend's key/tag map (keys.loss = \"...\")"
-    return (f"log it as {metric!r} (a command trainer names its own key with backend_options "
-            f"keys.{metric} = \"...\"), or set compare.{metric} = \"off\" to say it is not "
-            f"compared")
+        return 'check the backend\'s key/tag map (keys.loss = "...")'
+    return (
+        f"log it as {metric!r} (a command trainer names its own key with backend_options "
+        f'keys.{metric} = "..."), or set compare.{metric} = "off" to say it is not '
+        f"compared"
+    )
 
 
-def _missing(rule: ComparisonRule, control_runs: Sequence[RunMetrics], test: RunMetrics,
-             *, in_test: bool) -> MetricVerdict:
+def _missing(
+    rule: ComparisonRule, control_runs: Sequence[RunMetrics], test: RunMetrics, *, in_test: bool
+) -> MetricVerdict:
     """The loss must be there (a run without a loss proves nothing). Another gating metric
     asked for by name in ``compare`` (``rule.explicit``) is an error of the pair; a default
     one is "not compared" -- visible in every report, with the fix, but not a failure."""
@@ -80,16 +86,31 @@ def _missing(rule: ComparisonRule, control_runs: Sequence[RunMetrics], test: Run
     found = ", ".join(sorted(run)) or "nothing"
     fix = missing_fix(rule.metric)
     if rule.metric == "loss":
-        return MetricVerdict(metric=rule.metric, method=rule.method, passed=False,
-                             gate=rule.gate, steps_compared=0,
-                             message=f"loss: missing in the {side} run (found: {found}); "
-                                     f"cannot compare: {fix}")
+        return MetricVerdict(
+            metric=rule.metric,
+            method=rule.method,
+            passed=False,
+            gate=rule.gate,
+            steps_compared=0,
+            message=f"loss: missing in the {side} run (found: {found}); cannot compare: {fix}",
+        )
     if rule.explicit and rule.gate:
-        return MetricVerdict(metric=rule.metric, method=rule.method, passed=False, gate=True,
-                             steps_compared=0, not_compared=True,
-                             message=f"{rule.metric}: asked for in compare.{rule.metric} but "
-                                     f"missing in the {side} run (found: {found}): {fix}")
-    return MetricVerdict(metric=rule.metric, method=rule.method, passed=False, gate=False,
-                         steps_compared=0, not_compared=rule.gate,
-                         message=f"{rule.metric}: missing in the {side} run (found: {found}); "
-                                 f"not compared: {fix}")
+        return MetricVerdict(
+            metric=rule.metric,
+            method=rule.method,
+            passed=False,
+            gate=True,
+            steps_compared=0,
+            not_compared=True,
+            message=f"{rule.metric}: asked for in compare.{rule.metric} but "
+            f"missing in the {side} run (found: {found}): {fix}",
+        )
+    return MetricVerdict(
+        metric=rule.metric,
+        method=rule.method,
+        passed=False,
+        gate=False,
+        steps_compared=0,
+        not_compared=rule.gate,
+        message=f"{rule.metric}: missing in the {side} run (found: {found}); not compared: {fix}",
+    )

@@ -40,12 +40,15 @@ class Regression:
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return None  # judged on a median over the whole run: never stops a job
 
-    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
-                ) -> MetricVerdict:
+    def compare(
+        self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+    ) -> MetricVerdict:
         limit = DEFAULT_MAX_REGRESSION if rule.max_regression is None else rule.max_regression
         higher = rule.metric in HIGHER_IS_BETTER
         word = "slower" if higher else "larger"
-        described = f"at most {limit:.0%} {word} than the control (median after step {WARMUP_STEPS})"
+        described = (
+            f"at most {limit:.0%} {word} than the control (median after step {WARMUP_STEPS})"
+        )
         control_medians = [steady_median(c)[0] for c in controls if len(c)]
         control = float(np.median(control_medians)) if control_medians else float("nan")
         value, used = steady_median(test)
@@ -53,9 +56,15 @@ class Regression:
             return failed(rule, self.method, "no finite values to compare", tolerance=described)
         if control == 0.0:
             # e.g. peak memory that the device cannot report: nothing to regress against.
-            return MetricVerdict(metric=rule.metric, method=self.method, passed=True,
-                                 gate=rule.gate, steps_compared=used, tolerance=described,
-                                 message=f"{rule.metric}: control median is 0, not compared")
+            return MetricVerdict(
+                metric=rule.metric,
+                method=self.method,
+                passed=True,
+                gate=rule.gate,
+                steps_compared=used,
+                tolerance=described,
+                message=f"{rule.metric}: control median is 0, not compared",
+            )
         change = (value - control) / abs(control)
         # The median is what is checked; every steady step gets the median's limit.
         steady = test.steps[WARMUP_STEPS:] if len(test) > WARMUP_STEPS else test.steps
@@ -65,12 +74,20 @@ class Regression:
         worse_by = -change if higher else change
         passed = worse_by <= limit
         verb = "regressed" if not passed else "within limits"
-        message = (f"{rule.metric}: {verb}: median {value:.4g} vs control {control:.4g} "
-                   f"({change:+.1%}; allowed {limit:.0%} {word})")
-        return MetricVerdict(metric=rule.metric, method=self.method, passed=passed,
-                             gate=rule.gate, steps_compared=used,
-                             max_deviation=abs(value - control), tolerance=described,
-                             tolerance_at_max=limit * abs(control), message=message,
-                             band=band,
-                             details={"control_median": control, "test_median": value,
-                                      "relative_change": change})
+        message = (
+            f"{rule.metric}: {verb}: median {value:.4g} vs control {control:.4g} "
+            f"({change:+.1%}; allowed {limit:.0%} {word})"
+        )
+        return MetricVerdict(
+            metric=rule.metric,
+            method=self.method,
+            passed=passed,
+            gate=rule.gate,
+            steps_compared=used,
+            max_deviation=abs(value - control),
+            tolerance=described,
+            tolerance_at_max=limit * abs(control),
+            message=message,
+            band=band,
+            details={"control_median": control, "test_median": value, "relative_change": change},
+        )

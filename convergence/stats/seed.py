@@ -92,9 +92,11 @@ class ReplicateBand:
         return int(self.replicates.shape[0])
 
     def describe(self) -> str:
-        return (f"smoothed mean ± {self.quantile:.2f}·σ·sqrt(1+1/K) (z {self.z:g}, "
-                f"K={self.num_replicates}); ≤{MAX_OUTSIDE_FRACTION:.0%} of steps outside, "
-                f"<{MAX_CONSECUTIVE} in a row")
+        return (
+            f"smoothed mean ± {self.quantile:.2f}·σ·sqrt(1+1/K) (z {self.z:g}, "
+            f"K={self.num_replicates}); ≤{MAX_OUTSIDE_FRACTION:.0%} of steps outside, "
+            f"<{MAX_CONSECUTIVE} in a row"
+        )
 
     def envelope(self) -> Band:
         """The verdict's band at every step the replicates share."""
@@ -109,9 +111,11 @@ class ReplicateBand:
 def seed_band(controls: Sequence[Curve], z: float = DEFAULT_Z) -> ReplicateBand:
     """The band of K >= 2 replicates (see the module docstring)."""
     if len(controls) < 2:
-        raise ValueError(f"the seed band needs at least 2 control replicates, got "
-                         f"{len(controls)}: use regime = \"seed\" with replicates >= 2, or "
-                         f"compare with \"paired\"")
+        raise ValueError(
+            f"the seed band needs at least 2 control replicates, got "
+            f'{len(controls)}: use regime = "seed" with replicates >= 2, or '
+            f'compare with "paired"'
+        )
     steps = controls[0].steps
     for curve in controls[1:]:
         steps = np.intersect1d(steps, curve.steps)
@@ -121,12 +125,20 @@ def seed_band(controls: Sequence[Curve], z: float = DEFAULT_Z) -> ReplicateBand:
     pooled = _smooth_mean(np.var(matrix, axis=0, ddof=1))
     center = _smooth(matrix.mean(axis=0))
     floor = np.maximum(sigma_fast, RELATIVE_FLOOR * np.maximum(1.0, np.abs(center)))
-    sigma = np.sqrt(np.maximum(pooled, floor ** 2))
+    sigma = np.sqrt(np.maximum(pooled, floor**2))
     dof = (num - 1) * _effective_window(matrix)
     quantile = float(special.stdtrit(dof, special.ndtr(z)))
     half_width = quantile * sigma * np.sqrt(1.0 + 1.0 / num)
-    return ReplicateBand(steps=steps.astype(np.int64), center=center, half_width=half_width,
-                sigma=sigma, sigma_fast=sigma_fast, replicates=matrix, quantile=quantile, z=z)
+    return ReplicateBand(
+        steps=steps.astype(np.int64),
+        center=center,
+        half_width=half_width,
+        sigma=sigma,
+        sigma_fast=sigma_fast,
+        replicates=matrix,
+        quantile=quantile,
+        z=z,
+    )
 
 
 def _smooth(values: Floats) -> Floats:
@@ -140,7 +152,9 @@ def _smooth(values: Floats) -> Floats:
     half = SMOOTH_WINDOW // 2
     out = np.asarray(correlate1d(values, coeffs, axis=-1, mode="nearest"), dtype=np.float64)
     out[..., :half] = (values[..., :SMOOTH_WINDOW] @ edge.T)[..., :half]
-    out[..., size - half:] = (values[..., size - SMOOTH_WINDOW:] @ edge.T)[..., SMOOTH_WINDOW - half:]
+    out[..., size - half :] = (values[..., size - SMOOTH_WINDOW :] @ edge.T)[
+        ..., SMOOTH_WINDOW - half :
+    ]
     return out
 
 
@@ -170,12 +184,12 @@ def _effective_window(matrix: Floats) -> float:
     """
     width = min(VAR_WINDOW, matrix.shape[1])
     deviations = matrix - matrix.mean(axis=0)
-    energy = float(np.sum(deviations ** 2))
+    energy = float(np.sum(deviations**2))
     if width < 2 or energy == 0.0:
         return float(width)
     lags = np.arange(1, width)
     rho = np.array([np.sum(deviations[:, :-j] * deviations[:, j:]) for j in lags]) / energy
-    inflation = 1.0 + 2.0 * float(np.sum((1.0 - lags / width) * rho ** 2))
+    inflation = 1.0 + 2.0 * float(np.sum((1.0 - lags / width) * rho**2))
     return float(np.clip(width / inflation, 1.0, width))
 
 
@@ -209,12 +223,21 @@ class Tost:
 def default_margin_factor(num_replicates: int, alpha: float) -> float:
     """m / s for the default margin (see the module docstring)."""
     dof = num_replicates - 1
-    return float(np.sqrt(1.0 + 1.0 / num_replicates) *
-                 (special.stdtrit(dof, 1 - alpha) + special.stdtrit(dof, 1 - alpha / 4)))
+    return float(
+        np.sqrt(1.0 + 1.0 / num_replicates)
+        * (special.stdtrit(dof, 1 - alpha) + special.stdtrit(dof, 1 - alpha / 4))
+    )
 
 
-def tost(band: ReplicateBand, test_steps: Ints, test_values: Floats, *, window: int, alpha: float,
-         margin: float | None) -> Tost:
+def tost(
+    band: ReplicateBand,
+    test_steps: Ints,
+    test_values: Floats,
+    *,
+    window: int,
+    alpha: float,
+    margin: float | None,
+) -> Tost:
     """Two one-sided tests on the mean difference over the last ``window`` common steps."""
     common, bi, ti = np.intersect1d(band.steps, test_steps, return_indices=True)
     take = slice(max(0, common.size - window), common.size)
@@ -222,8 +245,11 @@ def tost(band: ReplicateBand, test_steps: Ints, test_values: Floats, *, window: 
     num = window_means.size
     difference = float(test_values[ti[take]].mean() - window_means.mean())
     count = common[take].size
-    spread = max(float(np.std(window_means, ddof=1)), band.sigma_fast / np.sqrt(max(count, 1)),
-                 RELATIVE_FLOOR * max(1.0, abs(float(window_means.mean()))))
+    spread = max(
+        float(np.std(window_means, ddof=1)),
+        band.sigma_fast / np.sqrt(max(count, 1)),
+        RELATIVE_FLOOR * max(1.0, abs(float(window_means.mean()))),
+    )
     if margin is None:
         margin = default_margin_factor(num, alpha) * spread
     standard_error = spread * np.sqrt(1.0 + 1.0 / num)
@@ -232,8 +258,14 @@ def tost(band: ReplicateBand, test_steps: Ints, test_values: Floats, *, window: 
     p_upper = float(special.stdtr(dof, (difference - margin) / standard_error))
     if not np.isfinite(difference):
         p_lower = p_upper = 1.0
-    return Tost(difference=difference, margin=float(margin), standard_error=standard_error,
-                p_lower=p_lower, p_upper=p_upper, window_steps=common[take].astype(np.int64))
+    return Tost(
+        difference=difference,
+        margin=float(margin),
+        standard_error=standard_error,
+        p_lower=p_lower,
+        p_upper=p_upper,
+        window_steps=common[take].astype(np.int64),
+    )
 
 
 def longest_run(mask: npt.NDArray[np.bool_]) -> int:
@@ -252,33 +284,49 @@ class SeedBand:
         if len(controls) < 2:
             return None
         band = seed_band(controls, DEFAULT_Z if rule.z is None else rule.z)
-        lookup = {s: (c, h) for s, c, h in zip(band.steps.tolist(), band.center.tolist(),
-                                               band.half_width.tolist(), strict=True)}
+        lookup = {
+            s: (c, h)
+            for s, c, h in zip(
+                band.steps.tolist(), band.center.tolist(), band.half_width.tolist(), strict=True
+            )
+        }
 
         def check(step: int, value: float) -> tuple[float, float] | None:
             found = lookup.get(step)
             return None if found is None else (abs(value - found[0]), found[1])
+
         return check
 
-    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
-                ) -> MetricVerdict:
+    def compare(
+        self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+    ) -> MetricVerdict:
         z = DEFAULT_Z if rule.z is None else rule.z
         alpha = DEFAULT_ALPHA if rule.alpha is None else rule.alpha
         window = DEFAULT_WINDOW if rule.window is None else rule.window
         if len(controls) < 2:
-            return failed(rule, self.method, f"the seed band needs at least 2 control "
-                          f"replicates, got {len(controls)}: set regime = \"seed\" with "
-                          f"replicates >= 2, or compare this metric with \"paired\"")
+            return failed(
+                rule,
+                self.method,
+                f"the seed band needs at least 2 control "
+                f'replicates, got {len(controls)}: set regime = "seed" with '
+                f'replicates >= 2, or compare this metric with "paired"',
+            )
         problem = incomplete(controls, test)
         if problem:
             full = seed_band(controls, z) if all(len(c) for c in controls) else None
-            return failed(rule, self.method, problem,
-                          band=None if full is None else full.envelope())
+            return failed(
+                rule, self.method, problem, band=None if full is None else full.envelope()
+            )
         band = seed_band(controls, z)
         steps, center, half = band.at(test.steps)
         if steps.size == 0:
-            return failed(rule, self.method, "no step logged by the test and all replicates",
-                          tolerance=band.describe(), band=band.envelope())
+            return failed(
+                rule,
+                self.method,
+                "no step logged by the test and all replicates",
+                tolerance=band.describe(),
+                band=band.envelope(),
+            )
         values = test.values[np.searchsorted(test.steps, steps)]
         deviation = np.abs(values - center)
         outside = ~(deviation <= half)
@@ -290,35 +338,62 @@ class SeedBand:
         max_dev, max_step, index = worst(deviation, steps)
         first = first_true(outside, steps)
         passed = band_ok and tost_ok
-        described = (f"{band.describe()}; TOST ±{equivalence.margin:.3g} on the last "
-                     f"{equivalence.window_steps.size} steps at α {alpha:g}")
+        described = (
+            f"{band.describe()}; TOST ±{equivalence.margin:.3g} on the last "
+            f"{equivalence.window_steps.size} steps at α {alpha:g}"
+        )
         return MetricVerdict(
-            metric=rule.metric, method=self.method, passed=passed, gate=rule.gate,
-            steps_compared=int(steps.size), first_divergent_step=first,
-            max_deviation=max_dev, max_deviation_step=max_step, tolerance=described,
+            metric=rule.metric,
+            method=self.method,
+            passed=passed,
+            gate=rule.gate,
+            steps_compared=int(steps.size),
+            first_divergent_step=first,
+            max_deviation=max_dev,
+            max_deviation_step=max_step,
+            tolerance=described,
             tolerance_at_max=None if index is None else float(half[index]),
             p_values={"tost_lower": equivalence.p_lower, "tost_upper": equivalence.p_upper},
             band=Band.of(steps, center - half, center + half),
-            message=_message(rule.metric, band_ok, tost_ok, outside, run, first, equivalence,
-                             alpha),
-            details={"num_replicates": band.num_replicates, "steps_outside": int(outside.sum()),
-                     "fraction_outside": fraction, "longest_run_outside": run,
-                     "final_window_difference": equivalence.difference,
-                     "margin": equivalence.margin, "quantile": band.quantile,
-                     "sigma_fast": band.sigma_fast})
+            message=_message(
+                rule.metric, band_ok, tost_ok, outside, run, first, equivalence, alpha
+            ),
+            details={
+                "num_replicates": band.num_replicates,
+                "steps_outside": int(outside.sum()),
+                "fraction_outside": fraction,
+                "longest_run_outside": run,
+                "final_window_difference": equivalence.difference,
+                "margin": equivalence.margin,
+                "quantile": band.quantile,
+                "sigma_fast": band.sigma_fast,
+            },
+        )
 
 
-def _message(metric: str, band_ok: bool, tost_ok: bool, outside: npt.NDArray[np.bool_],
-             run: int, first: int | None, equivalence: Tost, alpha: float) -> str:
+def _message(
+    metric: str,
+    band_ok: bool,
+    tost_ok: bool,
+    outside: npt.NDArray[np.bool_],
+    run: int,
+    first: int | None,
+    equivalence: Tost,
+    alpha: float,
+) -> str:
     p_value = max(equivalence.p_lower, equivalence.p_upper)
-    final = (f"final-window difference {equivalence.difference:+.3g} "
-             f"(margin ±{equivalence.margin:.3g}, TOST p={p_value:.2g})")
+    final = (
+        f"final-window difference {equivalence.difference:+.3g} "
+        f"(margin ±{equivalence.margin:.3g}, TOST p={p_value:.2g})"
+    )
     if band_ok and tost_ok:
         return f"{metric}: inside the seed band ({int(outside.sum())} steps outside); {final}"
     reasons = []
     if not band_ok:
-        reasons.append(f"outside the seed band at {int(outside.sum())} of {outside.size} steps "
-                       f"(first at step {first}, {run} in a row)")
+        reasons.append(
+            f"outside the seed band at {int(outside.sum())} of {outside.size} steps "
+            f"(first at step {first}, {run} in a row)"
+        )
     if not tost_ok:
         reasons.append(f"not shown equivalent at α {alpha:g}: {final}")
     return f"{metric}: " + "; ".join(reasons)

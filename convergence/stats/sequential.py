@@ -51,9 +51,15 @@ UNDECIDED = Decision(decided=False)
 class SequentialMonitor:
     """Feeds on the test's records as they are logged; see the module docstring."""
 
-    def __init__(self, rules: Sequence[ComparisonRule], control_runs: Sequence[RunMetrics], *,
-                 min_step: int = DEFAULT_MIN_STEP, patience: int = DEFAULT_PATIENCE,
-                 key_map: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        rules: Sequence[ComparisonRule],
+        control_runs: Sequence[RunMetrics],
+        *,
+        min_step: int = DEFAULT_MIN_STEP,
+        patience: int = DEFAULT_PATIENCE,
+        key_map: Mapping[str, str] | None = None,
+    ) -> None:
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience}")
         self.min_step = min_step
@@ -61,8 +67,9 @@ class SequentialMonitor:
         self._sources = resolve_map(JSONL_KEYS, key_map)
         self._checks: dict[str, Check] = {}
         for rule in rules:
-            check = _check_for(rule, [run[rule.metric] for run in control_runs
-                                      if rule.metric in run])
+            check = _check_for(
+                rule, [run[rule.metric] for run in control_runs if rule.metric in run]
+            )
             if rule.gate and check is not None:
                 self._checks[rule.metric] = check
         self._streak: dict[str, list[int]] = {metric: [] for metric in self._checks}
@@ -89,24 +96,31 @@ class SequentialMonitor:
             else:
                 streak.clear()
             if len(streak) >= self.patience:
-                return self._decide(metric, step, (
-                    f"{metric} outside {CLEAR_FACTOR:g}x its tolerance for {len(streak)} "
-                    f"consecutive logged steps ({streak[0]}..{step}); at step {step}: "
-                    f"|diff| {deviation:.3g} > {CLEAR_FACTOR:g} x {tolerance:.3g}"))
+                return self._decide(
+                    metric,
+                    step,
+                    (
+                        f"{metric} outside {CLEAR_FACTOR:g}x its tolerance for {len(streak)} "
+                        f"consecutive logged steps ({streak[0]}..{step}); at step {step}: "
+                        f"|diff| {deviation:.3g} > {CLEAR_FACTOR:g} x {tolerance:.3g}"
+                    ),
+                )
         return self.decision
 
     def _values(self, record: Mapping[str, object]) -> dict[str, float]:
         values: dict[str, float] = {}
         for source, metric in self._sources.items():
             value = record.get(source)
-            if metric not in values and isinstance(value, (int, float)) \
-                    and not isinstance(value, bool):
+            if (
+                metric not in values
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+            ):
                 values[metric] = float(value)
         return values
 
     def _decide(self, metric: str, step: int, reason: str) -> Decision:
-        self.decision = Decision(decided=True, failed=True, reason=reason, metric=metric,
-                                 step=step)
+        self.decision = Decision(decided=True, failed=True, reason=reason, metric=metric, step=step)
         return self.decision
 
 

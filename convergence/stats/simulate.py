@@ -35,11 +35,17 @@ class NoiseModel:
         return float(np.hypot(self.sigma_slow, self.sigma_fast))
 
 
-def simulate_run(rng: np.random.Generator, model: NoiseModel, *, metric: str = "loss",
-                 shift: float = 0.0, shift_from: int = 1) -> Curve:
+def simulate_run(
+    rng: np.random.Generator,
+    model: NoiseModel,
+    *,
+    metric: str = "loss",
+    shift: float = 0.0,
+    shift_from: int = 1,
+) -> Curve:
     steps = np.arange(1, model.num_steps + 1, dtype=np.int64)
     mean = model.end + (model.start - model.end) * np.exp(-steps / model.decay_steps)
-    innovations = rng.normal(0.0, model.sigma_slow * np.sqrt(1 - model.phi ** 2), steps.size)
+    innovations = rng.normal(0.0, model.sigma_slow * np.sqrt(1 - model.phi**2), steps.size)
     slow = np.empty(steps.size)
     slow[0] = rng.normal(0.0, model.sigma_slow)
     for i in range(1, steps.size):
@@ -49,8 +55,14 @@ def simulate_run(rng: np.random.Generator, model: NoiseModel, *, metric: str = "
     return Curve(metric, steps, values.astype(np.float64))
 
 
-def simulate_case(rng: np.random.Generator, model: NoiseModel, num_replicates: int, *,
-                  shift: float = 0.0, shift_from: int = 1) -> tuple[list[Curve], Curve]:
+def simulate_case(
+    rng: np.random.Generator,
+    model: NoiseModel,
+    num_replicates: int,
+    *,
+    shift: float = 0.0,
+    shift_from: int = 1,
+) -> tuple[list[Curve], Curve]:
     """K control replicates and one test run (shifted by ``shift`` from ``shift_from``)."""
     controls = [simulate_run(rng, model) for _ in range(num_replicates)]
     return controls, simulate_run(rng, model, shift=shift, shift_from=shift_from)

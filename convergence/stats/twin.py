@@ -70,8 +70,10 @@ class TwinTolerance:
         return self.k * self.measured(steps) + floor + self.rtol * np.abs(control)
 
     def describe(self) -> str:
-        return (f"{self.k:g} x |twin - control| (running max) + atol {self.atol:g}"
-                f"*(1+{self.growth:g}*sqrt(step)) + rtol {self.rtol:g}*|control|")
+        return (
+            f"{self.k:g} x |twin - control| (running max) + atol {self.atol:g}"
+            f"*(1+{self.growth:g}*sqrt(step)) + rtol {self.rtol:g}*|control|"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,15 +112,17 @@ def twin_noise(control: Curve, twins: Sequence[Curve]) -> tuple[Ints, Floats]:
     return kept_steps, np.maximum.accumulate(worst[seen]) if kept_steps.size else worst[seen]
 
 
-def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]
-                   ) -> TwinTolerance:
+def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]) -> TwinTolerance:
     base = TWIN_DEFAULTS.get(rule.metric, TWIN_DEFAULTS["loss"])
     steps, noise = twin_noise(control, twins)
-    return TwinTolerance(k=base.k if rule.z is None else rule.z,
-                         atol=base.atol if rule.atol is None else rule.atol,
-                         growth=base.growth if rule.growth is None else rule.growth,
-                         rtol=base.rtol if rule.rtol is None else rule.rtol,
-                         noise_steps=steps, noise=noise)
+    return TwinTolerance(
+        k=base.k if rule.z is None else rule.z,
+        atol=base.atol if rule.atol is None else rule.atol,
+        growth=base.growth if rule.growth is None else rule.growth,
+        rtol=base.rtol if rule.rtol is None else rule.rtol,
+        noise_steps=steps,
+        noise=noise,
+    )
 
 
 class TwinEnvelope:
@@ -129,20 +133,28 @@ class TwinEnvelope:
         if len(controls) < 2:
             return None  # no twin, no envelope: the final verdict says so
         # The control and its twin finished before the test started: the envelope is whole.
-        return point_check(controls[0], tolerance_at(twin_tolerance(rule, controls[0],
-                                                                    controls[1:])))
+        return point_check(
+            controls[0], tolerance_at(twin_tolerance(rule, controls[0], controls[1:]))
+        )
 
-    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
-                ) -> MetricVerdict:
+    def compare(
+        self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+    ) -> MetricVerdict:
         """``controls`` = (control, twin, ...): the control first, then its noise twins."""
         if len(controls) < 2 and rule.metric != "lr":
-            return failed(rule, self.method, "the twin regime needs the control and its twin "
-                          "run; only the control logged this metric")
+            return failed(
+                rule,
+                self.method,
+                "the twin regime needs the control and its twin "
+                "run; only the control logged this metric",
+            )
         tol = twin_tolerance(rule, controls[0], controls[1:])
-        verdict = envelope_verdict(rule, self.method, controls[:1], test, tol,
-                                   band="the twin envelope")
+        verdict = envelope_verdict(
+            rule, self.method, controls[:1], test, tol, band="the twin envelope"
+        )
         # The band (what the test had to stay in, per step) is the verdict's own, as for
         # paired; the details say how it was sized.
-        verdict.details.update({
-            "k": tol.k, "twin_noise_max": float(tol.noise[-1]) if tol.noise.size else 0.0})
+        verdict.details.update(
+            {"k": tol.k, "twin_noise_max": float(tol.noise[-1]) if tol.noise.size else 0.0}
+        )
         return verdict

@@ -25,14 +25,19 @@ class Band:
 
     def __post_init__(self) -> None:
         if not len(self.steps) == len(self.lower) == len(self.upper):
-            raise ValueError(f"Band: steps, lower and upper must have one entry per step "
-                             f"(got {len(self.steps)}, {len(self.lower)}, {len(self.upper)})")
+            raise ValueError(
+                f"Band: steps, lower and upper must have one entry per step "
+                f"(got {len(self.steps)}, {len(self.lower)}, {len(self.upper)})"
+            )
 
     @classmethod
     def of(cls, steps: Iterable[Any], lower: Iterable[Any], upper: Iterable[Any]) -> Band:
         """From arrays (numpy or lists): plain ints and floats, so it compares and serializes."""
-        return cls(tuple(int(s) for s in steps), tuple(float(v) for v in lower),
-                   tuple(float(v) for v in upper))
+        return cls(
+            tuple(int(s) for s in steps),
+            tuple(float(v) for v in lower),
+            tuple(float(v) for v in upper),
+        )
 
     def to_json(self) -> dict[str, list[Any]]:
         return {"steps": list(self.steps), "lower": list(self.lower), "upper": list(self.upper)}
@@ -72,12 +77,19 @@ class MetricVerdict:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "metric": self.metric, "method": self.method, "passed": self.passed,
-            "gate": self.gate, "steps_compared": self.steps_compared,
+            "metric": self.metric,
+            "method": self.method,
+            "passed": self.passed,
+            "gate": self.gate,
+            "steps_compared": self.steps_compared,
             "first_divergent_step": self.first_divergent_step,
-            "max_deviation": self.max_deviation, "max_deviation_step": self.max_deviation_step,
-            "tolerance": self.tolerance, "tolerance_at_max": self.tolerance_at_max,
-            "p_values": self.p_values, "message": self.message, "details": self.details,
+            "max_deviation": self.max_deviation,
+            "max_deviation_step": self.max_deviation_step,
+            "tolerance": self.tolerance,
+            "tolerance_at_max": self.tolerance_at_max,
+            "p_values": self.p_values,
+            "message": self.message,
+            "details": self.details,
             "band": None if self.band is None else self.band.to_json(),
             "not_compared": self.not_compared,
         }
@@ -97,7 +109,9 @@ class Comparison(Protocol):
     """Whether ``compare`` is given every control curve (the seed band's replicates, the
     control and its twin) or only the control's."""
 
-    def compare(self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve) -> MetricVerdict:
+    def compare(
+        self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
+    ) -> MetricVerdict:
         """``controls`` holds one curve (paired methods) or K replicates (seed band)."""
         ...
 

@@ -12,13 +12,16 @@ from convergence.trainer.config import load_train_config
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in args and not any(a.startswith("--config=") for a in args):
-        print("usage: python -m convergence.trainer --config X.toml [--section.key=value ...]",
-              file=sys.stderr)
+        print(
+            "usage: python -m convergence.trainer --config X.toml [--section.key=value ...]",
+            file=sys.stderr,
+        )
         return 2
     config_path, rest = _split_config(args)
     try:
         cfg = load_train_config(config_path, rest)
         from convergence.trainer import train  # lazy: torch, after cheap argument checks
+
         if cfg.checkpoint.create_seed_checkpoint:
             sha = train.create_seed(cfg)
             print(f"seed checkpoint {cfg.checkpoint.seed_checkpoint} sha256={sha}")

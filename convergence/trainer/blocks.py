@@ -11,7 +11,7 @@ BLOCK_KINDS: tuple[str, ...] = ("standard", "single_sync", "parallel")
 
 
 def parse_block_pattern(pattern: str, n_layers: int) -> tuple[str, ...]:
-    """"" -> all "standard"; otherwise one kind per layer, or a pattern repeated over layers."""
+    """ "" -> all "standard"; otherwise one kind per layer, or a pattern repeated over layers."""
     if not pattern.strip():
         return ("standard",) * n_layers
     kinds = tuple(p.strip() for p in pattern.split(",") if p.strip())

@@ -88,8 +88,9 @@ def load_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
         source = full[name]
         if isinstance(target, DTensor):
             source = source.to(device=target.to_local().device, dtype=target.dtype)
-            local = distribute_tensor(source, target.device_mesh,
-                                      target.placements, src_data_rank=None).to_local()
+            local = distribute_tensor(
+                source, target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
             target.to_local().copy_(local)
         else:
             target.copy_(source)

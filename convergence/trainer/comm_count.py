@@ -42,33 +42,63 @@ class CollectiveCount:
         return self.forward + self.backward
 
     def to_dict(self) -> dict[str, Any]:
-        return {"forward": self.forward, "backward": self.backward, "total": self.total,
-                "by_op": dict(sorted(self.by_op.items()))}
+        return {
+            "forward": self.forward,
+            "backward": self.backward,
+            "total": self.total,
+            "by_op": dict(sorted(self.by_op.items())),
+        }
 
 
 #: Collective ops by namespace (functional collectives: what DTensor issues; c10d: what
 #: FSDP2 and plain torch.distributed calls issue). wait_tensor, barriers and p2p are not counted.
-_FUNCTIONAL = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_reduce",
-               "all_reduce_coalesced", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
-               "reduce_scatter_tensor_coalesced"}
+_FUNCTIONAL = {
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+}
 COLLECTIVE_OPS: dict[str, frozenset[str]] = {
     "_c10d_functional": frozenset(_FUNCTIONAL | {f"{n}_" for n in _FUNCTIONAL}),
     "c10d_functional": frozenset(_FUNCTIONAL),
     "_c10d_functional_autograd": frozenset(_FUNCTIONAL),
-    "c10d": frozenset({"_allgather_base_", "_reduce_scatter_base_", "allgather_",
-                       "allgather_coalesced_", "allgather_into_tensor_coalesced_", "allreduce_",
-                       "allreduce_coalesced_", "alltoall_", "alltoall_base_", "broadcast_",
-                       "gather_", "scatter_", "reduce_", "reduce_scatter_",
-                       "reduce_scatter_tensor_coalesced_"}),
+    "c10d": frozenset(
+        {
+            "_allgather_base_",
+            "_reduce_scatter_base_",
+            "allgather_",
+            "allgather_coalesced_",
+            "allgather_into_tensor_coalesced_",
+            "allreduce_",
+            "allreduce_coalesced_",
+            "alltoall_",
+            "alltoall_base_",
+            "broadcast_",
+            "gather_",
+            "scatter_",
+            "reduce_",
+            "reduce_scatter_",
+            "reduce_scatter_tensor_coalesced_",
+        }
+    ),
 }
 
 
 def _op_name(name: str) -> str:
     """A backend-neutral name: c10d "allreduce_" and functional "all_reduce" read alike."""
     name = name.strip("_")
-    return {"allreduce": "all_reduce", "allgather": "all_gather", "allgather_base":
-            "all_gather_into_tensor", "reduce_scatter_base": "reduce_scatter_tensor",
-            "alltoall": "all_to_all", "alltoall_base": "all_to_all_single"}.get(name, name)
+    return {
+        "allreduce": "all_reduce",
+        "allgather": "all_gather",
+        "allgather_base": "all_gather_into_tensor",
+        "reduce_scatter_base": "reduce_scatter_tensor",
+        "alltoall": "all_to_all",
+        "alltoall_base": "all_to_all_single",
+    }.get(name, name)
 
 
 def _counting_mode(count: CollectiveCount) -> Any:
@@ -77,8 +107,9 @@ def _counting_mode(count: CollectiveCount) -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountingMode(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             if any(t is DTensor for t in types):
                 # Let DTensor run first: it desugars into the collectives seen next.
                 return NotImplemented

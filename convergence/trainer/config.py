@@ -215,7 +215,8 @@ class TrainConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(
-        default_factory=ActivationCheckpointConfig)
+        default_factory=ActivationCheckpointConfig
+    )
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
@@ -230,7 +231,8 @@ class TrainConfig:
 
 SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(TrainConfig)[f.name]
-    for f in fields(TrainConfig) if f.name != "source"
+    for f in fields(TrainConfig)
+    if f.name != "source"
 }
 
 
@@ -264,8 +266,12 @@ def _coerce(value: Any, target: Any, *, file: str, key: str) -> Any:
             return value
     else:  # pragma: no cover - all fields are scalars
         return value
-    raise SpecError(f"expected {target.__name__}, got {value!r}", file=file, key=key,
-                    fix=f"give {key} a {target.__name__} value")
+    raise SpecError(
+        f"expected {target.__name__}, got {value!r}",
+        file=file,
+        key=key,
+        fix=f"give {key} a {target.__name__} value",
+    )
 
 
 def _build_section(cls: type, data: dict[str, Any], *, file: str, section: str) -> Any:
@@ -275,8 +281,12 @@ def _build_section(cls: type, data: dict[str, Any], *, file: str, section: str) 
     for key, value in data.items():
         path = f"{section}.{key}"
         if key not in known:
-            raise SpecError("unknown key", file=file, key=path,
-                            fix=f"remove it; valid keys of [{section}]: {', '.join(sorted(known))}")
+            raise SpecError(
+                "unknown key",
+                file=file,
+                key=path,
+                fix=f"remove it; valid keys of [{section}]: {', '.join(sorted(known))}",
+            )
         kwargs[key] = _coerce(value, hints[key], file=file, key=path)
     return cls(**kwargs)
 
@@ -288,15 +298,23 @@ def parse_overrides(args: list[str], *, file: str = "command line") -> dict[str,
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg:
-            raise SpecError(f"cannot read override {arg!r}", file=file, key=arg,
-                            fix="write overrides as --section.key=value")
+            raise SpecError(
+                f"cannot read override {arg!r}",
+                file=file,
+                key=arg,
+                fix="write overrides as --section.key=value",
+            )
         if "=" in arg:
             dotted, value = arg[2:].split("=", 1)
             i += 1
         else:
             if i + 1 >= len(args):
-                raise SpecError("override has no value", file=file, key=arg,
-                                fix="write it as --section.key=value")
+                raise SpecError(
+                    "override has no value",
+                    file=file,
+                    key=arg,
+                    fix="write it as --section.key=value",
+                )
             dotted, value = arg[2:], args[i + 1]
             i += 2
         section, _, key = dotted.partition(".")
@@ -311,14 +329,19 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> T
         path = shipped_config(str(path)) or path  # `--config debug`: a shipped config
     file = str(path)
     if not path.is_file():
-        raise SpecError("train config not found", file=file, key="train_config",
-                        fix="point --config at an existing file or name a shipped config: "
-                        + ", ".join(shipped_configs()))
+        raise SpecError(
+            "train config not found",
+            file=file,
+            key="train_config",
+            fix="point --config at an existing file or name a shipped config: "
+            + ", ".join(shipped_configs()),
+        )
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"malformed TOML: {exc}", file=file,
-                        fix="fix the TOML syntax at the reported line") from None
+        raise SpecError(
+            f"malformed TOML: {exc}", file=file, fix="fix the TOML syntax at the reported line"
+        ) from None
     return build_train_config(data, overrides or [], file=file)
 
 
@@ -326,19 +349,33 @@ def build_train_config(data: dict[str, Any], overrides: list[str], *, file: str)
     merged: dict[str, dict[str, Any]] = {}
     for section, body in data.items():
         if section not in SECTIONS:
-            raise SpecError("unknown section", file=file, key=section,
-                            fix=f"use one of [{'], ['.join(SECTIONS)}]")
+            raise SpecError(
+                "unknown section",
+                file=file,
+                key=section,
+                fix=f"use one of [{'], ['.join(SECTIONS)}]",
+            )
         if not isinstance(body, dict):
-            raise SpecError("expected a table", file=file, key=section,
-                            fix=f"write it as [{section}] with key = value lines")
+            raise SpecError(
+                "expected a table",
+                file=file,
+                key=section,
+                fix=f"write it as [{section}] with key = value lines",
+            )
         merged[section] = dict(body)
     for section, body in parse_overrides(overrides).items():
         if section not in SECTIONS:
-            raise SpecError("unknown section in override", file="command line", key=section,
-                            fix=f"use one of {', '.join(SECTIONS)}")
+            raise SpecError(
+                "unknown section in override",
+                file="command line",
+                key=section,
+                fix=f"use one of {', '.join(SECTIONS)}",
+            )
         merged.setdefault(section, {}).update(body)
-    built = {name: _build_section(cls, merged.get(name, {}), file=file, section=name)
-             for name, cls in SECTIONS.items()}
+    built = {
+        name: _build_section(cls, merged.get(name, {}), file=file, section=name)
+        for name, cls in SECTIONS.items()
+    }
     return TrainConfig(**built, source=file)
 
 

@@ -49,8 +49,10 @@ CpGroup = DeviceMesh | ProcessGroup | None
 def _group(cp_mesh: CpGroup) -> ProcessGroup:
     if isinstance(cp_mesh, DeviceMesh):
         if cp_mesh.ndim != 1:
-            raise ValueError(f"context parallel needs a 1-D mesh of the cp axis, got {cp_mesh}; "
-                             "pass world_mesh['cp']")
+            raise ValueError(
+                f"context parallel needs a 1-D mesh of the cp axis, got {cp_mesh}; "
+                "pass world_mesh['cp']"
+            )
         return cp_mesh.get_group()
     group = cp_mesh if cp_mesh is not None else dist.group.WORLD
     assert group is not None, "init_process_group() must run before context parallel"
@@ -67,8 +69,10 @@ def shard_sequence(t: Tensor, cp_mesh: CpGroup, dim: int = 1) -> Tensor:
     """The contiguous chunk r of `t` along `dim` (r = this rank's CP index)."""
     rank, size = cp_rank_and_size(cp_mesh)
     if t.shape[dim] % size:
-        raise ValueError(f"sequence length {t.shape[dim]} is not divisible by cp={size}: "
-                         "set data.seq_len to a multiple of parallelism.cp")
+        raise ValueError(
+            f"sequence length {t.shape[dim]} is not divisible by cp={size}: "
+            "set data.seq_len to a multiple of parallelism.cp"
+        )
     return t.chunk(size, dim=dim)[rank].contiguous()
 
 
@@ -76,8 +80,10 @@ def cp_position_offset(seq_len: int, cp_mesh: CpGroup) -> int:
     """Global position of this rank's first token: r * seq_len/cp (for the rotary angles)."""
     rank, size = cp_rank_and_size(cp_mesh)
     if seq_len % size:
-        raise ValueError(f"sequence length {seq_len} is not divisible by cp={size}: "
-                         "set data.seq_len to a multiple of parallelism.cp")
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by cp={size}: "
+            "set data.seq_len to a multiple of parallelism.cp"
+        )
     return rank * (seq_len // size)
 
 
@@ -97,8 +103,9 @@ class _GatherSequence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, chunk: Tensor,
-                group: ProcessGroup) -> Tensor:
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, chunk: Tensor, group: ProcessGroup
+    ) -> Tensor:
         ctx.group = group
         size = dist.get_world_size(group)
         chunk = chunk.contiguous()
@@ -107,8 +114,7 @@ class _GatherSequence(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,
-                 grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
         group: ProcessGroup = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         grad = grad.clone(memory_format=torch.contiguous_format)  # ours to reduce in place
@@ -132,8 +138,9 @@ def _gather_seq(t: Tensor, group: ProcessGroup) -> Tensor:
     return gathered.movedim(0, 2)
 
 
-def causal_mask_with_offset(local_len: int, total_len: int, q_offset: int,
-                            device: torch.device) -> Tensor:
+def causal_mask_with_offset(
+    local_len: int, total_len: int, q_offset: int, device: torch.device
+) -> Tensor:
     """Boolean (local_len, total_len) mask, True where query i may attend to key j.
 
     Query i is the token at GLOBAL position q_offset + i, while the gathered keys are in global

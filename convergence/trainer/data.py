@@ -104,16 +104,26 @@ class MarkovLanguage:
     """H = sum_i pi_i H(P_i): the floor per Markov target (entropy_floor without copies)."""
 
     @classmethod
-    def build(cls, *, vocab_size: int, seq_len: int, seed: int, concentration: float,
-              order_seed: int, pad_fraction: float = 0.0,
-              copy_span: int = 0, lag: int = 1) -> MarkovLanguage:
+    def build(
+        cls,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        seed: int,
+        concentration: float,
+        order_seed: int,
+        pad_fraction: float = 0.0,
+        copy_span: int = 0,
+        lag: int = 1,
+    ) -> MarkovLanguage:
         rng = np.random.default_rng(seed)
         k = vocab_size if vocab_size <= DENSE_VOCAB_LIMIT else SPARSE_SUCCESSORS
         if k == vocab_size:
             successors = np.tile(np.arange(vocab_size), (vocab_size, 1))
         else:
-            successors = np.stack([rng.choice(vocab_size, size=k, replace=False)
-                                   for _ in range(vocab_size)])
+            successors = np.stack(
+                [rng.choice(vocab_size, size=k, replace=False) for _ in range(vocab_size)]
+            )
         probs = rng.dirichlet(np.full(k, concentration), size=vocab_size)
         # A tiny floor keeps every row's support full, so the chain is irreducible and
         # aperiodic and pi is unique; renormalised so rows sum to 1 exactly.
@@ -124,42 +134,55 @@ class MarkovLanguage:
         cum = np.cumsum(probs, axis=1)
         cum[:, -1] = 1.0
         markov = float(stationary @ row_entropy)
-        return cls(vocab_size=vocab_size, seq_len=seq_len, successors=successors,
-                   cum_probs=cum, stationary=stationary,
-                   entropy_floor=_floor(markov, stationary, vocab_size, seq_len, copy_span, lag),
-                   order_seed=order_seed,
-                   pad_fraction=pad_fraction, copy_span=copy_span, lag=lag,
-                   markov_entropy=markov)
+        return cls(
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+            successors=successors,
+            cum_probs=cum,
+            stationary=stationary,
+            entropy_floor=_floor(markov, stationary, vocab_size, seq_len, copy_span, lag),
+            order_seed=order_seed,
+            pad_fraction=pad_fraction,
+            copy_span=copy_span,
+            lag=lag,
+            markov_entropy=markov,
+        )
 
     def samples(self, indices: np.ndarray, split: int) -> np.ndarray:
         # One independent generator per (language, order seed, split, sample index): sample i
         # is the same tokens whichever rank or microstep asks for it.
-        uniforms = np.stack([
-            np.random.default_rng([self.order_seed, split, int(i)]).random(self.seq_len + 1)
-            for i in indices])
+        uniforms = np.stack(
+            [
+                np.random.default_rng([self.order_seed, split, int(i)]).random(self.seq_len + 1)
+                for i in indices
+            ]
+        )
         stationary_cum = np.cumsum(self.stationary)
         out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
         n, lag = self.copy_span, self.lag
         # The span to copy: uniform tokens, so nothing but attention to it predicts the copy.
-        out[:, :n] = np.minimum((uniforms[:, :n] * self.vocab_size).astype(np.int64),
-                                self.vocab_size - 1)
+        out[:, :n] = np.minimum(
+            (uniforms[:, :n] * self.vocab_size).astype(np.int64), self.vocab_size - 1
+        )
         # The chain: `lag` interleaved Markov chains, each started from a stationary draw.
-        out[:, n:n + lag] = np.minimum(
-            np.searchsorted(stationary_cum, uniforms[:, n:n + lag], side="right"),
-            self.vocab_size - 1)
+        out[:, n : n + lag] = np.minimum(
+            np.searchsorted(stationary_cum, uniforms[:, n : n + lag], side="right"),
+            self.vocab_size - 1,
+        )
         for t in range(n + lag, self.seq_len + 1):
             cum = self.cum_probs[out[:, t - lag]]
-            pick = (cum <= uniforms[:, t:t + 1]).sum(axis=1)
+            pick = (cum <= uniforms[:, t : t + 1]).sum(axis=1)
             out[:, t] = self.successors[out[:, t - lag], np.minimum(pick, cum.shape[1] - 1)]
         if n:
-            out[:, self.seq_len + 1 - n:] = out[:, :n]
+            out[:, self.seq_len + 1 - n :] = out[:, :n]
         if self.pad_fraction > 0:
             pad_tail(out, indices, self.pad_fraction, [self.order_seed, split])
         return out
 
 
-def _floor(markov: float, stationary: np.ndarray, vocab: int, seq_len: int,
-           copy_span: int, lag: int) -> float:
+def _floor(
+    markov: float, stationary: np.ndarray, vocab: int, seq_len: int, copy_span: int, lag: int
+) -> float:
     """Expected loss per target of the optimal predictor (module docstring)."""
     if copy_span == 0 and lag == 1:
         return markov  # every target is a chain step
@@ -169,11 +192,11 @@ def _floor(markov: float, stationary: np.ndarray, vocab: int, seq_len: int,
     total = 0.0
     for t in range(1, seq_len + 1):
         if t < n:
-            total += math.log(vocab)      # the span to copy: uniform, unpredictable
+            total += math.log(vocab)  # the span to copy: uniform, unpredictable
         elif t < n + lag:
-            total += fresh                # a chain's stationary start: independent of the past
+            total += fresh  # a chain's stationary start: independent of the past
         elif t < distance:
-            total += markov               # a chain step: H given the token `lag` back
+            total += markov  # a chain step: H given the token `lag` back
         # else a copy of the token `distance` back: 0 for the optimal predictor
     return total / seq_len
 
@@ -189,15 +212,16 @@ def pad_tail(out: np.ndarray, indices: np.ndarray, fraction: float, seed: list[i
         rng = np.random.default_rng([*seed, int(index), 1])
         if rng.random() < fraction:
             num_valid = int(rng.integers(1, seq_len + 1))
-            out[row, num_valid + 1:] = IGNORE_INDEX
+            out[row, num_valid + 1 :] = IGNORE_INDEX
 
 
 def _stationary(successors: np.ndarray, probs: np.ndarray, vocab: int) -> np.ndarray:
     """pi with pi = pi P, by power iteration (converges: the chain is irreducible, aperiodic)."""
     pi = np.full(vocab, 1.0 / vocab)
     for _ in range(10_000):
-        new = np.bincount(successors.ravel(), weights=(pi[:, None] * probs).ravel(),
-                          minlength=vocab).astype(np.float64)  # float already (weights)
+        new = np.bincount(
+            successors.ravel(), weights=(pi[:, None] * probs).ravel(), minlength=vocab
+        ).astype(np.float64)  # float already (weights)
         new /= new.sum()
         if np.abs(new - pi).max() < 1e-15:
             return new
@@ -224,10 +248,11 @@ class TextSource:
             epoch, pos = divmod(int(index), num_windows)
             if split == TRAIN:
                 # A fresh permutation per epoch, the same one on every rank and layout.
-                pos = int(np.random.default_rng([self.order_seed, epoch]).permutation(
-                    num_windows)[pos])
+                pos = int(
+                    np.random.default_rng([self.order_seed, epoch]).permutation(num_windows)[pos]
+                )
             start = pos * self.seq_len
-            out[row] = tokens[start:start + self.seq_len + 1]
+            out[row] = tokens[start : start + self.seq_len + 1]
         return out
 
 
@@ -239,9 +264,11 @@ def _tokenize(text: str, tokenizer: str, base: Path) -> tuple[np.ndarray, int]:
     try:
         from tokenizers import Tokenizer  # optional dependency, only for tokenizer files
     except ImportError as exc:
-        raise SpecError("the 'tokenizers' package is needed for a tokenizer file",
-                        key="data.tokenizer", fix="pip install tokenizers, or use \"byte\""
-                        ) from exc
+        raise SpecError(
+            "the 'tokenizers' package is needed for a tokenizer file",
+            key="data.tokenizer",
+            fix='pip install tokenizers, or use "byte"',
+        ) from exc
     tok = Tokenizer.from_file(str(path))
     return np.asarray(tok.encode(text).ids, dtype=np.int64), tok.get_vocab_size()
 
@@ -249,42 +276,77 @@ def _tokenize(text: str, tokenizer: str, base: Path) -> tuple[np.ndarray, int]:
 def build_source(cfg: TrainConfig) -> SampleSource:
     data = cfg.data
     if not 0.0 <= data.pad_fraction < 1.0:
-        raise SpecError(f"pad_fraction={data.pad_fraction} is not in [0, 1)", file=cfg.source,
-                        key="data.pad_fraction", fix="use 0 (no padding) up to 0.99")
+        raise SpecError(
+            f"pad_fraction={data.pad_fraction} is not in [0, 1)",
+            file=cfg.source,
+            key="data.pad_fraction",
+            fix="use 0 (no padding) up to 0.99",
+        )
     if not 1 <= data.lag <= data.seq_len // 2:
-        raise SpecError(f"lag={data.lag} is not in [1, seq_len // 2 = {data.seq_len // 2}]",
-                        file=cfg.source, key="data.lag",
-                        fix="use 1 (a plain Markov chain) or a small lag such as 2 or 3")
+        raise SpecError(
+            f"lag={data.lag} is not in [1, seq_len // 2 = {data.seq_len // 2}]",
+            file=cfg.source,
+            key="data.lag",
+            fix="use 1 (a plain Markov chain) or a small lag such as 2 or 3",
+        )
     if not 0 <= data.copy_span <= data.seq_len // 2:
-        raise SpecError(f"copy_span={data.copy_span} is not in [0, seq_len // 2 = "
-                        f"{data.seq_len // 2}]", file=cfg.source, key="data.copy_span",
-                        fix=f"use 0 (pure Markov) up to {data.seq_len // 2}")
+        raise SpecError(
+            f"copy_span={data.copy_span} is not in [0, seq_len // 2 = {data.seq_len // 2}]",
+            file=cfg.source,
+            key="data.copy_span",
+            fix=f"use 0 (pure Markov) up to {data.seq_len // 2}",
+        )
     if data.source == "synthetic":
-        return MarkovLanguage.build(vocab_size=cfg.model.vocab_size, seq_len=data.seq_len,
-                                    seed=data.seed, concentration=data.synthetic_concentration,
-                                    order_seed=cfg.training.seed, pad_fraction=data.pad_fraction,
-                                    copy_span=data.copy_span, lag=data.lag)
+        return MarkovLanguage.build(
+            vocab_size=cfg.model.vocab_size,
+            seq_len=data.seq_len,
+            seed=data.seed,
+            concentration=data.synthetic_concentration,
+            order_seed=cfg.training.seed,
+            pad_fraction=data.pad_fraction,
+            copy_span=data.copy_span,
+            lag=data.lag,
+        )
     for key, default in (("pad_fraction", 0), ("copy_span", 0), ("lag", 1)):
         if getattr(data, key) != default:
-            raise SpecError(f"{key} applies to the synthetic source only", file=cfg.source,
-                            key=f"data.{key}",
-                            fix="remove it, or use data.source = \"synthetic\"")
+            raise SpecError(
+                f"{key} applies to the synthetic source only",
+                file=cfg.source,
+                key=f"data.{key}",
+                fix='remove it, or use data.source = "synthetic"',
+            )
     base = Path(cfg.source).parent if cfg.source else Path.cwd()
     path = Path(data.path) if Path(data.path).is_absolute() else base / data.path
     if not path.is_file():
-        raise SpecError(f"text file {str(path)!r} not found", file=cfg.source, key="data.path",
-                        fix="point data.path at a local UTF-8 text file")
+        raise SpecError(
+            f"text file {str(path)!r} not found",
+            file=cfg.source,
+            key="data.path",
+            fix="point data.path at a local UTF-8 text file",
+        )
     tokens, vocab = _tokenize(path.read_text(encoding="utf-8"), data.tokenizer, base)
     if vocab > cfg.model.vocab_size:
-        raise SpecError(f"tokenizer has {vocab} tokens but the model only {cfg.model.vocab_size}",
-                        file=cfg.source, key="model.vocab_size", fix=f"set it to >= {vocab}")
+        raise SpecError(
+            f"tokenizer has {vocab} tokens but the model only {cfg.model.vocab_size}",
+            file=cfg.source,
+            key="model.vocab_size",
+            fix=f"set it to >= {vocab}",
+        )
     num_val = max(data.seq_len + 1, int(len(tokens) * data.val_fraction))
     if len(tokens) - num_val < 2 * (data.seq_len + 1):
-        raise SpecError("text file too short for seq_len", file=cfg.source, key="data.path",
-                        fix="use a longer file or a smaller data.seq_len")
-    return TextSource(vocab_size=cfg.model.vocab_size, seq_len=data.seq_len,
-                      train_tokens=tokens[:-num_val], val_tokens=tokens[-num_val:],
-                      order_seed=cfg.training.seed)
+        raise SpecError(
+            "text file too short for seq_len",
+            file=cfg.source,
+            key="data.path",
+            fix="use a longer file or a smaller data.seq_len",
+        )
+    return TextSource(
+        vocab_size=cfg.model.vocab_size,
+        seq_len=data.seq_len,
+        train_tokens=tokens[:-num_val],
+        val_tokens=tokens[-num_val:],
+        order_seed=cfg.training.seed,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,17 +368,19 @@ class BatchPlan:
 
     def indices(self, step: int, microstep: int) -> np.ndarray:
         """Sample indices of optimizer `step` (1-based), `microstep` (0-based), this rank."""
-        start = (self.offset + (step - 1) * self.global_batch_size
-                 + microstep * self.local_batch_size * self.dp
-                 + self.dp_rank * self.local_batch_size)
+        start = (
+            self.offset
+            + (step - 1) * self.global_batch_size
+            + microstep * self.local_batch_size * self.dp
+            + self.dp_rank * self.local_batch_size
+        )
         return np.arange(start, start + self.local_batch_size)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def get_batch(source: SampleSource, indices: np.ndarray, split: int,
-              device: torch.device) -> Batch:
+def get_batch(source: SampleSource, indices: np.ndarray, split: int, device: torch.device) -> Batch:
     """(inputs, targets), each (n, seq_len) int64 on `device`; padded inputs read token 0."""
     tokens = torch.from_numpy(source.samples(indices, split))
     return tokens[:, :-1].clamp(min=0).to(device), tokens[:, 1:].to(device)
@@ -348,19 +412,29 @@ def sample_hash(inputs: torch.Tensor, targets: torch.Tensor) -> int:
     return total % 2**FINGERPRINT_BITS
 
 
-def read_step(source: SampleSource, plan: BatchPlan, step: int, split: int,
-              device: torch.device, data_group: dist.ProcessGroup | None) -> StepData:
+def read_step(
+    source: SampleSource,
+    plan: BatchPlan,
+    step: int,
+    split: int,
+    device: torch.device,
+    data_group: dist.ProcessGroup | None,
+) -> StepData:
     """Every microstep's batch of optimizer `step` (1-based), plus the global valid-token count
     and fingerprint: one int64 all-reduce over the data-parallel ranks (`data_group`, None when
     there is one). Ranks that share samples (TP, CP, PP peers) reduce in their own data group,
     so each counts the samples once."""
-    batches = [get_batch(source, plan.indices(step, micro), split, device)
-               for micro in range(plan.grad_accum_steps)]
+    batches = [
+        get_batch(source, plan.indices(step, micro), split, device)
+        for micro in range(plan.grad_accum_steps)
+    ]
     num_tokens = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in batches)
     fingerprint = sum(sample_hash(inputs, targets) for inputs, targets in batches)
-    totals = torch.tensor([num_tokens, fingerprint % 2**FINGERPRINT_BITS], dtype=torch.int64,
-                          device=device)
+    totals = torch.tensor(
+        [num_tokens, fingerprint % 2**FINGERPRINT_BITS], dtype=torch.int64, device=device
+    )
     if data_group is not None:
         dist.all_reduce(totals, group=data_group)
-    return StepData(batches=batches, num_tokens=int(totals[0]),
-                    fingerprint=int(totals[1]) % 2**FINGERPRINT_BITS)
+    return StepData(
+        batches=batches, num_tokens=int(totals[0]), fingerprint=int(totals[1]) % 2**FINGERPRINT_BITS
+    )

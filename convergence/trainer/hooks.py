@@ -113,19 +113,29 @@ def load_hook(path: str, *, file: str | None = None) -> HookFn:
     """Import "package.module:function"; raise SpecError naming parallelism.hook if it fails."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise SpecError(f"hook {path!r} is not \"package.module:function\"", file=file,
-                        key="parallelism.hook", fix="write it as package.module:function")
+        raise SpecError(
+            f'hook {path!r} is not "package.module:function"',
+            file=file,
+            key="parallelism.hook",
+            fix="write it as package.module:function",
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time error is the user's to see, with its cause
-        raise SpecError(f"cannot import hook module {module_name!r}: {exc!r}", file=file,
-                        key="parallelism.hook",
-                        fix="make the module importable on every rank (PYTHONPATH / install)"
-                        ) from exc
+        raise SpecError(
+            f"cannot import hook module {module_name!r}: {exc!r}",
+            file=file,
+            key="parallelism.hook",
+            fix="make the module importable on every rank (PYTHONPATH / install)",
+        ) from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise SpecError(f"module {module_name!r} has no callable {attr!r}", file=file,
-                        key="parallelism.hook", fix="name an existing function after the ':'")
+        raise SpecError(
+            f"module {module_name!r} has no callable {attr!r}",
+            file=file,
+            key="parallelism.hook",
+            fix="name an existing function after the ':'",
+        )
     return fn
 
 
@@ -143,8 +153,12 @@ def find_hook_module(path: str, *, file: str | None = None, key: str = "hook") -
     searched besides ``sys.path`` (and any installed finder, e.g. editable installs)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise SpecError(f"hook {path!r} is not \"package.module:function\"", file=file, key=key,
-                        fix="write it as package.module:function")
+        raise SpecError(
+            f'hook {path!r} is not "package.module:function"',
+            file=file,
+            key=key,
+            fix="write it as package.module:function",
+        )
     if module_name in sys.modules:
         return  # already imported here (e.g. os.path, or the project's own package)
     parts = module_name.split(".")
@@ -154,16 +168,26 @@ def find_hook_module(path: str, *, file: str | None = None, key: str = "hook") -
         name = ".".join(parts[:depth])
         spec = _locate(name, locations, extra)
         if spec is None:
-            where = "the working directory, PYTHONPATH or sys.path" if depth == 1 else (
-                f"package {'.'.join(parts[:depth - 1])!r}")
-            raise SpecError(f"hook module {module_name!r} cannot be imported: no {name!r} in "
-                            f"{where}", file=file, key=key,
-                            fix="fix the module path, or make it importable on every rank "
-                                "(run pytest from its folder, or set PYTHONPATH / install it)")
+            where = (
+                "the working directory, PYTHONPATH or sys.path"
+                if depth == 1
+                else (f"package {'.'.join(parts[: depth - 1])!r}")
+            )
+            raise SpecError(
+                f"hook module {module_name!r} cannot be imported: no {name!r} in {where}",
+                file=file,
+                key=key,
+                fix="fix the module path, or make it importable on every rank "
+                "(run pytest from its folder, or set PYTHONPATH / install it)",
+            )
         locations = list(spec.submodule_search_locations or [])
         if depth < len(parts) and not locations:
-            raise SpecError(f"hook module {module_name!r}: {name!r} is a module, not a package",
-                            file=file, key=key, fix="fix the dotted module path")
+            raise SpecError(
+                f"hook module {module_name!r}: {name!r} is a module, not a package",
+                file=file,
+                key=key,
+                fix="fix the dotted module path",
+            )
 
 
 def locate_hook_module(module_name: str) -> importlib.machinery.ModuleSpec | None:
@@ -184,8 +208,9 @@ def locate_hook_module(module_name: str) -> importlib.machinery.ModuleSpec | Non
     return spec
 
 
-def _locate(name: str, parent_locations: list[str] | None,
-            extra: list[str]) -> importlib.machinery.ModuleSpec | None:
+def _locate(
+    name: str, parent_locations: list[str] | None, extra: list[str]
+) -> importlib.machinery.ModuleSpec | None:
     module = sys.modules.get(name)
     if module is not None and getattr(module, "__spec__", None) is not None:
         return module.__spec__

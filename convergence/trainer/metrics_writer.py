@@ -35,6 +35,7 @@ class MetricsWriter:
         self._jsonl = open(self.folder / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             self._tb = SummaryWriter(log_dir=str(self.folder / "tb"))
 
     def log(self, record: dict[str, float | int]) -> None:
@@ -49,8 +50,9 @@ class MetricsWriter:
             for key, tag in TB_TAGS.items():
                 if key in record:
                     # double_precision + new_style: the event stores the exact float64.
-                    self._tb.add_scalar(tag, float(record[key]), step, new_style=True,
-                                        double_precision=True)
+                    self._tb.add_scalar(
+                        tag, float(record[key]), step, new_style=True, double_precision=True
+                    )
             self._tb.flush()
 
     def write_meta(self, meta: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ from convergence.trainer.config import ModelConfig
 #: Attention kernel on (batch, heads, seq, head_dim) tensors with causal semantics.
 SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Default attention: torch's fused causal SDPA (context parallel swaps this out)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -97,12 +98,22 @@ class ModelArgs:
         lost = attn * (groups - 1) // groups
         wide = hidden + lost // (3 * model.dim)
         wide = model.multiple_of * round(wide / model.multiple_of)
-        return cls(vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers,
-                   n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, ffn_hidden_dim=hidden,
-                   norm_eps=model.norm_eps, rope_theta=model.rope_theta,
-                   init_std=model.init_std, max_seq_len=seq_len,
-                   tie_embeddings=model.tie_embeddings, block_kinds=kinds,
-                   parallel_groups=groups, parallel_ffn_hidden_dim=max(wide, 1))
+        return cls(
+            vocab_size=model.vocab_size,
+            dim=model.dim,
+            n_layers=model.n_layers,
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads,
+            ffn_hidden_dim=hidden,
+            norm_eps=model.norm_eps,
+            rope_theta=model.rope_theta,
+            init_std=model.init_std,
+            max_seq_len=seq_len,
+            tie_embeddings=model.tie_embeddings,
+            block_kinds=kinds,
+            parallel_groups=groups,
+            parallel_ffn_hidden_dim=max(wide, 1),
+        )
 
 
 def rope_angles(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -255,8 +266,9 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, groups)
         # single_sync: one norm feeds attention and MLP (GPT-J), so under TP one replicated
         # input serves both and its gradient is all-reduced once.
-        self.ffn_norm: RMSNorm | None = (None if self.kind == "single_sync"
-                                         else RMSNorm(args.dim, args.norm_eps, groups))
+        self.ffn_norm: RMSNorm | None = (
+            None if self.kind == "single_sync" else RMSNorm(args.dim, args.norm_eps, groups)
+        )
         self.feed_forward = FeedForward(args.dim, hidden, groups)
         if self.kind == "single_sync":
             self.sync_in = SyncPoint()
@@ -271,7 +283,8 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
         if self.activation_checkpoint and torch.is_grad_enabled():
             out: torch.Tensor = torch.utils.checkpoint.checkpoint(
-                self._forward, x, angles, use_reentrant=False)
+                self._forward, x, angles, use_reentrant=False
+            )
             return out
         return self._forward(x, angles)
 
@@ -301,7 +314,8 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -313,8 +327,11 @@ class Transformer(nn.Module):
         self.position_offset = 0
         # Not persistent: it is a function of the config, so it stays out of checkpoints and
         # is recomputed by init_buffers() after to_empty().
-        self.register_buffer("freqs_cis", rope_angles(args.head_dim, args.max_seq_len,
-                                                      args.rope_theta), persistent=False)
+        self.register_buffer(
+            "freqs_cis",
+            rope_angles(args.head_dim, args.max_seq_len, args.rope_theta),
+            persistent=False,
+        )
 
     def forward(self, tokens: torch.Tensor, position_offset: int | None = None) -> torch.Tensor:
         """tokens (batch, seq) ids -> logits (batch, seq, vocab).
@@ -333,7 +350,7 @@ class Transformer(nn.Module):
         else:
             # A PP stage's input hidden state is sequence-sharded under sequence parallel.
             h, seq_len = tokens, tokens.shape[1] * self.hidden_seq_shards
-        angles = self.freqs_cis[position_offset:position_offset + seq_len]
+        angles = self.freqs_cis[position_offset : position_offset + seq_len]
         for layer in self.layers.values():
             h = layer(h, angles)
         if self.norm is not None:
@@ -346,7 +363,7 @@ class Transformer(nn.Module):
         self.init_buffers()
         if self.tok_embeddings is not None:
             # Tied weights double as the output projection: scale them so logits start O(1).
-            std = self.args.dim ** -0.5 if self.args.tie_embeddings else 1.0
+            std = self.args.dim**-0.5 if self.args.tie_embeddings else 1.0
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
             assert isinstance(layer, TransformerBlock)
@@ -355,9 +372,10 @@ class Transformer(nn.Module):
             self.norm.reset_parameters()
         if self.output is not None and not self.args.tie_embeddings:
             # Scale with 1/sqrt(dim) so initial logits are O(1) and the first loss ~ log(vocab).
-            bound = 3 / self.args.dim ** 0.5
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=self.args.dim ** -0.5,
-                                  a=-bound, b=bound)
+            bound = 3 / self.args.dim**0.5
+            nn.init.trunc_normal_(
+                self.output.weight, mean=0.0, std=self.args.dim**-0.5, a=-bound, b=bound
+            )
 
     def retie(self) -> None:
         """Share the output and embedding weights again (to_empty() unties them)."""
@@ -368,8 +386,9 @@ class Transformer(nn.Module):
     def init_buffers(self) -> None:
         """Recompute the rotary table on whatever device the model now lives on."""
         device = self.freqs_cis.device
-        self.freqs_cis: torch.Tensor = rope_angles(self.args.head_dim, self.args.max_seq_len,
-                                     self.args.rope_theta).to(device)
+        self.freqs_cis: torch.Tensor = rope_angles(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta
+        ).to(device)
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:

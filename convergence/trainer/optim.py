@@ -18,8 +18,13 @@ def build_optimizer(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.o
     opt = cfg.optimizer
     # Weight decay on every parameter (as torchtitan does); AdamW is elementwise, so sharding
     # a parameter does not change its update -- one reason layouts can agree to fp32 noise.
-    return torch.optim.AdamW(list(params), lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                             eps=opt.eps, weight_decay=opt.weight_decay)
+    return torch.optim.AdamW(
+        list(params),
+        lr=opt.lr,
+        betas=(opt.beta1, opt.beta2),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+    )
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -43,8 +48,10 @@ def _shard_groups(grad: DTensor) -> tuple[ProcessGroup, ...]:
     groups = []
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
-            raise RuntimeError(f"gradient with a Partial placement on mesh dim {dim}: it has "
-                               "not been reduced, so its norm would be wrong")
+            raise RuntimeError(
+                f"gradient with a Partial placement on mesh dim {dim}: it has "
+                "not been reduced, so its norm would be wrong"
+            )
         # Not `is_shard()`: FSDP over a TP-sharded dim uses _StridedShard, which is no Shard.
         if not placement.is_replicate():
             groups.append(grad.device_mesh.get_group(dim))
@@ -77,8 +84,11 @@ def global_grad_norm(params: Iterable[nn.Parameter], pp_group: ProcessGroup | No
 
 
 @torch.no_grad()
-def grad_norms(named_params: Iterable[tuple[str, nn.Parameter]], parts: tuple[str, ...],
-               pp_group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+def grad_norms(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    parts: tuple[str, ...],
+    pp_group: ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """L2 norm of the FULL gradient, and of each part's (`parts`, per parameter_part), whatever
     mixture of meshes the parameters live on.
 
@@ -112,8 +122,7 @@ def grad_norms(named_params: Iterable[tuple[str, nn.Parameter]], parts: tuple[st
         device = device or local.device
         square = local.detach().double().pow(2).sum()
         if groups not in buckets:
-            buckets[groups] = torch.zeros(len(parts) + 1, dtype=torch.float64,
-                                          device=local.device)
+            buckets[groups] = torch.zeros(len(parts) + 1, dtype=torch.float64, device=local.device)
         bucket = buckets[groups]
         bucket[0] += square
         slot = index.get(parameter_part(name)) if parts else None

@@ -42,7 +42,10 @@ from convergence.trainer.hooks import HookContext, HookFn, apply_hook
 from convergence.trainer.model import Transformer, TransformerBlock
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,14 +83,21 @@ def build_meshes(cfg: TrainConfig, device_type: str) -> Meshes:
         dp_kind, dp = "fsdp", shard_cp
     else:
         dp_kind, dp = "none", None
-    return Meshes(world=world, tp=world["tp"] if par.tp > 1 else None,
-                  cp=world["cp"] if par.cp > 1 else None,
-                  pp=world["pp"] if par.pp > 1 else None, dp=dp, dp_kind=dp_kind,
-                  dp_cp=dp_cp, data=data)
+    return Meshes(
+        world=world,
+        tp=world["tp"] if par.tp > 1 else None,
+        cp=world["cp"] if par.cp > 1 else None,
+        pp=world["pp"] if par.pp > 1 else None,
+        dp=dp,
+        dp_kind=dp_kind,
+        dp_cp=dp_cp,
+        data=data,
+    )
 
 
-def tp_plan(model: Transformer, sequence_parallel: bool) -> tuple[dict[str, object],
-                                                                   dict[str, object]]:
+def tp_plan(
+    model: Transformer, sequence_parallel: bool
+) -> tuple[dict[str, object], dict[str, object]]:
     """(plan of the root modules present in this chunk, plan of a *standard* block).
 
     Hooks that replace the built-in TP (hook_mode = "replace_tp") start from these; the
@@ -103,13 +113,14 @@ def tp_plan(model: Transformer, sequence_parallel: bool) -> tuple[dict[str, obje
         root["norm"] = SequenceParallel()
     elif model.norm is not None and model.args.block_kinds[-1] == "parallel":
         # The last block left the residual stream sharded on the hidden dim: gather it.
-        root["norm"] = PrepareModuleInput(input_layouts=(Shard(2),),
-                                          desired_input_layouts=(Replicate(),),
-                                          use_local_output=True)
+        root["norm"] = PrepareModuleInput(
+            input_layouts=(Shard(2),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     if model.output is not None:
         # Logits gathered to every TP rank so the loss is computed locally, unsharded.
-        root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(),
-                                         use_local_output=True)
+        root["output"] = ColwiseParallel(
+            input_layouts=seq, output_layouts=Replicate(), use_local_output=True
+        )
     return root, _standard_block_plan(sequence_parallel)
 
 
@@ -119,8 +130,9 @@ def _replicated_input(sequence_parallel: bool, *, with_angles: bool) -> PrepareM
     (SP: reduce-scattered) ONCE in backward, instead of once per consumer Linear."""
     seq = Shard(1) if sequence_parallel else Replicate()
     if with_angles:  # the angles argument stays a plain tensor
-        return PrepareModuleInput(input_layouts=(seq, None),
-                                  desired_input_layouts=(Replicate(), None))
+        return PrepareModuleInput(
+            input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+        )
     return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
 
 
@@ -131,9 +143,12 @@ def _standard_block_plan(sequence_parallel: bool) -> dict[str, object]:
         # with its all-reduce (SP: reduce-scatter) -> 2 collectives forward, 2 backward.
         "attention": _replicated_input(sequence_parallel, with_angles=True),
         "feed_forward": _replicated_input(sequence_parallel, with_angles=False),
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=seq),
-        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
     }
     if sequence_parallel:
@@ -148,15 +163,18 @@ def _single_sync_block_plan(sequence_parallel: bool) -> dict[str, object]:
         # sync_in: the normed input, one replicated DTensor shared by attention and MLP (their
         # five column-parallel Linears): one all-reduce of its gradient in backward.
         "sync_in": _replicated_input(sequence_parallel, with_angles=False),
-        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(), "feed_forward.w1": ColwiseParallel(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
         # Row-parallel outputs left as Partial DTensors (no reduction); the block adds them...
         "attention.wo": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
         "feed_forward.w2": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
         # ...and sync_out reduces the sum once (SP: reduce-scatter). Its backward is local.
-        "sync_out": PrepareModuleInput(input_layouts=(Partial(),), desired_input_layouts=(seq,),
-                                       use_local_output=True),
+        "sync_out": PrepareModuleInput(
+            input_layouts=(Partial(),), desired_input_layouts=(seq,), use_local_output=True
+        ),
     }
     if sequence_parallel:
         block["attention_norm"] = SequenceParallel()
@@ -172,11 +190,13 @@ class BlockDiagonalParallel(ParallelStyle):
             for pname, param in list(submodule.named_parameters(recurse=False)):
                 sharded = distribute_tensor(param, mesh, [Shard(0)])
                 submodule.register_parameter(pname, nn.Parameter(sharded))
+
         return distribute_module(module, device_mesh, partition)
 
 
-def block_tp_plan(block: TransformerBlock, kinds: tuple[str, ...], sequence_parallel: bool
-                  ) -> tuple[ParallelStyle | None, dict[str, object]]:
+def block_tp_plan(
+    block: TransformerBlock, kinds: tuple[str, ...], sequence_parallel: bool
+) -> tuple[ParallelStyle | None, dict[str, object]]:
     """(style of the block itself: its input's layout change, or None; plan of its submodules).
 
     Between blocks the residual stream is a local tensor: replicated (SP: sequence-sharded),
@@ -190,13 +210,18 @@ def block_tp_plan(block: TransformerBlock, kinds: tuple[str, ...], sequence_para
     entry: ParallelStyle | None = None
     if block.kind == "parallel":
         if not after_parallel:
-            entry = PrepareModuleInput(input_layouts=(full, None),
-                                       desired_input_layouts=(Shard(2), None),
-                                       use_local_output=True)
+            entry = PrepareModuleInput(
+                input_layouts=(full, None),
+                desired_input_layouts=(Shard(2), None),
+                use_local_output=True,
+            )
         return entry, {}
     if after_parallel:
-        entry = PrepareModuleInput(input_layouts=(Shard(2), None),
-                                   desired_input_layouts=(full, None), use_local_output=True)
+        entry = PrepareModuleInput(
+            input_layouts=(Shard(2), None),
+            desired_input_layouts=(full, None),
+            use_local_output=True,
+        )
     if block.kind == "single_sync":
         return entry, _single_sync_block_plan(sequence_parallel)
     return entry, _standard_block_plan(sequence_parallel)
@@ -219,11 +244,12 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str, freq: int) -> None:
-    """"full": every block; "selective": every `freq`-th block (by global layer id)."""
+    """ "full": every block; "selective": every `freq`-th block (by global layer id)."""
     for block in model.layers.values():
         assert isinstance(block, TransformerBlock)
         block.activation_checkpoint = mode == "full" or (
-            mode == "selective" and block.layer_id % freq == 0)
+            mode == "selective" and block.layer_id % freq == 0
+        )
 
 
 def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) -> None:
@@ -232,23 +258,32 @@ def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) ->
     assert meshes.dp is not None
     if meshes.dp_kind == "ddp":
         from torch.distributed._composable.replicate import replicate
+
         replicate(model, device_mesh=meshes.dp)
         return
     train = cfg.training
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[train.param_dtype],
-                              reduce_dtype=DTYPES[train.reduce_dtype])
+    mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES[train.param_dtype], reduce_dtype=DTYPES[train.reduce_dtype]
+    )
     # Pinned host memory needs an accelerator; on a CPU-only machine offload is unpinned.
     pin = meshes.world.device_type == "cuda"
-    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=pin) if train.cpu_offload
-                              else OffloadPolicy())
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=pin) if train.cpu_offload else OffloadPolicy()
+    )
     reshard = cfg.parallelism.reshard_after_forward
     # One FSDP group per block (all-gathered just in time, freed after use), then the root
     # group for the embeddings, final norm and output.
     for block in model.layers.values():
-        fully_shard(block, mesh=meshes.dp, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard)
-    fully_shard(model, mesh=meshes.dp, mp_policy=mp, offload_policy=offload,
-                reshard_after_forward=reshard)
+        fully_shard(
+            block,
+            mesh=meshes.dp,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard,
+        )
+    fully_shard(
+        model, mesh=meshes.dp, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard
+    )
 
 
 def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> None:
@@ -261,9 +296,15 @@ def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> None:
     model.position_offset = cp_position_offset(seq_len, cp_mesh)
 
 
-def parallelize_chunk(model: Transformer, meshes: Meshes | None, cfg: TrainConfig,
-                      hook: HookFn | None, *, stage_index: int = 0,
-                      num_stages: int = 1) -> nn.Module:
+def parallelize_chunk(
+    model: Transformer,
+    meshes: Meshes | None,
+    cfg: TrainConfig,
+    hook: HookFn | None,
+    *,
+    stage_index: int = 0,
+    num_stages: int = 1,
+) -> nn.Module:
     """Apply CP, TP, AC, compile, FSDP/DDP and the user hook to one (meta-device) chunk."""
     par = cfg.parallelism
     if meshes is not None and meshes.cp is not None:
@@ -272,11 +313,17 @@ def parallelize_chunk(model: Transformer, meshes: Meshes | None, cfg: TrainConfi
     ctx = None
     if hook is not None:
         pp_rank = meshes.pp.get_local_rank() if meshes and meshes.pp else 0
-        ctx = HookContext(mesh=meshes.world if meshes else None,
-                          tp_mesh=meshes.tp if meshes else None,
-                          dp_mesh=meshes.dp if meshes else None, config=cfg,
-                          mode=par.hook_mode, pp_rank=pp_rank, pp_size=par.pp,
-                          stage_index=stage_index, num_stages=num_stages)
+        ctx = HookContext(
+            mesh=meshes.world if meshes else None,
+            tp_mesh=meshes.tp if meshes else None,
+            dp_mesh=meshes.dp if meshes else None,
+            config=cfg,
+            mode=par.hook_mode,
+            pp_rank=pp_rank,
+            pp_size=par.pp,
+            stage_index=stage_index,
+            num_stages=num_stages,
+        )
     if hook is not None and ctx is not None and par.hook_mode == "replace_tp":
         replaced = apply_hook(hook, model, ctx)
         assert isinstance(replaced, Transformer), "a replace_tp hook must keep the Transformer"

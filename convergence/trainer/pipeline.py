@@ -83,8 +83,9 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 
 def _schedule_class(schedule_name: str) -> type[_PipelineSchedule]:
     if schedule_name not in SCHEDULES:
-        raise ValueError(f"unknown parallelism.pp_schedule {schedule_name!r}: "
-                         f"use one of {', '.join(SCHEDULES)}")
+        raise ValueError(
+            f"unknown parallelism.pp_schedule {schedule_name!r}: use one of {', '.join(SCHEDULES)}"
+        )
     cls: type[_PipelineSchedule] = get_schedule_class(schedule_name)
     return cls
 
@@ -116,27 +117,35 @@ def resolve_stages_per_rank(schedule_name: str, configured: int) -> int:
     spr = pp_rules.stages_per_rank(schedule_name, configured)
     problem = pp_rules.stages_problem(schedule_name, spr)
     if problem is not None:
-        raise ValueError(f"parallelism.pp_schedule={schedule_name}: {problem.message}: "
-                         f"{problem.fix}")
+        raise ValueError(
+            f"parallelism.pp_schedule={schedule_name}: {problem.message}: {problem.fix}"
+        )
     return spr
 
 
-def stage_ids_this_rank(pp_rank: int, pp_size: int, stages_per_rank: int,
-                        schedule_name: str) -> list[int]:
+def stage_ids_this_rank(
+    pp_rank: int, pp_size: int, stages_per_rank: int, schedule_name: str
+) -> list[int]:
     """Stage indices held by PP rank `pp_rank`, in the order the schedule expects."""
     return pp_rules.stage_ids(pp_rank, pp_size, stages_per_rank, schedule_name)
 
 
-def is_last_stage_rank(pp_rank: int, pp_size: int, schedule_name: str,
-                       stages_per_rank: int = 0) -> bool:
+def is_last_stage_rank(
+    pp_rank: int, pp_size: int, schedule_name: str, stages_per_rank: int = 0
+) -> bool:
     """Whether this PP rank holds the last stage, i.e. computes (and should log) the loss."""
     spr = resolve_stages_per_rank(schedule_name, stages_per_rank)
     return pp_rules.holds_last_stage(pp_rank, pp_size, spr, schedule_name)
 
 
-def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: Any,
-                       pp_rank: int, pp_size: int, stages_per_rank: int,
-                       schedule_name: str) -> list[tuple[int, nn.Module]]:
+def split_model_for_pp(
+    model_factory: Callable[[Any], nn.Module],
+    model_args: Any,
+    pp_rank: int,
+    pp_size: int,
+    stages_per_rank: int,
+    schedule_name: str,
+) -> list[tuple[int, nn.Module]]:
     """Build the full model (meta) and cut out this rank's stages: [(stage_index, chunk), ...].
 
     Each chunk is a deep copy of the full model with the other stages' blocks deleted from
@@ -148,12 +157,16 @@ def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: An
     whole = model_factory(model_args)
     n_layers = len(_layers(whole))
     if n_layers % num_stages:
-        raise ValueError(f"model.n_layers={n_layers} is not divisible by the {num_stages} pipeline "
-                         f"stages (parallelism.pp={pp_size} x {spr} stages per rank): change "
-                         "model.n_layers, parallelism.pp or parallelism.pp_stages_per_rank")
+        raise ValueError(
+            f"model.n_layers={n_layers} is not divisible by the {num_stages} pipeline "
+            f"stages (parallelism.pp={pp_size} x {spr} stages per rank): change "
+            "model.n_layers, parallelism.pp or parallelism.pp_stages_per_rank"
+        )
     if getattr(getattr(whole, "args", None), "tie_embeddings", False) and num_stages > 1:
-        raise ValueError("model.tie_embeddings=true cannot be split across pipeline stages "
-                         "(embedding and output live on different ranks): set it to false")
+        raise ValueError(
+            "model.tie_embeddings=true cannot be split across pipeline stages "
+            "(embedding and output live on different ranks): set it to false"
+        )
     per_stage = n_layers // num_stages
     chunks: list[tuple[int, nn.Module]] = []
     for stage in stage_ids_this_rank(pp_rank, pp_size, spr, schedule_name):
@@ -174,21 +187,23 @@ def split_model_for_pp(model_factory: Callable[[Any], nn.Module], model_args: An
 
 def _check_no_nested_fsdp(chunks: list[nn.Module], schedule_name: str) -> None:
     for chunk in chunks:
-        nested = [name for name, m in chunk.named_modules()
-                  if name and isinstance(m, FSDPModule)]
+        nested = [name for name, m in chunk.named_modules() if name and isinstance(m, FSDPModule)]
         if nested:
             raise ValueError(
                 f"parallelism.pp_schedule={schedule_name} splits the backward into input and "
                 f"weight passes, which loses gradients of nested FSDP units on torch "
                 f"{torch.__version__} (here: {nested[0]!r}): apply fully_shard to the whole "
-                "chunk only (see pipeline.fsdp_per_block_ok), or use GPipe/1F1B/Interleaved1F1B")
+                "chunk only (see pipeline.fsdp_per_block_ok), or use GPipe/1F1B/Interleaved1F1B"
+            )
 
 
 def _layers(model: nn.Module) -> nn.ModuleDict:
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleDict):
-        raise TypeError(f"{type(model).__name__}.layers must be an nn.ModuleDict of blocks "
-                        "for pipeline splitting (see convergence.trainer.model)")
+        raise TypeError(
+            f"{type(model).__name__}.layers must be an nn.ModuleDict of blocks "
+            "for pipeline splitting (see convergence.trainer.model)"
+        )
     return layers
 
 
@@ -198,10 +213,16 @@ def _pp_group(pp_mesh: DeviceMesh | ProcessGroup | None) -> ProcessGroup | None:
     return pp_mesh
 
 
-def build_schedule(chunks: list[nn.Module], stage_indices: list[int], num_stages: int,
-                   pp_group: DeviceMesh | ProcessGroup | None, device: torch.device,
-                   n_microbatches: int, loss_fn: LossFn,
-                   schedule_name: str) -> _PipelineSchedule:
+def build_schedule(
+    chunks: list[nn.Module],
+    stage_indices: list[int],
+    num_stages: int,
+    pp_group: DeviceMesh | ProcessGroup | None,
+    device: torch.device,
+    n_microbatches: int,
+    loss_fn: LossFn,
+    schedule_name: str,
+) -> _PipelineSchedule:
     """PipelineStages for this rank's chunks and the named schedule driving them.
 
     `loss_fn(logits, targets)` is the per-microbatch MEAN loss; it is divided by n_microbatches
@@ -212,8 +233,10 @@ def build_schedule(chunks: list[nn.Module], stage_indices: list[int], num_stages
     if not fsdp_per_block_ok(schedule_name):
         _check_no_nested_fsdp(chunks, schedule_name)
     group = _pp_group(pp_group)
-    stages = [PipelineStage(chunk, index, num_stages, device, group=group)
-              for chunk, index in zip(chunks, stage_indices, strict=True)]
+    stages = [
+        PipelineStage(chunk, index, num_stages, device, group=group)
+        for chunk, index in zip(chunks, stage_indices, strict=True)
+    ]
 
     def scaled_loss(output: Tensor, target: Tensor) -> Tensor:
         return loss_fn(output, target) / n_microbatches
@@ -221,23 +244,36 @@ def build_schedule(chunks: list[nn.Module], stage_indices: list[int], num_stages
     cls: Any = _schedule_class(schedule_name)
     if issubclass(cls, PipelineScheduleSingle):
         if len(stages) != 1:
-            raise ValueError(f"parallelism.pp_schedule={schedule_name} takes one stage per rank, "
-                             f"got {len(stages)}")
-        single: _PipelineSchedule = cls(stages[0], n_microbatches=n_microbatches,
-                                        loss_fn=scaled_loss, scale_grads=False)
+            raise ValueError(
+                f"parallelism.pp_schedule={schedule_name} takes one stage per rank, "
+                f"got {len(stages)}"
+            )
+        single: _PipelineSchedule = cls(
+            stages[0], n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False
+        )
         return single
-    multi: _PipelineSchedule = cls(stages, n_microbatches=n_microbatches, loss_fn=scaled_loss,
-                                   scale_grads=False)
+    multi: _PipelineSchedule = cls(
+        stages, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False
+    )
     return multi
 
 
-def _run(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor, has_first_stage: bool,
-         has_last_stage: bool, train: bool, model_kwargs: dict[str, Any] | None) -> Tensor | None:
+def _run(
+    schedule: _PipelineSchedule,
+    tokens: Tensor,
+    targets: Tensor,
+    has_first_stage: bool,
+    has_last_stage: bool,
+    train: bool,
+    model_kwargs: dict[str, Any] | None,
+) -> Tensor | None:
     n_micro = schedule._n_microbatches
     if has_first_stage and tokens.shape[0] % n_micro:
-        raise ValueError(f"local batch {tokens.shape[0]} is not divisible by "
-                         f"parallelism.pp_microbatches={n_micro}: change training.local_batch_size "
-                         "or parallelism.pp_microbatches")
+        raise ValueError(
+            f"local batch {tokens.shape[0]} is not divisible by "
+            f"parallelism.pp_microbatches={n_micro}: change training.local_batch_size "
+            "or parallelism.pp_microbatches"
+        )
     losses: list[Tensor] = []
     args = (tokens,) if has_first_stage else ()
     kwargs: dict[str, Any] = dict(model_kwargs or {})
@@ -252,9 +288,14 @@ def _run(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor, has_first
     return torch.stack([loss.detach() for loss in losses]).sum()
 
 
-def pipeline_forward_backward(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor,
-                              has_first_stage: bool, has_last_stage: bool,
-                              model_kwargs: dict[str, Any] | None = None) -> Tensor | None:
+def pipeline_forward_backward(
+    schedule: _PipelineSchedule,
+    tokens: Tensor,
+    targets: Tensor,
+    has_first_stage: bool,
+    has_last_stage: bool,
+    model_kwargs: dict[str, Any] | None = None,
+) -> Tensor | None:
     """One forward+backward over the local batch; grads accumulate into the chunks.
 
     Returns the mean microbatch loss (detached scalar) on the rank holding the last stage, else
@@ -263,9 +304,14 @@ def pipeline_forward_backward(schedule: _PipelineSchedule, tokens: Tensor, targe
     return _run(schedule, tokens, targets, has_first_stage, has_last_stage, True, model_kwargs)
 
 
-def pipeline_eval(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor,
-                  has_first_stage: bool, has_last_stage: bool,
-                  model_kwargs: dict[str, Any] | None = None) -> Tensor | None:
+def pipeline_eval(
+    schedule: _PipelineSchedule,
+    tokens: Tensor,
+    targets: Tensor,
+    has_first_stage: bool,
+    has_last_stage: bool,
+    model_kwargs: dict[str, Any] | None = None,
+) -> Tensor | None:
     """Validation: mean microbatch loss on the last-stage rank, else None; grads untouched.
 
     Two torch 2.13 pitfalls handled here (both measured on gloo):
@@ -283,8 +329,9 @@ def pipeline_eval(schedule: _PipelineSchedule, tokens: Tensor, targets: Tensor,
         p.grad = None
     try:
         with torch.set_grad_enabled(train):
-            return _run(schedule, tokens, targets, has_first_stage, has_last_stage, train,
-                        model_kwargs)
+            return _run(
+                schedule, tokens, targets, has_first_stage, has_last_stage, train, model_kwargs
+            )
     finally:
         for p, grad in zip(params, saved, strict=True):
             p.grad = grad

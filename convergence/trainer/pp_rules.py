@@ -65,8 +65,11 @@ def holds_last_stage(pp_rank: int, pp: int, stages: int, schedule: str) -> bool:
 
 def schedule_problem(schedule: str) -> Problem | None:
     if schedule not in SCHEDULES:
-        return Problem("parallelism.pp_schedule", f"unknown schedule {schedule!r}",
-                       f"use one of {', '.join(SCHEDULES)}")
+        return Problem(
+            "parallelism.pp_schedule",
+            f"unknown schedule {schedule!r}",
+            f"use one of {', '.join(SCHEDULES)}",
+        )
     return None
 
 
@@ -74,20 +77,36 @@ def stages_problem(schedule: str, stages: int) -> Problem | None:
     """Whether `schedule` can run `stages` (resolved) stages per rank."""
     key = "parallelism.pp_stages_per_rank"
     if schedule in MULTI_STAGE_SCHEDULES and stages < 2:
-        return Problem(key, f"{schedule} needs >= 2 stages per rank, got {stages}",
-                       "set pp_stages_per_rank = 2 (or 0 for the default)")
+        return Problem(
+            key,
+            f"{schedule} needs >= 2 stages per rank, got {stages}",
+            "set pp_stages_per_rank = 2 (or 0 for the default)",
+        )
     if schedule in V_SCHEDULES and stages != 2:
-        return Problem(key, f"{schedule} (V-shaped) holds exactly 2 stages per rank, got "
-                       f"{stages}", "set pp_stages_per_rank = 2 (or 0)")
+        return Problem(
+            key,
+            f"{schedule} (V-shaped) holds exactly 2 stages per rank, got {stages}",
+            "set pp_stages_per_rank = 2 (or 0)",
+        )
     if schedule in SINGLE_STAGE_SCHEDULES and stages != 1:
-        return Problem(key, f"{schedule} runs one stage per rank, got {stages}",
-                       "set pp_stages_per_rank = 1 (or 0), or use Interleaved1F1B")
+        return Problem(
+            key,
+            f"{schedule} runs one stage per rank, got {stages}",
+            "set pp_stages_per_rank = 1 (or 0), or use Interleaved1F1B",
+        )
     return None
 
 
-def layout_problem(*, schedule: str, pp: int, stages_configured: int,
-                   microbatches_configured: int, n_layers: int, local_batch_size: int,
-                   data_parallel: int) -> Problem | None:
+def layout_problem(
+    *,
+    schedule: str,
+    pp: int,
+    stages_configured: int,
+    microbatches_configured: int,
+    n_layers: int,
+    local_batch_size: int,
+    data_parallel: int,
+) -> Problem | None:
     """The first PP rule this layout breaks, or None. `data_parallel`: dp_replicate x
     dp_shard x cp, the degree the gradients are reduced over."""
     problem = schedule_problem(schedule)
@@ -104,27 +123,39 @@ def layout_problem(*, schedule: str, pp: int, stages_configured: int,
             "built-in trainer's data-parallel gradient reduction (FSDP/DDP over dp_replicate "
             f"x dp_shard x cp = {data_parallel}) misses: the gradients would be wrong",
             "use GPipe, 1F1B or Interleaved1F1B with data or context parallelism, or run "
-            f"{schedule} with pp only")
+            f"{schedule} with pp only",
+        )
     stages = stages_per_rank(schedule, stages_configured, pp)
     problem = stages_problem(schedule, stages)
     if problem is not None:
         return problem
     num_stages = pp * stages
     if n_layers % num_stages:
-        return Problem("parallelism.pp", f"pp * stages_per_rank = {num_stages} must divide "
-                       f"model.n_layers={n_layers}", "choose pp and pp_stages_per_rank so each "
-                       "stage gets the same number of layers")
+        return Problem(
+            "parallelism.pp",
+            f"pp * stages_per_rank = {num_stages} must divide model.n_layers={n_layers}",
+            "choose pp and pp_stages_per_rank so each stage gets the same number of layers",
+        )
     micro = microbatches(pp, stages, microbatches_configured)
     if local_batch_size % micro:
-        return Problem("parallelism.pp_microbatches", f"{micro} microbatches must divide "
-                       f"training.local_batch_size={local_batch_size}",
-                       "choose pp_microbatches among the divisors of local_batch_size")
+        return Problem(
+            "parallelism.pp_microbatches",
+            f"{micro} microbatches must divide training.local_batch_size={local_batch_size}",
+            "choose pp_microbatches among the divisors of local_batch_size",
+        )
     if schedule in MULTI_STAGE_SCHEDULES and micro % pp:
         # torch's interleaved schedules cut the microbatches into rounds of pp.
-        return Problem("parallelism.pp_microbatches", f"{schedule} needs microbatches "
-                       f"({micro}) divisible by pp={pp}", "choose a multiple of pp")
+        return Problem(
+            "parallelism.pp_microbatches",
+            f"{schedule} needs microbatches ({micro}) divisible by pp={pp}",
+            "choose a multiple of pp",
+        )
     if schedule in AT_LEAST_ONE_MICROBATCH_PER_STAGE and micro < num_stages:
-        return Problem("parallelism.pp_microbatches", f"{schedule} needs at least one "
-                       f"microbatch per pipeline stage: {micro} microbatches < {num_stages} "
-                       "stages", f"set pp_microbatches >= {num_stages} (or 0 for the default)")
+        return Problem(
+            "parallelism.pp_microbatches",
+            f"{schedule} needs at least one "
+            f"microbatch per pipeline stage: {micro} microbatches < {num_stages} "
+            "stages",
+            f"set pp_microbatches >= {num_stages} (or 0 for the default)",
+        )
     return None

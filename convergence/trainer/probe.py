@@ -67,7 +67,8 @@ PROBE_VERSION = 1
 
 #: FQN segments added by wrappers (activation checkpointing, torch.compile, FSDP1).
 WRAPPER_SEGMENTS: frozenset[str] = frozenset(
-    {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+    {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+)
 
 
 def clean_fqn(name: str) -> str:
@@ -121,6 +122,7 @@ class OutputRecorder:
                     full = isinstance(t, DTensor)
                     x = (t.full_tensor() if isinstance(t, DTensor) else t).detach().double()
                     record.calls.append((x.pow(2).sum().item(), x.sum().item(), full))
+
         return hook
 
     def remove(self) -> None:
@@ -132,15 +134,20 @@ def _group(mesh: Any) -> Any:
     return None if mesh is None else mesh.get_group()
 
 
-def module_sumsq(recorder: OutputRecorder, meshes: Meshes | None,
-                 device: torch.device) -> list[dict[str, Any]]:
+def module_sumsq(
+    recorder: OutputRecorder, meshes: Meshes | None, device: torch.device
+) -> list[dict[str, Any]]:
     """This stage's modules with the squared norm of their full output over the global batch."""
-    records = sorted((r for r in recorder.records.values() if r.calls),
-                     key=lambda r: (r.stage, r.order))
+    records = sorted(
+        (r for r in recorder.records.values() if r.calls), key=lambda r: (r.stage, r.order)
+    )
     if not records:
         return []
-    flat = torch.tensor([[sq, s, float(full)] for r in records for sq, s, full in r.calls],
-                        dtype=torch.float64, device=device)
+    flat = torch.tensor(
+        [[sq, s, float(full)] for r in records for sq, s, full in r.calls],
+        dtype=torch.float64,
+        device=device,
+    )
     if meshes is not None and meshes.tp is not None:
         tp = meshes.tp.size()
         # Gloo wants the output as (tp * rows, cols): gather flat, then split by rank.
@@ -157,8 +164,16 @@ def module_sumsq(recorder: OutputRecorder, meshes: Meshes | None,
     per_module = torch.stack([chunk.sum() for chunk in torch.split(per_call, counts)])
     if meshes is not None and meshes.dp_cp.size() > 1:
         dist.all_reduce(per_module, group=meshes.dp_cp.get_group())
-    return [{"name": r.name, "stage": r.stage, "order": r.order, "sumsq": float(v),
-             "calls": len(r.calls)} for r, v in zip(records, per_module.tolist(), strict=True)]
+    return [
+        {
+            "name": r.name,
+            "stage": r.stage,
+            "order": r.order,
+            "sumsq": float(v),
+            "calls": len(r.calls),
+        }
+        for r, v in zip(records, per_module.tolist(), strict=True)
+    ]
 
 
 def grad_sumsq(chunks: list[tuple[int, nn.Module]], device: torch.device) -> list[dict[str, Any]]:
@@ -193,8 +208,10 @@ def grad_sumsq(chunks: list[tuple[int, nn.Module]], device: torch.device) -> lis
             dist.all_reduce(stacked, group=group)
         for i, v in zip(indices, stacked, strict=True):
             values[i] = v
-    return [{"name": name, "stage": stage, "order": index, "sumsq": float(v)}
-            for (name, stage, index, _, _), v in zip(entries, values, strict=True)]
+    return [
+        {"name": name, "stage": stage, "order": index, "sumsq": float(v)}
+        for (name, stage, index, _, _), v in zip(entries, values, strict=True)
+    ]
 
 
 def dp_losses(local_loss: torch.Tensor | None, meshes: Meshes | None) -> list[float] | None:
@@ -234,20 +251,29 @@ def _forward_order(rows: list[dict[str, Any]], with_calls: bool) -> list[dict[st
     return out
 
 
-def stage_chunks(chunks: list[nn.Module], cfg: TrainConfig,
-                 meshes: Meshes | None) -> list[tuple[int, nn.Module]]:
+def stage_chunks(
+    chunks: list[nn.Module], cfg: TrainConfig, meshes: Meshes | None
+) -> list[tuple[int, nn.Module]]:
     """The engine's chunks with their pipeline stage index (0 without PP)."""
     if meshes is None or meshes.pp is None:
         return [(0, chunk) for chunk in chunks]
     par = cfg.parallelism
-    ids = pp_rules.stage_ids(meshes.pp.get_local_rank(), par.pp, stages_per_rank(cfg),
-                             par.pp_schedule)
+    ids = pp_rules.stage_ids(
+        meshes.pp.get_local_rank(), par.pp, stages_per_rank(cfg), par.pp_schedule
+    )
     return list(zip(ids, chunks, strict=True))
 
 
-def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None,
-              forward_backward: Callable[[], torch.Tensor], device: torch.device, *,
-              is_writer: bool, warm_up: bool = True) -> str:
+def run_probe(
+    cfg: TrainConfig,
+    engine: Any,
+    meshes: Meshes | None,
+    forward_backward: Callable[[], torch.Tensor],
+    device: torch.device,
+    *,
+    is_writer: bool,
+    warm_up: bool = True,
+) -> str:
     """One forward+backward on the batch of ``cfg.probe.step``; probe.json from the writer.
 
     Called by the training loop in place of step ``cfg.probe.step``, so the weights and the
@@ -280,7 +306,9 @@ def run_probe(cfg: TrainConfig, engine: Any, meshes: Meshes | None,
     all_modules = [row for mods, _ in gathered for row in mods]
     all_grads = [row for _, gs in gathered for row in gs]
     data = {
-        "version": PROBE_VERSION, "step": step, "param_dtype": cfg.training.param_dtype,
+        "version": PROBE_VERSION,
+        "step": step,
+        "param_dtype": cfg.training.param_dtype,
         "layout": dataclasses.asdict(cfg.parallelism),
         "loss": sum(losses) / len(losses) if losses else None,
         "dp_losses": losses,

@@ -78,11 +78,17 @@ class TrainState:
 def manifest(cfg: TrainConfig, state: TrainState, global_batch_size: int) -> dict[str, Any]:
     """What a checkpoint was trained for; resume.json."""
     sections = cfg.to_dict()
-    return {"format": FORMAT, "step": state.step, "global_batch_size": global_batch_size,
-            "model": sections["model"], "data": sections["data"],
-            "optimizer": sections["optimizer"], "lr_scheduler": sections["lr_scheduler"],
-            "training": {"seed": cfg.training.seed, "steps": cfg.training.steps},
-            "parallelism": sections["parallelism"]}
+    return {
+        "format": FORMAT,
+        "step": state.step,
+        "global_batch_size": global_batch_size,
+        "model": sections["model"],
+        "data": sections["data"],
+        "optimizer": sections["optimizer"],
+        "lr_scheduler": sections["lr_scheduler"],
+        "training": {"seed": cfg.training.seed, "steps": cfg.training.steps},
+        "parallelism": sections["parallelism"],
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -97,18 +103,23 @@ def model_state(chunks: Sequence[nn.Module]) -> dict[str, Any]:
     return state
 
 
-def optimizer_state(named_params: Sequence[tuple[str, nn.Parameter]],
-                    optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state(
+    named_params: Sequence[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """AdamW's state per parameter FQN: the moments (DTensors sharded like the parameter,
     so DCP reshards them with it) and the step count (a plain tensor, equal on every rank)."""
     out: dict[str, Any] = {}
     for name, param in named_params:
         state = optimizer.state.get(param)
         if not state:
-            raise RuntimeError(f"parameter {name} has no optimizer state at checkpoint time "
-                               "(no gradient yet?): a checkpoint before step 1 is not a resume")
-        out[name] = {"step": torch.as_tensor(state["step"]).detach().clone().float(),
-                     **{key: state[key] for key in MOMENTS}}
+            raise RuntimeError(
+                f"parameter {name} has no optimizer state at checkpoint time "
+                "(no gradient yet?): a checkpoint before step 1 is not a resume"
+            )
+        out[name] = {
+            "step": torch.as_tensor(state["step"]).detach().clone().float(),
+            **{key: state[key] for key in MOMENTS},
+        }
     return out
 
 
@@ -121,11 +132,17 @@ def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_training_checkpoint(folder: str | Path, *, chunks: Sequence[nn.Module],
-                             named_params: Sequence[tuple[str, nn.Parameter]],
-                             optimizer: torch.optim.Optimizer, state: TrainState,
-                             cfg: TrainConfig, global_batch_size: int,
-                             device: torch.device) -> None:
+def save_training_checkpoint(
+    folder: str | Path,
+    *,
+    chunks: Sequence[nn.Module],
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    cfg: TrainConfig,
+    global_batch_size: int,
+    device: torch.device,
+) -> None:
     """Write the training checkpoint of this rank's shards (every rank calls it)."""
     folder = Path(folder)
     model = model_state(chunks)
@@ -133,13 +150,22 @@ def save_training_checkpoint(folder: str | Path, *, chunks: Sequence[nn.Module],
     if names != set(model):
         # The optimizer state is keyed by named_parameters(), the model by the state dict's
         # FQNs; they must be the same names or the resume could not pair them up again.
-        raise RuntimeError(f"parameter names differ from the model state dict's: "
-                           f"{sorted(names ^ set(model))[:4]}")
-    dcp.save({"model": model, "optim": optimizer_state(named_params, optimizer),
-              "train": {"step": torch.tensor(state.step),
-                        "data_position": torch.tensor(state.data_position),
-                        "lr_step": torch.tensor(state.lr_step)},
-              "rng": rng_state(device)}, checkpoint_id=str(folder))
+        raise RuntimeError(
+            f"parameter names differ from the model state dict's: {sorted(names ^ set(model))[:4]}"
+        )
+    dcp.save(
+        {
+            "model": model,
+            "optim": optimizer_state(named_params, optimizer),
+            "train": {
+                "step": torch.tensor(state.step),
+                "data_position": torch.tensor(state.data_position),
+                "lr_step": torch.tensor(state.lr_step),
+            },
+            "rng": rng_state(device),
+        },
+        checkpoint_id=str(folder),
+    )
     # The manifest last: a folder with resume.json holds a complete checkpoint.
     if not dist.is_initialized() or dist.get_rank() == 0:
         text = json.dumps(manifest(cfg, state, global_batch_size), indent=2, sort_keys=True)
@@ -161,8 +187,9 @@ def _differences(saved: Any, wanted: Any, prefix: str) -> list[str]:
     return [] if saved == wanted else [f"{prefix}: checkpoint {saved!r}, this job {wanted!r}"]
 
 
-def check_servable(folder: str | Path, cfg: TrainConfig, global_batch_size: int,
-                   template: dict[str, Any]) -> dict[str, Any]:
+def check_servable(
+    folder: str | Path, cfg: TrainConfig, global_batch_size: int, template: dict[str, Any]
+) -> dict[str, Any]:
     """Raise ResumeError unless the checkpoint in `folder` can continue this job: complete
     (resume.json, .metadata, every shard file), for the same model, data, optimizer, schedule,
     seed, steps and global batch, holding every tensor of `template` at the same global
@@ -172,31 +199,42 @@ def check_servable(folder: str | Path, cfg: TrainConfig, global_batch_size: int,
     if not folder.is_dir():
         raise ResumeError(folder, "the folder does not exist", fix_rerun)
     if not (folder / ".metadata").is_file() or not (folder / MANIFEST).is_file():
-        raise ResumeError(folder, f"no {'.metadata' if (folder / MANIFEST).is_file() else MANIFEST}"
-                          " (not a training checkpoint, or its save did not finish)", fix_rerun)
+        raise ResumeError(
+            folder,
+            f"no {'.metadata' if (folder / MANIFEST).is_file() else MANIFEST}"
+            " (not a training checkpoint, or its save did not finish)",
+            fix_rerun,
+        )
     saved = json.loads((folder / MANIFEST).read_text())
     if saved.get("format") != FORMAT:
-        raise ResumeError(folder, f"format {saved.get('format')!r}, this trainer reads {FORMAT}",
-                          fix_rerun)
+        raise ResumeError(
+            folder, f"format {saved.get('format')!r}, this trainer reads {FORMAT}", fix_rerun
+        )
     wanted = manifest(cfg, TrainState(step=0, data_position=0, lr_step=0), global_batch_size)
     differ = []
-    for section in ("model", "data", "optimizer", "lr_scheduler", "training",
-                    "global_batch_size"):
+    for section in ("model", "data", "optimizer", "lr_scheduler", "training", "global_batch_size"):
         differ += _differences(saved.get(section), wanted[section], section)
     if differ:
-        raise ResumeError(folder, "it was trained for another job: " + "; ".join(differ[:4]),
-                          "resume with the model, data, optimizer, schedule, seed, steps and "
-                          "tokens per step the checkpoint was written with")
+        raise ResumeError(
+            folder,
+            "it was trained for another job: " + "; ".join(differ[:4]),
+            "resume with the model, data, optimizer, schedule, seed, steps and "
+            "tokens per step the checkpoint was written with",
+        )
     step = int(saved["step"])
     if not 1 <= step < cfg.training.steps:
-        raise ResumeError(folder, f"it stopped at step {step}, this job ends at step "
-                          f"{cfg.training.steps}", "resume only from a step inside the run")
+        raise ResumeError(
+            folder,
+            f"it stopped at step {step}, this job ends at step {cfg.training.steps}",
+            "resume only from a step inside the run",
+        )
     metadata = FileSystemReader(str(folder)).read_metadata()
     files = sorted({info.relative_path for info in metadata.storage_data.values()})
     missing = [name for name in files if not (folder / name).is_file()]
     if missing:
-        raise ResumeError(folder, f"shard file(s) {', '.join(missing)} missing (of "
-                          f"{len(files)})", fix_rerun)
+        raise ResumeError(
+            folder, f"shard file(s) {', '.join(missing)} missing (of {len(files)})", fix_rerun
+        )
     stored = metadata.state_dict_metadata
     for key, value in template.items():
         if key not in stored:
@@ -204,8 +242,11 @@ def check_servable(folder: str | Path, cfg: TrainConfig, global_batch_size: int,
         size = getattr(stored[key], "size", None)
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
         if size is not None and shape is not None and tuple(size) != shape:
-            raise ResumeError(folder, f"{key!r} has shape {tuple(size)} there, {shape} here",
-                              "resume with the model the checkpoint was written with")
+            raise ResumeError(
+                folder,
+                f"{key!r} has shape {tuple(size)} there, {shape} here",
+                "resume with the model the checkpoint was written with",
+            )
     return saved
 
 
@@ -226,15 +267,20 @@ def restore_model(chunks: Sequence[nn.Module], loaded: dict[str, Any]) -> None:
         set_model_state_dict(chunk, {name: loaded[name] for name in own})
 
 
-def restore_optimizer(named_params: Sequence[tuple[str, nn.Parameter]],
-                      optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+def restore_optimizer(
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    loaded: dict[str, Any],
+) -> None:
     """AdamW's moments and step count, as if the optimizer had taken the saved steps itself.
     Without them the first step after the resume is Adam's first step again (bias correction
     of step 1: a full-size update in the gradient's sign) -- the curve jumps right there."""
     for name, param in named_params:
         entry = loaded[name]
-        optimizer.state[param] = {"step": entry["step"].clone(),
-                                  **{key: entry[key] for key in MOMENTS}}
+        optimizer.state[param] = {
+            "step": entry["step"].clone(),
+            **{key: entry[key] for key in MOMENTS},
+        }
 
 
 def restore_lr_step(state: TrainState) -> int:
@@ -253,32 +299,47 @@ def restore_rng(loaded: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(loaded["cuda"], device)
 
 
-def load_training_checkpoint(folder: str | Path, *, chunks: Sequence[nn.Module],
-                             named_params: Sequence[tuple[str, nn.Parameter]],
-                             optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-                             global_batch_size: int, device: torch.device) -> TrainState:
+def load_training_checkpoint(
+    folder: str | Path,
+    *,
+    chunks: Sequence[nn.Module],
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    global_batch_size: int,
+    device: torch.device,
+) -> TrainState:
     """Check the checkpoint, then load this layout's slices of it into the model and the
     optimizer (the new layout decides the slices: resharding); return the state to go on from.
     Every rank calls it."""
     model = model_state(chunks)
-    optim = {name: {"step": torch.zeros(()),
-                    **{key: torch.zeros_like(param).detach() for key in MOMENTS}}
-             for name, param in named_params}
-    train = {"step": torch.tensor(0), "data_position": torch.tensor(0),
-             "lr_step": torch.tensor(0)}
+    optim = {
+        name: {
+            "step": torch.zeros(()),
+            **{key: torch.zeros_like(param).detach() for key in MOMENTS},
+        }
+        for name, param in named_params
+    }
+    train = {"step": torch.tensor(0), "data_position": torch.tensor(0), "lr_step": torch.tensor(0)}
     rng = {"torch": torch.get_rng_state()}
     state = {"model": model, "optim": optim, "train": train, "rng": rng}
     check_servable(folder, cfg, global_batch_size, _flatten(state))
     # The CUDA generator only where both runs had one (a CPU checkpoint resumed on a GPU keeps
     # the GPU's seeded generator: nothing drew from the CPU run's, there was none).
-    if device.type == "cuda" and "rng.cuda" in FileSystemReader(
-            str(folder)).read_metadata().state_dict_metadata:
+    if (
+        device.type == "cuda"
+        and "rng.cuda" in FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    ):
         rng["cuda"] = torch.cuda.get_rng_state(device)
     dcp.load(state, checkpoint_id=str(folder))
     restore_model(chunks, model)
     restore_optimizer(named_params, optimizer, optim)
     restore_rng(rng, device)
-    saved = TrainState(step=int(train["step"]), data_position=int(train["data_position"]),
-                       lr_step=int(train["lr_step"]))
-    return TrainState(step=saved.step, data_position=restore_data_position(saved),
-                      lr_step=restore_lr_step(saved))
+    saved = TrainState(
+        step=int(train["step"]),
+        data_position=int(train["data_position"]),
+        lr_step=int(train["lr_step"]),
+    )
+    return TrainState(
+        step=saved.step, data_position=restore_data_position(saved), lr_step=restore_lr_step(saved)
+    )

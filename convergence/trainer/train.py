@@ -106,8 +106,9 @@ def init_distributed(device: torch.device) -> bool:
 # Model: build on meta, parallelise, materialise, load the seed weights
 
 
-def materialize(chunk: nn.Module, cfg: TrainConfig, model_args: ModelArgs,
-                device: torch.device) -> None:
+def materialize(
+    chunk: nn.Module, cfg: TrainConfig, model_args: ModelArgs, device: torch.device
+) -> None:
     """Allocate the (sharded) chunk, recompute buffers, load the seed weights."""
     # With CPU offload FSDP keeps the sharded parameters on the CPU.
     chunk.to_empty(device="cpu" if cfg.training.cpu_offload else device)
@@ -123,12 +124,21 @@ def materialize(chunk: nn.Module, cfg: TrainConfig, model_args: ModelArgs,
         ckpt.load_full_state(chunk, ckpt.full_model(model_args, cfg.training.seed).state_dict())
 
 
-def prepare_chunk(model: Transformer, cfg: TrainConfig, model_args: ModelArgs,
-                  meshes: Meshes | None, hook: HookFn | None, device: torch.device, *,
-                  stage_index: int = 0, num_stages: int = 1) -> nn.Module:
+def prepare_chunk(
+    model: Transformer,
+    cfg: TrainConfig,
+    model_args: ModelArgs,
+    meshes: Meshes | None,
+    hook: HookFn | None,
+    device: torch.device,
+    *,
+    stage_index: int = 0,
+    num_stages: int = 1,
+) -> nn.Module:
     """A meta-device chunk (the whole model, or one PP stage) -> ready to train."""
-    chunk = parallelize_chunk(model, meshes, cfg, hook, stage_index=stage_index,
-                              num_stages=num_stages)
+    chunk = parallelize_chunk(
+        model, meshes, cfg, hook, stage_index=stage_index, num_stages=num_stages
+    )
     materialize(chunk, cfg, model_args, device)
     return chunk
 
@@ -166,10 +176,16 @@ class TokenWeight:
 
 def make_loss_fn(weight: TokenWeight, undo_divisor: int = 1) -> LossFn:
     """Weighted sum of the token losses; `undo_divisor` cancels a division applied later."""
+
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                             ignore_index=IGNORE_INDEX, reduction="sum")
+        ce = F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            targets.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
         return ce * (weight.value * undo_divisor)
+
     return loss_fn
 
 
@@ -189,8 +205,9 @@ class Engine:
     """Set per global batch (TokenWeight.use) before its forward: the loss function reads it."""
 
 
-def shard_for_cp(inputs: torch.Tensor, targets: torch.Tensor,
-                 meshes: Meshes | None) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_for_cp(
+    inputs: torch.Tensor, targets: torch.Tensor, meshes: Meshes | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if meshes is None or meshes.cp is None:
         return inputs, targets
     return shard_sequence(inputs, meshes.cp), shard_sequence(targets, meshes.cp)
@@ -215,29 +232,55 @@ def plain_engine(chunk: nn.Module, weight: TokenWeight, meshes: Meshes | None) -
     def evaluate(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return run(inputs, targets).detach()
 
-    return Engine(chunks=[chunk], forward_backward=forward_backward, evaluate=evaluate,
-                  holds_loss=True, weight=weight)
+    return Engine(
+        chunks=[chunk],
+        forward_backward=forward_backward,
+        evaluate=evaluate,
+        holds_loss=True,
+        weight=weight,
+    )
 
 
-def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hook: HookFn | None,
-                    device: torch.device, weight: TokenWeight) -> Engine:
+def pipeline_engine(
+    cfg: TrainConfig,
+    model_args: ModelArgs,
+    meshes: Meshes,
+    hook: HookFn | None,
+    device: torch.device,
+    weight: TokenWeight,
+) -> Engine:
     """Engine with PP: this rank's stages, each prepared like a whole model, in a schedule."""
 
     assert meshes.pp is not None
     par = cfg.parallelism
     spr = stages_per_rank(cfg)  # checked by check_config (pp_rules) at start
     num_stages = par.pp * spr
-    pieces = pl.split_model_for_pp(lambda args: build_model(args, "meta"), model_args,
-                                   meshes.pp.get_local_rank(), par.pp, spr, par.pp_schedule)
+    pieces = pl.split_model_for_pp(
+        lambda args: build_model(args, "meta"),
+        model_args,
+        meshes.pp.get_local_rank(),
+        par.pp,
+        spr,
+        par.pp_schedule,
+    )
     stage_ids = [index for index, _ in pieces]
-    chunks = [prepare_chunk(piece, cfg, model_args, meshes, hook, device,
-                            stage_index=index, num_stages=num_stages)
-              for index, piece in pieces]
+    chunks = [
+        prepare_chunk(
+            piece, cfg, model_args, meshes, hook, device, stage_index=index, num_stages=num_stages
+        )
+        for index, piece in pieces
+    ]
     num_micro = pp_microbatches(cfg)
-    schedule = pl.build_schedule(chunks, stage_ids, num_stages=num_stages, pp_group=meshes.pp,
-                                 device=device, n_microbatches=num_micro,
-                                 loss_fn=make_loss_fn(weight, undo_divisor=num_micro),
-                                 schedule_name=par.pp_schedule)
+    schedule = pl.build_schedule(
+        chunks,
+        stage_ids,
+        num_stages=num_stages,
+        pp_group=meshes.pp,
+        device=device,
+        n_microbatches=num_micro,
+        loss_fn=make_loss_fn(weight, undo_divisor=num_micro),
+        schedule_name=par.pp_schedule,
+    )
     first, last = 0 in stage_ids, num_stages - 1 in stage_ids
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -248,12 +291,22 @@ def pipeline_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes, hoo
         inputs, targets = shard_for_cp(inputs, targets, meshes)
         return pl.pipeline_eval(schedule, inputs, targets, first, last)
 
-    return Engine(chunks=chunks, forward_backward=forward_backward, evaluate=evaluate,
-                  holds_loss=last, weight=weight)
+    return Engine(
+        chunks=chunks,
+        forward_backward=forward_backward,
+        evaluate=evaluate,
+        holds_loss=last,
+        weight=weight,
+    )
 
 
-def build_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes | None,
-                 hook: HookFn | None, device: torch.device) -> Engine:
+def build_engine(
+    cfg: TrainConfig,
+    model_args: ModelArgs,
+    meshes: Meshes | None,
+    hook: HookFn | None,
+    device: torch.device,
+) -> Engine:
     """The plain or the pipeline engine, whichever the layout needs."""
     weight = TokenWeight(num_ranks=meshes.dp_cp.size() if meshes is not None else 1)
     if meshes is not None and meshes.pp is not None:
@@ -265,8 +318,9 @@ def build_engine(cfg: TrainConfig, model_args: ModelArgs, meshes: Meshes | None,
 MicrostepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
-def microsteps(run: MicrostepFn, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-               device: torch.device) -> torch.Tensor:
+def microsteps(
+    run: MicrostepFn, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> torch.Tensor:
     """`run` (Engine.forward_backward or Engine.evaluate) on each local batch, in order; the sum
     of the losses this rank computed (zero off the last PP stage). The one microstep loop of
     training, validation and the probe: set the token weight (TokenWeight.use) first."""
@@ -345,9 +399,12 @@ def add_counts(total: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, 
     by_op = dict(total["by_op"])
     for name, num in more["by_op"].items():
         by_op[name] = by_op.get(name, 0) + num
-    return {"forward": total["forward"] + more["forward"],
-            "backward": total["backward"] + more["backward"],
-            "total": total["total"] + more["total"], "by_op": dict(sorted(by_op.items()))}
+    return {
+        "forward": total["forward"] + more["forward"],
+        "backward": total["backward"] + more["backward"],
+        "total": total["total"] + more["total"],
+        "by_op": dict(sorted(by_op.items())),
+    }
 
 
 class CollectiveCounter:
@@ -371,6 +428,7 @@ class CollectiveCounter:
                 loss = run(inputs, targets)
             self.counts = add_counts(self.counts, comm.to_dict())
             return loss
+
         return counted
 
 
@@ -378,8 +436,7 @@ def is_logger(engine: Engine, meshes: Meshes | None) -> bool:
     """The one writer: global rank 0, or with PP the first rank of the last stage."""
     if meshes is None:  # not distributed
         return True
-    return engine.holds_loss and all(
-        c == 0 for c in meshes.world.get_coordinate()[1:])  # type: ignore[index]
+    return engine.holds_loss and all(c == 0 for c in meshes.world.get_coordinate()[1:])  # type: ignore[index]
 
 
 def probe_step(cfg: TrainConfig) -> int | None:
@@ -389,9 +446,13 @@ def probe_step(cfg: TrainConfig) -> int | None:
     return None
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]],
-                   parts: tuple[str, ...], pp_group: dist.ProcessGroup | None,
-                   max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    named_params: list[tuple[str, nn.Parameter]],
+    parts: tuple[str, ...],
+    pp_group: dist.ProcessGroup | None,
+    max_norm: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Norms of the accumulated gradient, clip, step, zero: (total norm, norm per part)."""
     # Norm of the full gradient (all shards, all stages) and of each part of the model
     # (optim.grad_norms: a bug in one kind of weight hides in the total), then clip.
@@ -407,23 +468,40 @@ def optimizer_step(optimizer: torch.optim.Optimizer, named_params: list[tuple[st
 # The run
 
 
-def run_meta(cfg: TrainConfig, world_size: int, source: SampleSource, num_params: int,
-             tokens_per_step: int, device: torch.device, status: str,
-             last_step: int) -> dict[str, Any]:
+def run_meta(
+    cfg: TrainConfig,
+    world_size: int,
+    source: SampleSource,
+    num_params: int,
+    tokens_per_step: int,
+    device: torch.device,
+    status: str,
+    last_step: int,
+) -> dict[str, Any]:
     par = cfg.parallelism
     seed_ckpt = cfg.checkpoint.seed_checkpoint
     return {
         "world_size": world_size,
-        "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp,
-                   "cp": par.cp, "pp": par.pp, "pp_schedule": par.pp_schedule,
-                   "pp_microbatches": pp_microbatches(cfg) if par.pp > 1 else 0,
-                   "stages_per_rank": stages_per_rank(cfg),
-                   "sequence_parallel": par.sequence_parallel},
+        "layout": {
+            "dp_replicate": par.dp_replicate,
+            "dp_shard": par.dp_shard,
+            "tp": par.tp,
+            "cp": par.cp,
+            "pp": par.pp,
+            "pp_schedule": par.pp_schedule,
+            "pp_microbatches": pp_microbatches(cfg) if par.pp > 1 else 0,
+            "stages_per_rank": stages_per_rank(cfg),
+            "sequence_parallel": par.sequence_parallel,
+        },
         "seed_checkpoint": seed_ckpt,
         "seed_checkpoint_sha256": ckpt.checkpoint_sha256(seed_ckpt) if seed_ckpt else None,
-        "entropy_floor": source.entropy_floor, "num_params": num_params,
-        "tokens_per_step": tokens_per_step, "torch_version": torch.__version__,
-        "device": str(device), "status": status, "last_step": last_step,
+        "entropy_floor": source.entropy_floor,
+        "num_params": num_params,
+        "tokens_per_step": tokens_per_step,
+        "torch_version": torch.__version__,
+        "device": str(device),
+        "status": status,
+        "last_step": last_step,
         "config": cfg.to_dict(),
     }
 
@@ -441,8 +519,12 @@ def train(cfg: TrainConfig) -> str:
     meshes = build_meshes(cfg, device.type) if distributed else None
     dp = par.dp_replicate * par.dp_shard
     dp_rank = meshes.data.get_local_rank() if meshes is not None else 0
-    plan = BatchPlan(local_batch_size=training.local_batch_size, dp=dp, dp_rank=dp_rank,
-                     grad_accum_steps=training.grad_accum_steps)
+    plan = BatchPlan(
+        local_batch_size=training.local_batch_size,
+        dp=dp,
+        dp_rank=dp_rank,
+        grad_accum_steps=training.grad_accum_steps,
+    )
     tokens_per_step = plan.global_batch_size * cfg.data.seq_len
     source = build_source(cfg)
 
@@ -460,9 +542,13 @@ def train(cfg: TrainConfig) -> str:
     counter = CollectiveCounter(cfg)
 
     def meta(status: str, last_step: int) -> dict[str, Any]:
-        return {**run_meta(cfg, world_size, source, num_params, tokens_per_step, device, status,
-                           last_step), META_KEY: counter.counts,
-                "block_pattern": cfg.model.block_pattern or "standard"}
+        return {
+            **run_meta(
+                cfg, world_size, source, num_params, tokens_per_step, device, status, last_step
+            ),
+            META_KEY: counter.counts,
+            "block_pattern": cfg.model.block_pattern or "standard",
+        }
 
     # A resume (checkpoint.resume_from) continues a run that stopped after step K, possibly
     # under another layout: weights and AdamW moments are loaded as this layout's shards, and
@@ -472,13 +558,19 @@ def train(cfg: TrainConfig) -> str:
     first_step, lr_offset, train_plan = 1, 0, plan
     if cfg.checkpoint.resume_from:
         restored = resume.load_training_checkpoint(
-            cfg.checkpoint.resume_from, chunks=engine.chunks, named_params=named_params,
-            optimizer=optimizer, cfg=cfg, global_batch_size=plan.global_batch_size,
-            device=device)
+            cfg.checkpoint.resume_from,
+            chunks=engine.chunks,
+            named_params=named_params,
+            optimizer=optimizer,
+            cfg=cfg,
+            global_batch_size=plan.global_batch_size,
+            device=device,
+        )
         first_step = restored.step + 1
         lr_offset = restored.lr_step - restored.step
-        train_plan = replace(plan, offset=restored.data_position
-                             - restored.step * plan.global_batch_size)
+        train_plan = replace(
+            plan, offset=restored.data_position - restored.step * plan.global_batch_size
+        )
     save_at = cfg.checkpoint.save_at_step
 
     writer.write_meta(meta("running", first_step - 1))
@@ -498,10 +590,12 @@ def train(cfg: TrainConfig) -> str:
             # data fingerprint; then forward/backward over the microsteps into .grad.
             data = read_step(source, train_plan, step, TRAIN, device, data_group(meshes))
             engine.weight.use(data.num_tokens)
-            local_loss = microsteps(counter.around(step, engine.forward_backward), data.batches,
-                                    device)
-            grad_norm, part_norms = optimizer_step(optimizer, named_params, parts, pp_group,
-                                                   training.max_norm)
+            local_loss = microsteps(
+                counter.around(step, engine.forward_backward), data.batches, device
+            )
+            grad_norm, part_norms = optimizer_step(
+                optimizer, named_params, parts, pp_group, training.max_norm
+            )
 
             # Every dp x cp rank holds (D/N) * its token-loss sum: their mean is the global mean.
             global_loss = average_over(local_loss, meshes) if engine.holds_loss else None
@@ -515,26 +609,40 @@ def train(cfg: TrainConfig) -> str:
             peak_mem = peak_mem_over_ranks(device, distributed) if log_now else 0.0
             if logger and global_loss is not None and log_now:
                 record: dict[str, float | int] = {
-                    "step": step, "loss": global_loss.item(), "grad_norm": grad_norm.item(),
+                    "step": step,
+                    "loss": global_loss.item(),
+                    "grad_norm": grad_norm.item(),
                     "grad_norm_parts": parts_geomean(part_norms),
-                    **{f"grad_norm/{part}": float(norm)
-                       for part, norm in zip(parts, part_norms.tolist(), strict=True)},
-                    "lr": lr, "tokens_per_s": tokens_per_step / step_time,
+                    **{
+                        f"grad_norm/{part}": float(norm)
+                        for part, norm in zip(parts, part_norms.tolist(), strict=True)
+                    },
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_step / step_time,
                     "peak_mem_mib": peak_mem,
                     "wall_s": time.perf_counter() - start,
                     # < 2**48: exact as a JSON number / float64 (data.FINGERPRINT_BITS).
-                    "data_fingerprint": data.fingerprint}
+                    "data_fingerprint": data.fingerprint,
+                }
                 if val_loss is not None:
                     record["val_loss"] = val_loss
                 writer.log(record)
             if step == save_at:
                 # Stop here as an interrupted job would, leaving everything a resume needs.
                 resume.save_training_checkpoint(
-                    cfg.checkpoint.save_folder, chunks=engine.chunks, named_params=named_params,
-                    optimizer=optimizer, cfg=cfg, global_batch_size=plan.global_batch_size,
-                    device=device, state=resume.TrainState(
-                        step=step, lr_step=step + lr_offset,
-                        data_position=train_plan.offset + step * plan.global_batch_size))
+                    cfg.checkpoint.save_folder,
+                    chunks=engine.chunks,
+                    named_params=named_params,
+                    optimizer=optimizer,
+                    cfg=cfg,
+                    global_batch_size=plan.global_batch_size,
+                    device=device,
+                    state=resume.TrainState(
+                        step=step,
+                        lr_step=step + lr_offset,
+                        data_position=train_plan.offset + step * plan.global_batch_size,
+                    ),
+                )
                 status = "checkpointed"
                 break
             if stop.should_stop(distributed, device):
@@ -553,8 +661,15 @@ def train(cfg: TrainConfig) -> str:
                 engine.weight.use(data.num_tokens)
                 return microsteps(engine.forward_backward, data.batches, device)
 
-            status = run_probe(cfg, engine, meshes, probe_forward_backward, device,
-                               is_writer=logger, warm_up=step == 1)
+            status = run_probe(
+                cfg,
+                engine,
+                meshes,
+                probe_forward_backward,
+                device,
+                is_writer=logger,
+                warm_up=step == 1,
+            )
     except BaseException:
         status = "failed"
         raise
@@ -567,8 +682,14 @@ def train(cfg: TrainConfig) -> str:
 
 
 @torch.no_grad()
-def validate(engine: Engine, source: SampleSource, plan: BatchPlan, meshes: Meshes | None,
-             cfg: TrainConfig, device: torch.device) -> float | None:
+def validate(
+    engine: Engine,
+    source: SampleSource,
+    plan: BatchPlan,
+    meshes: Meshes | None,
+    cfg: TrainConfig,
+    device: torch.device,
+) -> float | None:
     """Mean held-out loss over metrics.val_batches global batches (the training batch plan on
     the validation split, so every layout evaluates the same samples)."""
     if engine.evaluate is None:
@@ -576,8 +697,10 @@ def validate(engine: Engine, source: SampleSource, plan: BatchPlan, meshes: Mesh
     for chunk in engine.chunks:
         chunk.eval()
     # All validation batches form one pool: the weight is D / (their valid tokens in total).
-    steps: list[StepData] = [read_step(source, plan, batch + 1, VAL, device, data_group(meshes))
-                             for batch in range(cfg.metrics.val_batches)]
+    steps: list[StepData] = [
+        read_step(source, plan, batch + 1, VAL, device, data_group(meshes))
+        for batch in range(cfg.metrics.val_batches)
+    ]
     engine.weight.use(sum(data.num_tokens for data in steps))
     total = microsteps(engine.evaluate, (b for data in steps for b in data.batches), device)
     for chunk in engine.chunks:
@@ -592,7 +715,11 @@ def create_seed(cfg: TrainConfig) -> str:
     check_config(cfg, None)
     folder = cfg.checkpoint.seed_checkpoint
     if not folder:
-        raise SpecError("no folder to create the seed checkpoint in", file=cfg.source,
-                        key="checkpoint.seed_checkpoint", fix="set --checkpoint.seed_checkpoint=DIR")
+        raise SpecError(
+            "no folder to create the seed checkpoint in",
+            file=cfg.source,
+            key="checkpoint.seed_checkpoint",
+            fix="set --checkpoint.seed_checkpoint=DIR",
+        )
     model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
     return ckpt.create_seed_checkpoint(model_args, cfg.training.seed, folder)

@@ -46,46 +46,79 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     for key in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
         if getattr(par, key) < 1:
             fail(f"parallelism.{key}", "must be >= 1", f"set parallelism.{key} to 1 or more")
-    for key, value in (("model.dim", model.dim), ("model.n_layers", model.n_layers),
-                       ("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
-                       ("model.vocab_size", model.vocab_size), ("data.seq_len", data.seq_len),
-                       ("training.steps", train.steps),
-                       ("training.local_batch_size", train.local_batch_size),
-                       ("training.grad_accum_steps", train.grad_accum_steps)):
+    for key, value in (
+        ("model.dim", model.dim),
+        ("model.n_layers", model.n_layers),
+        ("model.n_heads", model.n_heads),
+        ("model.n_kv_heads", model.n_kv_heads),
+        ("model.vocab_size", model.vocab_size),
+        ("data.seq_len", data.seq_len),
+        ("training.steps", train.steps),
+        ("training.local_batch_size", train.local_batch_size),
+        ("training.grad_accum_steps", train.grad_accum_steps),
+    ):
         if value < 1:
             fail(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
     if model.n_heads % model.n_kv_heads:
-        fail("model.n_kv_heads", f"n_kv_heads={model.n_kv_heads} must divide "
-             f"n_heads={model.n_heads}", "pick n_kv_heads among the divisors of n_heads")
+        fail(
+            "model.n_kv_heads",
+            f"n_kv_heads={model.n_kv_heads} must divide n_heads={model.n_heads}",
+            "pick n_kv_heads among the divisors of n_heads",
+        )
     if model.dim % model.n_heads or (model.dim // model.n_heads) % 2:
-        fail("model.n_heads", f"dim={model.dim} / n_heads={model.n_heads} must be an even "
-             "integer head size (rotary rotates pairs)", "pick n_heads so dim/n_heads is even")
+        fail(
+            "model.n_heads",
+            f"dim={model.dim} / n_heads={model.n_heads} must be an even "
+            "integer head size (rotary rotates pairs)",
+            "pick n_heads so dim/n_heads is even",
+        )
     _check_blocks(cfg, fail)
     if model.name != "llama":
-        fail("model.name", f"unknown model {model.name!r}", "use \"llama\"")
+        fail("model.name", f"unknown model {model.name!r}", 'use "llama"')
     if par.tp > 1:
-        for key, heads in (("model.n_heads", model.n_heads),
-                           ("model.n_kv_heads", model.n_kv_heads)):
+        for key, heads in (
+            ("model.n_heads", model.n_heads),
+            ("model.n_kv_heads", model.n_kv_heads),
+        ):
             if heads % par.tp:
-                fail("parallelism.tp", f"tp={par.tp} must divide {key}={heads} (each TP rank "
-                     "holds whole heads)", f"choose tp among the divisors of {heads}")
+                fail(
+                    "parallelism.tp",
+                    f"tp={par.tp} must divide {key}={heads} (each TP rank holds whole heads)",
+                    f"choose tp among the divisors of {heads}",
+                )
         if cfg.model.ffn_hidden_dim and cfg.model.ffn_hidden_dim % par.tp:
-            fail("parallelism.tp", f"tp={par.tp} must divide model.ffn_hidden_dim",
-                 "choose tp dividing ffn_hidden_dim")
+            fail(
+                "parallelism.tp",
+                f"tp={par.tp} must divide model.ffn_hidden_dim",
+                "choose tp dividing ffn_hidden_dim",
+            )
     if par.sequence_parallel and par.tp == 1:
-        fail("parallelism.sequence_parallel", "sequence parallel needs tp > 1",
-             "set parallelism.tp >= 2 or sequence_parallel = false")
+        fail(
+            "parallelism.sequence_parallel",
+            "sequence parallel needs tp > 1",
+            "set parallelism.tp >= 2 or sequence_parallel = false",
+        )
     if par.sequence_parallel and (data.seq_len // par.cp) % par.tp:
-        fail("parallelism.sequence_parallel", f"tp={par.tp} must divide the local sequence "
-             f"length {data.seq_len // par.cp}", "choose seq_len divisible by tp*cp")
+        fail(
+            "parallelism.sequence_parallel",
+            f"tp={par.tp} must divide the local sequence length {data.seq_len // par.cp}",
+            "choose seq_len divisible by tp*cp",
+        )
     if model.tie_embeddings and (par.tp > 1 or par.pp > 1 or par.dp_shard * par.cp > 1):
-        fail("model.tie_embeddings", "tied embeddings are supported single-process and with "
-             "DDP only (not with FSDP, TP or PP sharding)", "set model.tie_embeddings = false")
+        fail(
+            "model.tie_embeddings",
+            "tied embeddings are supported single-process and with "
+            "DDP only (not with FSDP, TP or PP sharding)",
+            "set model.tie_embeddings = false",
+        )
     if data.seq_len % par.cp:
-        fail("parallelism.cp", f"cp={par.cp} must divide data.seq_len={data.seq_len}",
-             "choose cp among the divisors of seq_len")
+        fail(
+            "parallelism.cp",
+            f"cp={par.cp} must divide data.seq_len={data.seq_len}",
+            "choose cp among the divisors of seq_len",
+        )
     if data.source not in ("synthetic", "text"):
-        fail("data.source", f"unknown source {data.source!r}", "use \"synthetic\" or \"text\"")
+        fail("data.source", f"unknown source {data.source!r}", 'use "synthetic" or "text"')
     if data.source == "text" and not data.path:
         fail("data.path", "the text source needs a file", "set data.path to a local text file")
     if data.source == "text" and data.tokenizer == "byte" and model.vocab_size < 256:
@@ -96,8 +129,11 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
     # Last, so a degree that cannot work at all is reported as such, not as a count mismatch.
     size = world_size_of(cfg)
     if world_size is not None and size != world_size:
-        fail("parallelism", f"dp_replicate*dp_shard*tp*pp*cp = {size} but the world size is "
-             f"{world_size}", "make the product of the degrees equal the number of processes")
+        fail(
+            "parallelism",
+            f"dp_replicate*dp_shard*tp*pp*cp = {size} but the world size is {world_size}",
+            "make the product of the degrees equal the number of processes",
+        )
 
 
 def _check_blocks(cfg: TrainConfig, fail: Fail) -> None:
@@ -106,41 +142,59 @@ def _check_blocks(cfg: TrainConfig, fail: Fail) -> None:
     kinds = parse_block_pattern(model.block_pattern, model.n_layers)
     for kind in kinds:
         if kind not in BLOCK_KINDS:
-            fail("model.block_pattern", f"unknown block kind {kind!r}",
-                 f"use kinds among {', '.join(BLOCK_KINDS)} (comma-separated, repeated over "
-                 "the layers)")
+            fail(
+                "model.block_pattern",
+                f"unknown block kind {kind!r}",
+                f"use kinds among {', '.join(BLOCK_KINDS)} (comma-separated, repeated over "
+                "the layers)",
+            )
     if "parallel" not in kinds:
         return
     groups = model.parallel_groups
     if groups < 1:
         fail("model.parallel_groups", f"must be >= 1, got {groups}", "set it to 2 or more")
-    for key, size in (("model.dim", model.dim), ("model.n_heads", model.n_heads),
-                      ("model.n_kv_heads", model.n_kv_heads)):
+    for key, size in (
+        ("model.dim", model.dim),
+        ("model.n_heads", model.n_heads),
+        ("model.n_kv_heads", model.n_kv_heads),
+    ):
         if size % groups:
-            fail("model.parallel_groups", f"parallel_groups={groups} must divide {key}={size} "
-                 "(each slice of a parallel block holds whole heads)",
-                 f"choose parallel_groups among the divisors of {size}")
+            fail(
+                "model.parallel_groups",
+                f"parallel_groups={groups} must divide {key}={size} "
+                "(each slice of a parallel block holds whole heads)",
+                f"choose parallel_groups among the divisors of {size}",
+            )
     if groups % par.tp:
-        fail("model.parallel_groups", f"tp={par.tp} must divide parallel_groups={groups} "
-             "(each TP rank computes whole slices of a parallel block, without communication)",
-             f"set model.parallel_groups to a multiple of {par.tp}")
+        fail(
+            "model.parallel_groups",
+            f"tp={par.tp} must divide parallel_groups={groups} "
+            "(each TP rank computes whole slices of a parallel block, without communication)",
+            f"set model.parallel_groups to a multiple of {par.tp}",
+        )
     if par.sequence_parallel:
         # The residual stream of a parallel block is sharded on the hidden dim; with SP it is
         # sequence-sharded elsewhere, and switching between the two is an all-to-all that the
         # built-in plan does not do.
-        fail("parallelism.sequence_parallel", "\"parallel\" blocks (model.block_pattern) do not "
-             "support sequence parallel", "set sequence_parallel = false, or use standard/"
-             "single_sync blocks only")
+        fail(
+            "parallelism.sequence_parallel",
+            '"parallel" blocks (model.block_pattern) do not support sequence parallel',
+            "set sequence_parallel = false, or use standard/single_sync blocks only",
+        )
 
 
 def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
     """The PP rules (pp_rules.layout_problem): the same ones the trainer builds stages by."""
     par = cfg.parallelism
     problem = pp_rules.layout_problem(
-        schedule=par.pp_schedule, pp=par.pp, stages_configured=par.pp_stages_per_rank,
-        microbatches_configured=par.pp_microbatches, n_layers=cfg.model.n_layers,
+        schedule=par.pp_schedule,
+        pp=par.pp,
+        stages_configured=par.pp_stages_per_rank,
+        microbatches_configured=par.pp_microbatches,
+        n_layers=cfg.model.n_layers,
         local_batch_size=cfg.training.local_batch_size,
-        data_parallel=par.dp_replicate * par.dp_shard * par.cp)
+        data_parallel=par.dp_replicate * par.dp_shard * par.cp,
+    )
     if problem is not None:
         fail(problem.key, problem.message, problem.fix)
 
@@ -149,11 +203,17 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
     train, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     for key in ("param_dtype", "reduce_dtype"):
         if getattr(train, key) not in DTYPES:
-            fail(f"training.{key}", f"unknown dtype {getattr(train, key)!r}",
-                 f"use one of {', '.join(DTYPES)}")
+            fail(
+                f"training.{key}",
+                f"unknown dtype {getattr(train, key)!r}",
+                f"use one of {', '.join(DTYPES)}",
+            )
     if ac.mode not in AC_MODES:
-        fail("activation_checkpoint.mode", f"unknown mode {ac.mode!r}",
-             f"use one of {', '.join(AC_MODES)}")
+        fail(
+            "activation_checkpoint.mode",
+            f"unknown mode {ac.mode!r}",
+            f"use one of {', '.join(AC_MODES)}",
+        )
     if ac.mode == "selective" and ac.selective_layer_freq < 1:
         fail("activation_checkpoint.selective_layer_freq", "must be >= 1", "set it to 1 or more")
     if train.device not in ("auto", "cpu", "cuda"):
@@ -163,24 +223,39 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
         # such policy, so a bf16 request there would silently train in fp32.
         for key in ("param_dtype", "reduce_dtype"):
             if getattr(train, key) != "float32":
-                fail(f"training.{key}", f"{getattr(train, key)} is applied through FSDP2 "
-                     "(MixedPrecisionPolicy), and this layout has no FSDP (dp_shard*cp = 1): it "
-                     "would silently train in float32",
-                     "set parallelism.dp_shard >= 2 (FSDP/HSDP), or keep float32 here")
+                fail(
+                    f"training.{key}",
+                    f"{getattr(train, key)} is applied through FSDP2 "
+                    "(MixedPrecisionPolicy), and this layout has no FSDP (dp_shard*cp = 1): it "
+                    "would silently train in float32",
+                    "set parallelism.dp_shard >= 2 (FSDP/HSDP), or keep float32 here",
+                )
     if train.cpu_offload and par.dp_shard * par.cp == 1:
-        fail("training.cpu_offload", "CPU offload is an FSDP feature and needs dp_shard*cp > 1",
-             "set parallelism.dp_shard >= 2 or cpu_offload = false")
+        fail(
+            "training.cpu_offload",
+            "CPU offload is an FSDP feature and needs dp_shard*cp > 1",
+            "set parallelism.dp_shard >= 2 or cpu_offload = false",
+        )
     if cfg.optimizer.name not in ("AdamW", "adamw"):
-        fail("optimizer.name", f"unknown optimizer {cfg.optimizer.name!r}", "use \"AdamW\"")
+        fail("optimizer.name", f"unknown optimizer {cfg.optimizer.name!r}", 'use "AdamW"')
     if cfg.lr_scheduler.decay_type not in ("cosine", "linear", "none"):
-        fail("lr_scheduler.decay_type", f"unknown decay {cfg.lr_scheduler.decay_type!r}",
-             "use cosine, linear or none")
+        fail(
+            "lr_scheduler.decay_type",
+            f"unknown decay {cfg.lr_scheduler.decay_type!r}",
+            "use cosine, linear or none",
+        )
     if par.hook and ":" not in par.hook:
-        fail("parallelism.hook", f"hook {par.hook!r} is not \"package.module:function\"",
-             "write it as package.module:function")
+        fail(
+            "parallelism.hook",
+            f'hook {par.hook!r} is not "package.module:function"',
+            "write it as package.module:function",
+        )
     if par.hook_mode not in ("after", "replace_tp"):
-        fail("parallelism.hook_mode", f"unknown mode {par.hook_mode!r}",
-             "use \"after\" or \"replace_tp\"")
+        fail(
+            "parallelism.hook_mode",
+            f"unknown mode {par.hook_mode!r}",
+            'use "after" or "replace_tp"',
+        )
     if par.hook_mode == "replace_tp" and not par.hook:
         fail("parallelism.hook_mode", "replace_tp needs a hook", "set parallelism.hook")
     if cfg.metrics.log_freq < 1:
@@ -191,11 +266,21 @@ def _check_resume(cfg: TrainConfig, fail: Fail) -> None:
     """The training checkpoint keys (convergence.trainer.resume)."""
     ckpt, steps = cfg.checkpoint, cfg.training.steps
     if ckpt.save_at_step and not 1 <= ckpt.save_at_step < steps:
-        fail("checkpoint.save_at_step", f"save_at_step={ckpt.save_at_step} is not inside the "
-             f"run (1..{steps - 1})", f"set it between 1 and training.steps - 1 = {steps - 1}")
+        fail(
+            "checkpoint.save_at_step",
+            f"save_at_step={ckpt.save_at_step} is not inside the run (1..{steps - 1})",
+            f"set it between 1 and training.steps - 1 = {steps - 1}",
+        )
     if ckpt.save_at_step and not ckpt.save_folder:
-        fail("checkpoint.save_folder", "save_at_step needs a folder to write into",
-             "set --checkpoint.save_folder=DIR")
+        fail(
+            "checkpoint.save_folder",
+            "save_at_step needs a folder to write into",
+            "set --checkpoint.save_folder=DIR",
+        )
     if (ckpt.save_at_step or ckpt.resume_from) and cfg.probe.enable:
-        fail("probe.enable", "the numerics probe replays a run from step 1; it does not "
-             "save or resume training checkpoints", "drop the checkpoint keys from the probe")
+        fail(
+            "probe.enable",
+            "the numerics probe replays a run from step 1; it does not "
+            "save or resume training checkpoints",
+            "drop the checkpoint keys from the probe",
+        )

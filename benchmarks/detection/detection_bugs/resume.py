@@ -27,8 +27,12 @@ def optimizer_state_dropped(model: nn.Module, ctx: HookContext) -> None:
     gradient) instead of a step with K steps of moments; its loss is still right (computed
     before the update), the next one is not: first divergent step K+2.
     """
-    def restore_optimizer(named_params: Sequence[tuple[str, nn.Parameter]],
-                          optimizer: torch.optim.Optimizer, loaded: dict[str, Any]) -> None:
+
+    def restore_optimizer(
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer,
+        loaded: dict[str, Any],
+    ) -> None:
         return None
 
     resume.restore_optimizer = restore_optimizer
@@ -41,6 +45,7 @@ def scheduler_restarted(model: nn.Module, ctx: HookContext) -> None:
     loss of step K+1 is right, its update is far too small: first divergent step K+2 (the lr
     itself differs from K+1).
     """
+
     def restore_lr_step(state: resume.TrainState) -> int:
         return 0
 
@@ -53,6 +58,7 @@ def data_restarted(model: nn.Module, ctx: HookContext) -> None:
     Real bug: a stateless sampler rebuilt at the resume, so the run sees its first samples
     twice. Step K+1 reads step 1's samples: the data fingerprint differs exactly there.
     """
+
     def restore_data_position(state: resume.TrainState) -> int:
         return 0
 

@@ -33,6 +33,7 @@ def _local_norm_forward(grad_placements: Any) -> Any:
     means "like the weight" (Replicate: the gradient is taken as complete -- the bug);
     ``[Partial()]`` says it is a partial sum, so DTensor all-reduces it (correct).
     """
+
     def forward(self: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if not isinstance(x, DTensor) or not isinstance(weight, DTensor):
@@ -41,6 +42,7 @@ def _local_norm_forward(grad_placements: Any) -> Any:
         w = weight.to_local(grad_placements=grad_placements)
         out = _rms(local, self.eps).type_as(local) * w
         return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False)
+
     return forward
 
 
@@ -81,8 +83,9 @@ def norm_grad_reduced_twice(model: nn.Module, ctx: HookContext) -> None:
     for norm in _sp_norms(model, ctx):
         copies = ctx.tp_mesh.size() - 1  # type: ignore[union-attr]
 
-        def again(module: nn.Module, args: tuple[Any, ...], output: Any,
-                  copies: int = copies) -> Any:
+        def again(
+            module: nn.Module, args: tuple[Any, ...], output: Any, copies: int = copies
+        ) -> Any:
             x = args[0]
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and ctx.tp_mesh:
                 x = DTensor.from_local(x, ctx.tp_mesh, output.placements, run_check=False)
@@ -96,8 +99,9 @@ class _RowwiseWithoutReduce(RowwiseParallel):
     """Row-wise linear whose Partial output is used as a local tensor, never reduced."""
 
     @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module,
-                           outputs: Any, device_mesh: Any) -> Any:
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any
+    ) -> Any:
         return outputs.to_local()
 
 

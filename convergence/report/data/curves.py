@@ -47,15 +47,23 @@ def replicate_band(outcome: PairOutcome, metric: str) -> ControlBand | None:
     measures from exactly the band that decided, whatever the method computes it from.
     """
     verdict = outcome.verdict(metric)
-    if verdict is None or verdict.method != "seed" or verdict.band is None \
-            or not verdict.band.steps:
+    if (
+        verdict is None
+        or verdict.method != "seed"
+        or verdict.band is None
+        or not verdict.band.steps
+    ):
         return None
     lower = np.asarray(verdict.band.lower, dtype=np.float64)
     upper = np.asarray(verdict.band.upper, dtype=np.float64)
     replicates = len(outcome.control.replicates) if outcome.control is not None else 0
-    return ControlBand(steps=np.asarray(verdict.band.steps, dtype=np.int64),
-                       center=(lower + upper) / 2, half_width=(upper - lower) / 2,
-                       num_replicates=replicates, z=band_z(outcome, metric))
+    return ControlBand(
+        steps=np.asarray(verdict.band.steps, dtype=np.int64),
+        center=(lower + upper) / 2,
+        half_width=(upper - lower) / 2,
+        num_replicates=replicates,
+        z=band_z(outcome, metric),
+    )
 
 
 def reference_curve(outcome: PairOutcome, metric: str) -> Curve | None:
@@ -76,8 +84,9 @@ def curve_of_test(outcome: PairOutcome, metric: str) -> Curve | None:
     return curve if curve is not None and len(curve) else None
 
 
-def aligned_delta(outcome: PairOutcome, metric: str
-                  ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
+def aligned_delta(
+    outcome: PairOutcome, metric: str
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]] | None:
     """Steps logged by both sides and test - reference at those steps."""
     ref, test = reference_curve(outcome, metric), curve_of_test(outcome, metric)
     if ref is None or test is None:
@@ -122,8 +131,9 @@ def ratio(test: float | None, control: float | None) -> float | None:
     return test / control
 
 
-def divergence_table(outcome: PairOutcome, metric: str = "loss", around: int = 3
-                     ) -> list[DivergenceRow]:
+def divergence_table(
+    outcome: PairOutcome, metric: str = "loss", around: int = 3
+) -> list[DivergenceRow]:
     """Rows around the first divergent step (else the step of the largest deviation).
 
     ``control`` is the band centre (smoothed replicate mean) for the seed regime. Empty when
@@ -142,7 +152,7 @@ def divergence_table(outcome: PairOutcome, metric: str = "loss", around: int = 3
     steps = sorted(set(ref_map) | set(test_map))
     i = min(int(np.searchsorted(np.asarray(steps), center)), len(steps) - 1)
     rows: list[DivergenceRow] = []
-    for step in steps[max(0, i - around): i + around + 1]:
+    for step in steps[max(0, i - around) : i + around + 1]:
         cv, tv = ref_map.get(step), test_map.get(step)
         rows.append((step, cv, tv, None if cv is None or tv is None else tv - cv))
     return rows

@@ -175,12 +175,17 @@ def techniques_changed(outcome: PairOutcome) -> dict[str, TechniqueValue]:
 def layout_record(job: JobSpec) -> LayoutRecord:
     layout = job.layout
     return {
-        "name": job.name, "short_name": layout.short_name(), "world_size": layout.world_size,
+        "name": job.name,
+        "short_name": layout.short_name(),
+        "world_size": layout.world_size,
         "degrees": {axis: layout.degrees()[axis] for axis in AXES},
         "pp_schedule": layout.pp_schedule if layout.pp > 1 else None,
         "sequence_parallel": layout.sequence_parallel,
-        "techniques": job.techniques.to_dict(), "hook": job.hook, "steps": job.steps,
-        "seed": job.seed, "backend": job.backend,
+        "techniques": job.techniques.to_dict(),
+        "hook": job.hook,
+        "steps": job.steps,
+        "seed": job.seed,
+        "backend": job.backend,
     }
 
 
@@ -192,8 +197,11 @@ def side_record(job: JobSpec, side: SideOutcome | None) -> SideRecord:
         "ran": ran,
         "cached": bool(side and side.cached),
         "wall_s": side.wall_s if side else None,
-        "status": (side.result.status if side and side.result else
-                   ("cached" if side and side.cached else None)),
+        "status": (
+            side.result.status
+            if side and side.result
+            else ("cached" if side and side.cached else None)
+        ),
         "run_dir": str(side.run_dir) if side and side.run_dir else None,
         "last_step": side.result.last_step if side and side.result else None,
         "num_replicates": len(side.replicates) if side else 0,
@@ -212,24 +220,39 @@ def side_facts(side: SideOutcome | None) -> RunFacts:
     if val is not None and len(val):
         finite = val.values[np.isfinite(val.values)]
         final_val = float(finite[-1]) if finite.size else None
-    return {"num_params": meta.get("num_params"), "block_pattern": meta.get("block_pattern"),
-            "collectives": meta.get("collectives"), "final_val_loss": final_val}
+    return {
+        "num_params": meta.get("num_params"),
+        "block_pattern": meta.get("block_pattern"),
+        "collectives": meta.get("collectives"),
+        "final_val_loss": final_val,
+    }
 
 
 def verdict_record(v: MetricVerdict) -> VerdictRecord:
     return {
-        "metric": v.metric, "method": v.method, "passed": v.passed, "gate": v.gate,
-        "steps_compared": v.steps_compared, "first_divergent_step": v.first_divergent_step,
-        "max_deviation": v.max_deviation, "max_deviation_step": v.max_deviation_step,
-        "tolerance": v.tolerance, "tolerance_at_max": v.tolerance_at_max,
-        "p_values": dict(v.p_values), "message": v.message, "not_compared": v.not_compared,
+        "metric": v.metric,
+        "method": v.method,
+        "passed": v.passed,
+        "gate": v.gate,
+        "steps_compared": v.steps_compared,
+        "first_divergent_step": v.first_divergent_step,
+        "max_deviation": v.max_deviation,
+        "max_deviation_step": v.max_deviation_step,
+        "tolerance": v.tolerance,
+        "tolerance_at_max": v.tolerance_at_max,
+        "p_values": dict(v.p_values),
+        "message": v.message,
+        "not_compared": v.not_compared,
     }
 
 
 def first_divergent_step(outcome: PairOutcome) -> int | None:
     """Earliest first-divergent step over the failing gate verdicts."""
-    steps = [v.first_divergent_step for v in outcome.verdicts
-             if v.gate and not v.passed and v.first_divergent_step is not None]
+    steps = [
+        v.first_divergent_step
+        for v in outcome.verdicts
+        if v.gate and not v.passed and v.first_divergent_step is not None
+    ]
     return min(steps) if steps else None
 
 
@@ -237,8 +260,12 @@ def step_time_s(side: SideOutcome | None) -> float | None:
     """Median seconds per optimizer step: the run's tokens per step (its run_meta) / tokens/s
     of each step, the first step left out as in :func:`side_stat`. None without the meta."""
     tokens = side.meta.get("tokens_per_step") if side is not None else None
-    if side is None or not isinstance(tokens, (int, float)) or tokens <= 0 \
-            or "tokens_per_s" not in side.metrics:
+    if (
+        side is None
+        or not isinstance(tokens, (int, float))
+        or tokens <= 0
+        or "tokens_per_s" not in side.metrics
+    ):
         return None
     values = side.metrics["tokens_per_s"].values
     values = values[np.isfinite(values) & (values > 0)]
@@ -262,8 +289,7 @@ def curves_record(outcome: PairOutcome) -> CurvesRecord:
     return {
         "control": metrics_to_json(control.metrics) if control else {},
         "test": metrics_to_json(test.metrics) if test else {},
-        "control_replicates": [metrics_to_json(r) for r in control.replicates] if control
-        else [],
+        "control_replicates": [metrics_to_json(r) for r in control.replicates] if control else [],
     }
 
 
@@ -274,20 +300,30 @@ def _divergence(outcome: PairOutcome) -> dict[str, list[DivergenceRecord]]:
             continue
         rows = divergence_table(outcome, v.metric, DIVERGENCE_AROUND)
         if rows:
-            out[v.metric] = [{"step": s, "control": c, "test": t, "delta": d}
-                             for s, c, t, d in rows]
+            out[v.metric] = [
+                {"step": s, "control": c, "test": t, "delta": d} for s, c, t, d in rows
+            ]
     return out
 
 
-def pair_record(outcome: PairOutcome, *, plots: Mapping[str, str] | None = None,
-                plot_error: str | None = None, include_curves: bool = True) -> PairRecord:
+def pair_record(
+    outcome: PairOutcome,
+    *,
+    plots: Mapping[str, str] | None = None,
+    plot_error: str | None = None,
+    include_curves: bool = True,
+) -> PairRecord:
     """Everything the reports show about one pair (JSON-ready, non-finite floats encoded)."""
     pair = outcome.pair
     control, test = outcome.control, outcome.test
     band = any(replicate_band(outcome, m) is not None for m in DELTA_METRICS)
     record: PairRecord = {
-        "id": pair.pair_id, "name": pair.name, "source": pair.source, "status": outcome.status,
-        "regime": pair.regime, "tier": pair.tier,
+        "id": pair.pair_id,
+        "name": pair.name,
+        "source": pair.source,
+        "status": outcome.status,
+        "regime": pair.regime,
+        "tier": pair.tier,
         "control": side_record(pair.control, control),
         "test": side_record(pair.test, test),
         "techniques_changed": techniques_changed(outcome),
@@ -296,10 +332,12 @@ def pair_record(outcome: PairOutcome, *, plots: Mapping[str, str] | None = None,
         "max_abs_delta": {m: max_abs_delta(outcome, m) for m in DELTA_METRICS},
         "delta_reference": "control band centre" if band else "control",
         "resources": resources(outcome),
-        "wall_s": {"pair": outcome.wall_s, "control": control.wall_s if control else None,
-                   "test": test.wall_s if test else None},
-        "cached": {"control": bool(control and control.cached),
-                   "test": bool(test and test.cached)},
+        "wall_s": {
+            "pair": outcome.wall_s,
+            "control": control.wall_s if control else None,
+            "test": test.wall_s if test else None,
+        },
+        "cached": {"control": bool(control and control.cached), "test": bool(test and test.cached)},
         "stopped_early_at": outcome.stopped_early_at,
         "error": outcome.error,
         "localisation": outcome.localisation,

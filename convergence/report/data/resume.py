@@ -32,14 +32,20 @@ def resume_note(resume: Resume, first_divergent: int | None, before: str) -> str
     at, after = resume.at_step, resume.layout.short_name()
     where = f"checkpoint after step {at}, {before} -> {after}"
     if first_divergent <= at:
-        return (f"the divergence starts before the resume, at step {first_divergent} ({where}):"
-                f" the layout {before} itself differs from the control")
+        return (
+            f"the divergence starts before the resume, at step {first_divergent} ({where}):"
+            f" the layout {before} itself differs from the control"
+        )
     if first_divergent <= at + AT_RESUME_STEPS:
-        return (f"the divergence starts at the resume: step {first_divergent}, right after the "
-                f"{where} -- the checkpoint lost or changed state (weights, optimizer, LR "
-                "schedule, data position, RNG)")
-    return (f"the divergence starts at step {first_divergent}, {first_divergent - at} steps "
-            f"after the resume ({where})")
+        return (
+            f"the divergence starts at the resume: step {first_divergent}, right after the "
+            f"{where} -- the checkpoint lost or changed state (weights, optimizer, LR "
+            "schedule, data position, RNG)"
+        )
+    return (
+        f"the divergence starts at step {first_divergent}, {first_divergent - at} steps "
+        f"after the resume ({where})"
+    )
 
 
 def resume_record(outcome: PairOutcome, first_divergent: int | None) -> ResumeRecord | None:
@@ -47,6 +53,9 @@ def resume_record(outcome: PairOutcome, first_divergent: int | None) -> ResumeRe
     if test.resume is None:
         return None
     before = test.layout.short_name()
-    return {"at_step": test.resume.at_step, "before": before,
-            "after": test.resume.layout.short_name(),
-            "note": resume_note(test.resume, first_divergent, before)}
+    return {
+        "at_step": test.resume.at_step,
+        "before": before,
+        "after": test.resume.layout.short_name(),
+        "note": resume_note(test.resume, first_divergent, before),
+    }

@@ -38,98 +38,194 @@ class ReportDocument(TypedDict):
     plots: dict[str, str]
     pairs: list[PairRecord]
 
+
 _NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": list(NON_FINITE)}]}
 _OPT_NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": [*NON_FINITE, None]}]}
 _OPT_INT: dict[str, Any] = {"type": ["integer", "null"]}
 _OPT_STR: dict[str, Any] = {"type": ["string", "null"]}
 _CURVE: dict[str, Any] = {
-    "type": "object", "required": ["steps", "values"],
-    "properties": {"metric": {"type": "string"},
-                   "steps": {"type": "array", "items": {"type": "integer"}},
-                   "values": {"type": "array", "items": _NUM}},
+    "type": "object",
+    "required": ["steps", "values"],
+    "properties": {
+        "metric": {"type": "string"},
+        "steps": {"type": "array", "items": {"type": "integer"}},
+        "values": {"type": "array", "items": _NUM},
+    },
 }
 _RUN_CURVES: dict[str, Any] = {"type": "object", "additionalProperties": {"$ref": "#/$defs/curve"}}
 
 _SIDE: dict[str, Any] = {
     "type": "object",
-    "required": ["name", "short_name", "world_size", "degrees", "techniques", "ran", "cached",
-                 "wall_s", "status"],
+    "required": [
+        "name",
+        "short_name",
+        "world_size",
+        "degrees",
+        "techniques",
+        "ran",
+        "cached",
+        "wall_s",
+        "status",
+    ],
     "properties": {
-        "name": {"type": "string"}, "short_name": {"type": "string"},
+        "name": {"type": "string"},
+        "short_name": {"type": "string"},
         "world_size": {"type": "integer", "minimum": 1},
-        "degrees": {"type": "object", "required": list(AXES), "additionalProperties": False,
-                    "properties": {a: {"type": "integer", "minimum": 1} for a in AXES}},
-        "pp_schedule": _OPT_STR, "sequence_parallel": {"type": "boolean"},
-        "techniques": {"type": "object"}, "hook": _OPT_STR,
-        "steps": {"type": "integer"}, "seed": {"type": "integer"}, "backend": {"type": "string"},
-        "ran": {"type": "boolean"}, "cached": {"type": "boolean"}, "wall_s": _OPT_NUM,
-        "status": _OPT_STR, "run_dir": _OPT_STR, "last_step": _OPT_INT,
+        "degrees": {
+            "type": "object",
+            "required": list(AXES),
+            "additionalProperties": False,
+            "properties": {a: {"type": "integer", "minimum": 1} for a in AXES},
+        },
+        "pp_schedule": _OPT_STR,
+        "sequence_parallel": {"type": "boolean"},
+        "techniques": {"type": "object"},
+        "hook": _OPT_STR,
+        "steps": {"type": "integer"},
+        "seed": {"type": "integer"},
+        "backend": {"type": "string"},
+        "ran": {"type": "boolean"},
+        "cached": {"type": "boolean"},
+        "wall_s": _OPT_NUM,
+        "status": _OPT_STR,
+        "run_dir": _OPT_STR,
+        "last_step": _OPT_INT,
         "num_replicates": {"type": "integer", "minimum": 0},
     },
 }
 
 _VERDICT: dict[str, Any] = {
     "type": "object",
-    "required": ["metric", "method", "passed", "gate", "first_divergent_step", "max_deviation",
-                 "max_deviation_step", "tolerance", "p_values", "message"],
+    "required": [
+        "metric",
+        "method",
+        "passed",
+        "gate",
+        "first_divergent_step",
+        "max_deviation",
+        "max_deviation_step",
+        "tolerance",
+        "p_values",
+        "message",
+    ],
     "properties": {
-        "metric": {"type": "string"}, "method": {"type": "string"},
-        "passed": {"type": "boolean"}, "gate": {"type": "boolean"},
-        "steps_compared": {"type": "integer"}, "first_divergent_step": _OPT_INT,
-        "max_deviation": _NUM, "max_deviation_step": _OPT_INT,
-        "tolerance": {"type": "string"}, "tolerance_at_max": _OPT_NUM,
+        "metric": {"type": "string"},
+        "method": {"type": "string"},
+        "passed": {"type": "boolean"},
+        "gate": {"type": "boolean"},
+        "steps_compared": {"type": "integer"},
+        "first_divergent_step": _OPT_INT,
+        "max_deviation": _NUM,
+        "max_deviation_step": _OPT_INT,
+        "tolerance": {"type": "string"},
+        "tolerance_at_max": _OPT_NUM,
         "p_values": {"type": "object", "additionalProperties": _NUM},
-        "message": {"type": "string"}, "not_compared": {"type": "boolean"},
+        "message": {"type": "string"},
+        "not_compared": {"type": "boolean"},
     },
 }
 
 _RESOURCE: dict[str, Any] = {
-    "type": "object", "required": ["control", "test", "ratio"],
+    "type": "object",
+    "required": ["control", "test", "ratio"],
     "properties": {"control": _OPT_NUM, "test": _OPT_NUM, "ratio": _OPT_NUM},
 }
 
 _DIVERGENCE_ROW: dict[str, Any] = {
-    "type": "object", "required": ["step", "control", "test", "delta"],
-    "properties": {"step": {"type": "integer"}, "control": _OPT_NUM, "test": _OPT_NUM,
-                   "delta": _OPT_NUM},
+    "type": "object",
+    "required": ["step", "control", "test", "delta"],
+    "properties": {
+        "step": {"type": "integer"},
+        "control": _OPT_NUM,
+        "test": _OPT_NUM,
+        "delta": _OPT_NUM,
+    },
 }
 
 _PAIR: dict[str, Any] = {
     "type": "object",
-    "required": ["id", "name", "source", "status", "regime", "control", "test",
-                 "techniques_changed", "verdicts", "first_divergent_step", "max_abs_delta",
-                 "resources", "wall_s", "cached", "stopped_early_at", "error", "localisation",
-                 "divergence", "plots"],
+    "required": [
+        "id",
+        "name",
+        "source",
+        "status",
+        "regime",
+        "control",
+        "test",
+        "techniques_changed",
+        "verdicts",
+        "first_divergent_step",
+        "max_abs_delta",
+        "resources",
+        "wall_s",
+        "cached",
+        "stopped_early_at",
+        "error",
+        "localisation",
+        "divergence",
+        "plots",
+    ],
     "properties": {
-        "id": {"type": "string"}, "name": {"type": "string"}, "source": {"type": "string"},
-        "status": {"enum": list(PAIR_STATUSES)}, "regime": {"enum": list(REGISTRY.names())},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "source": {"type": "string"},
+        "status": {"enum": list(PAIR_STATUSES)},
+        "regime": {"enum": list(REGISTRY.names())},
         "tier": {"type": "string"},
-        "control": {"$ref": "#/$defs/side"}, "test": {"$ref": "#/$defs/side"},
+        "control": {"$ref": "#/$defs/side"},
+        "test": {"$ref": "#/$defs/side"},
         "techniques_changed": {"type": "object"},
         "verdicts": {"type": "array", "items": {"$ref": "#/$defs/verdict"}},
         "first_divergent_step": _OPT_INT,
-        "max_abs_delta": {"type": "object", "required": ["loss", "grad_norm"],
-                          "additionalProperties": _OPT_NUM},
+        "max_abs_delta": {
+            "type": "object",
+            "required": ["loss", "grad_norm"],
+            "additionalProperties": _OPT_NUM,
+        },
         "delta_reference": {"type": "string"},
-        "resources": {"type": "object", "required": ["tokens_per_s", "peak_mem_mib"],
-                      "additionalProperties": {"$ref": "#/$defs/resource"}},
-        "wall_s": {"type": "object", "required": ["pair", "control", "test"],
-                   "properties": {"pair": _NUM, "control": _OPT_NUM, "test": _OPT_NUM}},
-        "cached": {"type": "object", "required": ["control", "test"],
-                   "properties": {"control": {"type": "boolean"}, "test": {"type": "boolean"}}},
-        "stopped_early_at": _OPT_INT, "error": _OPT_STR,
+        "resources": {
+            "type": "object",
+            "required": ["tokens_per_s", "peak_mem_mib"],
+            "additionalProperties": {"$ref": "#/$defs/resource"},
+        },
+        "wall_s": {
+            "type": "object",
+            "required": ["pair", "control", "test"],
+            "properties": {"pair": _NUM, "control": _OPT_NUM, "test": _OPT_NUM},
+        },
+        "cached": {
+            "type": "object",
+            "required": ["control", "test"],
+            "properties": {"control": {"type": "boolean"}, "test": {"type": "boolean"}},
+        },
+        "stopped_early_at": _OPT_INT,
+        "error": _OPT_STR,
         "localisation": {"type": ["object", "null"]},
-        "divergence": {"type": "object", "additionalProperties": {
-            "type": "array", "items": {"$ref": "#/$defs/divergence_row"}}},
+        "divergence": {
+            "type": "object",
+            "additionalProperties": {"type": "array", "items": {"$ref": "#/$defs/divergence_row"}},
+        },
         "plots": {"type": "object", "additionalProperties": {"type": "string"}},
         "plot_error": _OPT_STR,
-        "resume": {"type": "object", "required": ["at_step", "before", "after", "note"],
-                   "properties": {"at_step": {"type": "integer"}, "before": {"type": "string"},
-                                  "after": {"type": "string"}, "note": _OPT_STR}},
-        "curves": {"type": "object", "required": ["control", "test", "control_replicates"],
-                   "properties": {
-                       "control": _RUN_CURVES, "test": _RUN_CURVES,
-                       "control_replicates": {"type": "array", "items": _RUN_CURVES}}},
+        "resume": {
+            "type": "object",
+            "required": ["at_step", "before", "after", "note"],
+            "properties": {
+                "at_step": {"type": "integer"},
+                "before": {"type": "string"},
+                "after": {"type": "string"},
+                "note": _OPT_STR,
+            },
+        },
+        "curves": {
+            "type": "object",
+            "required": ["control", "test", "control_replicates"],
+            "properties": {
+                "control": _RUN_CURVES,
+                "test": _RUN_CURVES,
+                "control_replicates": {"type": "array", "items": _RUN_CURVES},
+            },
+        },
     },
 }
 
@@ -138,26 +234,57 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
     "$id": "https://pytest-convergence/report.schema.json",
     "title": "pytest-convergence report",
     "type": "object",
-    "required": ["schema_version", "generated_at", "started_at", "wall_s", "environment",
-                 "summary", "pairs"],
+    "required": [
+        "schema_version",
+        "generated_at",
+        "started_at",
+        "wall_s",
+        "environment",
+        "summary",
+        "pairs",
+    ],
     "properties": {
         "schema_version": {"const": REPORT_SCHEMA_VERSION},
-        "generated_at": {"type": "string"}, "started_at": _OPT_STR, "wall_s": _OPT_NUM,
-        "environment": {"type": "object",
-                        "required": ["python", "torch", "platform", "hostname"]},
+        "generated_at": {"type": "string"},
+        "started_at": _OPT_STR,
+        "wall_s": _OPT_NUM,
+        "environment": {"type": "object", "required": ["python", "torch", "platform", "hostname"]},
         "summary": {
             "type": "object",
-            "required": ["pairs", "passed", "failed", "errors", "skipped", "cached_runs",
-                         "fresh_runs"],
-            "properties": {k: {"type": "integer", "minimum": 0} for k in
-                           ("pairs", "passed", "failed", "errors", "skipped", "cached_runs",
-                            "fresh_runs", "stopped_early")},
+            "required": [
+                "pairs",
+                "passed",
+                "failed",
+                "errors",
+                "skipped",
+                "cached_runs",
+                "fresh_runs",
+            ],
+            "properties": {
+                k: {"type": "integer", "minimum": 0}
+                for k in (
+                    "pairs",
+                    "passed",
+                    "failed",
+                    "errors",
+                    "skipped",
+                    "cached_runs",
+                    "fresh_runs",
+                    "stopped_early",
+                )
+            },
         },
         "plots": {"type": "object", "additionalProperties": {"type": "string"}},
         "pairs": {"type": "array", "items": {"$ref": "#/$defs/pair"}},
     },
-    "$defs": {"curve": _CURVE, "side": _SIDE, "verdict": _VERDICT, "resource": _RESOURCE,
-              "divergence_row": _DIVERGENCE_ROW, "pair": _PAIR},
+    "$defs": {
+        "curve": _CURVE,
+        "side": _SIDE,
+        "verdict": _VERDICT,
+        "resource": _RESOURCE,
+        "divergence_row": _DIVERGENCE_ROW,
+        "pair": _PAIR,
+    },
 }
 
 
@@ -176,8 +303,9 @@ def default_environment() -> dict[str, Any]:
     if torch_mod is not None and getattr(torch_mod, "cuda", None) is not None:
         try:
             if torch_mod.cuda.is_available():
-                env["devices"] = [torch_mod.cuda.get_device_name(i)
-                                  for i in range(torch_mod.cuda.device_count())]
+                env["devices"] = [
+                    torch_mod.cuda.get_device_name(i) for i in range(torch_mod.cuda.device_count())
+                ]
         except Exception:  # noqa: BLE001 - a broken driver must not break the report
             pass
     return env
@@ -216,21 +344,34 @@ def summarize(outcomes: Iterable[PairOutcome]) -> dict[str, int]:
 def cache_key_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
     """``{"cache_key": ...}`` when a control of the ``command`` backend is keyed without its
     trainer's sources (no ``backend_options.sources``): reused controls may then be stale."""
-    names = sorted({o.pair.control.name for o in outcomes
-                    if o.pair.control.backend == "command"
-                    and "sources" not in dict(o.pair.control.backend_options)})
+    names = sorted(
+        {
+            o.pair.control.name
+            for o in outcomes
+            if o.pair.control.backend == "command"
+            and "sources" not in dict(o.pair.control.backend_options)
+        }
+    )
     if not names:
         return {}
-    return {"cache_key": f"command-backend controls {', '.join(names)} are keyed by their "
-                         "command text only (list the trainer's files in "
-                         "backend_options.sources to key their content)"}
+    return {
+        "cache_key": f"command-backend controls {', '.join(names)} are keyed by their "
+        "command text only (list the trainer's files in "
+        "backend_options.sources to key their content)"
+    }
 
 
-def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, Any],
-                 started_at: float | dt.datetime | str | None, wall_s: float | None,
-                 plots: Mapping[str, Mapping[str, str]] | None = None,
-                 plot_errors: Mapping[str, str] | None = None,
-                 report_dir: Path | None = None, include_curves: bool = True) -> ReportDocument:
+def build_report(
+    outcomes: Iterable[PairOutcome],
+    *,
+    environment: Mapping[str, Any],
+    started_at: float | dt.datetime | str | None,
+    wall_s: float | None,
+    plots: Mapping[str, Mapping[str, str]] | None = None,
+    plot_errors: Mapping[str, str] | None = None,
+    report_dir: Path | None = None,
+    include_curves: bool = True,
+) -> ReportDocument:
     """The report.json document (valid against :data:`REPORT_JSON_SCHEMA`).
 
     ``environment`` adds to/overrides :func:`default_environment`. ``plots`` maps a pair id to
@@ -243,17 +384,26 @@ def build_report(outcomes: Iterable[PairOutcome], *, environment: Mapping[str, A
     for o in outcomes:
         own = plots.get(o.pair.pair_id)
         if own is None:
-            own = {f"plot{i}" if i else "pair": relative_plot(p, report_dir)
-                   for i, p in enumerate(o.plots)}
-        records.append(pair_record(o, plots=own, include_curves=include_curves,
-                                   plot_error=(plot_errors or {}).get(o.pair.pair_id)))
+            own = {
+                f"plot{i}" if i else "pair": relative_plot(p, report_dir)
+                for i, p in enumerate(o.plots)
+            }
+        records.append(
+            pair_record(
+                o,
+                plots=own,
+                include_curves=include_curves,
+                plot_error=(plot_errors or {}).get(o.pair.pair_id),
+            )
+        )
     return {
         "schema_version": REPORT_SCHEMA_VERSION,
         "generated_at": _iso(dt.datetime.now(dt.timezone.utc)),
         "started_at": _iso(started_at),
         "wall_s": jsonable(wall_s),
-        "environment": jsonable({**default_environment(), **cache_key_notes(outcomes),
-                                 **environment}),
+        "environment": jsonable(
+            {**default_environment(), **cache_key_notes(outcomes), **environment}
+        ),
         "summary": summarize(outcomes),
         "plots": dict(plots.get("", {})),
         "pairs": records,

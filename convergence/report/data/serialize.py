@@ -33,8 +33,11 @@ class OutcomeFormatError(ValueError):
 
 # -- to JSON ----------------------------------------------------------------------------------
 def curve_to_json(curve: Curve) -> dict[str, Any]:
-    return {"metric": curve.metric, "steps": [int(s) for s in curve.steps.tolist()],
-            "values": jsonable(curve.values.tolist())}
+    return {
+        "metric": curve.metric,
+        "steps": [int(s) for s in curve.steps.tolist()],
+        "values": jsonable(curve.values.tolist()),
+    }
 
 
 def metrics_to_json(metrics: RunMetrics) -> dict[str, Any]:
@@ -45,20 +48,37 @@ def metrics_to_json(metrics: RunMetrics) -> dict[str, Any]:
 # added later is saved and read back without touching this file (fields listed by hand were
 # dropped silently: hook_mode, probe_always). Only fields whose JSON shape differs need a rule.
 _TO_JSON: dict[str, Any] = {
-    "train_config": str, "layout": lambda v: v.to_dict(), "techniques": lambda v: v.to_dict(),
-    "control": lambda v: job_to_json(v), "test": lambda v: job_to_json(v),
+    "train_config": str,
+    "layout": lambda v: v.to_dict(),
+    "techniques": lambda v: v.to_dict(),
+    "control": lambda v: job_to_json(v),
+    "test": lambda v: job_to_json(v),
     "rules": lambda v: [jsonable(asdict(r)) for r in v],
     "resume": lambda v: None if v is None else v.to_dict(),
 }
 _FROM_JSON: dict[str, Any] = {
-    "train_config": Path, "layout": lambda d: ParallelLayout(**d),
-    "techniques": lambda d: Techniques(**d), "control": lambda d: job_from_json(d),
-    "test": lambda d: job_from_json(d), "rules": lambda v: tuple(map(_rule_from_json, v)),
-    "overrides": lambda v: _pairs(v), "backend_options": lambda v: _pairs(v),
-    "extra": lambda v: _pairs(v), "steps": int, "seed": int, "replicates": int,
-    "resume": lambda d: None if d is None else Resume(
-        at_step=int(d["at_step"]), layout=ParallelLayout(**d["layout"]),
-        techniques=Techniques(**d["techniques"]), local_batch_size=d.get("local_batch_size")),
+    "train_config": Path,
+    "layout": lambda d: ParallelLayout(**d),
+    "techniques": lambda d: Techniques(**d),
+    "control": lambda d: job_from_json(d),
+    "test": lambda d: job_from_json(d),
+    "rules": lambda v: tuple(map(_rule_from_json, v)),
+    "overrides": lambda v: _pairs(v),
+    "backend_options": lambda v: _pairs(v),
+    "extra": lambda v: _pairs(v),
+    "steps": int,
+    "seed": int,
+    "replicates": int,
+    "resume": lambda d: (
+        None
+        if d is None
+        else Resume(
+            at_step=int(d["at_step"]),
+            layout=ParallelLayout(**d["layout"]),
+            techniques=Techniques(**d["techniques"]),
+            local_batch_size=d.get("local_batch_size"),
+        )
+    ),
 }
 
 
@@ -82,8 +102,11 @@ def _spec_to_json(spec: Any) -> dict[str, Any]:
 def _spec_from_json(cls: Any, data: Mapping[str, Any]) -> Any:
     """Missing keys take the field's default (outcomes saved by an older version); unknown
     keys are ignored (a newer one)."""
-    kwargs = {f.name: _FROM_JSON.get(f.name, lambda v: v)(data[f.name])
-              for f in fields(cls) if f.name in data}
+    kwargs = {
+        f.name: _FROM_JSON.get(f.name, lambda v: v)(data[f.name])
+        for f in fields(cls)
+        if f.name in data
+    }
     return cls(**kwargs)
 
 
@@ -98,12 +121,18 @@ def pair_to_json(pair: PairSpec) -> dict[str, Any]:
 def result_to_json(result: JobResult | None) -> dict[str, Any] | None:
     if result is None:
         return None
-    data: dict[str, Any] = jsonable({
-        "name": result.name, "status": result.status, "returncode": result.returncode,
-        "wall_s": result.wall_s, "log_dir": result.log_dir, "metrics_path": result.metrics_path,
-        "failure": None if result.failure is None else asdict(result.failure),
-        "last_step": result.last_step,
-    })
+    data: dict[str, Any] = jsonable(
+        {
+            "name": result.name,
+            "status": result.status,
+            "returncode": result.returncode,
+            "wall_s": result.wall_s,
+            "log_dir": result.log_dir,
+            "metrics_path": result.metrics_path,
+            "failure": None if result.failure is None else asdict(result.failure),
+            "last_step": result.last_step,
+        }
+    )
     return data
 
 
@@ -111,8 +140,10 @@ def side_to_json(side: SideOutcome | None) -> dict[str, Any] | None:
     if side is None:
         return None
     return {
-        "job": job_to_json(side.job), "metrics": metrics_to_json(side.metrics),
-        "result": result_to_json(side.result), "cached": side.cached,
+        "job": job_to_json(side.job),
+        "metrics": metrics_to_json(side.metrics),
+        "result": result_to_json(side.result),
+        "cached": side.cached,
         "run_dir": None if side.run_dir is None else str(side.run_dir),
         "wall_s": jsonable(side.wall_s),
         "replicates": [metrics_to_json(r) for r in side.replicates],
@@ -128,11 +159,17 @@ def verdict_to_json(verdict: MetricVerdict) -> dict[str, Any]:
 def outcome_to_json(o: PairOutcome) -> dict[str, Any]:
     """A strict-JSON dict holding everything in ``o`` (read back by :func:`outcome_from_json`)."""
     return {
-        "format": OUTCOME_FORMAT, "pair": pair_to_json(o.pair), "status": o.status,
-        "control": side_to_json(o.control), "test": side_to_json(o.test),
-        "verdicts": [verdict_to_json(v) for v in o.verdicts], "error": o.error,
-        "stopped_early_at": o.stopped_early_at, "localisation": jsonable(o.localisation),
-        "plots": [str(p) for p in o.plots], "wall_s": jsonable(o.wall_s),
+        "format": OUTCOME_FORMAT,
+        "pair": pair_to_json(o.pair),
+        "status": o.status,
+        "control": side_to_json(o.control),
+        "test": side_to_json(o.test),
+        "verdicts": [verdict_to_json(v) for v in o.verdicts],
+        "error": o.error,
+        "stopped_early_at": o.stopped_early_at,
+        "localisation": jsonable(o.localisation),
+        "plots": [str(p) for p in o.plots],
+        "wall_s": jsonable(o.wall_s),
     }
 
 
@@ -167,8 +204,11 @@ def result_from_json(data: Mapping[str, Any] | None) -> JobResult | None:
         return None
     failure = data.get("failure")
     return JobResult(
-        name=data["name"], status=data["status"], returncode=data.get("returncode"),
-        wall_s=read_float(data.get("wall_s", 0.0)), log_dir=Path(data["log_dir"]),
+        name=data["name"],
+        status=data["status"],
+        returncode=data.get("returncode"),
+        wall_s=read_float(data.get("wall_s", 0.0)),
+        log_dir=Path(data["log_dir"]),
         metrics_path=None if data.get("metrics_path") is None else Path(data["metrics_path"]),
         failure=None if failure is None else FailureInfo(**failure),
         last_step=data.get("last_step"),
@@ -179,8 +219,10 @@ def side_from_json(data: Mapping[str, Any] | None) -> SideOutcome | None:
     if data is None:
         return None
     return SideOutcome(
-        job=job_from_json(data["job"]), metrics=metrics_from_json(data.get("metrics", {})),
-        result=result_from_json(data.get("result")), cached=bool(data.get("cached", False)),
+        job=job_from_json(data["job"]),
+        metrics=metrics_from_json(data.get("metrics", {})),
+        result=result_from_json(data.get("result")),
+        cached=bool(data.get("cached", False)),
         run_dir=None if data.get("run_dir") is None else Path(data["run_dir"]),
         wall_s=read_float(data.get("wall_s", 0.0)),
         replicates=tuple(metrics_from_json(r) for r in data.get("replicates", [])),
@@ -191,8 +233,11 @@ def side_from_json(data: Mapping[str, Any] | None) -> SideOutcome | None:
 
 def verdict_from_json(data: Mapping[str, Any]) -> MetricVerdict:
     return MetricVerdict(
-        metric=data["metric"], method=data["method"], passed=bool(data["passed"]),
-        gate=bool(data["gate"]), steps_compared=int(data.get("steps_compared", 0)),
+        metric=data["metric"],
+        method=data["method"],
+        passed=bool(data["passed"]),
+        gate=bool(data["gate"]),
+        steps_compared=int(data.get("steps_compared", 0)),
         not_compared=bool(data.get("not_compared", False)),
         first_divergent_step=data.get("first_divergent_step"),
         max_deviation=read_float(data.get("max_deviation", 0.0)),
@@ -200,7 +245,8 @@ def verdict_from_json(data: Mapping[str, Any]) -> MetricVerdict:
         tolerance=data.get("tolerance", ""),
         tolerance_at_max=read_opt_float(data.get("tolerance_at_max")),
         p_values={str(k): read_float(v) for k, v in data.get("p_values", {}).items()},
-        message=data.get("message", ""), details=dict(data.get("details", {})),
+        message=data.get("message", ""),
+        details=dict(data.get("details", {})),
         band=band_from_json(data.get("band")),
     )
 
@@ -209,8 +255,11 @@ def band_from_json(data: Mapping[str, Any] | None) -> Band | None:
     """A verdict's band; None for verdicts saved before verdicts carried one."""
     if data is None:
         return None
-    return Band.of(data["steps"], (read_float(v) for v in data["lower"]),
-                   (read_float(v) for v in data["upper"]))
+    return Band.of(
+        data["steps"],
+        (read_float(v) for v in data["lower"]),
+        (read_float(v) for v in data["upper"]),
+    )
 
 
 def outcome_from_json(d: Mapping[str, Any]) -> PairOutcome:
@@ -223,18 +272,25 @@ def outcome_from_json(d: Mapping[str, Any]) -> PairOutcome:
     if fmt != OUTCOME_FORMAT:
         raise OutcomeFormatError(
             f"not a saved outcome of format {OUTCOME_FORMAT!r} (found format={fmt!r}); "
-            "fix: re-run the pairs with this version of pytest-convergence")
+            "fix: re-run the pairs with this version of pytest-convergence"
+        )
     try:
         return PairOutcome(
-            pair=pair_from_json(d["pair"]), status=d["status"],
-            control=side_from_json(d.get("control")), test=side_from_json(d.get("test")),
+            pair=pair_from_json(d["pair"]),
+            status=d["status"],
+            control=side_from_json(d.get("control")),
+            test=side_from_json(d.get("test")),
             verdicts=tuple(verdict_from_json(v) for v in d.get("verdicts", [])),
-            error=d.get("error"), stopped_early_at=d.get("stopped_early_at"),
-            localisation=d.get("localisation"), plots=tuple(Path(p) for p in d.get("plots", [])),
+            error=d.get("error"),
+            stopped_early_at=d.get("stopped_early_at"),
+            localisation=d.get("localisation"),
+            plots=tuple(Path(p) for p in d.get("plots", [])),
             wall_s=read_float(d.get("wall_s", 0.0)),
         )
     except KeyError as exc:
-        raise OutcomeFormatError(f"saved outcome has no key {exc}; fix: re-run the pairs with "
-                                 "this version of pytest-convergence") from None
+        raise OutcomeFormatError(
+            f"saved outcome has no key {exc}; fix: re-run the pairs with "
+            "this version of pytest-convergence"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise OutcomeFormatError(f"saved outcome is malformed: {exc}") from None

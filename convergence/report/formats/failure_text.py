@@ -49,12 +49,15 @@ def _table(outcome: PairOutcome, metric: str) -> list[str]:
     rows = _table_rows(outcome, metric, TABLE_AROUND)
     if not rows:
         return []
-    out = [f"  {metric} around the divergence:",
-           f"    {'step':>6}  {'control':>16}  {'test':>16}  {'Δ':>12}"]
+    out = [
+        f"  {metric} around the divergence:",
+        f"    {'step':>6}  {'control':>16}  {'test':>16}  {'Δ':>12}",
+    ]
     for row in rows:
         step, cv, tv, delta = (list(row) + [None] * 4)[:4]
-        out.append(f"    {step!s:>6}  {fmt_value(cv):>16}  {fmt_value(tv):>16}  "
-                   f"{fmt_delta(delta):>12}")
+        out.append(
+            f"    {step!s:>6}  {fmt_value(cv):>16}  {fmt_value(tv):>16}  {fmt_delta(delta):>12}"
+        )
     return out
 
 
@@ -93,16 +96,20 @@ def headline(outcome: PairOutcome) -> str:
         return f"{pair.pair_id}: {outcome.status.upper()}"
     parts = []
     for v in failing:
-        where = (f"diverges from step {v.first_divergent_step}"
-                 if v.first_divergent_step is not None else "fails")
+        where = (
+            f"diverges from step {v.first_divergent_step}"
+            if v.first_divergent_step is not None
+            else "fails"
+        )
         parts.append(f"{v.metric} {where} (max |Δ| {fmt_float(float(v.max_deviation))})")
     resume = resume_record(outcome, first_divergent_step(outcome))
     at_resume = f" -- {resume['note']}" if resume and resume["note"] else ""
     return f"{pair.pair_id}: " + "; ".join(parts) + at_resume
 
 
-def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
-                   show_layouts: bool = True) -> str:
+def render_outcome(
+    outcome: PairOutcome, *, report_dir: Path | None = None, show_layouts: bool = True
+) -> str:
     """The failure section of a pair: verdicts, the table around the divergence, paths.
 
     ``show_layouts=False`` for runs whose layout we do not know (``convergence compare`` on
@@ -113,17 +120,24 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
     def side(job: JobSpec) -> str:
         return f"{job.name} [{job.layout.short_name()}]" if show_layouts else job.name
 
-    lines = [headline(outcome),
-             f"  {outcome.status.upper()}: test {side(pair.test)} vs control "
-             f"{side(pair.control)}, {pair.regime} regime"]
+    lines = [
+        headline(outcome),
+        f"  {outcome.status.upper()}: test {side(pair.test)} vs control "
+        f"{side(pair.control)}, {pair.regime} regime",
+    ]
     resume = resume_record(outcome, first_divergent_step(outcome))
     if resume is not None:
-        lines.append(f"  resume: checkpoint after step {resume['at_step']}, {resume['before']} "
-                     f"-> {resume['after']}")
+        lines.append(
+            f"  resume: checkpoint after step {resume['at_step']}, {resume['before']} "
+            f"-> {resume['after']}"
+        )
     if outcome.status == "error":
         asked = any(v.not_compared and v.gate for v in outcome.verdicts)
-        lines.append("a metric the experiment compares was not logged:" if asked
-                     else "a job broke before a verdict:")
+        lines.append(
+            "a metric the experiment compares was not logged:"
+            if asked
+            else "a job broke before a verdict:"
+        )
         lines.append(_traceback_head(outcome.error or "(no error text)"))
     elif outcome.error:
         lines.append(f"  {outcome.error.strip()}")
@@ -135,8 +149,9 @@ def render_outcome(outcome: PairOutcome, *, report_dir: Path | None = None,
         width = max([12, *(len(v.metric) for v in verdicts)])
         lines.extend(_verdict_line(v, width) for v in verdicts)
     if outcome.stopped_early_at is not None:
-        lines.append(f"  test stopped early at step {outcome.stopped_early_at} "
-                     "(verdict already decided)")
+        lines.append(
+            f"  test stopped early at step {outcome.stopped_early_at} (verdict already decided)"
+        )
     failing = [v for v in verdicts if not v.passed and v.gate]
     if failing:
         lines.extend(_table(outcome, failing[0].metric))

@@ -69,9 +69,13 @@ def matrix_html(pairs: Sequence[PairRecord]) -> str:
         cells = [escape(row[k]) for k in keys]
         cells[0] = f'<a href="#{escape(_anchor(record))}">{cells[0]}</a>'
         rows.append(cells)
-    return table([escape(t) for _, t in COLUMNS], rows, right=[k in RIGHT for k in keys],
-                  row_class=[str(r["status"]) for r in pairs],
-                  cell_class={keys.index("verdict"): "verdict"})
+    return table(
+        [escape(t) for _, t in COLUMNS],
+        rows,
+        right=[k in RIGHT for k in keys],
+        row_class=[str(r["status"]) for r in pairs],
+        cell_class={keys.index("verdict"): "verdict"},
+    )
 
 
 def _anchor(record: PairRecord) -> str:
@@ -79,19 +83,21 @@ def _anchor(record: PairRecord) -> str:
 
 
 def _kv(items: Sequence[tuple[str, str]]) -> str:
-    return '<dl class="kv">' + "".join(f"<dt>{escape(k)}</dt><dd>{v}</dd>" for k, v in items) \
-        + "</dl>"
+    return (
+        '<dl class="kv">' + "".join(f"<dt>{escape(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
+    )
 
 
 def _layout_text(side: SideRecord) -> str:
     degrees = ", ".join(f"{a}={d}" for a, d in side["degrees"].items() if d > 1) or "single"
     extra = f", schedule {side['pp_schedule']}" if side.get("pp_schedule") else ""
-    return f"<code>{escape(side['short_name'])}</code> ({escape(degrees)}{escape(extra)}; " \
-           f"{side['world_size']} ranks)"
+    return (
+        f"<code>{escape(side['short_name'])}</code> ({escape(degrees)}{escape(extra)}; "
+        f"{side['world_size']} ranks)"
+    )
 
 
-def _state_span(passed: bool, gate: bool, steps_compared: int,
-                not_compared: bool = False) -> str:
+def _state_span(passed: bool, gate: bool, steps_compared: int, not_compared: bool = False) -> str:
     """pass (green), FAIL (red), or in amber a non-gating regression (never shown as a FAIL)
     or a gating metric that was not compared (never shown as a pass)."""
     css = "warn" if not_compared else ("ok" if passed else ("bad" if gate else "warn"))
@@ -101,52 +107,87 @@ def _state_span(passed: bool, gate: bool, steps_compared: int,
 
 def not_compared_html(pairs: Sequence[PairRecord]) -> str:
     """Every pair's gating metrics that a run did not log, with the fix (amber)."""
-    items = [f'<li><code>{escape(p["name"])}</code>: <span class="warn">'
-             f'{escape(v["metric"])} not compared</span> -- {escape(v["message"])}</li>'
-             for p in pairs for v in p["verdicts"] if v.get("not_compared")]
-    return (f"<h2>{escape(NOT_COMPARED_TITLE)}</h2><ul>{''.join(items)}</ul>"
-            if items else "")
+    items = [
+        f'<li><code>{escape(p["name"])}</code>: <span class="warn">'
+        f"{escape(v['metric'])} not compared</span> -- {escape(v['message'])}</li>"
+        for p in pairs
+        for v in p["verdicts"]
+        if v.get("not_compared")
+    ]
+    return f"<h2>{escape(NOT_COMPARED_TITLE)}</h2><ul>{''.join(items)}</ul>" if items else ""
 
 
 def verdicts_html(record: PairRecord) -> str:
     rows = []
     for v in record["verdicts"]:
         ok = v["passed"]
-        rows.append([
-            escape(v["metric"]), escape(v["method"]),
-            _state_span(ok, bool(v["gate"]), int(v.get("steps_compared", 1)),
-                        bool(v.get("not_compared", False))),
-            "yes" if v["gate"] else "no",
-            escape(str(v["first_divergent_step"] if v["first_divergent_step"] is not None
-                       else "-")),
-            escape(fmt_num(v["max_deviation"])), escape(str(v["max_deviation_step"] or "-")),
-            escape(f"{fmt_num(v['tolerance_at_max'])} ({v['tolerance']})"
-                   if v["tolerance"] else fmt_num(v["tolerance_at_max"])),
-            escape(", ".join(f"{k}={fmt_num(p)}" for k, p in v["p_values"].items()) or "-"),
-            escape(v["message"]),
-        ])
+        rows.append(
+            [
+                escape(v["metric"]),
+                escape(v["method"]),
+                _state_span(
+                    ok,
+                    bool(v["gate"]),
+                    int(v.get("steps_compared", 1)),
+                    bool(v.get("not_compared", False)),
+                ),
+                "yes" if v["gate"] else "no",
+                escape(
+                    str(v["first_divergent_step"] if v["first_divergent_step"] is not None else "-")
+                ),
+                escape(fmt_num(v["max_deviation"])),
+                escape(str(v["max_deviation_step"] or "-")),
+                escape(
+                    f"{fmt_num(v['tolerance_at_max'])} ({v['tolerance']})"
+                    if v["tolerance"]
+                    else fmt_num(v["tolerance_at_max"])
+                ),
+                escape(", ".join(f"{k}={fmt_num(p)}" for k, p in v["p_values"].items()) or "-"),
+                escape(v["message"]),
+            ]
+        )
     if not rows:
         return '<p class="sub">no verdicts</p>'
-    header = ["metric", "method", "verdict", "gate", "first divergent step", "max |Δ|",
-              "at step", "tolerance", "p-values", "message"]
-    return table(header, rows, right=[False] * 4 + [True, True, True] + [False] * 3,
-                  cell_class={7: "wrap", 9: "wrap"})
+    header = [
+        "metric",
+        "method",
+        "verdict",
+        "gate",
+        "first divergent step",
+        "max |Δ|",
+        "at step",
+        "tolerance",
+        "p-values",
+        "message",
+    ]
+    return table(
+        header,
+        rows,
+        right=[False] * 4 + [True, True, True] + [False] * 3,
+        cell_class={7: "wrap", 9: "wrap"},
+    )
 
 
 def divergence_html(record: PairRecord) -> str:
     parts = []
     reference = str(record.get("delta_reference") or "control")
     for metric, rows in record["divergence"].items():
-        body = [[str(r["step"]), fmt_value(r["control"]), fmt_value(r["test"]),
-                 fmt_delta(r["delta"])] for r in rows]
-        parts.append(f"<p><b>{escape(metric)}</b> around the divergence</p>"
-                     + table(["step", reference, "test", "Δ"], body, right=[True] * 4))
+        body = [
+            [str(r["step"]), fmt_value(r["control"]), fmt_value(r["test"]), fmt_delta(r["delta"])]
+            for r in rows
+        ]
+        parts.append(
+            f"<p><b>{escape(metric)}</b> around the divergence</p>"
+            + table(["step", reference, "test", "Δ"], body, right=[True] * 4)
+        )
     return "".join(parts)
 
 
 def _resource(entry: ResourceRecord) -> str:
-    return (f"{fmt_amount(entry['test'])} / {fmt_amount(entry['control'])} = "
-            f"{fmt_ratio(entry['ratio'])}")
+    return (
+        f"{fmt_amount(entry['test'])} / {fmt_amount(entry['control'])} = "
+        f"{fmt_ratio(entry['ratio'])}"
+    )
 
 
 def pair_html(record: PairRecord, plot_files: Mapping[str, Path]) -> str:
@@ -155,43 +196,70 @@ def pair_html(record: PairRecord, plot_files: Mapping[str, Path]) -> str:
     wall = record["wall_s"]
     items = [
         ("source", f"<code>{escape(record['source'])}</code>"),
-        ("control", _layout_text(record["control"])
-         + (" — <i>from cache</i>" if record["cached"]["control"] else "")),
+        (
+            "control",
+            _layout_text(record["control"])
+            + (" — <i>from cache</i>" if record["cached"]["control"] else ""),
+        ),
         ("test", _layout_text(record["test"])),
-        ("techniques changed", escape(", ".join(f"{k}={v}" for k, v in
-                                                record["techniques_changed"].items()) or "none")),
+        (
+            "techniques changed",
+            escape(
+                ", ".join(f"{k}={v}" for k, v in record["techniques_changed"].items()) or "none"
+            ),
+        ),
         ("regime", escape(record["regime"])),
         ("tokens/s (test / control)", escape(_resource(res["tokens_per_s"]))),
         ("peak memory MiB (test / control)", escape(_resource(res["peak_mem_mib"]))),
-        ("wall (pair, control, test)", escape(", ".join(
-            fmt_wall(as_float(wall[k])) for k in ("pair", "control", "test")))),
+        (
+            "wall (pair, control, test)",
+            escape(", ".join(fmt_wall(as_float(wall[k])) for k in ("pair", "control", "test"))),
+        ),
     ]
     resume = record.get("resume")
     if resume is not None:
-        items.append(("resume", escape(f"checkpoint after step {resume['at_step']}, "
-                                       f"{resume['before']} → {resume['after']}"
-                                       + (f": {resume['note']}" if resume["note"] else ""))))
+        items.append(
+            (
+                "resume",
+                escape(
+                    f"checkpoint after step {resume['at_step']}, "
+                    f"{resume['before']} → {resume['after']}"
+                    + (f": {resume['note']}" if resume["note"] else "")
+                ),
+            )
+        )
     if record["first_divergent_step"] is not None:
-        items.append(("first divergent step",
-                      f'<span class="bad">{record["first_divergent_step"]}</span>'))
+        items.append(
+            ("first divergent step", f'<span class="bad">{record["first_divergent_step"]}</span>')
+        )
     if record["stopped_early_at"] is not None:
         items.append(("stopped early at step", str(record["stopped_early_at"])))
     if record["localisation"]:
         # The sentence the failure message and report.md show, not a key=value dump.
-        items.append(("localisation (numerics probe)",
-                      escape(summary_text(record["localisation"]).replace("`", ""))))
+        items.append(
+            (
+                "localisation (numerics probe)",
+                escape(summary_text(record["localisation"]).replace("`", "")),
+            )
+        )
     error = f"<pre>{escape(record['error'])}</pre>" if record["error"] else ""
-    plot_error = (f'<p class="bad">plot failed: {escape(record["plot_error"] or "")}</p>'
-                  if record.get("plot_error") else "")
-    plots = "".join(img(rel, plot_files, f"{record['name']} {kind}")
-                    for kind, rel in record["plots"].items())
-    return (f'<section class="pair {escape(status)}" id="{escape(_anchor(record))}">'
-            f'<h3>{escape(record["name"])} <span class="badge {escape(status)}">'
-            f"{escape(status.upper())}</span></h3>"
-            f'<div class="sub">{escape(record["id"])}</div>'
-            f"{_kv(items)}{error}{verdicts_html(record)}{divergence_html(record)}"
-            f"{''.join(s.pair_html(record) for s in SECTIONS if s.pair_html)}"
-            f"{plot_error}{plots}</section>")
+    plot_error = (
+        f'<p class="bad">plot failed: {escape(record["plot_error"] or "")}</p>'
+        if record.get("plot_error")
+        else ""
+    )
+    plots = "".join(
+        img(rel, plot_files, f"{record['name']} {kind}") for kind, rel in record["plots"].items()
+    )
+    return (
+        f'<section class="pair {escape(status)}" id="{escape(_anchor(record))}">'
+        f'<h3>{escape(record["name"])} <span class="badge {escape(status)}">'
+        f"{escape(status.upper())}</span></h3>"
+        f'<div class="sub">{escape(record["id"])}</div>'
+        f"{_kv(items)}{error}{verdicts_html(record)}{divergence_html(record)}"
+        f"{''.join(s.pair_html(record) for s in SECTIONS if s.pair_html)}"
+        f"{plot_error}{plots}</section>"
+    )
 
 
 def render_html(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
@@ -204,12 +272,17 @@ def render_html(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
     pairs = report["pairs"]
     bad = summary["failed"] + summary["errors"]
     errors = summary["errors"]
-    title = (f"Convergence: {summary['passed']} passed, {summary['failed']} failed, "
-             f"{errors} error{'' if errors == 1 else 's'} "
-             f"({summary['pairs']} pair{'' if summary['pairs'] == 1 else 's'})")
+    title = (
+        f"Convergence: {summary['passed']} passed, {summary['failed']} failed, "
+        f"{errors} error{'' if errors == 1 else 's'} "
+        f"({summary['pairs']} pair{'' if summary['pairs'] == 1 else 's'})"
+    )
     overall = "failed" if bad else "passed"
-    wall = ("" if report.get("wall_s") is None
-            else f" · wall {escape(fmt_wall(as_float(report['wall_s'])))}")
+    wall = (
+        ""
+        if report.get("wall_s") is None
+        else f" · wall {escape(fmt_wall(as_float(report['wall_s'])))}"
+    )
     env = _kv([(str(k), escape(str(v))) for k, v in report["environment"].items()])
     failing = [p for p in pairs if p["status"] in ("failed", "error")]
     ordered = failing + [p for p in pairs if p not in failing]
@@ -222,8 +295,8 @@ def render_html(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
 <title>{escape(title)}</title><style>{CSS}</style></head>
 <body>
 <h1><span class="badge {overall}">{overall.upper()}</span> {escape(title)}</h1>
-<div class="sub">generated {escape(str(report['generated_at']))} · schema v{report['schema_version']}
-{wall} · {summary['cached_runs']} cached / {summary['fresh_runs']} fresh runs</div>
+<div class="sub">generated {escape(str(report["generated_at"]))} · schema v{report["schema_version"]}
+{wall} · {summary["cached_runs"]} cached / {summary["fresh_runs"]} fresh runs</div>
 <h2>Matrix</h2>
 {matrix_html(pairs)}
 <div class="sub">Axis degrees are the test's ("-" = 1). |Δ| = max |test − control| (seed regime:
@@ -236,4 +309,3 @@ def render_html(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
 {env}
 </body></html>
 """
-

@@ -22,12 +22,21 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
     for v in o.verdicts:
         name = v.metric
         word = "not compared" if v.not_compared else ("pass" if v.passed else "fail")
-        props.append((f"{name}.verdict", f"{word} ({v.method}"
-                                         f"{'' if v.gate or v.not_compared else ', not gating'})"))
+        props.append(
+            (
+                f"{name}.verdict",
+                f"{word} ({v.method}{'' if v.gate or v.not_compared else ', not gating'})",
+            )
+        )
         if v.not_compared:
             props.append((f"{name}.not_compared", v.message))
-        props.append((f"{name}.max_deviation", fmt_num(v.max_deviation)
-                      + ("" if v.max_deviation_step is None else f" at step {v.max_deviation_step}")))
+        props.append(
+            (
+                f"{name}.max_deviation",
+                fmt_num(v.max_deviation)
+                + ("" if v.max_deviation_step is None else f" at step {v.max_deviation_step}"),
+            )
+        )
         if v.tolerance_at_max is not None:
             props.append((f"{name}.tolerance", fmt_num(v.tolerance_at_max)))
         if v.first_divergent_step is not None:

@@ -35,8 +35,11 @@ def headline(summary: Mapping[str, int]) -> str:
     bad = summary["failed"] + summary["errors"]
     icon = "❌" if bad else "✅"
     errors = summary["errors"]
-    parts = [f"{summary['passed']} passed", f"{summary['failed']} failed",
-             f"{errors} error{'' if errors == 1 else 's'}"]
+    parts = [
+        f"{summary['passed']} passed",
+        f"{summary['failed']} failed",
+        f"{errors} error{'' if errors == 1 else 's'}",
+    ]
     if summary.get("skipped"):
         parts.append(f"{summary['skipped']} skipped")
     count = summary["pairs"]
@@ -47,9 +50,13 @@ def headline(summary: Mapping[str, int]) -> str:
 #: cell (the test's short name, e.g. fsdp2-tp2): 10 columns instead of 14, so the table fits
 #: a GitHub step summary or PR comment without a horizontal scroll.
 MD_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("pair", "pair"), ("layout", "layout"),
-    *((key, title) for key, title in COLUMNS if key not in {k for k, _ in AXIS_COLUMNS}
-      and key != "pair"),
+    ("pair", "pair"),
+    ("layout", "layout"),
+    *(
+        (key, title)
+        for key, title in COLUMNS
+        if key not in {k for k, _ in AXIS_COLUMNS} and key != "pair"
+    ),
 )
 
 
@@ -69,10 +76,14 @@ def matrix_table(pairs: Sequence[PairRecord]) -> list[str]:
 
 
 def divergence_lines(rows: Sequence[DivergenceRecord], reference: str) -> list[str]:
-    return table(["step", reference, "test", "Δ"],
-                 [[r["step"], fmt_value(r["control"]), fmt_value(r["test"]),
-                   fmt_delta(r["delta"])]
-                  for r in rows], [True] * 4)
+    return table(
+        ["step", reference, "test", "Δ"],
+        [
+            [r["step"], fmt_value(r["control"]), fmt_value(r["test"]), fmt_delta(r["delta"])]
+            for r in rows
+        ],
+        [True] * 4,
+    )
 
 
 def verdict_lines(record: PairRecord) -> list[str]:
@@ -80,18 +91,33 @@ def verdict_lines(record: PairRecord) -> list[str]:
     for v in record["verdicts"]:
         if v["passed"] or v.get("not_compared"):
             continue  # not compared: its own section, for every pair
-        gate = "" if v["gate"] else (": regressed (report only, does not gate)"
-                                     if v.get("steps_compared", 1) else
-                                     ": not compared (report only)")
-        where = (f"first divergent step **{v['first_divergent_step']}**; "
-                 if v["first_divergent_step"] is not None else "")
-        tol = f" (tolerance {fmt_num(v['tolerance_at_max'])}: {v['tolerance']})" \
-            if v["tolerance"] else ""
-        lines.append(f"- **{v['metric']}** ({v['method']}){gate}: {where}max |Δ| "
-                     f"{fmt_num(v['max_deviation'])} at step {v['max_deviation_step']}{tol}")
+        gate = (
+            ""
+            if v["gate"]
+            else (
+                ": regressed (report only, does not gate)"
+                if v.get("steps_compared", 1)
+                else ": not compared (report only)"
+            )
+        )
+        where = (
+            f"first divergent step **{v['first_divergent_step']}**; "
+            if v["first_divergent_step"] is not None
+            else ""
+        )
+        tol = (
+            f" (tolerance {fmt_num(v['tolerance_at_max'])}: {v['tolerance']})"
+            if v["tolerance"]
+            else ""
+        )
+        lines.append(
+            f"- **{v['metric']}** ({v['method']}){gate}: {where}max |Δ| "
+            f"{fmt_num(v['max_deviation'])} at step {v['max_deviation_step']}{tol}"
+        )
         if v["p_values"]:
-            lines.append("  p-values: " + ", ".join(f"{k}={fmt_num(p)}"
-                                                    for k, p in v["p_values"].items()))
+            lines.append(
+                "  p-values: " + ", ".join(f"{k}={fmt_num(p)}" for k, p in v["p_values"].items())
+            )
         if v["message"]:
             lines.append(f"  > {text(v['message'])}")
     return lines
@@ -99,15 +125,20 @@ def verdict_lines(record: PairRecord) -> list[str]:
 
 def failure_section(record: PairRecord) -> list[str]:
     status = record["status"]
-    head = (f"### {ICONS.get(status, '')} {code(record['name'])} — {status.upper()}  \n"
-            f"{code(record['id'])} · control {code(record['control']['short_name'])} vs test "
-            f"{code(record['test']['short_name'])} · {text(record['regime'])} regime")
+    head = (
+        f"### {ICONS.get(status, '')} {code(record['name'])} — {status.upper()}  \n"
+        f"{code(record['id'])} · control {code(record['control']['short_name'])} vs test "
+        f"{code(record['test']['short_name'])} · {text(record['regime'])} regime"
+    )
     lines = [head, ""]
     resume = record.get("resume")
     if resume is not None:
-        lines += [f"Resume: checkpoint after step {resume['at_step']}, "
-                  f"{code(resume['before'])} → {code(resume['after'])}"
-                  + (f" — {text(resume['note'])}" if resume["note"] else ""), ""]
+        lines += [
+            f"Resume: checkpoint after step {resume['at_step']}, "
+            f"{code(resume['before'])} → {code(resume['after'])}"
+            + (f" — {text(resume['note'])}" if resume["note"] else ""),
+            "",
+        ]
     if record["first_divergent_step"] is not None:
         lines.append(f"**First divergent step: {record['first_divergent_step']}**")
         lines.append("")
@@ -117,11 +148,15 @@ def failure_section(record: PairRecord) -> list[str]:
         lines += ["", f"{metric} around the divergence:", ""]
         lines += divergence_lines(rows, reference)
     if record["localisation"]:
-        lines += ["", f"Localisation (numerics probe): {text(summary_text(record['localisation']))}"]
+        lines += [
+            "",
+            f"Localisation (numerics probe): {text(summary_text(record['localisation']))}",
+        ]
     if record["error"]:
         err = record["error"].rstrip().splitlines()
-        shown = err[:ERROR_LINES] + ([f"... ({len(err) - ERROR_LINES} more lines)"]
-                                     if len(err) > ERROR_LINES else [])
+        shown = err[:ERROR_LINES] + (
+            [f"... ({len(err) - ERROR_LINES} more lines)"] if len(err) > ERROR_LINES else []
+        )
         if lines[-1]:
             lines.append("")
         # A ``` inside the error would close the fence early.
@@ -131,14 +166,21 @@ def failure_section(record: PairRecord) -> list[str]:
 
 def environment_line(report: ReportDocument) -> str:
     env = report["environment"]
-    parts = [f"python {env.get('python')}", f"torch {env.get('torch')}",
-             str(env.get("hostname") or env.get("host") or ""), str(env.get("platform", ""))]
+    parts = [
+        f"python {env.get('python')}",
+        f"torch {env.get('torch')}",
+        str(env.get("hostname") or env.get("host") or ""),
+        str(env.get("platform", "")),
+    ]
     if report.get("wall_s") is not None:
         parts.append(f"wall {fmt_wall(as_float(report['wall_s']))}")
     summary = report["summary"]
     parts.append(f"{summary['cached_runs']} cached / {summary['fresh_runs']} fresh runs")
-    return "<sub>" + " · ".join(cell(p) for p in parts if p) + \
-        f" · generated {report['generated_at']}</sub>"
+    return (
+        "<sub>"
+        + " · ".join(cell(p) for p in parts if p)
+        + f" · generated {report['generated_at']}</sub>"
+    )
 
 
 def regression_lines(pairs: Sequence[PairRecord]) -> list[str]:
@@ -149,19 +191,26 @@ def regression_lines(pairs: Sequence[PairRecord]) -> list[str]:
         for v in record["verdicts"]:
             if v["passed"] or v["gate"] or not v.get("steps_compared", 1):
                 continue  # a metric a side did not log is not a regression
-            detail = text(v["message"]) if v["message"] else \
-                f"max |Δ| {fmt_num(v['max_deviation'])}"
-            lines.append(f"- {cell(record['name'])}: **{v['metric']}** ({v['method']}): "
-                         f"regressed (report only, does not gate): {detail}")
+            detail = (
+                text(v["message"]) if v["message"] else f"max |Δ| {fmt_num(v['max_deviation'])}"
+            )
+            lines.append(
+                f"- {cell(record['name'])}: **{v['metric']}** ({v['method']}): "
+                f"regressed (report only, does not gate): {detail}"
+            )
     return ["", "## Regressions (report only)", "", *lines] if lines else []
 
 
 def not_compared_lines(pairs: Sequence[PairRecord]) -> list[str]:
     """Every pair's gating metrics that a run did not log, passed pairs too, with the fix:
     a pair that passed on the loss alone must say so."""
-    lines = [f"- {cell(p['name'])}: **{v['metric']}** ({v['method']}): not compared: "
-             f"{text(v['message'])}"
-             for p in pairs for v in p["verdicts"] if v.get("not_compared")]
+    lines = [
+        f"- {cell(p['name'])}: **{v['metric']}** ({v['method']}): not compared: "
+        f"{text(v['message'])}"
+        for p in pairs
+        for v in p["verdicts"]
+        if v.get("not_compared")
+    ]
     return ["", f"## ⚠️ {NOT_COMPARED_TITLE}", "", *lines] if lines else []
 
 
@@ -211,8 +260,10 @@ def write_step_summary(md: str, env: Mapping[str, str] = os.environ) -> Path | N
     path = Path(target)
     used = path.stat().st_size if path.exists() else 0
     budget = STEP_SUMMARY_LIMIT - STEP_SUMMARY_MARGIN - used
-    note = ("\n> **Note:** the convergence report was truncated to fit GitHub's 1 MiB step "
-            "summary limit; see report.md / report.html in the job's artifacts.\n")
+    note = (
+        "\n> **Note:** the convergence report was truncated to fit GitHub's 1 MiB step "
+        "summary limit; see report.md / report.html in the job's artifacts.\n"
+    )
     text = md
     if len(text.encode("utf-8")) > budget:
         room = budget - len(note.encode("utf-8"))

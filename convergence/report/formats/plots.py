@@ -60,13 +60,22 @@ def plot_names(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
 
 
 def _note(ax: Axes, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4",
-            fontsize=10, wrap=True)
+    ax.text(
+        0.5,
+        0.5,
+        text,
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        color="0.4",
+        fontsize=10,
+        wrap=True,
+    )
 
 
-def tolerance_envelope(verdict: MetricVerdict | None, steps: npt.NDArray[np.int64],
-                       reference: npt.NDArray[np.float64]
-                       ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
+def tolerance_envelope(
+    verdict: MetricVerdict | None, steps: npt.NDArray[np.int64], reference: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None:
     """The allowed Δ per step (lowest, highest): the verdict's band minus the reference.
 
     The band is what the verdict held the test to, whatever the method (paired, allclose,
@@ -92,17 +101,28 @@ def tolerance_envelope(verdict: MetricVerdict | None, steps: npt.NDArray[np.int6
 
 def _mark_divergence(ax: Axes, step: int | None) -> None:
     if step is not None:
-        ax.axvline(step, color=DIVERGE_COLOR, linestyle="--", linewidth=1.2,
-                   label=f"first divergence (step {step})")
+        ax.axvline(
+            step,
+            color=DIVERGE_COLOR,
+            linestyle="--",
+            linewidth=1.2,
+            label=f"first divergence (step {step})",
+        )
 
 
 def _mark_resume(ax: Axes, outcome: PairOutcome, *, label: bool) -> None:
     """A resuming test side: a dotted line between its checkpoint step K and K+1."""
     resume = outcome.pair.test.resume
     if resume is not None:
-        ax.axvline(resume.at_step + 0.5, color="0.35", linestyle=":", linewidth=1.2,
-                   label=(f"resume after step {resume.at_step} "
-                          f"({resume.layout.short_name()})") if label else None)
+        ax.axvline(
+            resume.at_step + 0.5,
+            color="0.35",
+            linestyle=":",
+            linewidth=1.2,
+            label=(f"resume after step {resume.at_step} ({resume.layout.short_name()})")
+            if label
+            else None,
+        )
 
 
 def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bool:
@@ -115,18 +135,41 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
         _note(ax, f"no {metric} curve")
         return False
     if band is not None:
-        ax.fill_between(band.steps, band.center - band.half_width, band.center + band.half_width,
-                        color=CONTROL_COLOR, alpha=0.2, linewidth=0,
-                        label=f"control band (z {band.z:g}, {band.num_replicates} seeds)")
-        ax.plot(band.steps, band.center, color=CONTROL_COLOR, linewidth=1.4,
-                label="control smoothed mean")
+        ax.fill_between(
+            band.steps,
+            band.center - band.half_width,
+            band.center + band.half_width,
+            color=CONTROL_COLOR,
+            alpha=0.2,
+            linewidth=0,
+            label=f"control band (z {band.z:g}, {band.num_replicates} seeds)",
+        )
+        ax.plot(
+            band.steps,
+            band.center,
+            color=CONTROL_COLOR,
+            linewidth=1.4,
+            label="control smoothed mean",
+        )
     elif ctrl is not None:
         # Wide under the narrow test line: two agreeing curves both stay visible.
-        ax.plot(ctrl.steps, ctrl.values, color=CONTROL_COLOR, linewidth=3.0, alpha=0.7,
-                label=f"control ({outcome.pair.control.layout.short_name()})")
+        ax.plot(
+            ctrl.steps,
+            ctrl.values,
+            color=CONTROL_COLOR,
+            linewidth=3.0,
+            alpha=0.7,
+            label=f"control ({outcome.pair.control.layout.short_name()})",
+        )
     if test is not None:
-        ax.plot(test.steps, test.values, color=TEST_COLOR, linewidth=1.2, linestyle="-",
-                label=f"test ({outcome.pair.test.layout.short_name()})")
+        ax.plot(
+            test.steps,
+            test.values,
+            color=TEST_COLOR,
+            linewidth=1.2,
+            linestyle="-",
+            label=f"test ({outcome.pair.test.layout.short_name()})",
+        )
     verdict = outcome.verdict(metric)
     _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
     _mark_resume(ax, outcome, label=True)
@@ -151,10 +194,14 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     if envelope is not None:
         lower, upper = envelope
         exact = verdict is not None and verdict.band is not None and bool(verdict.band.steps)
-        label = (f"band (z {band.z:g})" if band is not None else
-                 "tolerance" if exact else "tolerance (at max)")
-        ax.fill_between(steps, lower, upper, color="0.6", alpha=0.3, linewidth=0,
-                        label=f"±{label}")
+        label = (
+            f"band (z {band.z:g})"
+            if band is not None
+            else "tolerance"
+            if exact
+            else "tolerance (at max)"
+        )
+        ax.fill_between(steps, lower, upper, color="0.6", alpha=0.3, linewidth=0, label=f"±{label}")
         _symlog_if_far(ax, delta, np.fmax(np.abs(lower), np.abs(upper)))
     color = DIVERGE_COLOR if verdict is not None and not verdict.passed else "0.15"
     marker = "." if steps.size <= 200 else None  # dots help on short runs, smear long ones
@@ -175,12 +222,17 @@ def _twin_residual(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     if twin is None or control is None or metric not in twin:
         return
     steps, ci, ti = np.intersect1d(control.steps, twin[metric].steps, return_indices=True)
-    ax.plot(steps, twin[metric].values[ti] - control.values[ci], color=CONTROL_COLOR,
-            linewidth=1.0, linestyle="--", label="twin − control (noise)")
+    ax.plot(
+        steps,
+        twin[metric].values[ti] - control.values[ci],
+        color=CONTROL_COLOR,
+        linewidth=1.0,
+        linestyle="--",
+        label="twin − control (noise)",
+    )
 
 
-def _symlog_if_far(ax: Axes, delta: npt.NDArray[np.float64],
-                   half: npt.NDArray[np.float64]) -> None:
+def _symlog_if_far(ax: Axes, delta: npt.NDArray[np.float64], half: npt.NDArray[np.float64]) -> None:
     """A diverged residual can be 1e5x the tolerance; on a linear axis the envelope vanishes.
 
     Symlog keeps the envelope linear (|y| < tolerance) and the divergence logarithmic.
@@ -195,24 +247,31 @@ def _symlog_if_far(ax: Axes, delta: npt.NDArray[np.float64],
         return
     ax.set_yscale("symlog", linthresh=limit, linscale=1.0)
     # Explicit ticks: the default symlog ticks pile up (and overlap) inside the linear part.
-    decades = [10.0 ** k for k in range(math.floor(math.log10(limit)) + 1,
-                                        math.ceil(math.log10(top)) + 1)]
+    decades = [
+        10.0**k for k in range(math.floor(math.log10(limit)) + 1, math.ceil(math.log10(top)) + 1)
+    ]
     decades = [d for d in decades if d >= 5 * limit]  # none crowding the tolerance's tick
     decades = decades[::-1][:: max(1, len(decades) // 5)]
-    ticks = sorted({0.0, limit, -limit, *decades,
-                    *(-d for d in decades if float(np.nanmin(delta)) < -limit)})
+    ticks = sorted(
+        {0.0, limit, -limit, *decades, *(-d for d in decades if float(np.nanmin(delta)) < -limit)}
+    )
     ax.set_yticks(ticks, [f"{t:.0e}" if t else "0" for t in ticks])
     ax.minorticks_off()
-    ax.set_title(ax.get_title(loc="left") + "  [symlog: linear within the tolerance]",
-                 loc="left", fontsize=10)
+    ax.set_title(
+        ax.get_title(loc="left") + "  [symlog: linear within the tolerance]",
+        loc="left",
+        fontsize=10,
+    )
 
 
 def _title(outcome: PairOutcome) -> str:
     status = VERDICTS.get(outcome.status, outcome.status.upper())
     pair = outcome.pair
     test = describe_test(pair.test.layout.short_name(), techniques_changed(outcome))
-    text = (f"{pair.name} — {status}   control {pair.control.layout.short_name()} "
-            f"vs test {test} ({pair.regime} regime)")
+    text = (
+        f"{pair.name} — {status}   control {pair.control.layout.short_name()} "
+        f"vs test {test} ({pair.regime} regime)"
+    )
     step = first_divergent_step(outcome)
     if step is not None:
         text += f", diverges at step {step}"
@@ -249,9 +308,15 @@ def plot_pair(outcome: PairOutcome, path: Path) -> Path:
     # Steps are whole numbers: no 2.5 ticks on a short run (the axes share x).
     axes[2].xaxis.set_major_locator(MaxNLocator(integer=True))
     if outcome.error:
-        axes[0].text(0.01, 0.03, "error: " + outcome.error.strip().splitlines()[0][:110],
-                     transform=axes[0].transAxes, fontsize=8, color=DIVERGE_COLOR,
-                     va="bottom")
+        axes[0].text(
+            0.01,
+            0.03,
+            "error: " + outcome.error.strip().splitlines()[0][:110],
+            transform=axes[0].transAxes,
+            fontsize=8,
+            color=DIVERGE_COLOR,
+            va="bottom",
+        )
     for ax in axes:
         _pin_title(ax)
     return save_png(fig, path)
@@ -275,9 +340,13 @@ def _pin_title(ax: Axes) -> None:
 def dimension(outcome: PairOutcome) -> str:
     """What the pair verifies, named as the "By dimension" table names it (``+tp2``,
     ``+cp2 +ac:full``, ``-rep2+shard2``): the heatmap's row groups are that table's rows."""
-    return dimension_of({"control": layout_record(outcome.pair.control),
-                         "test": layout_record(outcome.pair.test),
-                         "techniques_changed": techniques_changed(outcome)})
+    return dimension_of(
+        {
+            "control": layout_record(outcome.pair.control),
+            "test": layout_record(outcome.pair.test),
+            "techniques_changed": techniques_changed(outcome),
+        }
+    )
 
 
 def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:
@@ -327,14 +396,16 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
     metrics = _heat_metrics(ordered)
     cells = [[_cell(o, m) for m in metrics] for o in ordered]
     data = np.array([[c[0] for c in row] for row in cells], dtype=float).reshape(
-        len(ordered), len(metrics))
+        len(ordered), len(metrics)
+    )
     labels = [f"{dimension(o)} │ {o.pair.name}" for o in ordered]
     label_in = 0.3 + 0.075 * max((len(t) for t in labels), default=4)  # ~ 10 pt characters
     width, height = label_in + 1.5 * len(metrics) + 1.4, 1.5 + 0.45 * max(len(ordered), 1)
     fig = new_figure(width, height)
     ax = fig.add_subplot()
-    fig.subplots_adjust(left=label_in / width, right=1 - 1.3 / width, top=1 - 0.95 / height,
-                        bottom=0.15 / height)
+    fig.subplots_adjust(
+        left=label_in / width, right=1 - 1.3 / width, top=1 - 0.95 / height, bottom=0.15 / height
+    )
     cmap = colormaps["RdBu_r"].with_extremes(bad="0.82")
     image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=-3, vmax=3, aspect="auto")
     ax.set_xticks(range(len(metrics)), metrics)
@@ -343,22 +414,34 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
     for i, row in enumerate(cells):
         for j, (value, label) in enumerate(row):
             dark = math.isfinite(value) and abs(value) > 1.8
-            ax.text(j, i, label, ha="center", va="center", fontsize=8,
-                    color="white" if dark else "black")
+            ax.text(
+                j,
+                i,
+                label,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if dark else "black",
+            )
     groups = [dimension(o) for o in ordered]
     for i in range(1, len(groups)):
         if groups[i] != groups[i - 1]:
             ax.axhline(i - 0.5, color="black", linewidth=1.5)
-    bar = fig.colorbar(image, cax=fig.add_axes((1 - 1.1 / width, 0.15 / height, 0.15 / width,
-                                                1 - 0.9 / height)))
+    bar = fig.colorbar(
+        image, cax=fig.add_axes((1 - 1.1 / width, 0.15 / height, 0.15 / width, 1 - 0.9 / height))
+    )
     bar.set_label("log10(max|Δ| / tolerance)", fontsize=8)
-    ax.set_title("max |Δ| / tolerance, each pair × gating metric\n(rows grouped by dimension; "
-                 "grey: error / not compared)", fontsize=10)
+    ax.set_title(
+        "max |Δ| / tolerance, each pair × gating metric\n(rows grouped by dimension; "
+        "grey: error / not compared)",
+        fontsize=10,
+    )
     return save_png(fig, path)
 
 
-def plot_outcomes(outcomes: Sequence[PairOutcome], plot_dir: Path,
-                  names: dict[str, str]) -> tuple[dict[str, Path], dict[str, str]]:
+def plot_outcomes(
+    outcomes: Sequence[PairOutcome], plot_dir: Path, names: dict[str, str]
+) -> tuple[dict[str, Path], dict[str, str]]:
     """Plot every pair into ``plot_dir/<names[pair_id]>.png``.
 
     Returns (paths by pair id, errors by pair id): a plotting bug in one pair is reported in

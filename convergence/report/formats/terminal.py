@@ -27,14 +27,29 @@ from convergence.report.sections.dimensions import render_dimensions
 from convergence.run.outcome import PairOutcome
 
 AXIS_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("rep", "dp_replicate"), ("shard", "dp_shard"), ("tp", "tp"), ("cp", "cp"), ("pp", "pp"))
+    ("rep", "dp_replicate"),
+    ("shard", "dp_shard"),
+    ("tp", "tp"),
+    ("cp", "cp"),
+    ("pp", "pp"),
+)
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     # (key, header); numbers right-aligned, text left-aligned.
-    ("pair", "pair"), ("rep", "rep"), ("shard", "shard"), ("tp", "tp"), ("cp", "cp"),
-    ("pp", "pp"), ("techniques", "techniques"), ("verdict", "verdict"),
-    ("dloss", "|Δloss|"), ("dgnorm", "|Δgnorm|"), ("tps", "tok/s"), ("mem", "mem"),
-    ("wall", "wall"), ("cache", "cache"),
+    ("pair", "pair"),
+    ("rep", "rep"),
+    ("shard", "shard"),
+    ("tp", "tp"),
+    ("cp", "cp"),
+    ("pp", "pp"),
+    ("techniques", "techniques"),
+    ("verdict", "verdict"),
+    ("dloss", "|Δloss|"),
+    ("dgnorm", "|Δgnorm|"),
+    ("tps", "tok/s"),
+    ("mem", "mem"),
+    ("wall", "wall"),
+    ("cache", "cache"),
 )
 RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "dloss", "dgnorm", "tps", "mem", "wall"})
 SHRINKABLE = ("techniques", "pair")
@@ -48,21 +63,26 @@ def record_row(record: PairRecord) -> dict[str, str]:
     degrees = record["test"]["degrees"]
     res = record["resources"]
     wall = record["wall_s"]["test"] or record["wall_s"]["pair"] or None
-    cached = [name for name, on in (("ctrl", record["cached"]["control"]),
-                                    ("test", record["cached"]["test"])) if on]
+    cached = [
+        name
+        for name, on in (("ctrl", record["cached"]["control"]), ("test", record["cached"]["test"]))
+        if on
+    ]
     verdict = VERDICTS.get(record["status"], str(record["status"]).upper())
     row = {"pair": record["name"]}
     row.update({key: fmt_deg(int(degrees[axis])) for key, axis in AXIS_COLUMNS})
-    row.update({
-        "techniques": fmt_techniques(record["techniques_changed"]),
-        "verdict": verdict + ("*" if record["stopped_early_at"] is not None else ""),
-        "dloss": fmt_num(record["max_abs_delta"]["loss"]),
-        "dgnorm": fmt_num(record["max_abs_delta"]["grad_norm"]),
-        "tps": fmt_ratio(res["tokens_per_s"]["ratio"]),
-        "mem": fmt_ratio(res["peak_mem_mib"]["ratio"]),
-        "wall": fmt_wall(as_float(wall)),
-        "cache": "+".join(cached) + " cached" if cached else "-",
-    })
+    row.update(
+        {
+            "techniques": fmt_techniques(record["techniques_changed"]),
+            "verdict": verdict + ("*" if record["stopped_early_at"] is not None else ""),
+            "dloss": fmt_num(record["max_abs_delta"]["loss"]),
+            "dgnorm": fmt_num(record["max_abs_delta"]["grad_norm"]),
+            "tps": fmt_ratio(res["tokens_per_s"]["ratio"]),
+            "mem": fmt_ratio(res["peak_mem_mib"]["ratio"]),
+            "wall": fmt_wall(as_float(wall)),
+            "cache": "+".join(cached) + " cached" if cached else "-",
+        }
+    )
     return row
 
 
@@ -100,8 +120,10 @@ def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
         lines.append(gap.join(cells).rstrip())
     lines.insert(1, "-" * min(max(len(line) for line in lines), width))
     counts = {s: sum(o.status == s for o in outcomes) for s in VERDICTS}
-    summary = (f"{len(outcomes)} pair{'' if len(outcomes) == 1 else 's'}: {counts['passed']} passed, {counts['failed']} failed, "
-               f"{counts['error']} error{'' if counts['error'] == 1 else 's'}")
+    summary = (
+        f"{len(outcomes)} pair{'' if len(outcomes) == 1 else 's'}: {counts['passed']} passed, {counts['failed']} failed, "
+        f"{counts['error']} error{'' if counts['error'] == 1 else 's'}"
+    )
     if counts["skipped"]:
         summary += f", {counts['skipped']} skipped"
     if any(o.stopped_early_at is not None for o in outcomes):
@@ -118,13 +140,18 @@ def render_outcome_dimensions(outcomes: Iterable[PairOutcome], width: int = 120)
 def not_compared_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
     """Every pair's gating metrics that a run did not log, with the fix (the plugin prints
     them in yellow): a pair that passed on the loss alone says so."""
-    lines = [f"  {o.pair.name}: {v.metric} not compared -- {v.message}"
-             for o in outcomes for v in o.verdicts if v.not_compared]
+    lines = [
+        f"  {o.pair.name}: {v.metric} not compared -- {v.message}"
+        for o in outcomes
+        for v in o.verdicts
+        if v.not_compared
+    ]
     return [f"{NOT_COMPARED_TITLE}:", *lines] if lines else []
 
 
-def render_summary(outcomes: Iterable[PairOutcome], width: int = 120, *,
-                   not_compared: bool = True) -> str:
+def render_summary(
+    outcomes: Iterable[PairOutcome], width: int = 120, *, not_compared: bool = True
+) -> str:
     """The terminal summary shared by the plugin and the CLI: the matrix, then the
     per-dimension block under it (for one pair too: it says what the test changes over its
     control, which the matrix's degree columns leave to the reader), then the gating metrics
@@ -132,8 +159,11 @@ def render_summary(outcomes: Iterable[PairOutcome], width: int = 120, *,
     outcomes = list(outcomes)
     text = render_matrix(outcomes, width)
     if outcomes:
-        text = (text.rstrip("\n") + "\nby dimension (what each test adds over its control):\n"
-                + render_outcome_dimensions(outcomes, width))
+        text = (
+            text.rstrip("\n")
+            + "\nby dimension (what each test adds over its control):\n"
+            + render_outcome_dimensions(outcomes, width)
+        )
     missing = not_compared_lines(outcomes) if not_compared else []
     if missing:
         text = text.rstrip("\n") + "\n" + "\n".join(missing) + "\n"

@@ -27,10 +27,15 @@ from convergence.report.sections import SECTIONS
 from convergence.run.outcome import PairOutcome
 
 
-def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
-                  environment: Mapping[str, Any], started_at: float | None = None,
-                  wall_s: float | None = None,
-                  step_summary_env: Mapping[str, str] | None = None) -> dict[str, Path]:
+def write_reports(
+    outcomes: Iterable[PairOutcome],
+    out_dir: Path,
+    *,
+    environment: Mapping[str, Any],
+    started_at: float | None = None,
+    wall_s: float | None = None,
+    step_summary_env: Mapping[str, str] | None = None,
+) -> dict[str, Path]:
     """Write the reports into ``out_dir``; returns ``{"json", "markdown", "html", "heatmap",
     "plots"}`` paths (``plots`` is the folder of per-pair PNGs).
 
@@ -45,13 +50,20 @@ def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
     paths, plot_errors = plot_outcomes(outcomes, plot_dir, names)
     heatmap = plot_heatmap(outcomes, plot_dir / f"{HEATMAP}.png")
     rel: dict[str, dict[str, str]] = {
-        pid: {"pair": f"{PLOT_DIR}/{p.name}"} for pid, p in paths.items()}
+        pid: {"pair": f"{PLOT_DIR}/{p.name}"} for pid, p in paths.items()
+    }
     rel[""] = {"heatmap": f"{PLOT_DIR}/{heatmap.name}"}
     for o in outcomes:  # outcomes without a plot still use the report's plots, never stale ones
         rel.setdefault(o.pair.pair_id, {})
-    report = build_report(outcomes, environment=environment,
-                          started_at=started_at,
-                          wall_s=wall_s, plots=rel, plot_errors=plot_errors, report_dir=out_dir)
+    report = build_report(
+        outcomes,
+        environment=environment,
+        started_at=started_at,
+        wall_s=wall_s,
+        plots=rel,
+        plot_errors=plot_errors,
+        report_dir=out_dir,
+    )
     plot_files = {f"{PLOT_DIR}/{p.name}": p for p in [*paths.values(), heatmap]}
     for section in SECTIONS:  # e.g. the reduced-communication study's plot, if any
         if section.plot is None or section.plot_key is None:
@@ -64,8 +76,9 @@ def write_reports(outcomes: Iterable[PairOutcome], out_dir: Path, *,
     written = {
         "plots": plot_dir,
         "heatmap": heatmap,
-        "json": atomic_write(out_dir / "report.json",
-                             json.dumps(report, indent=1, allow_nan=False) + "\n"),
+        "json": atomic_write(
+            out_dir / "report.json", json.dumps(report, indent=1, allow_nan=False) + "\n"
+        ),
         "markdown": atomic_write(out_dir / "report.md", markdown),
         "html": atomic_write(out_dir / "report.html", render_html(report, plot_files)),
     }

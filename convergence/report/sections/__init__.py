@@ -44,19 +44,35 @@ def _dimensions_html(report: Report, plot_files: Mapping[str, Path]) -> str:
     pair and gating metric (rows grouped by dimension), not a heatmap per dimension."""
     heatmap = html_img(report.get("plots", {}).get("heatmap"), plot_files, "heatmap")
     if heatmap:
-        heatmap = ('<h3>Every pair × gating metric</h3><div class="sub">max |Δ| over the '
-                   "tolerance, one row per pair, rows grouped by dimension</div>" + heatmap)
+        heatmap = (
+            '<h3>Every pair × gating metric</h3><div class="sub">max |Δ| over the '
+            "tolerance, one row per pair, rows grouped by dimension</div>" + heatmap
+        )
     return dimensions.html_section(report["pairs"]) + "\n" + heatmap
 
 
 SECTIONS: tuple[Section, ...] = (
-    Section(name="dimensions", markdown=lambda report: dimensions.markdown_lines(report["pairs"]),
-            html=_dimensions_html),
-    Section(name="resources", markdown=lambda report: resources.markdown_lines(report["pairs"]),
-            html=lambda report, _plots: resources.html_section(report["pairs"])),
-    Section(name="comm blocks", markdown=comm_blocks.markdown_lines,
-            html=comm_blocks.html_section, plot=comm_blocks.write_plot,
-            plot_key=comm_blocks.PLOT_KEY),
-    Section(name="probe", markdown=probe.markdown_lines, markdown_after_failures=True,
-            pair_html=probe.pair_html),
+    Section(
+        name="dimensions",
+        markdown=lambda report: dimensions.markdown_lines(report["pairs"]),
+        html=_dimensions_html,
+    ),
+    Section(
+        name="resources",
+        markdown=lambda report: resources.markdown_lines(report["pairs"]),
+        html=lambda report, _plots: resources.html_section(report["pairs"]),
+    ),
+    Section(
+        name="comm blocks",
+        markdown=comm_blocks.markdown_lines,
+        html=comm_blocks.html_section,
+        plot=comm_blocks.write_plot,
+        plot_key=comm_blocks.PLOT_KEY,
+    ),
+    Section(
+        name="probe",
+        markdown=probe.markdown_lines,
+        markdown_after_failures=True,
+        pair_html=probe.pair_html,
+    ),
 )

@@ -29,13 +29,25 @@ from convergence.report.markup import html_img, html_table, md_cell, md_table
 TITLE = "Reduced-communication blocks"
 PLOT_NAME = "comm_reduction.png"
 PLOT_KEY = "comm_reduction"
-HEADER: tuple[str, ...] = ("config", "block pattern", "collectives/step", "fwd / bwd", "params",
-                           "final val loss", "Δ val loss", "tokens/s", "Δ tokens/s", "verdict")
+HEADER: tuple[str, ...] = (
+    "config",
+    "block pattern",
+    "collectives/step",
+    "fwd / bwd",
+    "params",
+    "final val loss",
+    "Δ val loss",
+    "tokens/s",
+    "Δ tokens/s",
+    "verdict",
+)
 RIGHT: tuple[bool, ...] = (False, False, True, True, True, True, True, True, True, False)
-NOTE = ("Collectives issued in one optimizer step (forward + backward, all ranks alike; "
-        "counted with CommDebugMode on step 1), parameters of the full model, validation "
-        "loss at the last evaluation, Δ against the baseline (the control), median tokens/s. "
-        "The verdict is the pair's: the validation-loss threshold rule of the experiment.")
+NOTE = (
+    "Collectives issued in one optimizer step (forward + backward, all ranks alike; "
+    "counted with CommDebugMode on step 1), parameters of the full model, validation "
+    "loss at the last evaluation, Δ against the baseline (the control), median tokens/s. "
+    "The verdict is the pair's: the validation-loss threshold rule of the experiment."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,23 +95,41 @@ def _count(facts: RunFacts, key: str) -> int | None:
     return int(value) if isinstance(value, (int, float)) else None
 
 
-def _row(name: str, role: str, side: SideRecord, *, tokens: float | None,
-         tokens_rel: float | None, baseline_val: float | None, verdict: str) -> CommRow:
+def _row(
+    name: str,
+    role: str,
+    side: SideRecord,
+    *,
+    tokens: float | None,
+    tokens_rel: float | None,
+    baseline_val: float | None,
+    verdict: str,
+) -> CommRow:
     facts = _facts(side)
     val = as_float(facts.get("final_val_loss"))
     params = facts.get("num_params")
     return CommRow(
-        config=name, role=role, block_pattern=str(facts.get("block_pattern") or "-"),
-        collectives=_count(facts, "total"), forward=_count(facts, "forward"),
+        config=name,
+        role=role,
+        block_pattern=str(facts.get("block_pattern") or "-"),
+        collectives=_count(facts, "total"),
+        forward=_count(facts, "forward"),
         backward=_count(facts, "backward"),
-        num_params=int(params) if isinstance(params, (int, float)) else None, val_loss=val,
-        val_loss_delta=(val - baseline_val if val is not None and baseline_val is not None
-                        and role != "baseline" else None),
-        tokens_per_s=tokens, tokens_per_s_rel=tokens_rel, verdict=verdict)
+        num_params=int(params) if isinstance(params, (int, float)) else None,
+        val_loss=val,
+        val_loss_delta=(
+            val - baseline_val
+            if val is not None and baseline_val is not None and role != "baseline"
+            else None
+        ),
+        tokens_per_s=tokens,
+        tokens_per_s_rel=tokens_rel,
+        verdict=verdict,
+    )
 
 
 def _verdict(record: PairRecord, baseline_val: float | None) -> str:
-    """"PASS (limit +2.0%)": the pair's verdict and its val_loss threshold, relative."""
+    """ "PASS (limit +2.0%)": the pair's verdict and its val_loss threshold, relative."""
     status = VERDICTS.get(str(record["status"]), str(record["status"]))
     for verdict in record.get("verdicts") or []:
         if verdict.get("metric") != "val_loss":
@@ -121,24 +151,39 @@ def tables(pairs: Sequence[PairRecord]) -> list[CommTable]:
     groups: dict[tuple[str, str], list[PairRecord]] = {}
     for record in pairs:
         if in_study(record):
-            groups.setdefault((str(record["source"]), str(record["control"]["name"])),
-                              []).append(record)
+            groups.setdefault((str(record["source"]), str(record["control"]["name"])), []).append(
+                record
+            )
     out = []
     for (source, _), records in groups.items():
         first = records[0]
         tokens = _tokens(first)
         baseline_val = as_float(_facts(first["control"]).get("final_val_loss"))
-        rows = [_row(str(first["control"]["name"]), "baseline", first["control"],
-                     tokens=as_float(tokens.get("control")), tokens_rel=None,
-                     baseline_val=baseline_val, verdict="baseline")]
+        rows = [
+            _row(
+                str(first["control"]["name"]),
+                "baseline",
+                first["control"],
+                tokens=as_float(tokens.get("control")),
+                tokens_rel=None,
+                baseline_val=baseline_val,
+                verdict="baseline",
+            )
+        ]
         for record in records:
             entry = _tokens(record)
             ratio = as_float(entry.get("ratio"))
-            rows.append(_row(str(record["test"]["name"]), "test", record["test"],
-                             tokens=as_float(entry.get("test")),
-                             tokens_rel=None if ratio is None else ratio - 1.0,
-                             baseline_val=baseline_val,
-                             verdict=_verdict(record, baseline_val)))
+            rows.append(
+                _row(
+                    str(record["test"]["name"]),
+                    "test",
+                    record["test"],
+                    tokens=as_float(entry.get("test")),
+                    tokens_rel=None if ratio is None else ratio - 1.0,
+                    baseline_val=baseline_val,
+                    verdict=_verdict(record, baseline_val),
+                )
+            )
         out.append(CommTable(source=source, rows=tuple(rows)))
     return out
 
@@ -158,9 +203,18 @@ def _delta(row: CommRow) -> str:
 def cells(row: CommRow) -> list[str]:
     fwd_bwd = "-" if row.forward is None else f"{row.forward} / {row.backward}"
     rel = fmt_pct(row.tokens_per_s_rel)
-    return [row.config, row.block_pattern, _int(row.collectives), fwd_bwd, _int(row.num_params),
-            "-" if row.val_loss is None else f"{row.val_loss:.4f}", _delta(row),
-            fmt_amount(row.tokens_per_s), rel, row.verdict]
+    return [
+        row.config,
+        row.block_pattern,
+        _int(row.collectives),
+        fwd_bwd,
+        _int(row.num_params),
+        "-" if row.val_loss is None else f"{row.val_loss:.4f}",
+        _delta(row),
+        fmt_amount(row.tokens_per_s),
+        rel,
+        row.verdict,
+    ]
 
 
 def markdown_lines(report: ReportDocument) -> list[str]:
@@ -186,10 +240,17 @@ def html_section(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
     parts = [f'<h2>{escape(TITLE)}</h2><p class="sub">{escape(NOTE)}</p>']
     for t in found:
         body = [[escape(c) for c in cells(row)] for row in t.rows]
-        parts.append(f"<h3>{escape(Path(t.source).name)}</h3>"
-                     + html_table([escape(h) for h in HEADER], body, right=RIGHT))
-    parts.append(html_img((report.get("plots") or {}).get(PLOT_KEY), plot_files,
-                     "collectives per step vs validation loss and tokens/s"))
+        parts.append(
+            f"<h3>{escape(Path(t.source).name)}</h3>"
+            + html_table([escape(h) for h in HEADER], body, right=RIGHT)
+        )
+    parts.append(
+        html_img(
+            (report.get("plots") or {}).get(PLOT_KEY),
+            plot_files,
+            "collectives per step vs validation loss and tokens/s",
+        )
+    )
     return "".join(parts)
 
 
@@ -206,17 +267,27 @@ def write_plot(pairs: Sequence[PairRecord], plot_dir: Path) -> Path | None:
         rows = [r for r in t.rows if r.collectives is not None]
         counts = [int(r.collectives or 0) for r in rows]  # not None: filtered above
         label = Path(t.source).name
-        for ax, values in ((left, [r.val_loss for r in rows]),
-                           (right, [r.tokens_per_s for r in rows])):
-            points = [(r, n, v) for r, n, v in zip(rows, counts, values, strict=True)
-                      if v is not None and math.isfinite(v)]
+        for ax, values in (
+            (left, [r.val_loss for r in rows]),
+            (right, [r.tokens_per_s for r in rows]),
+        ):
+            points = [
+                (r, n, v)
+                for r, n, v in zip(rows, counts, values, strict=True)
+                if v is not None and math.isfinite(v)
+            ]
             if not points:
                 continue
             ax.plot([n for _, n, _ in points], [v for _, _, v in points], "o", label=label)
             for r, n, v in points:
                 marker = "*" if r.role == "baseline" else ""
-                ax.annotate(f"{marker}{r.config}", (n, v), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4))
+                ax.annotate(
+                    f"{marker}{r.config}",
+                    (n, v),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                )
     from matplotlib.ticker import MaxNLocator  # lazy, like every matplotlib import
 
     for ax, name in ((left, "final validation loss"), (right, "tokens/s (median)")):

@@ -25,12 +25,25 @@ from convergence.report.markup import html_table, md_table
 
 #: Short axis names, as the matrix's columns.
 AXIS_NAMES: tuple[tuple[str, str], ...] = (
-    ("dp_replicate", "rep"), ("dp_shard", "shard"), ("tp", "tp"), ("cp", "cp"), ("pp", "pp"))
+    ("dp_replicate", "rep"),
+    ("dp_shard", "shard"),
+    ("tp", "tp"),
+    ("cp", "cp"),
+    ("pp", "pp"),
+)
 SAME = "same layout"
 """The dimension of a pair whose test changes nothing a record shows (e.g. a seed check)."""
 
-HEADER: tuple[str, ...] = ("dimension", "pairs", "pass", "fail", "error", "skip",
-                           "worst |Δloss|", "worst pair")
+HEADER: tuple[str, ...] = (
+    "dimension",
+    "pairs",
+    "pass",
+    "fail",
+    "error",
+    "skip",
+    "worst |Δloss|",
+    "worst pair",
+)
 RIGHT: tuple[bool, ...] = (False, True, True, True, True, True, True, False)
 
 
@@ -42,7 +55,8 @@ class DimensionRow:
     pairs: list[str] = field(default_factory=list)
     """Pair names, in report order."""
     counts: dict[str, int] = field(
-        default_factory=lambda: {"passed": 0, "failed": 0, "error": 0, "skipped": 0})
+        default_factory=lambda: {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    )
     worst_dloss: float | None = None
     """Largest max |Δloss| of the pairs (NaN when a pair's is NaN); None when none has one."""
     worst_pair: str | None = None
@@ -68,12 +82,16 @@ class ChangeRecord(TypedDict):
 def dimension_of(record: PairRecord | ChangeRecord) -> str:
     """``+tp2+pp2``, ``+cp4``, ``+tp2 +ac:full``, ... (see the module docstring)."""
     control, test = record["control"], record["test"]
-    axes = "".join(_axis_change(name, int(control["degrees"][axis]), int(test["degrees"][axis]))
-                   for axis, name in AXIS_NAMES
-                   if int(control["degrees"][axis]) != int(test["degrees"][axis]))
+    axes = "".join(
+        _axis_change(name, int(control["degrees"][axis]), int(test["degrees"][axis]))
+        for axis, name in AXIS_NAMES
+        if int(control["degrees"][axis]) != int(test["degrees"][axis])
+    )
     parts = [axes] if axes else []
     if int(test["degrees"]["pp"]) > 1 and control.get("pp_schedule") not in (
-            None, test.get("pp_schedule")):
+        None,
+        test.get("pp_schedule"),
+    ):
         parts.append(f"pp:{test.get('pp_schedule')}")
     if bool(test.get("sequence_parallel")) != bool(control.get("sequence_parallel")):
         parts.append("+sp" if test.get("sequence_parallel") else "-sp")
@@ -109,8 +127,16 @@ def group_by_dimension(records: Iterable[PairRecord]) -> list[DimensionRow]:
 def cells(row: DimensionRow) -> list[str]:
     """The row's cells, in :data:`HEADER` order."""
     c = row.counts
-    return [row.dimension, str(len(row.pairs)), str(c["passed"]), str(c["failed"]),
-            str(c["error"]), str(c["skipped"]), fmt_num(row.worst_dloss), row.worst_pair or "-"]
+    return [
+        row.dimension,
+        str(len(row.pairs)),
+        str(c["passed"]),
+        str(c["failed"]),
+        str(c["error"]),
+        str(c["skipped"]),
+        fmt_num(row.worst_dloss),
+        row.worst_pair or "-",
+    ]
 
 
 def render_dimensions(records: Iterable[PairRecord], width: int = 120) -> str:
@@ -124,8 +150,10 @@ def render_dimensions(records: Iterable[PairRecord], width: int = 120) -> str:
             widths[i] = max(widths[i] - excess, len(HEADER[i]))
     lines = []
     for row in table:
-        text = [cut(v, w).rjust(w) if right else cut(v, w).ljust(w)
-                for v, w, right in zip(row, widths, RIGHT, strict=False)]
+        text = [
+            cut(v, w).rjust(w) if right else cut(v, w).ljust(w)
+            for v, w, right in zip(row, widths, RIGHT, strict=False)
+        ]
         lines.append("  ".join(text).rstrip()[:width])
     lines.insert(1, "-" * max(len(line) for line in lines))
     return "\n".join(lines) + "\n"
@@ -137,8 +165,7 @@ def markdown_lines(records: Sequence[PairRecord]) -> list[str]:
     if not records:
         return []
     rows = group_by_dimension(records)
-    return ["", "### By dimension", "",
-            *md_table(HEADER, [cells(r) for r in rows], list(RIGHT))]
+    return ["", "### By dimension", "", *md_table(HEADER, [cells(r) for r in rows], list(RIGHT))]
 
 
 def html_section(records: Sequence[PairRecord]) -> str:
@@ -146,8 +173,10 @@ def html_section(records: Sequence[PairRecord]) -> str:
     if not records:
         return ""
     rows = group_by_dimension(records)
-    status = ["failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed"
-              for r in rows]
+    status = [
+        "failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed" for r in rows
+    ]
     body = [[escape(c) for c in cells(r)] for r in rows]
-    return ("<h3>By dimension</h3>" + html_table([escape(h) for h in HEADER], body, right=RIGHT,
-                                            row_class=status))
+    return "<h3>By dimension</h3>" + html_table(
+        [escape(h) for h in HEADER], body, right=RIGHT, row_class=status
+    )

@@ -19,8 +19,10 @@ from convergence.report.markup import html_table, md_code, md_table, md_text
 HEADER: tuple[str, ...] = ("module", "control norm", "test norm", "|Δ|", "rel Δ", "")
 RIGHT: tuple[bool, ...] = (False, True, True, True, True, False)
 #: Titles of the two tables, by localisation key.
-TABLES: tuple[tuple[str, str], ...] = (("modules", "Module output norms (forward order)"),
-                                       ("parameters", "Gradient norms (forward order)"))
+TABLES: tuple[tuple[str, str], ...] = (
+    ("modules", "Module output norms (forward order)"),
+    ("parameters", "Gradient norms (forward order)"),
+)
 
 
 def has_probe_table(record: PairRecord) -> bool:
@@ -47,29 +49,40 @@ def summary_text(loc: Localisation) -> str:
     if loc.get("error"):
         return f"{where}: numerics probe failed: {loc['error']}"
     replay = loc.get("replay_loss_max_abs_diff")
-    caveat = (f"; the replay did NOT reproduce the run (loss off by up to {fmt_num(replay)} "
-              "before this step)" if isinstance(replay, (int, float)) and replay > 0 else "")
+    caveat = (
+        f"; the replay did NOT reproduce the run (loss off by up to {fmt_num(replay)} "
+        "before this step)"
+        if isinstance(replay, (int, float)) and replay > 0
+        else ""
+    )
     caveat += dp_losses_text(loc)
     if loc.get("module") is None and loc.get("parameter") is None:
-        return (f"{where}: all {loc.get('modules_compared')} module outputs and gradients "
-                f"agree (rtol {loc.get('rtol')}, atol {loc.get('atol')}){caveat}")
-    return (f"{where}: first differing module `{loc.get('module')}` "
-            f"(|Δ norm| {fmt_num(loc.get('max_abs_diff'))}), first differing gradient "
-            f"`{loc.get('parameter')}`; {loc.get('modules_differing')} of "
-            f"{loc.get('modules_compared')} modules differ; loss {fmt_num(loc.get('loss_control'))}"
-            f" vs {fmt_num(loc.get('loss_test'))}{caveat}")
+        return (
+            f"{where}: all {loc.get('modules_compared')} module outputs and gradients "
+            f"agree (rtol {loc.get('rtol')}, atol {loc.get('atol')}){caveat}"
+        )
+    return (
+        f"{where}: first differing module `{loc.get('module')}` "
+        f"(|Δ norm| {fmt_num(loc.get('max_abs_diff'))}), first differing gradient "
+        f"`{loc.get('parameter')}`; {loc.get('modules_differing')} of "
+        f"{loc.get('modules_compared')} modules differ; loss {fmt_num(loc.get('loss_control'))}"
+        f" vs {fmt_num(loc.get('loss_test'))}{caveat}"
+    )
 
 
 def dp_losses_text(loc: Localisation) -> str:
-    """"; per-DP-rank loss control [a, b] vs test [c, d]" where either side has DP > 1 (a
+    """ "; per-DP-rank loss control [a, b] vs test [c, d]" where either side has DP > 1 (a
     data-sharding bug shows as per-rank losses that differ while their mean may not)."""
     ctrl, test = loc.get("dp_losses_control"), loc.get("dp_losses_test")
     if not any(isinstance(x, list) and len(x) > 1 for x in (ctrl, test)):
         return ""
 
     def listed(values: Any) -> str:
-        return "-" if not isinstance(values, list) else (
-            "[" + ", ".join(fmt_num(v) for v in values) + "]")
+        return (
+            "-"
+            if not isinstance(values, list)
+            else ("[" + ", ".join(fmt_num(v) for v in values) + "]")
+        )
 
     return f"; per-DP-rank loss {listed(ctrl)} vs {listed(test)}"
 
@@ -86,15 +99,25 @@ def failure_line(loc: Localisation) -> str:
     if module is None and parameter is None:
         earlier = " (and at step 1)" if loc.get("step_1_agrees") else ""
         return f"{head}{probe}{earlier}: every module output and gradient agrees"
-    found = [f"first differing module {module}" if module else "module outputs agree",
-             f"first differing gradient {parameter}" if parameter else "gradients agree"]
+    found = [
+        f"first differing module {module}" if module else "module outputs agree",
+        f"first differing gradient {parameter}" if parameter else "gradients agree",
+    ]
     return f"{head}{probe}: " + ", ".join(found)
 
 
 def rows(entries: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    return [[str(e.get("name")), fmt_num(e.get("control")), fmt_num(e.get("test")),
-             fmt_num(e.get("abs_diff")), fmt_num(e.get("rel_diff")),
-             "differs" if e.get("differs") else ""] for e in entries]
+    return [
+        [
+            str(e.get("name")),
+            fmt_num(e.get("control")),
+            fmt_num(e.get("test")),
+            fmt_num(e.get("abs_diff")),
+            fmt_num(e.get("rel_diff")),
+            "differs" if e.get("differs") else "",
+        ]
+        for e in entries
+    ]
 
 
 def markdown_section(record: PairRecord) -> list[str]:
@@ -132,6 +155,8 @@ def pair_html(record: PairRecord) -> str:
         cells = [[escape(c) for c in row] for row in rows(entries)]
         classes = ["bad" if e.get("differs") else "" for e in entries]
         table = html_table([escape(h) for h in HEADER], cells, right=RIGHT, row_class=classes)
-        parts.append(f"<details{' open' if key == 'modules' else ''}><summary>{escape(title)}"
-                     f"</summary>{table}</details>")
+        parts.append(
+            f"<details{' open' if key == 'modules' else ''}><summary>{escape(title)}"
+            f"</summary>{table}</details>"
+        )
     return "".join(parts)

@@ -30,15 +30,27 @@ from convergence.report.fmt import (
 from convergence.report.markup import html_table, md_cell, md_table
 from convergence.spec.layout import Techniques
 
-HEADER: tuple[str, ...] = ("job", "role", "layout", "verdict", "step time (s)", "Δ step time",
-                           "tokens/s", "Δ tokens/s", "peak mem/rank (MiB)", "Δ peak mem",
-                           "max |Δloss|")
+HEADER: tuple[str, ...] = (
+    "job",
+    "role",
+    "layout",
+    "verdict",
+    "step time (s)",
+    "Δ step time",
+    "tokens/s",
+    "Δ tokens/s",
+    "peak mem/rank (MiB)",
+    "Δ peak mem",
+    "max |Δloss|",
+)
 RIGHT: tuple[bool, ...] = (False, False, False, False) + (True,) * 7
-NOTE = ("Per experiment file: each job's median step time, tokens/s and peak memory per rank "
-        "(the largest over the ranks; GPU: the allocator's peak reserved, CPU: the process's "
-        "peak resident set, mostly the Python/torch runtime for a tiny model); Δ = relative "
-        "difference against the control; max |Δloss| against the control (seed regime: the "
-        "centre of its replicates' band).")
+NOTE = (
+    "Per experiment file: each job's median step time, tokens/s and peak memory per rank "
+    "(the largest over the ranks; GPU: the allocator's peak reserved, CPU: the process's "
+    "peak resident set, mostly the Python/torch runtime for a tiny model); Δ = relative "
+    "difference against the control; max |Δloss| against the control (seed regime: the "
+    "centre of its replicates' band)."
+)
 _DEFAULT_TECHNIQUES = Techniques().to_dict()
 
 
@@ -101,7 +113,9 @@ def _step_time_ratio(record: PairRecord) -> float | None:
 
 def _test_row(record: PairRecord) -> TradeoffRow:
     return TradeoffRow(
-        job=str(record["test"]["name"]), role="test", layout=layout_text(record["test"]),
+        job=str(record["test"]["name"]),
+        role="test",
+        layout=layout_text(record["test"]),
         verdict=VERDICTS.get(str(record["status"]), str(record["status"])),
         step_time_s=as_float(_entry(record, "step_time_s").get("test")),
         step_time_rel=_rel(_step_time_ratio(record)),
@@ -109,11 +123,13 @@ def _test_row(record: PairRecord) -> TradeoffRow:
         tokens_per_s_rel=_rel(_entry(record, "tokens_per_s").get("ratio")),
         peak_mem_mib=as_float(_entry(record, "peak_mem_mib").get("test")),
         peak_mem_rel=_rel(_entry(record, "peak_mem_mib").get("ratio")),
-        max_abs_dloss=as_float((record.get("max_abs_delta") or {}).get("loss")))
+        max_abs_dloss=as_float((record.get("max_abs_delta") or {}).get("loss")),
+    )
 
 
 def _control_row(records: Sequence[PairRecord]) -> TradeoffRow:
     """The control's numbers from the first pair that has them (pairs of one file share it)."""
+
     def first(metric: str) -> float | None:
         for record in records:
             value = as_float(_entry(record, metric).get("control"))
@@ -122,19 +138,27 @@ def _control_row(records: Sequence[PairRecord]) -> TradeoffRow:
         return None
 
     return TradeoffRow(
-        job=str(records[0]["control"]["name"]), role="control",
-        layout=layout_text(records[0]["control"]), verdict="reference",
-        step_time_s=first("step_time_s"), step_time_rel=None,
-        tokens_per_s=first("tokens_per_s"), tokens_per_s_rel=None,
-        peak_mem_mib=first("peak_mem_mib"), peak_mem_rel=None, max_abs_dloss=None)
+        job=str(records[0]["control"]["name"]),
+        role="control",
+        layout=layout_text(records[0]["control"]),
+        verdict="reference",
+        step_time_s=first("step_time_s"),
+        step_time_rel=None,
+        tokens_per_s=first("tokens_per_s"),
+        tokens_per_s_rel=None,
+        peak_mem_mib=first("peak_mem_mib"),
+        peak_mem_rel=None,
+        max_abs_dloss=None,
+    )
 
 
 def tables(pairs: Sequence[PairRecord]) -> list[TradeoffTable]:
     """One table per (experiment file, control job), in the order the pairs come."""
     groups: dict[tuple[str, str], list[PairRecord]] = {}
     for record in pairs:
-        groups.setdefault((str(record["source"]), str(record["control"]["name"])),
-                          []).append(record)
+        groups.setdefault((str(record["source"]), str(record["control"]["name"])), []).append(
+            record
+        )
     out = []
     for (source, control), records in groups.items():
         if not any(r["control"].get("ran") or r["test"].get("ran") for r in records):
@@ -149,10 +173,19 @@ def _seconds(value: float | None) -> str:
 
 
 def cells(row: TradeoffRow) -> list[str]:
-    return [row.job, row.role, row.layout, row.verdict, _seconds(row.step_time_s),
-            fmt_pct(row.step_time_rel), fmt_amount(row.tokens_per_s),
-            fmt_pct(row.tokens_per_s_rel), fmt_amount(row.peak_mem_mib),
-            fmt_pct(row.peak_mem_rel), fmt_num(row.max_abs_dloss)]
+    return [
+        row.job,
+        row.role,
+        row.layout,
+        row.verdict,
+        _seconds(row.step_time_s),
+        fmt_pct(row.step_time_rel),
+        fmt_amount(row.tokens_per_s),
+        fmt_pct(row.tokens_per_s_rel),
+        fmt_amount(row.peak_mem_mib),
+        fmt_pct(row.peak_mem_rel),
+        fmt_num(row.max_abs_dloss),
+    ]
 
 
 def title(table: TradeoffTable) -> str:
@@ -179,7 +212,13 @@ def html_section(pairs: Sequence[PairRecord]) -> str:
     parts = [f'<h2>Resources</h2><p class="sub">{escape(NOTE)}</p>']
     for found_table in found:
         body = [[escape(c) for c in cells(row)] for row in found_table.rows]
-        parts.append(f"<h3>{escape(title(found_table))}</h3>" + html_table(
-            [escape(h) for h in HEADER], body, right=RIGHT,
-            row_class=[row.role for row in found_table.rows]))
+        parts.append(
+            f"<h3>{escape(title(found_table))}</h3>"
+            + html_table(
+                [escape(h) for h in HEADER],
+                body,
+                right=RIGHT,
+                row_class=[row.role for row in found_table.rows],
+            )
+        )
     return "".join(parts)
