@@ -28,6 +28,10 @@ from convergence.trainer.config import ModelConfig, ParallelismConfig, TrainConf
 from convergence.trainer.model import ModelArgs, build_model, count_params
 from convergence.trainer.validate import check_config
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("comm_reduction")
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "fixtures" / "block_kinds_tp.py"
 

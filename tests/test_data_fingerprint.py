@@ -23,6 +23,10 @@ from convergence.stats.fingerprint import compare_fingerprints
 from convergence.stats.registry import compare_all
 from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("data_fingerprint")
+
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 

@@ -23,6 +23,10 @@ from pairs import build_pairs  # noqa: E402
 from convergence.run.runner import Runner, RunSettings  # noqa: E402
 from convergence.spec.pair import PairSpec  # noqa: E402
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("detection_twin")
+
 STEPS = 8
 CASES = ("fsdp2-tp2", "cp-mask-ignores-offset")
 

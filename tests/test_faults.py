@@ -51,6 +51,10 @@ from faulty_project import (
 
 from convergence.cache.store import MANIFEST, RunCache
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("faults")
+
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 

@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("install_wheel")
+
 REPO = Path(__file__).resolve().parents[1]
 
 EXPERIMENT = """\

@@ -10,6 +10,10 @@ from torch.utils.tensorboard import SummaryWriter
 
 from convergence.metrics.tensorboard import find_loss_logging_dir, read_tensorboard
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("metrics_tensorboard")
+
 LOSS = "loss_metrics/global_avg_loss"
 NUM_LONG = 10_050  # more than EventAccumulator's 10,000-point reservoir
 

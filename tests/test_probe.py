@@ -22,6 +22,10 @@ from convergence.run.probe_compare import (
 )
 from convergence.spec.errors import SpecError
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("probe")
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).parent / "fixtures" / "hooks"
 BUGGY_MODULE = "layers.1.attention.wo"

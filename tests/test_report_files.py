@@ -23,6 +23,10 @@ from convergence.report.data.serialize import outcome_from_json, outcome_to_json
 from convergence.report.formats.plots import plot_pair
 from convergence.run.outcome import PairOutcome
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("report_files")
+
 ENV = {"launcher": "local", "devices": 2}
 
 

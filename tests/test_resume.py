@@ -23,6 +23,10 @@ from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 from convergence.spec.layout import ParallelLayout
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("resume")
+
 REPO = Path(__file__).resolve().parents[1]
 DETECTION = REPO / "benchmarks" / "detection"
 

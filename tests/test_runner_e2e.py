@@ -13,6 +13,10 @@ import pytest
 from convergence.preflight import load_checked
 from convergence.run.runner import Runner, RunSettings
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("runner_e2e")
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).parent / "fixtures" / "hooks"
 STEPS = 8

@@ -28,6 +28,10 @@ from convergence.trainer.pipeline import (
     stage_ids_this_rank,
 )
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("trainer_pp_cp_units")
+
 FIXTURES = Path(__file__).parent / "fixtures" / "ppcp"
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,6 +19,10 @@ import pytest
 from convergence.trainer.config import load_train_config
 from convergence.trainer.data import IGNORE_INDEX, TRAIN, BatchPlan, build_source
 
+# Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
+# run once per session, not once per worker (tests/conftest.py: run sharing).
+pytestmark = pytest.mark.xdist_group("trainer_token_weighting")
+
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "convergence" / "configs" / "debug.toml"
 STEPS = 3
