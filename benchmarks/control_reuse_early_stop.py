@@ -36,7 +36,7 @@ def experiment(folder: Path, tests: int, steps: int) -> Path:
     body = [
         f"""
         [defaults]
-        train_config = "{REPO}/convergence/configs/debug.toml"
+        train_config = "{REPO}/train_configs/debug.toml"
         steps = {steps}
         seed = 11
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from _report import machine, write_section
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG = REPO / "train_configs" / "debug.toml"
 WARMUP = 5
 
 LAYOUTS: list[tuple[str, int, list[str]]] = [

@@ -27,7 +27,7 @@ from convergence.stats.types import MetricVerdict
 STEPS = 40
 DIVERGES_AT = 17
 SOURCE = "experiments/converging.toml"
-CONFIG = Path(__file__).resolve().parents[1] / "convergence" / "configs" / "debug.toml"
+CONFIG = Path(__file__).resolve().parents[1] / "train_configs" / "debug.toml"
 
 
 def _job(

@@ -132,7 +132,7 @@ def _train(dump: Path, steps: int = 3) -> None:
         "-m",
         "convergence.trainer",
         "--config",
-        str(REPO / "convergence" / "configs" / "debug.toml"),
+        str(REPO / "train_configs" / "debug.toml"),
         f"--metrics.dump_folder={dump}",
         f"--training.steps={steps}",
         "--metrics.val_every=0",

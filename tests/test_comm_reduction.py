@@ -249,7 +249,7 @@ def test_markdown_and_html_sections(tmp_path: Path) -> None:
 
 
 def test_side_facts_from_run_meta_and_val_curve() -> None:
-    job = JobSpec(name="t", train_config=REPO / "convergence" / "configs" / "debug.toml")
+    job = JobSpec(name="t", train_config=REPO / "train_configs" / "debug.toml")
     val = Curve(
         metric="val_loss", steps=np.array([10, 20], dtype=np.int64), values=np.array([5.5, 5.25])
     )
@@ -289,7 +289,7 @@ def _train(nproc: int, dump: Path, overrides: list[str]) -> list[dict[str, Any]]
         "-m",
         "convergence.trainer",
         "--config",
-        str(REPO / "convergence" / "configs" / "debug.toml"),
+        str(REPO / "train_configs" / "debug.toml"),
         f"--metrics.dump_folder={dump}",
         *TRAIN_COMMON,
         *overrides,

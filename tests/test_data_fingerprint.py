@@ -28,7 +28,7 @@ from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
 pytestmark = pytest.mark.xdist_group("data_fingerprint")
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG = REPO / "train_configs" / "debug.toml"
 
 
 def test_sample_hash_is_order_independent_and_sees_a_duplicate() -> None:

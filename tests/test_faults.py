@@ -56,7 +56,7 @@ from convergence.cache.store import MANIFEST, RunCache
 pytestmark = pytest.mark.xdist_group("faults")
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG = REPO / "train_configs" / "debug.toml"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,7 +52,9 @@ FORBIDDEN = ("pytest", "_pytest", "pytest_convergence")
 
 
 def _modules() -> dict[str, Path]:
-    out = {}
+    # The shipped train configs' package lives in the top-level train_configs/ folder
+    # (pyproject.toml's package-dir mapping installs it as convergence.configs).
+    out = {"convergence.configs": REPO / "train_configs" / "__init__.py"}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(REPO).with_suffix("").parts
         if parts[-1] == "__init__":

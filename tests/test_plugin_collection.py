@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG_CONFIG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG_CONFIG = REPO / "train_configs" / "debug.toml"
 
 EXPERIMENT = f"""
 [defaults]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "convergence" / "configs" / "debug.toml"
+CONFIG = REPO / "train_configs" / "debug.toml"
 
 # The planted bug lives in the test project's own folder (the ranks import it from their cwd).
 GRAD_BUG = '''

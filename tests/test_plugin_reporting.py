@@ -25,7 +25,7 @@ from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec import ComparisonRule, JobSpec, PairSpec, ParallelLayout
 from convergence.stats.types import MetricVerdict
 
-CONFIG = Path({str(REPO / "convergence" / "configs" / "debug.toml")!r})
+CONFIG = Path({str(REPO / "train_configs" / "debug.toml")!r})
 
 
 def make_outcome(name, *, passed=True, diverge_at=5, steps=10, run_root=Path("runs")):

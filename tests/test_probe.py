@@ -97,7 +97,7 @@ def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
     path.write_text(
         textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/convergence/configs/debug.toml"
+        train_config = "{ROOT}/train_configs/debug.toml"
         steps = 4
         seed = 5
         early_stop = false

@@ -64,7 +64,7 @@ def _pairs(folder: Path) -> list[PairSpec]:
     path.write_text(
         textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/convergence/configs/debug.toml"
+        train_config = "{ROOT}/train_configs/debug.toml"
         steps = {STEPS}
         backend = "command"
         compare = {{ data_fingerprint = "off", grad_norm_parts = "off" }}

@@ -39,7 +39,7 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     path.write_text(
         textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/convergence/configs/debug.toml"
+        train_config = "{ROOT}/train_configs/debug.toml"
         steps = {STEPS}
         seed = 3
 
@@ -106,7 +106,7 @@ def test_command_backend_pair(runner: Runner, tmp_path: Path) -> None:
     path.write_text(
         textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/convergence/configs/debug.toml"
+        train_config = "{ROOT}/train_configs/debug.toml"
         steps = 6
         backend = "command"
 

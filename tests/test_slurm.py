@@ -53,7 +53,7 @@ def _experiment(folder: Path) -> Path:
     path.write_text(
         textwrap.dedent(f"""
         [defaults]
-        train_config = "{ROOT}/convergence/configs/debug.toml"
+        train_config = "{ROOT}/train_configs/debug.toml"
         steps = {STEPS}
         seed = 7
         backend = "command"

@@ -25,7 +25,7 @@ def write(tmp_path: Path, body: str) -> Path:
 
 GOOD = """
 [defaults]
-train_config = "{root}/convergence/configs/debug.toml"
+train_config = "{root}/train_configs/debug.toml"
 steps = 12
 seed = 7
 
@@ -193,7 +193,7 @@ def test_values_that_would_break_later_fail_at_collection(
 
 
 def test_shipped_config_by_short_name_and_a_helpful_error(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace(f'"{ROOT}/convergence/configs/debug.toml"', '"debug"')
+    body = GOOD.format(root=ROOT).replace(f'"{ROOT}/train_configs/debug.toml"', '"debug"')
     exp = load_checked(write(tmp_path, body), rootdir=tmp_path)
     assert exp.pairs[0].control.train_config.name == "debug.toml"
     err = error_for(tmp_path, body.replace('"debug"', '"debgu"'))
@@ -203,12 +203,12 @@ def test_shipped_config_by_short_name_and_a_helpful_error(tmp_path: Path) -> Non
 def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) -> None:
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "mine.toml").write_text(
-        (ROOT / "convergence" / "configs" / "debug.toml").read_text()
+        (ROOT / "train_configs" / "debug.toml").read_text()
     )
     nested = tmp_path / "experiments" / "team"
     nested.mkdir(parents=True)
     body = GOOD.format(root=ROOT).replace(
-        f'"{ROOT}/convergence/configs/debug.toml"', '"configs/mine.toml"'
+        f'"{ROOT}/train_configs/debug.toml"', '"configs/mine.toml"'
     )
     (nested / "exp.toml").write_text(textwrap.dedent(body))
     exp = load_checked(nested / "exp.toml", rootdir=tmp_path)

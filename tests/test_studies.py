@@ -125,7 +125,7 @@ def test_zero_stages_control_is_ddp_and_tests_are_the_fsdp_stages(rel: str) -> N
 def test_step_time_is_tokens_per_step_over_tokens_per_s_without_the_first_step() -> None:
     job = JobSpec(
         name="j",
-        train_config=REPO / "convergence" / "configs" / "debug.toml",
+        train_config=REPO / "train_configs" / "debug.toml",
         layout=ParallelLayout(dp_shard=2),
     )
     tps = Curve("tokens_per_s", np.arange(1, 5), np.array([10.0, 1000.0, 500.0, 250.0]))
@@ -306,7 +306,7 @@ def test_logged_peak_memory_is_the_max_over_ranks(tmp_path: Path) -> None:
         "-m",
         "convergence.trainer",
         "--config",
-        str(REPO / "convergence" / "configs" / "debug.toml"),
+        str(REPO / "train_configs" / "debug.toml"),
         f"--metrics.dump_folder={dump}",
         "--training.steps=2",
         "--metrics.val_every=0",

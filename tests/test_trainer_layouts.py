@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.xdist_group("trainer_layouts")
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG = REPO / "train_configs" / "debug.toml"
 STEPS = 20
 COMMON = [
     f"--training.steps={STEPS}",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG = REPO / "train_configs" / "debug.toml"
 QUICK = ["--training.steps=3", "--metrics.val_every=0"]
 
 

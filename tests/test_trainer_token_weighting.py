@@ -24,7 +24,7 @@ from convergence.trainer.data import IGNORE_INDEX, TRAIN, BatchPlan, build_sourc
 pytestmark = pytest.mark.xdist_group("trainer_token_weighting")
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG = REPO / "train_configs" / "debug.toml"
 STEPS = 3
 PADDED = [
     "--data.pad_fraction=0.5",

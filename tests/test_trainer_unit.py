@@ -26,7 +26,7 @@ from convergence.trainer.optim import (
 from convergence.trainer.validate import check_config
 
 REPO = Path(__file__).resolve().parents[1]
-DEBUG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG = REPO / "train_configs" / "debug.toml"
 
 
 def cfg(*overrides: str):  # type: ignore[no-untyped-def]

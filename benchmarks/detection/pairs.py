@@ -58,7 +58,7 @@ def _job_lines(case_like: dict[str, Any]) -> list[str]:
     return lines
 
 
-DEBUG_CONFIG = REPO / "convergence" / "configs" / "debug.toml"
+DEBUG_CONFIG = REPO / "train_configs" / "debug.toml"
 
 
 def experiment_text(

@@ -243,7 +243,7 @@ def _resolve_config(value: Any, *, file: str, key: str, rootdir: Path) -> Path:
     experiment file's folder, then to each parent folder up to (and including) the rootdir."""
     text = expect(value, (str, Path), file=file, key=key, what="a short name or a path string")
     path = Path(text)
-    shipped = shipped_configs()
+    shipped: dict[str, Path] = shipped_configs()  # (train_configs/: mypy sees no mapping)
     if not path.suffix and len(path.parts) == 1:  # a bare name: only the shipped configs
         if text in shipped:
             return shipped[text]
