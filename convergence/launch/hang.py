@@ -23,6 +23,7 @@ import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 import psutil
 
@@ -72,17 +73,35 @@ def _catches(proc: psutil.Process, signum: int) -> bool:
     return False
 
 
+RankState = Literal["stopped", "zombie", "running"]
+
+
+def rank_state(proc: psutil.Process) -> RankState | None:
+    """How a rank process stands, as far as the kernel says: stopped (SIGSTOP or a debugger),
+    a zombie (exited, not reaped), or running (it may still hang: only its stack tells);
+    None when it is gone. The one reading of a rank's state, here and on Slurm nodes
+    (hang_probe.py)."""
+    try:
+        status = proc.status()
+    except psutil.Error:
+        return None
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "stopped"
+    if status == psutil.STATUS_ZOMBIE:
+        return "zombie"
+    return "running"
+
+
 def _stopped(ranks: dict[int, psutil.Process]) -> list[str]:
+    said = {
+        "stopped": "is stopped (SIGSTOP or a debugger)",
+        "zombie": "has exited but was not reaped",
+    }
     out = []
     for rank, proc in sorted(ranks.items()):
-        try:
-            status = proc.status()
-        except psutil.Error:
-            continue
-        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-            out.append(f"rank {rank} (pid {proc.pid}) is stopped (SIGSTOP or a debugger)")
-        elif status == psutil.STATUS_ZOMBIE:
-            out.append(f"rank {rank} (pid {proc.pid}) has exited but was not reaped")
+        state = rank_state(proc)
+        if state in said:
+            out.append(f"rank {rank} (pid {proc.pid}) {said[state]}")
     return out
 
 

@@ -32,6 +32,7 @@ from convergence.launch.hang import (
     _dumped_stacks,
     _suspect,
     rank_processes,
+    rank_state,
 )
 
 STEP_ENV = "CONVERGENCE_STEP"
@@ -65,14 +66,11 @@ def probe(step: str) -> dict[str, object]:
     report: list[dict[str, object]] = []
     asked = []
     for rank, proc in sorted(ranks.items()):
-        try:
-            status = proc.status()
-        except psutil.Error:
+        state = rank_state(proc)
+        if state is None:
             continue
-        if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-            report.append({"rank": rank, "pid": proc.pid, "state": "stopped", "where": None})
-        elif status == psutil.STATUS_ZOMBIE:
-            report.append({"rank": rank, "pid": proc.pid, "state": "zombie", "where": None})
+        if state != "running":
+            report.append({"rank": rank, "pid": proc.pid, "state": state, "where": None})
         elif _catches(proc, signal.SIGUSR1):
             try:
                 proc.send_signal(signal.SIGUSR1)
@@ -85,8 +83,8 @@ def probe(step: str) -> dict[str, object]:
         proc = ranks[rank]
         stacks = _dumped_stacks(_stderr_text(proc))
         where = _suspect(stacks) if stacks else None
-        state = "unknown" if not stacks else ("waiting" if where is None else "outside")
-        report.append({"rank": rank, "pid": proc.pid, "state": state, "where": where})
+        seen = "unknown" if not stacks else ("waiting" if where is None else "outside")
+        report.append({"rank": rank, "pid": proc.pid, "state": seen, "where": where})
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     return {"node": node, "ranks": report}
 
