@@ -24,9 +24,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 BINARIES = (
     "munged",
@@ -532,3 +534,47 @@ def start_multinode(root: Path, num_nodes: int = 2, cpus: int = 2) -> MultiNodeC
         cluster.stop()
         raise
     return cluster
+
+
+# -- one running test cluster, for a test module ------------------------------------------
+
+LOCK = Path("/tmp/convergence-slurm-tests.lock")
+"""One test cluster per host at a time: xdist workers and a second suite beside this one take
+turns (two clusters at once on 2 cores made the one-node sbatch --wait time out)."""
+
+ClusterT = TypeVar("ClusterT", bound=SlurmCluster)
+
+
+@contextmanager
+def running(start: Callable[[], ClusterT], *, what: str) -> Iterator[ClusterT]:
+    """Start a cluster under the host-wide lock, point SLURM_CONF at it (srun, squeue and
+    scontrol of the launcher find it), and on exit stop it, restore SLURM_CONF and check that
+    no daemon is left. Where Slurm cannot run: skipped with the reason, or failed under CI=true
+    (.ci/run installs Slurm, so there a missing cluster is a broken CI, not a skip)."""
+    import psutil
+    import pytest
+    from filelock import FileLock
+
+    with FileLock(str(LOCK)):
+        try:
+            cluster = start()
+        except SlurmUnavailable as exc:
+            if os.environ.get("CI") == "true":
+                pytest.fail(f"CI=true but no {what} here: {exc}")
+            pytest.skip(f"no {what} here: {exc}")
+        old = os.environ.get("SLURM_CONF")
+        os.environ["SLURM_CONF"] = str(cluster.conf)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+            if old is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = old
+            left = [
+                pid
+                for pid in cluster.pids.values()
+                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            ]
+            assert not left, f"Slurm daemons still running: {left}"

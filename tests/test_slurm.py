@@ -21,7 +21,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from filelock import FileLock
 
 from convergence.launch.slurm import PORT_BASE, PORT_SPAN, PortAllocator, SlurmError, SlurmLauncher
 from convergence.launch.types import LaunchRequest
@@ -32,19 +31,17 @@ from convergence.run.runner import Runner, RunSettings
 from convergence.spec.pair import PairSpec
 
 sys.path.insert(0, str(Path(__file__).parent))
-from slurm_cluster import SlurmCluster, SlurmUnavailable, start_cluster
+from slurm_cluster import SlurmCluster, running, start_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "fixtures" / "command_trainer" / "train.py"
 STEPS = 6
-LOCK = Path("/tmp/convergence-slurm-tests.lock")
 
 # Under `pytest -n N` every test of this file goes to one worker (--dist loadgroup, as .ci/run
-# runs), and the cluster lives for this module only: the host-wide lock above is then held
+# runs), and the cluster lives for this module only: the host-wide lock (slurm_cluster.LOCK) is held
 # while these tests run, not for the rest of a worker's session (a second suite beside this
 # one, or another worker, waits minutes, not the whole run).
 pytestmark = pytest.mark.xdist_group("slurm")
-"""One test cluster per host at a time (xdist workers take turns)."""
 
 
 def _experiment(folder: Path) -> Path:
@@ -148,34 +145,17 @@ def test_port_probe_skips_a_port_in_use(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    lock = FileLock(str(LOCK))
-    with lock:
-        try:
-            cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
-        except SlurmUnavailable as exc:
-            pytest.skip(f"no real Slurm here: {exc}")
-        old = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = str(cluster.conf)  # srun/squeue of the launcher find it
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
-            if old is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = old
-            left = [
-                pid
-                for pid in cluster.pids.values()
-                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            ]
-            assert not left, f"Slurm daemons still running: {left}"
+    with running(lambda: start_cluster(tmp_path_factory.mktemp("slurm")), what="real Slurm") as c:
+        yield c
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def allocation(slurm: SlurmCluster) -> Iterator[dict[str, str]]:
     """An allocation made without a shell (``salloc --no-shell``): this test process plays
-    the batch script, its launcher attaches with ``srun --jobid``."""
+    the batch script, its launcher attaches with ``srun --jobid``. One per test, cancelled at
+    its end: it holds a CPU of the node's two, and the sbatch test below needs both (with a
+    module-scoped allocation, that test waited for its CPUs until it timed out, whenever it
+    ran after the tests that use one)."""
     done = slurm.run("salloc", "--no-shell", "-N", "1", "-c", "1", "-J", "conv-tests", timeout=60)
     match = re.search(r"allocation (\d+)", done.stderr + done.stdout)
     assert match, done.stderr

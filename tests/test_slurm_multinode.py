@@ -27,7 +27,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from filelock import FileLock
 
 from convergence.launch.devices import session_devices
 from convergence.launch.slurm import SlurmLauncher
@@ -38,21 +37,16 @@ from convergence.run.runner import Runner, RunSettings
 sys.path.insert(0, str(Path(__file__).parent))
 from slurm_cluster import (
     MultiNodeCluster,
-    SlurmUnavailable,
+    running,
     start_multinode,
     sweep_stale_networks,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
-LOCK = Path("/tmp/convergence-slurm-tests.lock")
-"""One Slurm test cluster per host at a time, one-node (tests/test_slurm.py) or multi-node: the
-same lock file. Two suites side by side ran a one-node and a 2-node cluster at once, and the
-one-node cluster's `sbatch --wait` then never finished (seen once, not explained); taking turns
-costs minutes."""
 
 # Under `pytest -n N` every test of this file goes to one worker (--dist loadgroup, as .ci/run
-# runs), and the cluster lives for this module only: the host-wide lock above is then held
+# runs), and the cluster lives for this module only: the host-wide lock (slurm_cluster.LOCK) is held
 # while these tests run, not for the rest of a worker's session (a second suite beside this
 # one, or another worker, waits minutes, not the whole run).
 pytestmark = pytest.mark.xdist_group("slurm")
@@ -60,30 +54,12 @@ pytestmark = pytest.mark.xdist_group("slurm")
 
 @pytest.fixture(scope="module")
 def cluster2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
-    with FileLock(str(LOCK)):
-        try:
-            cluster = start_multinode(tmp_path_factory.mktemp("slurm2"), num_nodes=2, cpus=2)
-        except SlurmUnavailable as exc:
-            if os.environ.get("CI") == "true":
-                pytest.fail(f"CI=true but no 2-node Slurm here: {exc}")
-            pytest.skip(f"no 2-node Slurm here: {exc}")
-        old = os.environ.get("SLURM_CONF")
-        os.environ["SLURM_CONF"] = str(cluster.conf)  # srun/squeue/scontrol find it
-        try:
-            yield cluster
-        finally:
-            cluster.stop()
-            if old is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = old
-            left = [
-                pid
-                for pid in cluster.pids.values()
-                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            ]
-            assert not left, f"Slurm daemons still running: {left}"
-            assert not Path("/run/netns", cluster.network.namespaces["cnode1"]).exists()
+    def start() -> MultiNodeCluster:
+        return start_multinode(tmp_path_factory.mktemp("slurm2"), num_nodes=2, cpus=2)
+
+    with running(start, what="2-node Slurm") as cluster:
+        yield cluster
+    assert not Path("/run/netns", cluster.network.namespaces["cnode1"]).exists()
 
 
 def _allocate(cluster: MultiNodeCluster) -> dict[str, str]:
