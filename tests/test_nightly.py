@@ -542,3 +542,15 @@ def test_nightly_sizes_nodes_from_the_largest_pair(tmp_path: Path) -> None:
         == 0
     )
     assert "#SBATCH --nodes=2" in (out / "nightly.sbatch").read_text()
+
+
+def test_a_night_named_like_a_stamp_that_is_no_date_falls_back_to_the_report_time(
+    tmp_path: Path,
+) -> None:
+    history = tmp_path / "history.jsonl"
+    line = {**OLD_LINE, "night": "20241399T259999Z-retry"}  # month 13, hour 25
+    history.write_text(json.dumps(line) + "\n")
+    (entry,) = read_history(history).entries()
+    assert entry.night_time() == dt.datetime(2024, 2, 1, 20, tzinfo=dt.timezone.utc).timestamp()
+    files = write_trend(history, tmp_path / "trend")  # raised ValueError before
+    assert "20241399T259999Z-retry" in files.markdown.read_text()

@@ -281,8 +281,11 @@ class NightRecord:
         time; None when neither parses."""
         match = _NIGHT_STAMP.match(self.night)
         if match:
-            stamp = dt.datetime.strptime(match.group(1), "%Y%m%dT%H%M%SZ")
-            return stamp.replace(tzinfo=dt.timezone.utc).timestamp()
+            try:  # a name of the right shape can still name no date (month 13, hour 25)
+                stamp = dt.datetime.strptime(match.group(1), "%Y%m%dT%H%M%SZ")
+                return stamp.replace(tzinfo=dt.timezone.utc).timestamp()
+            except ValueError:
+                pass
         return _timestamp(self.generated_at) if self.generated_at else None
 
 
