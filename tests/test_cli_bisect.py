@@ -1,0 +1,198 @@
+"""`convergence bisect`: a real git history made in the test (8 commits, one planted bad one),
+each step a real pair run through torchrun (command backend), the control reused from the run
+cache while the trainer's sources do not change."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from convergence.cli import main
+
+TRAINER = '''\
+"""A deterministic stand-in trainer: rank 0 logs loss and grad norm per step."""
+import argparse, json, os
+from pathlib import Path
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int)
+parser.add_argument("--dp-shard", type=int)
+parser.add_argument("--out", type=Path)
+args = parser.parse_args()
+args.out.mkdir(parents=True, exist_ok=True)
+if os.environ.get("RANK", "0") == "0":
+    with open(args.out / "metrics.jsonl", "w") as f:
+        for step in range(1, args.steps + 1):
+            loss = 3.0 * 0.95 ** step + 1.0{bug}
+            f.write(json.dumps({{"step": step, "loss": loss, "grad_norm": 1.0 / step}}) + "\\n")
+'''
+#: The planted bug: sharded runs drift from step 3 on (what a broken FSDP change looks like);
+#: the control (replicated) is untouched, so only the pair's verdict can tell.
+BUG = " + (0.02 * step if step >= 3 and args.dp_shard > 1 else 0.0)"
+
+EXPERIMENT = """\
+[defaults]
+train_config = "cfg.toml"
+steps = 8
+backend = "command"
+backend_options = { command = "train.py --steps {steps} --dp-shard {dp_shard} --out {dump_dir}", \
+sources = ["train.py"] }
+
+[control]
+name = "ddp2"
+parallelism = { dp_replicate = 2 }
+
+[[test]]
+name = "fsdp2"
+parallelism = { dp_shard = 2 }
+"""
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def _commit(repo: Path, message: str, **files: str) -> str:
+    for name, text in files.items():
+        (repo / name.replace("__", ".")).write_text(text)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", message)
+    return _git(repo, "rev-parse", "HEAD")
+
+
+def _repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "trainer"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    _git(repo, "config", "user.email", "t@example.com")
+    _git(repo, "config", "user.name", "t")
+    return repo
+
+
+@pytest.fixture
+def history(tmp_path: Path) -> tuple[Path, list[str]]:
+    """8 commits on main; the 5th plants the bug, the others touch notes only."""
+    repo = _repo(tmp_path)
+    commits = [
+        _commit(
+            repo,
+            "c1 trainer",
+            train__py=TRAINER.format(bug=""),
+            cfg__toml="# hashed only\n",
+            exp__toml=EXPERIMENT,
+            notes__txt="1\n",
+        )
+    ]
+    for i in range(2, 9):
+        if i == 5:
+            commits.append(_commit(repo, f"c{i} faster sharding", train__py=TRAINER.format(bug=BUG)))
+        else:
+            commits.append(_commit(repo, f"c{i} notes", notes__txt=f"{i}\n"))
+    return repo, commits
+
+
+def test_finds_the_planted_commit_in_four_pair_runs(
+    history: tuple[Path, list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    repo, commits = history
+    monkeypatch.chdir(repo)
+    (repo / "notes.txt").write_text("uncommitted\n")  # a dirty worktree: said, not bisected
+    out_json = tmp_path / "bisect.json"
+    code = main(
+        [
+            "bisect",
+            commits[0][:10],
+            "main",
+            "exp.toml::fsdp2",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out_json),
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    result = json.loads(out_json.read_text())
+    assert result["first_bad"] == commits[4], out
+    assert result["pair_runs"] <= 4, out
+    assert [s["commit"] for s in result["steps"]][0] == commits[7]  # BAD first
+    assert {s["status"] for s in result["steps"]} == {"passed", "failed"}
+    # One control per version of train.py: the later steps take it from the run cache.
+    assert sum(1 for s in result["steps"] if s["control_cached"] is False) == 2, out
+    assert f"first bad commit: {commits[4]}" in out and "c5 faster sharding" in out
+    assert "first divergent step 3" in out, out
+    assert "uncommitted changes" in err
+    assert _git(repo, "worktree", "list").count("\n") == 0, "worktrees left behind"
+
+
+def test_a_commit_where_the_pair_cannot_run_is_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """c2's experiment does not load (a collection error): skipped, and the answer names both
+    commits the first failing one may be; GOOD is run since no later commit passed."""
+    repo = _repo(tmp_path)
+    good = _commit(
+        repo, "good", train__py=TRAINER.format(bug=""), cfg__toml="#\n", exp__toml=EXPERIMENT
+    )
+    broken = _commit(repo, "broken experiment", exp__toml=EXPERIMENT + "[[test\n")
+    bad = _commit(repo, "bug", train__py=TRAINER.format(bug=BUG), exp__toml=EXPERIMENT)
+    _commit(repo, "notes", notes__txt="x\n")
+    monkeypatch.chdir(repo)
+    out_json = tmp_path / "bisect.json"
+    code = main(
+        [
+            "bisect",
+            good,
+            "HEAD",
+            "fsdp2",
+            "--experiment",
+            "exp.toml",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--json",
+            str(out_json),
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    result = json.loads(out_json.read_text())
+    assert result["candidates"] == [broken, bad], out
+    statuses = {s["commit"]: s["status"] for s in result["steps"]}
+    assert statuses == {
+        commits: status
+        for commits, status in (
+            (_git(repo, "rev-parse", "HEAD"), "failed"),
+            (broken, "skipped"),
+            (bad, "failed"),
+            (good, "passed"),
+        )
+    }, out
+    assert "skipped (like git bisect skip): the experiment does not load" in out
+    assert _git(repo, "worktree", "list").count("\n") == 0
+
+
+def test_good_not_an_ancestor_of_bad_is_a_clear_error(
+    history: tuple[Path, list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    repo, commits = history
+    monkeypatch.chdir(repo)
+    _git(repo, "checkout", "-q", "-b", "side", commits[2])
+    side = _commit(repo, "side work", notes__txt="side\n")
+    code = main(
+        ["bisect", side, "main", "exp.toml::fsdp2", "--workdir", str(tmp_path / "work")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "is not an ancestor of BAD" in err and "fix:" in err
+    assert not (tmp_path / "work" / "bisect").exists()  # nothing ran
