@@ -119,7 +119,7 @@ class Step:
         if self.first_divergent_step is not None:
             parts.append(f"first divergent step {self.first_divergent_step}")
         if self.stopped_early_at is not None:
-            parts.append(f"stopped at step {self.stopped_early_at}")
+            parts.append(f"stopped early at step {self.stopped_early_at}")
         if self.control_cached is not None:
             parts.append("control from cache" if self.control_cached else "control ran")
         parts.append(f"{self.wall_s:.1f} s")
@@ -345,7 +345,11 @@ def run_step(
         subject=subject,
         status=outcome.status,
         first_divergent_step=first_divergent_step(outcome.verdicts),
-        stopped_early_at=outcome.stopped_early_at,
+        # The runner names the last step when the verdict was decided there: an early stop
+        # only when it cut the run short.
+        stopped_early_at=outcome.stopped_early_at
+        if outcome.stopped_early_at is not None and outcome.stopped_early_at < pair.test.steps
+        else None,
         wall_s=wall,
         control_cached=outcome.control.cached if outcome.control else None,
         why=outcome.error or "",
@@ -442,7 +446,9 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     print(
         f"bisecting {args.pair}: {len(commits) - 1} commit(s) after {args.good} "
         f"({commits[0][:10]}) up to {args.bad} ({commits[-1][:10]}), "
-        f"at most ~{max(1, (len(commits) - 1).bit_length())} pair runs",
+        # BAD, then a binary search over the commits between: 1 + ceil(log2(n)) runs for n
+        # commits (one more when the search reaches GOOD; one per skipped commit).
+        f"about {1 + (len(commits) - 2).bit_length()} pair run(s)",
         flush=True,
     )
     with sigterm_as_interrupt():  # a killed bisect still removes its worktree and jobs

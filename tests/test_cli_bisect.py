@@ -1,6 +1,8 @@
 """`convergence bisect`: a real git history made in the test (8 commits, one planted bad one),
-each step a real pair run through torchrun (command backend), the control reused from the run
-cache while the trainer's sources do not change."""
+each step a real pair run (command backend, ``launch = "direct"``: the stand-in trainer is one
+process, so a step costs a fraction of a second, not torchrun's start-up; `convergence ab`'s
+tests run the same worktree machinery through torchrun), the control reused from the run cache
+while the trainer's sources do not change."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ EXPERIMENT = """\
 train_config = "cfg.toml"
 steps = 8
 backend = "command"
-backend_options = { command = "train.py --steps {steps} --dp-shard {dp_shard} --out {dump_dir}", \
+backend_options = { launch = "direct", command = "train.py --steps {steps} --dp-shard {dp_shard} --out {dump_dir}", \
 sources = ["train.py"] }
 
 [control]
@@ -90,7 +92,9 @@ def history(tmp_path: Path) -> tuple[Path, list[str]]:
     ]
     for i in range(2, 9):
         if i == 5:
-            commits.append(_commit(repo, f"c{i} faster sharding", train__py=TRAINER.format(bug=BUG)))
+            commits.append(
+                _commit(repo, f"c{i} faster sharding", train__py=TRAINER.format(bug=BUG))
+            )
         else:
             commits.append(_commit(repo, f"c{i} notes", notes__txt=f"{i}\n"))
     return repo, commits
@@ -189,10 +193,81 @@ def test_good_not_an_ancestor_of_bad_is_a_clear_error(
     monkeypatch.chdir(repo)
     _git(repo, "checkout", "-q", "-b", "side", commits[2])
     side = _commit(repo, "side work", notes__txt="side\n")
-    code = main(
-        ["bisect", side, "main", "exp.toml::fsdp2", "--workdir", str(tmp_path / "work")]
-    )
+    code = main(["bisect", side, "main", "exp.toml::fsdp2", "--workdir", str(tmp_path / "work")])
     err = capsys.readouterr().err
     assert code == 2
     assert "is not an ancestor of BAD" in err and "fix:" in err
     assert not (tmp_path / "work" / "bisect").exists()  # nothing ran
+
+
+def test_bad_passing_and_good_failing_are_said(
+    history: tuple[Path, list[str]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    repo, commits = history
+    monkeypatch.chdir(repo)
+    work = ["--workdir", str(tmp_path / "work")]
+    # BAD passes (the bug comes later): nothing to bisect, one run.
+    assert main(["bisect", commits[0], commits[3], "exp.toml::fsdp2", *work]) == 0
+    out = capsys.readouterr().out
+    assert "the pair passes at BAD: nothing to bisect" in out and "1 pair run(s)" in out
+    # GOOD already has the bug: no commit after it passes, so GOOD is run, and fails.
+    assert main(["bisect", commits[4], commits[7], "exp.toml::fsdp2", *work]) == 2
+    out, err = capsys.readouterr()
+    assert "the pair fails at GOOD too" in err and "pick an older GOOD" in err, out + err
+
+
+SLOW_TRAINER = """\
+import os, sys, time
+from pathlib import Path
+Path(sys.argv[1]).write_text(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+def test_sigterm_leaves_no_worktree_and_no_job(tmp_path: Path) -> None:
+    """A bisect killed with SIGTERM (a CI job cancelled) stops its job and removes its
+    worktree: the user's repository is as it was."""
+    import os
+    import signal
+    import sys
+    import time
+
+    repo = _repo(tmp_path)
+    pid_file = tmp_path / "job.pid"
+    slow = EXPERIMENT.replace('"train.py --steps', f'"slow.py {pid_file} --steps')
+    slow = slow.replace('["train.py"]', '["slow.py"]')
+    _commit(repo, "a", slow__py=SLOW_TRAINER, cfg__toml="#\n", exp__toml=slow)
+    _commit(repo, "b", notes__txt="b\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "convergence.cli", "bisect", "HEAD~1", "HEAD", "exp.toml::fsdp2"]
+        + ["--workdir", str(tmp_path / "work")],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert pid_file.is_file(), proc.communicate()[0] if proc.poll() is not None else "no job"
+    time.sleep(0.2)  # the pid written before the file was closed
+    job = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    assert _git(repo, "worktree", "list").count("\n") == 0, "worktree left behind"
+    assert not (tmp_path / "work" / "bisect" / "tree").exists()
+    for _ in range(50):  # the job's process group was ended; give the kernel a moment
+        try:
+            os.kill(job, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"job {job} still running after bisect was killed")
