@@ -42,11 +42,15 @@ from typing import Any
 
 from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from convergence.options import OPTIONS, OptionError, add_arguments, run_settings, values_from_args
+from convergence.preflight import load_checked
+from convergence.report.formats.failure_text import render_outcome
 from convergence.run.outcome import PairOutcome
+from convergence.run.probe import first_divergent_step
 from convergence.run.runner import RunSettings
+from convergence.run.session import SessionRunner
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import PairSpec
-from convergence.worktrees import checkout, git, in_tree_settings, sigterm_as_interrupt
+from convergence.worktrees import checkout, git, git_ok, in_tree_settings, sigterm_as_interrupt
 
 DEFAULT_WORKDIR = ".convergence"
 #: Session options ``bisect`` takes (not tier/alpha/report/strict: one pair, its own verdict).
@@ -196,13 +200,6 @@ def commits_between(repo: Path, good: str, bad: str) -> list[str]:
     return [good_sha, *later.split()]
 
 
-def git_ok(repo: Path, *args: str) -> bool:
-    import subprocess
-
-    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-    return done.returncode == 0
-
-
 def experiment_paths(top: Path, bad: str, pair: str, given: list[str], cwd: Path) -> list[str]:
     """The experiment files, each as a path inside the repository when it is in it (read at
     every commit from that commit's tree), else as it is (absolute)."""
@@ -291,9 +288,6 @@ def run_step(
 ) -> Step:
     """Check ``commit`` out, load its experiment, run the pair there (skipped when it
     cannot run)."""
-    from convergence.preflight import load_checked  # lazy: the spec layer
-    from convergence.run.probe import first_divergent_step
-    from convergence.run.session import SessionRunner
 
     started = time.monotonic()
     subject = _subject(top, commit)
@@ -470,7 +464,6 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
 
 def render_result(result: Bisection, top: Path) -> str:
-    from convergence.report.formats.failure_text import render_outcome
 
     runs = f"{len(result.steps)} pair run(s) for {len(result.commits) - 1} commit(s)"
     if result.first_bad is None:

@@ -36,6 +36,11 @@ def git(repo: Path, *args: str, key: str = "--repo") -> str:
     return done.stdout.strip()
 
 
+def git_ok(repo: Path, *args: str) -> bool:
+    """Whether a git command succeeds (``merge-base --is-ancestor`` answers by its status)."""
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True).returncode == 0
+
+
 def remove_worktree(top: Path, folder: Path) -> None:
     subprocess.run(
         ["git", "-C", str(top), "worktree", "remove", "--force", str(folder)], capture_output=True
