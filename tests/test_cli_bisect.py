@@ -61,7 +61,9 @@ def _git(repo: Path, *args: str) -> str:
 
 def _commit(repo: Path, message: str, **files: str) -> str:
     for name, text in files.items():
-        (repo / name.replace("__", ".")).write_text(text)
+        path = repo / name.replace("__", ".")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", message)
     return _git(repo, "rev-parse", "HEAD")
@@ -305,3 +307,43 @@ def test_a_pair_that_turned_red_gets_its_bisect_command(
     assert f"`{command}`" in out.replace("'", ""), out
     decision = json.loads((tmp_path / "decision" / "decision.json").read_text())
     assert decision["findings"][0]["bisect"].replace("'", "") == command
+
+
+def test_the_control_is_reused_only_while_its_code_is_unchanged(tmp_path: Path) -> None:
+    """control_code: what the cache key gets per commit. A hook's package at the commit (so a
+    commit elsewhere keeps the control's key, one in the package changes it); a command
+    trainer without `sources` gets the commit itself (the key could not tell otherwise)."""
+    import dataclasses
+
+    from convergence.bisect import control_code
+    from convergence.preflight import load_checked
+
+    repo = _repo(tmp_path)
+    (repo / "hooks").mkdir()
+    first = _commit(
+        repo,
+        "hook",
+        exp__toml=EXPERIMENT,
+        cfg__toml="#\n",
+        train__py="",
+        **{"hooks/__init__.py": ""},
+    )
+    second = _commit(repo, "notes", notes__txt="n\n")
+    third = _commit(repo, "hook changed", **{"hooks/__init__.py": "X = 1\n"})
+    pair = load_checked(repo / "exp.toml", rootdir=repo).pairs[0]
+    hooked = dataclasses.replace(
+        pair,
+        control=dataclasses.replace(
+            pair.control, backend="builtin", hook="hooks.par:apply", backend_options=()
+        ),
+    )
+    keys = [control_code(hooked, repo, c, repo) for c in (first, second, third)]
+    assert keys[0] == keys[1] != keys[2], keys
+    assert control_code(pair, repo, first, repo) is None  # command trainer naming its sources
+    bare = dataclasses.replace(
+        pair,
+        control=dataclasses.replace(
+            pair.control, backend_options=(("command", "train.py --out {dump_dir}"),)
+        ),
+    )
+    assert control_code(bare, repo, first, repo) == ("bisect_code", f"commit={first}")
