@@ -132,6 +132,8 @@ def main() -> None:
         for i, s in enumerate(steps, 1)
     ]
     controls = sum(1 for s in steps if s["control_cached"] is False)
+    cached = [s["wall_s"] for s in steps if s["control_cached"]]
+    reused = sum(cached) / len(cached) if cached else float("nan")
     body = "\n".join(
         [
             "## convergence bisect: cost of a bisection (benchmarks/bisect_cost.py)",
@@ -148,7 +150,10 @@ def main() -> None:
             f"run(s) executed; bisect wall {bisect_wall:.1f} s in all (Python start-up and git "
             f"included). One full run of the pair (control + test to step {args.steps}, no "
             f"early stop, cold cache): {full_wall:.1f} s; the {len(steps)} steps took "
-            f"{bisect_wall / full_wall:.1f}x that.",
+            f"{bisect_wall / full_wall:.1f}x that. A step with the control from the cache: "
+            f"{reused:.1f} s on average, {reused / full_wall:.2f}x a full run (the first step "
+            "also runs the control and the seed checkpoint). Other jobs share these cores: "
+            "compare numbers of one run only.",
         ]
     )
     print(body)
