@@ -280,6 +280,40 @@ def test_sigterm_leaves_no_worktree_and_no_job(
         pytest.fail(f"job {job} still running after bisect was killed")
 
 
+def test_a_pair_that_turned_red_gets_its_bisect_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`convergence record --commit` keeps each night's commit; when a pair turns red,
+    `convergence decide` prints the bisect command from the last green night's commit to
+    tonight's, runnable as it stands (pair id and experiment file from the report)."""
+    import report_examples as ex
+
+    from convergence.report.data.schema import build_report
+
+    history = tmp_path / "history.jsonl"
+    green, red = "a" * 40, "b" * 40
+    for night, (commit, status) in enumerate(((green, "passed"), (red, "failed"))):
+        doc = build_report([ex.failing_pair()], environment={}, started_at=None, wall_s=1.0)
+        doc["pairs"][0]["status"] = status
+        report = tmp_path / f"n{night}" / "report.json"
+        report.parent.mkdir()
+        report.write_text(json.dumps(doc))
+        assert (
+            main(
+                ["record", str(report), str(history), "--night", f"n{night}"] + ["--commit", commit]
+            )
+            == 0
+        )
+    pair_id = doc["pairs"][0]["id"]
+    capsys.readouterr()
+    assert main(["decide", str(history), "--out", str(tmp_path / "decision")]) == 11
+    out = capsys.readouterr().out
+    command = f"convergence bisect {green[:12]} {red[:12]} {pair_id} --experiment {ex.SOURCE}"
+    assert f"`{command}`" in out.replace("'", ""), out
+    decision = json.loads((tmp_path / "decision" / "decision.json").read_text())
+    assert decision["findings"][0]["bisect"].replace("'", "") == command
+
+
 def test_the_control_is_reused_only_while_its_code_is_unchanged(tmp_path: Path) -> None:
     """control_code: what the cache key gets per commit. A hook's package at the commit (so a
     commit elsewhere keeps the control's key, one in the package changes it); a command
