@@ -342,7 +342,8 @@ def run_step(
         # The runner names the last step when the verdict was decided there: an early stop
         # only when it cut the run short.
         stopped_early_at=outcome.stopped_early_at
-        if outcome.stopped_early_at is not None and outcome.stopped_early_at < pair.test.steps
+        if outcome.stopped_early_at is not None
+        and outcome.stopped_early_at < outcome.pair.test.steps
         else None,
         wall_s=wall,
         control_cached=outcome.control.cached if outcome.control else None,
