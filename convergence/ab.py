@@ -15,13 +15,8 @@ Nothing is read from or written to the run cache (both sides are code under test
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import shutil
-import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
@@ -41,6 +36,7 @@ from convergence.run.runner import JobFailed, Runner, RunSettings, apply_setting
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.worktrees import checkout, in_tree_settings, sigterm_as_interrupt
 
 SIDES = ("baseline", "candidate")
 DEFAULT_WORKDIR = ".convergence"
@@ -75,43 +71,6 @@ def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     ab.set_defaults(func=cmd_ab)
 
 
-def _git(repo: Path, *args: str) -> str:
-    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SpecError(
-            f"git {' '.join(args)} failed in {repo}: {(done.stderr or done.stdout).strip()}",
-            key="--repo",
-            fix="point --repo at the trainer's git repository and use refs it has "
-            "(a branch, tag or commit), or pass existing folders",
-        )
-    return done.stdout.strip()
-
-
-@contextmanager
-def checkout(repo: Path, ref: str, into: Path) -> Iterator[tuple[Path, str]]:
-    """The side's folder and a label: an existing folder as it is, else a detached worktree
-    of ``repo`` at ``ref`` (removed afterwards)."""
-    folder = Path(ref)
-    if folder.is_dir():
-        yield folder.resolve(), str(folder)
-        return
-    top = Path(_git(repo, "rev-parse", "--show-toplevel"))
-    commit = _git(top, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
-    if into.exists():  # a worktree left by an interrupted run
-        subprocess.run(
-            ["git", "-C", str(top), "worktree", "remove", "--force", str(into)], capture_output=True
-        )
-        shutil.rmtree(into, ignore_errors=True)
-    into.parent.mkdir(parents=True, exist_ok=True)
-    _git(top, "worktree", "add", "--detach", str(into), commit)
-    try:
-        yield into, f"{ref} ({commit[:10]})"
-    finally:
-        subprocess.run(
-            ["git", "-C", str(top), "worktree", "remove", "--force", str(into)], capture_output=True
-        )
-
-
 def _jobs(pairs: Sequence[PairSpec]) -> list[JobSpec]:
     """Every distinct job of the experiment, control first."""
     seen: dict[str, JobSpec] = {}
@@ -119,11 +78,6 @@ def _jobs(pairs: Sequence[PairSpec]) -> list[JobSpec]:
         for job in (pair.control, pair.test):
             seen.setdefault(job.name, job)
     return list(seen.values())
-
-
-def _side_settings(settings: RunSettings, folder: Path) -> RunSettings:
-    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
-    return dataclasses.replace(settings, job_cwd=folder, job_env=(("PYTHONPATH", path),))
 
 
 def run_ab(
@@ -158,8 +112,8 @@ def run_ab(
         checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label),
     ):
         runners = {
-            "baseline": Runner(_side_settings(settings, base_dir)),
-            "candidate": Runner(_side_settings(settings, cand_dir)),
+            "baseline": Runner(in_tree_settings(settings, base_dir)),
+            "candidate": Runner(in_tree_settings(settings, cand_dir)),
         }
         for job in jobs:
             pair = PairSpec(
@@ -218,14 +172,15 @@ def cmd_ab(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     values["no-early-stop"] = True  # both sides run to their last step: whole curves compared
     settings = ab_settings(values)
-    outcomes = run_ab(
-        Path(args.experiment),
-        baseline=args.baseline,
-        candidate=args.candidate,
-        repo=Path(args.repo),
-        settings=settings,
-        rootdir=Path.cwd(),
-    )
+    with sigterm_as_interrupt():  # a killed `ab` still removes its worktrees and jobs
+        outcomes = run_ab(
+            Path(args.experiment),
+            baseline=args.baseline,
+            candidate=args.candidate,
+            repo=Path(args.repo),
+            settings=settings,
+            rootdir=Path.cwd(),
+        )
     print(f"baseline {args.baseline} vs candidate {args.candidate}:")
     print(render_summary(outcomes))
     for outcome in outcomes:

@@ -8,6 +8,7 @@
     convergence record REPORT.json HISTORY.jsonl                   append a night to the history
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
     convergence ab EXPERIMENT.toml --baseline REF --candidate REF   the same jobs from two commits
+    convergence bisect GOOD BAD PAIR [--experiment FILE]          the first commit a pair fails at
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
     convergence --version
@@ -26,6 +27,7 @@ from typing import Any
 
 from convergence import __version__
 from convergence.ab import add_ab_parser
+from convergence.bisect import add_bisect_parser
 from convergence.cache_cli import add_cache_parser
 from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.compare_cli import add_compare_parser, add_export_parser
@@ -199,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
 
     add_ab_parser(sub)
+    add_bisect_parser(sub)
 
     add_cache_parser(sub)
 

@@ -22,7 +22,7 @@ from convergence.nightly.decide import (
     summary_markdown,
     write_decision,
 )
-from convergence.nightly.history import append_history, read_history
+from convergence.nightly.history import append_history, current_commit, read_history
 from convergence.nightly.sbatch import NightlySettings, render_sbatch, write_sbatch
 from convergence.nightly.sizing import largest_job, nodes_for
 from convergence.nightly.trend import write_trend
@@ -83,8 +83,14 @@ def cmd_nightly(args: argparse.Namespace) -> int:
 
 def cmd_record(args: argparse.Namespace) -> int:
     night = args.night or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    # The night's commit: named by the script (taken before pytest ran), else HEAD here.
+    commit = args.commit if args.commit is not None else current_commit(Path.cwd())
     records = append_history(
-        Path(args.report), Path(args.history), night=night, pytest_status=args.pytest_status
+        Path(args.report),
+        Path(args.history),
+        night=night,
+        pytest_status=args.pytest_status,
+        commit=commit or None,
     )
     print(f"{len(records)} pair(s) of night {night} appended to {args.history}")
     return 0
@@ -189,6 +195,11 @@ def add_subcommands(sub: Any) -> None:
     record.add_argument("history", help="history JSONL file (appended to)")
     record.add_argument("--night", help="night name (default: UTC time stamp)")
     record.add_argument("--pytest-status", type=int, help="pytest's exit status that night")
+    record.add_argument(
+        "--commit",
+        help="the commit the night ran (default: git HEAD of the current folder); lets "
+        "`convergence decide` print the bisect command for a pair that turned red",
+    )
     record.set_defaults(func=cmd_record)
 
     trend = sub.add_parser(

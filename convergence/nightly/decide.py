@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import statistics
 import subprocess
 import urllib.request
@@ -102,6 +103,9 @@ class Finding:
     nights: int = 0
     """Green nights the band was made of."""
     text: str = ""
+    bisect: str | None = None
+    """A red pair: the ``convergence bisect`` command between the last green night's commit
+    and tonight's (None when the history does not record them, or they are the same)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,13 +173,13 @@ def decide(history: History, settings: BandSettings | None = None) -> Decision:
         now, now_raw = by_night[tonight]
         earlier = [by_night[n] for n in nights[:-1] if n in by_night]
         if now.status in ("failed", "error") and earlier and earlier[-1][0].status == "passed":
+            green_night = earlier[-1][0]
             findings.append(
                 Finding(
                     pair=pair,
                     kind="red",
-                    text=(
-                        f"{pair}: turned {now.status} tonight (passed on {earlier[-1][0].night})"
-                    ),
+                    text=f"{pair}: turned {now.status} tonight (passed on {green_night.night})",
+                    bisect=bisect_command(green_night, now),
                 )
             )
         if now.status != "passed":
@@ -225,6 +229,19 @@ def decide(history: History, settings: BandSettings | None = None) -> Decision:
     )
 
 
+def bisect_command(green: NightRecord, red: NightRecord) -> str | None:
+    """``convergence bisect GREEN RED PAIR --experiment FILE`` for a pair that turned red, from
+    the commits the two nights recorded; None when a night lacks one (histories written before
+    ``convergence record`` recorded commits) or both ran the same commit (then no commit made
+    it red: the stack, the data or flakiness did)."""
+    if not green.commit or not red.commit or green.commit == red.commit:
+        return None
+    words = ["convergence", "bisect", green.commit[:12], red.commit[:12], red.pair]
+    if red.source:
+        words += ["--experiment", red.source]
+    return shlex.join(words)
+
+
 def summary_markdown(decision: Decision) -> str:
     head = {
         EXIT_CLEAN: "no drift, no pair turned red",
@@ -238,7 +255,15 @@ def summary_markdown(decision: Decision) -> str:
         f"green nights, median ± {decision.settings.k:g} robust σ.",
         "",
     ]
-    lines += [f"- {f.text}" for f in decision.findings]
+    for finding in decision.findings:
+        lines.append(f"- {finding.text}")
+        if finding.bisect:
+            lines.append(f"  find the commit that did it: `{finding.bisect}`")
+        elif finding.kind == "red":
+            lines.append(
+                "  (no bisect command: the history names no commit for one of the two nights, "
+                "or both ran the same one)"
+            )
     if decision.undecided:
         lines += ["", f"Not decided yet ({len(decision.undecided)}): too few green nights."]
     return "\n".join(lines) + "\n"

@@ -8,6 +8,11 @@ only what the pair's verdict judged: the verdict, the test-minus-control final l
 control's own final loss (a stack change moves both sides alike, so the delta stays flat while
 the control's loss drifts), step time and tokens/s of both sides, and peak memory.
 
+Each line also names the commit the night ran (``commit``, from ``convergence record
+--commit`` or the checkout's HEAD) and the pair's experiment file (``source``): when a pair
+turns red, ``convergence decide`` prints the ``convergence bisect`` command between the last
+green night's commit and tonight's.
+
 Versions: version 1 lines (before ``control_final_loss``, ``step_time_s``) still load; what
 they lack reads as None (:meth:`NightRecord.from_json`).
 """
@@ -127,8 +132,31 @@ def _encoded(values: Mapping[str, float | None]) -> dict[str, float | str | None
     return {k: json_num(v) for k, v in values.items()}
 
 
+def current_commit(folder: Path) -> str | None:
+    """The commit checked out in ``folder`` (``git rev-parse HEAD``), None outside a git
+    repository or without git: the history then records no commit, and says so nowhere else."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
 def history_records(
-    report: Mapping[str, Any], *, night: str, pytest_status: int | None = None
+    report: Mapping[str, Any],
+    *,
+    night: str,
+    pytest_status: int | None = None,
+    commit: str | None = None,
 ) -> list[dict[str, Any]]:
     """One history record (a JSON-ready dict, one line of the file) per pair of a report."""
     env = report.get("environment") or {}
@@ -145,6 +173,8 @@ def history_records(
                 "slurm_job_id": env.get("slurm_job_id") or os.environ.get("SLURM_JOB_ID"),
                 "pytest_status": pytest_status,
                 "pair": pair["id"],
+                "commit": commit or None,
+                "source": pair.get("source") or None,
                 "status": pair["status"],
                 "verdicts": {v["metric"]: bool(v["passed"]) for v in pair.get("verdicts", [])},
                 "final_step": step,
@@ -188,10 +218,17 @@ def load_report(path: Path) -> dict[str, Any]:
 
 
 def append_history(
-    report_path: Path, history: Path, *, night: str, pytest_status: int | None = None
+    report_path: Path,
+    history: Path,
+    *,
+    night: str,
+    pytest_status: int | None = None,
+    commit: str | None = None,
 ) -> list[dict[str, Any]]:
     """Append the night's records to ``history`` (created with its folder if needed)."""
-    records = history_records(load_report(report_path), night=night, pytest_status=pytest_status)
+    records = history_records(
+        load_report(report_path), night=night, pytest_status=pytest_status, commit=commit
+    )
     history.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
     with open(history, "a", encoding="utf-8") as fh:
@@ -241,6 +278,10 @@ class NightRecord:
     control_tokens_per_s: float | None = None
     peak_mem_mib: float | None = None
     wall_s: float | None = None
+    commit: str | None = None
+    """The commit the night ran (None in histories written before it was recorded)."""
+    source: str | None = None
+    """The pair's experiment file, as the report names it."""
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> NightRecord:
@@ -266,6 +307,8 @@ class NightRecord:
             control_tokens_per_s=_side_value(raw, "tokens_per_s", "control"),
             peak_mem_mib=_side_value(raw, "peak_mem_mib", "test"),
             wall_s=num(raw.get("wall_s")),
+            commit=raw["commit"] if isinstance(raw.get("commit"), str) else None,
+            source=raw["source"] if isinstance(raw.get("source"), str) else None,
         )
 
     @property

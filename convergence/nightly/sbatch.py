@@ -105,6 +105,9 @@ NIGHT="$(date -u +%Y%m%dT%H%M%SZ)-${{SLURM_JOB_ID:-nojob}}"
 NIGHT_DIR="$OUT/nights/$NIGHT"
 mkdir -p "$NIGHT_DIR"
 export MPLBACKEND=Agg
+# The commit this night tests (before anything can move HEAD): recorded per pair, so that a
+# pair turning red gets a `convergence bisect LAST_GREEN THIS_COMMIT PAIR` line.
+COMMIT="$(git rev-parse HEAD 2>/dev/null || true)"
 
 "$PYTHON" -m pytest -m convergence --convergence-tier nightly --convergence-launcher slurm \\
     --junitxml "$NIGHT_DIR/junit.xml" --convergence-report "$NIGHT_DIR/report" \\
@@ -114,7 +117,7 @@ status=$?
 
 if [ -f "$NIGHT_DIR/report/report.json" ]; then
     "$PYTHON" -m convergence.cli record "$NIGHT_DIR/report/report.json" "$HISTORY" \\
-        --night "$NIGHT" --pytest-status "$status" || status=$((status == 0 ? 3 : status))
+        --night "$NIGHT" --pytest-status "$status" --commit "$COMMIT" || status=$((status == 0 ? 3 : status))
 else
     echo "no report.json for night $NIGHT (pytest exit status $status)" >&2
     status=$((status == 0 ? 3 : status))

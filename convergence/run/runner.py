@@ -82,6 +82,9 @@ class RunSettings:
     worktree of the trainer's repository, so relative commands resolve there."""
     job_env: tuple[tuple[str, str], ...] = ()
     """Extra environment for every job (``convergence ab``: PYTHONPATH = the worktree)."""
+    key_extra: tuple[tuple[str, str], ...] = ()
+    """More identity for every run-cache key, where the key's own parts do not cover the code
+    a job runs (``convergence bisect``: the commit's trainer code, see convergence/bisect.py)."""
     session_id: str = field(default_factory=lambda: f"{os.getpid()}-{time.time_ns()}")
     """Identifies one pytest/CLI run (shared by its xdist workers): see ``refresh``."""
     on_progress: Callable[[Progress], None] | None = field(default=None, compare=False)
@@ -222,6 +225,8 @@ class Runner:
         identity = dict(job.identity())
         identity["seed_checkpoint"] = seed_dir.parent.name if seed_dir else None
         identity["hook_source"] = _hook_source_hash(job.hook)
+        if self.settings.key_extra:  # only when set: every other key stays what it was
+            identity["key_extra"] = dict(self.settings.key_extra)
         hardware = f"{hardware_fingerprint()} {stack_fingerprint(self._job_environ())}"
         return cache_key(
             identity,
