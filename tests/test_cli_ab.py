@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import convergence.ab as ab
+import convergence.cli.ab as ab
 from convergence.cli import main
 from convergence.options import run_settings
 

@@ -38,9 +38,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("report",),  # terminal, JSON/MD/HTML, plots
     ("options",),  # the one option table (plugin, CLI)
     ("docs",),  # README's generated parts (key table, option list)
-    ("cli_common", "compare_cli", "cache_cli", "nightly", "worktrees"),  # front ends, helpers
-    ("ab", "bisect"),  # commits of a trainer in git worktrees
-    ("cli",),  # the `convergence` command: registers every subcommand
+    ("nightly", "worktrees"),  # the nightly's script/history/trend; commits in git worktrees
+    ("cli",),  # the `convergence` command: one module per subcommand (cli/)
 )
 
 #: Third-party packages whose import costs seconds (or is optional): the only reason for a

@@ -19,12 +19,10 @@ Modules, each importing only those above it:
     plots.py        the trend's PNGs: small multiples, verdict markers, gaps
     tensorboard.py  the trend's scalars as TensorBoard runs
     trend.py        series per pair over nights; trend.md / trend.json; write_trend
-    cli.py          the subcommands (add_subcommands, used by convergence.cli)
 """
 
 from __future__ import annotations
 
-from convergence.nightly.cli import add_subcommands, cmd_nightly, cmd_record, cmd_trend
 from convergence.nightly.history import (
     HISTORY_VERSION,
     History,
@@ -61,12 +59,8 @@ __all__ = [
     "TREND_METRICS",
     "Trend",
     "TrendFiles",
-    "add_subcommands",
     "append_history",
     "build_trend",
-    "cmd_nightly",
-    "cmd_record",
-    "cmd_trend",
     "control_final_loss",
     "export_tensorboard",
     "final_loss_delta",

@@ -26,16 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from convergence import __version__
-from convergence.ab import add_ab_parser
-from convergence.bisect import add_bisect_parser
-from convergence.cache_cli import add_cache_parser
-from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
-from convergence.compare_cli import add_compare_parser, add_export_parser
+from convergence.cli.ab import add_ab_parser
+from convergence.cli.bisect import add_bisect_parser
+from convergence.cli.cache import add_cache_parser
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
+from convergence.cli.compare import add_compare_parser, add_export_parser
+from convergence.cli.nightly import add_subcommands as add_nightly_subcommands
 from convergence.configs import describe
 from convergence.launch.devices import session_devices
 from convergence.launch.progress_text import LogThrottle
 from convergence.launch.types import Progress
-from convergence.nightly import add_subcommands as add_nightly_subcommands
 from convergence.options import OptionError, add_arguments, run_settings, values_from_args
 from convergence.preflight import in_tier, load_checked, validate_devices
 from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_parser(sub)
 
-    # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly/ --
+    # -- nightly / record / trend / decide: Slurm nightly runs (cli/nightly.py) --
 
     add_nightly_subcommands(sub)
     return parser

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from convergence.options import OPTIONS, OptionError, add_arguments, run_settings, values_from_args
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome

@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
-from convergence.compare_cli import compare_rules
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
+from convergence.cli.compare import compare_rules
 from convergence.options import (
     OPTIONS,
     OptionError,
