@@ -27,6 +27,7 @@ from typing import Any
 from convergence import __version__
 from convergence.ab import add_ab_parser
 from convergence.cache_cli import add_cache_parser
+from convergence.calibrate_cli import add_calibrate_parser
 from convergence.cli_common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.compare_cli import add_compare_parser, add_export_parser
 from convergence.configs import describe
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_ab_parser(sub)
 
     add_cache_parser(sub)
+
+    add_calibrate_parser(sub)
 
     # -- nightly / record / trend: Slurm nightly runs, defined in convergence/nightly/ --
 

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("regimes",),  # paired / twin / seed: rules, control jobs, checks, policies
     ("launch",),  # torchrun / srun processes, pool, watchdog
     ("cache",),  # the run cache
+    ("calibration",),  # floors measured on this stack (file, selection); stats reads them
     ("stats",),  # comparisons, sequential monitor, health, provenance
     ("backends",),  # how a job becomes a command (builtin, torchtitan, command)
     ("preflight",),  # the checks that need backends or devices
@@ -38,7 +39,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("report",),  # terminal, JSON/MD/HTML, plots
     ("options",),  # the one option table (plugin, CLI)
     ("docs",),  # README's generated parts (key table, option list)
-    ("cli_common", "compare_cli", "cache_cli", "nightly"),  # front ends and their helpers
+    (
+        "cli_common",
+        "compare_cli",
+        "cache_cli",
+        "calibrate_cli",
+        "nightly",
+    ),  # front ends and their helpers
     ("ab",),
     ("cli",),  # the `convergence` command: registers every subcommand
 )
