@@ -29,6 +29,7 @@ from typing import Any
 
 from convergence.calibration.file import Calibration, default_path, write_calibration
 from convergence.calibration.measure import paired_floor, twin_floor
+from convergence.calibration.select import select_calibration
 from convergence.calibration.stack import current_stack, stack_hash
 from convergence.cli_common import EXIT_FAILED, EXIT_OK
 from convergence.configs import shipped_config
@@ -98,6 +99,11 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         type=Path,
         default=None,
         help="the calibration file (default <workdir>/calibration/<stack hash>.json)",
+    )
+    p.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="do nothing when a calibration for this stack exists (the nightly's step)",
     )
     p.set_defaults(func=cmd_calibrate)
 
@@ -239,6 +245,12 @@ def measure(
 def cmd_calibrate(args: argparse.Namespace) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     work_dir = args.workdir.resolve()
+    if args.if_missing:
+        found = select_calibration(work_dir, explicit=args.out)
+        if found.calibration is not None:
+            print(f"calibration for stack {found.stack_hash} exists: {found.path}; nothing to do")
+            return EXIT_OK
+        print(found.note, file=sys.stderr)
     folder = work_dir / "calibration" / "runs"
     folder.mkdir(parents=True, exist_ok=True)
     try:
