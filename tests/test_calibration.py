@@ -11,6 +11,7 @@ session that uses what it wrote, is slow-marked (~2 min on 2 cores).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,6 +38,7 @@ from convergence.spec.pair import ComparisonRule
 from convergence.stats.paired import PAIRED_DEFAULTS, paired_tolerance
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))  # report_examples
 CONFIG = REPO / "convergence" / "configs" / "debug.toml"
 
 NUDGE = '''
@@ -170,18 +172,44 @@ def test_a_calibration_of_a_noisier_stack_turns_the_fail_into_a_pass(project: Pa
     assert f'name="convergence.floors" value="floors from calibration {path}' in junit
 
 
-def test_a_calibration_of_another_stack_is_not_used_and_the_report_says_so(
-    project: Path,
+def test_a_calibration_of_another_stack_is_not_used_and_every_report_says_so(
+    tmp_path: Path,
 ) -> None:
+    """No jobs: the selection and what each report shows of it, on a real verdict."""
+    from report_examples import passing_pair
+
+    from convergence.report import build_report, render_markdown
+    from convergence.report.formats.junit import junit_properties
+    from convergence.report.formats.terminal import render_summary
+    from convergence.run.floors import with_floors
+
     other = {**current_stack(), "hardware": "cuda:NVIDIA H100 80GB HBM3"}
-    path = project / "h100.json"
+    path = tmp_path / "h100.json"
     write_calibration(_calibration(other, NOISY), path)
-    out, report = _session(project, "other", {"CONVERGENCE_CALIBRATION": str(path)})
-    assert report["pairs"][0]["status"] == "failed", out  # the noisy floors were not used
-    assert "[floors: shipped CPU defaults]" in _verdicts(report)["grad_norm_parts"]["tolerance"]
-    assert f"calibration {path} is for another stack (hardware" in out
-    assert "cuda:NVIDIA H100" in out
-    assert "is for another stack" in (project / "junit-other.xml").read_text()
+    # Named by $CONVERGENCE_CALIBRATION (explicit), or copied to this stack's default place.
+    selection = select_calibration(tmp_path, explicit=path)
+    assert selection.calibration is None
+    assert f"calibration {path} is for another stack (hardware" in selection.describe()
+    copied = tmp_path / "calibration" / f"{stack_hash(current_stack())}.json"
+    copied.parent.mkdir()
+    copied.write_text(path.read_text())
+    selection = use(select_calibration(tmp_path))
+    assert selection.calibration is None and "is for another stack" in selection.describe()
+    assert (
+        paired_tolerance(ComparisonRule(metric="loss", method="paired"))
+        == (PAIRED_DEFAULTS["loss"])
+    )
+    outcome = passing_pair()
+    outcome = dataclasses.replace(outcome, verdicts=with_floors(outcome.verdicts, selection))
+    loss = outcome.verdict("loss")
+    assert loss is not None and loss.tolerance.endswith("[floors: shipped CPU defaults]")
+    assert loss.details["floors"]["source"] == "defaults"
+    props = dict(junit_properties(outcome))
+    assert "is for another stack" in props["convergence.floors"]
+    assert "noise floors: shipped CPU defaults (calibration" in render_summary([outcome])
+    doc = build_report([outcome], environment={}, started_at=None, wall_s=None)
+    assert "cuda:NVIDIA H100" in doc["environment"]["noise_floors"]
+    assert "is for another stack" in render_markdown(doc)
 
 
 # -- no jobs -------------------------------------------------------------------------------
@@ -213,7 +241,9 @@ def test_calibrated_replaces_only_the_calibrated_values(tmp_path: Path) -> None:
     assert current() is selection
     tol = paired_tolerance(rule)
     assert (tol.atol, tol.growth, tol.rtol) == (5e-4, 0.1, 1e-6)
-    assert paired_tolerance(ComparisonRule(metric="loss", method="paired", atol=1e-9)).atol == 1e-9  # rule wins
+    assert (
+        paired_tolerance(ComparisonRule(metric="loss", method="paired", atol=1e-9)).atol == 1e-9
+    )  # rule wins
     assert (
         calibrated("paired", "grad_norm", PAIRED_DEFAULTS["grad_norm"])
         == (PAIRED_DEFAULTS["grad_norm"])
