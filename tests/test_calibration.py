@@ -32,10 +32,14 @@ from convergence.calibration.select import (
 )
 from convergence.calibration.stack import current_stack, stack_hash
 from convergence.metrics.curve import Curve
+from convergence.metrics.reader import read_run
 from convergence.nightly.sbatch import NightlySettings, render_sbatch
+from convergence.regimes import REGISTRY
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.paired import PAIRED_DEFAULTS, paired_tolerance
+from convergence.stats.registry import compare_all
+from convergence.stats.types import MetricVerdict
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # report_examples
@@ -140,7 +144,53 @@ def _calibration(stack: dict, paired: dict) -> Calibration:  # type: ignore[type
     )
 
 
+def _judge_again(project: Path) -> dict[str, MetricVerdict]:
+    """The session's own curves judged again in this process, with the paired regime's
+    default rules (the pair's), under whatever calibration this process has selected."""
+    (folder,) = (project / ".convergence" / "runs").iterdir()
+    control = read_run(next(folder.glob("control-*")))
+    test = read_run(next(folder.glob("test-*")))
+    rules = REGISTRY.default_rules("paired")
+    return {v.metric: v for v in compare_all(rules, [control], test)}
+
+
+def test_a_calibration_of_a_noisier_stack_turns_the_fail_into_a_pass(project: Path) -> None:
+    """One session with the noisier stack's calibration in place: the pair passes and every
+    report names the file. The same curves, judged with the shipped floors, fail."""
+    path = project / ".convergence" / "calibration" / f"{stack_hash(current_stack())}.json"
+    write_calibration(_calibration(current_stack(), NOISY), path)
+    try:
+        out, report = _session(project, "noisy")
+        assert report["pairs"][0]["status"] == "passed", out
+        selection = use(select_calibration(project / ".convergence"))
+        assert selection.path == path
+        calibrated_again = _judge_again(project)
+    finally:
+        path.unlink()
+    verdicts = _verdicts(report)
+    for metric in ("loss", "grad_norm", "grad_norm_parts"):
+        assert "floors calibrated on this stack" in verdicts[metric]["tolerance"]
+    assert "rtol 0.01" in verdicts["grad_norm_parts"]["tolerance"]
+    assert f"noise floors from calibration {path}" in out
+    md = (project / "report-noisy" / "report.md").read_text()
+    assert "noise floors from calibration" in md and path.name in md
+    html = (project / "report-noisy" / "report.html").read_text()
+    assert "floors from calibration" in html
+    junit = (project / "junit-noisy.xml").read_text()
+    assert f'name="convergence.floors" value="floors from calibration {path}' in junit
+    # The same curves in this process: a pass with the calibration, a fail without it.
+    assert calibrated_again["grad_norm_parts"].passed
+    use(DEFAULTS)
+    shipped = _judge_again(project)
+    assert not shipped["grad_norm_parts"].passed, shipped["grad_norm_parts"].message
+    assert shipped["grad_norm_parts"].max_deviation == pytest.approx(
+        verdicts["grad_norm_parts"]["max_deviation"]
+    )
+
+
+@pytest.mark.slow
 def test_shipped_defaults_fail_the_nudge_and_say_so(project: Path) -> None:
+    """The whole default path: no calibration file, a session, the fail and its note."""
     out, report = _session(project, "defaults")
     assert report["pairs"][0]["status"] == "failed", out
     verdicts = _verdicts(report)
@@ -149,27 +199,6 @@ def test_shipped_defaults_fail_the_nudge_and_say_so(project: Path) -> None:
     assert "noise floors: shipped CPU defaults (no calibration for stack" in out
     junit = (project / "junit-defaults.xml").read_text()
     assert 'name="convergence.floors" value="floors: shipped CPU defaults' in junit
-
-
-def test_a_calibration_of_a_noisier_stack_turns_the_fail_into_a_pass(project: Path) -> None:
-    path = project / ".convergence" / "calibration" / f"{stack_hash(current_stack())}.json"
-    write_calibration(_calibration(current_stack(), NOISY), path)
-    try:
-        out, report = _session(project, "noisy")
-    finally:
-        path.unlink()
-    assert report["pairs"][0]["status"] == "passed", out
-    verdicts = _verdicts(report)
-    for metric in ("loss", "grad_norm", "grad_norm_parts"):
-        assert "floors calibrated on this stack" in verdicts[metric]["tolerance"]
-    assert "rtol 0.01" in verdicts["grad_norm_parts"]["tolerance"]
-    assert f"noise floors from calibration {path}" in out
-    md = next((project / "report-noisy").glob("report.md")).read_text()
-    assert "noise floors from calibration" in md and path.name in md
-    html = (project / "report-noisy" / "report.html").read_text()
-    assert "floors from calibration" in html
-    junit = (project / "junit-noisy.xml").read_text()
-    assert f'name="convergence.floors" value="floors from calibration {path}' in junit
 
 
 def test_a_calibration_of_another_stack_is_not_used_and_every_report_says_so(
