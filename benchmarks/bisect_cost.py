@@ -44,7 +44,7 @@ def apply(model, ctx):
 def experiment(steps: int) -> str:
     return textwrap.dedent(f"""
         [defaults]
-        train_config = "{REPO}/convergence/configs/debug.toml"
+        train_config = "{REPO}/train_configs/debug.toml"
         steps = {steps}
         seed = 11
         probe = "off"

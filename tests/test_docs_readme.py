@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from convergence import docs
-from convergence.cli.main import build_parser
+from convergence.cli.app import build_parser
 from convergence.run.runner import _hook_source_hash
 
 REPO = Path(__file__).resolve().parents[1]

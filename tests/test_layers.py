@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("regimes",),  # paired / twin / seed: rules, control jobs, checks, policies
     ("launch",),  # torchrun / srun processes, pool, watchdog
     ("cache",),  # the run cache
+    ("calibration",),  # floors measured on this stack (file, selection); stats reads them
     ("stats",),  # comparisons, sequential monitor, health, provenance
     ("backends",),  # how a job becomes a command (builtin, torchtitan, command)
     ("preflight",),  # the checks that need backends or devices

@@ -460,7 +460,9 @@ def test_tensorboard_run_names_are_folders_and_unique() -> None:
 FAKE_PYTHON = """#!/bin/bash
 # Stand-in for the allocation's python: `-m pytest` writes a prepared report.json where
 # --convergence-report points (the real pytest step needs GPUs and Slurm) and exits 1 (a pair
-# failed); everything else -- `convergence.cli record` and `trend` -- runs for real.
+# failed); `convergence.cli calibrate` (jobs for minutes) says what it was asked; everything
+# else -- `convergence.cli record` and `trend` -- runs for real.
+if [ "$3" = "calibrate" ]; then echo "calibrate $*" >&2; exit 0; fi
 if [ "$2" = "pytest" ]; then
     while [ $# -gt 0 ]; do
         if [ "$1" = "--convergence-report" ]; then mkdir -p "$2"; cp "$REPORT_JSON" "$2/"; fi

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from convergence.cli.main import build_parser, main
+from convergence.cli.app import build_parser, main
 from convergence.options import OPTIONS, resolve_path, run_settings, values_from_args
 
 

@@ -232,7 +232,7 @@ def test_minimal_experiment_runs_and_its_runs_compare(
 def test_slow_cli_commands_parse(readme: dict[str, list[str]]) -> None:
     """``convergence run experiments/quickstart.toml`` trains 4 pairs (minutes): its words
     are parsed by the real parser, and its file exists."""
-    from convergence.cli.main import build_parser
+    from convergence.cli.app import build_parser
 
     parser = build_parser()
     run = next(c for c in commands(readme["shell"]) if c.startswith("convergence run"))
@@ -273,7 +273,7 @@ def test_inline_convergence_commands_parse() -> None:
     """The ``convergence ...`` commands README names in running text (cache, nightly, record,
     trend, ab, report): each subcommand and flag exists in the real parser (optional parts in
     [brackets] included; DAYS, N and G are numbers)."""
-    from convergence.cli.main import build_parser
+    from convergence.cli.app import build_parser
 
     text = README.read_text(encoding="utf-8")
     spans = {re.sub(r"\s+", " ", s) for s in re.findall(r"`(convergence [^`]+)`", text)}

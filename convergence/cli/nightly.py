@@ -67,6 +67,7 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         pytest_args=tuple(shlex.split(args.pytest_args or "")),
         decide_args=tuple(shlex.split(args.decide_args or "")),
         reuse_controls=args.reuse_controls,
+        calibrate=None if args.calibrate == "none" else args.calibrate,
     )
     if args.stdout:
         print(render_sbatch(settings))
@@ -187,6 +188,14 @@ def add_subcommands(sub: Any) -> None:
         action="store_true",
         help="reuse cached control runs across nights (default: re-run them "
         "each night, so the trend shows the stack drifting)",
+    )
+    nightly.add_argument(
+        "--calibrate",
+        default="debug",
+        metavar="SOURCE",
+        help="train config or experiment that `convergence calibrate --if-missing` measures "
+        "the noise floors on before each night, when none matches the stack (default debug; "
+        "none: no calibration step)",
     )
     nightly.set_defaults(func=cmd_nightly)
 

@@ -43,6 +43,11 @@ class NightlySettings:
     """Extra pytest arguments, e.g. ``-n 4``."""
     decide_args: tuple[str, ...] = ()
     """Extra ``convergence decide`` arguments: ``--hook CMD``, ``--post URL``, ``--window N``."""
+    calibrate: str | None = "debug"
+    """What ``convergence calibrate --if-missing`` measures the noise floors on before pytest
+    (a train config or an experiment file): only when no calibration matches the node's stack,
+    so a night after a driver, CUDA, NCCL or torch upgrade recalibrates and the others cost
+    nothing. None: no calibration step (the verdicts use the shipped CPU defaults, and say so)."""
     reuse_controls: bool = False
     """Reuse cached control runs across nights. Off by default: each night re-runs its
     controls (``--convergence-refresh``), so the control's own curve shows the stack drifting
@@ -71,6 +76,9 @@ _HEADER = """\
 #   sbatch {script}            # or: sbatch --begin=20:00 {script}; cron/scrontab for nightly
 #
 # Each night:
+#   0. `convergence calibrate --if-missing` measures the noise floors when no calibration
+#      matches this node's stack (GPU model, driver, CUDA/NCCL, torch): the first night and the
+#      first after an upgrade; the verdicts then use them and say so.
 #   1. pytest -m convergence --convergence-tier nightly --convergence-launcher slurm runs every
 #      pair of the experiments below; each job is one `srun ... torchrun` step of this
 #      allocation (a slice of a node, or whole nodes; rendezvous on its first node); controls
@@ -108,7 +116,7 @@ export MPLBACKEND=Agg
 # The commit this night tests (before anything can move HEAD): recorded per pair, so that a
 # pair turning red gets a `convergence bisect LAST_GREEN THIS_COMMIT PAIR` line.
 COMMIT="$(git rev-parse HEAD 2>/dev/null || true)"
-
+{calibrate}
 "$PYTHON" -m pytest -m convergence --convergence-tier nightly --convergence-launcher slurm \\
     --junitxml "$NIGHT_DIR/junit.xml" --convergence-report "$NIGHT_DIR/report" \\
     -p no:cacheprovider{refresh}{pytest_args} \\
@@ -140,6 +148,17 @@ def _q(text: str) -> str:
     return shlex.quote(text)
 
 
+def _calibrate_step(source: str | None) -> str:
+    if source is None:
+        return ""
+    return (
+        "\n# noise floors for this stack: measured once per stack, then reused (a failure leaves\n"
+        "# the verdicts on the shipped defaults, which they say; it never stops the night)\n"
+        f'"$PYTHON" -m convergence.cli calibrate --if-missing {_q(source)} \\\n'
+        '    || echo "convergence calibrate failed for night $NIGHT" >&2\n'
+    )
+
+
 def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbatch") -> str:
     """The sbatch script for ``settings`` (a bash script with ``#SBATCH`` lines)."""
     lines = [_HEADER.format(script=script_name, history=settings.history_path)]
@@ -169,6 +188,7 @@ def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbat
             pytest_args=extra,
             decide_args="".join(f" {_q(a)}" for a in settings.decide_args),
             refresh="" if settings.reuse_controls else " --convergence-refresh",
+            calibrate=_calibrate_step(settings.calibrate),
             experiments=" ".join(_q(e) for e in settings.experiments),
         )
     )

@@ -31,6 +31,7 @@ from convergence.backends import Backend, get_backend
 from convergence.cache.key import cache_key, code_version, hardware_fingerprint
 from convergence.cache.stack import stack_fingerprint
 from convergence.cache.store import CacheError, RunCache
+from convergence.calibration.select import select_calibration, use
 from convergence.launch.devices import session_devices
 from convergence.launch.pool import DevicePool
 from convergence.launch.slurm import SlurmLauncher
@@ -39,6 +40,7 @@ from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progres
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
 from convergence.regimes import get_regime
+from convergence.run.floors import with_floors
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.run.resume import run_resumed
@@ -157,6 +159,9 @@ class Runner:
         )
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
+        # The floors this session's verdicts use: the calibration for this stack, else the
+        # shipped defaults (convergence/calibration/select.py); every verdict names them.
+        self.floors = use(select_calibration(settings.work_dir))
 
     # -- the seam for cached runs (public: used by convergence.run.probe and ab; typed
     # -- there as convergence.run.seam.JobSeam) ------------------------------------------
@@ -521,7 +526,7 @@ class Runner:
             # A test stopped early is judged on the steps it ran: the sequential monitor already
             # saw a gating metric clearly outside; "incomplete" must not fail the others.
             control_runs = [{m: c.upto(stopped) for m, c in run.items()} for run in control_runs]
-        verdicts = compare_all(pair.rules, control_runs, test.metrics)
+        verdicts = with_floors(compare_all(pair.rules, control_runs, test.metrics), self.floors)
         if pair.golden:  # a golden recorded with another torch/GPU says so in the verdict
             verdicts = with_golden_note(Path(pair.golden), verdicts, test.meta)
         error = None

@@ -46,6 +46,7 @@ from typing import Protocol
 
 import numpy as np
 
+from convergence.calibration.select import calibrated
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import (
@@ -91,7 +92,7 @@ PAIRED_DEFAULTS: dict[str, PairedTolerance] = {
 
 def paired_tolerance(rule: ComparisonRule) -> PairedTolerance:
     """The rule's tolerance: its own parameters where set, else the metric's defaults."""
-    base = PAIRED_DEFAULTS.get(rule.metric, _LOSS)
+    base = calibrated("paired", rule.metric, PAIRED_DEFAULTS.get(rule.metric, _LOSS))
     return PairedTolerance(
         atol=base.atol if rule.atol is None else rule.atol,
         growth=base.growth if rule.growth is None else rule.growth,

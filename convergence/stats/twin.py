@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from convergence.calibration.select import calibrated
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Floats, Ints, align, failed, point_check, tolerance_at
@@ -113,7 +114,7 @@ def twin_noise(control: Curve, twins: Sequence[Curve]) -> tuple[Ints, Floats]:
 
 
 def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]) -> TwinTolerance:
-    base = TWIN_DEFAULTS.get(rule.metric, TWIN_DEFAULTS["loss"])
+    base = calibrated("twin", rule.metric, TWIN_DEFAULTS.get(rule.metric, TWIN_DEFAULTS["loss"]))
     steps, noise = twin_noise(control, twins)
     return TwinTolerance(
         k=base.k if rule.z is None else rule.z,

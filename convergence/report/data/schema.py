@@ -361,6 +361,19 @@ def cache_key_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
     }
 
 
+def floors_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
+    """``{"noise_floors": ...}``: whose noise floors the paired/twin verdicts used -- the
+    calibration of this stack, or the shipped CPU defaults and why (each verdict's
+    ``details["floors"]``, run/floors.py); {} when no verdict used any."""
+    notes: dict[str, None] = {}
+    for o in outcomes:
+        for v in o.verdicts:
+            floors = v.details.get("floors")
+            if isinstance(floors, dict) and floors.get("note"):
+                notes[str(floors["note"])] = None
+    return {"noise_floors": "; ".join(notes)} if notes else {}
+
+
 def build_report(
     outcomes: Iterable[PairOutcome],
     *,
@@ -402,7 +415,12 @@ def build_report(
         "started_at": _iso(started_at),
         "wall_s": jsonable(wall_s),
         "environment": jsonable(
-            {**default_environment(), **cache_key_notes(outcomes), **environment}
+            {
+                **default_environment(),
+                **cache_key_notes(outcomes),
+                **floors_notes(outcomes),
+                **environment,
+            }
         ),
         "summary": summarize(outcomes),
         "plots": dict(plots.get("", {})),

@@ -41,6 +41,9 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
             props.append((f"{name}.tolerance", fmt_num(v.tolerance_at_max)))
         if v.first_divergent_step is not None:
             props.append((f"{name}.first_divergent_step", str(v.first_divergent_step)))
+    floors = next((v.details["floors"] for v in o.verdicts if "floors" in v.details), None)
+    if isinstance(floors, dict):  # whose noise floors the paired/twin verdicts used
+        props.append(("floors", str(floors.get("note", ""))[:300]))
     step = first_divergent_step(o)
     if step is not None:
         props.append(("first_divergent_step", str(step)))

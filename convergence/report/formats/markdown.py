@@ -176,10 +176,13 @@ def environment_line(report: ReportDocument) -> str:
         parts.append(f"wall {fmt_wall(as_float(report['wall_s']))}")
     summary = report["summary"]
     parts.append(f"{summary['cached_runs']} cached / {summary['fresh_runs']} fresh runs")
+    floors = env.get("noise_floors")  # whose floors the paired/twin verdicts used
     return (
         "<sub>"
         + " · ".join(cell(p) for p in parts if p)
-        + f" · generated {report['generated_at']}</sub>"
+        + f" · generated {report['generated_at']}"
+        + (f"<br>noise {cell(str(floors))}" if floors else "")
+        + "</sub>"
     )
 
 

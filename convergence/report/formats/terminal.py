@@ -149,6 +149,18 @@ def not_compared_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
     return [f"{NOT_COMPARED_TITLE}:", *lines] if lines else []
 
 
+def floors_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
+    """Whose noise floors the paired/twin verdicts used (convergence/calibration/): the
+    calibration of this stack, or the shipped CPU defaults and why -- once per distinct note."""
+    notes: dict[str, None] = {}
+    for o in outcomes:
+        for v in o.verdicts:
+            floors = v.details.get("floors")
+            if isinstance(floors, dict) and floors.get("note"):
+                notes[str(floors["note"])] = None
+    return [f"noise {note}" if note.startswith("floors") else note for note in notes]
+
+
 def render_summary(
     outcomes: Iterable[PairOutcome], width: int = 120, *, not_compared: bool = True
 ) -> str:
@@ -164,6 +176,9 @@ def render_summary(
             + "\nby dimension (what each test adds over its control):\n"
             + render_outcome_dimensions(outcomes, width)
         )
+    floors = floors_lines(outcomes)
+    if floors:
+        text = text.rstrip("\n") + "\n" + "\n".join(floors) + "\n"
     missing = not_compared_lines(outcomes) if not_compared else []
     if missing:
         text = text.rstrip("\n") + "\n" + "\n".join(missing) + "\n"

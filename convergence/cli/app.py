@@ -29,6 +29,7 @@ from convergence import __version__
 from convergence.cli.ab import add_ab_parser
 from convergence.cli.bisect import add_bisect_parser
 from convergence.cli.cache import add_cache_parser
+from convergence.cli.calibrate import add_calibrate_parser
 from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.cli.compare import add_compare_parser, add_export_parser
 from convergence.cli.nightly import add_subcommands as add_nightly_subcommands
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bisect_parser(sub)
 
     add_cache_parser(sub)
+
+    add_calibrate_parser(sub)
 
     # -- nightly / record / trend / decide: Slurm nightly runs (cli/nightly.py) --
 
