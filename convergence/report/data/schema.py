@@ -361,16 +361,22 @@ def cache_key_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
     }
 
 
-def floors_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
-    """``{"noise_floors": ...}``: whose noise floors the paired/twin verdicts used -- the
-    calibration of this stack, or the shipped CPU defaults and why (each verdict's
-    ``details["floors"]``, run/floors.py); {} when no verdict used any."""
+def floor_notes(outcomes: Iterable[PairOutcome]) -> list[str]:
+    """Whose noise floors the paired/twin verdicts used -- the calibration of this stack, or
+    the shipped CPU defaults and why (each verdict's ``details["floors"]``, run/floors.py):
+    each distinct note once, in order. The terminal and the report both say it from here."""
     notes: dict[str, None] = {}
     for o in outcomes:
         for v in o.verdicts:
             floors = v.details.get("floors")
             if isinstance(floors, dict) and floors.get("note"):
                 notes[str(floors["note"])] = None
+    return list(notes)
+
+
+def floors_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
+    """``{"noise_floors": ...}`` for the report's environment; {} when no verdict used any."""
+    notes = floor_notes(outcomes)
     return {"noise_floors": "; ".join(notes)} if notes else {}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from convergence.report.data.records import PairRecord, pair_record
+from convergence.report.data.schema import floor_notes
 from convergence.report.fmt import (
     NOT_COMPARED_TITLE,
     VERDICTS,
@@ -150,15 +151,8 @@ def not_compared_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
 
 
 def floors_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
-    """Whose noise floors the paired/twin verdicts used (convergence/calibration/): the
-    calibration of this stack, or the shipped CPU defaults and why -- once per distinct note."""
-    notes: dict[str, None] = {}
-    for o in outcomes:
-        for v in o.verdicts:
-            floors = v.details.get("floors")
-            if isinstance(floors, dict) and floors.get("note"):
-                notes[str(floors["note"])] = None
-    return [f"noise {note}" if note.startswith("floors") else note for note in notes]
+    """Whose noise floors the paired/twin verdicts used, one line per distinct note."""
+    return [f"noise {n}" if n.startswith("floors") else n for n in floor_notes(outcomes)]
 
 
 def render_summary(
