@@ -64,6 +64,11 @@ def test_correct_bf16_layout_passes_inside_the_measured_envelope(
     assert len(twin_loss) == len(control_loss) == STEPS
     # bf16 with another DP degree is not bitwise equal: the twin measured real noise.
     assert (twin_loss.values != control_loss.values).any()
+    # The forward-noise twin (Backend.forward_twin) ran beside it and moved the curve from
+    # step 1 on, where the DP twin's forward is still bit-identical to the control's.
+    assert len(outcome.control.twins) == 2
+    forward_loss = outcome.control.twins[1]["loss"]
+    assert forward_loss.values[0] != control_loss.values[0]
     loss = outcome.verdict("loss")
     assert loss is not None and loss.method == "twin" and loss.details["twin_noise_max"] > 0
     assert loss.band is not None and len(loss.band.steps) == STEPS  # drawn by the plots

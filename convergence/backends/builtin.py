@@ -121,6 +121,23 @@ class BuiltinBackend:
             )
         return twin
 
+    def forward_twin(self, job: JobSpec) -> JobSpec | None:
+        """The job with every linear output perturbed by its compute dtype's unit roundoff at
+        each step (convergence/trainer/forward_noise.py); same layout, samples and seed."""
+        from convergence.trainer.forward_noise import UNIT_ROUNDOFF  # torch-free constants
+
+        if job.techniques.param_dtype == "float32":
+            # An fp32 forward re-rounds at 6e-8: the relative floor covers it, no job needed.
+            return None
+        amplitude = UNIT_ROUNDOFF[job.techniques.param_dtype]
+        twin = dataclasses.replace(
+            job,
+            name=f"{job.name}-fwd-twin",
+            overrides=(*job.overrides, ("training.forward_noise", repr(amplitude))),
+        )
+        self.preflight(twin)
+        return twin
+
     def config_text(self, job: JobSpec) -> str:
         return Path(job.train_config).read_text(encoding="utf-8")
 

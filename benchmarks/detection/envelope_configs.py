@@ -1,0 +1,259 @@
+"""The twin envelope on model/data configs it was not tuned on (issue 28, parts 1-3).
+
+Three train configs of our own (benchmarks/detection/envelope/: A the debug model on synthetic
+Markov data, B a wider GQA model on byte-level text, C another size with longer sequences and a
+lag-3 synthetic language), bf16 parameters with fp32 reduction on both sides (the GPU default),
+60 steps, early stopping off so every curve is whole. Per config: the correct FSDP+TP, FSDP+TP+SP,
+FSDP+CP and FSDP+PP(Interleaved1F1B) pairs and planted bugs of the detection catalogue; plus the
+precision-changing pairs (fp32 control, bf16-reduce test: correct and with a bug).
+
+Every curve -- control, each twin the regime runs (noise twin, forward-noise twin, the twin
+with the test's numerics), test -- is saved (``--save``), so the verdict and its variants can
+be recomputed without rerunning (``--load``). The table gives, per pair and gating metric, the
+ratio max |test - control| / tolerance under the default envelope (> 1 fails) and the first
+failing step, and the early gaps |Δ| at steps 1-3 of each twin and of the test.
+
+    python benchmarks/detection/envelope_configs.py --configs a b c --seeds 7 --save /tmp/env.json
+    python benchmarks/detection/envelope_configs.py --load /tmp/env.json --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs, run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
+
+from _report import machine, write_section
+from catalogue import ALL, Case
+from run import as_bf16, run_cases
+
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule
+from convergence.stats.twin import TwinEnvelope
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = {
+    "a": HERE / "envelope" / "a_debug_synthetic.toml",
+    "b": HERE / "envelope" / "b_wide_gqa_text.toml",
+    "c": HERE / "envelope" / "c_long_lag_synthetic.toml",
+}
+METRICS = ("loss", "grad_norm", "grad_norm_parts")
+CORRECT = ("fsdp2-tp2", "fsdp2-tp2-sp", "fsdp2-cp2", "fsdp2-pp2-interleaved1f1b")
+BUGS = ("tp-rowwise-not-reduced", "fsdp-dp-rank-dropped", "cp-rope-ignores-offset")
+BF16_REDUCE = {"reduce_dtype": "bfloat16"}
+
+
+def precision_cases(seed: int) -> list[Case]:
+    """fp32 control; the test reduces its gradients in bf16 (a legitimate technique)."""
+    by_name = {c.name: c for c in ALL}
+    return [
+        Case(
+            name="fsdp2-bf16-reduce",
+            kind="correct",
+            parallelism={"dp_shard": 2},
+            techniques=BF16_REDUCE,
+            seed=seed,
+        ),
+        Case(
+            name="fsdp2-tp2-bf16-reduce",
+            kind="correct",
+            parallelism={"dp_shard": 2, "tp": 2},
+            techniques=BF16_REDUCE,
+            seed=seed,
+        ),
+        dataclasses.replace(
+            by_name["fsdp-dp-rank-dropped"],
+            name="fsdp-dp-rank-dropped-bf16-reduce",
+            techniques=BF16_REDUCE,
+            seed=seed,
+        ),
+    ]
+
+
+def cases_for(seed: int, precision_pairs: bool) -> list[Case]:
+    by_name = {c.name: c for c in ALL}
+    out = [as_bf16(dataclasses.replace(by_name[n], seed=seed)) for n in (*CORRECT, *BUGS)]
+    if precision_pairs:
+        out += precision_cases(seed)
+    return out
+
+
+def _curves(run: Any) -> dict[str, list[list[float]]]:
+    return {m: [c.steps.tolist(), c.values.tolist()] for m, c in run.items() if m in METRICS}
+
+
+def collect(configs: list[str], seeds: list[int], steps: int, precision: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in configs:
+        for seed in seeds:
+            cases = cases_for(seed, precision)
+            with tempfile.TemporaryDirectory(prefix="envelope-") as tmp:
+                rows = run_cases(
+                    cases, steps=steps, early_stop=False, work=Path(tmp), config=CONFIGS[key]
+                )
+            for row in rows:
+                o = row.outcome
+                name = f"{key}/{row.case.name}/seed{seed}"
+                if o.control is None or o.test is None:
+                    out[name] = {"kind": row.case.kind, "error": o.error}
+                    continue
+                out[name] = {
+                    "config": key,
+                    "case": row.case.name,
+                    "kind": row.case.kind,
+                    "seed": seed,
+                    "status": o.status,
+                    "control": _curves(o.control.metrics),
+                    "twins": [_curves(t) for t in o.control.twins],
+                    "test": _curves(o.test.metrics),
+                }
+    return out
+
+
+def _curve(metric: str, data: list[list[float]]) -> Curve:
+    return Curve(metric, np.asarray(data[0], np.int64), np.asarray(data[1], np.float64))
+
+
+def judge(case: dict[str, Any], twins: str = "all") -> dict[str, Any]:
+    """Recompute the default verdict from saved curves. ``twins``: "all", or "dp" (the noise
+    twin alone, the envelope before issue 28)."""
+    result: dict[str, Any] = {"failed": False, "first": None, "ratios": {}, "early": {}}
+    for metric in METRICS:
+        if metric not in case["test"] or metric not in case["control"]:
+            continue
+        control = _curve(metric, case["control"][metric])
+        test = _curve(metric, case["test"][metric])
+        kept = case["twins"][:1] if twins == "dp" else case["twins"]
+        twin_curves = [_curve(metric, t[metric]) for t in kept if metric in t]
+        rule = ComparisonRule(metric=metric, method="twin")
+        verdict = TwinEnvelope().compare(rule, [control, *twin_curves], test)
+        ratio = verdict.details.get("max_ratio")
+        result["ratios"][metric] = ratio
+        if not verdict.passed:
+            result["failed"] = True
+            step = verdict.first_divergent_step
+            if step is not None and (result["first"] is None or step < result["first"]):
+                result["first"] = step
+        if metric == "loss":
+            gaps = [np.abs(t.values[:3] - control.values[:3]) for t in twin_curves]
+            result["early"] = {
+                "test": np.abs(test.values[:3] - control.values[:3]).tolist(),
+                "twins": [g.tolist() for g in gaps],
+            }
+    return result
+
+
+def growth(case: dict[str, Any], which: str) -> float:
+    """Loss gap growth: median |Δ| over steps 31-60 / median |Δ| over steps 1-5."""
+    control = np.asarray(case["control"]["loss"][1])
+    other = np.asarray(case[which]["loss"][1] if which == "test" else case["twins"][0]["loss"][1])
+    gap = np.abs(other[: len(control)] - control[: len(other)])
+    early = float(np.median(gap[:5]))
+    return float(np.median(gap[30:60]) / early) if early > 0 else float("inf")
+
+
+def table(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    lines = [
+        "| config | pair | kind | seed | loss ratio | grad norm ratio | parts ratio | "
+        "verdict | first failing step | DP-twin-only verdict | loss |Δ| step 1-3: test / "
+        "DP twin / fwd twin |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---|---|",
+    ]
+    counts = {"correct": 0, "false_alarm": 0, "bug": 0, "caught": 0, "quarter": 0, "old_fa": 0}
+    for name, case in data.items():
+        if "error" in case:
+            lines.append(f"| {name} | | {case['kind']} | | error: {case['error']} |")
+            continue
+        new, old = judge(case), judge(case, twins="dp")
+        kind = case["kind"]
+        counts[kind] += 1
+        if kind == "correct":
+            counts["false_alarm"] += new["failed"]
+            counts["old_fa"] += old["failed"]
+            verdict = "**false alarm**" if new["failed"] else "pass"
+        else:
+            counts["caught"] += new["failed"]
+            counts["quarter"] += new["failed"] and (new["first"] or 99) <= 15
+            verdict = "caught" if new["failed"] else "**missed**"
+        early = new["early"]
+        fmt = lambda xs: "/".join(f"{x:.1e}" for x in xs)
+        lines.append(
+            f"| {case['config']} | {case['case']} | {kind} | {case['seed']} | "
+            + " | ".join(
+                f"{new['ratios'][m]:.2g}" if new["ratios"].get(m) is not None else "-"
+                for m in METRICS
+            )
+            + f" | {verdict} | {new['first'] or '-'} | {'fail' if old['failed'] else 'pass'} | "
+            + f"{fmt(early.get('test', []))} ; "
+            + " ; ".join(fmt(t) for t in early.get("twins", []))
+            + " |"
+        )
+    return "\n".join(lines), counts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--seeds", nargs="*", type=int, default=[7])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--no-precision", action="store_true", help="skip the bf16-reduce pairs")
+    parser.add_argument("--save", type=Path)
+    parser.add_argument("--load", type=Path, nargs="*")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    start = time.monotonic()
+    if args.load:
+        data: dict[str, Any] = {}
+        metas = []
+        for path in args.load:
+            loaded = json.loads(path.read_text())
+            metas.append(loaded.pop("_meta", {}))
+            data.update(loaded)
+        meta = {
+            "collect_min": sum(m.get("collect_min", 0.0) for m in metas),
+            "machine": metas[0].get("machine", machine()) if metas else machine(),
+        }
+    else:
+        data = collect(args.configs, args.seeds, args.steps, not args.no_precision)
+        meta = {"collect_min": (time.monotonic() - start) / 60, "machine": machine()}
+        if args.save:
+            args.save.write_text(json.dumps({**data, "_meta": meta}))
+    text, counts = table(data)
+    body = "\n\n".join(
+        (
+            "## Twin envelope on other models (benchmarks/detection/envelope_configs.py)",
+            f"Machine: {meta['machine']} (2 cores shared with other jobs). Configs in "
+            "benchmarks/detection/envelope/: A debug model on synthetic Markov data; B dim 128, "
+            "8 heads / 2 kv heads (GQA) on byte-level text (Python stdlib sources); C dim 96, "
+            "6 / 2 heads, seq_len 128, lag-3 synthetic language. bf16 params, fp32 reduce, "
+            f"{args.steps} steps, early stopping off; control FSDP(2). Ratio = max over steps "
+            "of |test - control| / tolerance under the default envelope (> 1 fails): k x the "
+            "running max over the twins (noise twin FSDP(4), forward-noise twin, and for "
+            "precision-changing pairs the noise twin run with the test's numerics). "
+            "'DP-twin-only verdict': the same curves judged with the noise twin alone (the "
+            "envelope before issue 28).",
+            f"Correct pairs: **{counts['false_alarm']}/{counts['correct']}** false alarms "
+            f"(DP twin alone: {counts['old_fa']}/{counts['correct']}). Planted bugs: "
+            f"**{counts['caught']}/{counts['bug']}** caught, {counts['quarter']} of them by "
+            f"step 15 (first quarter). Collection: {meta['collect_min']:.1f} min.",
+            text,
+        )
+    )
+    print(body)
+    if not args.no_write:
+        write_section("twin-envelope-configs", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
