@@ -39,7 +39,7 @@ from run import as_bf16, run_cases
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.twin import TwinEnvelope
+from convergence.stats.twin import TWIN_DEFAULTS, TwinEnvelope
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {
@@ -125,8 +125,19 @@ def _curve(metric: str, data: list[list[float]]) -> Curve:
 
 
 def judge(case: dict[str, Any], twins: str = "all") -> dict[str, Any]:
-    """Recompute the default verdict from saved curves. ``twins``: "all", or "dp" (the noise
-    twin alone, the envelope before issue 28)."""
+    """Recompute the default verdict from saved curves. ``twins``: "all", or "dp" (the
+    envelope before issue 28: the noise twin alone, no pooling of the next steps' gaps)."""
+    if twins == "dp":
+        saved = dict(TWIN_DEFAULTS)
+        TWIN_DEFAULTS.update({m: dataclasses.replace(d, pool=0) for m, d in saved.items()})
+        try:
+            return _judge(case, twins)
+        finally:
+            TWIN_DEFAULTS.update(saved)
+    return _judge(case, twins)
+
+
+def _judge(case: dict[str, Any], twins: str) -> dict[str, Any]:
     result: dict[str, Any] = {"failed": False, "first": None, "ratios": {}, "early": {}}
     for metric in METRICS:
         if metric not in case["test"] or metric not in case["control"]:
@@ -150,24 +161,23 @@ def judge(case: dict[str, Any], twins: str = "all") -> dict[str, Any]:
                 "test": np.abs(test.values[:3] - control.values[:3]).tolist(),
                 "twins": [g.tolist() for g in gaps],
             }
+            result["growth"] = [_growth(control.values, c.values) for c in (test, *twin_curves)]
     return result
 
 
-def growth(case: dict[str, Any], which: str) -> float:
-    """Loss gap growth: median |Δ| over steps 31-60 / median |Δ| over steps 1-5."""
-    control = np.asarray(case["control"]["loss"][1])
-    other = np.asarray(case[which]["loss"][1] if which == "test" else case["twins"][0]["loss"][1])
-    gap = np.abs(other[: len(control)] - control[: len(other)])
-    early = float(np.median(gap[:5]))
-    return float(np.median(gap[30:60]) / early) if early > 0 else float("inf")
+def _growth(control: np.ndarray, other: np.ndarray) -> tuple[float, float]:
+    """(mean loss |Δ| over steps 2-5, over steps 31-60): the early seed and its growth."""
+    n = min(len(control), len(other))
+    gap = np.abs(other[:n] - control[:n])
+    return float(np.mean(gap[1:5])), float(np.mean(gap[30:60])) if n > 30 else float("nan")
 
 
 def table(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     lines = [
         "| config | pair | kind | seed | loss ratio | grad norm ratio | parts ratio | "
-        "verdict | first failing step | DP-twin-only verdict | loss |Δ| step 1-3: test / "
-        "DP twin / fwd twin |",
-        "|---|---|---|---:|---:|---:|---:|---|---:|---|---|",
+        "verdict | first failing step | before issue 28 | loss |Δ| steps 1/2/3: test ; "
+        "twins | loss mean |Δ| steps 2-5 → 31-60: test ; twins |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---|---|---|",
     ]
     counts = {"correct": 0, "false_alarm": 0, "bug": 0, "caught": 0, "quarter": 0, "old_fa": 0}
     for name, case in data.items():
@@ -196,6 +206,8 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             + f" | {verdict} | {new['first'] or '-'} | {'fail' if old['failed'] else 'pass'} | "
             + f"{fmt(early.get('test', []))} ; "
             + " ; ".join(fmt(t) for t in early.get("twins", []))
+            + " | "
+            + " ; ".join(f"{a:.1e}→{b:.1e}" for a, b in new.get("growth", []))
             + " |"
         )
     return "\n".join(lines), counts
@@ -240,10 +252,10 @@ def main() -> int:
             "of |test - control| / tolerance under the default envelope (> 1 fails): k x the "
             "running max over the twins (noise twin FSDP(4), forward-noise twin, and for "
             "precision-changing pairs the noise twin run with the test's numerics). "
-            "'DP-twin-only verdict': the same curves judged with the noise twin alone (the "
-            "envelope before issue 28).",
+            "'before issue 28': the same curves judged with the noise twin alone and no pooling "
+            "of the next steps' gaps.",
             f"Correct pairs: **{counts['false_alarm']}/{counts['correct']}** false alarms "
-            f"(DP twin alone: {counts['old_fa']}/{counts['correct']}). Planted bugs: "
+            f"(before issue 28: {counts['old_fa']}/{counts['correct']}). Planted bugs: "
             f"**{counts['caught']}/{counts['bug']}** caught, {counts['quarter']} of them by "
             f"step 15 (first quarter). Collection: {meta['collect_min']:.1f} min.",
             text,
