@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs, ru
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
-from catalogue import ALL, Case
+from catalogue import ALL, BF16_REDUCE, PRECISION, Case
 from run import as_bf16, run_cases
 
 from convergence.metrics.curve import Curve
@@ -50,20 +50,13 @@ CONFIGS = {
 METRICS = ("loss", "grad_norm", "grad_norm_parts")
 CORRECT = ("fsdp2-tp2", "fsdp2-tp2-sp", "fsdp2-cp2", "fsdp2-pp2-interleaved1f1b")
 BUGS = ("tp-rowwise-not-reduced", "fsdp-dp-rank-dropped", "cp-rope-ignores-offset")
-BF16_REDUCE = {"reduce_dtype": "bfloat16"}
 
 
 def precision_cases(seed: int) -> list[Case]:
-    """fp32 control; the test reduces its gradients in bf16 (a legitimate technique)."""
-    by_name = {c.name: c for c in ALL}
+    """fp32 control; the test reduces its gradients (or computes) in bf16: the catalogue's
+    precision-changing pairs, plus FSDP+TP with a bf16 reduction."""
     return [
-        Case(
-            name="fsdp2-bf16-reduce",
-            kind="correct",
-            parallelism={"dp_shard": 2},
-            techniques=BF16_REDUCE,
-            seed=seed,
-        ),
+        *(dataclasses.replace(c, seed=seed) for c in PRECISION),
         Case(
             name="fsdp2-tp2-bf16-reduce",
             kind="correct",
@@ -71,16 +64,12 @@ def precision_cases(seed: int) -> list[Case]:
             techniques=BF16_REDUCE,
             seed=seed,
         ),
-        dataclasses.replace(
-            by_name["fsdp-dp-rank-dropped"],
-            name="fsdp-dp-rank-dropped-bf16-reduce",
-            techniques=BF16_REDUCE,
-            seed=seed,
-        ),
     ]
 
 
-def cases_for(seed: int, precision_pairs: bool) -> list[Case]:
+def cases_for(seed: int, precision_pairs: bool, only_precision: bool = False) -> list[Case]:
+    if only_precision:
+        return precision_cases(seed)
     by_name = {c.name: c for c in ALL}
     out = [as_bf16(dataclasses.replace(by_name[n], seed=seed)) for n in (*CORRECT, *BUGS)]
     if precision_pairs:
@@ -92,11 +81,13 @@ def _curves(run: Any) -> dict[str, list[list[float]]]:
     return {m: [c.steps.tolist(), c.values.tolist()] for m, c in run.items() if m in METRICS}
 
 
-def collect(configs: list[str], seeds: list[int], steps: int, precision: bool) -> dict[str, Any]:
+def collect(
+    configs: list[str], seeds: list[int], steps: int, precision: bool, only_precision: bool = False
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in configs:
         for seed in seeds:
-            cases = cases_for(seed, precision)
+            cases = cases_for(seed, precision, only_precision)
             with tempfile.TemporaryDirectory(prefix="envelope-") as tmp:
                 rows = run_cases(
                     cases, steps=steps, early_stop=False, work=Path(tmp), config=CONFIGS[key]
@@ -218,7 +209,8 @@ def main() -> int:
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--seeds", nargs="*", type=int, default=[7])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--no-precision", action="store_true", help="skip the bf16-reduce pairs")
+    parser.add_argument("--no-precision", action="store_true", help="skip the fp32-control pairs")
+    parser.add_argument("--only-precision", action="store_true", help="only the fp32-control pairs")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*")
     parser.add_argument("--no-write", action="store_true")
@@ -236,7 +228,9 @@ def main() -> int:
             "machine": metas[0].get("machine", machine()) if metas else machine(),
         }
     else:
-        data = collect(args.configs, args.seeds, args.steps, not args.no_precision)
+        data = collect(
+            args.configs, args.seeds, args.steps, not args.no_precision, args.only_precision
+        )
         meta = {"collect_min": (time.monotonic() - start) / 60, "machine": machine()}
         if args.save:
             args.save.write_text(json.dumps({**data, "_meta": meta}))

@@ -13,6 +13,7 @@ from convergence.metrics.jsonl import read_jsonl
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
+from convergence.trainer.forward_noise import UNIT_ROUNDOFF
 from convergence.trainer.validate import check_config
 
 TRAINER_MODULE = "convergence.trainer"
@@ -124,8 +125,6 @@ class BuiltinBackend:
     def forward_twin(self, job: JobSpec) -> JobSpec | None:
         """The job with every linear output perturbed by its compute dtype's unit roundoff at
         each step (convergence/trainer/forward_noise.py); same layout, samples and seed."""
-        from convergence.trainer.forward_noise import UNIT_ROUNDOFF  # torch-free constants
-
         if job.techniques.param_dtype == "float32":
             # An fp32 forward re-rounds at 6e-8: the relative floor covers it, no job needed.
             return None

@@ -17,10 +17,7 @@ already round in their own order).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from torch import nn
+from typing import Any
 
 #: Unit roundoff (half the spacing of the significand) per compute dtype: the amplitude the
 #: built-in backend gives its forward-noise twin.
@@ -31,9 +28,10 @@ UNIT_ROUNDOFF: dict[str, float] = {
 }
 
 
-def add_forward_noise(chunks: list[nn.Module], amplitude: float, seed: int) -> int:
-    """Register the perturbation on every ``nn.Linear`` of ``chunks``; returns how many."""
-    # Lazy: the backend reads UNIT_ROUNDOFF at collection, where torch is not imported.
+def add_forward_noise(chunks: list[Any], amplitude: float, seed: int) -> int:
+    """Register the perturbation on every ``nn.Linear`` of ``chunks`` (modules); returns how
+    many. torch is imported here, not at the top: the backend reads UNIT_ROUNDOFF at
+    collection, where torch is not loaded."""
     import torch
     from torch import nn
     from torch.distributed.tensor import DTensor
