@@ -204,6 +204,32 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), counts
 
 
+def seed_and_growth(data: dict[str, Any]) -> str:
+    """Per config and correct bf16 layout: the early loss gap (mean |Δ| over steps 2-5) and its
+    growth (mean over 31-60 / early), the test's against the DP twin's and the forward twin's:
+    is the layout's initial perturbation larger, and does chaos grow it at the same rate?"""
+    lines = [
+        "| config | layout | seed | early gap: test / DP twin | growth: test | DP twin | "
+        "fwd twin | fwd twin early / test early |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case in data.values():
+        if "error" in case or case["kind"] != "correct" or case["case"] not in CORRECT:
+            continue
+        control = np.asarray(case["control"]["loss"][1])
+        test_g = _growth(control, np.asarray(case["test"]["loss"][1]))
+        twin_g = [_growth(control, np.asarray(t["loss"][1])) for t in case["twins"]]
+        if len(twin_g) < 2:
+            continue
+        lines.append(
+            f"| {case['config']} | {case['case']} | {case['seed']} | "
+            f"{test_g[0] / twin_g[0][0]:.2g} | {test_g[1] / test_g[0]:.2g} | "
+            f"{twin_g[0][1] / twin_g[0][0]:.2g} | {twin_g[1][1] / twin_g[1][0]:.2g} | "
+            f"{twin_g[1][0] / test_g[0]:.2g} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
@@ -253,6 +279,9 @@ def main() -> int:
             f"**{counts['caught']}/{counts['bug']}** caught, {counts['quarter']} of them by "
             f"step 15 (first quarter). Collection: {meta['collect_min']:.1f} min.",
             text,
+            "Where the layouts' extra noise comes from (loss; early = mean |Δ| over steps 2-5, "
+            "growth = mean |Δ| over steps 31-60 / early):",
+            seed_and_growth(data),
         )
     )
     print(body)
