@@ -252,6 +252,7 @@ def main() -> int:
         meta = {
             "collect_min": sum(m.get("collect_min", 0.0) for m in metas),
             "machine": metas[0].get("machine", machine()) if metas else machine(),
+            "notes": sorted({m["forward_twin"] for m in metas if "forward_twin" in m}),
         }
     else:
         data = collect(
@@ -277,7 +278,8 @@ def main() -> int:
             f"Correct pairs: **{counts['false_alarm']}/{counts['correct']}** false alarms "
             f"(before issue 28: {counts['old_fa']}/{counts['correct']}). Planted bugs: "
             f"**{counts['caught']}/{counts['bug']}** caught, {counts['quarter']} of them by "
-            f"step 15 (first quarter). Collection: {meta['collect_min']:.1f} min.",
+            f"step 15 (first quarter). Collection: {meta['collect_min']:.1f} min."
+            + "".join(f" Forward twin: {note}." for note in meta.get("notes", [])),
             text,
             "Where the layouts' extra noise comes from (loss; early = mean |Δ| over steps 2-5, "
             "growth = mean |Δ| over steps 31-60 / early):",
