@@ -204,6 +204,31 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), counts
 
 
+FINDINGS = """What the data say (seed 7 on all three configs; the other seeds in the table above):
+
+- The DP twin's forward pass is bit-identical to the control's: its loss gap is 0 at step 1 on
+  every config, while TP, SP and CP already differ there. On the wide GQA text config (B) the
+  TP/SP/CP gap over steps 2-5 is 1.6-2.1x the DP twin's, and chaos grows both by about the same
+  factor (2-3x from steps 2-5 to 31-60): a larger initial perturbation, the same growth, as the
+  issue supposed. Interleaved PP starts at the DP twin's size but grew faster (4.5x) on B. On A
+  the layouts' early gap equals the DP twin's and nothing failed before issue 28; on C the TP
+  pairs left the DP-only envelope late (step 49, 1.1-1.2x).
+- The forward-noise twin (Backend.forward_twin) perturbs, at every step, the outputs of the
+  layers another layout re-rounds (attention wo, FFN w2) by the bf16 unit roundoff: its early
+  gap is 0.5-3x the layouts' and it grows like them. It is what lets C's TP pairs pass. A
+  first version that perturbed every linear was 1.1-5x noisier than the layouts and delayed
+  the CP rope bug from step 1 to 15 (A) and 16 (C); on wo/w2 it is caught at step 1 (A, B)
+  and 4 (C), the row-wise bug at 12 (A), 1 (B), 9 (C), as with the DP twin alone.
+- bf16 reduce against an fp32 control: the control's twin measures fp32 noise (grad norm gap
+  ~1e-7), three orders below the test's; the twin run with the test's numerics measures the
+  bf16 reduction's, but at step 1 it landed 5x closer to the control than the test did (0.8x at
+  step 3), and a ratio of two single draws is heavy-tailed. Pooling the next two steps' gaps
+  into each step's noise (TwinDefaults.pool) fixed it without changing any bug's first failing
+  step. The pooling is also what lets B's TP+SP (1.3x at step 9) and interleaved-PP (1.1x at
+  step 1) pairs pass: the forward twin alone did not, so the two parts are both needed.
+"""
+
+
 def seed_and_growth(data: dict[str, Any]) -> str:
     """Per config and correct bf16 layout: the early loss gap (mean |Δ| over steps 2-5) and its
     growth (mean over 31-60 / early), the test's against the DP twin's and the forward twin's:
@@ -284,6 +309,7 @@ def main() -> int:
             "Where the layouts' extra noise comes from (loss; early = mean |Δ| over steps 2-5, "
             "growth = mean |Δ| over steps 31-60 / early):",
             seed_and_growth(data),
+            FINDINGS,
         )
     )
     print(body)
