@@ -91,7 +91,8 @@ class Backend(Protocol):
     def forward_twin(self, job: JobSpec) -> JobSpec | None:
         """The job's *forward-noise twin* (twin regime): ``job`` itself with its forward pass
         perturbed at the compute precision's rounding level at every step (the built-in
-        trainer multiplies every linear output by 1 + u*xi, u the dtype's unit roundoff).
+        trainer multiplies the attention and FFN output projections by 1 + u*xi, u the dtype's
+        unit roundoff).
 
         Why a second twin: the DP noise twin changes only the gradient reduction, while a
         tensor- or context-parallel test also rounds its forward differently at every step,

@@ -112,8 +112,8 @@ class TrainingConfig:
     deterministic: bool = True
     """Deterministic algorithms and seeded RNGs."""
     forward_noise: float = 0.0
-    """Relative amplitude of a seeded rounding-level perturbation of every linear layer's
-    output (0 = off). Only the twin regime's forward-noise twin sets it
+    """Relative amplitude of a seeded rounding-level perturbation of the outputs of the
+    linear layers another layout re-rounds (attention wo, FFN w2) (0 = off). Only the twin regime's forward-noise twin sets it
     (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
