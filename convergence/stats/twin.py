@@ -16,7 +16,12 @@ after s steps. The tolerance is
 
     tol(step) = k * noise(step) + atol * (1 + growth * sqrt(step)) + rtol * |control(step)|
 
-- ``noise(step)`` is the running maximum of |twin - control| up to that step. Two trajectories
+- ``noise(step)`` is the running maximum of |twin - control| up to that step (up to
+  ``pool`` steps after it: see :func:`twin_noise`), the max over the twins: the noise twin,
+  the forward-noise twin (the forward re-rounded at every step, as TP/SP/CP layouts do) and,
+  when the test's numerics differ from the control's, the noise twin of the control run with
+  the test's numerics (convergence/regimes/twin.py; issue 28, BENCHMARKS.md "Twin envelope on
+  other models"). Two trajectories
   pushed apart by rounding drift apart and stay apart (chaos amplifies, it does not heal); that
   they cross at some step says nothing about how far noise can move them, so the envelope never
   narrows back to a crossing.
