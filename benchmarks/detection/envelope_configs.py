@@ -15,12 +15,16 @@ failing step, and the early gaps |Δ| at steps 1-3 of each twin and of the test.
 
     python benchmarks/detection/envelope_configs.py --configs a b c --seeds 7 --save /tmp/env.json
     python benchmarks/detection/envelope_configs.py --load /tmp/env.json --no-write
+    python benchmarks/detection/envelope_configs.py --load benchmarks/detection/envelope/curves/*.json.gz
+
+The curves behind BENCHMARKS.md's section are kept, gzipped, in envelope/curves/.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 import sys
 import tempfile
@@ -271,7 +275,8 @@ def main() -> int:
         data: dict[str, Any] = {}
         metas = []
         for path in args.load:
-            loaded = json.loads(path.read_text())
+            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            loaded = json.loads(raw)
             metas.append(loaded.pop("_meta", {}))
             data.update(loaded)
         meta = {
