@@ -208,7 +208,7 @@ def table(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return "\n".join(lines), counts
 
 
-FINDINGS = """What the data say (seed 7 on all three configs; the other seeds in the table above):
+FINDINGS = """What the data say (seed 7 on all three configs; the other seeds in the tables above):
 
 - The DP twin's forward pass is bit-identical to the control's: its loss gap is 0 at step 1 on
   every config, while TP, SP and CP already differ there. On the wide GQA text config (B) the
@@ -230,6 +230,13 @@ FINDINGS = """What the data say (seed 7 on all three configs; the other seeds in
   into each step's noise (TwinDefaults.pool) fixed it without changing any bug's first failing
   step. The pooling is also what lets B's TP+SP (1.3x at step 9) and interleaved-PP (1.1x at
   step 1) pairs pass: the forward twin alone did not, so the two parts are both needed.
+- Not solved: seed 8 on B does not follow seed 7's story. There the layouts' early gap is
+  0.16-0.38x the DP twin's, but it grew 10-20x by steps 31-60 (the twins: 2.2-2.4x), and the
+  interleaved-PP pair left the envelope at step 40 (loss, 1.4x; CP reached 0.93x). The growth
+  of one realisation is itself a random variable: one twin's running max can understate
+  another layout's late gap by ~2x. More twin realisations per control (another seed of the
+  forward noise) or a growth model fitted over several twins would measure that spread; not
+  built or measured here.
 """
 
 
