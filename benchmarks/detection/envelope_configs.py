@@ -230,9 +230,11 @@ FINDINGS = """What the data say (seed 7 on all three configs; the other seeds in
   into each step's noise (TwinDefaults.pool) fixed it without changing any bug's first failing
   step. The pooling is also what lets B's TP+SP (1.3x at step 9) and interleaved-PP (1.1x at
   step 1) pairs pass: the forward twin alone did not, so the two parts are both needed.
-- Not solved: seed 8 on B does not follow seed 7's story. There the layouts' early gap is
+- Not solved: seed 8 does not follow seed 7's story. On B the layouts' early gap is
   0.16-0.38x the DP twin's, but it grew 10-20x by steps 31-60 (the twins: 2.2-2.4x), and the
-  interleaved-PP pair left the envelope at step 40 (loss, 1.4x; CP reached 0.93x). The growth
+  interleaved-PP pair left the envelope at step 40 (loss, 1.4x; CP reached 0.93x); on C the
+  TP and TP+SP pairs left it at step 43 (per-part grad norm 1.7x and 1.2x). All three leave
+  late (steps 40-43), none in the first steps the forward twin and the pooling address. The growth
   of one realisation is itself a random variable: one twin's running max can understate
   another layout's late gap by ~2x. More twin realisations per control (another seed of the
   forward noise) or a growth model fitted over several twins would measure that spread; not
