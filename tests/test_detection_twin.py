@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
 
-from catalogue import by_name  # noqa: E402
+from catalogue import PRECISION, by_name  # noqa: E402
 from pairs import build_pairs  # noqa: E402
 
 from convergence.run.runner import Runner, RunSettings  # noqa: E402
@@ -68,6 +68,11 @@ def test_correct_bf16_layout_passes_inside_the_measured_envelope(
     assert len(twin_loss) == len(control_loss) == STEPS
     # bf16 with another DP degree is not bitwise equal: the twin measured real noise.
     assert (twin_loss.values != control_loss.values).any()
+    # The forward-noise twin (Backend.forward_twin) ran beside it and moved the curve from
+    # step 1 on, where the DP twin's forward is still bit-identical to the control's.
+    assert len(outcome.control.twins) == 2
+    forward_loss = outcome.control.twins[1]["loss"]
+    assert forward_loss.values[0] != control_loss.values[0]
     loss = outcome.verdict("loss")
     assert loss is not None and loss.method == "twin" and loss.details["twin_noise_max"] > 0
     assert loss.band is not None and len(loss.band.steps) == STEPS  # drawn by the plots
@@ -84,3 +89,20 @@ def test_cp_mask_bug_that_the_seed_band_missed_fails_early(
         v.first_divergent_step or STEPS + 1 for v in outcome.verdicts if v.gate and not v.passed
     )
     assert first <= 2
+
+
+@pytest.mark.slow
+def test_a_bf16_reduce_test_against_an_fp32_control_is_judged_by_its_own_noise(
+    runner: Runner, tmp_path: Path
+) -> None:
+    # Noise from the noisier side (issue 28): the control's twin run with the test's reduce
+    # dtype joins the envelope, so the correct pair passes and the dropped DP rank still fails.
+
+    cases = [c for c in PRECISION if "reduce" in c.name]
+    pairs = build_pairs(cases, tmp_path, steps=STEPS)
+    correct = runner.run_pair(pairs["fsdp2-bf16-reduce"])
+    assert correct.pair.regime == "twin"
+    assert correct.status == "passed", [v.message for v in correct.verdicts]
+    assert correct.control is not None and len(correct.control.twins) == 2  # fp32: no fwd twin
+    bug = runner.run_pair(pairs["fsdp-dp-rank-dropped-bf16-reduce"])
+    assert bug.status == "failed"

@@ -94,3 +94,29 @@ def test_the_seed_regime_needs_two_replicates_and_probes_nothing() -> None:
     with pytest.raises(SpecError, match="at least 2 control replicates"):
         get_regime("seed").check(pair("seed", replicates=1), key="test", backend=NoTwins())
     assert [r.probe_on_failure for r in SHIPPED] == [True, True, False]
+
+
+class ForwardTwins(Twins):
+    def forward_twin(self, job: JobSpec) -> JobSpec | None:
+        return dataclasses.replace(job, name=f"{job.name}-fwd-twin")
+
+
+def test_twin_regime_adds_the_forward_twin_and_the_twin_with_the_tests_numerics() -> None:
+    # A backend with forward_twin: the control, its noise twin, its forward-noise twin.
+    same = get_regime("twin").control_jobs(pair("twin"), ForwardTwins())
+    assert [j.name for j in same] == ["fsdp2", "fsdp2-twin", "fsdp2-fwd-twin"]
+    # A test that reduces in bf16 against an fp32 control: the control run with the test's
+    # numerics gets a noise twin too (noise from the noisier side); its layout is the control's.
+    noisier = dataclasses.replace(
+        CONTROL, name="t", techniques=Techniques(reduce_dtype="bfloat16"), hook="x:y"
+    )
+    jobs = get_regime("twin").control_jobs(pair("twin", test=noisier), Twins())
+    assert [j.name for j in jobs] == [
+        "fsdp2",
+        "fsdp2-twin",
+        "fsdp2-as-test-reduce_dtype=bfloat16-twin",
+    ]
+    assert jobs[2].techniques.reduce_dtype == "bfloat16" and jobs[2].layout == CONTROL.layout
+    assert jobs[2].hook is None  # control-side: no test code in it
+    kept = get_regime("twin").control_curves(["c", "t1", "t2"])  # type: ignore[list-item]
+    assert kept.twin == "t1" and kept.twins == ("t1", "t2")

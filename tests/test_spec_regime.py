@@ -4,12 +4,14 @@ regime (noise measured on a twin of the control), and other seeds the seed band.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from convergence.preflight import load_checked
+from convergence.spec.layout import Techniques
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,6 +103,32 @@ def test_the_twin_reads_the_same_samples_on_twice_the_dp_degree(tmp_path: Path) 
     assert twin.techniques == pair.control.techniques
     backend = get_backend("builtin")
     assert backend.tokens_per_step(twin) == backend.tokens_per_step(pair.control)
+
+
+def test_the_forward_twin_is_the_control_with_rounding_level_forward_noise(tmp_path: Path) -> None:
+    from convergence.backends import get_backend
+
+    path = tmp_path / "exp.toml"
+    path.write_text(
+        textwrap.dedent(BODY.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }'))
+    )
+    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    backend = get_backend("builtin")
+    control = dataclasses.replace(pair.control, techniques=Techniques(param_dtype="bfloat16"))
+    fwd = backend.forward_twin(control)
+    assert fwd is not None and fwd.name == "fsdp2-fwd-twin"
+    # Same layout, samples and seed; only the trainer's forward noise, at bf16's unit roundoff.
+    assert (fwd.layout, fwd.seed, fwd.techniques) == (
+        control.layout,
+        control.seed,
+        control.techniques,
+    )
+    assert dict(fwd.overrides)["training.forward_noise"] == repr(2.0**-8)
+    cfg = backend.effective_config(fwd)  # type: ignore[attr-defined]
+    assert cfg.training.forward_noise == 2.0**-8
+    # An fp32 forward re-rounds at the fp32 floor, which the relative floor covers: no job.
+    fp32 = dataclasses.replace(pair.control, techniques=Techniques())
+    assert backend.forward_twin(fp32) is None
 
 
 def test_odd_batch_halves_the_dp_degree_and_doubles_accumulation(tmp_path: Path) -> None:

@@ -103,3 +103,40 @@ def test_the_verdict_carries_its_band() -> None:
     assert np.allclose(verdict.band.upper, BASE + tol) and np.allclose(
         verdict.band.lower, BASE - tol
     )
+
+
+def test_the_first_steps_pool_the_next_twin_gaps_so_one_lucky_draw_does_not_pinch() -> None:
+    # The twin's gap at step 1 happened to land near the control (one draw); at steps 2-3 it
+    # shows the noise's real scale. A correct test 2x that scale at step 1 passes; a bug 30x
+    # the scale at step 1 still fails there (issue 28: bf16 reduce vs fp32, grad norm).
+    scale = 1e-3
+    gap = np.full(STEPS.shape, scale)
+    gap[0] = scale / 20
+    control = curve(BASE, "grad_norm")
+    twin = curve(BASE + gap, "grad_norm")
+    correct = BASE.copy()
+    correct[0] += 2 * scale
+    steps, pooled = twin_noise(control, [twin], pool=2)
+    assert np.isclose(pooled[0], scale) and np.isclose(
+        twin_noise(control, [twin])[1][0], scale / 20
+    )
+    assert (
+        TwinEnvelope()
+        .compare(rule("grad_norm"), [control, twin], curve(correct, "grad_norm"))
+        .passed
+    )
+    bug = BASE.copy()
+    bug[0] += 30 * scale
+    verdict = TwinEnvelope().compare(rule("grad_norm"), [control, twin], curve(bug, "grad_norm"))
+    assert not verdict.passed and verdict.first_divergent_step == 1
+
+
+def test_the_envelope_takes_the_largest_twin_so_a_forward_perturbing_one_widens_it() -> None:
+    # A DP twin leaves the forward bit-identical (a small gap); a TP test re-rounds its forward
+    # at every step and moves further; the forward-noise twin measures that kind of noise.
+    control = curve(BASE)
+    dp_twin = curve(BASE + chaotic_gap(0.002))
+    forward_twin = curve(BASE - chaotic_gap(0.01))
+    tp_like = curve(BASE + 1.5 * chaotic_gap(0.01))
+    assert not TwinEnvelope().compare(rule(), [control, dp_twin], tp_like).passed
+    assert TwinEnvelope().compare(rule(), [control, dp_twin, forward_twin], tp_like).passed

@@ -296,7 +296,36 @@ RESUME_CORRECT: tuple[Case, ...] = (
     ),
 )
 
-ALL: tuple[Case, ...] = BUGS + RESUME_BUGS + CORRECT + RESUME_CORRECT
+#: A test whose numerics differ from its fp32 control's (issue 28, "noise from the noisier
+#: side"): bf16 gradient reduction or bf16 parameters against an fp32 control. Not bitwise
+#: pairable -> the twin regime, whose envelope then also holds the noise twin of the control
+#: run with the test's numerics.
+BF16_REDUCE = {"reduce_dtype": "bfloat16"}
+BF16_PARAMS = {"param_dtype": "bfloat16"}
+PRECISION: tuple[Case, ...] = (
+    Case(name="fsdp2-bf16-reduce", kind="correct", parallelism=FSDP2, techniques=BF16_REDUCE),
+    Case(name="fsdp2-bf16-params", kind="correct", parallelism=FSDP2, techniques=BF16_PARAMS),
+    Case(
+        name="fsdp-dp-rank-dropped-bf16-reduce",
+        kind="bug",
+        parallelism=FSDP2,
+        techniques=BF16_REDUCE,
+        hook=f"{PKG}.gradient_scale:drop_one_dp_rank",
+        expect=("grad_norm",),
+        note="DP rank 1's gradient dropped, in a bf16-reduce test against an fp32 control",
+    ),
+    Case(
+        name="fsdp-dp-rank-dropped-bf16-params",
+        kind="bug",
+        parallelism=FSDP2,
+        techniques=BF16_PARAMS,
+        hook=f"{PKG}.gradient_scale:drop_one_dp_rank",
+        expect=("grad_norm",),
+        note="DP rank 1's gradient dropped, in a bf16-param test against an fp32 control",
+    ),
+)
+
+ALL: tuple[Case, ...] = BUGS + RESUME_BUGS + CORRECT + RESUME_CORRECT + PRECISION
 
 
 def by_name(name: str) -> Case:

@@ -74,7 +74,7 @@ def collect(steps: int, seeds_extra: bool) -> dict[str, Any]:
 def needed_k(control: Curve, twin: Curve, test: Curve) -> tuple[float, float, float]:
     """(needed k, |d| at step 1, |d|/|control| at step 1)."""
     base = TWIN_DEFAULTS[control.metric]
-    steps, noise = twin_noise(control, [twin])
+    steps, noise = twin_noise(control, [twin], pool=base.pool)
     common, ci, ti = np.intersect1d(control.steps, test.steps, return_indices=True)
     d = np.abs(test.values[ti] - control.values[ci])
     floor = base.atol * (1 + base.growth * np.sqrt(common)) + base.rtol * np.abs(control.values[ci])

@@ -87,3 +87,18 @@ class Backend(Protocol):
         by the runner; it must not launch anything.
         """
         ...
+
+    def forward_twin(self, job: JobSpec) -> JobSpec | None:
+        """The job's *forward-noise twin* (twin regime): ``job`` itself with its forward pass
+        perturbed at the compute precision's rounding level at every step (the built-in
+        trainer multiplies the attention and FFN output projections by 1 + u*xi, u the dtype's
+        unit roundoff).
+
+        Why a second twin: the DP noise twin changes only the gradient reduction, while a
+        tensor- or context-parallel test also rounds its forward differently at every step,
+        a larger perturbation that the run's chaos grows at the same rate (BENCHMARKS.md,
+        "Twin envelope on other models"). Return None when the trainer has no such knob: the
+        envelope is then measured on the noise twin alone. Same contract as ``noise_twin``:
+        same seed checkpoint, samples and tokens per step; must not launch anything.
+        """
+        ...

@@ -13,6 +13,7 @@ from convergence.metrics.jsonl import read_jsonl
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
+from convergence.trainer.forward_noise import UNIT_ROUNDOFF
 from convergence.trainer.validate import check_config
 
 TRAINER_MODULE = "convergence.trainer"
@@ -119,6 +120,22 @@ class BuiltinBackend:
                 key="regime",
                 fix='use regime = "seed" for this control',
             )
+        return twin
+
+    def forward_twin(self, job: JobSpec) -> JobSpec | None:
+        """The job with its re-rounded linear outputs (wo, w2) perturbed by its compute dtype's
+        unit roundoff at each step (convergence/trainer/forward_noise.py); same layout, samples
+        and seed."""
+        if job.techniques.param_dtype == "float32":
+            # An fp32 forward re-rounds at 6e-8: the relative floor covers it, no job needed.
+            return None
+        amplitude = UNIT_ROUNDOFF[job.techniques.param_dtype]
+        twin = dataclasses.replace(
+            job,
+            name=f"{job.name}-fwd-twin",
+            overrides=(*job.overrides, ("training.forward_noise", repr(amplitude))),
+        )
+        self.preflight(twin)
         return twin
 
     def config_text(self, job: JobSpec) -> str:

@@ -269,6 +269,9 @@ class CommandBackend:
     def noise_twin(self, job: JobSpec) -> JobSpec | None:
         return None  # an arbitrary command has no settings to derive a twin from
 
+    def forward_twin(self, job: JobSpec) -> JobSpec | None:
+        return None
+
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
         path = dump_dir / "run_meta.json"
         try:

@@ -31,6 +31,11 @@ class TwinSource(Protocol):
         ...
 
 
+#: Optional on a TwinSource (``getattr``): ``forward_twin(job) -> JobSpec | None``, the job with
+#: rounding-level noise in its forward pass (convergence.backends.base.Backend.forward_twin).
+FORWARD_TWIN = "forward_twin"
+
+
 @dataclass(frozen=True, kw_only=True)
 class EarlyStopPolicy:
     """When the sequential monitor (convergence.stats.sequential) may stop a test job.
@@ -55,6 +60,8 @@ class ControlCurves:
 
     replicates: tuple[RunMetrics, ...] = ()
     twin: RunMetrics | None = None
+    twins: tuple[RunMetrics, ...] = ()
+    """Twin regime: every twin's curves (noise twin first), in ``control_jobs`` order."""
 
 
 class Regime(Protocol):

@@ -8,12 +8,14 @@ relative floor (convergence/stats/twin.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from convergence.metrics.curve import RunMetrics
 from convergence.regimes.base import (
     DEFAULT_EARLY_STOP,
+    FORWARD_TWIN,
     ControlCurves,
     EarlyStopPolicy,
     TwinSource,
@@ -70,16 +72,36 @@ class TwinRegime:
             )
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
-        """The control and its noise twin; SpecError (with a fix) when there is none."""
-        twin = backend.noise_twin(pair.control)
+        """The control, then its twins; SpecError (with a fix) when there is no noise twin.
+
+        - the noise twin (``Backend.noise_twin``: another DP degree, the reduction reordered);
+        - the forward-noise twin where the backend derives one (``Backend.forward_twin``: the
+          forward rounded differently at every step, as TP/SP/CP layouts do);
+        - where the test's numerics differ from the control's (param or reduce dtype, compile,
+          determinism): the noise twin of the control *run with the test's numerics*, so the
+          envelope also measures the noisier side's own noise (noise from the noisier side).
+
+        All are control-side jobs (no test code in them): cached and shared like the control.
+        """
+        control = pair.control
+        twin = backend.noise_twin(control)
         if twin is None:
             raise SpecError(
                 f"the twin regime derives the control's twin from its backend; "
-                f"the {pair.control.backend!r} backend derives none",
+                f"the {control.backend!r} backend derives none",
                 key="regime",
                 fix='use regime = "seed" for this backend',
             )
-        return (pair.control, twin)
+        jobs = [control, twin]
+        forward = getattr(backend, FORWARD_TWIN, None)
+        if forward is not None and (fwd := forward(control)) is not None:
+            jobs.append(fwd)
+        numerics = test_numerics(control, pair.test)
+        if numerics is not None:
+            noisier = backend.noise_twin(numerics)
+            if noisier is not None:
+                jobs.append(noisier)
+        return tuple(jobs)
 
     def check_control_runs(self, count: int) -> None:
         if count < 2:
@@ -91,8 +113,30 @@ class TwinRegime:
             )
 
     def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
-        # The test is compared with the control itself; the twin only sets the envelope.
-        return ControlCurves(twin=runs[1] if len(runs) > 1 else None)
+        # The test is compared with the control itself; the twins only set the envelope.
+        return ControlCurves(twin=runs[1] if len(runs) > 1 else None, twins=tuple(runs[1:]))
+
+
+#: Technique fields that change a run's rounding, not its math: a test that changes one of them
+#: from the control's is noisier (or quieter) than the control in its own way.
+NUMERICS_FIELDS = ("param_dtype", "reduce_dtype", "compile", "deterministic")
+
+
+def test_numerics(control: JobSpec, test: JobSpec) -> JobSpec | None:
+    """The control run with the test's numerics (None: the test keeps the control's)."""
+    changed = {
+        name: getattr(test.techniques, name)
+        for name in NUMERICS_FIELDS
+        if getattr(test.techniques, name) != getattr(control.techniques, name)
+    }
+    if not changed:
+        return None
+    tag = "-".join(f"{k}={v}" for k, v in sorted(changed.items()))
+    return dataclasses.replace(
+        control,
+        name=f"{control.name}-as-test-{tag}",
+        techniques=dataclasses.replace(control.techniques, **changed),
+    )
 
 
 TWIN = TwinRegime()

@@ -38,6 +38,9 @@ class SideOutcome:
     """Seed regime: all K control replicates (including the first)."""
     twin: RunMetrics | None = None
     """Twin regime: the curves of the control's noise twin (convergence/stats/twin.py)."""
+    twins: tuple[RunMetrics, ...] = ()
+    """Twin regime: every twin's curves (noise twin, forward-noise twin, the twin with the
+    test's numerics), in the regime's ``control_jobs`` order."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Trainer metadata (seed checkpoint hash, entropy floor, world size, versions)."""
 

@@ -16,7 +16,12 @@ after s steps. The tolerance is
 
     tol(step) = k * noise(step) + atol * (1 + growth * sqrt(step)) + rtol * |control(step)|
 
-- ``noise(step)`` is the running maximum of |twin - control| up to that step. Two trajectories
+- ``noise(step)`` is the running maximum of |twin - control| up to that step (up to
+  ``pool`` steps after it: see :func:`twin_noise`), the max over the twins: the noise twin,
+  the forward-noise twin (the forward re-rounded at every step, as TP/SP/CP layouts do) and,
+  when the test's numerics differ from the control's, the noise twin of the control run with
+  the test's numerics (convergence/regimes/twin.py; issue 28, BENCHMARKS.md "Twin envelope on
+  other models"). Two trajectories
   pushed apart by rounding drift apart and stay apart (chaos amplifies, it does not heal); that
   they cross at some step says nothing about how far noise can move them, so the envelope never
   narrows back to a crossing.
@@ -83,6 +88,8 @@ class TwinDefaults:
     atol: float
     growth: float
     rtol: float
+    pool: int = 2
+    """Steps ahead whose twin gaps the envelope at a step also takes (see ``twin_noise``)."""
 
 
 #: Calibrated on CPU bf16 (BENCHMARKS.md, "Verdict quality in bf16"). Other metrics use the
@@ -96,8 +103,18 @@ TWIN_DEFAULTS: dict[str, TwinDefaults] = {
 }
 
 
-def twin_noise(control: Curve, twins: Sequence[Curve]) -> tuple[Ints, Floats]:
-    """(steps, running max over steps of max over twins of |twin - control|)."""
+def twin_noise(control: Curve, twins: Sequence[Curve], pool: int = 0) -> tuple[Ints, Floats]:
+    """(steps, running max over steps of max over twins of |twin - control|).
+
+    ``pool`` > 0: the noise at a step is the running max up to ``pool`` logged steps later.
+    Why: the gap at one step is one draw, and the ratio of two such draws (the test's gap over
+    the twin's) is heavy-tailed -- at step 1, with nothing before it to take a maximum over, a
+    twin that happened to land close to the control makes k x its gap a needle's eye (issue 28:
+    a correct bf16-reduce test failed grad norm at step 1 at 5x the twin's gap there, 0.8x its
+    gap at step 3). Pooling the next steps' draws sizes the first steps' envelope on three
+    draws, not one; later steps barely change (the running max already pools). The envelope is
+    built after the control and its twins finished, so the later steps are known.
+    """
     steps: Ints = control.steps.astype(np.int64)
     worst = np.zeros(steps.shape, dtype=np.float64)
     seen = np.zeros(steps.shape, dtype=bool)
@@ -110,12 +127,16 @@ def twin_noise(control: Curve, twins: Sequence[Curve]) -> tuple[Ints, Floats]:
         worst[index] = np.maximum(worst[index], gap)
         seen[index] = True
     kept_steps = steps[seen]
-    return kept_steps, np.maximum.accumulate(worst[seen]) if kept_steps.size else worst[seen]
+    if not kept_steps.size:
+        return kept_steps, worst[seen]
+    running = np.maximum.accumulate(worst[seen])
+    ahead = np.minimum(np.arange(running.size) + max(pool, 0), running.size - 1)
+    return kept_steps, running[ahead]
 
 
 def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve]) -> TwinTolerance:
     base = calibrated("twin", rule.metric, TWIN_DEFAULTS.get(rule.metric, TWIN_DEFAULTS["loss"]))
-    steps, noise = twin_noise(control, twins)
+    steps, noise = twin_noise(control, twins, pool=base.pool)
     return TwinTolerance(
         k=base.k if rule.z is None else rule.z,
         atol=base.atol if rule.atol is None else rule.atol,

@@ -111,6 +111,10 @@ class TrainingConfig:
     """FSDP2 CPU offload of params, grads and optimizer state."""
     deterministic: bool = True
     """Deterministic algorithms and seeded RNGs."""
+    forward_noise: float = 0.0
+    """Relative amplitude of a seeded rounding-level perturbation of the outputs of the
+    linear layers another layout re-rounds (attention wo, FFN w2) (0 = off). Only the twin regime's forward-noise twin sets it
+    (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
     device: str = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
 

@@ -41,6 +41,7 @@ from convergence.trainer.data import (
     build_source,
     read_step,
 )
+from convergence.trainer.forward_noise import add_forward_noise
 from convergence.trainer.hooks import HookFn, load_hook
 from convergence.trainer.metrics_writer import MetricsWriter
 from convergence.trainer.model import ModelArgs, Transformer, build_model, count_params
@@ -530,6 +531,9 @@ def train(cfg: TrainConfig) -> str:
 
     model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
     engine = build_engine(cfg, model_args, meshes, hook, device)
+    if training.forward_noise:
+        rank = dist.get_rank() if distributed else 0
+        add_forward_noise(engine.chunks, training.forward_noise, seed=training.seed * 1009 + rank)
     named_params = [(n, p) for chunk in engine.chunks for n, p in chunk.named_parameters()]
     parts = model_parts(build_model(model_args, "meta"))
     optimizer = build_optimizer([p for _, p in named_params], cfg)

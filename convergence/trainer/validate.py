@@ -208,6 +208,12 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
                 f"unknown dtype {getattr(train, key)!r}",
                 f"use one of {', '.join(DTYPES)}",
             )
+    if not 0.0 <= train.forward_noise < 0.1:
+        fail(
+            "training.forward_noise",
+            f"{train.forward_noise} is not a rounding-level amplitude",
+            "use 0 (off) or a relative amplitude below 0.1 (bf16 rounding: 0.0039)",
+        )
     if ac.mode not in AC_MODES:
         fail(
             "activation_checkpoint.mode",
