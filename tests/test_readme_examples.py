@@ -45,6 +45,9 @@ SKIPPED: dict[str, str] = {
     "one-node Slurm",
     "pytest -m convergence --convergence-launcher slurm": "needs a Slurm allocation: "
     "tests/test_slurm.py",
+    "convergence calibrate": "minutes of calibration runs: tests/test_calibration.py runs "
+    "`convergence calibrate debug --steps 4` (slow-marked) and, in CI, the file, selection and "
+    "verdict paths it feeds",
 }
 
 #: Blocks that are output or a file tree, not something to run (matched on the first line).
@@ -286,6 +289,7 @@ def test_inline_convergence_commands_parse() -> None:
         if len(words) == 1 and words[0] in ("run", "ab", "compare"):
             continue  # the command's name in a sentence, its arguments elsewhere
         words = ["30" if w in ("DAYS", "N", "G") else w for w in words]
+        words = ["debug" if w == "SOURCE" else w for w in words]
         parser.parse_args(words)
         checked += 1
     assert checked >= 8, spans
