@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 # Shared helpers (report_examples.py, slurm_cluster.py) are imported by bare module name. pytest's
 # default import mode puts this folder on sys.path by itself; --import-mode=importlib does not.
 _TESTS = str(Path(__file__).parent)
@@ -17,3 +19,27 @@ if _TESTS not in sys.path:
 # the two cores are the bottleneck. Such modules set `pytestmark = xdist_group("<module>")`, so
 # one worker runs all their tests and the fixture once. tests/test_suite_sharing.py fails when
 # a module with a module-scoped fixture has no group.
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Make `--dist loadgroup` group again under pytest 9. pytest-xdist 3.8 groups by a
+    ``@<group>`` suffix that its worker writes into ``item._nodeid``; pytest 9 reads the node id
+    from ``item._id``, so the suffix never reached the scheduler and every ``xdist_group`` was
+    silently ignored (a module's fixture ran on both workers; the Slurm files ran at once and
+    waited on each other's lock). Here, on a worker, the same suffix is written where pytest 9
+    reads it; where xdist already wrote it (a fixed xdist), nothing is done.
+    tests/test_suite_sharing.py checks that a grouped test's id carries its group."""
+    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        names = sorted(
+            {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+        )
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")  # type: ignore[attr-defined]

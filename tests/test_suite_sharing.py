@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).parent
 
 #: Modules whose module-scoped fixtures do not train (cheap), so spreading their tests over both
@@ -54,3 +56,12 @@ def test_modules_with_shared_runs_run_on_one_worker() -> None:
         "modules with module-scoped fixtures but no `pytestmark = pytest.mark.xdist_group(...)`"
         " (their fixtures would run once per xdist worker): " + "; ".join(missing)
     )
+
+
+@pytest.mark.xdist_group("suite_sharing")
+def test_a_grouped_test_carries_its_group_under_loadgroup(request: pytest.FixtureRequest) -> None:
+    """Under `-n 2 --dist loadgroup` (CI), the scheduler groups by the node id's @suffix: if it
+    is missing, every xdist_group is silently ignored (pytest 9 + xdist 3.8 did that)."""
+    if not (hasattr(request.config, "workerinput") and request.config.getvalue("loadgroup")):
+        pytest.skip("not an xdist worker with --dist loadgroup")
+    assert request.node.nodeid.endswith("@suite_sharing"), request.node.nodeid
