@@ -266,41 +266,52 @@ def _node_idle(cluster: SlurmCluster) -> bool:
     return done.returncode == 0 and done.stdout.strip() in ("idle", "mixed")
 
 
-def start_cluster(root: Path) -> SlurmCluster:
-    """Install if needed, then start munged, slurmctld and slurmd; raise SlurmUnavailable."""
-    if os.geteuid() != 0:
-        raise SlurmUnavailable("starting slurmd/slurmctld needs root")
-    ensure_installed()
+def _prepare_root(root: Path) -> Path:
+    """The cluster's folders and a fresh munge key under ``root``; returns munged's socket."""
     root.mkdir(parents=True, exist_ok=True)
     for sub in ("state", "spool", "munge"):
         (root / sub).mkdir(exist_ok=True)
-    node = socket.gethostname().split(".")[0]
     munge_dir = root / "munge"
     os.chmod(root, 0o755)
     os.chmod(munge_dir, 0o700)
     key = munge_dir / "munge.key"
     key.write_bytes(os.urandom(128))
     os.chmod(key, 0o600)
-    munge_socket = munge_dir / "munge.socket"
+    return munge_dir / "munge.socket"
+
+
+def _start_munged(cluster: SlurmCluster, munge_socket: Path) -> None:
+    """munged with the key _prepare_root wrote, up once its socket exists."""
+    munge_dir = munge_socket.parent
+    _spawn(
+        cluster,
+        "munged",
+        [
+            _which("munged"),
+            "-F",
+            "--force",
+            f"--key-file={munge_dir / 'munge.key'}",
+            f"--socket={munge_socket}",
+            f"--pid-file={munge_dir / 'munged.pid'}",
+            f"--log-file={cluster.root / 'munged.log'}",
+            f"--seed-file={munge_dir / 'munged.seed'}",
+        ],
+    )
+    _wait_for(cluster, "munged's socket", munge_socket.exists, timeout=20)
+
+
+def start_cluster(root: Path) -> SlurmCluster:
+    """Install if needed, then start munged, slurmctld and slurmd; raise SlurmUnavailable."""
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("starting slurmd/slurmctld needs root")
+    ensure_installed()
+    munge_socket = _prepare_root(root)
+    node = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
     conf.write_text(_slurm_conf(root, node, _free_port(), _free_port(), munge_socket))
     cluster = SlurmCluster(root=root, node=node, conf=conf)
     try:
-        _spawn(
-            cluster,
-            "munged",
-            [
-                _which("munged"),
-                "-F",
-                "--force",
-                f"--key-file={key}",
-                f"--socket={munge_socket}",
-                f"--pid-file={munge_dir / 'munged.pid'}",
-                f"--log-file={root / 'munged.log'}",
-                f"--seed-file={munge_dir / 'munged.seed'}",
-            ],
-        )
-        _wait_for(cluster, "munged's socket", munge_socket.exists, timeout=20)
+        _start_munged(cluster, munge_socket)
         _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(conf)])
         _spawn(cluster, "slurmd", [_which("slurmd"), "-D", "-N", node, "-f", str(conf)])
         _wait_for(cluster, "the node to become idle", lambda: _node_idle(cluster))
@@ -457,16 +468,7 @@ def start_multinode(root: Path, num_nodes: int = 2, cpus: int = 2) -> MultiNodeC
             raise SlurmUnavailable(f"no `{tool}` command (util-linux)")
     network = make_network(num_nodes)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        for sub in ("state", "spool", "munge"):
-            (root / sub).mkdir(exist_ok=True)
-        munge_dir = root / "munge"
-        os.chmod(root, 0o755)
-        os.chmod(munge_dir, 0o700)
-        key = munge_dir / "munge.key"
-        key.write_bytes(os.urandom(128))
-        os.chmod(key, 0o600)
-        munge_socket = munge_dir / "munge.socket"
+        munge_socket = _prepare_root(root)
         conf = root / "slurm.conf"
         host = socket.gethostname().split(".")[0]
         conf.write_text(
@@ -488,21 +490,7 @@ def start_multinode(root: Path, num_nodes: int = 2, cpus: int = 2) -> MultiNodeC
         root=root, node=host, conf=conf, network=network, node_names=tuple(network.nodes)
     )
     try:
-        _spawn(
-            cluster,
-            "munged",
-            [
-                _which("munged"),
-                "-F",
-                "--force",
-                f"--key-file={key}",
-                f"--socket={munge_socket}",
-                f"--pid-file={munge_dir / 'munged.pid'}",
-                f"--log-file={root / 'munged.log'}",
-                f"--seed-file={munge_dir / 'munged.seed'}",
-            ],
-        )
-        _wait_for(cluster, "munged's socket", munge_socket.exists, timeout=20)
+        _start_munged(cluster, munge_socket)
         _spawn(cluster, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(conf)])
         for name, ns in network.namespaces.items():
             (root / "spool" / name).mkdir(exist_ok=True)
