@@ -4,7 +4,6 @@ through real torchrun and judged with the paired verdict."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 import convergence.cli.ab as ab
 from convergence.cli import main
 from convergence.options import run_settings
+from convergence.worktrees import git as _git  # a failing git names itself
 
 TRAINER = '''\
 """A deterministic stand-in trainer: rank 0 logs loss and grad norm per step."""
@@ -45,12 +45,6 @@ parallelism = { dp_replicate = 2 }
 name = "fsdp2"
 parallelism = { dp_shard = 2 }
 """
-
-
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
-    ).stdout.strip()
 
 
 @pytest.fixture

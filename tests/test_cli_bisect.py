@@ -7,12 +7,12 @@ while the trainer's sources do not change."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from convergence.cli import main
+from convergence.worktrees import git as _git  # a failing git names itself
 
 TRAINER = '''\
 """A deterministic stand-in trainer: rank 0 logs loss and grad norm per step."""
@@ -51,12 +51,6 @@ parallelism = { dp_replicate = 2 }
 name = "fsdp2"
 parallelism = { dp_shard = 2 }
 """
-
-
-def _git(repo: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
-    ).stdout.strip()
 
 
 def _commit(repo: Path, message: str, **files: str) -> str:
