@@ -39,6 +39,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.paired import PAIRED_DEFAULTS, paired_tolerance
 from convergence.stats.registry import compare_all
+from convergence.stats.twin import TWIN_DEFAULTS, TwinEnvelope, twin_noise
 from convergence.stats.types import MetricVerdict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -303,11 +304,30 @@ def test_twin_floor_gives_the_k_and_rtol_the_layouts_needed() -> None:
     twin = _curve([5.0, 4.0 + 1e-3, 3.0, 2.0])  # noise 0 at step 1, then 1e-3 (running max)
     test = _curve([5.0 + 5e-4, 4.0 + 2e-3, 3.0 + 4e-3, 2.0])
     default = {"k": 3.0, "atol": 0.0, "growth": 0.0, "rtol": 2e-5}
-    values, raw = twin_floor(control, twin, [test], default, margin=2.0)
+    # pool 0: step 1 keeps the twin's 0 (the verdict pools the next steps in; see below).
+    values, raw = twin_floor(control, twin_noise(control, [twin]), [test], default, margin=2.0)
     assert raw["rtol_needed"] == pytest.approx(2 * 5e-4 / 5.0)  # step 1: only the floor covers
     rtol = values["rtol"]
     assert raw["k_needed"] == pytest.approx((4e-3 - rtol * 3.0) / 1e-3)
     assert values["k"] == pytest.approx(2 * raw["k_needed"])
+
+
+def test_twin_floor_measures_k_on_the_verdicts_own_envelope() -> None:
+    # Two twins, each one source of noise (1e-3 and 2e-3 by step 2): the verdict's envelope
+    # is k x their sum, pooled two steps ahead, so the k calibrated is the k it needs on that.
+    control = _curve([5.0, 4.0, 3.0, 2.0])
+    dp = _curve([5.0, 4.0 + 1e-3, 3.0, 2.0])
+    forward = _curve([5.0, 4.0, 3.0 - 2e-3, 2.0])
+    test = _curve([5.0, 4.0 + 2e-3, 3.0 + 9e-3, 2.0])
+    default = {"k": 3.0, "atol": 0.0, "growth": 0.0, "rtol": 0.0}
+    noise = twin_noise(control, [dp, forward], pool=TWIN_DEFAULTS["loss"].pool)
+    assert noise[1].tolist() == pytest.approx([3e-3, 3e-3, 3e-3, 3e-3])
+    values, raw = twin_floor(control, noise, [test], default, margin=2.0)
+    assert raw["k_needed"] == pytest.approx(3.0) and values["k"] == pytest.approx(6.0)
+    rule = ComparisonRule(metric="loss", method="twin", z=raw["k_needed"] * 1.01)
+    assert TwinEnvelope().compare(rule, [control, dp, forward], test).passed
+    tight = ComparisonRule(metric="loss", method="twin", z=raw["k_needed"] * 0.99)
+    assert not TwinEnvelope().compare(tight, [control, dp, forward], test).passed
 
 
 def test_calibrate_if_missing_does_nothing_when_this_stack_has_one(tmp_path: Path) -> None:

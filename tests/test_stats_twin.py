@@ -131,7 +131,7 @@ def test_the_first_steps_pool_the_next_twin_gaps_so_one_lucky_draw_does_not_pinc
     assert not verdict.passed and verdict.first_divergent_step == 1
 
 
-def test_the_envelope_takes_the_largest_twin_so_a_forward_perturbing_one_widens_it() -> None:
+def test_the_envelope_adds_the_twins_so_a_forward_perturbing_one_widens_it() -> None:
     # A DP twin leaves the forward bit-identical (a small gap); a TP test re-rounds its forward
     # at every step and moves further; the forward-noise twin measures that kind of noise.
     control = curve(BASE)
@@ -140,3 +140,24 @@ def test_the_envelope_takes_the_largest_twin_so_a_forward_perturbing_one_widens_
     tp_like = curve(BASE + 1.5 * chaotic_gap(0.01))
     assert not TwinEnvelope().compare(rule(), [control, dp_twin], tp_like).passed
     assert TwinEnvelope().compare(rule(), [control, dp_twin, forward_twin], tp_like).passed
+
+
+def test_a_layout_carrying_both_sources_of_noise_is_covered_by_their_sum() -> None:
+    # Each twin isolates one source (reduction order, forward rounding) at the same scale; a
+    # TP layout has both, and its gap grows to about their sum: 3.5x one source's noise, past
+    # k = 3 x the noisiest twin, inside 3 x the sum (issue 28: C's TP pairs at seed 8). A bug
+    # beyond k x the sum still fails at its first step.
+    control = curve(BASE)
+    dp_twin = curve(BASE + chaotic_gap(0.01))
+    forward_twin = curve(BASE - 0.01 * np.minimum(1.0, STEPS / 20.0) * np.sin(STEPS * 0.7))
+    steps, noise = twin_noise(control, [dp_twin, forward_twin])
+    one = [twin_noise(control, [t])[1] for t in (dp_twin, forward_twin)]
+    assert np.allclose(noise, one[0] + one[1])
+    both = BASE + 3.5 * np.abs(chaotic_gap(0.01)).max() * np.minimum(1.0, STEPS / 20.0)
+    verdict = TwinEnvelope().compare(rule(), [control, dp_twin, forward_twin], curve(both))
+    assert verdict.passed, verdict.message
+    assert not TwinEnvelope().compare(rule(), [control, dp_twin], curve(both)).passed
+    biased = BASE.copy()
+    biased[9:] += 0.08  # 8x one source's largest gap, past 3 x the sum (<= 0.06)
+    bad = TwinEnvelope().compare(rule(), [control, dp_twin, forward_twin], curve(biased))
+    assert not bad.passed and bad.first_divergent_step == 10

@@ -14,7 +14,8 @@ calibration run is one draw of the noise, the next pair another.
 - twin (bf16): control, its noise twin and correct layouts. Where the twin has not moved yet
   (noise 0, typically step 1: a DP change leaves the forward bit-identical) only the floor can
   cover a layout's difference, so rtol must reach ``margin x |d|/|control|`` there; after that,
-  k needed = ``max over steps of (|d| - floor(step)) / noise(step)`` -- the figure
+  k needed = ``max over steps of (|d| - floor(step)) / noise(step)``, with noise(step) built as
+  the verdict builds it (stats/twin.py ``twin_noise``: summed over the twins, pooled) -- the figure
   benchmarks/detection/twin_calibration.py prints -- and k = max(default, margin x needed).
 """
 
@@ -56,22 +57,29 @@ def paired_floor(
 
 def twin_floor(
     control: Curve,
-    twin: Curve,
+    noise: tuple[np.ndarray, np.ndarray],
     tests: Sequence[Curve],
     default: Mapping[str, float],
     *,
     margin: float,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """(k/atol/growth/rtol for this metric, the raw figures)."""
+    """(k/atol/growth/rtol for this metric, the raw figures).
+
+    ``noise``: (steps, noise) of the control's twins exactly as the verdict builds it
+    (``convergence.stats.twin.twin_noise``: each twin's running max of |twin - control|,
+    summed over the twins, the next steps pooled in; the caller computes it, stats sits above
+    this layer), so the k measured here is the k the verdict needs, not the k of another
+    construction.
+    """
     atol, growth = float(default["atol"]), float(default["growth"])
-    noise_steps, noise_c, noise_d = _common(control, twin)
-    noise = np.maximum.accumulate(noise_d) if noise_d.size else noise_d
+    noise_steps = np.asarray(noise[0])
+    levels = np.asarray(noise[1], dtype=np.float64)
 
     def noise_at(steps: np.ndarray) -> np.ndarray:
-        if noise.size == 0:
+        if levels.size == 0:
             return np.zeros(steps.shape)
         index = np.searchsorted(noise_steps, steps, side="right") - 1
-        return np.where(index >= 0, noise[np.clip(index, 0, None)], 0.0)
+        return np.where(index >= 0, levels[np.clip(index, 0, None)], 0.0)
 
     rtol_needed = 0.0
     for test in tests:
@@ -98,6 +106,6 @@ def twin_floor(
     figures = {
         "k_needed": k_needed,
         "rtol_needed": rtol_needed,
-        "twin_noise_max": float(noise[-1]) if noise.size else 0.0,
+        "twin_noise_max": float(levels[-1]) if levels.size else 0.0,
     }
     return values, figures

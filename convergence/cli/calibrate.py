@@ -37,7 +37,7 @@ from convergence.preflight import load_checked
 from convergence.run.runner import Runner, RunSettings
 from convergence.spec.errors import SpecError
 from convergence.stats.paired import PAIRED_DEFAULTS
-from convergence.stats.twin import TWIN_DEFAULTS
+from convergence.stats.twin import TWIN_DEFAULTS, twin_noise
 
 #: Layouts a calibration can run, by name: (parallelism table, world size).
 LAYOUTS: dict[str, dict[str, int]] = {
@@ -223,13 +223,14 @@ def measure(
                 paired_table[metric], figures["paired"][metric] = values, raw
         if twin:
             control = twin[0].control.metrics.get(metric)
-            twins = twin[0].control.twin or {}
+            # Every twin the regime ran (noise, forward-noise): the envelope the verdict builds.
+            twins = [t[metric] for t in twin[0].control.twins if metric in t]
             tests = [o.test.metrics[metric] for o in twin if metric in o.test.metrics]
-            if control is not None and metric in twins and tests:
+            if control is not None and twins and tests:
                 t = TWIN_DEFAULTS[metric]
                 values, raw = twin_floor(
                     control,
-                    twins[metric],
+                    twin_noise(control, twins, pool=t.pool),
                     tests,
                     {"k": t.k, "atol": t.atol, "growth": t.growth, "rtol": t.rtol},
                     margin=margin,

@@ -1,9 +1,11 @@
 """``twin``: same seed checkpoint and data, but not bitwise reproducible (bf16, compile,
 nondeterministic kernels). The noise envelope is measured, not assumed: the pair runs a twin of
 the control that differs only by legitimate rounding, derived by the control's backend
-(``Backend.noise_twin``: another data-parallel degree, the same samples), and the test may
-deviate from the control by at most k x the running max of |twin - control| plus a small
-relative floor (convergence/stats/twin.py).
+(``Backend.noise_twin``: another data-parallel degree, the same samples; beside it the
+forward-noise twin and the twin with the test's numerics), and the test may deviate from the
+control by at most k x the sum over the twins of the running max of |twin - control| (each twin
+measures one source of rounding, a layout carries several) plus a small relative floor
+(convergence/stats/twin.py).
 """
 
 from __future__ import annotations
