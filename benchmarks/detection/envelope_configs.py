@@ -43,7 +43,7 @@ from run import as_bf16, run_cases
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.twin import TWIN_DEFAULTS, TwinEnvelope
+from convergence.stats.twin import TWIN_DEFAULTS, TwinEnvelope, twin_tolerance
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {
@@ -248,7 +248,8 @@ FINDINGS = """What the data say (seed 7 on all three configs; the other seeds in
   gap is 0.5-3x the layouts' and it grows like them. It is what lets C's TP pairs pass. A
   first version that perturbed every linear was 1.1-5x noisier than the layouts and delayed
   the CP rope bug from step 1 to 15 (A) and 16 (C); on wo/w2 it is caught at step 1 (A, B)
-  and 4 (C), the row-wise bug at 12 (A), 1 (B), 9 (C), as with the DP twin alone.
+  and 4 (C), the row-wise bug at 12 (A), 1 (B), 9 (C), as with the DP twin alone (with the
+  noisiest-twin envelope of that time; the summed one: below).
 - bf16 reduce against an fp32 control: the control's twin measures fp32 noise (grad norm gap
   ~1e-7), three orders below the test's; the twin run with the test's numerics measures the
   bf16 reduction's, but at step 1 it landed 5x closer to the control than the test did (0.8x at
@@ -315,6 +316,9 @@ def main() -> int:
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--long", action="store_true", help="write the long-horizon section (runs of --steps)"
+    )
     args = parser.parse_args()
     start = time.monotonic()
     if args.load:
@@ -374,10 +378,67 @@ def main() -> int:
             FINDINGS,
         )
     )
+    if args.long:
+        body = long_horizon(data, meta, text, counts)
     print(body)
     if not args.no_write:
-        write_section("twin-envelope-configs", body)
+        write_section("twin-envelope-long" if args.long else "twin-envelope-configs", body)
     return 0
+
+
+def windows(data: dict[str, Any], width: int = 50) -> str:
+    """Per pair: the worst ratio |test - control| / tolerance in each window of steps (all
+    gating metrics), so a late false alarm or a late loss of power shows where it happens."""
+    lines: list[str] = []
+    for case in data.values():
+        if "error" in case:
+            continue
+        worst: dict[int, float] = {}
+        for metric in METRICS:
+            control = _curve(metric, case["control"][metric])
+            test = _curve(metric, case["test"][metric])
+            twins = [_curve(metric, t[metric]) for t in case["twins"] if metric in t]
+            tol = twin_tolerance(ComparisonRule(metric=metric, method="twin"), control, twins)
+            n = min(len(control.values), len(test.values))
+            ratio = np.abs(test.values[:n] - control.values[:n]) / tol.at(
+                control.steps[:n], control.values[:n]
+            )
+            for start in range(0, n, width):
+                w = start // width
+                worst[w] = max(worst.get(w, 0.0), float(np.nanmax(ratio[start : start + width])))
+        if not lines:
+            heads = [f"steps {w * width + 1}-{(w + 1) * width}" for w in sorted(worst)]
+            lines = [
+                "| pair | kind | " + " | ".join(heads) + " |",
+                "|---|---|" + "---:|" * len(heads),
+            ]
+        lines.append(
+            f"| {case['case']} | {case['kind']} | "
+            + " | ".join(f"{worst[w]:.2g}" for w in sorted(worst))
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def long_horizon(
+    data: dict[str, Any], meta: dict[str, Any], text: str, counts: dict[str, int]
+) -> str:
+    steps = max(len(c["control"]["loss"][0]) for c in data.values() if "error" not in c)
+    return "\n\n".join(
+        (
+            "## Twin envelope, long horizon (benchmarks/detection/envelope_configs.py --long)",
+            f"Machine: {meta['machine']} (2 cores shared with other jobs). Config A (debug "
+            f"model, synthetic Markov data), bf16 params, fp32 reduce, {steps} steps, early "
+            "stopping off, the shipped envelope (k = 3 x the twins' running maxima summed). "
+            f"Collection: {meta['collect_min']:.1f} min.",
+            f"Correct pairs: **{counts['false_alarm']}/{counts['correct']}** false alarms. "
+            f"Planted bugs: **{counts['caught']}/{counts['bug']}** caught, "
+            f"{counts['quarter']} of them by step 15.",
+            text,
+            "Worst ratio per window of steps (> 1 fails):",
+            windows(data),
+        )
+    )
 
 
 if __name__ == "__main__":
