@@ -424,6 +424,7 @@ def long_horizon(
     data: dict[str, Any], meta: dict[str, Any], text: str, counts: dict[str, int]
 ) -> str:
     steps = max(len(c["control"]["loss"][0]) for c in data.values() if "error" not in c)
+    firsts = [judge(c)["first"] for c in data.values() if "error" not in c and c["kind"] == "bug"]
     return "\n\n".join(
         (
             "## Twin envelope, long horizon (benchmarks/detection/envelope_configs.py --long)",
@@ -432,8 +433,8 @@ def long_horizon(
             "stopping off, the shipped envelope (k = 3 x the twins' running maxima summed). "
             f"Collection: {meta['collect_min']:.1f} min.",
             f"Correct pairs: **{counts['false_alarm']}/{counts['correct']}** false alarms. "
-            f"Planted bugs: **{counts['caught']}/{counts['bug']}** caught, "
-            f"{counts['quarter']} of them by step 15.",
+            f"Planted bugs: **{counts['caught']}/{counts['bug']}** caught, first failing "
+            f"steps {firsts} (first quarter: step <= {steps // 4}).",
             text,
             "Worst ratio per window of steps (> 1 fails):",
             windows(data),
