@@ -36,6 +36,7 @@ from convergence.run.runner import JobFailed, Runner, RunSettings, apply_setting
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.stats.registry import compare_all
 from convergence.worktrees import checkout, in_tree_settings, sigterm_as_interrupt
 
 SIDES = ("baseline", "candidate")
@@ -90,7 +91,6 @@ def run_ab(
     rootdir: Path,
 ) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
-    from convergence.stats.registry import compare_all  # lazy: scipy (~1 s)
 
     pairs = [apply_settings(p, settings) for p in load_checked(experiment, rootdir=rootdir).pairs]
     jobs = _jobs(pairs)

@@ -49,6 +49,8 @@ from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.health import control_problem
 from convergence.stats.provenance import with_golden_note
+from convergence.stats.registry import compare_all
+from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.types import MetricVerdict
 from convergence.torch_info import torch_version
 
@@ -456,11 +458,6 @@ class Runner:
         )
 
     def _run_pair(self, pair: PairSpec) -> PairOutcome:
-        # Lazy: the comparisons import scipy (seconds); the plugin imports this module at
-        # startup for RunSettings, and a session without convergence items must not pay.
-        from convergence.stats.registry import compare_all
-        from convergence.stats.sequential import SequentialMonitor
-
         started = time.monotonic()
         pair = apply_settings(pair, self.settings)
         pair_dir = self.settings.work_dir / "runs" / _slug(pair.pair_id)
