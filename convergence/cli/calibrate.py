@@ -21,10 +21,10 @@ obtained; every later session on this stack uses it and says so in its verdicts.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 import datetime as dt
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
