@@ -43,7 +43,7 @@ from convergence.trainer.data import (
 )
 from convergence.trainer.forward_noise import add_forward_noise
 from convergence.trainer.hooks import HookFn, load_hook
-from convergence.trainer.metrics_writer import MetricsWriter
+from convergence.trainer.metrics_writer import MetricsWriter, RunStatus
 from convergence.trainer.model import ModelArgs, Transformer, build_model, count_params
 from convergence.trainer.optim import (
     build_optimizer,
@@ -508,7 +508,7 @@ def run_meta(
     num_params: int,
     tokens_per_step: int,
     device: torch.device,
-    status: str,
+    status: RunStatus,
     last_step: int,
 ) -> dict[str, Any]:
     par = cfg.parallelism
@@ -539,7 +539,7 @@ def run_meta(
     }
 
 
-def train(cfg: TrainConfig) -> str:
+def train(cfg: TrainConfig) -> RunStatus:
     """Train per `cfg` on this process's share of the world; returns the final status."""
     device = pick_device(cfg)
     distributed = init_distributed(device)
@@ -579,7 +579,7 @@ def train(cfg: TrainConfig) -> str:
     num_params = count_params(build_model(model_args, "meta"))
     counter = CollectiveCounter(cfg)
 
-    def meta(status: str, last_step: int) -> dict[str, Any]:
+    def meta(status: RunStatus, last_step: int) -> dict[str, Any]:
         return {
             **run_meta(
                 cfg, world_size, source, num_params, tokens_per_step, device, status, last_step
@@ -614,7 +614,8 @@ def train(cfg: TrainConfig) -> str:
     writer.write_meta(meta("running", first_step - 1))
     stop = StopSignal(dump / "STOP")
     probe_at = probe_step(cfg)
-    status, step = "failed", first_step - 1
+    status: RunStatus = "failed"
+    step = first_step - 1
     start = time.perf_counter()
     try:
         status = "finished"
