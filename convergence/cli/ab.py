@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from convergence.calibration.select import select_calibration, use
 from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.cli.compare import compare_rules
 from convergence.options import (
@@ -31,8 +32,8 @@ from convergence.options import (
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome
 from convergence.report.formats.terminal import render_summary
+from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings
 from convergence.run.outcome import PairOutcome
-from convergence.run.runner import JobFailed, Runner, RunSettings, apply_settings
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -92,8 +93,12 @@ def run_ab(
 ) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
 
-    pairs = [apply_settings(p, settings) for p in load_checked(experiment, rootdir=rootdir).pairs]
-    jobs = _jobs(pairs)
+    # The job floor alone (run/jobs.py): each side's jobs run fresh, and the verdicts below
+    # are ab's own (no regime, no session floors, no probe).
+    jobs = [
+        apply_job_settings(job, settings)
+        for job in _jobs(load_checked(experiment, rootdir=rootdir).pairs)
+    ]
     for job in jobs:
         if not job.techniques.bitwise_pairable:
             raise SpecError(
@@ -111,9 +116,12 @@ def run_ab(
         checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label),
         checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label),
     ):
+        # The paired comparisons read the floors in force (calibration/select.py): this
+        # stack's calibration under the workdir, else the shipped defaults, as for pytest.
+        use(select_calibration(settings.work_dir))
         runners = {
-            "baseline": Runner(in_tree_settings(settings, base_dir)),
-            "candidate": Runner(in_tree_settings(settings, cand_dir)),
+            "baseline": JobRunner(in_tree_settings(settings, base_dir)),
+            "candidate": JobRunner(in_tree_settings(settings, cand_dir)),
         }
         for job in jobs:
             pair = PairSpec(

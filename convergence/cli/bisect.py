@@ -44,9 +44,9 @@ from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from convergence.options import OPTIONS, OptionError, add_arguments, run_settings, values_from_args
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome
+from convergence.run.jobs import RunSettings
 from convergence.run.outcome import PairOutcome
 from convergence.run.probe import first_divergent_step
-from convergence.run.runner import RunSettings
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import PairSpec
