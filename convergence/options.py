@@ -238,6 +238,20 @@ def _same(value: Any) -> Any:
     return value
 
 
+#: Where ``convergence run``, ``ab`` and ``bisect`` keep their run state without --workdir:
+#: in the folder they run from (pytest's default depends on its rootdir: the plugin's own).
+CLI_WORKDIR = Path(".convergence")
+
+
+def cli_run_settings(
+    values: Mapping[str, Any], *, on_progress: Callable[[Progress], None] | None = None
+) -> RunSettings:
+    """A subcommand's settings: :func:`run_settings` under --workdir, else ./.convergence
+    (made absolute: jobs may run in another folder, ``ab``'s worktrees)."""
+    work_dir = values.get("workdir") or CLI_WORKDIR
+    return run_settings(values, work_dir=work_dir.resolve(), on_progress=on_progress)
+
+
 def resolve_path(value: str | Path | None, base: Path) -> Path | None:
     """A ``path`` option's value: ``~`` expanded, a relative path taken relative to ``base``,
     where it was written (the invocation directory for a flag, the ini file's folder for an

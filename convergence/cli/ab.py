@@ -26,7 +26,7 @@ from convergence.options import (
     OPTIONS,
     OptionError,
     add_arguments,
-    run_settings,
+    cli_run_settings,
     values_from_args,
 )
 from convergence.preflight import load_checked
@@ -41,7 +41,6 @@ from convergence.stats.registry import compare_all
 from convergence.worktrees import checkout, in_tree_settings, sigterm_as_interrupt
 
 SIDES = ("baseline", "candidate")
-DEFAULT_WORKDIR = ".convergence"
 #: Session options ``ab`` takes. Not the cache ones (nothing is cached: both sides are code
 #: under test), not early stop (both sides run to the end), not tier/alpha (paired rules only).
 AB_OPTIONS = ("workdir", "report", "steps", "devices", "launcher", "idle-limit", "wall-limit")
@@ -166,12 +165,6 @@ def run_ab(
     return outcomes
 
 
-def ab_settings(values: dict[str, object]) -> RunSettings:
-    """The sides' settings: the shared table's, under <workdir or ./.convergence>."""
-    work_dir = values["workdir"] if isinstance(values["workdir"], Path) else Path(DEFAULT_WORKDIR)
-    return run_settings(values, work_dir=work_dir.resolve())
-
-
 def cmd_ab(args: argparse.Namespace) -> int:
     try:
         values = values_from_args(args, cwd=Path.cwd())
@@ -179,7 +172,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         print(f"convergence ab: {exc}", file=sys.stderr)
         return EXIT_USAGE
     values["no-early-stop"] = True  # both sides run to their last step: whole curves compared
-    settings = ab_settings(values)
+    settings = cli_run_settings(values)
     with sigterm_as_interrupt():  # a killed `ab` still removes its worktrees and jobs
         outcomes = run_ab(
             Path(args.experiment),
