@@ -1,7 +1,8 @@
 """The job floor (convergence/run/jobs.py) on its own: a JobRunner runs a job through the real
 launcher and the run cache with no pair, no rules and no verdict -- what the numerics probe,
 a resuming side and ``convergence ab`` build on. The job is a command-backend script started
-directly (no torchrun), so each run costs a Python start."""
+directly (no torchrun: the launcher runs it with this Python), so each run costs a Python
+start."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ with (dump / "log.jsonl").open("w") as log:
 
 def _job(folder: Path) -> JobSpec:
     (folder / "trainer.py").write_text(TRAINER)
-    command = json.dumps([sys.executable, str(folder / "trainer.py"), "{dump_dir}", "{steps}"])
+    command = json.dumps([str(folder / "trainer.py"), "{dump_dir}", "{steps}"])
     path = folder / "cmd.toml"
     path.write_text(
         textwrap.dedent(f"""
