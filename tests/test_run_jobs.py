@@ -83,11 +83,11 @@ def test_prepare_works_a_job_out_once_per_session(tmp_path: Path) -> None:
 
 def test_the_job_floor_and_its_users_load_no_pair_floor() -> None:
     """At run time too (tests/test_layers.py checks the imports): the probe, a resuming side
-    and ``convergence ab`` never load the pair floor or the comparisons."""
+    and ``convergence ab`` never load the pair floor."""
     code = (
         "import sys, convergence.run.jobs, convergence.run.probe, convergence.run.resume, "
         "convergence.cli.ab; print(sorted(m for m in sys.modules if m in "
-        "('convergence.run.runner', 'convergence.run.session', 'convergence.stats.registry')))"
+        "('convergence.run.runner', 'convergence.run.session')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
