@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-from convergence.run.runner import RunSettings
+from convergence.run.jobs import RunSettings
 from convergence.spec.errors import SpecError
 
 

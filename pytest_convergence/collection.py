@@ -128,18 +128,21 @@ class ExperimentFile(pytest.File):
         # skip naming what it needs, so one oversized pair never stops a night's other pairs;
         # --convergence-strict makes it the collection error that every other SpecError is.
         state = get_state(self.config)
-        strict = bool(state.options.values.get("strict"))
+        strict = bool(state.options["strict"])
         skipped: dict[str, NotRunnableHere] = {}
         try:
             experiment = load_checked(
                 self.path,
                 rootdir=self.config.rootpath,
-                max_tier=state.options.tier,
+                max_tier=state.options["tier"],
                 not_runnable=None if strict else skipped,
             )
             devices = state.device_set()
             for pair in experiment.pairs:
-                if TIERS.index(pair.tier) > TIERS.index(state.options.tier) or pair.name in skipped:
+                if (
+                    TIERS.index(pair.tier) > TIERS.index(state.options["tier"])
+                    or pair.name in skipped
+                ):
                     continue
                 try:
                     validate_devices(pair, available_devices=devices)
@@ -214,7 +217,7 @@ def mark_and_deselect(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Python tests using the fixture get the marker; pairs above the session tier are
     deselected (counted per tier, reported in the header)."""
     state = get_state(config)
-    limit = TIERS.index(state.options.tier)
+    limit = TIERS.index(state.options["tier"])
     keep, dropped = [], []
     for item in items:
         if "convergence_pair" in getattr(item, "fixturenames", ()):
@@ -243,5 +246,5 @@ def tier_note(config: pytest.Config) -> str | None:
     highest = max(state.deselected_by_tier, key=TIERS.index)
     return (
         f"convergence: deselected {counts} pair(s) above --convergence-tier "
-        f"{state.options.tier}; run them with --convergence-tier {highest}"
+        f"{state.options['tier']}; run them with --convergence-tier {highest}"
     )

@@ -72,7 +72,7 @@ def check_outcome(outcome: PairOutcome, config: pytest.Config | None = None) -> 
         pytest.skip(outcome.error or "pair skipped")
     report_dir = None
     if config is not None:
-        report_dir = get_state(config).options.report_dir
+        report_dir = get_state(config).options["report"]
     raise ConvergenceFailure(outcome, report_dir=report_dir)
 
 

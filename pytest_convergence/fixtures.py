@@ -125,7 +125,7 @@ class PairRunner:
         try:
             pair = self.build(control, test, name=name, compare=compare, hook=hook, **job_kw)
         except NotRunnableHere as exc:
-            if not get_state(self._node.config).options.values.get("strict"):
+            if not get_state(self._node.config).options["strict"]:
                 pytest.skip(skip_reason(exc))  # too few devices, a backend not installed
             pytest.fail(f"invalid convergence pair (nothing was launched):\n{exc}", pytrace=False)
         except SpecError as exc:

@@ -9,7 +9,7 @@ flag wins over the ini value.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,28 +54,17 @@ def add_options(parser: pytest.Parser) -> None:
     )
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Options:
-    """The plugin's settings after merging flags and ini values."""
+    """The plugin's settings after merging flags and ini values: every option of the shared
+    table by name (``options["tier"]``), converted, checked, paths resolved, the workdir
+    defaulted. Nothing is copied field by field: a new option of the table is here as is."""
 
-    backend: str | None
-    launcher: str
-    devices: int | None
-    steps: int | None
-    cache_dir: Path | None
-    refresh: bool
-    report_dir: Path | None
-    early_stop: bool
-    alpha: float | None
-    tier: str
-    workdir: Path
-    idle_limit_s: float | None = None
-    """No-progress watchdog per job (None: the library default)."""
-    wall_limit_s: float | None = None
-    """Wall-clock limit per job (None: the library default)."""
-    values: Mapping[str, Any] = field(default_factory=dict)
-    """Every option of the shared table by name, checked, paths resolved: what
-    :func:`convergence.options.run_settings` reads."""
+    values: Mapping[str, Any]
+    """What :func:`convergence.options.run_settings` reads."""
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
 
 
 def _raw(config: pytest.Config, opt: Option) -> tuple[Any, Path]:
@@ -91,22 +80,11 @@ def _raw(config: pytest.Config, opt: Option) -> tuple[Any, Path]:
 
 
 def _convert(opt: Option, value: Any) -> Any:
-    if value is None or opt.kind in ("bool", "string", "path"):
-        return value
+    """An ini value as the option's type (a flag's was converted by argparse already)."""
     try:
-        if opt.kind == "int":
-            return int(value)
-        if opt.kind == "float":
-            return float(value)
-    except ValueError:
-        raise pytest.UsageError(
-            f"ini option {_ini_name(opt)} = {value!r} is not a {opt.kind}; fix: write a number"
-        ) from None
-    if value not in opt.choices:
-        raise pytest.UsageError(
-            f"ini option {_ini_name(opt)} = {value!r}: use one of {', '.join(opt.choices)}"
-        )
-    return value
+        return opt.convert(value)
+    except OptionError as exc:
+        raise pytest.UsageError(f"ini option {_ini_name(opt)} = {value!r}{exc}") from None
 
 
 def default_workdir(config: pytest.Config) -> Path:
@@ -135,19 +113,4 @@ def read_options(config: pytest.Config) -> Options:
         },
     }
     resolved["workdir"] = resolved["workdir"] or default_workdir(config)
-    return Options(
-        backend=v["backend"],
-        launcher=v["launcher"],
-        devices=v["devices"],
-        steps=v["steps"],
-        cache_dir=resolved["cache-dir"],
-        refresh=bool(v["refresh"]),
-        report_dir=resolved["report"],
-        early_stop=not v["no-early-stop"],
-        alpha=v["alpha"],
-        tier=v["tier"],
-        workdir=resolved["workdir"],
-        idle_limit_s=v["idle-limit"],
-        wall_limit_s=v["wall-limit"],
-        values=resolved,
-    )
+    return Options(values=resolved)

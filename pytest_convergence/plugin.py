@@ -61,9 +61,9 @@ def pytest_configure(config: pytest.Config) -> None:
     share_dir = (
         worker_share_dir(config)
         if worker
-        else (options.workdir / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        else (options["workdir"] / "sessions" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     )
-    settings = run_settings(options.values, work_dir=options.workdir)
+    settings = run_settings(options.values, work_dir=options["workdir"])
     config.stash[STATE_KEY] = SessionState(
         options=options,
         settings=settings,
@@ -76,9 +76,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     options = config.stash[STATE_KEY].options
-    lines = [f"convergence: run state in {options.workdir}"]
-    if options.report_dir is not None:
-        lines.append(f"convergence: report to {options.report_dir}")
+    lines = [f"convergence: run state in {options['workdir']}"]
+    if options["report"] is not None:
+        lines.append(f"convergence: report to {options['report']}")
     return lines
 
 

@@ -27,9 +27,9 @@ def environment(config: pytest.Config, *, interrupted: bool) -> dict[str, Any]:
         **default_environment(),
         "pytest": pytest.__version__,
         "args": list(config.invocation_params.args),
-        "launcher": state.options.launcher,
-        "devices_option": state.options.devices,
-        "tier": state.options.tier,
+        "launcher": state.options["launcher"],
+        "devices_option": state.options["devices"],
+        "tier": state.options["tier"],
         "xdist_workers": os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
         "interrupted": interrupted,
     }
@@ -62,7 +62,7 @@ def session_finish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -
     state.all_outcomes = gather_outcomes(config)
     if state.share_dir is not None and any(state.share_dir.glob(f"*{OUTCOME_SUFFIX}")):
         _prune_sessions(state.share_dir)
-    report_dir = state.options.report_dir
+    report_dir = state.options["report"]
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
     # An interrupted session writes its report even with no pair finished: the record that it
     # was interrupted (SIGTERM from scancel or a CI timeout, Ctrl-C) is what a reviewer needs.

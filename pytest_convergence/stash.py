@@ -11,8 +11,8 @@ import pytest
 
 from convergence.launch.devices import session_devices
 from convergence.launch.pool import DeviceSet
+from convergence.run.jobs import RunSettings
 from convergence.run.outcome import PairOutcome
-from convergence.run.runner import RunSettings
 from convergence.run.session import SessionRunner
 from pytest_convergence.options import Options
 
@@ -51,7 +51,7 @@ class SessionState:
         lazily: importing torch costs seconds, so only sessions with convergence items pay
         it. Raises SlurmError (a SpecError) under the slurm launcher outside an allocation."""
         if self._devices is None:
-            self._devices = session_devices(self.options.launcher, self.options.devices)
+            self._devices = session_devices(self.options["launcher"], self.options["devices"])
         return self._devices
 
     def available_devices(self) -> int:

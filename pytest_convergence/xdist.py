@@ -90,7 +90,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
         return None
     options = read_options(config)
     try:
-        devices = len(session_devices(options.launcher, options.devices).devices)
+        devices = len(session_devices(options["launcher"], options["devices"]).devices)
     except SpecError:
         return None  # slurm outside an allocation: collection reports it
 

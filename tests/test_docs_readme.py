@@ -14,7 +14,7 @@ import pytest
 
 from convergence import docs
 from convergence.cli.app import build_parser
-from convergence.run.runner import _hook_source_hash
+from convergence.run.jobs import _hook_source_hash
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text(encoding="utf-8")

@@ -132,3 +132,58 @@ def test_cuda_visible_devices_hiding_all_gpus_means_cpu_slots(
     monkeypatch.setattr(torch_info, "torch_build", lambda: None)  # torch is never asked
     found = detect_devices(cpu_slots=3)
     assert (found.kind, found.devices) == ("cpu", ("0", "1", "2"))
+
+
+RUNNER_PROBE = """
+import json, sys
+from pathlib import Path
+from convergence.run.runner import Runner, RunSettings
+import convergence.stats.registry
+Runner(RunSettings(work_dir=Path(sys.argv[1])))
+print("MODULES=" + json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+
+
+def test_building_the_runner_and_the_verdicts_imports_no_torch_or_scipy(tmp_path: Path) -> None:
+    """The session's Runner (calibration stack, cache, pool) and the verdict registry are built
+    before the first job and before the first verdict: on a CPU build neither imports torch nor
+    scipy (the seed regime imports scipy when it runs; jobs import torch in their own
+    processes). Together they cost the pytest process ~7.6 s of CPU on the quick start."""
+    env = dict(os.environ)
+    build = torch_build()
+    if build is None or build.has_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        pytest.skip("a GPU build asks torch for its CUDA stack")
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER_PROBE, str(tmp_path / "wd")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("MODULES="))
+    loaded = set(json.loads(line.removeprefix("MODULES=")))
+    assert loaded & set(COSTLY) == set(), proc.stdout
+
+
+def test_the_accelerator_stack_told_without_torch_is_the_imported_torchs() -> None:
+    """The run cache's key and the calibration's stack must not change with whether torch was
+    imported first: the stack read from version.py equals the one asked of torch."""
+    code = (
+        "import json, sys\n"
+        "from convergence.cache.stack import accelerator_stack\n"
+        "first = accelerator_stack(); had = 'torch' in sys.modules\n"
+        "import torch\n"
+        "print(json.dumps([first, accelerator_stack(), had]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    without, with_torch, had = json.loads(proc.stdout.splitlines()[-1])
+    assert without == with_torch
+    build = torch_build()
+    if build is not None and not build.has_gpu:
+        assert had is False

@@ -13,11 +13,13 @@ import pytest
 
 from convergence.launch.pool import (
     NODE_GPUS_ENV,
+    RANKS_PER_GPU_ENV,
     DevicePool,
     PoolTooSmall,
     default_cpu_slots,
     detect_devices,
     placement_problem,
+    ranks_per_gpu,
 )
 from convergence.launch.step_gpus import narrowed
 
@@ -174,3 +176,20 @@ def test_step_narrows_slurms_visible_devices() -> None:
     assert narrowed("0", None) == "0"
     with pytest.raises(SystemExit, match="sees only"):
         narrowed("3", "0,1")
+
+
+def test_ranks_sharing_a_gpu_see_it_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CONVERGENCE_RANKS_PER_GPU=4 on a one-GPU machine: a 4-rank job leases the GPU's four
+    rank slots and is shown the one GPU (its trainer then talks through gloo: NCCL refuses two
+    ranks on one GPU). Run for real on an H200 (BENCHMARKS.md "GPU checks")."""
+    pool = DevicePool(tmp_path, ["0", "0/1", "0/2", "0/3"], kind="gpu")
+    with pool.lease(4) as lease:
+        assert lease.env == {"CUDA_VISIBLE_DEVICES": "0"}
+    with pool.lease(2) as a, pool.lease(2) as b:
+        assert {a.env["CUDA_VISIBLE_DEVICES"], b.env["CUDA_VISIBLE_DEVICES"]} == {"0"}
+    monkeypatch.setenv(RANKS_PER_GPU_ENV, "4")
+    assert ranks_per_gpu() == 4
+    for bad in ("0", "two"):
+        monkeypatch.setenv(RANKS_PER_GPU_ENV, bad)
+        with pytest.raises(ValueError, match=RANKS_PER_GPU_ENV):
+            ranks_per_gpu()

@@ -242,3 +242,46 @@ def test_lazy_imports_are_for_cost() -> None:
         "lazy imports that save no costly package (move them to the "
         "top):\n" + "\n".join(sorted(set(pointless)))
     )
+
+
+#: ``convergence/run`` in floors, bottom to top: a run module imports run modules of its own
+#: floor or below. The job floor (jobs.py: cache, pool, launcher, seed checkpoint, job keys,
+#: cached runs) knows nothing of pairs; the probe and a resuming side use it alone; the pair
+#: floor (runner.py: controls, monitoring, verdicts, golden, localisation) sits on top.
+RUN_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("outcome", "probe_compare", "floors"),  # what reports read; verdicts' floor notes
+    ("jobs",),  # the job floor
+    ("probe", "resume"),  # users of the job floor alone
+    ("runner",),  # the pair floor
+    ("session",),  # one Runner per session
+)
+
+#: Modules that run jobs but no pairs: they must not reach the pair floor, not even through
+#: another module.
+JOB_FLOOR_USERS = ("convergence.run.probe", "convergence.run.resume", "convergence.cli.ab")
+PAIR_FLOOR = ("convergence.run.runner", "convergence.run.session")
+
+
+def test_run_modules_go_down_its_floors() -> None:
+    level = {f"convergence.run.{m}": i for i, floor in enumerate(RUN_FLOORS) for m in floor}
+    inside = {m for m in MODULES if m.startswith("convergence.run.")}
+    assert inside == set(level), "give each module of convergence/run a floor in RUN_FLOORS"
+    upward = [
+        f"{module} imports {dep}"
+        for module in inside
+        for dep in _graph()[module]
+        if dep in level and level[dep] > level[module]
+    ]
+    assert upward == [], "run/ imports that climb a floor:\n" + "\n".join(sorted(upward))
+
+
+def test_job_floor_users_never_reach_the_pair_floor() -> None:
+    graph = _graph()
+    for start in JOB_FLOOR_USERS:
+        seen, todo = {start}, [start]
+        while todo:
+            for dep in graph[todo.pop()]:
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        assert seen.isdisjoint(PAIR_FLOOR), f"{start} reaches {sorted(seen & set(PAIR_FLOOR))}"

@@ -3,6 +3,8 @@ flag, an ini key and a ``convergence run`` flag, with the same checks and the sa
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,16 @@ from pathlib import Path
 import pytest
 
 from convergence.cli.app import build_parser, main
-from convergence.options import OPTIONS, resolve_path, run_settings, values_from_args
+from convergence.options import (
+    OPTIONS,
+    SETTINGS_WITHOUT_OPTION,
+    OptionError,
+    check_values,
+    resolve_path,
+    run_settings,
+    values_from_args,
+)
+from convergence.run.jobs import RunSettings
 
 
 def _pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -151,3 +162,52 @@ def test_resolve_path_expands_home_and_keeps_absolute_paths(tmp_path: Path) -> N
     assert resolve_path("~/x", tmp_path) == Path.home() / "x"
     assert resolve_path(str(tmp_path / "abs"), Path("/elsewhere")) == tmp_path / "abs"
     assert resolve_path(Path("rel"), tmp_path) == tmp_path / "rel"
+
+
+def test_every_run_setting_comes_from_one_option_or_is_named_as_without_one() -> None:
+    """RunSettings is built from the table (run_settings reads each option's ``setting``): a
+    field added without an option, or an option naming no field, fails here."""
+    set_by = [opt.setting for opt in OPTIONS if opt.setting is not None]
+    assert len(set_by) == len(set(set_by)), "two options set one RunSettings field"
+    fields = {f.name for f in dataclasses.fields(RunSettings)}
+    assert set(set_by) <= fields, set(set_by) - fields
+    assert set(set_by) | set(SETTINGS_WITHOUT_OPTION) == fields
+    assert set(set_by).isdisjoint(SETTINGS_WITHOUT_OPTION)
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "value", "problem"),
+    [
+        ("devices", "2", 2, None),
+        ("devices", "two", None, " is not a int; fix: write a number"),
+        ("idle-limit", "1.5", 1.5, None),
+        ("tier", "ci", "ci", None),
+        ("tier", "weekly", None, ": use one of quick, ci, nightly"),
+        ("workdir", "w", "w", None),  # paths are resolved by the front end (resolve_path)
+    ],
+)
+def test_an_option_converts_its_text(
+    name: str, text: str, value: object, problem: str | None
+) -> None:
+    opt = next(o for o in OPTIONS if o.name == name)
+    if problem is None:
+        assert opt.convert(text) == value
+    else:
+        with pytest.raises(OptionError) as exc:
+            opt.convert(text)
+        assert str(exc.value) == problem
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "message"),
+    [
+        ("devices", 0, "--devices must be >= 1, got 0"),
+        ("steps", -1, "--steps must be >= 1, got -1"),
+        ("alpha", 1.0, "--alpha must be between 0 and 1, got 1.0"),
+        ("wall-limit", float("nan"), "--wall-limit must be > 0 seconds, got nan"),
+    ],
+)
+def test_each_option_checks_its_value(name: str, bad: object, message: str) -> None:
+    with pytest.raises(OptionError, match=re.escape(message)):
+        check_values({name: bad}, prefix="--")
+    check_values({name: None}, prefix="--")  # not given: nothing to check

@@ -132,8 +132,8 @@ def test_pp_rules_schedule_sets_match_torch_classes() -> None:
         get_schedule_class,
     )
 
-    from convergence.spec.layout import MULTI_STAGE_SCHEDULES as SPEC_MULTI
     from convergence.spec.layout import PP_SCHEDULES as SPEC_SCHEDULES
+    from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES as SPEC_MULTI
     from convergence.trainer import pp_rules
 
     for name in pp_rules.SCHEDULES:

@@ -12,6 +12,7 @@ from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
+from convergence.spec.layout import LAYOUT_FIELDS, PP_DEFAULTED
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 from convergence.trainer.forward_noise import UNIT_ROUNDOFF
 from convergence.trainer.validate import check_config
@@ -25,13 +26,14 @@ def job_overrides(job: JobSpec) -> list[str]:
     values: dict[str, Any] = {
         "training.steps": job.steps,
         "training.seed": job.seed,
-        "parallelism.dp_replicate": layout.dp_replicate,
-        "parallelism.dp_shard": layout.dp_shard,
-        "parallelism.tp": layout.tp,
-        "parallelism.sequence_parallel": layout.sequence_parallel,
-        "parallelism.pp": layout.pp,
-        "parallelism.pp_schedule": layout.pp_schedule,
-        "parallelism.cp": layout.cp,
+        # The spec's layout and the trainer's [parallelism] share one schema (spec/layout.py
+        # Layout): each field under its own name. The PP defaults go last, resolved, and only
+        # with PP (the trainer resolves an unset one the same way: spec/pp_schedules.py).
+        **{
+            f"parallelism.{name}": getattr(layout, name)
+            for name in LAYOUT_FIELDS
+            if name not in PP_DEFAULTED
+        },
         "parallelism.reshard_after_forward": tech.reshard_after_forward,
         "training.param_dtype": tech.param_dtype,
         "training.reduce_dtype": tech.reduce_dtype,

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from convergence.torch_info import torch_build
+
 NUMERICS_ENV: tuple[str, ...] = (
     # NCCL: which algorithm, protocol and how many channels/threads reduce (summation order).
     "NCCL_ALGO",
@@ -83,6 +85,13 @@ def _driver_version() -> str | None:
 def accelerator_stack() -> dict[str, Any]:
     """CUDA/HIP runtime, cuDNN, NCCL and driver versions, where present."""
     stack: dict[str, Any] = {}
+    build = torch_build()
+    if "torch" not in sys.modules and build is not None and not build.has_gpu:
+        # A CPU-only build has no CUDA, HIP, cuDNN or NCCL to report: the same dict as below,
+        # told from torch's version.py instead of an import that costs the pytest process ~3 s
+        # of CPU before its first job (issue 30).
+        driver = _driver_version()
+        return {"driver": driver} if driver is not None else {}
     try:
         torch = sys.modules.get("torch") or __import__("torch")
     except ImportError:

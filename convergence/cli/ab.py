@@ -19,27 +19,28 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from convergence.calibration.select import select_calibration, use
 from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.cli.compare import compare_rules
 from convergence.options import (
     OPTIONS,
     OptionError,
     add_arguments,
-    run_settings,
+    cli_run_settings,
     values_from_args,
 )
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome
 from convergence.report.formats.terminal import render_summary
+from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings
 from convergence.run.outcome import PairOutcome
-from convergence.run.runner import JobFailed, Runner, RunSettings, apply_settings
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.stats.registry import compare_all
 from convergence.worktrees import checkout, in_tree_settings, sigterm_as_interrupt
 
 SIDES = ("baseline", "candidate")
-DEFAULT_WORKDIR = ".convergence"
 #: Session options ``ab`` takes. Not the cache ones (nothing is cached: both sides are code
 #: under test), not early stop (both sides run to the end), not tier/alpha (paired rules only).
 AB_OPTIONS = ("workdir", "report", "steps", "devices", "launcher", "idle-limit", "wall-limit")
@@ -90,10 +91,13 @@ def run_ab(
     rootdir: Path,
 ) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
-    from convergence.stats.registry import compare_all  # lazy: scipy (~1 s)
 
-    pairs = [apply_settings(p, settings) for p in load_checked(experiment, rootdir=rootdir).pairs]
-    jobs = _jobs(pairs)
+    # The job floor alone (run/jobs.py): each side's jobs run fresh, and the verdicts below
+    # are ab's own (no regime, no session floors, no probe).
+    jobs = [
+        apply_job_settings(job, settings)
+        for job in _jobs(load_checked(experiment, rootdir=rootdir).pairs)
+    ]
     for job in jobs:
         if not job.techniques.bitwise_pairable:
             raise SpecError(
@@ -111,9 +115,12 @@ def run_ab(
         checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label),
         checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label),
     ):
+        # The paired comparisons read the floors in force (calibration/select.py): this
+        # stack's calibration under the workdir, else the shipped defaults, as for pytest.
+        use(select_calibration(settings.work_dir))
         runners = {
-            "baseline": Runner(in_tree_settings(settings, base_dir)),
-            "candidate": Runner(in_tree_settings(settings, cand_dir)),
+            "baseline": JobRunner(in_tree_settings(settings, base_dir)),
+            "candidate": JobRunner(in_tree_settings(settings, cand_dir)),
         }
         for job in jobs:
             pair = PairSpec(
@@ -158,12 +165,6 @@ def run_ab(
     return outcomes
 
 
-def ab_settings(values: dict[str, object]) -> RunSettings:
-    """The sides' settings: the shared table's, under <workdir or ./.convergence>."""
-    work_dir = values["workdir"] if isinstance(values["workdir"], Path) else Path(DEFAULT_WORKDIR)
-    return run_settings(values, work_dir=work_dir.resolve())
-
-
 def cmd_ab(args: argparse.Namespace) -> int:
     try:
         values = values_from_args(args, cwd=Path.cwd())
@@ -171,7 +172,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         print(f"convergence ab: {exc}", file=sys.stderr)
         return EXIT_USAGE
     values["no-early-stop"] = True  # both sides run to their last step: whole curves compared
-    settings = ab_settings(values)
+    settings = cli_run_settings(values)
     with sigterm_as_interrupt():  # a killed `ab` still removes its worktrees and jobs
         outcomes = run_ab(
             Path(args.experiment),

@@ -37,7 +37,7 @@ from convergence.configs import describe
 from convergence.launch.devices import session_devices
 from convergence.launch.progress_text import LogThrottle
 from convergence.launch.types import Progress
-from convergence.options import OptionError, add_arguments, run_settings, values_from_args
+from convergence.options import OptionError, add_arguments, cli_run_settings, values_from_args
 from convergence.preflight import in_tier, load_checked, validate_devices
 from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 from convergence.report.formats.terminal import render_summary
@@ -82,11 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     devices = session_devices(values["launcher"], values["devices"])
     for pair in pairs:
         validate_devices(pair, available_devices=devices)
-    settings = run_settings(
-        values,
-        work_dir=(values["workdir"] or Path(".convergence")).resolve(),
-        on_progress=_ProgressLog(),
-    )
+    settings = cli_run_settings(values, on_progress=_ProgressLog())
     runner = SessionRunner(settings)  # one device pool, run cache and launcher for all pairs
     outcomes = []
     for pair in pairs:

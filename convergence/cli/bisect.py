@@ -41,18 +41,23 @@ from pathlib import Path
 from typing import Any
 
 from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from convergence.options import OPTIONS, OptionError, add_arguments, run_settings, values_from_args
+from convergence.options import (
+    OPTIONS,
+    OptionError,
+    add_arguments,
+    cli_run_settings,
+    values_from_args,
+)
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome
+from convergence.run.jobs import RunSettings
 from convergence.run.outcome import PairOutcome
 from convergence.run.probe import first_divergent_step
-from convergence.run.runner import RunSettings
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import PairSpec
 from convergence.worktrees import checkout, git, git_ok, in_tree_settings, sigterm_as_interrupt
 
-DEFAULT_WORKDIR = ".convergence"
 #: Session options ``bisect`` takes (not tier/alpha/report/strict: one pair, its own verdict).
 BISECT_OPTIONS = (
     "workdir",
@@ -427,8 +432,7 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     except OptionError as exc:
         print(f"convergence bisect: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    work_dir = values["workdir"] if isinstance(values["workdir"], Path) else Path(DEFAULT_WORKDIR)
-    settings = run_settings(values, work_dir=work_dir.resolve())
+    settings = cli_run_settings(values)
     top = Path(git(Path(args.repo), "rev-parse", "--show-toplevel"))
     commits = commits_between(top, args.good, args.bad)
     experiments = experiment_paths(top, commits[-1], args.pair, args.experiment, Path.cwd())

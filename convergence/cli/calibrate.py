@@ -24,6 +24,7 @@ import argparse
 import datetime as dt
 import sys
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,16 +40,40 @@ from convergence.spec.errors import SpecError
 from convergence.stats.paired import PAIRED_DEFAULTS
 from convergence.stats.twin import TWIN_DEFAULTS, twin_noise
 
-#: Layouts a calibration can run, by name: (parallelism table, world size).
-LAYOUTS: dict[str, dict[str, int]] = {
-    "single": {"dp_shard": 1},
-    "ddp2": {"dp_replicate": 2},
-    "fsdp4": {"dp_shard": 4},
-    "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
-    "fsdp2-tp2": {"dp_shard": 2, "tp": 2},
-    "fsdp2-cp2": {"dp_shard": 2, "cp": 2},
+
+@dataclass(frozen=True)
+class Layout:
+    """A layout a calibration can run: its parallelism table and gradient accumulation."""
+
+    parallelism: dict[str, int]
+    grad_accum_steps: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.parallelism.get("dp_replicate", 1) * self.parallelism.get("dp_shard", 1)
+
+    @property
+    def devices(self) -> int:
+        n = self.dp
+        for key in ("tp", "cp", "pp"):
+            n *= self.parallelism.get(key, 1)
+        return n
+
+
+#: Layouts a calibration can run, by name. "accum2" stays on one device and only reorders the
+#: gradient sum (two microsteps): the one reduction-order change a single GPU can show, since
+#: NCCL refuses two ranks on one GPU.
+LAYOUTS: dict[str, Layout] = {
+    "single": Layout({"dp_shard": 1}),
+    "accum2": Layout({"dp_shard": 1}, grad_accum_steps=2),
+    "ddp2": Layout({"dp_replicate": 2}),
+    "fsdp2": Layout({"dp_shard": 2}),
+    "fsdp4": Layout({"dp_shard": 4}),
+    "hsdp2x2": Layout({"dp_replicate": 2, "dp_shard": 2}),
+    "fsdp2-tp2": Layout({"dp_shard": 2, "tp": 2}),
+    "fsdp2-cp2": Layout({"dp_shard": 2, "cp": 2}),
 }
-CONTROL = {"dp_shard": 2}
+DEFAULT_CONTROL = "fsdp2"
 METRICS = ("loss", "grad_norm", "grad_norm_parts")
 DEFAULT_FP32 = ("single", "ddp2")
 DEFAULT_BF16 = ("hsdp2x2", "fsdp2-tp2")  # bf16 goes through FSDP2: every layout shards
@@ -63,6 +88,12 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         "source", help="a train config (shipped name or path) or an experiment TOML file"
     )
     p.add_argument("--steps", type=int, default=30, help="steps per job (default 30)")
+    p.add_argument(
+        "--control",
+        default=DEFAULT_CONTROL,
+        choices=sorted(LAYOUTS),
+        help=f"the control layout (default {DEFAULT_CONTROL}; single: a one-GPU machine)",
+    )
     p.add_argument("--seed", type=int, default=7, help="training seed (default 7)")
     p.add_argument(
         "--fp32-layouts",
@@ -131,10 +162,6 @@ def _local_batch(config: str) -> int:
         return 8
 
 
-def _dp(parallelism: dict[str, int]) -> int:
-    return parallelism.get("dp_replicate", 1) * parallelism.get("dp_shard", 1)
-
-
 def _inline(table: dict[str, Any]) -> str:
     return "{ " + ", ".join(f"{k} = {v!r}" for k, v in table.items()) + " }"
 
@@ -147,11 +174,32 @@ def experiment_text(
     precision: str,
     steps: int,
     seed: int,
+    control: str = DEFAULT_CONTROL,
 ) -> str:
-    techniques = '\ntechniques = { param_dtype = "bfloat16" }' if precision == "bf16" else ""
+    techniques = 'param_dtype = "bfloat16"' if precision == "bf16" else ""
     # Every layout takes the control's tokens per optimizer step: the local batch scales
-    # with the inverse of the DP degree (the preflight rejects a pair that does not).
+    # with the inverse of the DP degree times accumulation (the preflight rejects a pair
+    # that does not).
     local = _local_batch(config)
+    base = LAYOUTS[control]
+    samples = local * base.dp * base.grad_accum_steps
+
+    def tables(layout: Layout) -> list[str]:
+        tech = ", ".join(
+            t
+            for t in (
+                techniques,
+                f"grad_accum_steps = {layout.grad_accum_steps}"
+                if layout.grad_accum_steps > 1
+                else "",
+            )
+            if t
+        )
+        out = [f"parallelism = {_inline(layout.parallelism)}"]
+        if tech:
+            out.append(f"techniques = {{ {tech} }}")
+        return out
+
     lines = [
         "[defaults]",
         f"train_config = {config!r}".replace("'", '"'),
@@ -162,22 +210,21 @@ def experiment_text(
         *([f'backend = "{backend}"'] if backend else []),
         "",
         "[control]",
-        f'name = "fsdp2-{precision}"',
-        f"parallelism = {_inline(CONTROL)}{techniques}",
+        f'name = "{control}-{precision}"',
+        *tables(base),
         f"local_batch_size = {local}",
     ]
     for name in layouts:
         layout = LAYOUTS[name]
-        batch, rest = divmod(local * _dp(CONTROL), _dp(layout))
+        batch, rest = divmod(samples, layout.dp * layout.grad_accum_steps)
         if rest or batch == 0:
             raise SpecError(
-                f"layout {name} cannot keep the control's {local * _dp(CONTROL)} samples per "
-                f"step at DP {_dp(layout)}",
+                f"layout {name} cannot keep the control's {samples} samples per step at DP "
+                f"{layout.dp} x accumulation {layout.grad_accum_steps}",
                 key="--fp32-layouts/--bf16-layouts",
                 fix="pick layouts whose DP degree divides it",
             )
-        lines += ["", "[[test]]", f'name = "{name}"', f"parallelism = {_inline(layout)}"]
-        lines[-1] += techniques
+        lines += ["", "[[test]]", f'name = "{name}"', *tables(layout)]
         lines.append(f"local_batch_size = {batch}")
     return "\n".join(lines) + "\n"
 
@@ -256,7 +303,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     try:
         config, backend = _train_config(args.source)
-        common = dict(steps=args.steps, seed=args.seed)
+        common: dict[str, Any] = dict(steps=args.steps, seed=args.seed, control=args.control)
         paired = (
             _run(
                 experiment_text(config, backend, args.fp32_layouts, precision="fp32", **common),
@@ -294,7 +341,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "backend": backend or "builtin",
             "steps": args.steps,
             "seed": args.seed,
-            "control": CONTROL,
+            "control": args.control,
             "fp32_layouts": list(args.fp32_layouts),
             "bf16_layouts": list(args.bf16_layouts),
             "margin": args.margin,

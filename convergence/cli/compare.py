@@ -24,6 +24,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import METHODS, METRICS, ComparisonRule, Method, PairSpec
 from convergence.stats.provenance import golden_provenance, read_run_meta, with_golden_note
+from convergence.stats.registry import compare_all
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -97,7 +98,6 @@ def compare_rules(
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from convergence.stats.registry import compare_all  # lazy: scipy (~1 s)
 
     paths = [Path(args.a), *map(Path, args.replicate)]
     controls = [read_run(p) for p in paths]

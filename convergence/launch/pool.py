@@ -35,6 +35,11 @@ from convergence.torch_info import may_see_gpus
 KINDS = ("gpu", "cpu")
 MIN_CPU_SLOTS = 8
 NODE_GPUS_ENV = "CONVERGENCE_NODE_GPUS"
+RANKS_PER_GPU_ENV = "CONVERGENCE_RANKS_PER_GPU"
+"""Ranks that may share one GPU on one machine (default 1). Above 1, a GPU is offered as that
+many devices named ``"<gpu>/<k>"`` and jobs whose ranks outnumber their GPUs talk through gloo
+(the trainer's init_distributed: NCCL refuses two ranks on one GPU). For a one-GPU machine that
+must still run a 2- or 4-rank layout: slower than NCCL, the same sums for two ranks."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +117,9 @@ class Lease:
         if self.kind != "gpu":
             return {}
         if not self.hosts:
-            return {"CUDA_VISIBLE_DEVICES": ",".join(self.devices)}
+            # "0/1" is the second rank slot of GPU 0 (RANKS_PER_GPU_ENV): name each GPU once.
+            gpus = dict.fromkeys(d.partition("/")[0] for d in self.devices)
+            return {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
         if len(self.hosts) > 1:
             return {}
         return {NODE_GPUS_ENV: ",".join(d.rpartition(":")[2] for d in self.devices)}
@@ -143,9 +150,24 @@ def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
             d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()
         ]
         names = visible[:count] if len(visible) >= count else [str(i) for i in range(count)]
+        share = ranks_per_gpu()
+        if share > 1:
+            names = [f"{n}/{k}" if k else n for n in names for k in range(share)]
         return DeviceSet(kind="gpu", devices=tuple(names[:cpu_slots] if cpu_slots else names))
     slots = cpu_slots if cpu_slots is not None else default_cpu_slots()
     return DeviceSet(kind="cpu", devices=tuple(str(i) for i in range(slots)))
+
+
+def ranks_per_gpu() -> int:
+    """:data:`RANKS_PER_GPU_ENV` as a number (1 when unset)."""
+    raw = os.environ.get(RANKS_PER_GPU_ENV, "1")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{RANKS_PER_GPU_ENV}={raw!r}: use a whole number of at least 1")
+    return value
 
 
 def _owner(entry: dict[str, object]) -> int:

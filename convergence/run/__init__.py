@@ -1,11 +1,15 @@
-"""The orchestration spine: a pair -> seed checkpoint -> jobs (cache or launch) -> verdicts ->
-numerics probe on failure -> PairOutcome.
+"""The orchestration spine, in two floors: jobs below, pairs on top.
 
-    runner.py         Runner (one per session: launcher, device pool, run cache) and its seam
-                      for cached runs; RunSettings; JobFailed
+    jobs.py           the job floor: JobRunner (launcher, device pool, run cache) runs one job
+                      -- backend, seed checkpoint and cache key once per job, cached or fresh
+                      launch -> SideOutcome; RunSettings; JobFailed. Knows nothing of pairs
+    runner.py         the pair floor: Runner (a JobRunner) runs a pair -> controls -> test ->
+                      verdicts -> numerics probe on failure -> PairOutcome
     session.py        SessionRunner: the session's one Runner, built at its first pair
     outcome.py        PairOutcome / SideOutcome: all that reports read
-    probe.py          failure localisation: probe jobs on both sides, cached through the Runner
+    floors.py         the floors note on every paired/twin verdict
+    probe.py          failure localisation: probe jobs on both sides, on the job floor
+    resume.py         a resuming test side: two jobs, one curve, on the job floor
     probe_compare.py  two probe.json files -> the first differing module / parameter
 
 Deliberately re-exports nothing: ``convergence.report`` imports ``run.outcome`` and

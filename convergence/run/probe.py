@@ -26,13 +26,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.backends import get_backend
 from convergence.backends.builtin import BuiltinBackend
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.regimes import get_regime
+from convergence.run.jobs import JobRunner
 from convergence.run.probe_compare import compare_probe_files
-from convergence.run.seam import JobSeam
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
@@ -65,14 +64,14 @@ def first_divergent_step(verdicts: Sequence[MetricVerdict]) -> int | None:
 
 
 def run_probe_job(
-    side: str, job: JobSpec, probe_dir: Path, *, runner: JobSeam, step: int = 1
+    side: str, job: JobSpec, probe_dir: Path, *, runner: JobRunner, step: int = 1
 ) -> Path:
     """Run ``job`` in probe mode through ``runner`` (its launcher, device pool and seed
     checkpoints); returns its probe.json (raises RuntimeError on failure)."""
     from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
 
     backend = BuiltinBackend()
-    seed_dir = runner.seed_checkpoint(job, backend)
+    seed_dir = runner.prepare(job).seed_dir
     dump = probe_dir / side / "dump"
     request = runner.launch_request(
         f"{job.name} probe",
@@ -91,7 +90,7 @@ def run_probe_job(
     return path
 
 
-def cached_probe(runner: JobSeam, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
+def cached_probe(runner: JobRunner, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:
     """probe.json of ``job``, from the run cache when this job was probed before.
 
     The key extends the job's run-cache key, so a control shared by many pairs is probed
@@ -99,8 +98,7 @@ def cached_probe(runner: JobSeam, side: str, job: JobSpec, probe_dir: Path, step
     """
     from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
 
-    backend = get_backend(job.backend)
-    job_key = runner.job_key(job, backend, runner.seed_checkpoint(job, backend))
+    job_key = runner.prepare(job).key
     key = hashlib.sha256(json.dumps({"probe_step": step, "job": job_key}).encode()).hexdigest()
 
     def produce() -> Path:
@@ -128,7 +126,7 @@ def cached_probe(runner: JobSeam, side: str, job: JobSpec, probe_dir: Path, step
 
 
 def _probe_step(
-    pair: PairSpec, pair_dir: Path, runner: JobSeam, step: int
+    pair: PairSpec, pair_dir: Path, runner: JobRunner, step: int
 ) -> tuple[dict[str, Any], list[Path]]:
     """Probe both sides (cached) at ``step`` and compare; errors in the dict, never raised."""
     probe_dir = pair_dir / "probe" / f"step{step}"
@@ -175,7 +173,7 @@ def localise(
     pair: PairSpec,
     pair_dir: Path,
     *,
-    runner: JobSeam,
+    runner: JobRunner,
     divergent_step: int | None = None,
     runs: Sequence[RunMetrics] = (),
 ) -> dict[str, Any]:

@@ -4,7 +4,7 @@
     job 2: the resume layout, loads it, steps K+1..N
     -> one SideOutcome whose curves are job 1's then job 2's
 
-Both jobs go through the Runner like any test job (fresh, never from the run cache: a resume is
+Both jobs go through the job floor (run/jobs.py) like any test job (fresh, never from the run cache: a resume is
 what is under test) and feed the same early-stop monitor; a job 1 stopped early ends the side
 there. A checkpoint that job 2 cannot use fails job 2 with the trainer's message naming the
 checkpoint (convergence/trainer/resume.py: ResumeError), never a fresh start.
@@ -16,10 +16,9 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from convergence.backends import get_backend
 from convergence.metrics.curve import Curve, RunMetrics
+from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
-from convergence.run.seam import JobSeam
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
@@ -65,7 +64,7 @@ def joined(first: RunMetrics, second: RunMetrics) -> RunMetrics:
 
 
 def run_resumed(
-    runner: JobSeam,
+    runner: JobRunner,
     side: str,
     job: JobSpec,
     *,
@@ -82,8 +81,7 @@ def run_resumed(
             key="resume.at_step",
             fix="run more steps (--convergence-steps), or resume earlier",
         )
-    backend = get_backend(job.backend)
-    key = runner.job_key(job, backend, runner.seed_checkpoint(job, backend))
+    key = runner.prepare(job).key
     checkpoint = pair_dir / f"{side}-{CHECKPOINT_DIR}-{key[:10]}"
     before, after = phase_jobs(job, checkpoint)
     first = runner.run_job(side, before, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.layout import PP_SCHEDULES, ParallelLayout, Techniques
+from convergence.spec.layout import PP_SCHEDULES, Layout, ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec
 
 __all__ = [
     "PP_SCHEDULES",
     "ComparisonRule",
     "JobSpec",
+    "Layout",
     "PairSpec",
     "ParallelLayout",
     "SpecError",

@@ -20,18 +20,18 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 from convergence.configs import shipped_configs
 from convergence.spec.errors import SpecError
-from convergence.spec.job import JobSpec
+from convergence.spec.job import HookMode, JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
-from convergence.spec.pair import METHODS, METRICS, ComparisonRule, PairSpec
+from convergence.spec.pair import METHODS, METRICS, ComparisonRule, PairSpec, Tier
 from convergence.spec.resume import parse_resume
 from convergence.spec.rules import RegimeTable
 from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
 
-TIERS: tuple[str, ...] = ("quick", "ci", "nightly")
+TIERS: tuple[Tier, ...] = get_args(Tier)
 
 JOB_KEYS = (
     "name",
@@ -339,7 +339,8 @@ def _job(
             hook=None
             if hook is None
             else expect(hook, str, file=file, key=f"{key}.hook", what='"package.module:function"'),
-            hook_mode=str(table.get("hook_mode", "after")),
+            # JobSpec checks it is one of HOOK_MODES (its message names the choices).
+            hook_mode=cast(HookMode, str(table.get("hook_mode", "after"))),
             overrides=tuple((str(k), _scalar_text(v)) for k, v in overrides.items()),
             backend_options=tuple(flat_options),
             source=file,
@@ -587,7 +588,7 @@ def make_pair(
         replicates=int(pair_conf.get("replicates", 3)),
         early_stop=bool(pair_conf.get("early_stop", True)),
         source=file,
-        tier=tier,
+        tier=cast(Tier, tier),  # one of TIERS: checked above
         probe_on_failure=bool(pair_conf.get("probe_on_failure", True)) and probe != "off",
         probe_always=probe == "always",
         golden=pair_conf.get("golden"),

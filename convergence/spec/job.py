@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.resume import Resume
+
+HookMode = Literal["after", "replace_tp"]
+"""How a hook meets the built-in parallelisation: after it, or applying TP in its place."""
+HOOK_MODES: tuple[HookMode, ...] = get_args(HookMode)
 
 #: A sanity bound, not a budget: a typo like ``steps = 1000000000`` is caught at collection.
 MAX_STEPS = 10_000_000
@@ -38,7 +42,7 @@ class JobSpec:
     """Samples per DP rank per microstep; ``None`` keeps the train config's value."""
     hook: str | None = None
     """``"package.module:function"`` applied to the model on every rank (runs user code)."""
-    hook_mode: str = "after"
+    hook_mode: HookMode = "after"
     """``after`` (hook runs after the built-in parallelisation) or ``replace_tp``."""
     overrides: tuple[tuple[str, str], ...] = ()
     """Extra ``key.path=value`` settings passed to the backend verbatim (never via a shell)."""
@@ -105,7 +109,7 @@ class JobSpec:
                 fix='write it as "my_pkg.parallel:apply_my_tp"',
             )
 
-        if self.hook_mode not in ("after", "replace_tp"):
+        if self.hook_mode not in HOOK_MODES:
             raise SpecError(
                 f"unknown hook_mode {self.hook_mode!r}",
                 file=self.source,

@@ -1,22 +1,40 @@
-"""A parallel layout (the degree of each mesh axis) and the techniques a job toggles."""
+"""A parallel layout (the degree of each mesh axis) and the techniques a job toggles.
+
+:class:`Layout` is the one schema of a layout: the experiment spec's :class:`ParallelLayout`
+(checked when built) and the built-in trainer's ``[parallelism]`` section
+(convergence.trainer.config.ParallelismConfig: these fields plus the trainer's own, checked by
+trainer/validate.py with the model and batch in view) both derive from it, so a field, its
+default and how an unset PP default resolves are written once, here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, get_args
 
+from convergence.spec import pp_schedules
 from convergence.spec.errors import SpecError
-from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES, SCHEDULES
+from convergence.spec.pp_schedules import SCHEDULES, PPSchedule
 
 #: Pipeline schedules the built-in trainer knows, by the name users write in TOML (one table
 #: with the trainer's PP rules: spec/pp_schedules.py).
-PP_SCHEDULES: tuple[str, ...] = SCHEDULES
+PP_SCHEDULES: tuple[PPSchedule, ...] = SCHEDULES
 
 #: Mesh axis names, outermost first (the order torchtitan uses).
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-AC_MODES: tuple[str, ...] = ("none", "full", "selective")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+ACMode = Literal["none", "full", "selective"]
+"""Activation checkpointing: none, every block, or every n-th block."""
+DType = Literal["float32", "bfloat16", "float16"]
+"""A mixed-precision dtype (parameters in compute, gradient reduction)."""
+
+AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
+DTYPES: tuple[DType, ...] = get_args(DType)
+
+#: The layout fields whose unset value means "derive it" (from the schedule and pp). Python
+#: says unset with None; the trainer's TOML files and records spell it 0 (trainer/config.py
+#: converts at that boundary, both ways).
+PP_DEFAULTED: tuple[str, ...] = ("pp_microbatches", "pp_stages_per_rank")
 
 
 def _positive(name: str, value: object) -> None:
@@ -27,8 +45,12 @@ def _positive(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelLayout:
-    """Degree of each parallel mesh axis; their product is the world size."""
+class Layout:
+    """Degree of each parallel mesh axis; their product is the world size.
+
+    Unchecked: :class:`ParallelLayout` checks it as the experiment spec, the trainer's
+    check_config as its [parallelism] section (their messages name their own keys).
+    """
 
     dp_replicate: int = 1
     """Replicate axis: DDP on its own, the replicate axis of HSDP with ``dp_shard``."""
@@ -40,7 +62,7 @@ class ParallelLayout:
     """Shard norms/activations on the sequence dim between TP regions."""
     pp: int = 1
     """Pipeline parallel degree (number of PP ranks)."""
-    pp_schedule: str = "1F1B"
+    pp_schedule: PPSchedule = "1F1B"
     """One of :data:`PP_SCHEDULES`."""
     pp_microbatches: int | None = None
     """Microbatches per local batch; default: ``pp`` (``2*pp`` for multi-stage schedules)."""
@@ -48,26 +70,6 @@ class ParallelLayout:
     """Stages held by each PP rank; default 1, or 2 for multi-stage schedules."""
     cp: int = 1
     """Context parallel degree (the sequence dim of attention is sharded)."""
-
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
-            _positive(name, getattr(self, name))
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise SpecError(
-                f"unknown PP schedule {self.pp_schedule!r}",
-                key="pp_schedule",
-                fix=f"use one of {', '.join(PP_SCHEDULES)}",
-            )
-        if self.pp_microbatches is not None:
-            _positive("pp_microbatches", self.pp_microbatches)
-        if self.pp_stages_per_rank is not None:
-            _positive("pp_stages_per_rank", self.pp_stages_per_rank)
-        if self.sequence_parallel and self.tp == 1:
-            raise SpecError(
-                "sequence_parallel needs tp > 1",
-                key="sequence_parallel",
-                fix="set tp >= 2 or drop sequence_parallel",
-            )
 
     @property
     def world_size(self) -> int:
@@ -80,18 +82,15 @@ class ParallelLayout:
 
     @property
     def stages_per_rank(self) -> int:
-        if self.pp_stages_per_rank is not None:
-            return self.pp_stages_per_rank
-        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+        """Stages each PP rank holds, the default resolved (1 when PP is off)."""
+        return pp_schedules.stages_per_rank(self.pp_schedule, self.pp_stages_per_rank, self.pp)
 
     @property
     def microbatches(self) -> int:
-        """PP microbatches per local batch (1 when PP is off)."""
+        """PP microbatches per local batch, the default resolved (1 when PP is off)."""
         if self.pp == 1:
             return 1
-        if self.pp_microbatches is not None:
-            return self.pp_microbatches
-        return self.pp * self.stages_per_rank
+        return pp_schedules.microbatches(self.pp, self.stages_per_rank, self.pp_microbatches)
 
     def degrees(self) -> dict[str, int]:
         return {axis: int(getattr(self, axis)) for axis in AXES}
@@ -115,15 +114,47 @@ class ParallelLayout:
         return asdict(self)
 
 
+#: The shared fields, in declaration order (the experiment's [parallelism] keys; the
+#: trainer's [parallelism] section adds its own after them).
+LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Layout))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout(Layout):
+    """A test or control side's layout (experiment TOML ``parallelism = {...}``), checked
+    when built. Its fields are :class:`Layout`'s: ``to_dict`` (hashed into job keys) is
+    theirs, in their order."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+            _positive(name, getattr(self, name))
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise SpecError(
+                f"unknown PP schedule {self.pp_schedule!r}",
+                key="pp_schedule",
+                fix=f"use one of {', '.join(PP_SCHEDULES)}",
+            )
+        if self.pp_microbatches is not None:
+            _positive("pp_microbatches", self.pp_microbatches)
+        if self.pp_stages_per_rank is not None:
+            _positive("pp_stages_per_rank", self.pp_stages_per_rank)
+        if self.sequence_parallel and self.tp == 1:
+            raise SpecError(
+                "sequence_parallel needs tp > 1",
+                key="sequence_parallel",
+                fix="set tp >= 2 or drop sequence_parallel",
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Techniques:
     """Training techniques a pair can toggle; none of them changes the math in fp32."""
 
-    param_dtype: str = "float32"
+    param_dtype: DType = "float32"
     """Mixed-precision dtype of the unsharded parameters in compute."""
-    reduce_dtype: str = "float32"
+    reduce_dtype: DType = "float32"
     """Dtype of the gradient reduce-scatter / all-reduce."""
-    activation_checkpoint: str = "none"
+    activation_checkpoint: ACMode = "none"
     """``none`` | ``full`` | ``selective``."""
     compile: bool = False
     """``torch.compile`` each block."""

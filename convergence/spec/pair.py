@@ -22,6 +22,8 @@ METRICS: tuple[str, ...] = (
 #: The comparison methods (convergence.stats.registry implements each).
 Method = Literal["exact", "allclose", "paired", "twin", "seed", "regression"]
 METHODS: tuple[Method, ...] = get_args(Method)
+Tier = Literal["quick", "ci", "nightly"]
+"""Which runs select a pair, cheapest first (experiment key ``tier``)."""
 #: Regimes are not a closed list: convergence.regimes registers them (paired: bitwise-comparable
 #: fp32 runs at the noise floor; twin: same seed checkpoint and data but not bitwise
 #: reproducible, a noise envelope measured on a twin of the control; seed: different seeds, a
@@ -95,7 +97,7 @@ class PairSpec:
     early_stop: bool = True
     """Stop the test job once the verdict is decided."""
     source: str = ""
-    tier: str = "quick"
+    tier: Tier = "quick"
     """Which runs select it: ``quick`` (default ``-m convergence``), ``ci``, ``nightly``."""
     probe_on_failure: bool = True
     """Run the per-module numerics probe on both sides when a paired pair fails."""

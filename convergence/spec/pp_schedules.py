@@ -8,7 +8,9 @@ tests/test_trainer_pp_cp_units.py holds the sets to what torch's schedule classe
 
 from __future__ import annotations
 
-SCHEDULES: tuple[str, ...] = (
+from typing import Literal, get_args
+
+PPSchedule = Literal[
     "GPipe",
     "1F1B",
     "Interleaved1F1B",
@@ -16,8 +18,11 @@ SCHEDULES: tuple[str, ...] = (
     "InterleavedZeroBubble",
     "ZBVZeroBubble",
     "DualPipeV",
-)
-"""Schedule names accepted by parallelism.pp_schedule (torch's own names)."""
+]
+"""A schedule name accepted by parallelism.pp_schedule (torch's own names)."""
+
+SCHEDULES: tuple[PPSchedule, ...] = get_args(PPSchedule)
+"""Schedule names accepted by parallelism.pp_schedule, in the order messages list them."""
 
 SINGLE_STAGE_SCHEDULES: frozenset[str] = frozenset({"GPipe", "1F1B"})
 """torch's PipelineScheduleSingle: exactly one stage per rank."""
@@ -36,3 +41,18 @@ pipeline.fsdp_per_block_ok and the data-parallel rule in layout_problem)."""
 
 AT_LEAST_ONE_MICROBATCH_PER_STAGE: frozenset[str] = frozenset({"1F1B", "DualPipeV"})
 """Schedules whose torch constructor refuses fewer microbatches than pipeline stages."""
+
+
+def stages_per_rank(schedule: str, configured: int | None, pp: int = 2) -> int:
+    """parallelism.pp_stages_per_rank resolved: unset (None, or 0 as the trainer's files
+    spell it) means 2 for multi-stage schedules, else 1 (and 1 without PP, whatever the
+    schedule). Not checked: see pp_rules.stages_problem."""
+    if configured:
+        return configured
+    return 2 if pp > 1 and schedule in MULTI_STAGE_SCHEDULES else 1
+
+
+def microbatches(pp: int, stages: int, configured: int | None) -> int:
+    """parallelism.pp_microbatches resolved: unset (None, or 0) means one per stage
+    (pp * stages per rank)."""
+    return configured or pp * stages

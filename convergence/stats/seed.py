@@ -51,13 +51,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from scipy import signal, special
-from scipy.ndimage import correlate1d, uniform_filter1d
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Floats, Ints, failed, first_true, incomplete, worst
 from convergence.stats.types import Band, Check, MetricVerdict
+
+# scipy is imported inside the functions that use it, not here. The verdict
+# registry imports this module for every session, but only the seed regime calls it, and
+# importing scipy.signal costs ~4.6 s of CPU on a 2-core machine (measured with cProfile on the
+# quick start, issue 30): seconds every fp32/bf16 session paid before its first verdict.
 
 DEFAULT_Z = 3.0
 DEFAULT_ALPHA = 0.05
@@ -110,6 +113,8 @@ class ReplicateBand:
 
 def seed_band(controls: Sequence[Curve], z: float = DEFAULT_Z) -> ReplicateBand:
     """The band of K >= 2 replicates (see the module docstring)."""
+    from scipy import special  # lazy: see the note at the imports
+
     if len(controls) < 2:
         raise ValueError(
             f"the seed band needs at least 2 control replicates, got "
@@ -145,6 +150,8 @@ def _smooth(values: Floats) -> Floats:
     """Savitzky-Golay smoothing of a curve (or of each row of a matrix), quadratic fits at the
     edges (scipy's ``mode="interp"``), vectorized over rows: the false-alarm simulations call
     this thousands of times."""
+    from scipy.ndimage import correlate1d  # lazy: see the note at the imports
+
     size = values.shape[-1]
     if size < SMOOTH_WINDOW:
         return values.copy()
@@ -161,6 +168,8 @@ def _smooth(values: Floats) -> Floats:
 @functools.cache
 def _filters() -> tuple[Floats, Floats]:
     """(centre coefficients, W x W projection onto quadratics over one window)."""
+    from scipy import signal  # lazy: see the note at the imports
+
     coeffs = np.asarray(signal.savgol_coeffs(SMOOTH_WINDOW, SMOOTH_ORDER, use="dot"))
     x = np.arange(SMOOTH_WINDOW, dtype=np.float64)
     vander = np.vander(x, SMOOTH_ORDER + 1)
@@ -170,6 +179,8 @@ def _filters() -> tuple[Floats, Floats]:
 
 def _smooth_mean(values: Floats) -> Floats:
     """Centered moving average (for variances: nonnegative, bias harmless)."""
+    from scipy.ndimage import uniform_filter1d  # lazy: see the note at the imports
+
     size = min(VAR_WINDOW, values.size)
     return np.asarray(uniform_filter1d(values, size=size, mode="nearest"), dtype=np.float64)
 
@@ -222,6 +233,8 @@ class Tost:
 
 def default_margin_factor(num_replicates: int, alpha: float) -> float:
     """m / s for the default margin (see the module docstring)."""
+    from scipy import special  # lazy: see the note at the imports
+
     dof = num_replicates - 1
     return float(
         np.sqrt(1.0 + 1.0 / num_replicates)
@@ -239,6 +252,8 @@ def tost(
     margin: float | None,
 ) -> Tost:
     """Two one-sided tests on the mean difference over the last ``window`` common steps."""
+    from scipy import special  # lazy: see the note at the imports
+
     common, bi, ti = np.intersect1d(band.steps, test_steps, return_indices=True)
     take = slice(max(0, common.size - window), common.size)
     window_means = band.replicates[:, bi[take]].mean(axis=1)

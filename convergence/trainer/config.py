@@ -14,20 +14,33 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from convergence.configs import shipped_config, shipped_configs
 from convergence.spec.errors import SpecError
+from convergence.spec.job import HookMode
+from convergence.spec.layout import PP_DEFAULTED, ACMode, DType, Layout
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
+# The closed choices of the train config (validate.check_config holds values to them; the
+# parser reads them as strings, so its type error and check_config's choice list stay apart).
+DataSource = Literal["synthetic", "text"]
+Device = Literal["auto", "cpu", "cuda"]
+DecayType = Literal["cosine", "linear", "none"]
+OptimizerName = Literal["AdamW", "adamw"]
+DATA_SOURCES: tuple[DataSource, ...] = get_args(DataSource)
+DEVICES: tuple[Device, ...] = get_args(Device)
+DECAY_TYPES: tuple[DecayType, ...] = get_args(DecayType)
+OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    name: str = "llama"
+    name: Literal["llama"] = "llama"
     """Model family; only the built-in Llama-style decoder ("llama") for now."""
     vocab_size: int = 256
     """Vocabulary size (256 = bytes for the text source)."""
@@ -61,7 +74,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: str = "synthetic"
+    source: DataSource = "synthetic"
     """"synthetic" (seeded Markov language with a known entropy floor) or "text" (a local file)."""
     path: str = ""
     """Text source: path of a local UTF-8 text file (relative to the config file's folder)."""
@@ -101,9 +114,9 @@ class TrainingConfig:
     """Seed of the weights (seed checkpoint) and of the sample order."""
     max_norm: float = 1.0
     """Gradient clipping by global norm (0 = off)."""
-    param_dtype: str = "float32"
+    param_dtype: DType = "float32"
     """FSDP mixed precision: compute dtype of the unsharded parameters."""
-    reduce_dtype: str = "float32"
+    reduce_dtype: DType = "float32"
     """FSDP mixed precision: dtype of the gradient reduction."""
     compile: bool = False
     """torch.compile each block."""
@@ -115,13 +128,13 @@ class TrainingConfig:
     """Relative amplitude of a seeded rounding-level perturbation of the outputs of the
     linear layers another layout re-rounds (attention wo, FFN w2) (0 = off). Only the twin regime's forward-noise twin sets it
     (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
-    device: str = "auto"
+    device: Device = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    name: str = "AdamW"
+    name: OptimizerName = "AdamW"
     lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -133,37 +146,42 @@ class OptimizerConfig:
 class LRSchedulerConfig:
     warmup_steps: int = 10
     """Linear warmup from 0 over this many steps."""
-    decay_type: str = "cosine"
+    decay_type: DecayType = "cosine"
     """"cosine", "linear" or "none" after warmup."""
     min_lr_factor: float = 0.1
     """Final lr as a fraction of the peak."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelismConfig:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    sequence_parallel: bool = False
-    pp: int = 1
-    pp_schedule: str = "1F1B"
-    pp_microbatches: int = 0
-    """0 = pp * stages per rank."""
-    pp_stages_per_rank: int = 0
-    """0 = 1, or 2 for multi-stage (interleaved) schedules."""
-    cp: int = 1
+class ParallelismConfig(Layout):
+    """[parallelism]: the layout (spec/layout.py's Layout, the experiment spec's schema: its
+    fields come first, in its order) and the trainer's own settings after them.
+
+    An unset PP default is None here as in the spec; the TOML file and overrides may also
+    spell it 0, and the records the trainer writes (run_meta.json, resume.json, probe.json)
+    keep spelling it 0 (:meth:`to_dict`), so old files read the same and new records are
+    byte for byte what they were."""
+
     reshard_after_forward: bool = True
     """FSDP: ZeRO-3 (True) or ZeRO-2-like (False)."""
     hook: str = ""
     """"package.module:function" applied to the model on every rank (see convergence.trainer.hooks)."""
-    hook_mode: str = "after"
+    hook_mode: HookMode = "after"
     """"after": call the hook after the built-in parallelisation; "replace_tp": the hook applies
     tensor parallelism in place of the built-in TP plan (FSDP, AC, PP still built in)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as the trainer's files spell them (an unset PP default: 0)."""
+        out = dataclasses.asdict(self)
+        for name in PP_DEFAULTED:
+            if out[name] is None:
+                out[name] = 0
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
 class ActivationCheckpointConfig:
-    mode: str = "none"
+    mode: ACMode = "none"
     """"none", "full" (every block) or "selective" (every `selective_layer_freq`-th block)."""
     selective_layer_freq: int = 2
 
@@ -230,6 +248,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("source", None)
+        out["parallelism"] = self.parallelism.to_dict()
         return out
 
 
@@ -244,6 +263,10 @@ def _coerce(value: Any, target: Any, *, file: str, key: str) -> Any:
     """Check/convert a TOML or CLI value to the field's type; strings from the CLI are parsed."""
     if isinstance(target, types.UnionType) or typing.get_origin(target) is typing.Union:
         target = next(t for t in typing.get_args(target) if t is not type(None))
+    if typing.get_origin(target) is Literal:
+        # A closed choice is read as a string; whether it is one of the choices is
+        # validate.check_config's question, whose message lists them under the key.
+        target = str
     if target is bool:
         if isinstance(value, bool):
             return value
@@ -292,6 +315,8 @@ def _build_section(cls: type, data: dict[str, Any], *, file: str, section: str) 
                 fix=f"remove it; valid keys of [{section}]: {', '.join(sorted(known))}",
             )
         kwargs[key] = _coerce(value, hints[key], file=file, key=path)
+        if section == "parallelism" and key in PP_DEFAULTED and kwargs[key] == 0:
+            kwargs[key] = None  # the files' spelling of "unset" (see ParallelismConfig)
     return cls(**kwargs)
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+RunStatus = Literal["running", "finished", "checkpointed", "stopped", "failed"]
+"""run_meta.json's ``status``: still training, done, stopped after writing the training
+checkpoint (checkpoint.save_at_step), stopped early by the launcher (STOP file), or failed."""
 
 #: TensorBoard tags, named as torchtitan names them so users can read both.
 TB_TAGS: dict[str, str] = {

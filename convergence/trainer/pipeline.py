@@ -109,8 +109,8 @@ def is_multi_stage(schedule_name: str) -> bool:
     return schedule_name in pp_rules.MULTI_STAGE_SCHEDULES
 
 
-def resolve_stages_per_rank(schedule_name: str, configured: int) -> int:
-    """parallelism.pp_stages_per_rank with 0 resolved (1 single-stage, 2 multi-stage), checked."""
+def resolve_stages_per_rank(schedule_name: str, configured: int | None) -> int:
+    """parallelism.pp_stages_per_rank with unset (None or 0) resolved (1 single-stage, 2 multi-stage), checked."""
     problem = pp_rules.schedule_problem(schedule_name)
     if problem is not None:
         _schedule_class(schedule_name)  # raises the ValueError naming the schedules
@@ -131,7 +131,7 @@ def stage_ids_this_rank(
 
 
 def is_last_stage_rank(
-    pp_rank: int, pp_size: int, schedule_name: str, stages_per_rank: int = 0
+    pp_rank: int, pp_size: int, schedule_name: str, stages_per_rank: int | None = None
 ) -> bool:
     """Whether this PP rank holds the last stage, i.e. computes (and should log) the loss."""
     spr = resolve_stages_per_rank(schedule_name, stages_per_rank)

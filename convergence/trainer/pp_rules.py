@@ -26,7 +26,26 @@ from convergence.spec.pp_schedules import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
+    microbatches,
+    stages_per_rank,
 )
+
+__all__ = [
+    "AT_LEAST_ONE_MICROBATCH_PER_STAGE",
+    "MULTI_STAGE_SCHEDULES",
+    "SCHEDULES",
+    "SINGLE_STAGE_SCHEDULES",
+    "V_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
+    "Problem",
+    "holds_last_stage",
+    "layout_problem",
+    "microbatches",
+    "schedule_problem",
+    "stage_ids",
+    "stages_per_rank",
+    "stages_problem",
+]
 
 
 @dataclass(frozen=True)
@@ -36,19 +55,6 @@ class Problem:
     key: str
     message: str
     fix: str
-
-
-def stages_per_rank(schedule: str, configured: int, pp: int = 2) -> int:
-    """parallelism.pp_stages_per_rank resolved: 0 means 2 for multi-stage schedules, else 1
-    (and 1 without PP, whatever the schedule). Not checked: see `stages_problem`."""
-    if configured:
-        return configured
-    return 2 if pp > 1 and schedule in MULTI_STAGE_SCHEDULES else 1
-
-
-def microbatches(pp: int, stages: int, configured: int) -> int:
-    """parallelism.pp_microbatches resolved: 0 means one per stage (pp * stages per rank)."""
-    return configured or pp * stages
 
 
 def stage_ids(pp_rank: int, pp: int, stages: int, schedule: str) -> list[int]:
@@ -101,8 +107,8 @@ def layout_problem(
     *,
     schedule: str,
     pp: int,
-    stages_configured: int,
-    microbatches_configured: int,
+    stages_configured: int | None,
+    microbatches_configured: int | None,
     n_layers: int,
     local_batch_size: int,
     data_parallel: int,

@@ -41,7 +41,6 @@ Calls during backward (activation-checkpoint recomputation) are not counted.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from torch.distributed.tensor import DTensor
 
 from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
+from convergence.trainer.metrics_writer import RunStatus
 from convergence.trainer.optim import _shard_groups
 from convergence.trainer.parallelize import Meshes
 from convergence.trainer.validate import stages_per_rank
@@ -273,7 +273,7 @@ def run_probe(
     *,
     is_writer: bool,
     warm_up: bool = True,
-) -> str:
+) -> RunStatus:
     """One forward+backward on the batch of ``cfg.probe.step``; probe.json from the writer.
 
     Called by the training loop in place of step ``cfg.probe.step``, so the weights and the
@@ -309,7 +309,7 @@ def run_probe(
         "version": PROBE_VERSION,
         "step": step,
         "param_dtype": cfg.training.param_dtype,
-        "layout": dataclasses.asdict(cfg.parallelism),
+        "layout": cfg.parallelism.to_dict(),
         "loss": sum(losses) / len(losses) if losses else None,
         "dp_losses": losses,
         "modules": _forward_order(all_modules, with_calls=True),

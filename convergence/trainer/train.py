@@ -43,7 +43,7 @@ from convergence.trainer.data import (
 )
 from convergence.trainer.forward_noise import add_forward_noise
 from convergence.trainer.hooks import HookFn, load_hook
-from convergence.trainer.metrics_writer import MetricsWriter
+from convergence.trainer.metrics_writer import MetricsWriter, RunStatus
 from convergence.trainer.model import ModelArgs, Transformer, build_model, count_params
 from convergence.trainer.optim import (
     build_optimizer,
@@ -69,7 +69,10 @@ def pick_device(cfg: TrainConfig) -> torch.device:
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        # Modulo: with CONVERGENCE_RANKS_PER_GPU > 1 (convergence.launch.pool) a job may have
+        # more ranks on this machine than visible GPUs; they share them round-robin.
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local % max(torch.cuda.device_count(), 1))
     return torch.device("cpu")
 
 
@@ -82,6 +85,35 @@ def set_determinism(cfg: TrainConfig, device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
     torch.use_deterministic_algorithms(True)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL when every local rank has its own GPU, else gloo.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). gloo runs every collective the
+    trainer uses on CUDA tensors (staged through host memory; checked on an H200, BENCHMARKS.md
+    "GPU checks"), slowly, and for two ranks its sums are the very IEEE operations NCCL does
+    (a + b in the reduce dtype), so a one-GPU machine can still run 2-rank layouts."""
+    if device.type != "cuda":
+        return "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
+
+
+def check_shared_gpu(cfg: TrainConfig) -> None:
+    """Ranks sharing a GPU through gloo: refuse what is known to crash there, with the fix."""
+    if cfg.parallelism.tp > 1:
+        # Seen on an H200 with torch 2.11: DTensor's functional all-gather over gloo on CUDA
+        # tensors ends the rank with SIGSEGV (BENCHMARKS.md "GPU checks"); FSDP, HSDP and CP,
+        # which use the classic collectives, run.
+        raise SpecError(
+            "tensor parallelism cannot run with ranks sharing a GPU through gloo (DTensor's "
+            "functional collectives crash there)",
+            file=cfg.source,
+            key="parallelism.tp",
+            fix="give each rank its own GPU (unset CONVERGENCE_RANKS_PER_GPU), or run this "
+            'layout on CPU (training.device = "cpu")',
+        )
 
 
 def init_distributed(device: torch.device) -> bool:
@@ -99,7 +131,7 @@ def init_distributed(device: torch.device) -> bool:
     die_with_parent(signal.SIGKILL)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(process_group_backend(device))
     return True
 
 
@@ -476,7 +508,7 @@ def run_meta(
     num_params: int,
     tokens_per_step: int,
     device: torch.device,
-    status: str,
+    status: RunStatus,
     last_step: int,
 ) -> dict[str, Any]:
     par = cfg.parallelism
@@ -507,12 +539,14 @@ def run_meta(
     }
 
 
-def train(cfg: TrainConfig) -> str:
+def train(cfg: TrainConfig) -> RunStatus:
     """Train per `cfg` on this process's share of the world; returns the final status."""
     device = pick_device(cfg)
     distributed = init_distributed(device)
     world_size = dist.get_world_size() if distributed else 1
     check_config(cfg, world_size)
+    if distributed and device.type == "cuda" and dist.get_backend() == "gloo":
+        check_shared_gpu(cfg)
     hook = load_hook(cfg.parallelism.hook, file=cfg.source) if cfg.parallelism.hook else None
     set_determinism(cfg, device)
     par, training = cfg.parallelism, cfg.training
@@ -545,7 +579,7 @@ def train(cfg: TrainConfig) -> str:
     num_params = count_params(build_model(model_args, "meta"))
     counter = CollectiveCounter(cfg)
 
-    def meta(status: str, last_step: int) -> dict[str, Any]:
+    def meta(status: RunStatus, last_step: int) -> dict[str, Any]:
         return {
             **run_meta(
                 cfg, world_size, source, num_params, tokens_per_step, device, status, last_step
@@ -580,7 +614,8 @@ def train(cfg: TrainConfig) -> str:
     writer.write_meta(meta("running", first_step - 1))
     stop = StopSignal(dump / "STOP")
     probe_at = probe_step(cfg)
-    status, step = "failed", first_step - 1
+    status: RunStatus = "failed"
+    step = first_step - 1
     start = time.perf_counter()
     try:
         status = "finished"

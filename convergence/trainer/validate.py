@@ -9,23 +9,30 @@ from __future__ import annotations
 from typing import Callable, NoReturn
 
 from convergence.spec.errors import SpecError
+from convergence.spec.job import HOOK_MODES
 from convergence.spec.layout import AC_MODES, DTYPES
 from convergence.trainer import pp_rules
 from convergence.trainer.blocks import BLOCK_KINDS, parse_block_pattern
-from convergence.trainer.config import TrainConfig
+from convergence.trainer.config import (
+    DATA_SOURCES,
+    DECAY_TYPES,
+    DEVICES,
+    OPTIMIZERS,
+    TrainConfig,
+)
 
 #: fail(key, message, fix) raises the SpecError.
 Fail = Callable[[str, str, str], NoReturn]
 
 
 def stages_per_rank(cfg: TrainConfig) -> int:
-    """pp_stages_per_rank resolved: 0 means 2 for multi-stage schedules, else 1."""
+    """pp_stages_per_rank resolved: unset means 2 for multi-stage schedules, else 1."""
     par = cfg.parallelism
     return pp_rules.stages_per_rank(par.pp_schedule, par.pp_stages_per_rank, par.pp)
 
 
 def pp_microbatches(cfg: TrainConfig) -> int:
-    """pp_microbatches resolved: 0 means one per stage (pp * stages per rank)."""
+    """pp_microbatches resolved: unset means one per stage (pp * stages per rank)."""
     par = cfg.parallelism
     return pp_rules.microbatches(par.pp, stages_per_rank(cfg), par.pp_microbatches)
 
@@ -117,7 +124,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
             f"cp={par.cp} must divide data.seq_len={data.seq_len}",
             "choose cp among the divisors of seq_len",
         )
-    if data.source not in ("synthetic", "text"):
+    if data.source not in DATA_SOURCES:
         fail("data.source", f"unknown source {data.source!r}", 'use "synthetic" or "text"')
     if data.source == "text" and not data.path:
         fail("data.path", "the text source needs a file", "set data.path to a local text file")
@@ -222,7 +229,7 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
         )
     if ac.mode == "selective" and ac.selective_layer_freq < 1:
         fail("activation_checkpoint.selective_layer_freq", "must be >= 1", "set it to 1 or more")
-    if train.device not in ("auto", "cpu", "cuda"):
+    if train.device not in DEVICES:
         fail("training.device", f"unknown device {train.device!r}", "use auto, cpu or cuda")
     if par.dp_shard * par.cp == 1:
         # Mixed precision is FSDP2's MixedPrecisionPolicy; DDP and TP/PP without FSDP have no
@@ -242,9 +249,9 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
             "CPU offload is an FSDP feature and needs dp_shard*cp > 1",
             "set parallelism.dp_shard >= 2 or cpu_offload = false",
         )
-    if cfg.optimizer.name not in ("AdamW", "adamw"):
+    if cfg.optimizer.name not in OPTIMIZERS:
         fail("optimizer.name", f"unknown optimizer {cfg.optimizer.name!r}", 'use "AdamW"')
-    if cfg.lr_scheduler.decay_type not in ("cosine", "linear", "none"):
+    if cfg.lr_scheduler.decay_type not in DECAY_TYPES:
         fail(
             "lr_scheduler.decay_type",
             f"unknown decay {cfg.lr_scheduler.decay_type!r}",
@@ -256,7 +263,7 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
             f'hook {par.hook!r} is not "package.module:function"',
             "write it as package.module:function",
         )
-    if par.hook_mode not in ("after", "replace_tp"):
+    if par.hook_mode not in HOOK_MODES:
         fail(
             "parallelism.hook_mode",
             f"unknown mode {par.hook_mode!r}",
