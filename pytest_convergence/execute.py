@@ -14,7 +14,7 @@ from convergence.spec.pair import PairSpec
 from pytest_convergence.failure import ConvergenceFailure
 from pytest_convergence.progress import ProgressPrinter
 from pytest_convergence.progress_relay import WorkerProgress
-from pytest_convergence.stash import get_state
+from pytest_convergence.stash import SessionState, get_state
 
 OUTCOME_SUFFIX = ".outcome.json"
 
@@ -98,6 +98,8 @@ def record_outcome(
     state.outcomes.append(outcome)
     if user_properties is not None:
         user_properties.extend(_junit_properties(outcome))
+    if state.options["report"] is not None:
+        _prerender_plot(state, outcome)
     if state.share_dir is None:
         return
     state.share_dir.mkdir(parents=True, exist_ok=True)
@@ -107,6 +109,17 @@ def record_outcome(
 
     tmp.write_text(json.dumps(outcome_to_json(outcome)), encoding="utf-8")
     tmp.replace(state.share_dir / name)  # atomic: the controller never reads half a file
+
+
+def _prerender_plot(state: SessionState, outcome: PairOutcome) -> None:
+    """Draw the pair's plot for the report now, on a background thread, while the next pair's
+    jobs run (convergence.report.formats.plot_cache): not at the end of the session."""
+    from convergence.report.formats.prerender import PlotPrerenderer  # lazy: plugin start-up
+
+    if state.plots is None:
+        state.plot_cache.mkdir(parents=True, exist_ok=True)
+        state.plots = PlotPrerenderer(state.plot_cache)
+    state.plots.submit(outcome)
 
 
 def load_outcomes(folder: Path) -> list[PairOutcome]:

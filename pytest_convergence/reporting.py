@@ -57,6 +57,8 @@ def _prune_sessions(current: Path | None) -> None:
 def session_finish(session: pytest.Session, exitstatus: int | pytest.ExitCode) -> None:
     config = session.config
     state = get_state(config)
+    if state.plots is not None:  # a worker's plots must be drawn before the controller reports
+        state.plots.wait()
     if state.is_worker:
         return
     state.all_outcomes = gather_outcomes(config)
@@ -85,13 +87,34 @@ def _write(config: pytest.Config, report_dir: Path, *, interrupted: bool) -> Non
             environment=environment(config, interrupted=interrupted),
             started_at=state.started_at,
             wall_s=time.time() - state.started_at,
+            plot_cache=state.plot_cache,
         )
     )
+    _prune_plot_cache(state.plot_cache, state.all_outcomes)
     markdown = state.report_paths.get("markdown")
     if markdown is not None:
         summary = write_step_summary(markdown.read_text(encoding="utf-8"))
         if summary is not None:
             state.report_paths["step summary"] = summary
+
+
+def _prune_plot_cache(folder: Path, used: list[PairOutcome], keep_s: float = 86400.0) -> None:
+    """Plots drawn ahead of a report are copied into it: drop the ones this report used, and
+    any older than a day (left by a session that wrote no report; another session sharing the
+    workdir that misses one only draws it again)."""
+    from convergence.report.formats.plot_cache import cached_plot  # lazy: plugin start-up
+
+    for outcome in used:
+        path = cached_plot(folder, outcome)
+        if path is not None:
+            path.unlink(missing_ok=True)
+    cutoff = time.time() - keep_s
+    for png in folder.glob("*.png"):
+        try:
+            if png.stat().st_mtime < cutoff:
+                png.unlink()
+        except OSError:
+            pass
 
 
 def terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

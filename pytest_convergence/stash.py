@@ -43,7 +43,15 @@ class SessionState:
     started_at: float = field(default_factory=time.time)
     progress_relay: Any = None
     """xdist controller: the thread printing the workers' progress lines (progress_relay.py)."""
+    plots: Any = None
+    """With a report: the background thread drawing each pair's plot as its verdict comes in
+    (convergence.report.formats.prerender.PlotPrerenderer), built at the first outcome."""
     _devices: DeviceSet | None = None
+
+    @property
+    def plot_cache(self) -> Path:
+        """Where this session's pair plots are drawn ahead of the report (shared by workers)."""
+        return self.settings.work_dir / "plot-cache"
 
     def device_set(self) -> DeviceSet:
         """The devices of the session (this machine's, or the Slurm allocation's nodes x

@@ -28,8 +28,9 @@ from convergence.report.data.records import (
     techniques_changed,
 )
 from convergence.report.figure import new_figure, save_png
-from convergence.report.files import slug
+from convergence.report.files import atomic_write, slug
 from convergence.report.fmt import VERDICTS, describe_test
+from convergence.report.formats.plot_cache import cached_plot
 from convergence.report.sections.dimensions import dimension_of
 from convergence.run.outcome import PairOutcome
 from convergence.stats.types import MetricVerdict
@@ -440,9 +441,13 @@ def plot_heatmap(outcomes: Sequence[PairOutcome], path: Path) -> Path:
 
 
 def plot_outcomes(
-    outcomes: Sequence[PairOutcome], plot_dir: Path, names: dict[str, str]
+    outcomes: Sequence[PairOutcome],
+    plot_dir: Path,
+    names: dict[str, str],
+    cache_dir: Path | None = None,
 ) -> tuple[dict[str, Path], dict[str, str]]:
-    """Plot every pair into ``plot_dir/<names[pair_id]>.png``.
+    """Plot every pair into ``plot_dir/<names[pair_id]>.png`` (copying a plot drawn during the
+    session from ``cache_dir`` where there is one: plot_cache.py).
 
     Returns (paths by pair id, errors by pair id): a plotting bug in one pair is reported in
     the report instead of losing the whole report.
@@ -452,7 +457,12 @@ def plot_outcomes(
     for o in outcomes:
         pid = o.pair.pair_id
         try:
-            paths[pid] = plot_pair(o, plot_dir / f"{names[pid]}.png")
+            drawn = cached_plot(cache_dir, o)
+            target = plot_dir / f"{names[pid]}.png"
+            if drawn is not None:
+                paths[pid] = atomic_write(target, drawn.read_bytes())
+                continue
+            paths[pid] = plot_pair(o, target)
         except Exception as exc:  # noqa: BLE001 - see docstring
             errors[pid] = f"{type(exc).__name__}: {exc}"
     return paths, errors

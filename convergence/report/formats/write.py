@@ -35,6 +35,7 @@ def write_reports(
     started_at: float | None = None,
     wall_s: float | None = None,
     step_summary_env: Mapping[str, str] | None = None,
+    plot_cache: Path | None = None,
 ) -> dict[str, Path]:
     """Write the reports into ``out_dir``; returns ``{"json", "markdown", "html", "heatmap",
     "plots"}`` paths (``plots`` is the folder of per-pair PNGs).
@@ -42,12 +43,13 @@ def write_reports(
     ``step_summary_env`` (e.g. ``os.environ``) also appends report.md to
     ``$GITHUB_STEP_SUMMARY`` when that is set (path under ``"step_summary"``). It is opt-in:
     a test suite that writes example reports inside CI must not fill the job's summary.
+    ``plot_cache``: the folder of pair plots drawn during the session (plot_cache.py).
     """
     outcomes = list(outcomes)
     out_dir = Path(out_dir)
     plot_dir = out_dir / PLOT_DIR
     names = plot_names(outcomes)
-    paths, plot_errors = plot_outcomes(outcomes, plot_dir, names)
+    paths, plot_errors = plot_outcomes(outcomes, plot_dir, names, plot_cache)
     heatmap = plot_heatmap(outcomes, plot_dir / f"{HEATMAP}.png")
     rel: dict[str, dict[str, str]] = {
         pid: {"pair": f"{PLOT_DIR}/{p.name}"} for pid, p in paths.items()
