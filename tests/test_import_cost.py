@@ -31,6 +31,12 @@ sys.exit(rc)
 """
 
 
+def _loaded_top_modules(stdout: str) -> set[str]:
+    """The top-level packages a probe printed on its ``MODULES=`` line."""
+    line = next(x for x in stdout.splitlines() if x.startswith("MODULES="))
+    return set(json.loads(line.removeprefix("MODULES=")))
+
+
 @pytest.mark.parametrize("paths", [["experiments/quickstart.toml"], []], ids=["quickstart", "bare"])
 def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> None:
     """Named or bare (`testpaths`: the project's conftest skips test modules that hold no
@@ -62,8 +68,7 @@ def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> N
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "experiments/quickstart.toml::" in proc.stdout
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("MODULES="))
-    loaded = set(json.loads(line.removeprefix("MODULES=")))
+    loaded = _loaded_top_modules(proc.stdout)
     assert loaded & set(COSTLY) == set(), proc.stdout
 
 
@@ -149,22 +154,18 @@ def test_building_the_runner_and_the_verdicts_imports_no_torch_or_scipy(tmp_path
     before the first job and before the first verdict: on a CPU build neither imports torch nor
     scipy (the seed regime imports scipy when it runs; jobs import torch in their own
     processes). Together they cost the pytest process ~7.6 s of CPU on the quick start."""
-    env = dict(os.environ)
     build = torch_build()
     if build is None or build.has_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
         pytest.skip("a GPU build asks torch for its CUDA stack")
     proc = subprocess.run(
         [sys.executable, "-c", RUNNER_PROBE, str(tmp_path / "wd")],
         cwd=REPO,
-        env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("MODULES="))
-    loaded = set(json.loads(line.removeprefix("MODULES=")))
+    loaded = _loaded_top_modules(proc.stdout)
     assert loaded & set(COSTLY) == set(), proc.stdout
 
 

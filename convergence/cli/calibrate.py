@@ -52,13 +52,6 @@ class Layout:
     def dp(self) -> int:
         return self.parallelism.get("dp_replicate", 1) * self.parallelism.get("dp_shard", 1)
 
-    @property
-    def devices(self) -> int:
-        n = self.dp
-        for key in ("tp", "cp", "pp"):
-            n *= self.parallelism.get(key, 1)
-        return n
-
 
 #: Layouts a calibration can run, by name. "accum2" stays on one device and only reorders the
 #: gradient sum (two microsteps): the one reduction-order change a single GPU can show, since
