@@ -58,7 +58,21 @@ BUGS = ("tp-rowwise-not-reduced", "fsdp-dp-rank-dropped", "cp-rope-ignores-offse
 
 def precision_cases(seed: int) -> list[Case]:
     """fp32 control; the test reduces its gradients (or computes) in bf16: the catalogue's
-    precision-changing pairs, plus FSDP+TP with a bf16 reduction."""
+    precision-changing pairs, plus FSDP+TP with a bf16 reduction and the layout bugs of BUGS
+    planted in a bf16-reduce test (the done-when's "the catalogue's bugs in a bf16-reduce test
+    still fail": the test's own bf16 noise widens the envelope, so the weak bugs are the ones
+    at risk)."""
+    by_name = {c.name: c for c in ALL}
+    bf16_reduce_bugs = [
+        dataclasses.replace(
+            by_name[n],
+            name=f"{n}-bf16-reduce",
+            techniques={**by_name[n].techniques, **BF16_REDUCE},
+            seed=seed,
+        )
+        for n in BUGS
+        if n != "fsdp-dp-rank-dropped"  # already in PRECISION
+    ]
     return [
         *(dataclasses.replace(c, seed=seed) for c in PRECISION),
         Case(
@@ -68,7 +82,26 @@ def precision_cases(seed: int) -> list[Case]:
             techniques=BF16_REDUCE,
             seed=seed,
         ),
+        *bf16_reduce_bugs,
+        # eager control, compiled test (inductor's fusions reorder float arithmetic): the
+        # test's numerics differ, so its twin is the control run compiled
+        Case(
+            name="fsdp2-compile",
+            kind="correct",
+            parallelism={"dp_shard": 2},
+            techniques=COMPILE,
+            seed=seed,
+        ),
+        dataclasses.replace(
+            by_name["fsdp-dp-rank-dropped"],
+            name="fsdp-dp-rank-dropped-compile",
+            techniques=COMPILE,
+            seed=seed,
+        ),
     ]
+
+
+COMPILE = {"compile": True}
 
 
 def cases_for(seed: int, precision_pairs: bool, only_precision: bool = False) -> list[Case]:
