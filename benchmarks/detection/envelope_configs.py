@@ -378,7 +378,8 @@ def main() -> int:
         )
         meta = {"collect_min": (time.monotonic() - start) / 60, "machine": machine()}
         if args.save:
-            args.save.write_text(json.dumps({**data, "_meta": meta}))
+            raw = json.dumps({**data, "_meta": meta}).encode()
+            args.save.write_bytes(gzip.compress(raw) if args.save.suffix == ".gz" else raw)
     text, counts = table(data)
     body = "\n\n".join(
         (

@@ -321,7 +321,11 @@ def main() -> int:
             'names the real bug it stands for). "test job s" is the time to verdict once the '
             "control is cached.",
             summary(bugs, correct, args.steps, total)
-            + (f" Left out (no FSDP, so no bf16 params): {', '.join(skipped)}." if skipped else ""),
+            + (
+                f" Left out (no FSDP, so no mixed precision: neither bf16 params nor a bf16 reduction): {', '.join(skipped)}."
+                if skipped
+                else ""
+            ),
             bug_table(bugs, args.steps) if bugs else "",
             correct_table(correct) if correct else "",
         )
