@@ -155,24 +155,35 @@ class JobRunner:
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
         self._prepared: dict[JobSpec, PreparedJob] = {}
+        self._backends: dict[str, Backend] = {}
 
     # -- the public job API (run.probe, run.resume, ab, and the pair floor's Runner) -------
     @property
     def session_id(self) -> str:
         return self.settings.session_id
 
+    def backend(self, job: JobSpec) -> Backend:
+        """``job``'s backend: one instance per backend name and session (backends hold no
+        state of their own; what they work out of a job is kept per job: backends/effective.py)."""
+        backend = self._backends.get(job.backend)
+        if backend is None:
+            backend = self._backends[job.backend] = get_backend(job.backend)
+        return backend
+
     def prepare(self, job: JobSpec) -> PreparedJob:
         """``job``'s backend, seed checkpoint and run-cache key, worked out once per session.
 
-        Why once: the seed identity is the backend's effective train config (the built-in
-        trainer's TOML merged with the job's overrides; torchtitan's config module) and the key
-        hashes the config text, the code, the hardware and the hook's source. A job's run, its
-        resume and its probes (two per side) all need them; they cannot change within a
-        session, and the seed checkpoint, once made, stays in the cache.
+        Why once: the seed identity is read from the backend's effective train config (the
+        built-in trainer's TOML merged with the job's overrides; torchtitan's config module),
+        which the backend works out once per job and process (backends/effective.py: the
+        collection's checks usually did already), and the key hashes the config text, the
+        code, the hardware and the hook's source. A job's run, its resume and its probes (two
+        per side) all need them; they cannot change within a session, and the seed
+        checkpoint, once made, stays in the cache.
         """
         prepared = self._prepared.get(job)
         if prepared is None:
-            backend = get_backend(job.backend)
+            backend = self.backend(job)
             seed_dir = self.seed_checkpoint(job, backend)
             key = self.job_key(job, backend, seed_dir)
             prepared = self._prepared[job] = PreparedJob(
