@@ -278,14 +278,20 @@ class JobRunner:
         *,
         usable: Callable[[Path], bool],
         read: Callable[[Path, bool], T],
+        refreshable: bool = True,
     ) -> T:
         """``read(entry, cached)`` of the cache entry for ``key``: the stored one when
         ``usable`` accepts it (and, with --refresh, this session made it), else
         ``produce()``'s folder, committed. The key stays claimed until ``read`` returns, so
         runs sharing it (xdist workers, pairs) produce it once and no one replaces an entry
-        that is being read."""
+        that is being read. ``refreshable`` False: --refresh does not apply (a seed
+        checkpoint: the same weights whoever made them)."""
         with self.cache.claim(key) as claim:
-            if claim.path is not None and usable(claim.path) and self._reusable(claim.path):
+            if (
+                claim.path is not None
+                and usable(claim.path)
+                and (not refreshable or self._reusable(claim.path))
+            ):
                 return read(claim.path, True)
             entry: Path = claim.commit(produce())
             return read(entry, False)
@@ -298,15 +304,13 @@ class JobRunner:
         if identity is None:
             return None
         key = _hash({"seed_checkpoint": identity})
-        with self.cache.claim(key) as claim:
-            if claim.path is not None:
-                return claim.path / "seed"
-            build = self.settings.work_dir / "tmp" / f"{key}-{os.getpid()}"
+        build = self.settings.work_dir / "tmp" / f"{key}-{os.getpid()}"
+
+        def produce() -> Path:
             shutil.rmtree(build, ignore_errors=True)
-            seed_dir = build / "seed"
             request = self.launch_request(
                 f"seed-checkpoint {job.name}",
-                backend.seed_entry(job, seed_dir),
+                backend.seed_entry(job, build / "seed"),
                 nproc=1,
                 log_dir=build / "logs",
                 direct=True,
@@ -315,10 +319,14 @@ class JobRunner:
             result = self.launcher.launch(request)  # one process: no lease from the pool
             if not result.ok:
                 raise JobFailed("seed-checkpoint", job, result)
-            entry = claim.commit(build)
-            if entry != build:  # stored (a read-only cache keeps nothing: use it in place)
-                shutil.rmtree(build, ignore_errors=True)
+            return build
+
+        def read(entry: Path, cached: bool) -> Path:
+            if not cached and entry != build:  # stored (a read-only cache keeps nothing:
+                shutil.rmtree(build, ignore_errors=True)  # use it in place)
             return entry / "seed"
+
+        return self.cached_run(key, produce, usable=_any_entry, read=read, refreshable=False)
 
     def run_job(
         self,
@@ -439,6 +447,11 @@ class JobRunner:
             wall_s=wall,
             meta=backend.read_meta(job, dump),
         )
+
+
+def _any_entry(entry: Path) -> bool:
+    """A seed checkpoint's entry is usable as the cache verified it (no job record)."""
+    return True
 
 
 def _recorded(run_dir: Path, key: str) -> Any:
