@@ -240,6 +240,20 @@ def walk_one_pair(folder: Path, steps: int = 3, backend: str = "command") -> tup
     return trace(lambda: runner.run_pair(pair))
 
 
+def _commit(checkout: Path) -> str:
+    """The measured checkout's commit, marked when its convergence/ has uncommitted edits."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(checkout), *args], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "convergence")
+    return f"commit `{head}`" + (" with uncommitted edits" if dirty else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -250,7 +264,12 @@ def main() -> None:
         help="command: a tiny script, two launches (the test's pair); builtin: the built-in "
         "trainer, seed checkpoint + 1-rank control + 2-rank test (about a minute on 2 cores)",
     )
-    parser.add_argument("--label", default="", help="a note for the section (e.g. the commit)")
+    parser.add_argument(
+        "--label",
+        default="",
+        help="names the measured code in the section's title and name (e.g. `before`, with "
+        "PYTHONPATH at another checkout): a labelled section is kept beside the current one",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
 
@@ -264,15 +283,22 @@ def main() -> None:
         return
     from _report import machine
 
-    label = f" ({args.label})" if args.label else ""
+    label = f", {args.label}" if args.label else ""
+    pair = {
+        "command": "one command-backend pair (paired regime, two direct launches of a tiny script)",
+        "builtin": "one built-in-trainer pair (paired regime, debug model: a seed checkpoint, "
+        "a 1-rank control and a 2-rank test)",
+    }[args.backend]
+    code = _commit(Path(convergence.__file__).resolve().parents[1])
     body = f"""
-## Pair walk: files entered from `run_pair` to the verdict{label}
+## Pair walk: files entered from `run_pair` to the verdict ({args.backend}{label})
 
-`python benchmarks/pair_walk.py`: one command-backend pair (paired regime, {args.steps} steps,
-two direct launches, fresh work folder) traced with `sys.setprofile`; per file of
-`convergence/`, the distinct call sites (caller file:line -> callee function) from which
-control enters it from another file. A *climb back* enters a file that is already on the
-stack. tests/test_pair_walk.py bounds the entries per file.
+`python benchmarks/pair_walk.py --backend {args.backend}` (code measured: {code}): {pair},
+{args.steps} steps, fresh work folder, traced with `sys.setprofile`; per file of `convergence/`,
+the distinct call sites (caller file:line -> callee function) from which control enters it from
+another file (value reads -- properties, `len()` -- not counted). A *climb back* enters a file
+that is already on the stack (a callback into its caller's file). tests/test_pair_walk.py
+bounds the entries per file of the command walk.
 
 Machine: {machine()}.
 
@@ -282,7 +308,7 @@ Machine: {machine()}.
 """
     from _report import write_section
 
-    write_section("pair-walk", body)
+    write_section(f"pair-walk-{args.backend}" + (f"-{args.label}" if args.label else ""), body)
 
 
 if __name__ == "__main__":
