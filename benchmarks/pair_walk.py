@@ -218,11 +218,12 @@ def trace(call: Callable[[], Any]) -> tuple[Any, Walk]:
                 up = up.f_back
         walk.entries.setdefault(short(callee), set()).add(site)
 
+    previous = sys.getprofile()
     sys.setprofile(profile)
     try:
         result = call()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     return result, walk
 
 

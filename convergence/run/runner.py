@@ -231,7 +231,7 @@ class Runner(JobRunner):
                 )
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
-        regime = regime or get_regime(pair.regime)
+        regime = regime if regime is not None else get_regime(pair.regime)
         jobs = regime.control_jobs(pair, self.backend(pair.control))
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True) for job in jobs]
         # What travels with the control (seed replicates, the twin's curves) is the regime's.
