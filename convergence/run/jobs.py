@@ -322,8 +322,10 @@ class JobRunner:
             return build
 
         def read(entry: Path, cached: bool) -> Path:
-            if not cached and entry != build:  # stored (a read-only cache keeps nothing:
-                shutil.rmtree(build, ignore_errors=True)  # use it in place)
+            # Made here and stored: the build folder goes (a read-only cache keeps nothing:
+            # the build folder is the entry, used in place).
+            if not cached and entry != build:
+                shutil.rmtree(build, ignore_errors=True)
             return entry / "seed"
 
         return self.cached_run(key, produce, usable=_any_entry, read=read, refreshable=False)
