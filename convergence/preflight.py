@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from convergence.backends import get_backend
+from convergence.backends import Backend, get_backend
 from convergence.backends.builtin import BuiltinBackend
 from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import NotRunnableHere, SpecError
@@ -73,9 +73,14 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     """Invariants of a pair that need no devices: same data, same tokens per step, valid jobs."""
     file = pair.source
     control, test = pair.control, pair.test
+    # Each side's backend, looked up once; what it works out of a job (the effective train
+    # config) is worked out once per job and kept (backends/effective.py), so the regime's
+    # checks, the tokens per step and the runner later only look it up.
+    backends: dict[str, Backend] = {}
     for side_key, job in (("control", control), (key, test)):
         try:
-            get_backend(job.backend).preflight(job)
+            backends[side_key] = get_backend(job.backend)
+            backends[side_key].preflight(job)
         except SpecError as exc:
             # Name the experiment file (what the user edits); a check made on the effective
             # train config says so and points at it too.
@@ -102,7 +107,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
         raise SpecError(exc.detail, file=file, key=f"{key}.regime", fix=exc.fix) from None
     # The regime's own checks (same seed, its control jobs can be derived, ...), then each
     # regime's say on the methods that need its control jobs.
-    regime.check(pair, key=key, backend=get_backend(control.backend))
+    regime.check(pair, key=key, backend=backends["control"])
     for other in REGISTRY.all():
         other.check_method_use(pair, key=key)
     if pair.probe_always and {control.backend, test.backend} != {"builtin"}:
@@ -114,7 +119,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             fix='drop probe = "always" for this pair',
         )
     if control.backend == test.backend:
-        backend = get_backend(control.backend)
+        backend = backends["control"]
         ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
         if ctrl_tokens != test_tokens:
             raise SpecError(
@@ -158,7 +163,7 @@ def check_resume(test: JobSpec, *, file: str, key: str) -> None:
 def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
     if test.backend != "builtin":
         return "make local batch x DP x grad accumulation equal on both sides"
-    cfg = BuiltinBackend().effective_config(test)
+    cfg = BuiltinBackend().effective_config(test)  # looked up: preflight worked it out
     per_sample = test.layout.dp * cfg.training.grad_accum_steps * cfg.data.seq_len
     if ctrl_tokens % per_sample == 0:
         return (

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import convergence
+from convergence.backends.effective import once_per_job
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.spec.errors import SpecError
@@ -61,7 +62,9 @@ class BuiltinBackend:
     def version(self) -> str:
         return f"builtin-{convergence.__version__}"
 
+    @once_per_job  # asked by most methods here, at collection and again by the runner
     def effective_config(self, job: JobSpec) -> TrainConfig:
+        """The train config TOML with the job's settings applied (backends/effective.py)."""
         return load_train_config(job.train_config, job_overrides(job))
 
     def preflight(self, job: JobSpec) -> None:

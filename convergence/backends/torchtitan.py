@@ -51,6 +51,7 @@ from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any
 
+from convergence.backends.effective import once_per_job
 from convergence.cache.key import sources_hash
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
@@ -412,6 +413,7 @@ class TorchtitanBackend:
             local_batch_size=self.local_batch_size(job),
         )
 
+    @once_per_job  # preflight, tokens per step, the twin: one parse (backends/effective.py)
     def effective_config(self, job: JobSpec) -> Any:
         return parse(tuple(self.argv(job, extra=load_args(PLACEHOLDER_DIR))))
 

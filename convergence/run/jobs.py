@@ -155,24 +155,35 @@ class JobRunner:
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
         self._prepared: dict[JobSpec, PreparedJob] = {}
+        self._backends: dict[str, Backend] = {}
 
     # -- the public job API (run.probe, run.resume, ab, and the pair floor's Runner) -------
     @property
     def session_id(self) -> str:
         return self.settings.session_id
 
+    def backend(self, job: JobSpec) -> Backend:
+        """``job``'s backend: one instance per backend name and session (backends hold no
+        state of their own; what they work out of a job is kept per job: backends/effective.py)."""
+        backend = self._backends.get(job.backend)
+        if backend is None:
+            backend = self._backends[job.backend] = get_backend(job.backend)
+        return backend
+
     def prepare(self, job: JobSpec) -> PreparedJob:
         """``job``'s backend, seed checkpoint and run-cache key, worked out once per session.
 
-        Why once: the seed identity is the backend's effective train config (the built-in
-        trainer's TOML merged with the job's overrides; torchtitan's config module) and the key
-        hashes the config text, the code, the hardware and the hook's source. A job's run, its
-        resume and its probes (two per side) all need them; they cannot change within a
-        session, and the seed checkpoint, once made, stays in the cache.
+        Why once: the seed identity is read from the backend's effective train config (the
+        built-in trainer's TOML merged with the job's overrides; torchtitan's config module),
+        which the backend works out once per job and process (backends/effective.py: the
+        collection's checks usually did already), and the key hashes the config text, the
+        code, the hardware and the hook's source. A job's run, its resume and its probes (two
+        per side) all need them; they cannot change within a session, and the seed
+        checkpoint, once made, stays in the cache.
         """
         prepared = self._prepared.get(job)
         if prepared is None:
-            backend = get_backend(job.backend)
+            backend = self.backend(job)
             seed_dir = self.seed_checkpoint(job, backend)
             key = self.job_key(job, backend, seed_dir)
             prepared = self._prepared[job] = PreparedJob(
@@ -267,14 +278,20 @@ class JobRunner:
         *,
         usable: Callable[[Path], bool],
         read: Callable[[Path, bool], T],
+        refreshable: bool = True,
     ) -> T:
         """``read(entry, cached)`` of the cache entry for ``key``: the stored one when
         ``usable`` accepts it (and, with --refresh, this session made it), else
         ``produce()``'s folder, committed. The key stays claimed until ``read`` returns, so
         runs sharing it (xdist workers, pairs) produce it once and no one replaces an entry
-        that is being read."""
+        that is being read. ``refreshable`` False: --refresh does not apply (a seed
+        checkpoint: the same weights whoever made them)."""
         with self.cache.claim(key) as claim:
-            if claim.path is not None and usable(claim.path) and self._reusable(claim.path):
+            if (
+                claim.path is not None
+                and usable(claim.path)
+                and (not refreshable or self._reusable(claim.path))
+            ):
                 return read(claim.path, True)
             entry: Path = claim.commit(produce())
             return read(entry, False)
@@ -287,15 +304,13 @@ class JobRunner:
         if identity is None:
             return None
         key = _hash({"seed_checkpoint": identity})
-        with self.cache.claim(key) as claim:
-            if claim.path is not None:
-                return claim.path / "seed"
-            build = self.settings.work_dir / "tmp" / f"{key}-{os.getpid()}"
+        build = self.settings.work_dir / "tmp" / f"{key}-{os.getpid()}"
+
+        def produce() -> Path:
             shutil.rmtree(build, ignore_errors=True)
-            seed_dir = build / "seed"
             request = self.launch_request(
                 f"seed-checkpoint {job.name}",
-                backend.seed_entry(job, seed_dir),
+                backend.seed_entry(job, build / "seed"),
                 nproc=1,
                 log_dir=build / "logs",
                 direct=True,
@@ -304,10 +319,16 @@ class JobRunner:
             result = self.launcher.launch(request)  # one process: no lease from the pool
             if not result.ok:
                 raise JobFailed("seed-checkpoint", job, result)
-            entry = claim.commit(build)
-            if entry != build:  # stored (a read-only cache keeps nothing: use it in place)
+            return build
+
+        def read(entry: Path, cached: bool) -> Path:
+            # Made here and stored: the build folder goes (a read-only cache keeps nothing:
+            # the build folder is the entry, used in place).
+            if not cached and entry != build:
                 shutil.rmtree(build, ignore_errors=True)
             return entry / "seed"
+
+        return self.cached_run(key, produce, usable=_any_entry, read=read, refreshable=False)
 
     def run_job(
         self,
@@ -428,6 +449,11 @@ class JobRunner:
             wall_s=wall,
             meta=backend.read_meta(job, dump),
         )
+
+
+def _any_entry(entry: Path) -> bool:
+    """A seed checkpoint's entry is usable as the cache verified it (no job record)."""
+    return True
 
 
 def _recorded(run_dir: Path, key: str) -> Any:

@@ -20,13 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.backends import get_backend
 from convergence.cache.store import CacheError
 from convergence.calibration.select import select_calibration, use
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
-from convergence.regimes import get_regime
+from convergence.regimes import Regime, get_regime
 from convergence.run.floors import with_floors
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings, slug
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
@@ -116,7 +115,8 @@ class Runner(JobRunner):
         control: SideOutcome | None = None
         test: SideOutcome | None = None
         try:
-            controls = self._controls(pair, pair_dir)
+            regime = get_regime(pair.regime)
+            controls = self._controls(pair, pair_dir, regime=regime)
             control = controls[0]
             unhealthy = None if pair.golden else _control_problem(control)
             if unhealthy:
@@ -131,18 +131,16 @@ class Runner(JobRunner):
             control_runs = [c.metrics for c in controls]
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
-                keys = get_backend(pair.test.backend).record_keys(pair.test)
-                policy = get_regime(pair.regime).early_stop
-                monitor = SequentialMonitor(
+                policy = regime.early_stop
+                # The launcher feeds each record to the monitor itself (no callback of ours
+                # between them): it says when the test's failure is decided.
+                on_metrics = SequentialMonitor(
                     pair.rules,
                     control_runs,
-                    key_map=keys,
+                    key_map=self.backend(pair.test).record_keys(pair.test),
                     min_step=policy.min_step,
                     patience=policy.patience,
-                )
-
-                def on_metrics(record: dict[str, float]) -> bool:
-                    return bool(monitor.update(int(record["step"]), record).decided)
+                ).decided_by
 
             if pair.test.resume is not None:  # two jobs, one curve (run/resume.py)
                 test = run_resumed(
@@ -220,7 +218,11 @@ class Runner(JobRunner):
             pair, pair_dir, runner=self, divergent_step=first_divergent_step(verdicts), runs=runs
         )
 
-    def _controls(self, pair: PairSpec, pair_dir: Path) -> list[SideOutcome]:
+    def _controls(
+        self, pair: PairSpec, pair_dir: Path, regime: Regime | None = None
+    ) -> list[SideOutcome]:
+        """The control sides, ``pair.control`` first (``regime``: the pair's, when the caller
+        has it already)."""
         if pair.golden:
             golden = read_run(Path(pair.golden), key="golden")
             return [
@@ -229,8 +231,8 @@ class Runner(JobRunner):
                 )
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
-        regime = get_regime(pair.regime)
-        jobs = regime.control_jobs(pair, get_backend(pair.control.backend))
+        regime = regime if regime is not None else get_regime(pair.regime)
+        jobs = regime.control_jobs(pair, self.backend(pair.control))
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True) for job in jobs]
         # What travels with the control (seed replicates, the twin's curves) is the regime's.
         kept = regime.control_curves([s.metrics for s in sides])

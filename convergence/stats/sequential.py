@@ -107,6 +107,11 @@ class SequentialMonitor:
                 )
         return self.decision
 
+    def decided_by(self, record: Mapping[str, float]) -> bool:
+        """:meth:`update` with the record's own ``step``, as the launcher's ``on_metrics``
+        callback: True once the test's failure is decided (the launcher then stops the job)."""
+        return self.update(int(record["step"]), record).decided
+
     def _values(self, record: Mapping[str, object]) -> dict[str, float]:
         values: dict[str, float] = {}
         for source, metric in self._sources.items():
