@@ -98,6 +98,16 @@ def precision_cases(seed: int) -> list[Case]:
             techniques=COMPILE,
             seed=seed,
         ),
+        # the same in bf16 on both sides (a GPU user's compile): control bf16 eager
+        as_bf16(
+            Case(
+                name="fsdp2-compile-bf16",
+                kind="correct",
+                parallelism={"dp_shard": 2},
+                techniques=COMPILE,
+                seed=seed,
+            )
+        ),
     ]
 
 
