@@ -135,16 +135,18 @@ def builtin_pair(
     *,
     control: Mapping[str, Any] | None = None,
     tests: Iterable[Mapping[str, Any]] | None = None,
-    steps: int = 4,
+    steps: int | None = 4,
     file: str = "exp.toml",
     **defaults: Any,
 ) -> Path:
     """A built-in-trainer pair on the debug config: a DDP control on 1 rank against the same
-    layout; ``control``/``tests`` replace the sides' tables, ``defaults`` add to ``[defaults]``."""
+    layout; ``control``/``tests`` replace the sides' tables, ``defaults`` add to ``[defaults]``
+    (``train_config="debug"`` for the shipped name, ``steps=None`` for none)."""
+    head = {"train_config": DEBUG_CONFIG} | ({} if steps is None else {"steps": steps})
     return write_experiment(
         folder,
         file=file,
-        defaults={"train_config": DEBUG_CONFIG, "steps": steps, **defaults},
+        defaults={**head, **defaults},
         control=control if control is not None else {"name": "ddp1"},
         tests=tests if tests is not None else [{"name": "same"}],
     )
