@@ -168,6 +168,13 @@ def command_options(
     }
 
 
+# What a plain script cannot feed: no data fingerprint, no per-part grad norms.
+SCRIPT_COMPARE: Mapping[str, Any] = {"data_fingerprint": "off", "grad_norm_parts": "off"}
+# The command-backend fixture trainer (--steps, --seed, --out, --grad-scale; logs train_loss
+# and gnorm to log.jsonl).
+COMMAND_TRAINER = Path(__file__).parent / "fixtures" / "command_trainer" / "train.py"
+
+
 def command_pair(
     folder: Path,
     *,
@@ -176,11 +183,15 @@ def command_pair(
     control: Mapping[str, Any] | None = None,
     tests: Iterable[Mapping[str, Any]] | None = None,
     backend_options: Mapping[str, Any] | None = None,
+    keys: Mapping[str, str] | None = None,
+    compare: Mapping[str, Any] | None = SCRIPT_COMPARE,
     file: str = "cmd.toml",
     **defaults: Any,
 ) -> Path:
-    """A command-backend pair (``ddp1`` against ``same``) running ``command``, with the
-    comparisons a plain script cannot feed (data fingerprint, per-part grad norms) off."""
+    """A command-backend pair (``ddp1`` against ``same`` unless ``control``/``tests`` say
+    otherwise) running ``command``; ``compare=None`` leaves the default comparisons, and
+    ``backend_options`` add to (or replace) the command's options."""
+    options = {**command_options(command, keys=keys), **(backend_options or {})}
     return write_experiment(
         folder,
         file=file,
@@ -188,10 +199,17 @@ def command_pair(
             "train_config": DEBUG_CONFIG,
             "steps": steps,
             "backend": "command",
-            "compare": {"data_fingerprint": "off", "grad_norm_parts": "off"},
+            **({} if compare is None else {"compare": dict(compare)}),
             **defaults,
-            "backend_options": {**command_options(command), **(backend_options or {})},
+            "backend_options": options,
         },
         control=control if control is not None else {"name": "ddp1"},
         tests=tests if tests is not None else [{"name": "same"}],
+    )
+
+
+def fixture_command(*extra: str) -> str:
+    """The fixture trainer's command line, as one string the backend splits."""
+    return " ".join(
+        [str(COMMAND_TRAINER), "--steps {steps} --seed {seed} --out {dump_dir}", *extra]
     )
