@@ -172,7 +172,7 @@ def command_options(
 SCRIPT_COMPARE: Mapping[str, Any] = {"data_fingerprint": "off", "grad_norm_parts": "off"}
 # The command-backend fixture trainer (--steps, --seed, --out, --grad-scale; logs train_loss
 # and gnorm to log.jsonl).
-COMMAND_TRAINER = Path(__file__).parent / "fixtures" / "command_trainer" / "train.py"
+COMMAND_TRAINER = ROOT / "tests" / "fixtures" / "command_trainer" / "train.py"
 
 
 def command_pair(
