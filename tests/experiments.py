@@ -48,7 +48,7 @@ def _value(value: Any) -> str:
         if not value:
             return "{}"
         return "{ " + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + " }"
-    if isinstance(value, Sequence):
+    if isinstance(value, Sequence) and not isinstance(value, bytes | bytearray):
         return "[" + ", ".join(_value(v) for v in value) + "]"
     raise TypeError(f"no TOML form for {value!r} ({type(value).__name__})")
 

@@ -44,6 +44,8 @@ def test_floats_keep_every_bit_and_specials_are_written() -> None:
 def test_a_value_with_no_toml_form_is_an_error() -> None:
     with pytest.raises(TypeError, match="no TOML form"):
         dumps({"none": None})
+    with pytest.raises(TypeError, match="no TOML form"):
+        dumps({"raw": b"bytes"})  # not silently a list of ints
 
 
 def test_the_layout_is_the_files_own_tables_in_order(tmp_path: Path) -> None:
