@@ -15,23 +15,20 @@ from convergence.backends import backend_names, get_backend
 from convergence.backends.registry import GROUP, SHIPPED
 from convergence.preflight import load_checked
 from convergence.spec.errors import SpecError
+from experiments import builtin_pair
 
 REPO = Path(__file__).resolve().parents[1]
 
-EXPERIMENT = """\
-[defaults]
-train_config = "debug"
-steps = 4
-backend = "{backend}"
 
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
+def experiment(folder: Path, backend: str) -> Path:
+    return builtin_pair(
+        folder,
+        train_config="debug",
+        backend=backend,
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "ddp2", "parallelism": {"dp_replicate": 2}}],
+    )
 
-[[test]]
-name = "ddp2"
-parallelism = {{ dp_replicate = 2 }}
-"""
 
 TINY_PYPROJECT = """\
 [build-system]
@@ -65,8 +62,7 @@ def test_the_shipped_backends_are_pyprojects_entry_points() -> None:
 
 
 def test_an_unknown_backend_is_a_collection_error_naming_the_key(tmp_path: Path) -> None:
-    path = tmp_path / "exp.toml"
-    path.write_text(EXPERIMENT.format(backend="nope"))
+    path = experiment(tmp_path, "nope")
     with pytest.raises(SpecError) as err:
         load_checked(path, rootdir=REPO)
     assert err.value.key == "control.backend" and "unknown backend 'nope'" in str(err.value)
@@ -103,7 +99,6 @@ def test_an_installed_third_party_backend_is_used_by_name(
     assert "tiny" in backend_names()
     assert type(get_backend("tiny")).__name__ == "TinyBackend"
     assert type(get_backend("builtin")).__name__ == "BuiltinBackend"  # not taken over
-    path = tmp_path / "exp.toml"
-    path.write_text(EXPERIMENT.format(backend="tiny"))
+    path = experiment(tmp_path, "tiny")
     (pair,) = load_checked(path, rootdir=REPO).pairs  # its preflight and tokens per step ran
     assert pair.control.backend == pair.test.backend == "tiny"

@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from experiments import write_experiment
 
 if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
     pytest.importorskip(
@@ -233,23 +234,10 @@ def test_bad_options_fail() -> None:
 
 
 def test_bad_override_fails_the_pair_at_collection(tmp_path: Path) -> None:
-    path = tmp_path / "tt.toml"
-    path.write_text(
-        textwrap.dedent("""
-        [defaults]
-        backend = "torchtitan"
-        train_config = "tt.toml"
-        local_batch_size = 8
-
-        [control]
-        name = "fsdp2"
-        parallelism = { dp_shard = 2 }
-
-        [[test]]
-        name = "fsdp2-tp2"
-        parallelism = { dp_shard = 2, tp = 2 }
-        overrides = { "parallelism.tensor_paralel_degree" = 2 }
-        """)
+    path = _tt_pair(
+        tmp_path,
+        {"overrides": {"parallelism.tensor_paralel_degree": 2}},
+        local_batch_size=8,
     )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
@@ -257,6 +245,18 @@ def test_bad_override_fails_the_pair_at_collection(tmp_path: Path) -> None:
     assert err.file == str(path)
     assert err.key == "overrides.parallelism.tensor_paralel_degree"
     assert "fsdp2-tp2" in str(err) and "--parallelism.tensor-parallel-degree" in str(err)
+
+
+def _tt_pair(tmp_path: Path, test: dict[str, Any], **defaults: Any) -> Path:
+    """tt.toml: a torchtitan FSDP2 control against FSDP2+TP2 (the file is its own train
+    config); ``test`` adds to the test's table, ``defaults`` to ``[defaults]``."""
+    return write_experiment(
+        tmp_path,
+        file="tt.toml",
+        defaults={"backend": "torchtitan", "train_config": "tt.toml", **defaults},
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}, **test}],
+    )
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.name for p in EXPERIMENTS])
@@ -404,24 +404,12 @@ def test_noise_twin_keeps_the_samples_and_changes_the_reduction(tmp_path: Path) 
 
 
 def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path) -> None:
-    path = tmp_path / "tt.toml"
-    path.write_text(
-        textwrap.dedent("""
-        [defaults]
-        backend = "torchtitan"
-        train_config = "tt.toml"
-        local_batch_size = 4
-        techniques = { param_dtype = "bfloat16" }
-        overrides = { "training.seq_len" = 64 }
-
-        [control]
-        name = "fsdp2"
-        parallelism = { dp_shard = 2 }
-
-        [[test]]
-        name = "fsdp2-tp2"
-        parallelism = { dp_shard = 2, tp = 2 }
-        """)
+    path = _tt_pair(
+        tmp_path,
+        {},
+        local_batch_size=4,
+        techniques={"param_dtype": "bfloat16"},
+        overrides={"training.seq_len": 64},
     )
     (pair,) = load_checked(path, rootdir=tmp_path).pairs
     assert pair.regime == "twin"
@@ -432,24 +420,8 @@ def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path)
 def test_probe_always_is_refused_for_torchtitan_at_collection(tmp_path: Path) -> None:
     """The numerics probe is the built-in trainer's: asking for it on a torchtitan pair is a
     collection error, not a silent no-op."""
-    path = tmp_path / "tt.toml"
-    path.write_text(
-        textwrap.dedent("""
-        [defaults]
-        backend = "torchtitan"
-        train_config = "tt.toml"
-        local_batch_size = 4
-        overrides = { "training.seq_len" = 64 }
-
-        [control]
-        name = "fsdp2"
-        parallelism = { dp_shard = 2 }
-
-        [[test]]
-        name = "fsdp2-tp2"
-        parallelism = { dp_shard = 2, tp = 2 }
-        probe = "always"
-        """)
+    path = _tt_pair(
+        tmp_path, {"probe": "always"}, local_batch_size=4, overrides={"training.seq_len": 64}
     )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)

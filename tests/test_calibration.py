@@ -41,6 +41,7 @@ from convergence.stats.paired import PAIRED_DEFAULTS, paired_tolerance
 from convergence.stats.registry import compare_all
 from convergence.stats.twin import TWIN_DEFAULTS, TwinEnvelope, twin_noise
 from convergence.stats.types import MetricVerdict
+from experiments import builtin_pair
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))  # report_examples
@@ -63,23 +64,6 @@ def nudge_layer0(model: nn.Module, ctx) -> None:
     return None
 '''
 
-EXPERIMENT = f"""
-[defaults]
-train_config = "{CONFIG}"
-steps = 4
-seed = 3
-probe = "off"
-
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
-
-[[test]]
-name = "nudged"
-parallelism = {{ dp_shard = 2 }}
-hook = "nudge:nudge_layer0"
-early_stop = false
-"""
 
 #: A stack whose fp32 reductions are 100x noisier than this CPU's (a simulated GPU).
 NOISY = {
@@ -100,8 +84,23 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("calibrated-project")
     (root / "pytest.ini").write_text("[pytest]\n")
     (root / "nudge.py").write_text(NUDGE)
-    (root / "experiments").mkdir()
-    (root / "experiments" / "pair.toml").write_text(EXPERIMENT)
+    builtin_pair(
+        root / "experiments",
+        file="pair.toml",
+        train_config=str(CONFIG),
+        steps=4,
+        seed=3,
+        probe="off",
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[
+            {
+                "name": "nudged",
+                "parallelism": {"dp_shard": 2},
+                "hook": "nudge:nudge_layer0",
+                "early_stop": False,
+            }
+        ],
+    )
     return root
 
 

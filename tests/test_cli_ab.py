@@ -12,6 +12,7 @@ import convergence.cli.ab as ab
 from convergence.cli import main
 from convergence.options import run_settings
 from convergence.worktrees import git as _git  # a failing git names itself
+from experiments import experiment_doc, write_toml
 
 TRAINER = '''\
 """A deterministic stand-in trainer: rank 0 logs loss and grad norm per step."""
@@ -30,21 +31,16 @@ if os.environ.get("RANK", "0") == "0":
             f.write(json.dumps({{"step": step, "loss": loss, "grad_norm": 1.0 / step}}) + "\\n")
 '''
 
-EXPERIMENT = """\
-[defaults]
-train_config = "cfg.toml"
-steps = 6
-backend = "command"
-backend_options = { command = "train.py --steps {steps} --out {dump_dir}" }
-
-[control]
-name = "ddp2"
-parallelism = { dp_replicate = 2 }
-
-[[test]]
-name = "fsdp2"
-parallelism = { dp_shard = 2 }
-"""
+EXPERIMENT = experiment_doc(
+    defaults={
+        "train_config": "cfg.toml",
+        "steps": 6,
+        "backend": "command",
+        "backend_options": {"command": "train.py --steps {steps} --out {dump_dir}"},
+    },
+    control={"name": "ddp2", "parallelism": {"dp_replicate": 2}},
+    tests=[{"name": "fsdp2", "parallelism": {"dp_shard": 2}}],
+)
 
 
 @pytest.fixture
@@ -57,7 +53,7 @@ def repo(tmp_path: Path) -> Path:
     _git(repo, "config", "user.name", "t")
     (repo / "train.py").write_text(TRAINER.format(bug=""))
     (repo / "cfg.toml").write_text("# hashed only\n")
-    (repo / "exp.toml").write_text(EXPERIMENT)
+    write_toml(repo / "exp.toml", EXPERIMENT)
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "trainer")
     _git(repo, "checkout", "-q", "-b", "bug")

@@ -13,6 +13,7 @@ import pytest
 
 from convergence.cli import main
 from convergence.worktrees import git as _git  # a failing git names itself
+from experiments import dumps, experiment_doc
 
 TRAINER = '''\
 """A deterministic stand-in trainer: rank 0 logs loss and grad norm per step."""
@@ -35,22 +36,26 @@ if os.environ.get("RANK", "0") == "0":
 #: the control (replicated) is untouched, so only the pair's verdict can tell.
 BUG = " + (0.02 * step if step >= 3 and args.dp_shard > 1 else 0.0)"
 
-EXPERIMENT = """\
-[defaults]
-train_config = "cfg.toml"
-steps = 8
-backend = "command"
-backend_options = { launch = "direct", command = "train.py --steps {steps} --dp-shard {dp_shard} --out {dump_dir}", \
-sources = ["train.py"] }
 
-[control]
-name = "ddp2"
-parallelism = { dp_replicate = 2 }
+def experiment(trainer: str = "train.py", *args: str) -> str:
+    """The committed exp.toml: DDP2 against FSDP2, ``trainer`` (keyed by its source) run
+    directly with ``args`` before the usual options."""
+    command = " ".join([trainer, *args, "--steps {steps} --dp-shard {dp_shard} --out {dump_dir}"])
+    return dumps(
+        experiment_doc(
+            defaults={
+                "train_config": "cfg.toml",
+                "steps": 8,
+                "backend": "command",
+                "backend_options": {"launch": "direct", "command": command, "sources": [trainer]},
+            },
+            control={"name": "ddp2", "parallelism": {"dp_replicate": 2}},
+            tests=[{"name": "fsdp2", "parallelism": {"dp_shard": 2}}],
+        )
+    )
 
-[[test]]
-name = "fsdp2"
-parallelism = { dp_shard = 2 }
-"""
+
+EXPERIMENT = experiment()
 
 
 def _commit(repo: Path, message: str, **files: str) -> str:
@@ -142,6 +147,7 @@ def test_a_commit_where_the_pair_cannot_run_is_skipped(
     good = _commit(
         repo, "good", train__py=TRAINER.format(bug=""), cfg__toml="#\n", exp__toml=EXPERIMENT
     )
+    # Broken on purpose (an unclosed header appended): text, not the TOML writer.
     broken = _commit(repo, "broken experiment", exp__toml=EXPERIMENT + "[[test\n")
     bad = _commit(repo, "bug", train__py=TRAINER.format(bug=BUG), exp__toml=EXPERIMENT)
     _commit(repo, "notes", notes__txt="x\n")
@@ -237,8 +243,7 @@ def test_sigterm_leaves_no_worktree_and_no_job(
 
     repo = _repo(tmp_path)
     pid_file = tmp_path / "job.pid"
-    slow = EXPERIMENT.replace('"train.py --steps', f'"slow.py {pid_file} --steps')
-    slow = slow.replace('["train.py"]', '["slow.py"]')
+    slow = experiment("slow.py", str(pid_file))
     _commit(repo, "a", slow__py=SLOW_TRAINER, cfg__toml="#\n", exp__toml=slow)
     _commit(repo, "b", notes__txt="b\n")
     monkeypatch.chdir(repo)

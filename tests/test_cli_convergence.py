@@ -14,6 +14,7 @@ from test_plugin_reporting import make_outcome  # synthetic outcomes, no trainin
 
 from convergence.cli import main
 from convergence.report import REPORT_JSON_SCHEMA, outcome_to_json
+from experiments import write_experiment
 
 
 def _save(folder: Path, outcomes: list) -> Path:  # type: ignore[type-arg]
@@ -81,10 +82,11 @@ def test_report_from_a_folder_without_outcomes_is_a_usage_error(
 def test_run_rejects_an_invalid_experiment_before_launching(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    exp = tmp_path / "bad.toml"
-    exp.write_text(
-        '[control]\nname = "fsdp2"\nparallelism = { dp_shard = 2 }\n'
-        '[[test]]\nname = "t"\ntensor_paralel = 2\n'
+    exp = write_experiment(
+        tmp_path,
+        file="bad.toml",
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "t", "tensor_paralel": 2}],
     )
     code = main(["run", str(exp), "--workdir", str(tmp_path / "wd")])
     assert code == 2

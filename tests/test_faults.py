@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from experiments import dumps, experiment_doc
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "faulty"))
 
@@ -554,21 +555,19 @@ def test_builtin_trainer_rank_raising_in_a_hook(tmp_path: Path) -> None:
     project = make_project(
         tmp_path,
         {
-            "builtin.toml": textwrap.dedent(f"""
-        [defaults]
-        train_config = "{DEBUG}"
-        steps = 5
-        seed = 3
-
-        [control]
-        name = "fsdp2"
-        parallelism = {{ dp_shard = 2 }}
-
-        [[test]]
-        name = "hook-raises"
-        parallelism = {{ dp_shard = 2 }}
-        hook = "raising_hook:raise_on_rank1"
-        """)
+            "builtin.toml": dumps(
+                experiment_doc(
+                    defaults={"train_config": str(DEBUG), "steps": 5, "seed": 3},
+                    control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+                    tests=[
+                        {
+                            "name": "hook-raises",
+                            "parallelism": {"dp_shard": 2},
+                            "hook": "raising_hook:raise_on_rank1",
+                        }
+                    ],
+                )
+            )
         },
     )
     (project / "raising_hook.py").write_text(RAISING_HOOK)
@@ -587,33 +586,36 @@ def test_builtin_trainer_rank_raising_in_a_hook(tmp_path: Path) -> None:
 
 # -- bad input at collection -----------------------------------------------------------------
 
-_GOOD = f"""
-[defaults]
-train_config = "{DEBUG}"
-steps = 4
 
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
-"""
+def _bad(test: dict[str, object], train_config: str = str(DEBUG)) -> str:
+    """A valid control (FSDP on 2 ranks, 4 steps) and the bad test ``test``."""
+    return dumps(
+        experiment_doc(
+            defaults={"train_config": train_config, "steps": 4},
+            control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+            tests=[{"name": "x", **test}],
+        )
+    )
+
 
 BAD_INPUT = {
     # file name: (experiment text, substrings the collection error must show)
-    "malformed.toml": (_GOOD + "[[test]\nname = 'x'\n", ["malformed TOML", "fix:"]),
+    # Broken on purpose: the test's header loses a bracket (what the writer never writes).
+    "malformed.toml": (_bad({}).replace("[[test]]", "[[test]", 1), ["malformed TOML", "fix:"]),
     "unknown_key.toml": (
-        _GOOD + "[[test]]\nname = 'x'\ntensor_paralel = 2\n",
+        _bad({"tensor_paralel": 2}),
         ["key 'test[0].tensor_paralel'", "unknown key", "fix:"],
     ),
     "wrong_type.toml": (
-        _GOOD + "[[test]]\nname = 'x'\nsteps = 'ten'\n",
+        _bad({"steps": "ten"}),
         ["key 'test[0].steps'", "expected an integer", "fix:"],
     ),
     "impossible.toml": (
-        _GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 1, tp = 3 }\n",
+        _bad({"parallelism": {"dp_shard": 1, "tp": 3}}),
         ["key 'test[0].parallelism.tp'", "tp=3 must divide", "fix:"],
     ),
     "tokens.toml": (
-        _GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 4 }\n",
+        _bad({"parallelism": {"dp_shard": 4}}),
         [
             "key 'test[0].local_batch_size'",
             "tokens per optimizer step differ",
@@ -621,13 +623,11 @@ BAD_INPUT = {
         ],
     ),
     "bad_hook.toml": (
-        _GOOD + "[[test]]\nname = 'x'\nparallelism = { dp_shard = 2 }\n"
-        "hook = 'no_such_pkg_7.par:apply'\n",
+        _bad({"parallelism": {"dp_shard": 2}, "hook": "no_such_pkg_7.par:apply"}),
         ["key 'test[0].hook'", "hook module 'no_such_pkg_7.par' cannot be imported", "fix:"],
     ),
     "no_config.toml": (
-        _GOOD.replace(str(DEBUG), "train_configs/nope.toml")
-        + "[[test]]\nname = 'x'\nparallelism = { dp_replicate = 2 }\n",
+        _bad({"parallelism": {"dp_replicate": 2}}, train_config="train_configs/nope.toml"),
         ["key 'control.train_config'", "does not exist", "fix:"],
     ),
     # Too many devices for the session is not bad input but a skip (test_plugin_collection).

@@ -18,37 +18,25 @@ from pathlib import Path
 
 import pytest
 
+from experiments import experiment_doc, write_toml
+
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).
 pytestmark = pytest.mark.xdist_group("install_wheel")
 
 REPO = Path(__file__).resolve().parents[1]
 
-EXPERIMENT = """\
-[defaults]
-train_config = "debug"       # shipped with the package
-steps = 3
-seed = 5
-
-[control]
-name = "fsdp2"
-parallelism = { dp_shard = 2 }
-
-[[test]]
-name = "ddp2"
-parallelism = { dp_replicate = 2 }
-"""
+EXPERIMENT = experiment_doc(
+    defaults={"train_config": "debug", "steps": 3, "seed": 5},  # debug: shipped in the wheel
+    control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+    tests=[{"name": "ddp2", "parallelism": {"dp_replicate": 2}}],
+)
 
 # A torchtitan-style job config that merely lives under experiments/: never ours.
-FOREIGN = """\
-[job]
-dump_folder = "./outputs"
-description = "Llama debug training"
-
-[model]
-name = "llama3"
-flavor = "debugmodel"
-"""
+FOREIGN = {
+    "job": {"dump_folder": "./outputs", "description": "Llama debug training"},
+    "model": {"name": "llama3", "flavor": "debugmodel"},
+}
 
 
 def _run(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -85,8 +73,8 @@ def user_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     assert installed.returncode == 0, installed.stderr[-3000:]
     repo = tmp / "user_repo"
     (repo / "experiments" / "llama").mkdir(parents=True)
-    (repo / "experiments" / "mine.toml").write_text(EXPERIMENT)
-    (repo / "experiments" / "llama" / "debug_model.toml").write_text(FOREIGN)
+    write_toml(repo / "experiments" / "mine.toml", EXPERIMENT)
+    write_toml(repo / "experiments" / "llama" / "debug_model.toml", FOREIGN)
     (repo / "tests").mkdir()
     (repo / "tests" / "test_plain.py").write_text("def test_plain():\n    assert True\n")
     (repo / "report").mkdir()  # exists already, as on any second run
@@ -149,8 +137,9 @@ def test_testpaths_repo_runs_its_convergence_paths(user_env: tuple[Path, dict[st
     repo = base.parent / "testpaths_repo"
     (repo / "experiments").mkdir(parents=True)
     (repo / "tests").mkdir()
-    (repo / "experiments" / "mine.toml").write_text(EXPERIMENT)
+    write_toml(repo / "experiments" / "mine.toml", EXPERIMENT)
     (repo / "tests" / "test_plain.py").write_text("def test_plain():\n    assert True\n")
+    # pytest's own config file, written as a user writes it (not an experiment).
     (repo / "pyproject.toml").write_text(
         '[tool.pytest.ini_options]\ntestpaths = ["tests"]\nconvergence_paths = ["experiments"]\n'
     )

@@ -32,6 +32,7 @@ from convergence.nightly import (
 )
 from convergence.report.data.schema import build_report
 from convergence.spec.errors import SpecError
+from experiments import builtin_pair, write_toml
 
 sys.path.insert(0, str(Path(__file__).parent))
 import report_examples as ex
@@ -511,17 +512,25 @@ def test_nightly_sizes_nodes_from_the_largest_pair(tmp_path: Path) -> None:
 
     folder = tmp_path / "experiments"
     folder.mkdir()
-    (folder / "small.toml").write_text(
-        '[defaults]\ntrain_config = "debug"\n[control]\nname = "c"\n'
-        'parallelism = { dp_shard = 2 }\n[[test]]\nname = "t"\n'
-        "parallelism = { dp_shard = 2, tp = 2 }\n"
+    builtin_pair(
+        folder,
+        file="small.toml",
+        steps=None,
+        train_config="debug",
+        control={"name": "c", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "t", "parallelism": {"dp_shard": 2, "tp": 2}}],
     )
-    (folder / "big.toml").write_text(
-        '[defaults]\ntrain_config = "debug"\n[control]\nname = "c"\n'
-        'parallelism = { dp_shard = 4 }\n[[test]]\nname = "t16"\n'
-        'parallelism = { dp_shard = 4, tp = 2, pp = 2 }\ntier = "nightly"\n'
+    builtin_pair(
+        folder,
+        file="big.toml",
+        steps=None,
+        train_config="debug",
+        control={"name": "c", "parallelism": {"dp_shard": 4}},
+        tests=[
+            {"name": "t16", "parallelism": {"dp_shard": 4, "tp": 2, "pp": 2}, "tier": "nightly"}
+        ],
     )
-    (folder / "not_ours.toml").write_text("[job]\nname = 'torchtitan config'\n")
+    write_toml(folder / "not_ours.toml", {"job": {"name": "torchtitan config"}})
     largest = largest_job([folder], rootdir=ROOT)
     assert largest is not None and largest.world_size == 16 and "big.toml::t16" in largest.where
     assert nodes_for(largest.world_size, 8) == 2

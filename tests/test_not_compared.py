@@ -16,37 +16,10 @@ from pathlib import Path
 import pytest
 
 from convergence.report.fmt import verdict_state
+from experiments import command_pair
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "fixtures" / "command_trainer" / "train.py"
-
-EXPERIMENT = f"""
-[defaults]
-train_config = "trainer.toml"
-steps = 4
-backend = "command"
-
-[defaults.backend_options]
-command = ["{SCRIPT}", "--steps", "{{steps}}", "--seed", "{{seed}}", "--out", "{{dump_dir}}"]
-metrics_file = "log.jsonl"
-keys = {{ loss = "train_loss" }}
-
-[control]
-name = "ddp1"
-parallelism = {{ dp_replicate = 1 }}
-local_batch_size = 2
-
-[[test]]
-name = "ddp2"
-parallelism = {{ dp_replicate = 2 }}
-local_batch_size = 1
-
-[[test]]
-name = "ddp2-asked"
-parallelism = {{ dp_replicate = 2 }}
-local_batch_size = 1
-compare = {{ grad_norm = "paired" }}
-"""
 
 
 def test_verdict_state_never_reads_pass_for_not_compared() -> None:
@@ -56,8 +29,25 @@ def test_verdict_state_never_reads_pass_for_not_compared() -> None:
 
 def test_unlogged_gating_metric_is_shown_or_an_error(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\n")
-    (pytester.path / "experiments").mkdir()
-    (pytester.path / "experiments" / "mine.toml").write_text(EXPERIMENT)
+    command_pair(
+        pytester.path / "experiments",
+        file="mine.toml",
+        command=[str(SCRIPT), "--steps", "{steps}", "--seed", "{seed}", "--out", "{dump_dir}"],
+        keys={"loss": "train_loss"},  # the grad norm is logged as gnorm, not mapped
+        compare=None,
+        steps=4,
+        train_config="trainer.toml",
+        control={"name": "ddp1", "parallelism": {"dp_replicate": 1}, "local_batch_size": 2},
+        tests=[
+            {"name": "ddp2", "parallelism": {"dp_replicate": 2}, "local_batch_size": 1},
+            {
+                "name": "ddp2-asked",
+                "parallelism": {"dp_replicate": 2},
+                "local_batch_size": 1,
+                "compare": {"grad_norm": "paired"},
+            },
+        ],
+    )
     (pytester.path / "experiments" / "trainer.toml").write_text("lr = 0.05\n")
     result = pytester.runpytest_subprocess(
         "-p",

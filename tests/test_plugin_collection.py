@@ -6,32 +6,31 @@ test_plugin_e2e.py.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from experiments import experiment_doc, write_toml
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_CONFIG = REPO / "train_configs" / "debug.toml"
 
-EXPERIMENT = f"""
-[defaults]
-train_config = "{DEBUG_CONFIG}"
-steps = 8
-seed = 42
+EXPERIMENT = experiment_doc(
+    defaults={"train_config": str(DEBUG_CONFIG), "steps": 8, "seed": 42},
+    control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+    tests=[
+        {"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}},
+        {"name": "fsdp2-nightly", "parallelism": {"dp_shard": 2, "tp": 2}, "tier": "nightly"},
+    ],
+)
 
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
 
-[[test]]
-name = "fsdp2-tp2"
-parallelism = {{ dp_shard = 2, tp = 2 }}
+def experiment() -> dict[str, Any]:
+    """A fresh copy of EXPERIMENT to change."""
+    return copy.deepcopy(EXPERIMENT)
 
-[[test]]
-name = "fsdp2-nightly"
-parallelism = {{ dp_shard = 2, tp = 2 }}
-tier = "nightly"
-"""
 
 PY_TEST = f"""
 import pytest
@@ -58,8 +57,7 @@ def _warm_imports(tmp_path_factory: pytest.TempPathFactory) -> None:
     from convergence.launch.pool import detect_devices
     from convergence.preflight import load_checked, validate_pair
 
-    path = tmp_path_factory.mktemp("warm") / "exp.toml"
-    path.write_text(EXPERIMENT)
+    path = write_toml(tmp_path_factory.mktemp("warm") / "exp.toml", EXPERIMENT)
     for pair in load_checked(path, rootdir=REPO).pairs:
         validate_pair(pair, available_devices=len(detect_devices().devices))
 
@@ -67,8 +65,7 @@ def _warm_imports(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture
 def project(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeini("[pytest]\n")
-    (pytester.path / "experiments").mkdir()
-    (pytester.path / "experiments" / "exp.toml").write_text(EXPERIMENT)
+    write_toml(pytester.path / "experiments" / "exp.toml", EXPERIMENT)
     return pytester
 
 
@@ -166,12 +163,9 @@ def test_marker_selection(project: pytest.Pytester) -> None:
 
 
 def test_unknown_key_is_a_collection_error_naming_file_and_key(project: pytest.Pytester) -> None:
-    bad = EXPERIMENT.replace(
-        "parallelism = { dp_shard = 2, tp = 2 }\n",
-        "parallelism = { dp_shard = 2, tensor_paralel = 2 }\n",
-        1,
-    )
-    (project.path / "experiments" / "exp.toml").write_text(bad)
+    bad = experiment()
+    bad["test"][0]["parallelism"] = {"dp_shard": 2, "tensor_paralel": 2}
+    write_toml(project.path / "experiments" / "exp.toml", bad)
     # The harness's own warning (in-process pytester: `convergence` imported before assertion
     # rewriting) names site-packages; the plugin's message must not.
     result = project.runpytest(
@@ -186,6 +180,7 @@ def test_unknown_key_is_a_collection_error_naming_file_and_key(project: pytest.P
 
 
 def test_malformed_toml_is_a_collection_error(project: pytest.Pytester) -> None:
+    # Broken on purpose (an unclosed table header): a literal, not the TOML writer.
     (project.path / "experiments" / "broken.toml").write_text("[control\nname = 1\n")
     result = project.runpytest("--collect-only", "-q")
     result.stdout.fnmatch_lines(["*broken.toml*malformed TOML*"])
@@ -212,9 +207,8 @@ def test_too_few_devices_is_a_skip_naming_the_need_and_strict_makes_it_an_error(
 
 
 def test_toml_outside_experiments_needs_convergence_paths(pytester: pytest.Pytester) -> None:
-    (pytester.path / "pairs").mkdir()
-    (pytester.path / "pairs" / "mine.toml").write_text(EXPERIMENT)
-    (pytester.path / "other.toml").write_text("not = 'an experiment'\n")
+    write_toml(pytester.path / "pairs" / "mine.toml", EXPERIMENT)
+    write_toml(pytester.path / "other.toml", {"not": "an experiment"})
     pytester.makeini("[pytest]\n")
     result = pytester.runpytest("--collect-only", "-q")
     assert "mine.toml" not in result.stdout.str()
@@ -330,8 +324,7 @@ def test_convergence_paths_outside_testpaths(
         convergence_paths = ["experiments"]
         markers = ["slow: slow"]
         """)
-    (pytester.path / "experiments").mkdir()
-    (pytester.path / "experiments" / "exp.toml").write_text(EXPERIMENT)
+    write_toml(pytester.path / "experiments" / "exp.toml", EXPERIMENT)
     (pytester.path / "tests").mkdir()
     (pytester.path / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
     args = ["--collect-only", "-q"] + ([] if markexpr is None else ["-m", markexpr])

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments import builtin_pair
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "debug.toml"
 
@@ -36,26 +38,26 @@ def double_ffn_grad(model: nn.Module, ctx) -> None:
     return None
 '''
 
-EXPERIMENT = f"""
-[defaults]
-train_config = "{CONFIG}"
-steps = 8
-seed = 3
+DDP2 = {"name": "ddp2", "parallelism": {"dp_replicate": 2}}
+BUG = {
+    "name": "fsdp2-bug",
+    "parallelism": {"dp_shard": 2},
+    "hook": "grad_bug:double_ffn_grad",
+    "early_stop": False,
+}
 
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
 
-[[test]]
-name = "ddp2"
-parallelism = {{ dp_replicate = 2 }}
-
-[[test]]
-name = "fsdp2-bug"
-parallelism = {{ dp_shard = 2 }}
-hook = "grad_bug:double_ffn_grad"
-early_stop = false
-"""
+def write_pairs(project: pytest.Pytester, *tests: dict[str, object]) -> None:
+    """experiments/pairs.toml: an FSDP control on 2 ranks (8 steps, seed 3) and ``tests``."""
+    builtin_pair(
+        project.path / "experiments",
+        file="pairs.toml",
+        train_config=str(CONFIG),
+        steps=8,
+        seed=3,
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=tests,
+    )
 
 
 @pytest.fixture
@@ -77,8 +79,7 @@ def test_toml_pairs_under_xdist_share_one_control(project: pytest.Pytester) -> N
 
     from convergence.report import REPORT_JSON_SCHEMA
 
-    (project.path / "experiments").mkdir()
-    (project.path / "experiments" / "pairs.toml").write_text(EXPERIMENT)
+    write_pairs(project, DDP2, BUG)
     result = project.runpytest_subprocess(
         "-p",
         "no:cacheprovider",
@@ -184,12 +185,8 @@ def test_ctrl_c_stops_jobs_and_writes_a_partial_report(project: pytest.Pytester)
 
     import psutil
 
-    (project.path / "experiments").mkdir()
-    (project.path / "experiments" / "pairs.toml").write_text(
-        EXPERIMENT.split('[[test]]\nname = "fsdp2-bug"')[0]
-        + '[[test]]\nname = "ddp2-long"\nparallelism = { dp_replicate = 2 }\nsteps = 100000\n'
-        + "early_stop = false\n"
-    )
+    long = {"name": "ddp2-long", "parallelism": {"dp_replicate": 2}, "steps": 100000}
+    write_pairs(project, DDP2, {**long, "early_stop": False})
     proc = subprocess.Popen(
         [
             sys.executable,

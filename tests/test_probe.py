@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from convergence.run.probe_compare import (
     summary_items,
 )
 from convergence.spec.errors import SpecError
+from experiments import builtin_pair
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).
@@ -93,37 +93,28 @@ def test_unmatched_names_and_summary_leave_out_tables(tmp_path: Path) -> None:
 
 
 def _experiment(tmp_path: Path, probe_mode: str = "on_failure") -> Path:
-    path = tmp_path / "probe_e2e.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
-        steps = 4
-        seed = 5
-        early_stop = false
-
-        [control]
-        name = "ddp2"
-        parallelism = {{ dp_replicate = 2 }}
-
-        [[test]]
-        name = "fsdp2-tp2"
-        parallelism = {{ dp_shard = 2, tp = 2 }}
-        probe = "{probe_mode}"
-
-        [[test]]
-        name = "fsdp2-tp2-bug"
-        parallelism = {{ dp_shard = 2, tp = 2 }}
-        hook = "planted_tp_bugs:tp_without_wo_reduce"
-        hook_mode = "replace_tp"
-
-        [[test]]
-        name = "fsdp2-late-bug"
-        parallelism = {{ dp_shard = 2 }}
-        hook = "planted_late_bugs:double_ffn_grad_from_step3"
-    """)
+    return builtin_pair(
+        tmp_path,
+        file="probe_e2e.toml",
+        steps=4,
+        seed=5,
+        early_stop=False,
+        control={"name": "ddp2", "parallelism": {"dp_replicate": 2}},
+        tests=[
+            {"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}, "probe": probe_mode},
+            {
+                "name": "fsdp2-tp2-bug",
+                "parallelism": {"dp_shard": 2, "tp": 2},
+                "hook": "planted_tp_bugs:tp_without_wo_reduce",
+                "hook_mode": "replace_tp",
+            },
+            {
+                "name": "fsdp2-late-bug",
+                "parallelism": {"dp_shard": 2},
+                "hook": "planted_late_bugs:double_ffn_grad_from_step3",
+            },
+        ],
     )
-    return path
 
 
 def _hooks_on_path() -> None:

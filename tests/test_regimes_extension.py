@@ -12,7 +12,6 @@ other change to the library.
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from convergence.regimes.base import gating_rules
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import ComparisonRule, Method, PairSpec
+from experiments import builtin_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,21 +73,6 @@ class LooseRegime:
 
 LOOSE = LooseRegime()
 
-BODY = """
-[defaults]
-train_config = "debug"
-steps = 6
-
-[control]
-name = "fsdp2"
-parallelism = { dp_shard = 2 }
-
-[[test]]
-name = "fsdp2-again"
-parallelism = { dp_shard = 2 }
-regime = "loose"
-"""
-
 
 @pytest.fixture
 def loose() -> Iterator[LooseRegime]:
@@ -95,10 +80,18 @@ def loose() -> Iterator[LooseRegime]:
         yield regime
 
 
+def _experiment(tmp_path: Path, **test: object) -> Path:
+    return builtin_pair(
+        tmp_path,
+        train_config="debug",
+        steps=6,
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "fsdp2-again", "parallelism": {"dp_shard": 2}, "regime": "loose", **test}],
+    )
+
+
 def _pair(tmp_path: Path) -> PairSpec:
-    path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(BODY))
-    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    (pair,) = load_checked(_experiment(tmp_path), rootdir=ROOT).pairs
     return pair
 
 
@@ -119,8 +112,7 @@ def test_the_parser_and_preflight_take_its_rules(tmp_path: Path, loose: LooseReg
 
 
 def test_its_own_checks_run_at_collection(tmp_path: Path, loose: LooseRegime) -> None:
-    path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(BODY) + "seed = 7\n")
+    path = _experiment(tmp_path, seed=7)
     with pytest.raises(SpecError, match="loose needs one seed"):
         load_checked(path, rootdir=ROOT)
 

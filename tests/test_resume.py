@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +23,7 @@ from convergence.run.resume import joined, phase_jobs
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 from convergence.spec.layout import ParallelLayout
+from experiments import builtin_pair
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).
@@ -30,21 +32,19 @@ pytestmark = pytest.mark.xdist_group("resume")
 REPO = Path(__file__).resolve().parents[1]
 DETECTION = REPO / "benchmarks" / "detection"
 
-HEAD = """
-[defaults]
-train_config = "debug"
-steps = 12
-seed = 42
 
-[control]
-parallelism = { dp_shard = 2 }
-"""
-
-
-def experiment(tmp_path: Path, test: str) -> Path:
-    path = tmp_path / "resume.toml"
-    path.write_text(HEAD + '\n[[test]]\nname = "t"\nparallelism = { dp_shard = 2 }\n' + test)
-    return path
+def experiment(tmp_path: Path, control: dict[str, Any] | None = None, **test: Any) -> Path:
+    """resume.toml: an unnamed FSDP control and a test "t" on the same layout, 12 steps;
+    ``test`` adds to (or replaces keys of) the test's table, ``control`` to the control's."""
+    return builtin_pair(
+        tmp_path,
+        file="resume.toml",
+        train_config="debug",
+        steps=12,
+        seed=42,
+        control={"parallelism": {"dp_shard": 2}, **(control or {})},
+        tests=[{"name": "t", "parallelism": {"dp_shard": 2}, **test}],
+    )
 
 
 def error_of(path: Path) -> SpecError:
@@ -59,7 +59,7 @@ def error_of(path: Path) -> SpecError:
 
 def test_resume_defaults_to_the_same_layout(tmp_path: Path) -> None:
     pair = load_experiment(
-        experiment(tmp_path, "resume = { at_step = 5 }"), rootdir=tmp_path, regimes=REGISTRY
+        experiment(tmp_path, resume={"at_step": 5}), rootdir=tmp_path, regimes=REGISTRY
     ).pairs[0]
     resume = pair.test.resume
     assert resume is not None and resume.at_step == 5
@@ -71,15 +71,14 @@ def test_resume_defaults_to_the_same_layout(tmp_path: Path) -> None:
 def test_resume_onto_another_layout_with_its_own_local_batch(tmp_path: Path) -> None:
     path = experiment(
         tmp_path,
-        "local_batch_size = 4\nresume = { at_step = 6, parallelism = "
-        "{ dp_shard = 2, pp = 2 }, local_batch_size = 8, techniques = "
-        '{ activation_checkpoint = "full" } }\n',
-    )
-    path.write_text(
-        path.read_text().replace(
-            'name = "t"\nparallelism = { dp_shard = 2 }',
-            'name = "t"\nparallelism = { dp_replicate = 2, dp_shard = 2 }',
-        )
+        parallelism={"dp_replicate": 2, "dp_shard": 2},
+        local_batch_size=4,
+        resume={
+            "at_step": 6,
+            "parallelism": {"dp_shard": 2, "pp": 2},
+            "local_batch_size": 8,
+            "techniques": {"activation_checkpoint": "full"},
+        },
     )
     pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
     after = pair.test.after_resume()
@@ -97,51 +96,46 @@ def test_resume_onto_another_layout_with_its_own_local_batch(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("table", "key", "words"),
     [
-        ("resume = { at_step = 12 }", "test[0].resume.at_step", "not inside the run"),
-        ("resume = { at_step = 0 }", "test[0].resume.at_step", "positive integer"),
-        ("resume = { parallelism = { dp_shard = 2 } }", "test[0].resume.at_step", "no at_step"),
+        ({"at_step": 12}, "test[0].resume.at_step", "not inside the run"),
+        ({"at_step": 0}, "test[0].resume.at_step", "positive integer"),
+        ({"parallelism": {"dp_shard": 2}}, "test[0].resume.at_step", "no at_step"),
         (
-            "resume = { at_step = 4, tensor_paralel = 2 }",
+            {"at_step": 4, "tensor_paralel": 2},
             "test[0].resume.tensor_paralel",
             "unknown key",
         ),
         (
-            "resume = { at_step = 4, parallelism = { dp_shard = 2, tp = 3 } }",
+            {"at_step": 4, "parallelism": {"dp_shard": 2, "tp": 3}},
             "test[0].resume.parallelism.tp",
             "tp=3",
         ),
         (
-            "resume = { at_step = 4, parallelism = { dp_shard = 4 } }",
+            {"at_step": 4, "parallelism": {"dp_shard": 4}},
             "test[0].resume.local_batch_size",
             "tokens per optimizer step change at the resume",
         ),
     ],
 )
 def test_invalid_resume_is_a_collection_error_naming_the_key(
-    tmp_path: Path, table: str, key: str, words: str
+    tmp_path: Path, table: dict[str, Any], key: str, words: str
 ) -> None:
-    error = error_of(experiment(tmp_path, table + "\n"))
+    error = error_of(experiment(tmp_path, resume=table))
     assert error.key == key and words in str(error) and error.fix
     assert error.file == str(tmp_path / "resume.toml")
 
 
 def test_the_tokens_fix_names_the_local_batch(tmp_path: Path) -> None:
-    error = error_of(
-        experiment(tmp_path, "resume = { at_step = 4, parallelism = { dp_shard = 4 } }\n")
-    )
+    error = error_of(experiment(tmp_path, resume={"at_step": 4, "parallelism": {"dp_shard": 4}}))
     assert "local_batch_size = 4 in the resume table" in str(error)
 
 
 def test_resume_is_built_in_only_for_now(tmp_path: Path) -> None:
-    error = error_of(experiment(tmp_path, 'backend = "torchtitan"\nresume = { at_step = 4 }\n'))
+    error = error_of(experiment(tmp_path, backend="torchtitan", resume={"at_step": 4}))
     assert "built-in only" in str(error) and error.key == "test[0].resume"
 
 
 def test_a_control_cannot_resume(tmp_path: Path) -> None:
-    path = experiment(tmp_path, "")
-    path.write_text(
-        path.read_text().replace("[control]\n", "[control]\nresume = { at_step = 3 }\n")
-    )
+    path = experiment(tmp_path, control={"resume": {"at_step": 3}})
     with pytest.raises(SpecError, match="unknown key") as info:
         load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)
     assert info.value.key == "control.resume"
@@ -149,7 +143,7 @@ def test_a_control_cannot_resume(tmp_path: Path) -> None:
 
 def test_two_jobs_and_one_curve(tmp_path: Path) -> None:
     pair = load_experiment(
-        experiment(tmp_path, "resume = { at_step = 5, parallelism = { dp_shard = 2, tp = 2 } }\n"),
+        experiment(tmp_path, resume={"at_step": 5, "parallelism": {"dp_shard": 2, "tp": 2}}),
         rootdir=tmp_path,
         regimes=REGISTRY,
     ).pairs[0]
@@ -167,7 +161,7 @@ def test_two_jobs_and_one_curve(tmp_path: Path) -> None:
 
 def test_the_note_places_the_divergence_relative_to_the_resume(tmp_path: Path) -> None:
     pair = load_experiment(
-        experiment(tmp_path, "resume = { at_step = 5 }\n"), rootdir=tmp_path, regimes=REGISTRY
+        experiment(tmp_path, resume={"at_step": 5}), rootdir=tmp_path, regimes=REGISTRY
     ).pairs[0]
     assert pair.test.resume is not None
     assert resume_note(pair.test.resume, None, "fsdp2") is None
@@ -296,12 +290,16 @@ def test_a_planted_resume_bug_fails_at_the_resume(
         "PYTHONPATH", os.pathsep.join([str(DETECTION), os.environ.get("PYTHONPATH", "")])
     )
     monkeypatch.syspath_prepend(str(DETECTION))
-    path = tmp_path / "bug.toml"
-    path.write_text(
-        '[defaults]\ntrain_config = "debug"\nsteps = 8\nseed = 42\nprobe = "off"\n'
-        'early_stop = false\n\n[control]\nname = "single"\n\n[[test]]\n'
-        f'name = "{bug}"\nhook = "detection_bugs.resume:{bug}"\n'
-        "resume = { at_step = 4 }\n"
+    path = builtin_pair(
+        tmp_path,
+        file="bug.toml",
+        train_config="debug",
+        steps=8,
+        seed=42,
+        probe="off",
+        early_stop=False,
+        control={"name": "single"},
+        tests=[{"name": bug, "hook": f"detection_bugs.resume:{bug}", "resume": {"at_step": 4}}],
     )
     pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
     check_pair(pair)
@@ -322,11 +320,14 @@ def test_a_planted_resume_bug_fails_at_the_resume(
 def test_steps_cut_before_the_resume_is_that_pairs_error(tmp_path: Path) -> None:
     from convergence.run.runner import Runner, RunSettings
 
-    path = tmp_path / "cut.toml"
-    path.write_text(
-        '[defaults]\ntrain_config = "debug"\nsteps = 8\nseed = 42\n\n'
-        '[control]\nname = "single"\n\n[[test]]\nname = "t"\n'
-        "resume = { at_step = 4 }\n"
+    path = builtin_pair(
+        tmp_path,
+        file="cut.toml",
+        train_config="debug",
+        steps=8,
+        seed=42,
+        control={"name": "single"},
+        tests=[{"name": "t", "resume": {"at_step": 4}}],
     )
     pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
     runner = Runner(

@@ -7,15 +7,14 @@ start."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 from convergence.preflight import load_checked
 from convergence.run.jobs import JobRunner, RunSettings
 from convergence.spec.job import JobSpec
+from experiments import command_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -33,28 +32,11 @@ with (dump / "log.jsonl").open("w") as log:
 
 def _job(folder: Path) -> JobSpec:
     (folder / "trainer.py").write_text(TRAINER)
-    command = json.dumps([str(folder / "trainer.py"), "{dump_dir}", "{steps}"])
-    path = folder / "cmd.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
-        steps = {STEPS}
-        backend = "command"
-        compare = {{ data_fingerprint = "off", grad_norm_parts = "off" }}
-
-        [defaults.backend_options]
-        command = {command}
-        launch = "direct"
-        metrics_file = "log.jsonl"
-        keys = {{ loss = "train_loss", grad_norm = "gnorm" }}
-
-        [control]
-        name = "ddp1"
-
-        [[test]]
-        name = "same"
-    """)
+    path = command_pair(
+        folder,
+        command=[str(folder / "trainer.py"), "{dump_dir}", "{steps}"],
+        steps=STEPS,
+        backend_options={"launch": "direct"},
     )
     return load_checked(path, rootdir=ROOT).pairs[0].control
 

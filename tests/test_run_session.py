@@ -6,7 +6,6 @@ own Runner. A fake launcher writes the curves, so no process is started."""
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from convergence.run import session as session_module
 from convergence.run.runner import Runner, RunSettings
 from convergence.run.session import SessionRunner
 from convergence.spec.pair import PairSpec
+from experiments import command_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -60,31 +60,11 @@ class FakeLauncher:
 
 
 def _pairs(folder: Path) -> list[PairSpec]:
-    path = folder / "cmd.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
-        steps = {STEPS}
-        backend = "command"
-        compare = {{ data_fingerprint = "off", grad_norm_parts = "off" }}
-
-        [defaults.backend_options]
-        command = "true {{dump_dir}}"
-        metrics_file = "log.jsonl"
-        keys = {{ loss = "train_loss", grad_norm = "gnorm" }}
-
-        [control]
-        name = "ddp1"
-
-        [[test]]
-        name = "a"
-        early_stop = false
-
-        [[test]]
-        name = "b"
-        early_stop = false
-    """)
+    path = command_pair(
+        folder,
+        command="true {dump_dir}",
+        steps=STEPS,
+        tests=[{"name": "a", "early_stop": False}, {"name": "b", "early_stop": False}],
     )
     return list(load_checked(path, rootdir=ROOT).pairs)
 

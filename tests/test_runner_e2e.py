@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import psutil
@@ -12,6 +11,7 @@ import pytest
 
 from convergence.preflight import load_checked
 from convergence.run.runner import Runner, RunSettings
+from experiments import builtin_pair, command_pair, fixture_command
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).
@@ -35,29 +35,22 @@ def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
 
 @pytest.fixture(scope="module")
 def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    path = tmp_path_factory.mktemp("exp") / "e2e.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
-        steps = {STEPS}
-        seed = 3
-
-        [control]
-        name = "fsdp2"
-        parallelism = {{ dp_shard = 2 }}
-
-        [[test]]
-        name = "ddp2"
-        parallelism = {{ dp_replicate = 2 }}
-
-        [[test]]
-        name = "fsdp2-bug"
-        parallelism = {{ dp_shard = 2 }}
-        hook = "planted_bugs:double_ffn_grad"
-        steps = 40
-        probe = "off"   # localisation has its own tests (test_probe.py)
-    """)
+    path = builtin_pair(
+        tmp_path_factory.mktemp("exp"),
+        file="e2e.toml",
+        steps=STEPS,
+        seed=3,
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[
+            {"name": "ddp2", "parallelism": {"dp_replicate": 2}},
+            {
+                "name": "fsdp2-bug",
+                "parallelism": {"dp_shard": 2},
+                "hook": "planted_bugs:double_ffn_grad",
+                "steps": 40,
+                "probe": "off",  # localisation has its own tests (test_probe.py)
+            },
+        ],
     )
     exp = load_checked(path, rootdir=ROOT)
     return {p.name: p for p in exp.pairs}
@@ -101,37 +94,22 @@ def test_planted_bug_fails_with_first_divergent_step(
 
 
 def test_command_backend_pair(runner: Runner, tmp_path: Path) -> None:
-    script = Path(__file__).parent / "fixtures" / "command_trainer" / "train.py"
-    path = tmp_path / "cmd.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
-        steps = 6
-        backend = "command"
-
-        [defaults.backend_options]
-        command = "{script} --steps {{steps}} --seed {{seed}} --out {{dump_dir}}"
-        metrics_file = "log.jsonl"
-        keys = {{ loss = "train_loss", grad_norm = "gnorm" }}
-
-        [control]
-        name = "ddp1"
-        parallelism = {{ dp_replicate = 1 }}
-        local_batch_size = 2
-
-        [[test]]
-        name = "ddp2"
-        parallelism = {{ dp_replicate = 2 }}
-        local_batch_size = 1
-
-        [[test]]
-        name = "ddp2-bug"
-        parallelism = {{ dp_replicate = 2 }}
-        local_batch_size = 1
-        backend_options = {{ command = "{script} --steps {{steps}} --seed {{seed}} --out {{dump_dir}} --grad-scale 2" }}
-        early_stop = false
-    """)
+    path = command_pair(
+        tmp_path,
+        command=fixture_command(),
+        steps=6,
+        compare=None,
+        control={"name": "ddp1", "parallelism": {"dp_replicate": 1}, "local_batch_size": 2},
+        tests=[
+            {"name": "ddp2", "parallelism": {"dp_replicate": 2}, "local_batch_size": 1},
+            {
+                "name": "ddp2-bug",
+                "parallelism": {"dp_replicate": 2},
+                "local_batch_size": 1,
+                "backend_options": {"command": fixture_command("--grad-scale 2")},
+                "early_stop": False,
+            },
+        ],
     )
     pairs = {p.name: p for p in load_checked(path, rootdir=ROOT).pairs}
     good = runner.run_pair(pairs["ddp2"])

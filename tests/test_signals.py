@@ -15,30 +15,26 @@ from pathlib import Path
 import psutil
 import pytest
 
+from experiments import builtin_pair
+
+
 # A pair whose test trains (practically) forever, so the signal always lands mid-job.
-EXPERIMENT = """
-[defaults]
-train_config = "debug"
-steps = 100000
-seed = 3
-
-[control]
-name = "ddp2"
-parallelism = { dp_replicate = 2 }
-steps = 2
-
-[[test]]
-name = "fsdp2-long"
-parallelism = { dp_shard = 2 }
-early_stop = false
-"""
+def write_experiment(project: Path) -> None:
+    builtin_pair(
+        project / "experiments",
+        file="forever.toml",
+        train_config="debug",
+        steps=100000,
+        seed=3,
+        control={"name": "ddp2", "parallelism": {"dp_replicate": 2}, "steps": 2},
+        tests=[{"name": "fsdp2-long", "parallelism": {"dp_shard": 2}, "early_stop": False}],
+    )
 
 
 def _start(project: Path, *extra: str) -> subprocess.Popen[str]:
     """pytest in a subprocess (output to project/out.txt); returns once the long job has
     logged a training step (read from its metrics file: xdist workers print no progress)."""
-    (project / "experiments").mkdir(exist_ok=True)
-    (project / "experiments" / "forever.toml").write_text(EXPERIMENT)
+    write_experiment(project)
     with open(project / "out.txt", "w") as out:
         proc = subprocess.Popen(
             [

@@ -13,7 +13,6 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -29,12 +28,12 @@ from convergence.preflight import load_checked
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
 from convergence.spec.pair import PairSpec
+from experiments import command_pair, fixture_command
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slurm_cluster import SlurmCluster, running, start_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "fixtures" / "command_trainer" / "train.py"
 STEPS = 6
 
 # Under `pytest -n N` every test of this file goes to one worker (--dist loadgroup, as .ci/run
@@ -45,34 +44,23 @@ pytestmark = pytest.mark.xdist_group("slurm")
 
 
 def _experiment(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "slurm_cmd.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "{ROOT}/train_configs/debug.toml"
-        steps = {STEPS}
-        seed = 7
-        backend = "command"
-
-        [defaults.backend_options]
-        command = "{SCRIPT} --steps {{steps}} --seed {{seed}} --out {{dump_dir}}"
-        metrics_file = "log.jsonl"
-        keys = {{ loss = "train_loss", grad_norm = "gnorm" }}
-
-        [control]
-        name = "ddp1"
-        parallelism = {{ dp_replicate = 1 }}
-        local_batch_size = 2
-
-        [[test]]
-        name = "ddp2"
-        parallelism = {{ dp_replicate = 2 }}
-        local_batch_size = 1
-        early_stop = false
-    """)
+    return command_pair(
+        folder,
+        file="slurm_cmd.toml",
+        command=fixture_command(),
+        compare=None,
+        steps=STEPS,
+        seed=7,
+        control={"name": "ddp1", "parallelism": {"dp_replicate": 1}, "local_batch_size": 2},
+        tests=[
+            {
+                "name": "ddp2",
+                "parallelism": {"dp_replicate": 2},
+                "local_batch_size": 1,
+                "early_stop": False,
+            }
+        ],
     )
-    return path
 
 
 def _pair(folder: Path) -> PairSpec:

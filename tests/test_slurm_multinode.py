@@ -20,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from convergence.launch.slurm import SlurmLauncher
 from convergence.launch.types import LaunchRequest
 from convergence.preflight import load_checked
 from convergence.run.runner import Runner, RunSettings
+from experiments import builtin_pair
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slurm_cluster import (
@@ -130,26 +130,15 @@ def allocation2(
 
 
 def _experiment(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "two_nodes.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "debug"
-        steps = {STEPS}
-        seed = 42
-
-        [control]
-        name = "fsdp2"
-        parallelism = {{ dp_shard = 2 }}
-
-        [[test]]
-        name = "fsdp2-tp2"
-        parallelism = {{ dp_shard = 2, tp = 2 }}
-        early_stop = false
-    """)
+    return builtin_pair(
+        folder,
+        file="two_nodes.toml",
+        train_config="debug",
+        steps=STEPS,
+        seed=42,
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}, "early_stop": False}],
     )
-    return path
 
 
 def test_networks_of_dead_sessions_are_swept(tmp_path: Path) -> None:

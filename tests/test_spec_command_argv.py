@@ -4,40 +4,34 @@ shell; anything else is an error naming the key."""
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from convergence.backends.command import CommandBackend
 from convergence.preflight import load_checked
 from convergence.spec.errors import SpecError
+from experiments import write_experiment
 
 
-def _experiment(tmp_path: Path, command: str) -> Path:
+def _experiment(tmp_path: Path, command: Any, **options: Any) -> Path:
+    """A command pair whose ``backend_options`` are ``command`` and ``options``."""
     (tmp_path / "trainer.toml").write_text("# the trainer's own config\n")
-    path = tmp_path / "exp.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "trainer.toml"
-        backend = "command"
-        backend_options = {{ command = {command}, launch = "direct" }}
-        steps = 3
-
-        [control]
-        name = "ddp2"
-        parallelism = {{ dp_replicate = 2 }}
-
-        [[test]]
-        name = "fsdp2"
-        parallelism = {{ dp_shard = 2 }}
-        """)
+    return write_experiment(
+        tmp_path,
+        defaults={
+            "train_config": "trainer.toml",
+            "backend": "command",
+            "backend_options": {"command": command, **(options or {"launch": "direct"})},
+            "steps": 3,
+        },
+        control={"name": "ddp2", "parallelism": {"dp_replicate": 2}},
+        tests=[{"name": "fsdp2", "parallelism": {"dp_shard": 2}}],
     )
-    return path
 
 
-def _argv(tmp_path: Path, command: str) -> list[str]:
+def _argv(tmp_path: Path, command: Any) -> list[str]:
     experiment = load_checked(_experiment(tmp_path, command), rootdir=tmp_path)
     job = experiment.pairs[0].test
     return CommandBackend().train_entry(job, tmp_path / "dump", None)
@@ -46,7 +40,7 @@ def _argv(tmp_path: Path, command: str) -> list[str]:
 def test_a_toml_list_is_the_argv_word_for_word(tmp_path: Path) -> None:
     argv = _argv(
         tmp_path,
-        '["python", "my train.py", "--steps", "{steps}", "--out", "{dump_dir}", "--note=a b"]',
+        ["python", "my train.py", "--steps", "{steps}", "--out", "{dump_dir}", "--note=a b"],
     )
     assert argv == [
         "python",
@@ -60,12 +54,12 @@ def test_a_toml_list_is_the_argv_word_for_word(tmp_path: Path) -> None:
 
 
 def test_a_string_is_split_like_a_shell(tmp_path: Path) -> None:
-    argv = _argv(tmp_path, "\"python 'my train.py' --steps {steps} --tp {tp}\"")
+    argv = _argv(tmp_path, "python 'my train.py' --steps {steps} --tp {tp}")
     assert argv == ["python", "my train.py", "--steps", "3", "--tp", "1"]
 
 
-@pytest.mark.parametrize("command", ['["python", 3]', "[]", '{ a = "b" }', "3"])
-def test_anything_else_is_an_error_naming_the_key(tmp_path: Path, command: str) -> None:
+@pytest.mark.parametrize("command", [["python", 3], [], {"a": "b"}, 3])
+def test_anything_else_is_an_error_naming_the_key(tmp_path: Path, command: Any) -> None:
     with pytest.raises(SpecError) as info:
         load_checked(_experiment(tmp_path, command), rootdir=tmp_path)
     text = str(info.value)
@@ -75,17 +69,15 @@ def test_anything_else_is_an_error_naming_the_key(tmp_path: Path, command: str) 
 def test_a_list_elsewhere_is_json_text_of_strings(tmp_path: Path) -> None:
     """Other list options (e.g. a list of source globs) arrive as JSON text, never a repr;
     a list where the backend wants one word is still that backend's error."""
-    path = _experiment(tmp_path, '"train.py"')
-    text = path.read_text()
-    path.write_text(text.replace('launch = "direct"', 'launch = ["direct"]'))
+    path = _experiment(tmp_path, "train.py", launch=["direct"])
     with pytest.raises(SpecError, match="backend_options.launch"):
         load_checked(path, rootdir=tmp_path)
     from convergence.regimes import REGISTRY
     from convergence.spec.experiment import load_experiment
 
-    path.write_text(text.replace('launch = "direct"', 'extra = ["a.py", "b/**/*.py"]'))
+    path = _experiment(tmp_path, "train.py", extra=["a.py", "b/**/*.py"])
     (pair,) = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs
     assert dict(pair.test.backend_options)["extra"] == '["a.py", "b/**/*.py"]'
-    path.write_text(text.replace('launch = "direct"', 'extra = ["a.py", 3]'))
+    path = _experiment(tmp_path, "train.py", extra=["a.py", 3])
     with pytest.raises(SpecError, match="backend_options.extra"):
         load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import textwrap
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,40 +14,43 @@ from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 from convergence.spec.layout import ParallelLayout
 from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES, SCHEDULES
+from experiments import DEBUG_CONFIG, experiment_doc, write_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write(tmp_path: Path, body: str) -> Path:
-    path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(body))
-    return path
+def write(tmp_path: Path, doc: dict[str, Any]) -> Path:
+    return write_toml(tmp_path / "exp.toml", doc)
 
 
-GOOD = """
-[defaults]
-train_config = "{root}/train_configs/debug.toml"
-steps = 12
-seed = 7
+def good() -> dict[str, Any]:
+    """A valid experiment (a control, a test and a two-schedule sweep); each test changes a
+    fresh copy."""
+    return copy.deepcopy(_GOOD)
 
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
 
-[[test]]
-name = "fsdp2-tp2"
-parallelism = {{ dp_shard = 2, tp = 2 }}
-compare = {{ loss = "paired", grad_norm = {{ method = "allclose", rtol = 1e-3 }} }}
-
-[[sweep]]
-name = "fsdp2-pp{{pp}}-{{pp_schedule}}"
-parallelism = {{ dp_shard = 2 }}
-grid = {{ pp = [2], pp_schedule = ["1F1B", "Interleaved1F1B"] }}
-"""
+_GOOD = experiment_doc(
+    defaults={"train_config": DEBUG_CONFIG, "steps": 12, "seed": 7},
+    control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+    tests=[
+        {
+            "name": "fsdp2-tp2",
+            "parallelism": {"dp_shard": 2, "tp": 2},
+            "compare": {"loss": "paired", "grad_norm": {"method": "allclose", "rtol": 1e-3}},
+        }
+    ],
+    sweeps=[
+        {
+            "name": "fsdp2-pp{pp}-{pp_schedule}",
+            "parallelism": {"dp_shard": 2},
+            "grid": {"pp": [2], "pp_schedule": ["1F1B", "Interleaved1F1B"]},
+        }
+    ],
+)
 
 
 def test_pairs_from_tests_and_sweeps(tmp_path: Path) -> None:
-    exp = load_checked(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
+    exp = load_checked(write(tmp_path, good()), rootdir=ROOT)
     names = [p.name for p in exp.pairs]
     assert names == ["fsdp2-tp2", "fsdp2-pp2-1F1B", "fsdp2-pp2-Interleaved1F1B"]
     pair = exp.pairs[0]
@@ -60,16 +64,18 @@ def test_pairs_from_tests_and_sweeps(tmp_path: Path) -> None:
     assert exp.pairs[2].test.layout.pp_schedule == "Interleaved1F1B"
 
 
-def error_for(tmp_path: Path, body: str) -> SpecError:
+def error_for(tmp_path: Path, doc: dict[str, Any]) -> SpecError:
     with pytest.raises(SpecError) as info:
-        load_checked(write(tmp_path, body), rootdir=ROOT)
+        load_checked(write(tmp_path, doc), rootdir=ROOT)
     return info.value
 
 
 def test_parsing_is_spec_and_the_backend_checks_are_preflight(tmp_path: Path) -> None:
     """spec/ parses (no backend involved); convergence.preflight adds the checks that need a
     backend, with the pair's place in the file in its errors."""
-    path = write(tmp_path, GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }", "{ tp = 2 }"))
+    doc = good()
+    doc["test"][0]["parallelism"] = {"tp": 2}
+    path = write(tmp_path, doc)
     experiment = load_experiment(path, rootdir=ROOT, regimes=REGISTRY)
     assert experiment.keys[0] == "test[0]" and len(experiment.keys) == len(experiment.pairs)
     with pytest.raises(SpecError) as info:
@@ -98,42 +104,51 @@ def test_spec_is_the_bottom_layer() -> None:
 
 
 def test_unknown_key_is_named(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace(
-        "{ dp_shard = 2, tp = 2 }", "{ dp_shard = 2, tensor_paralel = 2 }"
-    )
-    err = error_for(tmp_path, body)
+    doc = good()
+    doc["test"][0]["parallelism"] = {"dp_shard": 2, "tensor_paralel": 2}
+    err = error_for(tmp_path, doc)
     assert "exp.toml" in str(err)
     assert "test[0].parallelism.tensor_paralel" in str(err)
     assert "fix:" in str(err)
 
 
 def test_tokens_per_step_mismatch_suggests_batch(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }", "{ tp = 2 }")
-    err = error_for(tmp_path, body)
+    doc = good()
+    doc["test"][0]["parallelism"] = {"tp": 2}
+    err = error_for(tmp_path, doc)
     assert "tokens per optimizer step differ" in str(err)
     assert "local_batch_size = " in str(err)  # the fix says which batch makes them equal
 
 
 def test_missing_train_config(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace("configs/debug.toml", "configs/nope.toml")
-    err = error_for(tmp_path, body)
+    doc = good()
+    doc["defaults"]["train_config"] = DEBUG_CONFIG.replace("debug.toml", "nope.toml")
+    err = error_for(tmp_path, doc)
     assert "defaults.train_config" in str(err) or "train_config" in str(err)
     assert "does not exist" in str(err)
 
 
 def test_malformed_toml(tmp_path: Path) -> None:
-    err = error_for(tmp_path, "[control\nname = 1\n")
+    # Broken on purpose (an unclosed table header): a literal, not the TOML writer.
+    path = tmp_path / "exp.toml"
+    path.write_text("[control\nname = 1\n")
+    with pytest.raises(SpecError) as info:
+        load_checked(path, rootdir=ROOT)
+    err = info.value
     assert "malformed TOML" in str(err) and "exp.toml" in str(err)
 
 
 def test_wrong_type(tmp_path: Path) -> None:
-    err = error_for(tmp_path, GOOD.format(root=ROOT).replace("steps = 12", 'steps = "many"'))
+    doc = good()
+    doc["defaults"]["steps"] = "many"
+    err = error_for(tmp_path, doc)
     assert "steps" in str(err) and "integer" in str(err)
 
 
 def test_bad_schedule(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace('"1F1B", "Interleaved1F1B"', '"Zigzag"')
-    err = error_for(tmp_path, body)
+    doc = good()
+    doc["sweep"][0]["grid"]["pp_schedule"] = ["Zigzag"]
+    err = error_for(tmp_path, doc)
     assert "pp_schedule" in str(err) and "Interleaved1F1B" in str(err)
 
 
@@ -148,23 +163,25 @@ def test_every_schedule_the_trainer_knows_is_a_layout_schedule() -> None:
 
 def test_degrees_that_do_not_divide_the_model(tmp_path: Path) -> None:
     # debug.toml has 4 heads: tp=3 cannot split them.
-    body = GOOD.format(root=ROOT).replace("{ dp_shard = 2, tp = 2 }", "{ dp_shard = 2, tp = 3 }")
-    err = error_for(tmp_path, body)
+    doc = good()
+    doc["test"][0]["parallelism"]["tp"] = 3
+    err = error_for(tmp_path, doc)
     assert "parallelism.tp" in str(err)
 
 
 def test_more_devices_than_available(tmp_path: Path) -> None:
-    exp = load_checked(write(tmp_path, GOOD.format(root=ROOT)), rootdir=ROOT)
+    exp = load_checked(write(tmp_path, good()), rootdir=ROOT)
     with pytest.raises(SpecError) as info:
         validate_devices(exp.pairs[0], available_devices=2)
     assert "needs 4 devices" in str(info.value) and "--convergence-devices" in str(info.value)
 
 
 def test_twin_regime_for_bf16(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace(
-        "grid = {", 'techniques = { param_dtype = "bfloat16" }\ngrid = {'
-    )
-    exp = load_checked(write(tmp_path, body), rootdir=ROOT)
+    doc = good()
+    sweep = doc["sweep"][0]
+    sweep["techniques"] = {"param_dtype": "bfloat16"}
+    sweep["grid"] = sweep.pop("grid")  # the file's order: techniques before the grid
+    exp = load_checked(write(tmp_path, doc), rootdir=ROOT)
     assert exp.pairs[0].regime == "paired"  # fp32 test: step-by-step comparison
     bf16 = exp.pairs[1]
     assert bf16.regime == "twin"  # same seed checkpoint and data, noise measured on a twin
@@ -173,30 +190,34 @@ def test_twin_regime_for_bf16(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("old", "new", "words"),
+    ("table", "key", "value", "words"),
     [
-        ("seed = 7", "seed = -1", ("seed", "[0, 2**32)")),
-        ("seed = 7", "seed = 4294967296", ("seed", "[0, 2**32)")),
-        ('name = "fsdp2-tp2"', 'name = ""', ("name", "non-empty")),
-        ('name = "fsdp2-tp2"', 'name = "a::b"', ("name", "'::'")),
-        ('name = "fsdp2-tp2"', 'name = "../escape"', ("name", "'/'")),
-        ("steps = 12", "steps = 1000000000", ("steps", "[1, 10000000]")),
+        ("defaults", "seed", -1, ("seed", "[0, 2**32)")),
+        ("defaults", "seed", 4294967296, ("seed", "[0, 2**32)")),
+        ("test", "name", "", ("name", "non-empty")),
+        ("test", "name", "a::b", ("name", "'::'")),
+        ("test", "name", "../escape", ("name", "'/'")),
+        ("defaults", "steps", 1000000000, ("steps", "[1, 10000000]")),
     ],
 )
 def test_values_that_would_break_later_fail_at_collection(
-    tmp_path: Path, old: str, new: str, words: tuple[str, ...]
+    tmp_path: Path, table: str, key: str, value: object, words: tuple[str, ...]
 ) -> None:
-    err = error_for(tmp_path, GOOD.format(root=ROOT).replace(old, new, 1))
+    doc = good()
+    (doc["test"][0] if table == "test" else doc[table])[key] = value
+    err = error_for(tmp_path, doc)
     for word in words:
         assert word in str(err), err
     assert "exp.toml" in str(err) and "fix:" in str(err)
 
 
 def test_shipped_config_by_short_name_and_a_helpful_error(tmp_path: Path) -> None:
-    body = GOOD.format(root=ROOT).replace(f'"{ROOT}/train_configs/debug.toml"', '"debug"')
-    exp = load_checked(write(tmp_path, body), rootdir=tmp_path)
+    doc = good()
+    doc["defaults"]["train_config"] = "debug"
+    exp = load_checked(write(tmp_path, doc), rootdir=tmp_path)
     assert exp.pairs[0].control.train_config.name == "debug.toml"
-    err = error_for(tmp_path, body.replace('"debug"', '"debgu"'))
+    doc["defaults"]["train_config"] = "debgu"
+    err = error_for(tmp_path, doc)
     assert "no shipped train config named 'debgu'" in str(err) and "'debug'" in str(err)
 
 
@@ -207,10 +228,9 @@ def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) 
     )
     nested = tmp_path / "experiments" / "team"
     nested.mkdir(parents=True)
-    body = GOOD.format(root=ROOT).replace(
-        f'"{ROOT}/train_configs/debug.toml"', '"configs/mine.toml"'
-    )
-    (nested / "exp.toml").write_text(textwrap.dedent(body))
+    doc = good()
+    doc["defaults"]["train_config"] = "configs/mine.toml"
+    write(nested, doc)
     exp = load_checked(nested / "exp.toml", rootdir=tmp_path)
     assert exp.pairs[0].control.train_config == (tmp_path / "configs" / "mine.toml").resolve()
 
@@ -218,46 +238,39 @@ def test_config_path_found_in_a_parent_folder_up_to_the_rootdir(tmp_path: Path) 
 @pytest.mark.parametrize(
     ("techniques", "regime"),
     [
-        ("{}", "paired"),
-        ('{ reduce_dtype = "bfloat16" }', "twin"),
-        ('{ param_dtype = "bfloat16" }', "twin"),
-        ("{ compile = true }", "twin"),
-        ("{ deterministic = false }", "twin"),
+        ({}, "paired"),
+        ({"reduce_dtype": "bfloat16"}, "twin"),
+        ({"param_dtype": "bfloat16"}, "twin"),
+        ({"compile": True}, "twin"),
+        ({"deterministic": False}, "twin"),
     ],
 )
 def test_default_regime_is_paired_only_for_deterministic_fp32(
-    tmp_path: Path, techniques: str, regime: str
+    tmp_path: Path, techniques: dict[str, Any], regime: str
 ) -> None:
-    body = GOOD.format(root=ROOT).replace(
-        "parallelism = { dp_shard = 2, tp = 2 }\n",
-        f"parallelism = {{ dp_shard = 2, tp = 2 }}\ntechniques = {techniques}\n",
-        1,
-    )
-    exp = load_checked(write(tmp_path, body), rootdir=ROOT)
+    doc = good()
+    doc["test"][0]["techniques"] = techniques
+    exp = load_checked(write(tmp_path, doc), rootdir=ROOT)
     assert exp.pairs[0].regime == regime
 
 
-TORCHTITAN = """
-[defaults]
-backend = "torchtitan"
-backend_options = {{ module = "llama3", config = "llama3_debugmodel" }}
-steps = 10
-tier = "nightly"
-{overrides}
-
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
-
-[[test]]
-name = "fsdp2-tp2"
-parallelism = {{ dp_shard = 2, tp = 2 }}
-"""
+def torchtitan(**overrides: str) -> dict[str, Any]:
+    return experiment_doc(
+        defaults={
+            "backend": "torchtitan",
+            "backend_options": {"module": "llama3", "config": "llama3_debugmodel"},
+            "steps": 10,
+            "tier": "nightly",
+            **overrides,
+        },
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}}],
+    )
 
 
 def test_a_torchtitan_job_needs_no_train_config_file(tmp_path: Path) -> None:
     """torchtitan names its config by module + config; the cache key comes from those."""
-    path = write(tmp_path, TORCHTITAN.format(overrides=""))
+    path = write(tmp_path, torchtitan())
     (pair,) = load_checked(path, rootdir=tmp_path, max_tier="quick").pairs  # no preflight
     assert pair.test.backend == "torchtitan"
     assert "no train_config" in str(pair.test.train_config)
@@ -265,10 +278,10 @@ def test_a_torchtitan_job_needs_no_train_config_file(tmp_path: Path) -> None:
 
 def test_overrides_as_a_torchtitan_option_string(tmp_path: Path) -> None:
     raw = (
-        'overrides = "--training.seq_len=256 --compile.enable '
-        "--lr_scheduler.warmup_steps 2 --job.description='a b'\""
+        "--training.seq_len=256 --compile.enable "
+        "--lr_scheduler.warmup_steps 2 --job.description='a b'"
     )
-    path = write(tmp_path, TORCHTITAN.format(overrides=raw))
+    path = write(tmp_path, torchtitan(overrides=raw))
     (pair,) = load_checked(path, rootdir=tmp_path, max_tier="quick").pairs
     assert dict(pair.test.overrides) == {
         "training.seq_len": "256",
@@ -276,7 +289,7 @@ def test_overrides_as_a_torchtitan_option_string(tmp_path: Path) -> None:
         "lr_scheduler.warmup_steps": "2",
         "job.description": "a b",
     }
-    bad = write(tmp_path, TORCHTITAN.format(overrides='overrides = "training.steps=3"'))
+    bad = write(tmp_path, torchtitan(overrides="training.steps=3"))
     with pytest.raises(SpecError) as info:
         load_checked(bad, rootdir=tmp_path, max_tier="quick")
     assert info.value.key.endswith("overrides") and "--training.steps=10" in info.value.fix
@@ -285,17 +298,15 @@ def test_overrides_as_a_torchtitan_option_string(tmp_path: Path) -> None:
 def test_a_command_job_without_train_config_asks_for_its_own_config(tmp_path: Path) -> None:
     path = write(
         tmp_path,
-        """
-        [control]
-        name = "ddp2"
-        backend = "command"
-        backend_options = { command = "train.py --out {dump_dir}" }
-        parallelism = { dp_replicate = 2 }
-
-        [[test]]
-        name = "fsdp2"
-        parallelism = { dp_shard = 2 }
-        """,
+        experiment_doc(
+            control={
+                "name": "ddp2",
+                "backend": "command",
+                "backend_options": {"command": "train.py --out {dump_dir}"},
+                "parallelism": {"dp_replicate": 2},
+            },
+            tests=[{"name": "fsdp2", "parallelism": {"dp_shard": 2}}],
+        ),
     )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
@@ -304,8 +315,9 @@ def test_a_command_job_without_train_config_asks_for_its_own_config(tmp_path: Pa
 
 def test_an_unnamed_control_is_named_by_its_layout(tmp_path: Path) -> None:
     """A bare "control" read as "[control control]" in progress lines and reports."""
-    body = GOOD.format(root=ROOT).replace('name = "fsdp2"\n', "", 1)
-    exp = load_checked(write(tmp_path, body), rootdir=ROOT)
+    doc = good()
+    del doc["control"]["name"]
+    exp = load_checked(write(tmp_path, doc), rootdir=ROOT)
     assert exp.pairs[0].control.name == "fsdp2"
     from convergence.spec.experiment import make_pair
 
@@ -323,31 +335,23 @@ def test_an_unnamed_control_is_named_by_its_layout(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("compare", "parts"),
     [
-        ('{ loss = "off", grad_norm = "off" }', None),
-        ('{ grad_norm = { method = "allclose", rtol = 1e-3 } }', ("allclose", 1e-3)),
-        ('{ grad_norm = "paired", grad_norm_parts = "off" }', None),
-        ('{ loss = "paired" }', ("paired", None)),
+        ({"loss": "off", "grad_norm": "off"}, None),
+        ({"grad_norm": {"method": "allclose", "rtol": 1e-3}}, ("allclose", 1e-3)),
+        ({"grad_norm": "paired", "grad_norm_parts": "off"}, None),
+        ({"loss": "paired"}, ("paired", None)),
     ],
 )
 def test_the_per_part_grad_norm_follows_the_grad_norm_unless_named(
-    tmp_path: Path, compare: str, parts: tuple[str, float | None] | None
+    tmp_path: Path, compare: dict[str, Any], parts: tuple[str, float | None] | None
 ) -> None:
     """An experiment written before grad_norm_parts existed that turns the grad norm off
     (models that differ) must not start failing on it."""
-    body = f"""
-    [defaults]
-    train_config = "debug"
-    steps = 4
-    compare = {compare}
-
-    [control]
-    parallelism = {{ dp_shard = 2 }}
-
-    [[test]]
-    name = "t"
-    parallelism = {{ dp_shard = 2, tp = 2 }}
-    """
-    (pair,) = load_checked(write(tmp_path, body), rootdir=ROOT).pairs
+    doc = experiment_doc(
+        defaults={"train_config": "debug", "steps": 4, "compare": compare},
+        control={"parallelism": {"dp_shard": 2}},
+        tests=[{"name": "t", "parallelism": {"dp_shard": 2, "tp": 2}}],
+    )
+    (pair,) = load_checked(write(tmp_path, doc), rootdir=ROOT).pairs
     rule = next((r for r in pair.rules if r.metric == "grad_norm_parts"), None)
     if parts is None:
         assert rule is None

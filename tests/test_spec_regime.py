@@ -5,54 +5,52 @@ regime (noise measured on a twin of the control), and other seeds the seed band.
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from convergence.preflight import load_checked
 from convergence.spec.layout import Techniques
+from experiments import write_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 
-BODY = """
-[defaults]
-train_config = "debug"
-steps = 12
 
-[control]
-name = "fsdp2"
-parallelism = {{ dp_shard = 2 }}
-
-[[test]]
-name = "fsdp2-tp2"
-parallelism = {{ dp_shard = 2, tp = 2 }}
-{extra}
-"""
+def write(tmp_path: Path, extra: dict[str, Any], *, dp_shard: int = 2, **defaults: Any) -> Path:
+    """An FSDP control against FSDP+TP on the debug config; ``extra`` adds to the test's table,
+    ``defaults`` to ``[defaults]``."""
+    return write_experiment(
+        tmp_path,
+        defaults={"train_config": "debug", "steps": 12, **defaults},
+        control={"name": "fsdp2", "parallelism": {"dp_shard": dp_shard}},
+        tests=[{"name": "fsdp2-tp2", "parallelism": {"dp_shard": dp_shard, "tp": 2}, **extra}],
+    )
 
 
-def regime_of(tmp_path: Path, extra: str) -> str:
-    path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(BODY.format(root=ROOT, extra=extra)))
-    (pair,) = load_checked(path, rootdir=ROOT).pairs
+def regime_of(tmp_path: Path, extra: dict[str, Any]) -> str:
+    (pair,) = load_checked(write(tmp_path, extra), rootdir=ROOT).pairs
     assert pair.rule_for("loss").method == pair.regime  # the default rules follow the regime
     return pair.regime
 
 
+BF16 = {"techniques": {"param_dtype": "bfloat16"}}
+
+
 def test_fp32_deterministic_is_paired(tmp_path: Path) -> None:
-    assert regime_of(tmp_path, "") == "paired"
+    assert regime_of(tmp_path, {}) == "paired"
 
 
 @pytest.mark.parametrize(
     "extra",
     [
-        'techniques = { reduce_dtype = "bfloat16" }',  # only the gradient reduction in bf16
-        'techniques = { param_dtype = "bfloat16" }',
-        'techniques = { param_dtype = "float16", reduce_dtype = "float16" }',
-        "techniques = { compile = true }",
-        "techniques = { deterministic = false }",
-        'overrides = { "training.reduce_dtype" = "bfloat16" }',  # behind techniques' back
-        'overrides = { "training.deterministic" = false }',
+        {"techniques": {"reduce_dtype": "bfloat16"}},  # only the gradient reduction in bf16
+        {"techniques": {"param_dtype": "bfloat16"}},
+        {"techniques": {"param_dtype": "float16", "reduce_dtype": "float16"}},
+        {"techniques": {"compile": True}},
+        {"techniques": {"deterministic": False}},
+        {"overrides": {"training.reduce_dtype": "bfloat16"}},  # behind techniques' back
+        {"overrides": {"training.deterministic": False}},
     ],
     ids=[
         "reduce_bf16",
@@ -64,38 +62,31 @@ def test_fp32_deterministic_is_paired(tmp_path: Path) -> None:
         "override_nondeterministic",
     ],
 )
-def test_anything_but_deterministic_fp32_is_twin(tmp_path: Path, extra: str) -> None:
+def test_anything_but_deterministic_fp32_is_twin(tmp_path: Path, extra: dict[str, Any]) -> None:
     assert regime_of(tmp_path, extra) == "twin"
 
 
 def test_other_seeds_are_the_seed_band(tmp_path: Path) -> None:
-    assert regime_of(tmp_path, 'seed = 43\ntechniques = { param_dtype = "bfloat16" }') == "seed"
+    assert regime_of(tmp_path, {"seed": 43, **BF16}) == "seed"
 
 
 def test_an_explicit_regime_wins(tmp_path: Path) -> None:
-    extra = 'techniques = { reduce_dtype = "bfloat16" }\nregime = "paired"'
+    extra = {"techniques": {"reduce_dtype": "bfloat16"}, "regime": "paired"}
     assert regime_of(tmp_path, extra) == "paired"
 
 
 def test_data_rule_comes_first_and_only_with_the_same_seed(tmp_path: Path) -> None:
-    path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(BODY.format(root=ROOT, extra="")))
-    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    (pair,) = load_checked(write(tmp_path, {}), rootdir=ROOT).pairs
     assert pair.rules[0].metric == "data_fingerprint" and pair.rules[0].gate
-    other_seed = BODY.format(root=ROOT, extra='seed = 43\nregime = "seed"')
-    path.write_text(textwrap.dedent(other_seed))
-    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    other_seed = write(tmp_path, {"seed": 43, "regime": "seed"})
+    (pair,) = load_checked(other_seed, rootdir=ROOT).pairs
     assert "data_fingerprint" not in [rule.metric for rule in pair.rules]
 
 
 def test_the_twin_reads_the_same_samples_on_twice_the_dp_degree(tmp_path: Path) -> None:
     from convergence.backends import get_backend
 
-    path = tmp_path / "exp.toml"
-    path.write_text(
-        textwrap.dedent(BODY.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }'))
-    )
-    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    (pair,) = load_checked(write(tmp_path, BF16), rootdir=ROOT).pairs
     twin = get_backend("builtin").noise_twin(pair.control)
     assert twin is not None
     assert (twin.layout.dp_shard, twin.local_batch_size) == (4, 4)  # debug.toml: 8 per rank
@@ -108,11 +99,7 @@ def test_the_twin_reads_the_same_samples_on_twice_the_dp_degree(tmp_path: Path) 
 def test_the_forward_twin_is_the_control_with_rounding_level_forward_noise(tmp_path: Path) -> None:
     from convergence.backends import get_backend
 
-    path = tmp_path / "exp.toml"
-    path.write_text(
-        textwrap.dedent(BODY.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }'))
-    )
-    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    (pair,) = load_checked(write(tmp_path, BF16), rootdir=ROOT).pairs
     backend = get_backend("builtin")
     control = dataclasses.replace(pair.control, techniques=Techniques(param_dtype="bfloat16"))
     fwd = backend.forward_twin(control)
@@ -134,14 +121,7 @@ def test_the_forward_twin_is_the_control_with_rounding_level_forward_noise(tmp_p
 def test_odd_batch_halves_the_dp_degree_and_doubles_accumulation(tmp_path: Path) -> None:
     from convergence.backends import get_backend
 
-    body = BODY.replace("dp_shard = 2 }}\n\n[[test]]", "dp_shard = 4 }}\n\n[[test]]")
-    body = body.replace("dp_shard = 2, tp = 2", "dp_shard = 4, tp = 2")
-    path = tmp_path / "exp.toml"
-    path.write_text(
-        textwrap.dedent(
-            body.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')
-        ).replace("steps = 12", "steps = 12\nlocal_batch_size = 3")
-    )
+    path = write(tmp_path, BF16, dp_shard=4, local_batch_size=3)
     (pair,) = load_checked(path, rootdir=ROOT).pairs
     twin = get_backend("builtin").noise_twin(pair.control)
     assert twin is not None and twin.layout.dp_shard == 2 and twin.techniques.grad_accum_steps == 2
@@ -151,12 +131,7 @@ def test_odd_batch_halves_the_dp_degree_and_doubles_accumulation(tmp_path: Path)
 def test_no_twin_is_a_collection_error_naming_the_fix(tmp_path: Path) -> None:
     from convergence.spec.errors import SpecError
 
-    path = tmp_path / "exp.toml"
-    path.write_text(
-        textwrap.dedent(
-            BODY.format(root=ROOT, extra='techniques = { param_dtype = "bfloat16" }')
-        ).replace("steps = 12", "steps = 12\nlocal_batch_size = 3")
-    )
+    path = write(tmp_path, BF16, local_batch_size=3)
     with pytest.raises(SpecError) as err:
         load_checked(path, rootdir=ROOT)
     text = str(err.value)
@@ -167,8 +142,7 @@ def test_no_twin_is_a_collection_error_naming_the_fix(tmp_path: Path) -> None:
 def test_a_twin_method_outside_the_twin_regime_is_refused(tmp_path: Path) -> None:
     from convergence.spec.errors import SpecError
 
-    path = tmp_path / "exp.toml"
-    path.write_text(textwrap.dedent(BODY.format(root=ROOT, extra='compare = { loss = "twin" }')))
+    path = write(tmp_path, {"compare": {"loss": "twin"}})
     with pytest.raises(SpecError) as err:
         load_checked(path, rootdir=ROOT)
     assert "compare.loss" in str(err.value) and 'regime = "twin"' in str(err.value)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments import experiment_doc, write_toml
+
 if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
     pytest.importorskip(
         "torchtitan",
@@ -26,29 +28,31 @@ if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = REPO / "tests" / "fixtures" / "hooks"
 
-BUG_EXPERIMENT = """
-[experiment]
-description = "torchtitan: a gradient scaled wrongly by a hook must fail"
-
-[defaults]
-backend = "torchtitan"
-train_config = "tt_bug.toml"
-backend_options = { module = "llama3", config = "llama3_debugmodel" }
-steps = 3
-seed = 42
-local_batch_size = 2
-overrides = { "training.seq_len" = 64, "lr_scheduler.warmup_steps" = 2, "validator.enable" = false }
-
-[control]
-name = "fsdp2"
-parallelism = { dp_shard = 1 }
-
-[[test]]
-name = "fsdp2-bug"
-parallelism = { dp_shard = 1 }
-hook = "planted_bugs:double_ffn_grad"
-early_stop = false
-"""
+BUG_EXPERIMENT = experiment_doc(
+    experiment={"description": "torchtitan: a gradient scaled wrongly by a hook must fail"},
+    defaults={
+        "backend": "torchtitan",
+        "train_config": "tt_bug.toml",
+        "backend_options": {"module": "llama3", "config": "llama3_debugmodel"},
+        "steps": 3,
+        "seed": 42,
+        "local_batch_size": 2,
+        "overrides": {
+            "training.seq_len": 64,
+            "lr_scheduler.warmup_steps": 2,
+            "validator.enable": False,
+        },
+    },
+    control={"name": "fsdp2", "parallelism": {"dp_shard": 1}},
+    tests=[
+        {
+            "name": "fsdp2-bug",
+            "parallelism": {"dp_shard": 1},
+            "hook": "planted_bugs:double_ffn_grad",
+            "early_stop": False,
+        }
+    ],
+)
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -78,8 +82,7 @@ def test_planted_bug_through_a_torchtitan_hook_fails(
     )
     monkeypatch.setenv("COLUMNS", "200")
     pytester.makeini("[pytest]\n")
-    (pytester.path / "experiments").mkdir()
-    (pytester.path / "experiments" / "tt_bug.toml").write_text(BUG_EXPERIMENT)
+    write_toml(pytester.path / "experiments" / "tt_bug.toml", BUG_EXPERIMENT)
     work = pytester.path / "work"
     result = pytester.runpytest_subprocess(
         "-m",

@@ -24,6 +24,7 @@ from convergence.trainer.optim import (
     parts_geomean,
 )
 from convergence.trainer.validate import check_config
+from experiments import builtin_pair
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "train_configs" / "debug.toml"
@@ -190,38 +191,29 @@ def test_issue_layout_interleaved_zero_bubble_with_fsdp_names_key_and_fix() -> N
     ("layout", "key", "words"),
     [
         (
-            '{ dp_shard = 2, pp = 2, pp_schedule = "InterleavedZeroBubble" }',
+            {"dp_shard": 2, "pp": 2, "pp_schedule": "InterleavedZeroBubble"},
             "parallelism.pp_schedule",
             "gradients would be wrong",
         ),
         (
-            "{ pp = 2, pp_microbatches = 1 }",
+            {"pp": 2, "pp_microbatches": 1},
             "parallelism.pp_microbatches",
             "at least one microbatch per pipeline stage",
         ),
     ],
 )
 def test_unsupported_pp_layout_fails_loading_the_experiment(
-    tmp_path: Path, layout: str, key: str, words: str
+    tmp_path: Path, layout: dict[str, object], key: str, words: str
 ) -> None:
     """What pytest collection does with an experiment file (preflight.load_checked: parse, then
     the builtin backend's preflight -> check_config): refused before any job is launched."""
     from convergence.preflight import load_checked
 
-    path = tmp_path / "exp.toml"
-    path.write_text(f"""
-[defaults]
-train_config = "{DEBUG}"
-steps = 4
-
-[control]
-name = "pp2"
-parallelism = {{ pp = 2 }}
-
-[[test]]
-name = "bad"
-parallelism = {layout}
-""")
+    path = builtin_pair(
+        tmp_path,
+        control={"name": "pp2", "parallelism": {"pp": 2}},
+        tests=[{"name": "bad", "parallelism": layout}],
+    )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
     assert info.value.key == f"test[0].{key}"
