@@ -12,7 +12,6 @@ questions for a twin pair on the built-in trainer, with no launch.
 from __future__ import annotations
 
 import sys
-import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +22,7 @@ from pair_walk import walk_one_pair  # noqa: E402
 from convergence.backends import effective, get_backend  # noqa: E402
 from convergence.preflight import load_checked, validate_devices  # noqa: E402
 from convergence.regimes import get_regime  # noqa: E402
+from experiments import builtin_pair  # noqa: E402
 
 #: Entered from at most this many distinct call sites: once or twice, the issue's goal.
 ONCE_OR_TWICE = 2
@@ -87,24 +87,20 @@ def test_a_pairs_walk_goes_down_and_enters_each_file_from_few_places(tmp_path: P
 def _twin_pair(folder: Path) -> Path:
     config = folder / "debug.toml"  # a copy: rewritten in place below
     config.write_text((ROOT / "train_configs" / "debug.toml").read_text())
-    path = folder / "twin.toml"
-    path.write_text(
-        textwrap.dedent(f"""
-        [defaults]
-        train_config = "{config}"
-        steps = 5
-
-        [control]
-        name = "fsdp2"
-        parallelism = {{ dp_shard = 2 }}
-
-        [[test]]
-        name = "fsdp2-tp2-bf16"
-        parallelism = {{ dp_shard = 2, tp = 2 }}
-        techniques = {{ param_dtype = "bfloat16" }}
-        """)
+    return builtin_pair(
+        folder,
+        file="twin.toml",
+        steps=5,
+        train_config=str(config),
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[
+            {
+                "name": "fsdp2-tp2-bf16",
+                "parallelism": {"dp_shard": 2, "tp": 2},
+                "techniques": {"param_dtype": "bfloat16"},
+            }
+        ],
     )
-    return path
 
 
 def test_the_effective_train_config_is_worked_out_once_per_job(tmp_path: Path) -> None:
