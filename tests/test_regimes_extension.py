@@ -133,7 +133,7 @@ def test_the_runner_runs_its_control_jobs_and_keeps_its_curves(
         return SideOutcome(job=job, metrics={})
 
     monkeypatch.setattr(runner, "run_job", run_job)
-    sides = runner._controls(pair, tmp_path / "pair")
+    sides = runner._controls(pair, tmp_path / "pair", LOOSE)
     assert ran == ["fsdp2", "fsdp2-wide"] and len(sides[0].replicates) == 2
     assert not wants_probe(pair, "failed")  # the regime says no probe
 

@@ -218,11 +218,8 @@ class Runner(JobRunner):
             pair, pair_dir, runner=self, divergent_step=first_divergent_step(verdicts), runs=runs
         )
 
-    def _controls(
-        self, pair: PairSpec, pair_dir: Path, regime: Regime | None = None
-    ) -> list[SideOutcome]:
-        """The control sides, ``pair.control`` first (``regime``: the pair's, when the caller
-        has it already)."""
+    def _controls(self, pair: PairSpec, pair_dir: Path, regime: Regime) -> list[SideOutcome]:
+        """The control sides, ``pair.control`` first (``regime``: the pair's)."""
         if pair.golden:
             golden = read_run(Path(pair.golden), key="golden")
             return [
@@ -231,7 +228,6 @@ class Runner(JobRunner):
                 )
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
-        regime = regime if regime is not None else get_regime(pair.regime)
         jobs = regime.control_jobs(pair, self.backend(pair.control))
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True) for job in jobs]
         # What travels with the control (seed replicates, the twin's curves) is the regime's.
