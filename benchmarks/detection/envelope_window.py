@@ -22,6 +22,7 @@ would meet).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import sys
@@ -34,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
 
-from convergence.stats.twin import TWIN_DEFAULTS
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule
+from convergence.stats.twin import TWIN_DEFAULTS, twin_tolerance
 
 HERE = Path(__file__).resolve().parent
 LONG = HERE / "envelope" / "long"
@@ -55,23 +58,23 @@ def trailing_max(gap: np.ndarray, window: int | None) -> np.ndarray:
 
 
 def ratio(case: dict[str, Any], metric: str, window: int | None) -> np.ndarray:
-    """|test - control| / tolerance at each step, the tolerance built as stats/twin.py builds
-    it (k x the twins' maxima summed, pooled ``pool`` steps ahead, + rtol x |control|) with the
-    running max replaced by the trailing one."""
-    d = TWIN_DEFAULTS[metric]
-    control = np.asarray(case["control"][metric][1], dtype=np.float64)
+    """|test - control| / tolerance at each step: the verdict's own tolerance
+    (stats/twin.py ``twin_tolerance``: k, floors, pool) with the twins' running maxima
+    replaced by trailing ones when ``window`` is set."""
+    control = Curve(metric, *map(np.asarray, case["control"][metric]))
     test = np.asarray(case["test"][metric][1], dtype=np.float64)
-    n = min(control.size, test.size)
-    noise = np.zeros(control.size)
-    for twin in case["twins"]:
-        if metric not in twin:
-            continue
-        values = np.asarray(twin[metric][1], dtype=np.float64)[: control.size]
-        gap = np.abs(values - control[: values.size])
-        noise[: values.size] += trailing_max(np.where(np.isfinite(gap), gap, 0.0), window)
-    ahead = np.minimum(np.arange(noise.size) + d.pool, noise.size - 1)
-    tol = d.k * noise[ahead] + d.atol + d.rtol * np.abs(control)
-    return np.abs(test[:n] - control[:n]) / tol[:n]
+    twins = [Curve(metric, *map(np.asarray, t[metric])) for t in case["twins"] if metric in t]
+    tol = twin_tolerance(ComparisonRule(metric=metric, method="twin"), control, twins)
+    if window is not None:
+        noise = np.zeros(control.values.size)
+        for twin in twins:
+            gap = np.abs(twin.values[: noise.size] - control.values[: twin.values.size])
+            noise[: gap.size] += trailing_max(np.where(np.isfinite(gap), gap, 0.0), window)
+        ahead = np.minimum(np.arange(noise.size) + TWIN_DEFAULTS[metric].pool, noise.size - 1)
+        tol = dataclasses.replace(tol, noise_steps=control.steps, noise=noise[ahead])
+    n = min(control.values.size, test.size)
+    limit = tol.at(control.steps[:n], control.values[:n])
+    return np.abs(test[:n] - control.values[:n]) / limit
 
 
 def judge(case: dict[str, Any], window: int | None) -> tuple[int | None, float, float]:
