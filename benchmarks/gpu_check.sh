@@ -1,45 +1,195 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 28, as one script for a machine with one GPU (run from the repository
-# root; OUT is where the figures go; arguments pick the parts, default all):
-#   rounding  benchmarks/gpu_rounding.py: a TP shard's matmul rounding per shape, CPU and GPU
-#   single    convergence calibrate with a one-device control and the one-device layout accum2
-#   shared    convergence calibrate with the default layouts (2 and 4 ranks) on one GPU, its ranks
-#             sharing it through gloo (CONVERGENCE_RANKS_PER_GPU=4; NCCL refuses two ranks per GPU);
-#             no TP: DTensor's functional collectives over gloo on CUDA crash (SIGSEGV, torch 2.11)
-#   cp        the same for FSDP+CP in bf16 (its own file: a failure there keeps the others)
+# The GPU acceptance run (issue 38): the one script to run whenever a GPU machine is available.
+# Run from the repository root; results go to $OUT (default /tmp/gpu-check):
+#
+#     OUT=/some/dir bash benchmarks/gpu_check.sh           # on the GPU machine, ~7 minutes
+#     OUT=/tmp/gc bash benchmarks/gpu_check.sh --cpu       # the same end to end on CPU, small
+#     bash benchmarks/gpu_check.sh quickstart probe        # only these parts
+#
+# Parts, run in parallel (each under its own time limit; a failing part keeps the others):
+#   quickstart   the README's quick start, nothing set: `pytest -m convergence` (three verdicts)
+#   experiments  every shipped quick/ci-tier experiment (experiments/*.toml), placed as the
+#                plugin places them on this machine (one GPU per rank, ranks sharing a GPU, CPU)
+#   torchtitan   experiments/torchtitan/debug_1gpu.toml (nightly tier): runs where the torch
+#                and torchtitan allow it, else a clean skip naming why
+#   sweep        benchmarks/gpu_sweep.py: bf16 correct layouts at two seeds (false alarms) and
+#                planted bugs (detection) on the envelope config b, probe off
+#   probe        benchmarks/gloo_cuda_probe.py: which collectives gloo runs on CUDA tensors
+#                (2 and 4 ranks sharing the GPU), each in its own subprocess
+#   fixedcost    benchmarks/job_fixed_cost.py (each job's fixed cost per phase), when present
+#
+# $OUT gets: results.md (the table, also printed), gloo_probe.json, sweep.json, reports of the
+# pytest parts (quickstart.json, experiments.json) and logs.tar.gz (every part's log, the
+# reports' markdown, the failed jobs' rank logs).
+# --cpu (alias --dry-run): GPUs hidden, a few steps, a few cases: checks the script itself on a
+# machine without a GPU, so a GPU's minutes go to results.
 set -u
-OUT=${OUT:-/tmp/gpu-check}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PARTS=${*:-rounding single shared cp}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
-python3 -c "import convergence" 2>/dev/null \
-  || python3 -m pip install -q --no-deps --no-build-isolation --no-index . 2>&1 | tail -3
-python3 -c "import convergence.configs" 2>/dev/null || {
-  echo "not installed: running from the checkout"
-  ln -sfn ../train_configs convergence/configs
-  export PYTHONPATH=$PWD
-}
-logs() {  # the end of each rank's stderr of the jobs that failed
-  grep -l "Error\|Traceback" -r "$1" --include=stderr.log 2>/dev/null | head -3 | while read -r f; do
-    echo "== $f"; tail -8 "$f"; done
-}
-for part in $PARTS; do
-  echo "=== $part"
-  case $part in
-    rounding) time python3 benchmarks/gpu_rounding.py --json "$OUT/gpu_rounding.json" ;;
-    single)
-      time timeout 240 python3 -m convergence.cli calibrate debug --control single \
-        --fp32-layouts accum2 --bf16-layouts --steps 30 --workdir /tmp/cal-single \
-        --out "$OUT/calibration-gpu-single.json" || logs /tmp/cal-single ;;
-    shared)
-      time CONVERGENCE_RANKS_PER_GPU=4 timeout 400 python3 -m convergence.cli calibrate debug \
-        --fp32-layouts single ddp2 fsdp4 hsdp2x2 --bf16-layouts hsdp2x2 --steps 30 \
-        --workdir /tmp/cal-shared --out "$OUT/calibration-gpu-shared.json" || logs /tmp/cal-shared ;;
-    cp)
-      time CONVERGENCE_RANKS_PER_GPU=4 timeout 200 python3 -m convergence.cli calibrate debug \
-        --fp32-layouts --bf16-layouts fsdp2-cp2 --steps 30 \
-        --workdir /tmp/cal-shared --out "$OUT/calibration-gpu-cp.json" || logs /tmp/cal-shared ;;
+CPU=0
+parts=()
+for arg in "$@"; do
+  case $arg in
+    --cpu | --dry-run) CPU=1 ;;
+    *) parts+=("$arg") ;;
   esac
 done
+PARTS=${parts[*]:-quickstart experiments torchtitan sweep probe fixedcost}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+LOGS=$WORK/logs
+mkdir -p "$LOGS" "$WORK/status"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+START=$(date +%s)
+
+if [ "$CPU" = 1 ]; then
+  export CUDA_VISIBLE_DEVICES=""
+  STEPS=(--convergence-steps 3)
+  SWEEP=(--seeds 7 --steps 4 --cases fsdp2-cp2 fsdp-dp-rank-dropped)
+  PROBE=(--device cpu --worlds 2 --only all_reduce send_recv --parallel 2 --timeout 280)
+  TITAN=(--collect-only -q)
+  FIXED=(--device cpu --rounds 1)
+  EXPERIMENTS=(experiments/dp_vs_tp.toml)
+  LIMIT=900
+else
+  STEPS=()
+  SWEEP=(--seeds 7 8)
+  PROBE=(--device cuda --worlds 2 4 --parallel 6)
+  TITAN=()
+  FIXED=(--rounds 2)
+  EXPERIMENTS=(-n 3 experiments/*.toml)
+  LIMIT=400
+fi
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+  git log --oneline -1 2>/dev/null
+} | tee "$LOGS/machine.txt"
+
+# The project from this checkout, on PYTHONPATH (ahead of any installed copy; never installed by
+# this script: no network there, and nothing to undo), its train configs where the installed
+# package would have them, and the pytest plugin by -p where no installed copy registers it.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -e convergence/configs ] || ln -sfn ../train_configs convergence/configs
+PLUGIN=()
+$PY -c "from importlib.metadata import entry_points as e; import sys; sys.exit(any(p.name == 'convergence' for p in e(group='pytest11')))" \
+  && PLUGIN=(-p pytest_convergence.plugin)
+$PY -c "import convergence.preflight, convergence.trainer.train" >>"$LOGS/machine.txt" 2>&1 \
+  || echo "WARNING: the package does not import here (machine.txt)" | tee -a "$LOGS/machine.txt"
+
+# One part: its command under a time limit, its log, its status line (name, rc, seconds).
+part() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout -k 20 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "$name $rc $((SECONDS - t0))" >"$WORK/status/$name"
+}
+
+pytest_part() {  # name, limit, pytest args...
+  local name=$1 limit=$2
+  shift 2
+  part "$name" "$limit" $PY -m pytest -p no:cacheprovider "${PLUGIN[@]}" -rA -v \
+    --convergence-workdir "$WORK/$name-work" --convergence-report "$WORK/$name-report" \
+    --junitxml "$WORK/$name-junit.xml" "${STEPS[@]}" "$@"
+}
+
+for p in $PARTS; do
+  case $p in
+    quickstart) pytest_part quickstart "$LIMIT" -m convergence & ;;
+    experiments)
+      pytest_part experiments "$LIMIT" -m convergence --convergence-tier ci "${EXPERIMENTS[@]}" & ;;
+    torchtitan)
+      pytest_part torchtitan 240 -m convergence --convergence-tier nightly "${TITAN[@]}" \
+        experiments/torchtitan/debug_1gpu.toml & ;;
+    sweep) part sweep "$LIMIT" $PY benchmarks/gpu_sweep.py "${SWEEP[@]}" --json "$OUT/sweep.json" & ;;
+    probe) part probe 320 $PY benchmarks/gloo_cuda_probe.py "${PROBE[@]}" --json "$OUT/gloo_probe.json" & ;;
+    fixedcost)
+      if [ -f benchmarks/job_fixed_cost.py ]; then
+        (cd benchmarks && part fixedcost 300 $PY job_fixed_cost.py "${FIXED[@]}" --no-append) &
+      else
+        echo "fixedcost - 0" >"$WORK/status/fixedcost"
+        echo "benchmarks/job_fixed_cost.py is not in this checkout: skipped" >"$LOGS/fixedcost.log"
+      fi ;;
+    *) echo "unknown part: $p" >&2 ;;
+  esac
+done
+wait
+
+# The summary: one row per part, then each part's own lines that say what happened.
+signals() {  # jobs killed by a signal, in every rank log and part log
+  grep -rlE "SIGABRT|SIGSEGV|Signal [0-9]+|died with <Signals|exitcode *: *-[0-9]" \
+    "$WORK" --include=*.log 2>/dev/null | grep -v '/logs/probe.log' | wc -l
+}
+pairs() {  # each pair of a pytest part's report: its verdict and where it ran
+  [ -f "$1" ] || { echo "(no report)"; return; }
+  $PY - "$1" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+print("| pair | verdict | wall s | where it ran |\n|---|---|---:|---|")
+for p in report["pairs"]:
+    wall = p["wall_s"]["pair"]
+    print(f"| {p['id']} | {p['status']} | {wall or 0:.0f} | {p.get('placement') or '-'} |")
+PY
+}
+summary() {  # the last line pytest or a benchmark prints about its outcome
+  local log=$LOGS/$1.log
+  case $1 in
+    quickstart | experiments | torchtitan) grep -E "^=+ .* in [0-9.]+s" "$log" | tail -1 | tr -d '=' ;;
+    sweep) grep -E "^false alarms" "$log" | tail -1 ;;
+    probe) echo "$(grep -c '| OK' "$log") rows all OK; FAIL cells: $(grep -o 'FAIL' "$log" | wc -l)" ;;
+    fixedcost) tail -1 "$log" ;;
+  esac
+}
+{
+  echo "# GPU acceptance run ($(date -u +%F' '%H:%M) UTC, $(($(date +%s) - START)) s)"
+  echo
+  sed 's/^/    /' "$LOGS/machine.txt"
+  echo
+  echo "| part | exit | seconds | summary |"
+  echo "|---|---:|---:|---|"
+  for f in "$WORK"/status/*; do
+    read -r name rc secs <"$f"
+    echo "| $name | $rc | $secs | $(summary "$name" | tr '|' '/' | head -c 300) |"
+  done
+  echo
+  echo "logs naming a signal (SIGABRT/SIGSEGV/...; probe excluded): $(signals)"
+  for name in quickstart experiments torchtitan; do
+    [ -f "$LOGS/$name.log" ] || continue
+    echo
+    echo "## $name: each item (pytest -rA) and where its pair ran"
+    echo
+    pairs "$WORK/$name-report/report.json"
+    grep -E "^(SKIPPED|ERROR|FAILED)" "$LOGS/$name.log" | sed 's/^/    /' | head -20
+  done
+  for name in sweep probe; do
+    [ -f "$LOGS/$name.log" ] || continue
+    echo
+    echo "## $name"
+    echo
+    grep -E "^\||^gloo on|^false alarms" "$LOGS/$name.log"
+  done
+  if [ -f "$LOGS/fixedcost.log" ]; then
+    echo
+    echo "## fixedcost"
+    echo
+    grep -E "^\|" "$LOGS/fixedcost.log" || tail -5 "$LOGS/fixedcost.log"
+  fi
+} >"$OUT/results.md"
+
+# Reports and the rank logs of failed jobs, into one tarball (the device returns few files).
+for name in quickstart experiments torchtitan; do
+  [ -f "$WORK/$name-report/report.json" ] && cp "$WORK/$name-report/report.json" "$OUT/$name.json"
+  [ -f "$WORK/$name-report/report.md" ] && cp "$WORK/$name-report/report.md" "$LOGS/$name-report.md"
+  [ -f "$WORK/$name-junit.xml" ] && cp "$WORK/$name-junit.xml" "$LOGS/"
+done
+mkdir -p "$LOGS/failed-ranks"
+grep -rlE "Error|Traceback|SIG[A-Z]+" "$WORK" --include=stderr.log 2>/dev/null | head -30 \
+  | while read -r f; do cp "$f" "$LOGS/failed-ranks/$(echo "${f#"$WORK"/}" | tr / _)"; done
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs
+cat "$OUT/results.md"
+echo "results in $OUT (work folder $WORK)"

@@ -116,6 +116,15 @@ OPTIONS: tuple[Option, ...] = (
         setting="devices",
     ),
     Option(
+        name="device",
+        help="where pairs run when the GPUs cannot give each rank its own: auto (ranks "
+        "share a GPU where gloo runs the layout's collectives on CUDA, else CPU), cuda "
+        "(GPUs only: skip the rest), cpu (every built-in pair on CPU)",
+        kind="choice",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+    ),
+    Option(
         name="strict",
         help="a pair this session cannot run (more devices than it has, a "
         "backend that is not installed) is a collection error instead of a skip",

@@ -10,11 +10,13 @@ An invalid pair still fails before anything is launched, with file, key and fix.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convergence.backends import Backend, get_backend
 from convergence.backends.builtin import BuiltinBackend
+from convergence.launch.placement import FIX_MORE_DEVICES, NotPlaceable, place
 from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import (
@@ -177,37 +179,59 @@ def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: i
     )
 
 
-def validate_devices(pair: PairSpec, *, available_devices: int | DeviceSet | None) -> None:
-    """World size vs. the devices this session may use (a count, or the session's
-    DeviceSet, which also knows nodes: a job larger than a node needs whole nodes). Raises
-    NotRunnableHere naming what the pair needs."""
-    if available_devices is None:
-        return
+def pair_jobs(pair: PairSpec) -> list[tuple[str, JobSpec]]:
+    """Every job a pair may launch, by side: control and test, the regime's other control
+    jobs (a twin, seed replicates), the test after its resume."""
     jobs = [("control", pair.control), ("test", pair.test)]
-    if not pair.golden:  # the regime's other control jobs (a twin, seed replicates)
+    if not pair.golden:
         regime = get_regime(pair.regime)
         others = regime.control_jobs(pair, get_backend(pair.control.backend))[1:]
         jobs.extend(("control", job) for job in others)
     if pair.test.resume is not None:
         jobs.append(("test", pair.test.after_resume()))
-    for side, job in jobs:
-        if isinstance(available_devices, int):
-            problem = (
-                None
-                if job.world_size <= available_devices
-                else f"needs {job.world_size} devices, only {available_devices} available"
-            )
-        else:
-            problem = available_devices.placement_problem(job.world_size)
-        if problem:
-            raise NotRunnableHere(
-                f"{side} {job.name!r} ({job.layout.short_name()}) {problem}",
-                file=pair.source,
-                key=f"{side}.parallelism",
-                fix="run it in a larger allocation (--convergence-launcher slurm inside "
-                "salloc/sbatch -N <nodes>), raise --convergence-devices (CPU slots may "
-                "oversubscribe cores), or lower the degrees",
-            )
+    return jobs
+
+
+def validate_devices(
+    pair: PairSpec, *, available_devices: int | DeviceSet | None, device_mode: str = "auto"
+) -> PairSpec:
+    """World size vs. the devices this session may use (a count, or the session's
+    DeviceSet, which also knows nodes: a job larger than a node needs whole nodes). Raises
+    NotRunnableHere naming what the pair needs.
+
+    With a DeviceSet, the pair is also placed (convergence.launch.placement: one GPU per rank,
+    ranks sharing GPUs, or CPU; ``device_mode`` auto | cuda | cpu): the pair returned carries
+    the placement, its jobs the device to run on. Run that one."""
+    if available_devices is None:
+        return pair
+    jobs = pair_jobs(pair)
+    if isinstance(available_devices, int):
+        for side, job in jobs:
+            if job.world_size > available_devices:
+                raise NotRunnableHere(
+                    f"{side} {job.name!r} ({job.layout.short_name()}) needs {job.world_size} "
+                    f"devices, only {available_devices} available",
+                    file=pair.source,
+                    key=f"{side}.parallelism",
+                    fix=FIX_MORE_DEVICES,
+                )
+        return pair
+    try:
+        placement = place([job for _, job in jobs], available_devices, device_mode)
+    except NotPlaceable as exc:
+        side, job = max(jobs, key=lambda sj: sj[1].world_size)
+        raise NotRunnableHere(
+            f"{side} {job.name!r} ({job.layout.short_name()}): {exc.detail}",
+            file=pair.source,
+            key=f"{side}.parallelism",
+            fix=exc.fix,
+        ) from None
+    return dataclasses.replace(
+        pair,
+        control=placement.apply(pair.control),
+        test=placement.apply(pair.test),
+        placement=placement.text,
+    )
 
 
 def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:

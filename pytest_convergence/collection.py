@@ -138,14 +138,18 @@ class ExperimentFile(pytest.File):
                 not_runnable=None if strict else skipped,
             )
             devices = state.device_set()
-            for pair in experiment.pairs:
+            pairs = list(experiment.pairs)
+            for i, pair in enumerate(pairs):
                 if (
                     TIERS.index(pair.tier) > TIERS.index(state.options["tier"])
                     or pair.name in skipped
                 ):
                     continue
                 try:
-                    validate_devices(pair, available_devices=devices)
+                    # The pair as placed: where its jobs run (convergence.launch.placement).
+                    pairs[i] = validate_devices(
+                        pair, available_devices=devices, device_mode=state.options["device"]
+                    )
                 except NotRunnableHere as exc:
                     if strict:
                         raise
@@ -153,7 +157,7 @@ class ExperimentFile(pytest.File):
         except SpecError as exc:
             # CollectError renders as its message only: file, key and fix, no traceback.
             raise self.CollectError(f"invalid experiment (nothing was launched):\n{exc}") from None
-        for pair in experiment.pairs:
+        for pair in pairs:
             item = ConvergenceItem.from_parent(self, name=pair.name, pair=pair)
             item.add_marker(MARKER)
             if pair.name in skipped:

@@ -109,8 +109,10 @@ class PairRunner:
             source=source,
             rootdir=self._node.config.rootpath,
         )
-        validate_devices(pair, available_devices=get_state(self._node.config).device_set())
-        return pair
+        state = get_state(self._node.config)
+        return validate_devices(
+            pair, available_devices=state.device_set(), device_mode=state.options["device"]
+        )
 
     def __call__(
         self,

@@ -139,6 +139,7 @@ def _non_default_specs() -> PairOutcome:
             techniques=Techniques(),
             local_batch_size=1,
         ),
+        device="cpu",
     )
     pair = PairSpec(
         pair_id="e.toml::t",
@@ -154,6 +155,7 @@ def _non_default_specs() -> PairOutcome:
         probe_always=True,
         golden="g.json",
         extra=(("k", "v"),),
+        placement="cpu: 4 rank(s) on CPU (gloo)",
     )
     for spec in (job, pair):
         for f in dataclasses.fields(spec):

@@ -80,8 +80,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if skipped:
         _print_err(f"{skipped} pair(s) above --tier {values['tier']} not run")
     devices = session_devices(values["launcher"], values["devices"])
-    for pair in pairs:
-        validate_devices(pair, available_devices=devices)
+    pairs = [
+        validate_devices(pair, available_devices=devices, device_mode=values["device"])
+        for pair in pairs
+    ]
     settings = cli_run_settings(values, on_progress=_ProgressLog())
     runner = SessionRunner(settings)  # one device pool, run cache and launcher for all pairs
     outcomes = []

@@ -36,10 +36,16 @@ KINDS = ("gpu", "cpu")
 MIN_CPU_SLOTS = 8
 NODE_GPUS_ENV = "CONVERGENCE_NODE_GPUS"
 RANKS_PER_GPU_ENV = "CONVERGENCE_RANKS_PER_GPU"
-"""Ranks that may share one GPU on one machine (default 1). Above 1, a GPU is offered as that
-many devices named ``"<gpu>/<k>"`` and jobs whose ranks outnumber their GPUs talk through gloo
-(the trainer's init_distributed: NCCL refuses two ranks on one GPU). For a one-GPU machine that
-must still run a 2- or 4-rank layout: slower than NCCL, the same sums for two ranks."""
+"""Ranks that may share one GPU on one machine (default :data:`DEFAULT_RANKS_PER_GPU`; 1
+turns sharing off). Above 1, a GPU is offered as that many slots named ``"<gpu>/<k>"``. A job
+of no more ranks than the machine has GPUs leases whole GPUs (every slot of each: one rank per
+GPU, NCCL); a larger one leases slots, its ranks share GPUs and talk through gloo (the
+trainer's init_distributed: NCCL refuses two ranks on one GPU). Which layouts may share is
+decided at collection (convergence.launch.placement): those whose collectives gloo runs on
+CUDA tensors; the others run on CPU."""
+DEFAULT_RANKS_PER_GPU = 4
+"""Enough for the quick start's 4-rank layouts on one GPU; a rank of a small model holds
+~0.5 GB of GPU memory (its CUDA context)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +72,14 @@ def node_of(device: str) -> str | None:
     """``"host:3"`` -> ``"host"``; None for a plain device name."""
     host, sep, _ = device.rpartition(":")
     return host if sep else None
+
+
+def _by_gpu(devices: Sequence[str]) -> dict[str, list[str]]:
+    """Slots by GPU: ``["0", "0/1", "1", "1/1"]`` -> ``{"0": ["0", "0/1"], "1": [...]}``."""
+    gpus: dict[str, list[str]] = {}
+    for d in devices:
+        gpus.setdefault(d.partition("/")[0], []).append(d)
+    return gpus
 
 
 def _by_node(devices: Sequence[str]) -> dict[str, list[str]]:
@@ -159,8 +173,8 @@ def detect_devices(cpu_slots: int | None = None) -> DeviceSet:
 
 
 def ranks_per_gpu() -> int:
-    """:data:`RANKS_PER_GPU_ENV` as a number (1 when unset)."""
-    raw = os.environ.get(RANKS_PER_GPU_ENV, "1")
+    """:data:`RANKS_PER_GPU_ENV` as a number (:data:`DEFAULT_RANKS_PER_GPU` when unset)."""
+    raw = os.environ.get(RANKS_PER_GPU_ENV, str(DEFAULT_RANKS_PER_GPU))
     try:
         value = int(raw)
     except ValueError:
@@ -263,6 +277,13 @@ class DevicePool:
     def _place(self, free: list[str], n: int) -> tuple[str, ...]:
         """``n`` free devices for one job (see the module docstring), or () if not now."""
         if self.per_node is None:
+            gpus = _by_gpu(self.devices)
+            if self.kind == "gpu" and len(gpus) < len(self.devices) and n <= len(gpus):
+                # Slots of shared GPUs, but the job fits one GPU per rank: whole GPUs (NCCL).
+                whole = [slots for slots in gpus.values() if all(s in free for s in slots)]
+                return tuple(s for slots in whole[:n] for s in slots) if len(whole) >= n else ()
+            if self.kind == "gpu":  # ranks sharing GPUs: spread them, first slots first
+                free = sorted(free, key=lambda d: int(d.partition("/")[2] or 0))
             return tuple(free[:n]) if len(free) >= n else ()
         nodes = _by_node(free)
         if n <= self.per_node:

@@ -33,7 +33,7 @@ from convergence.cache.key import cache_key, code_version, hardware_fingerprint
 from convergence.cache.stack import stack_fingerprint
 from convergence.cache.store import RunCache
 from convergence.launch.devices import session_devices
-from convergence.launch.pool import DevicePool
+from convergence.launch.pool import DevicePool, default_cpu_slots
 from convergence.launch.slurm import SlurmLauncher
 from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
@@ -152,6 +152,13 @@ class JobRunner:
             per_node=device_set.per_node,
             where=device_set.where,
         )
+        # Pairs placed on CPU on a GPU machine (convergence.launch.placement) lease CPU slots,
+        # accounted apart from the GPUs (their own state file in the same folder).
+        self.cpu_pool = (
+            DevicePool(settings.work_dir / "pool", default_cpu_slots(), "cpu")
+            if device_set.kind == "gpu" and device_set.per_node is None
+            else None
+        )
         self.launcher = launcher or _make_launcher(settings.launcher)
         self._on_progress = settings.on_progress
         self._prepared: dict[JobSpec, PreparedJob] = {}
@@ -235,11 +242,17 @@ class JobRunner:
         request: LaunchRequest,
         world_size: int,
         on_metrics: Callable[[dict[str, float]], bool] | None = None,
+        *,
+        device: str = "auto",
     ) -> JobResult:
-        """Launch on ``world_size`` devices leased from the session's pool (waits for them)."""
-        with self.pool.lease(world_size, timeout=self.settings.wall_limit_s) as lease:
+        """Launch on ``world_size`` devices leased from the session's pool (waits for them);
+        ``device`` ``cpu`` (a job placed on CPU, JobSpec.device): on CPU slots, GPUs hidden."""
+        pool, hide = self.pool, {}
+        if device == "cpu" and self.cpu_pool is not None:
+            pool, hide = self.cpu_pool, {"CUDA_VISIBLE_DEVICES": ""}
+        with pool.lease(world_size, timeout=self.settings.wall_limit_s) as lease:
             request = dataclasses.replace(
-                request, env={**request.env, **lease.env}, hosts=lease.hosts
+                request, env={**request.env, **lease.env, **hide}, hosts=lease.hosts
             )
             return self.launcher.launch(
                 request, on_metrics=on_metrics, on_progress=self._on_progress
@@ -407,7 +420,7 @@ class JobRunner:
             total_steps=job.steps,
             direct=backend.launches_itself(job),
         )
-        result = self.launch(request, job.world_size, on_metrics)
+        result = self.launch(request, job.world_size, on_metrics, device=job.device)
         (run_dir / "job.json").write_text(
             json.dumps(
                 {

@@ -80,7 +80,7 @@ def run_probe_job(
         log_dir=probe_dir / side / "logs",
         watch_idle=False,
     )
-    result = runner.launch(request, job.world_size)
+    result = runner.launch(request, job.world_size, device=job.device)
     if not result.ok:
         what = result.failure.message if result.failure else f"status {result.status}"
         raise RuntimeError(f"{side} probe job {job.name!r} {what} (logs: {result.log_dir})")

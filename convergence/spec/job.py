@@ -53,6 +53,10 @@ class JobSpec:
     resume: Resume | None = None
     """Test sides only: stop after ``resume.at_step``, checkpoint, resume on ``resume.layout``
     (convergence.spec.resume); None: one uninterrupted job."""
+    device: str = "auto"
+    """``auto``: the session's devices (GPUs where torch sees them, else CPU); ``cpu``: on CPU
+    slots with the GPUs hidden (set by the placement at collection, never by an experiment file:
+    convergence.launch.placement). Part of the run-cache key only when ``cpu``."""
 
     def __post_init__(self) -> None:
         # The name becomes part of a pytest node id (``file.toml::name``) and of run folder
@@ -109,6 +113,8 @@ class JobSpec:
                 fix='write it as "my_pkg.parallel:apply_my_tp"',
             )
 
+        if self.device not in ("auto", "cpu"):
+            raise ValueError(f"job device must be 'auto' or 'cpu', got {self.device!r}")
         if self.hook_mode not in HOOK_MODES:
             raise SpecError(
                 f"unknown hook_mode {self.hook_mode!r}",
@@ -158,4 +164,5 @@ class JobSpec:
             "backend_options": [list(kv) for kv in self.backend_options],
             # Only when set: the keys of jobs without a resume stay what they were.
             **({"resume": self.resume.to_dict()} if self.resume is not None else {}),
+            **({"device": self.device} if self.device != "auto" else {}),
         }

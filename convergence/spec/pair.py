@@ -107,6 +107,9 @@ class PairSpec:
     golden: str | None = None
     """Optional golden curve file to compare the test against instead of a control run."""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    placement: str = ""
+    """Where the pair's jobs run, as decided at collection (convergence.launch.placement:
+    ``cuda: ...``, ``cuda-shared: ...``, ``cpu: ...``); empty until placed."""
 
     @property
     def name(self) -> str:

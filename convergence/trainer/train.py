@@ -90,10 +90,14 @@ def set_determinism(cfg: TrainConfig, device: torch.device) -> None:
 def process_group_backend(device: torch.device) -> str:
     """NCCL when every local rank has its own GPU, else gloo.
 
-    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). gloo runs every collective the
-    trainer uses on CUDA tensors (staged through host memory; checked on an H200, BENCHMARKS.md
-    "GPU checks"), slowly, and for two ranks its sums are the very IEEE operations NCCL does
-    (a + b in the reduce dtype), so a one-GPU machine can still run 2-rank layouts."""
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). On CUDA tensors gloo runs the
+    classic collectives (all-reduce, reduce-scatter, all-gather, broadcast: staged through host
+    memory), which is all FSDP, DDP, HSDP and CP call; it does not run point-to-point sends (PP)
+    nor DTensor's functional collectives (TP): :func:`check_shared_gpu` refuses those, and the
+    placement at collection (convergence.launch.placement) runs such pairs on CPU before any
+    job starts. The table, measured: README "Ranks sharing a GPU". For two ranks gloo's sums
+    are the very IEEE operations NCCL does (a + b in the reduce dtype), so a one-GPU machine
+    can still run 2-rank layouts."""
     if device.type != "cuda":
         return "gloo"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -101,19 +105,27 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def check_shared_gpu(cfg: TrainConfig) -> None:
-    """Ranks sharing a GPU through gloo: refuse what is known to crash there, with the fix."""
-    if cfg.parallelism.tp > 1:
+    """Ranks sharing a GPU through gloo: refuse what gloo cannot run on CUDA tensors, with the
+    fix. The placement at collection never sends such a job here; this is the guard for a job
+    launched some other way (a calibration, a hand-made pool)."""
+    problems = {
         # Seen on an H200 with torch 2.11: DTensor's functional all-gather over gloo on CUDA
-        # tensors ends the rank with SIGSEGV (BENCHMARKS.md "GPU checks"); FSDP, HSDP and CP,
-        # which use the classic collectives, run.
-        raise SpecError(
-            "tensor parallelism cannot run with ranks sharing a GPU through gloo (DTensor's "
-            "functional collectives crash there)",
-            file=cfg.source,
-            key="parallelism.tp",
-            fix="give each rank its own GPU (unset CONVERGENCE_RANKS_PER_GPU), or run this "
-            'layout on CPU (training.device = "cpu")',
-        )
+        # tensors ends the rank with SIGSEGV.
+        "tp": "tensor parallelism (DTensor's functional collectives crash there)",
+        # gloo's send hands the CUDA pointer to writev: "Bad address", SIGABRT in
+        # torch.distributed.pipelining's _wait_batch_p2p.
+        "pp": "pipeline parallelism (gloo's point-to-point aborts on CUDA tensors)",
+    }
+    for axis, what in problems.items():
+        if getattr(cfg.parallelism, axis) > 1:
+            raise SpecError(
+                f"{what} cannot run with ranks sharing a GPU through gloo",
+                file=cfg.source,
+                key=f"parallelism.{axis}",
+                fix="give each rank its own GPU, run the pair through the plugin or "
+                "`convergence run` (they place it on CPU), or set training.device = "
+                '"cpu"',
+            )
 
 
 def init_distributed(device: torch.device) -> bool:

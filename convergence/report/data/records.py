@@ -136,6 +136,7 @@ class PairRecord(TypedDict):
     status: str
     regime: str
     tier: str
+    placement: NotRequired[str]
     control: SideRecord
     test: SideRecord
     techniques_changed: dict[str, TechniqueValue]
@@ -324,6 +325,7 @@ def pair_record(
         "status": outcome.status,
         "regime": pair.regime,
         "tier": pair.tier,
+        "placement": pair.placement,
         "control": side_record(pair.control, control),
         "test": side_record(pair.test, test),
         "techniques_changed": techniques_changed(outcome),

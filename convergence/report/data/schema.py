@@ -172,6 +172,7 @@ _PAIR: dict[str, Any] = {
         "status": {"enum": list(PAIR_STATUSES)},
         "regime": {"enum": list(REGISTRY.names())},
         "tier": {"type": "string"},
+        "placement": {"type": "string"},
         "control": {"$ref": "#/$defs/side"},
         "test": {"$ref": "#/$defs/side"},
         "techniques_changed": {"type": "object"},

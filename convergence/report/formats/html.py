@@ -24,7 +24,7 @@ from convergence.report.fmt import (
     fmt_wall,
     verdict_state,
 )
-from convergence.report.formats.terminal import COLUMNS, RIGHT, record_row
+from convergence.report.formats.terminal import COLUMNS, RIGHT, record_row, with_device
 from convergence.report.markup import html_img as img
 from convergence.report.markup import html_table as table
 from convergence.report.sections import SECTIONS
@@ -62,15 +62,16 @@ dl.kv dt { color: #59636e; } dl.kv dd { margin: 0; }
 
 
 def matrix_html(pairs: Sequence[PairRecord]) -> str:
-    keys = [key for key, _ in COLUMNS]
+    records = [record_row(record) for record in pairs]
+    columns = with_device(COLUMNS, records)
+    keys = [key for key, _ in columns]
     rows = []
-    for record in pairs:
-        row = record_row(record)
+    for record, row in zip(pairs, records, strict=True):
         cells = [escape(row[k]) for k in keys]
         cells[0] = f'<a href="#{escape(_anchor(record))}">{cells[0]}</a>'
         rows.append(cells)
     return table(
-        [escape(t) for _, t in COLUMNS],
+        [escape(t) for _, t in columns],
         rows,
         right=[k in RIGHT for k in keys],
         row_class=[str(r["status"]) for r in pairs],

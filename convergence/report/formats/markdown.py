@@ -16,7 +16,13 @@ from convergence.report.fmt import (
     fmt_value,
     fmt_wall,
 )
-from convergence.report.formats.terminal import AXIS_COLUMNS, COLUMNS, RIGHT, record_row
+from convergence.report.formats.terminal import (
+    AXIS_COLUMNS,
+    COLUMNS,
+    RIGHT,
+    record_row,
+    with_device,
+)
 from convergence.report.markup import md_cell as cell
 from convergence.report.markup import md_code as code
 from convergence.report.markup import md_table as table
@@ -63,9 +69,9 @@ MD_COLUMNS: tuple[tuple[str, str], ...] = (
 def matrix_table(pairs: Sequence[PairRecord]) -> list[str]:
     """The matrix in :data:`MD_COLUMNS`; the layout column is left out when every pair is
     named after its test's layout (an experiment's ``fsdp2-tp2``): it would repeat the name."""
-    columns = MD_COLUMNS
+    columns = with_device(MD_COLUMNS, [record_row(record) for record in pairs])
     if pairs and all(str(r["name"]) == str(r["test"]["short_name"]) for r in pairs):
-        columns = tuple(c for c in MD_COLUMNS if c[0] != "layout")
+        columns = tuple(c for c in columns if c[0] != "layout")
     rows = []
     for record in pairs:
         row = record_row(record)

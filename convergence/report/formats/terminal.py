@@ -52,6 +52,9 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("wall", "wall"),
     ("cache", "cache"),
 )
+DEVICE_COLUMN = ("device", "device")
+"""Where each pair ran (convergence.launch.placement: cuda, cuda-shared, cpu): shown when a
+pair ran off the CPU, so a CPU machine's matrix stays as narrow as it was."""
 RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "dloss", "dgnorm", "tps", "mem", "wall"})
 SHRINKABLE = ("techniques", "pair")
 """Columns cut (with "…") when the table is too wide, in this order."""
@@ -82,6 +85,8 @@ def record_row(record: PairRecord) -> dict[str, str]:
             "mem": fmt_ratio(res["peak_mem_mib"]["ratio"]),
             "wall": fmt_wall(as_float(wall)),
             "cache": "+".join(cached) + " cached" if cached else "-",
+            # Where the pair ran (convergence.launch.placement): cuda, cuda-shared or cpu.
+            "device": str(record.get("placement") or "-").partition(":")[0],
         }
     )
     return row
@@ -92,10 +97,20 @@ def matrix_rows(outcomes: Iterable[PairOutcome]) -> list[dict[str, str]]:
     return [record_row(pair_record(o, include_curves=False)) for o in outcomes]
 
 
-def _layout(rows: Sequence[Mapping[str, str]], width: int) -> tuple[dict[str, int], str]:
+def with_device(
+    columns: tuple[tuple[str, str], ...], rows: Sequence[Mapping[str, str]]
+) -> tuple[tuple[str, str], ...]:
+    """``columns`` plus :data:`DEVICE_COLUMN` when a row ran on a GPU."""
+    shown = any(r["device"] not in ("-", "cpu") for r in rows)
+    return (*columns, DEVICE_COLUMN) if shown else columns
+
+
+def _layout(
+    rows: Sequence[Mapping[str, str]], width: int, columns: tuple[tuple[str, str], ...]
+) -> tuple[dict[str, int], str]:
     """Column widths and the gap: cut the name columns first, then narrow the gaps."""
-    widths = {key: max([len(header)] + [len(r[key]) for r in rows]) for key, header in COLUMNS}
-    gaps = len(COLUMNS) - 1
+    widths = {key: max([len(header)] + [len(r[key]) for r in rows]) for key, header in columns}
+    gaps = len(columns) - 1
     excess = sum(widths.values()) + len(GAP) * gaps - width
     for key in SHRINKABLE:
         if excess <= 0:
@@ -110,12 +125,13 @@ def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
     """The matrix as aligned plain text (newline-terminated), with a one-line summary."""
     outcomes = list(outcomes)
     rows = matrix_rows(outcomes)
-    widths, gap = _layout(rows, width)
-    header = {key: title for key, title in COLUMNS}
+    columns = with_device(COLUMNS, rows)
+    widths, gap = _layout(rows, width, columns)
+    header = {key: title for key, title in columns}
     lines = []
     for row in [header, *rows]:
         cells = []
-        for key, _ in COLUMNS:
+        for key, _ in columns:
             text = cut(row[key], widths[key])
             cells.append(text.rjust(widths[key]) if key in RIGHT else text.ljust(widths[key]))
         lines.append(gap.join(cells).rstrip())
