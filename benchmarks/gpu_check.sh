@@ -46,7 +46,8 @@ START=$(date +%s)
 if [ "$CPU" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""
   STEPS=(--convergence-steps 3)
-  SWEEP=(--seeds 7 --steps 4 --cases fsdp2-cp2 fsdp-dp-rank-dropped)
+  SEEDS=(7)
+  SWEEP=(--steps 4 --cases fsdp2-cp2 fsdp-dp-rank-dropped)
   PROBE=(--device cpu --worlds 2 --only all_reduce send_recv --parallel 2 --timeout 280)
   TITAN=(--collect-only -q)
   FIXED=(--device cpu --rounds 1)
@@ -54,7 +55,8 @@ if [ "$CPU" = 1 ]; then
   LIMIT=900
 else
   STEPS=()
-  SWEEP=(--seeds 7 8)
+  SEEDS=(7 8)
+  SWEEP=()
   PROBE=(--device cuda --worlds 2 4 --parallel 6)
   TITAN=()
   FIXED=(--rounds 2)
@@ -106,7 +108,16 @@ for p in $PARTS; do
     torchtitan)
       pytest_part torchtitan 240 -m convergence --convergence-tier nightly "${TITAN[@]}" \
         experiments/torchtitan/debug_1gpu.toml & ;;
-    sweep) part sweep "$LIMIT" $PY benchmarks/gpu_sweep.py "${SWEEP[@]}" --json "$OUT/sweep.json" & ;;
+    sweep)  # one process per seed (each its own pool: they share the GPU), then one table
+      (
+        for seed in "${SEEDS[@]}"; do
+          part "sweep-$seed" "$LIMIT" $PY benchmarks/gpu_sweep.py --seeds "$seed" "${SWEEP[@]}" \
+            --json "$WORK/sweep-$seed.json" &
+        done
+        wait
+        $PY benchmarks/gpu_sweep.py --merge "$WORK"/sweep-*.json --json "$OUT/sweep.json" \
+          >"$LOGS/sweep.log" 2>&1
+      ) & ;;
     probe) part probe 320 $PY benchmarks/gloo_cuda_probe.py "${PROBE[@]}" --json "$OUT/gloo_probe.json" & ;;
     fixedcost)
       if [ -f benchmarks/job_fixed_cost.py ]; then
@@ -140,8 +151,8 @@ summary() {  # the last line pytest or a benchmark prints about its outcome
   local log=$LOGS/$1.log
   case $1 in
     quickstart | experiments | torchtitan) grep -E "^=+ .* in [0-9.]+s" "$log" | tail -1 | tr -d '=' ;;
-    sweep) grep -E "^false alarms" "$log" | tail -1 ;;
-    probe) echo "$(grep -c '| OK' "$log") rows all OK; FAIL cells: $(grep -o 'FAIL' "$log" | wc -l)" ;;
+    sweep-*) grep -E "^false alarms" "$log" | tail -1 ;;
+    probe) echo "OK cells: $(grep -o '| OK' "$log" | wc -l); FAIL cells: $(grep -o 'FAIL' "$log" | wc -l)" ;;
     fixedcost) tail -1 "$log" ;;
   esac
 }

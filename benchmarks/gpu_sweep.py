@@ -9,6 +9,7 @@ over gloo, or CPU), so on a one-GPU machine the layouts gloo runs on CUDA share 
 
     python benchmarks/gpu_sweep.py --seeds 7 8 --json /tmp/sweep.json
     python benchmarks/gpu_sweep.py --seeds 7 --cases fsdp2-cp2 --steps 4   # a dry run on CPU
+    python benchmarks/gpu_sweep.py --merge /tmp/s7.json /tmp/s8.json --json /tmp/sweep.json
 
 Prints one line per pair as it ends and a table at the end; ``--json`` keeps the rows.
 """
@@ -130,9 +131,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--cases", nargs="*", default=[*CORRECT, *BUGS])
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--merge", type=Path, nargs="*", help="print the table of these --json files, run nothing"
+    )
     args = parser.parse_args()
     args.config = CONFIGS.get(args.config, Path(args.config))
-    rows = run(args)
+    if args.merge is not None:
+        rows = [
+            row for path in args.merge if path.is_file() for row in json.loads(path.read_text())
+        ]
+    else:
+        rows = run(args)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str))

@@ -21,7 +21,7 @@ from convergence.launch.placement import (
 )
 from convergence.launch.pool import DevicePool, DeviceSet
 from convergence.preflight import load_checked, pair_jobs, validate_devices
-from convergence.spec.errors import NotRunnableHere
+from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout
 from convergence.spec.pair import PairSpec
@@ -208,3 +208,39 @@ def test_collection_with_device_cuda_skips_tp_and_pp_naming_why(
     assert set(skipped) == {"fsdp2-tp2", "fsdp2-pp2"}
     assert "gloo does not run on CUDA tensors" in skipped["fsdp2-pp2"]
     assert "--convergence-device auto or cpu" in skipped["fsdp2-tp2"]
+
+
+def test_the_job_floor_runs_a_cpu_job_on_cpu_slots_with_the_gpus_hidden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a (pretended) one-GPU machine a job placed on CPU leases the CPU slots and sees no
+    GPU; a job left to the session's devices leases the GPU's slots (real processes)."""
+    import convergence.run.jobs as jobs
+
+    monkeypatch.setattr(jobs, "session_devices", lambda launcher, cap: pretend_gpus(1))
+    runner = jobs.JobRunner(jobs.RunSettings(work_dir=tmp_path))
+    assert runner.pool.kind == "gpu" and runner.cpu_pool is not None
+    script = "import os; print('seen=' + repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    for device, seen in (("cpu", "seen=''"), ("auto", "seen='0'")):
+        request = runner.launch_request(
+            device, ["-c", script], nproc=1, log_dir=tmp_path / device, direct=True
+        )
+        assert runner.launch(request, 2, device=device).ok
+        assert seen in (tmp_path / device / "launcher.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("override", "axis"), [("--parallelism.tp=2", "tp"), ("--parallelism.pp=2", "pp")]
+)
+def test_the_trainer_refuses_tp_and_pp_on_shared_gpu_slots(override: str, axis: str) -> None:
+    """The guard behind the placement, for a job launched some other way: a clean SpecError
+    naming the key and the fix, never the SIGABRT/SIGSEGV of gloo on CUDA tensors."""
+    from convergence.trainer.config import load_train_config
+    from convergence.trainer.train import check_shared_gpu
+
+    with pytest.raises(SpecError) as err:
+        check_shared_gpu(load_train_config(REPO / "train_configs" / "debug.toml", [override]))
+    assert err.value.key == f"parallelism.{axis}" and "cpu" in (err.value.fix or "")
+    check_shared_gpu(
+        load_train_config(REPO / "train_configs" / "debug.toml", ["--parallelism.cp=2"])
+    )
