@@ -47,7 +47,8 @@ if [ "$CPU" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""
   STEPS=(--convergence-steps 3)
   SEEDS=(7)
-  SWEEP=(--steps 4 --cases fsdp2-cp2 fsdp-dp-rank-dropped)
+  SWEEP=(--steps 4)
+  SWEEP_CHUNKS=("fsdp2-cp2 fsdp-dp-rank-dropped")
   PROBE=(--device cpu --worlds 2 --only all_reduce send_recv --parallel 2 --timeout 280)
   TITAN=(--collect-only -q)
   FIXED=(--device cpu --rounds 1)
@@ -57,6 +58,10 @@ else
   STEPS=()
   SEEDS=(7 8)
   SWEEP=()
+  # A few cases per process, the processes in parallel (16 cores; the pairs share the GPU).
+  SWEEP_CHUNKS=("fsdp2-cp2 fsdp-dp-rank-dropped" "hsdp2x2 hsdp-sum-not-average"
+    "fsdp4 dp-ranks-read-same-shard" "fsdp2-accum2 grad-accum-not-divided"
+    "cp-rope-ignores-offset cp-mask-ignores-offset")
   PROBE=(--device cuda --worlds 2 4 --parallel 6)
   TITAN=()
   FIXED=(--rounds 2)
@@ -111,8 +116,12 @@ for p in $PARTS; do
     sweep)  # one process per seed (each its own pool: they share the GPU), then one table
       (
         for seed in "${SEEDS[@]}"; do
-          part "sweep-$seed" "$LIMIT" $PY benchmarks/gpu_sweep.py --seeds "$seed" "${SWEEP[@]}" \
-            --json "$WORK/sweep-$seed.json" &
+          for chunk in "${!SWEEP_CHUNKS[@]}"; do
+            # shellcheck disable=SC2086  # a chunk is a list of case names
+            part "sweep-$seed-$chunk" "$LIMIT" $PY benchmarks/gpu_sweep.py --seeds "$seed" \
+              "${SWEEP[@]}" ${SWEEP_CHUNKS[$chunk]:+--cases ${SWEEP_CHUNKS[$chunk]}} \
+              --json "$WORK/sweep-$seed-$chunk.json" &
+          done
         done
         wait
         $PY benchmarks/gpu_sweep.py --merge "$WORK"/sweep-*.json --json "$OUT/sweep.json" \
