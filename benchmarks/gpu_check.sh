@@ -23,7 +23,7 @@
 # reports' markdown, the failed jobs' rank logs).
 # --cpu (alias --dry-run): GPUs hidden, a few steps, a few cases: checks the script itself on a
 # machine without a GPU, so a GPU's minutes go to results.
-set -u
+# (no set -u: empty arrays such as STEPS=() expand to nothing on every bash, 4.3 included)
 CPU=0
 parts=()
 for arg in "$@"; do
