@@ -23,7 +23,7 @@
 # reports' markdown, the failed jobs' rank logs).
 # --cpu (alias --dry-run): GPUs hidden, a few steps, a few cases: checks the script itself on a
 # machine without a GPU, so a GPU's minutes go to results.
-set -u
+# (no set -u: empty arrays such as STEPS=() expand to nothing on every bash, 4.3 included)
 CPU=0
 parts=()
 for arg in "$@"; do
@@ -100,7 +100,11 @@ part() {
 pytest_part() {  # name, limit, pytest args...
   local name=$1 limit=$2
   shift 2
+  # --continue-on-collection-errors: a test module of tests/ that cannot import here (a test
+  # extra not installed) must not stop the pairs; -v: the lines of the pairs that ended survive
+  # a part cut off by its time limit.
   part "$name" "$limit" $PY -m pytest -p no:cacheprovider "${PLUGIN[@]}" -rA -v \
+    --continue-on-collection-errors \
     --convergence-workdir "$WORK/$name-work" --convergence-report "$WORK/$name-report" \
     --junitxml "$WORK/$name-junit.xml" "${STEPS[@]}" "$@"
 }

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from convergence.launch.devices import session_devices
+from convergence.launch.placement import gpu_count
 from convergence.preflight import load_checked
 from convergence.spec.errors import SpecError
 from pytest_convergence.collection import is_experiment_file
@@ -90,8 +91,14 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
         return None
     options = read_options(config)
     try:
-        devices = len(session_devices(options["launcher"], options["devices"]).devices)
+        device_set = session_devices(options["launcher"], options["devices"])
     except SpecError:
         return None  # slurm outside an allocation: collection reports it
-
-    return max(1, devices // _largest_world_size(config, files))
+    largest = _largest_world_size(config, files)
+    devices = len(device_set.devices)
+    if device_set.kind == "gpu" and device_set.per_node is None:
+        # GPUs offered as shared slots (convergence.launch.pool): a job that fits one GPU per
+        # rank takes whole GPUs, so count GPUs; only jobs larger than the GPUs share slots.
+        gpus = gpu_count(device_set)
+        devices = gpus if largest <= gpus else devices
+    return max(1, devices // largest)

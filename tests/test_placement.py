@@ -244,3 +244,31 @@ def test_the_trainer_refuses_tp_and_pp_on_shared_gpu_slots(override: str, axis: 
     check_shared_gpu(
         load_train_config(REPO / "train_configs" / "debug.toml", ["--parallelism.cp=2"])
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Where each pair ran, in the terminal matrix, the markdown/HTML reports and JUnit.
+
+
+def test_reports_show_where_each_pair_ran() -> None:
+    from report_examples import failing_pair, passing_pair
+
+    from convergence.report import build_report, junit_properties, render_markdown, render_matrix
+    from convergence.report.formats.html import render_html
+
+    def placed(outcome, text):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(outcome, pair=dataclasses.replace(outcome.pair, placement=text))
+
+    on_cpu = [placed(passing_pair(), "cpu: 4 rank(s) on CPU (gloo)"), failing_pair()]
+    assert "device" not in render_matrix(on_cpu)  # a CPU machine's matrix as before
+    mixed = [placed(passing_pair(), "cuda-shared: 4 ranks sharing 1 GPU(s) over gloo"), on_cpu[0]]
+    matrix = render_matrix(mixed)
+    assert "device" in matrix.splitlines()[0]
+    assert "cuda-shared" in matrix and " cpu" in matrix
+    report = build_report(mixed, environment={}, started_at=None, wall_s=None, include_curves=False)
+    assert report["pairs"][0]["placement"].startswith("cuda-shared: 4 ranks")
+    assert "| device |" in render_markdown(report) and "cuda-shared" in render_html(report, {})
+    assert (
+        "convergence.device",
+        "cuda-shared: 4 ranks sharing 1 GPU(s) over gloo",
+    ) in junit_properties(mixed[0])

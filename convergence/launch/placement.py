@@ -42,7 +42,6 @@ GLOO_ON_CUDA: dict[str, bool] = {
     "all_reduce": True,
     "reduce_scatter": True,
     "all_gather": True,
-    "broadcast": True,
     "send_recv": False,
     "functional": False,
 }
@@ -66,8 +65,7 @@ def layout_collectives(layout: Layout) -> dict[str, str]:
     if layout.pp > 1:
         needs["send_recv"] = "PP (point-to-point between stages)"
     if layout.world_size > 1:
-        needs.setdefault("all_reduce", "the loss and gradient-norm reductions")
-        needs.setdefault("broadcast", "the seed checkpoint load")
+        needs.setdefault("all_reduce", "the token counts and gradient-norm sums")
     return needs
 
 
