@@ -173,3 +173,16 @@ def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
     )
     assert pair.regime == "paired" and not wants_probe(pair, "failed")
     assert "only when both sides are\nbuilt-in jobs" in README
+
+
+def test_stale_sentences_of_issue_36_are_gone() -> None:
+    """ab's --help names every gating metric; README's pointer to decide's summary points up
+    (it is above); CHANGELOG says the twin envelope sums the twins, as the code does."""
+    text = _help("ab")
+    assert "loss and grad norm gating" not in text
+    assert "per-part grad norm and data fingerprint gating" in text
+    assert "decide`'s summary (below)" not in README
+    assert README.index("**The trend decides.**") < README.index("decide`'s summary (above")
+    changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert "takes the farthest" not in changelog
+    assert "--out nightly.sbatch" not in README

@@ -53,6 +53,15 @@ def _nodes(args: argparse.Namespace) -> int:
 
 def cmd_nightly(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if out.suffix in (".sbatch", ".sh") or out.is_file():
+        # A script's name given as --out would become a folder holding the script.
+        print(
+            f"convergence nightly: --out {args.out} names a file; --out is the nightly's "
+            "folder (nights/, history.jsonl, Slurm output)\n  fix: --out DIR, and --script "
+            f"{args.out} for the script's own path (default OUT/nightly.sbatch)",
+            file=sys.stderr,
+        )
+        return 2
     settings = NightlySettings(
         experiments=tuple(args.experiments),
         out=str(out.resolve()),
