@@ -215,10 +215,25 @@ def validate_devices(pair: PairSpec, *, available_devices: int | DeviceSet | Non
                 f"{side} {job.name!r} ({job.layout.short_name()}) {problem}",
                 file=pair.source,
                 key=f"{side}.parallelism",
-                fix="run it in a larger allocation (--convergence-launcher slurm inside "
-                "salloc/sbatch -N <nodes>), raise --convergence-devices (CPU slots may "
-                "oversubscribe cores), or lower the degrees",
+                fix=_devices_fix(available_devices),
             )
+
+
+def _devices_fix(available: int | DeviceSet) -> str:
+    """What gets a pair more devices. On GPUs --convergence-devices only caps the GPUs the
+    host has, so it is no fix there: ranks can share a GPU through gloo, or run on CPU."""
+    larger = (
+        "run it in a larger allocation (--convergence-launcher slurm inside salloc/sbatch "
+        "-N <nodes>)"
+    )
+    if not isinstance(available, int) and available.kind == "gpu":
+        return (
+            f"{larger}, lower the degrees, let ranks share a GPU through gloo "
+            "(CONVERGENCE_RANKS_PER_GPU=4 in the environment; no tensor parallelism), or run "
+            "on CPU: hide the GPUs (CUDA_VISIBLE_DEVICES=) and give the CPU slots with "
+            "--convergence-devices N"
+        )
+    return f"{larger}, raise --convergence-devices (CPU slots may oversubscribe cores), or lower the degrees"
 
 
 def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:

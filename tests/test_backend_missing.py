@@ -122,3 +122,28 @@ def test_the_torchtitan_extra_declares_the_torch_it_needs() -> None:
         "optional-dependencies"
     ]
     assert f"torch>={TORCH_FLOORS['torchtitan']['0.3']}" in extras["torchtitan"]
+
+
+def test_on_a_gpu_host_the_skip_names_fixes_that_add_devices(tmp_path: Path) -> None:
+    """--convergence-devices only caps a GPU host's GPUs: the skip names gloo GPU sharing and
+    running on CPU instead (it used to say "raise --convergence-devices")."""
+    from convergence.launch.pool import DeviceSet
+    from convergence.preflight import load_checked, validate_devices
+    from convergence.spec.errors import NotRunnableHere
+    from experiments import builtin_pair
+
+    path = builtin_pair(
+        tmp_path,
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}}],
+    )
+    (pair,) = load_checked(path, rootdir=tmp_path).pairs
+    gpus = DeviceSet(kind="gpu", devices=("0", "1"))
+    with pytest.raises(NotRunnableHere) as gpu_skip:
+        validate_devices(pair, available_devices=gpus)
+    assert "raise --convergence-devices" not in str(gpu_skip.value.fix)
+    assert "CUDA_VISIBLE_DEVICES=" in str(gpu_skip.value.fix)
+    assert "CONVERGENCE_RANKS_PER_GPU" in str(gpu_skip.value.fix)
+    with pytest.raises(NotRunnableHere) as cpu_skip:
+        validate_devices(pair, available_devices=DeviceSet(kind="cpu", devices=("0", "1")))
+    assert "raise --convergence-devices" in str(cpu_skip.value.fix)  # CPU slots: a real fix

@@ -186,3 +186,33 @@ def test_stale_sentences_of_issue_36_are_gone() -> None:
     changelog = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
     assert "takes the farthest" not in changelog
     assert "--out nightly.sbatch" not in README
+
+
+def test_decide_shows_its_defaults() -> None:
+    text = _help("decide")
+    for default in ("(default 20)", "(default 5)", "(default 6)"):
+        assert default in text, text
+    assert "`--window 20`" in README and "`--k 6`" in README and "`--min-nights 5`" in README
+
+
+def test_calibrate_takes_none_as_its_help_says() -> None:
+    """`--bf16-layouts none` ("none: skip the twin") used to be rejected by argparse."""
+    args = build_parser().parse_args(["calibrate", "debug", "--bf16-layouts", "none"])
+    assert args.bf16_layouts == ["none"]  # cmd_calibrate drops it: no bf16 layouts
+    args = build_parser().parse_args(["calibrate", "debug", "--fp32-layouts", "none"])
+    assert args.fp32_layouts == ["none"]
+
+
+def test_tomllib_is_imported_only_where_python_has_it() -> None:
+    """requires-python >= 3.10, and tomllib is 3.11+: each import of it sits under a version
+    check (cli/calibrate.py imported it unconditionally: the CLI failed on 3.10)."""
+    import ast
+
+    for path in [
+        *(REPO / "convergence").rglob("*.py"),
+        *(REPO / "pytest_convergence").rglob("*.py"),
+    ]:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:  # module level, outside any `if sys.version_info`
+            if isinstance(node, ast.Import) and any(a.name == "tomllib" for a in node.names):
+                raise AssertionError(f"{path}: unconditional `import tomllib`")

@@ -242,11 +242,21 @@ def add_subcommands(sub: Any) -> None:
     dec.add_argument(
         "--out", required=True, metavar="DIR", help="where decision.json and decision.md go"
     )
-    dec.add_argument("--window", type=int, default=20, help="green nights in the band")
     dec.add_argument(
-        "--min-nights", type=int, default=5, help="fewer green nights: no decision for a metric"
+        "--window", type=int, default=20, help="the last N green nights form the band (default 20)"
     )
-    dec.add_argument("--k", type=float, default=6.0, help="band half width in robust sigmas")
+    dec.add_argument(
+        "--min-nights",
+        type=int,
+        default=5,
+        help="fewer green nights than this: no decision for a metric (default 5)",
+    )
+    dec.add_argument(
+        "--k",
+        type=float,
+        default=6.0,
+        help="band half width in robust sigmas, 1.4826 x MAD (default 6)",
+    )
     dec.add_argument(
         "--hook",
         metavar="CMD",
