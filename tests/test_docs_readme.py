@@ -131,7 +131,7 @@ def test_hook_source_hash_imports_nothing(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_install_lines_do_not_assume_the_public_index() -> None:
     """Point 4: not on PyPI; installed from a clone or a wheel, extras written the same way."""
-    assert not re.search(r'pip install "?pytest-convergence', README)
+    assert not re.search(r'pip install\s+"?pytest-convergence', README)
     assert 'pip install "./pytest-convergence[xdist]"' in README
     assert "not on the public package index" in README
 
@@ -216,3 +216,20 @@ def test_tomllib_is_imported_only_where_python_has_it() -> None:
         for node in tree.body:  # module level, outside any `if sys.version_info`
             if isinstance(node, ast.Import) and any(a.name == "tomllib" for a in node.names):
                 raise AssertionError(f"{path}: unconditional `import tomllib`")
+
+
+def test_readme_states_the_torch_floors_the_code_declares() -> None:
+    """The quick start's torch floor and the compatibility table are pyproject's and the
+    registry's (issue 36: README said torch >= 2.6, which the trainer cannot run on)."""
+    import tomllib
+
+    from convergence.backends.registry import TORCH_FLOORS
+    from convergence.spec.pp_schedules import TORCH_FLOORS as PP_FLOORS
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = next(d for d in deps if d.startswith("torch>="))[len("torch>=") :]
+    assert f"any torch >= {floor} build works" in README
+    table = README.split("### Compatibility", 1)[1].split("\n\n", 2)[1]
+    assert f"torch >= {floor}" in table
+    assert f"torch >= {TORCH_FLOORS['torchtitan']['0.3']}" in table
+    assert f"torch >= {PP_FLOORS['DualPipeV']}" in table
