@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from convergence.backends import Backend, get_backend
 from convergence.backends.builtin import BuiltinBackend
+from convergence.backends.registry import not_importable
 from convergence.launch.placement import FIX_MORE_DEVICES, NotPlaceable, place
 from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import NotRunnableHere, SpecError
@@ -83,11 +84,21 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
         try:
             backends[side_key] = get_backend(job.backend)
             backends[side_key].preflight(job)
+        except ImportError as exc:
+            # The backend's package is installed but cannot import here (torchtitan built for
+            # a newer torch than this one): not an error in the file, a session that lacks
+            # what the pair needs.
+            raise not_importable(
+                job.backend, exc, file=file, where=f"[{side_key} {job.name!r}] "
+            ) from None
         except SpecError as exc:
+            # A pair this session cannot run (the backend is not installed) stays that kind:
+            # collection skips it (load_checked), --convergence-strict makes it an error.
+            error = NotRunnableHere if isinstance(exc, NotRunnableHere) else SpecError
             # Name the experiment file (what the user edits); a check made on the effective
             # train config says so and points at it too.
             if exc.file and exc.file != file:
-                raise SpecError(
+                raise error(
                     f"[{side_key} {job.name!r}] {exc.detail} (checked on the "
                     f"effective train config {exc.file}, key '{exc.key}')",
                     file=file,
@@ -95,7 +106,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                     fix=exc.fix,
                 ) from None
             key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
-            raise SpecError(
+            raise error(
                 f"[{side_key} {job.name!r}] {exc.detail}",
                 file=exc.file or file,
                 key=key_path,

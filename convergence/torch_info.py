@@ -77,6 +77,21 @@ def torch_version() -> str:
     return str(torch.__version__)
 
 
+def older_than(version: str, floor: str) -> bool:
+    """Whether ``version`` ("2.11.0+cu128") is below ``floor`` ("2.12"), by major.minor;
+    False when either does not read as one."""
+    have, need = _major_minor(version), _major_minor(floor)
+    return have is not None and need is not None and have < need
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def cuda_hidden() -> bool:
     """CUDA_VISIBLE_DEVICES hides every GPU ("" or a list starting with -1): torch sees none."""
     value = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -54,8 +54,10 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
     resolved = file_path.resolve()
     for listed in config.getini("convergence_paths"):
         listed = Path(listed).resolve()
-        if resolved == listed or (listed.is_dir() and _under(resolved, listed)):
-            return True
+        if resolved == listed:
+            return True  # named: ours, so its errors are reported
+        if listed.is_dir() and _under(resolved, listed) and declares_experiment(file_path):
+            return True  # in a listed folder: only files that declare themselves, as above
     for arg in config.args:
         arg_path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
         if arg_path == resolved:

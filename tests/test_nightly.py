@@ -6,6 +6,7 @@ outcomes of tests/report_examples.py), with a second night's numbers changed by 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -41,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = NightlySettings(
     experiments=("experiments",),
     out="/shared/convergence-nightly",
-    rootdir="/path/to/pytest-convergence",
+    rootdir=None,  # the folder sbatch is run from: the checkout
     python="python3",
     gpus_per_node=8,
     nodes=4,
@@ -565,3 +566,40 @@ def test_a_night_named_like_a_stamp_that_is_no_date_falls_back_to_the_report_tim
     assert entry.night_time() == dt.datetime(2024, 2, 1, 20, tzinfo=dt.timezone.utc).timestamp()
     files = write_trend(history, tmp_path / "trend")  # raised ValueError before
     assert "20241399T259999Z-retry" in files.markdown.read_text()
+
+
+def test_out_naming_a_script_is_refused_before_making_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36: `--out nightly.sbatch` made a folder named nightly.sbatch/."""
+    script = tmp_path / "nightly.sbatch"
+    assert main(["nightly", "--experiments", "experiments", "--out", str(script)]) == 2
+    assert not script.exists()
+    assert "--script" in capsys.readouterr().err
+
+
+def test_a_failing_setup_step_ends_the_night(tmp_path: Path) -> None:
+    """set -e for the set-up: a `cd` into a missing checkout stops the script there (it used
+    to go on and run pytest in whatever folder Slurm started it)."""
+    out = tmp_path / "out"
+    settings = dataclasses.replace(EXAMPLE, rootdir=str(tmp_path / "missing"), out=str(out))
+    script = tmp_path / "night.sbatch"
+    script.write_text(render_sbatch(settings))
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert not out.exists()  # mkdir -p "$NIGHT_DIR" was never reached
+
+
+def test_the_repository_script_runs_in_the_folder_it_is_submitted_from() -> None:
+    text = (ROOT / "scripts" / "nightly.sbatch").read_text()
+    assert "/path/to" not in text
+    assert 'cd "${SLURM_SUBMIT_DIR:?' in text
+
+
+def test_calibration_goes_to_the_sessions_workdir() -> None:
+    """With --convergence-workdir on shared storage, calibrate writes where the session
+    looks (it used to write to <rootdir>/.convergence)."""
+    for args in (("--convergence-workdir", "/shared/wd"), ("--convergence-workdir=/shared/wd",)):
+        text = render_sbatch(dataclasses.replace(EXAMPLE, pytest_args=args))
+        assert "calibrate --if-missing --workdir /shared/wd debug" in text
+    assert "calibrate --if-missing debug" in render_sbatch(EXAMPLE)

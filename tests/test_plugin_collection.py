@@ -336,3 +336,24 @@ def test_convergence_paths_outside_testpaths(
     # A path on the command line wins: only what it names.
     named = pytester.runpytest("--collect-only", "-q", "-m", "convergence", "tests")
     assert "exp.toml" not in named.stdout.str()
+
+
+def test_a_train_config_in_a_convergence_paths_folder_is_left_alone(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 36: README recommends ``convergence_paths = ["experiments"]`` and a train config
+    next to the experiment; a TOML file there that does not declare itself (no [control],
+    [[test]] or [[sweep]]) is not collected (it used to be, and failed: "unknown key")."""
+    pytester.makepyprojecttoml("""
+        [tool.pytest.ini_options]
+        testpaths = ["tests"]
+        convergence_paths = ["experiments"]
+        """)
+    write_toml(pytester.path / "experiments" / "exp.toml", EXPERIMENT)
+    (pytester.path / "experiments" / "my_train.toml").write_text("[model]\ndim = 64\n")
+    (pytester.path / "tests").mkdir()
+    result = pytester.runpytest("--collect-only", "-q", "-m", "convergence")
+    out = result.stdout.str()
+    assert result.ret == 0, out
+    assert "experiments/exp.toml::fsdp2-tp2" in out, out
+    assert "my_train.toml" not in out, out

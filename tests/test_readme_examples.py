@@ -54,8 +54,6 @@ SKIPPED: dict[str, str] = {
 NOT_EXAMPLES = (
     "e2e.toml::",
     "convergence/        the library",
-    # its shipped twin, experiments/torchtitan/cpu.toml, runs in CI's ci tier
-    "# experiments/torchtitan/my_layouts.toml",
 )
 
 
@@ -84,7 +82,9 @@ def classify(blocks: list[str]) -> dict[str, list[str]]:
         first = block.splitlines()[0]
         if first.startswith(NOT_EXAMPLES):
             kinds["other"].append(block)
-        elif first.startswith("# experiments/") or first.startswith("# pyproject.toml"):
+        elif first.startswith("# pyproject.toml") or (
+            first.startswith("# experiments/") and ".toml" in first.split()[1]
+        ):
             kinds["toml"].append(block)
         elif "import " in block or first.startswith("# my_project/"):
             kinds["python"].append(block)
@@ -150,28 +150,33 @@ def user_repo(tmp_path_factory: pytest.TempPathFactory, readme: dict[str, list[s
         if first.startswith("# pyproject.toml"):
             (repo / "pyproject.toml").write_text(block)
             continue
-        experiments += 1  # two examples share the name my_layouts.toml: keep both
-        path = repo / "experiments" / f"readme_{experiments}.toml"
+        named = Path(first.split()[1])
+        if len(named.parts) > 2:  # in a folder of its own (torchtitan's): exactly there
+            path = repo / named
+        else:
+            experiments += 1  # two examples share the name my_layouts.toml: keep both
+            path = repo / "experiments" / f"readme_{experiments}.toml"
         path.parent.mkdir(exist_ok=True)
         path.write_text(block)
     for block in readme["python"]:
         first = block.splitlines()[0]
-        if first.startswith("# my_project/"):
+        if first.startswith(("# my_project/", "# experiments/")):
             path = repo / first[2:].strip()
-        elif "convergence_pair" in block:
-            path = repo / "tests" / "test_readme_python.py"
         else:
             path = repo / "readme_snippets" / f"snippet_{len(list(repo.rglob('*.py')))}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(block)
     (repo / "my_project" / "__init__.py").touch()
+    # README's pyproject has testpaths = ["tests"]: the repository's ordinary tests
+    (repo / "tests").mkdir(exist_ok=True)
+    (repo / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
     return repo
 
 
 def test_every_readme_block_is_known(readme: dict[str, list[str]]) -> None:
     """A new README block must be classified; every example kind is present."""
-    assert len(readme["toml"]) == 3 and len(readme["python"]) == 3, readme
-    assert len(readme["other"]) == 3, readme["other"]
+    assert len(readme["toml"]) == 4 and len(readme["python"]) == 3, readme
+    assert len(readme["other"]) == 2, readme["other"]
     for command in commands(readme["shell"]):
         assert command.split()[0] in ("pytest", "pip", "salloc", "convergence", "torchrun"), (
             f"README command {command!r}: run it in tests/test_readme_examples.py or add it "
@@ -199,7 +204,19 @@ def test_toml_examples_collect_in_a_testpaths_repository(
     assert "experiments/readme_1.toml::fsdp2-tp2-pp2" in out, out
     assert "experiments/readme_1.toml::fsdp2-tp2-cp2" in out, out  # the sweep's grid
     assert "experiments/readme_2.toml::fsdp2-my-tp2" in out, out
-    assert "tests/test_readme_python.py::test_my_tp[fsdp2-tp2]" in out, out
+    assert "experiments/test_my_tp.py::test_my_tp[fsdp2-tp2]" in out, out
+    # torchtitan's example as pasted (its train_config is the file itself): collected, and
+    # skipped with the reason where torchtitan is not installed
+    assert "experiments/torchtitan/my_layouts.toml::fsdp2-tp2-sp" in out, out
+
+
+def test_a_plain_pytest_runs_no_readme_convergence_test(user_repo: Path) -> None:
+    """Issue 36: README's marked Python example lived in `tests/` and ran its jobs in every
+    plain `pytest`; where README puts it, only `-m convergence` reaches it."""
+    proc = _run([*_argv("pytest"), "--collect-only", "-q"], user_repo)
+    out = proc.stdout + proc.stderr
+    assert "test_my_tp" not in out, out
+    assert "my_layouts" not in out, out
 
 
 def test_minimal_experiment_runs_and_its_runs_compare(

@@ -129,3 +129,28 @@ def test_localisation_is_a_sentence_not_a_key_value_dump() -> None:
     line = next(ln for ln in md.splitlines() if ln.startswith("Localisation"))
     assert "first differing module `layers.1.attention`" in line, line
     assert "3 of 20 modules differ" in line and "=" not in line, line
+
+
+def test_one_tokens_per_s_change_per_pair() -> None:
+    """Issue 36: report.md gave a pair two tokens/s changes (the Resources table's median
+    after step 1, the regression verdict's after the warm-up steps); now one. A test whose
+    first steps are slow (warm-up) shows the difference."""
+    import numpy as np
+
+    from convergence.metrics.curve import Curve
+    from convergence.report.data.records import resources
+    from convergence.spec.pair import ComparisonRule
+    from convergence.stats.regression import Regression
+
+    outcome = passing_pair()
+    assert outcome.test is not None and outcome.control is not None
+    tps = outcome.test.metrics["tokens_per_s"]
+    warm = np.where(np.arange(len(tps.values)) < 3, 100.0, tps.values)
+    outcome.test.metrics["tokens_per_s"] = Curve("tokens_per_s", tps.steps, warm)
+    rule = ComparisonRule(metric="tokens_per_s", method="regression", gate=False)
+    verdict = Regression().compare(
+        rule, [outcome.control.metrics["tokens_per_s"]], outcome.test.metrics["tokens_per_s"]
+    )
+    ratio = resources(outcome)["tokens_per_s"]["ratio"]
+    assert ratio is not None
+    assert abs((ratio - 1.0) - verdict.details["relative_change"]) < 1e-12

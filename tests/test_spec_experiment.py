@@ -357,3 +357,26 @@ def test_the_per_part_grad_norm_follows_the_grad_norm_unless_named(
         assert rule is None
     else:
         assert rule is not None and (rule.method, rule.rtol) == parts
+
+
+def test_a_missing_torchtitan_train_config_names_a_torchtitan_fix(tmp_path: Path) -> None:
+    """Issue 36: the fix named the built-in trainer's shipped configs ('debug', ...), which
+    are no config of torchtitan's; it now names the experiment file itself or no file."""
+    path = tmp_path / "experiments" / "torchtitan" / "my_layouts.toml"
+    path.parent.mkdir(parents=True)
+    path.write_text(
+        "[defaults]\n"
+        'backend = "torchtitan"\n'
+        'train_config = "cpu.toml"\n'
+        'backend_options = { module = "llama3", config = "llama3_debugmodel" }\n'
+        "[control]\n"
+        "parallelism = { dp_shard = 2 }\n"
+        "[[test]]\n"
+        'name = "tp"\n'
+        "parallelism = { dp_shard = 2, tp = 2 }\n"
+    )
+    with pytest.raises(SpecError) as error:
+        load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)
+    assert error.value.fix is not None
+    assert 'train_config = "my_layouts.toml"' in error.value.fix
+    assert "debug" not in error.value.fix

@@ -11,9 +11,11 @@ import convergence
 from convergence.backends.effective import once_per_job
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import LAYOUT_FIELDS, PP_DEFAULTED
+from convergence.spec.pp_schedules import TORCH_FLOORS as PP_TORCH_FLOORS
+from convergence.torch_info import older_than, torch_version
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 from convergence.trainer.forward_noise import UNIT_ROUNDOFF
 from convergence.trainer.validate import check_config
@@ -73,6 +75,17 @@ class BuiltinBackend:
 
             find_hook_module(job.hook, file=job.source, key="hook")
         check_config(self.effective_config(job), job.world_size)  # torch-free: see blocks.py
+        schedule = job.layout.pp_schedule
+        floor = PP_TORCH_FLOORS.get(schedule) if job.layout.pp > 1 else None
+        if floor is not None and older_than(torch_version(), floor):
+            # Valid, just not on this torch: skipped with the reason (load_checked).
+            raise NotRunnableHere(
+                f"parallelism.pp_schedule {schedule!r} needs torch >= {floor} (its pipeline "
+                f"schedule class is not in older torch); this is torch {torch_version()}",
+                file=job.source,
+                key="parallelism.pp_schedule",
+                fix=f"install torch >= {floor}, or use another schedule on this torch",
+            )
 
     def tokens_per_step(self, job: JobSpec) -> int:
         cfg = self.effective_config(job)

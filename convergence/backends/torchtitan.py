@@ -292,6 +292,8 @@ def parse(argv: tuple[str, ...]) -> Any:
             return manager.parse_args(list(argv))
     except SystemExit:
         raise ParseError(_clean(sink.getvalue())) from None
+    except ImportError:  # torchtitan made for another torch: preflight says so (registry)
+        raise
     except Exception as exc:  # noqa: BLE001 - torchtitan's own checks (lookup, __post_init__)
         raise ParseError(f"{type(exc).__name__}: {exc}") from None
 

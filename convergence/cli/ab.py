@@ -8,7 +8,8 @@ a git worktree of ``--repo`` checked out at the ref, or an existing folder -- wi
 folder as the working directory and first on PYTHONPATH, so a relative command (``train.py``),
 a hook (``my_pkg.parallel:apply``) or torchtitan itself is imported from that side. Same seed,
 same data, same layout on both sides: the candidate is judged against the baseline job by job
-with the paired rules pytest uses (loss and grad norm gating, throughput and memory reported).
+with the paired rules pytest uses (loss, grad norm, per-part grad norm and data fingerprint
+gating, each "not compared" where a run does not log it; throughput and memory reported).
 Nothing is read from or written to the run cache (both sides are code under test).
 """
 

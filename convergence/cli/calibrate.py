@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,11 @@ from convergence.run.runner import Runner, RunSettings
 from convergence.spec.errors import SpecError
 from convergence.stats.paired import PAIRED_DEFAULTS
 from convergence.stats.twin import TWIN_DEFAULTS, twin_noise
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (pyproject's tomli dependency)
+    import tomli as tomllib
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         "--fp32-layouts",
         nargs="*",
         default=list(DEFAULT_FP32),
-        choices=sorted(LAYOUTS),
+        choices=[*sorted(LAYOUTS), "none"],
         metavar="LAYOUT",
         help=f"correct fp32 layouts against FSDP(2) (default {' '.join(DEFAULT_FP32)}; "
         f"known: {', '.join(LAYOUTS)}; none: skip the paired floors)",
@@ -101,7 +105,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         "--bf16-layouts",
         nargs="*",
         default=list(DEFAULT_BF16),
-        choices=sorted(LAYOUTS),
+        choices=[*sorted(LAYOUTS), "none"],
         metavar="LAYOUT",
         help=f"correct bf16 layouts against FSDP(2) and its twin (default "
         f"{' '.join(DEFAULT_BF16)}; none: skip the twin)",
@@ -286,6 +290,9 @@ def measure(
 def cmd_calibrate(args: argparse.Namespace) -> int:
     started = dt.datetime.now(dt.timezone.utc)
     work_dir = args.workdir.resolve()
+    # "none" (or no layout at all) skips that part, as --help says.
+    args.fp32_layouts = [name for name in args.fp32_layouts if name != "none"]
+    args.bf16_layouts = [name for name in args.bf16_layouts if name != "none"]
     if args.if_missing:
         found = select_calibration(work_dir, explicit=args.out)
         if found.calibration is not None:

@@ -53,6 +53,15 @@ def _nodes(args: argparse.Namespace) -> int:
 
 def cmd_nightly(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if out.suffix in (".sbatch", ".sh") or out.is_file():
+        # A script's name given as --out would become a folder holding the script.
+        print(
+            f"convergence nightly: --out {args.out} names a file; --out is the nightly's "
+            "folder (nights/, history.jsonl, Slurm output)\n  fix: --out DIR, and --script "
+            f"{args.out} for the script's own path (default OUT/nightly.sbatch)",
+            file=sys.stderr,
+        )
+        return 2
     settings = NightlySettings(
         experiments=tuple(args.experiments),
         out=str(out.resolve()),
@@ -233,11 +242,21 @@ def add_subcommands(sub: Any) -> None:
     dec.add_argument(
         "--out", required=True, metavar="DIR", help="where decision.json and decision.md go"
     )
-    dec.add_argument("--window", type=int, default=20, help="green nights in the band")
     dec.add_argument(
-        "--min-nights", type=int, default=5, help="fewer green nights: no decision for a metric"
+        "--window", type=int, default=20, help="the last N green nights form the band (default 20)"
     )
-    dec.add_argument("--k", type=float, default=6.0, help="band half width in robust sigmas")
+    dec.add_argument(
+        "--min-nights",
+        type=int,
+        default=5,
+        help="fewer green nights than this: no decision for a metric (default 5)",
+    )
+    dec.add_argument(
+        "--k",
+        type=float,
+        default=6.0,
+        help="band half width in robust sigmas, 1.4826 x MAD (default 6)",
+    )
     dec.add_argument(
         "--hook",
         metavar="CMD",

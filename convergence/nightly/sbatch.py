@@ -24,8 +24,9 @@ class NightlySettings:
     """Experiment TOML files or folders, as pytest arguments (relative to ``rootdir``)."""
     out: str
     """Folder for the nights (``nights/<night>/``), Slurm output and ``history.jsonl``."""
-    rootdir: str = "."
-    """Where pytest runs (the project checkout)."""
+    rootdir: str | None = "."
+    """Where pytest runs (the project checkout); None: the folder ``sbatch`` was run from
+    (``$SLURM_SUBMIT_DIR``), as for this repository's own scripts/nightly.sbatch."""
     history: str | None = None
     """History file; default ``<out>/history.jsonl``."""
     python: str = sys.executable
@@ -103,7 +104,9 @@ _HEADER = """\
 """
 
 _BODY = """\
-set -uo pipefail
+# A failing set-up step (cd, mkdir) ends the night here; from pytest on, each step's status
+# is collected and none stops the others (set +e below).
+set -euo pipefail
 
 cd {rootdir}
 OUT={out}
@@ -117,6 +120,7 @@ export MPLBACKEND=Agg
 # pair turning red gets a `convergence bisect LAST_GREEN THIS_COMMIT PAIR` line.
 COMMIT="$(git rev-parse HEAD 2>/dev/null || true)"
 {calibrate}
+set +e
 "$PYTHON" -m pytest -m convergence --convergence-tier nightly --convergence-launcher slurm \\
     --junitxml "$NIGHT_DIR/junit.xml" --convergence-report "$NIGHT_DIR/report" \\
     -p no:cacheprovider{refresh}{pytest_args} \\
@@ -148,13 +152,26 @@ def _q(text: str) -> str:
     return shlex.quote(text)
 
 
-def _calibrate_step(source: str | None) -> str:
+def _workdir(pytest_args: tuple[str, ...]) -> str | None:
+    """The ``--convergence-workdir`` among the pytest arguments, if any."""
+    for i, arg in enumerate(pytest_args):
+        if arg == "--convergence-workdir" and i + 1 < len(pytest_args):
+            return pytest_args[i + 1]
+        if arg.startswith("--convergence-workdir="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _calibrate_step(source: str | None, workdir: str | None) -> str:
     if source is None:
         return ""
+    # Where the session looks for it: its --convergence-workdir (shared storage), else the
+    # default <rootdir>/.convergence, which is calibrate's default from the rootdir too.
+    where = f" --workdir {_q(workdir)}" if workdir else ""
     return (
         "\n# noise floors for this stack: measured once per stack, then reused (a failure leaves\n"
         "# the verdicts on the shipped defaults, which they say; it never stops the night)\n"
-        f'"$PYTHON" -m convergence.cli calibrate --if-missing {_q(source)} \\\n'
+        f'"$PYTHON" -m convergence.cli calibrate --if-missing{where} {_q(source)} \\\n'
         '    || echo "convergence calibrate failed for night $NIGHT" >&2\n'
     )
 
@@ -181,14 +198,16 @@ def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbat
     extra = "".join(f" {_q(a)}" for a in settings.pytest_args)
     lines.append(
         _BODY.format(
-            rootdir=_q(settings.rootdir),
+            rootdir=_q(settings.rootdir)
+            if settings.rootdir is not None
+            else '"${SLURM_SUBMIT_DIR:?submit this script from the checkout}"',
             out=_q(settings.out),
             history=_q(settings.history_path),
             python=_q(settings.python),
             pytest_args=extra,
             decide_args="".join(f" {_q(a)}" for a in settings.decide_args),
             refresh="" if settings.reuse_controls else " --convergence-refresh",
-            calibrate=_calibrate_step(settings.calibrate),
+            calibrate=_calibrate_step(settings.calibrate, _workdir(settings.pytest_args)),
             experiments=" ".join(_q(e) for e in settings.experiments),
         )
     )

@@ -238,7 +238,9 @@ def _merge(defaults: Mapping[str, Any], side: Mapping[str, Any]) -> dict[str, An
     return out
 
 
-def _resolve_config(value: Any, *, file: str, key: str, rootdir: Path) -> Path:
+def _resolve_config(
+    value: Any, *, file: str, key: str, rootdir: Path, backend: str = "builtin"
+) -> Path:
     """A shipped config by short name (``"debug"``), or a path: absolute, or relative to the
     experiment file's folder, then to each parent folder up to (and including) the rootdir."""
     text = expect(value, (str, Path), file=file, key=key, what="a short name or a path string")
@@ -264,12 +266,23 @@ def _resolve_config(value: Any, *, file: str, key: str, rootdir: Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
+    if backend == "torchtitan":
+        # The shipped configs are the built-in trainer's; for torchtitan a file here only
+        # keys the run cache (its config is backend_options.module + config).
+        fix = (
+            f"name an existing file, e.g. this experiment itself (train_config = "
+            f'"{Path(file).name}"), or drop train_config: torchtitan\'s config is '
+            "backend_options.module + config"
+        )
+    else:
+        fix = "point it at an existing TOML, or name a shipped config: " + ", ".join(
+            map(repr, shipped)
+        )
     raise SpecError(
         f"train config {text!r} does not exist (looked in {', '.join(str(c) for c in candidates)})",
         file=file,
         key=key,
-        fix=f"point it at an existing TOML, or name a shipped config: "
-        f"{', '.join(map(repr, shipped))}",
+        fix=fix,
     )
 
 
@@ -321,7 +334,11 @@ def _job(
             # into the key when given): the backend's config_text covers the rest.
             train_config=(
                 _resolve_config(
-                    table["train_config"], file=file, key=f"{key}.train_config", rootdir=rootdir
+                    table["train_config"],
+                    file=file,
+                    key=f"{key}.train_config",
+                    rootdir=rootdir,
+                    backend=backend,
                 )
                 if "train_config" in table
                 else Path(NO_TRAIN_CONFIG)

@@ -39,6 +39,11 @@ ZERO_BUBBLE_SCHEDULES: frozenset[str] = frozenset(
 """Schedules that split backward into input-grad and weight-grad passes (see
 pipeline.fsdp_per_block_ok and the data-parallel rule in layout_problem)."""
 
+TORCH_FLOORS: dict[str, str] = {"DualPipeV": "2.9"}
+"""The oldest torch with each schedule that not every torch this project admits has
+(``ScheduleDualPipeV``: in torch 2.9's source, not in 2.8's); on an older torch its pairs are
+skipped with the reason."""
+
 AT_LEAST_ONE_MICROBATCH_PER_STAGE: frozenset[str] = frozenset({"1F1B", "DualPipeV"})
 """Schedules whose torch constructor refuses fewer microbatches than pipeline stages."""
 

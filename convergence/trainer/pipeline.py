@@ -67,7 +67,6 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
-    ScheduleDualPipeV,
     ScheduleZBVZeroBubble,
     _PipelineSchedule,
     get_schedule_class,
@@ -322,7 +321,9 @@ def pipeline_eval(
       steal_bwd_input if this stage doesn't have backward"): for those a full training step runs
       on the validation batch instead (same loss, wasted backward; validation is rare).
     """
-    train = isinstance(schedule, (ScheduleZBVZeroBubble, ScheduleDualPipeV))
+    train = isinstance(schedule, ScheduleZBVZeroBubble) or type(schedule).__name__ == (
+        "ScheduleDualPipeV"  # by name: torch before 2.9 has no such class (pp_schedules.py)
+    )
     params = [p for stage in _stages(schedule) for p in stage.submod.parameters()]
     saved = [p.grad for p in params]
     for p in params:

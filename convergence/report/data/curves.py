@@ -15,6 +15,7 @@ import numpy.typing as npt
 
 from convergence.metrics.curve import Curve
 from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.stats.regression import steady_median
 
 #: One row of a divergence table: (step, control, test, test - control); None where missing.
 DivergenceRow = tuple[int, float | None, float | None, float | None]
@@ -111,18 +112,19 @@ def max_abs_delta(outcome: PairOutcome, metric: str) -> float | None:
 def side_stat(side: SideOutcome | None, metric: str, how: str) -> float | None:
     """Summary of a per-step resource metric: ``median`` (throughput) or ``max`` (memory).
 
-    The first logged step is left out of the median when there are others: it includes
-    warm-up (allocator, compile) and would make every ratio noisy.
+    The median is the regression rule's own (:func:`~convergence.stats.regression.steady_median`:
+    after the warm-up steps, which include the allocator's and compile's start), so the
+    report's tokens/s change and a tokens/s verdict's are one number.
     """
     if side is None or metric not in side.metrics:
         return None
-    values = side.metrics[metric].values
-    values = values[np.isfinite(values)]
+    curve = side.metrics[metric]
+    values = curve.values[np.isfinite(curve.values)]
     if values.size == 0:
         return None
     if how == "max":
         return float(values.max())
-    return float(np.median(values[1:] if values.size > 1 else values))
+    return steady_median(curve)[0]
 
 
 def ratio(test: float | None, control: float | None) -> float | None:

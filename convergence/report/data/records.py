@@ -21,6 +21,7 @@ from convergence.report.data.serialize import metrics_to_json
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import AXES
+from convergence.stats.regression import WARMUP_STEPS
 from convergence.stats.types import MetricVerdict
 
 # -- the record shapes --------------------------------------------------------------------
@@ -259,7 +260,7 @@ def first_divergent_step(outcome: PairOutcome) -> int | None:
 
 def step_time_s(side: SideOutcome | None) -> float | None:
     """Median seconds per optimizer step: the run's tokens per step (its run_meta) / tokens/s
-    of each step, the first step left out as in :func:`side_stat`. None without the meta."""
+    of each step, the warm-up steps left out as in :func:`side_stat`. None without the meta."""
     tokens = side.meta.get("tokens_per_step") if side is not None else None
     if (
         side is None
@@ -269,10 +270,11 @@ def step_time_s(side: SideOutcome | None) -> float | None:
     ):
         return None
     values = side.metrics["tokens_per_s"].values
+    values = values[WARMUP_STEPS:] if values.size > WARMUP_STEPS else values
     values = values[np.isfinite(values) & (values > 0)]
     if values.size == 0:
         return None
-    return float(np.median(float(tokens) / (values[1:] if values.size > 1 else values)))
+    return float(np.median(float(tokens) / values))
 
 
 def resources(outcome: PairOutcome) -> dict[str, ResourceRecord]:
