@@ -22,12 +22,9 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from convergence.backends.torchtitan_launch import (
-    eager_flex_attention,
-    part_of,
-    patch_pipeline_step,
-    split_argv,
-)
+from convergence.backends.torchtitan.launch import split_argv
+from convergence.backends.torchtitan.patches import eager_flex_attention, patch_pipeline_step
+from convergence.backends.torchtitan.step_log import part_of
 
 
 def test_our_options_are_removed_before_torchtitan_parses() -> None:
