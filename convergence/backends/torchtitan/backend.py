@@ -26,12 +26,13 @@ from convergence.backends.torchtitan.argv import (
 from convergence.backends.torchtitan.assets import ASSETS_VERSION, assets_root, ensure_assets
 from convergence.backends.torchtitan.config_parser import ParseError, blame, parse
 from convergence.backends.torchtitan.degrees import check_degrees
+from convergence.backends.torchtitan.patches import unsupported_releases
 from convergence.cache.key import sources_hash
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tags import TENSORBOARD_TAGS
 from convergence.metrics.tensorboard import read_tensorboard
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES
@@ -92,6 +93,14 @@ class TorchtitanBackend:
 
     def preflight(self, job: JobSpec) -> None:
         file = job.source
+        refusal = unsupported_releases()
+        if refusal is not None:  # not the file's fault: this session has other releases
+            raise NotRunnableHere(
+                refusal,
+                key="backend",
+                fix="install torchtitan 0.3.x with torch 2.13.x, or port "
+                "convergence/backends/torchtitan/patches.py",
+            )
         for key in backend_options(job):
             if key not in OPTION_KEYS:
                 raise SpecError(

@@ -64,7 +64,11 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
 
 
 def install(options: LaunchOptions) -> None:
-    """Every change to torchtitan's modules, before its main() runs."""
+    """Every change to torchtitan's modules, before its main() runs (SystemExit where the
+    installed releases are not the ones the patches are for)."""
+    refusal = patches.unsupported_releases()
+    if refusal is not None:
+        raise SystemExit(f"convergence.backends.torchtitan.launch: {refusal}")
     cpu = bool(options.cpu)
     if cpu:
         patches.pick_cpu_device()

@@ -1,5 +1,6 @@
 """Every change the launcher makes to torchtitan's and torch's modules, each with the versions
-it is written for (``@pinned``; ``PATCHES`` lists them). torchtitan is not forked: these
+it is written for (``@pinned``; ``PATCHES`` lists them): the launcher and the backend's
+preflight refuse other releases with a message naming each patch and its releases. torchtitan is not forked: these
 module attributes are changed before its ``main()`` runs.
 
 Everywhere (GPU and CPU):
@@ -38,6 +39,7 @@ axes, FSDP2 as usual).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -68,6 +70,55 @@ def pinned(*, torchtitan: str, torch: str) -> Callable[[PatchFn], PatchFn]:
         return fn
 
     return register
+
+
+def release(version: str) -> tuple[int, ...]:
+    """The leading numeric components of a version ("2.13.0+cpu" -> (2, 13, 0))."""
+    parts = []
+    for word in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", word)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != word:  # "0rc1": the rest is a pre-release tag
+            break
+    return tuple(parts)
+
+
+def installed_releases() -> dict[str, str]:
+    """The installed torchtitan and torch versions (from their metadata: no import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in ("torchtitan", "torch"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:  # a source checkout without metadata: not checked
+            continue
+    return found
+
+
+def unsupported_releases(installed: dict[str, str] | None = None) -> str | None:
+    """Why the installed torchtitan/torch are not what the patches are written for (naming
+    each patch and its releases), or None when every patch's releases match."""
+    installed = installed_releases() if installed is None else installed
+    wrong = []
+    for patch, pin in PATCHES.items():
+        for name, wanted in (("torchtitan", pin.torchtitan), ("torch", pin.torch)):
+            have = installed.get(name)
+            want = release(wanted)
+            if have is not None and release(have)[: len(want)] != want:
+                wrong.append(f"{patch} is for {name} {wanted}.x (installed: {have})")
+    if not wrong:
+        return None
+    return (
+        "the torchtitan backend changes torchtitan's and torch's modules for the releases it "
+        "was written for, and this session has others:\n  "
+        + "\n  ".join(wrong)
+        + "\ninstall those releases (pip install 'pytest-convergence[torchtitan]' pins "
+        "torchtitan; torch to match), or port the patches in "
+        "convergence/backends/torchtitan/patches.py"
+    )
 
 
 # -- CPU: the device ---------------------------------------------------------------------------
