@@ -24,13 +24,10 @@ if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan
 import torch
 
 from convergence.backends import get_backend
-from convergence.backends.torchtitan import (
-    SEED_FOLDER,
-    SEED_STEP,
-    TorchtitanBackend,
-    ensure_assets,
-    parse,
-)
+from convergence.backends.torchtitan import TorchtitanBackend
+from convergence.backends.torchtitan.argv import SEED_FOLDER, SEED_STEP
+from convergence.backends.torchtitan.assets import ensure_assets
+from convergence.backends.torchtitan.config_parser import parse
 from convergence.preflight import load_checked
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -59,10 +56,10 @@ def job(layout: ParallelLayout | None = None, **changes: Any) -> JobSpec:
 def train_config(j: JobSpec, dump: Path, seed: Path | None = None) -> Any:
     """What torchtitan itself makes of the train entry (our wrapper's options removed, as the
     wrapper does before torchtitan parses ``sys.argv``)."""
-    from convergence.backends.torchtitan_launch import split_argv
+    from convergence.backends.torchtitan.launch import split_argv
 
     entry = BACKEND.train_entry(j, dump, seed)
-    assert entry[:2] == ["-m", "convergence.backends.torchtitan_launch"]
+    assert entry[:2] == ["-m", "convergence.backends.torchtitan.launch"]
     options, rest = split_argv(entry[2:])
     assert options.log == str(dump / "convergence_steps.jsonl")
     return parse(tuple(rest))
@@ -159,14 +156,14 @@ def test_user_overrides_win_and_booleans_become_flags(tmp_path: Path) -> None:
 def test_seed_entry_is_one_process_creating_the_checkpoint(tmp_path: Path) -> None:
     j = job(LAYOUTS["fsdp-tp-pp"], backend_options=(("assets_dir", str(tmp_path / "a")),))
     entry = BACKEND.seed_entry(j, tmp_path / "seed")
-    start = entry.index("convergence.backends.torchtitan_launch")
+    start = entry.index("convergence.backends.torchtitan.launch")
     assert entry[: start + 1] == [
         "-m",
         "convergence.launch.loopback_torchrun",
         "--standalone",
         "--nproc-per-node=1",
         "-m",
-        "convergence.backends.torchtitan_launch",
+        "convergence.backends.torchtitan.launch",
     ]
     cfg = parse(tuple(entry[start + 1 :]))
     assert cfg.checkpoint.enable and cfg.checkpoint.create_seed_checkpoint

@@ -142,7 +142,7 @@ def _torchtitan_version(pythonpath: Path) -> str:
         [
             sys.executable,
             "-c",
-            "from convergence.backends.torchtitan import TorchtitanBackend, "
+            "from convergence.backends.torchtitan.backend import TorchtitanBackend, "
             "source_dir; print(TorchtitanBackend().version()); print(source_dir())",
         ],
         env=env,

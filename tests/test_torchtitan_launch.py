@@ -22,12 +22,9 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from convergence.backends.torchtitan_launch import (
-    eager_flex_attention,
-    part_of,
-    patch_pipeline_step,
-    split_argv,
-)
+from convergence.backends.torchtitan.launch import split_argv
+from convergence.backends.torchtitan.patches import eager_flex_attention, patch_pipeline_step
+from convergence.backends.torchtitan.step_log import part_of
 
 
 def test_our_options_are_removed_before_torchtitan_parses() -> None:
@@ -91,3 +88,18 @@ def test_pipeline_schedules_take_microbatch_lists() -> None:
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
         params = inspect.signature(cls.step).parameters
         assert {"arg_mbs", "kwarg_mbs", "target_mbs"} <= set(params)
+
+
+def test_every_patch_names_its_releases_and_other_releases_are_refused() -> None:
+    from convergence.backends.torchtitan import patches
+
+    assert {"patch_pipeline_step", "patch_attention", "record_steps"} <= set(patches.PATCHES)
+    assert patches.unsupported_releases() is None  # this session's releases are the pinned ones
+    assert patches.unsupported_releases({"torchtitan": "0.3.1.dev0", "torch": "2.13.1"}) is None
+    assert patches.release("2.13.0+cpu") == (2, 13, 0)
+    assert patches.release("2.130.0") != (2, 13)
+    refusal = patches.unsupported_releases({"torchtitan": "0.4.0", "torch": "2.13.0+cpu"})
+    assert refusal is not None
+    assert "patch_attention is for torchtitan 0.3.x (installed: 0.4.0)" in refusal
+    assert "torch 2.13.x" not in refusal  # torch is fine: only torchtitan is named
+    assert "convergence/backends/torchtitan/patches.py" in refusal

@@ -93,7 +93,8 @@ class HookContext:
     None when there is no data parallelism."""
     config: "TrainConfig"
     """The whole train config of this job (a torchtitan job: torchtitan's own config object;
-    its meshes fill ``mesh``/``tp_mesh``/``dp_mesh``, convergence/backends/torchtitan_launch.py)."""
+    its meshes fill ``mesh``/``tp_mesh``/``dp_mesh``: convergence/backends/torchtitan/
+    model_parts.py)."""
     mode: str
     """"after" or "replace_tp" (see the module docstring)."""
     pp_rank: int = 0

@@ -1,0 +1,104 @@
+"""torchtitan's own ``torchtitan.train`` behind a thin wrapper: the entry point of every
+torchtitan job (``torchrun ... -m convergence.backends.torchtitan.launch [ours] [theirs]``).
+
+The wrapper removes its own options (``--convergence.KEY=VALUE``) from the command line,
+changes a few of torchtitan's module attributes (convergence/backends/torchtitan/patches.py,
+each with the versions it is for), then lets torchtitan parse the rest and train as usual.
+After torchtitan's parallelisation of each model part the user's hook is applied
+(``--convergence.hook``; convergence/backends/torchtitan/model_parts.py), and each step's data
+fingerprint and per-part gradient norms are logged (``--convergence.log``;
+convergence/backends/torchtitan/step_log.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from convergence.backends.torchtitan import patches
+from convergence.backends.torchtitan.model_parts import wrap_model_spec
+from convergence.backends.torchtitan.step_log import StepLog
+
+PREFIX = "--convergence."
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """The wrapper's own options (``--convergence.KEY=VALUE``; removed before torchtitan
+    parses the command line)."""
+
+    cpu: bool | None = None
+    """Apply the CPU workarounds (gloo, eager attention, sum reduction); None: exactly when
+    no CUDA device is available to this rank."""
+    hook: str = ""
+    """``package.module:function`` applied to each model part after parallelisation."""
+    hook_mode: str = "after"
+    """Only "after" exists for torchtitan jobs (the backend's preflight refuses others)."""
+    log: str = ""
+    """JSON-lines file (rank 0) for the data fingerprint and per-part gradient norms."""
+
+
+def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
+    """(our options, torchtitan's argv)."""
+    ours: dict[str, Any] = {}
+    rest: list[str] = []
+    for word in argv:
+        if not word.startswith(PREFIX):
+            rest.append(word)
+            continue
+        key, sep, value = word[len(PREFIX) :].partition("=")
+        if key == "cpu":
+            ours["cpu"] = True
+        elif key in ("hook", "hook_mode", "log") and sep:
+            ours[key] = value
+        else:
+            raise SystemExit(
+                f"the torchtitan launcher: unknown option {word!r} (use "
+                f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
+                f"{PREFIX}log=PATH)"
+            )
+    return LaunchOptions(**ours), rest
+
+
+def install(options: LaunchOptions) -> None:
+    """Every change to torchtitan's modules, before its main() runs (SystemExit where the
+    installed releases are not the ones the patches are for)."""
+    refusal = patches.unsupported_releases()
+    if refusal is not None:
+        raise SystemExit(f"convergence.backends.torchtitan.launch: {refusal}")
+    cpu = bool(options.cpu)
+    if cpu:
+        patches.pick_cpu_device()
+    patches.patch_timeouts(cpu=cpu)
+    patches.patch_pipeline_step()
+    if cpu:
+        patches.patch_attention()
+    if options.log:
+        patches.record_steps(StepLog(options.log))
+    patches.on_parsed_config(
+        lambda config: wrap_model_spec(
+            config, cpu=cpu, hook=options.hook, hook_mode=options.hook_mode
+        )
+    )
+
+
+def main(argv: list[str] | None = None, entry: Callable[[], None] | None = None) -> None:
+    options, rest = split_argv(list(sys.argv[1:] if argv is None else argv))
+    if options.cpu is None:
+        import torch
+
+        options = dataclasses.replace(options, cpu=not torch.cuda.is_available())
+    sys.argv = [sys.argv[0], *rest]  # torchtitan's parser reads sys.argv
+    install(options)
+    if entry is None:
+        from torchtitan.train import main as titan_main
+
+        entry = titan_main
+    entry()
+
+
+if __name__ == "__main__":
+    main()
