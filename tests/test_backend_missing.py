@@ -148,3 +148,35 @@ def test_on_a_gpu_host_the_skip_names_fixes_that_add_devices(tmp_path: Path) -> 
     with pytest.raises(NotRunnableHere) as cpu_skip:
         validate_devices(pair, available_devices=DeviceSet(kind="cpu", devices=("0", "1")))
     assert "raise --convergence-devices" in str(cpu_skip.value.fix)  # CPU slots: a real fix
+
+
+def test_dualpipev_is_a_skip_on_a_torch_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.8 has no ScheduleDualPipeV (2.9 has): on it a DualPipeV pair is skipped with the
+    reason, not a collection error (the old-torch CI phase runs 2.8 for real; here torch's
+    version is what the backend is told)."""
+    import convergence.backends.builtin as builtin
+    from convergence.preflight import load_checked
+    from convergence.spec.errors import NotRunnableHere
+    from convergence.torch_info import older_than
+    from experiments import builtin_pair
+
+    assert older_than("2.8.0+cu128", "2.9") and not older_than("2.9.1", "2.9")
+    path = builtin_pair(
+        tmp_path,
+        control={"name": "single", "parallelism": {}},
+        tests=[
+            {
+                "name": "pp2-dualpipev",
+                "parallelism": {"pp": 2, "pp_schedule": "DualPipeV", "pp_microbatches": 4},
+            }
+        ],
+    )
+    monkeypatch.setattr(builtin, "torch_version", lambda: "2.8.0")
+    skipped: dict[str, NotRunnableHere] = {}
+    load_checked(path, rootdir=tmp_path, not_runnable=skipped)
+    (reason,) = skipped.values()
+    assert "needs torch >= 2.9" in str(reason) and "this is torch 2.8.0" in str(reason)
+    monkeypatch.setattr(builtin, "torch_version", lambda: "2.13.0")
+    load_checked(path, rootdir=tmp_path)  # runnable: no skip, no error
