@@ -38,6 +38,8 @@ import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
+from convergence.phase_marks import mark
+
 
 def _destroy_process_group() -> None:
     """Destroy the default process group if this process joined one (success path only)."""
@@ -63,6 +65,7 @@ def exit_process(code: int = 0) -> NoReturn:
         # A failed teardown must not turn a finished run into a crash.
         except Exception:  # noqa: BLE001
             traceback.print_exc()
+    mark("exit")
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -225,9 +225,9 @@ def test_the_rank_that_failed_by_itself_is_blamed_not_the_peer_that_lost_it(tmp_
     assert diagnose(tmp_path, name="j", returncode=1).rank == 0
 
 
-def test_only_a_local_rendezvous_goes_through_the_loopback_wrapper() -> None:
+def test_every_rendezvous_goes_through_the_wrapper() -> None:
     from convergence.launch.torchrun import torchrun_module
 
     assert torchrun_module("localhost:0") == "convergence.launch.loopback_torchrun"
     assert torchrun_module("127.0.0.1:29500") == "convergence.launch.loopback_torchrun"
-    assert torchrun_module("node017:29500") == "torch.distributed.run"
+    assert torchrun_module("node017:29500") == "convergence.launch.loopback_torchrun"

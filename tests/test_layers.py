@@ -24,7 +24,7 @@ PACKAGE = REPO / "convergence"
 #: units of its own layer or below; ``convergence`` itself is the package's __init__ (the
 #: version).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("convergence", "configs", "process_lifetime", "dist_exit", "torch_info"),
+    ("convergence", "configs", "process_lifetime", "dist_exit", "torch_info", "phase_marks"),
     ("spec",),  # parsed experiments: stdlib, configs
     ("trainer",),  # the built-in trainer (runs under torchrun)
     ("metrics",),  # curves and their readers (JSONL, TensorBoard, golden)

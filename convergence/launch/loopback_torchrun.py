@@ -15,6 +15,10 @@ address the name resolves to). Stores for any other host (multi-node rendezvous 
 are created exactly as torchrun would. The two places patched are torch internals
 (``c10d_rendezvous_backend.TCPStore`` and ``DynamicRendezvousHandler._create_tcp_store_server``);
 if a later torch moves them, this entry point says so on stderr and runs torchrun unchanged.
+
+Every torchrun this project starts (one node or a Slurm step) goes through here, which also
+takes the fixed cost off each job: no random sleep before the rendezvous
+(:func:`skip_rendezvous_skew`) and no interpreter finalization once the ranks are done.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import socket
 import sys
 from typing import Any
 
+from convergence.dist_exit import run_and_exit
 from convergence.launch.types import LOOPBACK_NAMES
+from convergence.phase_marks import mark, process_cpu_s
 
 _listening: list[socket.socket] = []
 """Bound sockets handed to TCPStore: kept referenced so Python never closes their fds."""
@@ -83,17 +89,48 @@ def install() -> bool:
     return True
 
 
-def main() -> None:
+def skip_rendezvous_skew() -> bool:
+    """Drop the random 0-0.3 s sleep before a node's first rendezvous round.
+
+    torch sleeps so that many nodes do not all hit the rendezvous backend at once; a job of one
+    node (or of a few Slurm nodes) pays up to 0.3 s per job for nothing. Only the random form
+    (a ``(low, high)`` tuple) is skipped; fixed retry waits stay. False if torch moved it."""
+    try:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    except ImportError:
+        return False
+    delay = getattr(dynamic_rendezvous, "_delay", None)
+    if delay is None:
+        return False
+
+    def no_random_delay(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple):
+            delay(seconds)
+
+    dynamic_rendezvous._delay = no_random_delay
+    return True
+
+
+def main() -> int:
     if not install():
         print(
             "convergence: torch moved torchrun's store constructors; the rendezvous stores "
             "of this job listen on every interface",
             file=sys.stderr,
         )
+    skip_rendezvous_skew()
     from torch.distributed.run import main as torchrun_main
 
-    torchrun_main()
+    mark("agent_imported")
+    try:
+        torchrun_main()
+    finally:
+        mark("agent_exit", cpu_s=process_cpu_s(children=True))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    # The agent's work ends when its ranks have: leave without interpreter finalization (up to
+    # 0.5 s of a 2-rank job's wall time: torch's modules and threads torn down for nothing).
+    # A failure's report still reaches stderr (run_and_exit prints the traceback, exit 1).
+    run_and_exit(main)

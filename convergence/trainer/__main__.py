@@ -5,11 +5,13 @@ from __future__ import annotations
 import sys
 
 from convergence.dist_exit import run_and_exit
+from convergence.phase_marks import mark, process_start_time
 from convergence.spec.errors import SpecError
 from convergence.trainer.config import load_train_config
 
 
 def main(argv: list[str] | None = None) -> int:
+    mark("rank_start", at=process_start_time(), cpu_s=0.0)
     args = list(sys.argv[1:] if argv is None else argv)
     if "--config" not in args and not any(a.startswith("--config=") for a in args):
         print(
@@ -21,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_train_config(config_path, rest)
         from convergence.trainer import train  # lazy: torch, after cheap argument checks
+
+        mark("rank_imported")
 
         if cfg.checkpoint.create_seed_checkpoint:
             sha = train.create_seed(cfg)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from convergence.phase_marks import mark
 from convergence.process_lifetime import die_with_parent
 from convergence.spec.errors import SpecError
 from convergence.trainer import checkpoint as ckpt
@@ -555,6 +556,7 @@ def train(cfg: TrainConfig) -> RunStatus:
     """Train per `cfg` on this process's share of the world; returns the final status."""
     device = pick_device(cfg)
     distributed = init_distributed(device)
+    mark("process_group")
     world_size = dist.get_world_size() if distributed else 1
     check_config(cfg, world_size)
     if distributed and device.type == "cuda" and dist.get_backend() == "gloo":
@@ -628,6 +630,7 @@ def train(cfg: TrainConfig) -> RunStatus:
     probe_at = probe_step(cfg)
     status: RunStatus = "failed"
     step = first_step - 1
+    mark("steps_begin")
     start = time.perf_counter()
     try:
         status = "finished"
@@ -725,6 +728,7 @@ def train(cfg: TrainConfig) -> RunStatus:
         status = "failed"
         raise
     finally:
+        mark("steps_end")
         writer.write_meta(meta(status, step))
         writer.close()
         if distributed:
