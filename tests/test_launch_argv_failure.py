@@ -67,6 +67,8 @@ def test_torchrun_argv_is_a_list_with_free_port_rendezvous(tmp_path: Path) -> No
         "3",
         "--max-restarts",
         "0",
+        "--monitor-interval",
+        "0.02",
         "-m",
         "convergence.trainer",
         "--config",

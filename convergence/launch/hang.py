@@ -18,6 +18,7 @@ nodes, out of reach: there only the generic message is given.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import time
@@ -139,9 +140,23 @@ def _suspect(stacks: list[list[str]]) -> str | None:
     return f"{first[0]['file']}:{first[0]['line']}" if first else "?"
 
 
+def forked_ranks(processes: Iterable[psutil.Process], log_dir: Path) -> dict[int, psutil.Process]:
+    """A warm job's ranks by global rank, from the list its agent wrote: a forked rank's
+    ``/proc/<pid>/environ`` is its fork server's, without RANK (launch/forkserver.py)."""
+    try:
+        listed = json.loads((log_dir / "ranks" / "warm_ranks.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    by_pid = {p.pid: p for p in processes}
+    return {
+        int(info["rank"]): by_pid[int(pid)] for pid, info in listed.items() if int(pid) in by_pid
+    }
+
+
 def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
     """A sentence naming the hung rank(s), or '' when nothing more can be said."""
-    ranks = rank_processes(processes)
+    procs = list(processes)
+    ranks = forked_ranks(procs, log_dir) or rank_processes(procs)
     if not ranks:
         return ""
     stopped = _stopped(ranks)
@@ -162,6 +177,8 @@ def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
     waiting: list[int] = []
     for rank in sorted(asked):
         local_rank = _local_rank(ranks[rank])
+        if local_rank is None:  # a forked rank: its local rank is its rank (one node)
+            local_rank = rank
         log = _stderr_log(log_dir, local_rank) if local_rank is not None else None
         stacks = _dumped_stacks(log.read_text(errors="replace")) if log is not None else []
         if not stacks:

@@ -28,12 +28,21 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 from convergence.launch.failure import (
     diagnose,
     finished_then_aborted,
     note_in_launcher_log,
     note_teardown_abort,
+)
+from convergence.launch.forkserver import (
+    ForkServer,
+    WarmJob,
+    WarmJobSpec,
+    close_servers,
+    server_for,
+    warm_entry_problem,
 )
 from convergence.launch.hang import describe_hang
 from convergence.launch.process_tree import DescendantTracker, kill_leftovers, terminate_tree
@@ -151,14 +160,31 @@ def _write_pids(log_dir: Path, agent_pid: int, tracker: DescendantTracker) -> No
     (log_dir / PIDS_FILE).write_text(json.dumps(data))
 
 
+STARTS = ("warm", "torchrun")
+"""How a local job's processes start: ``warm`` forks the ranks from the session's fork server
+(launch/forkserver.py; the default), ``torchrun`` runs a torchrun agent per job."""
+
+
+class JobProcess(Protocol):
+    """The root of a running job as the supervisor sees it: a torchrun agent's ``Popen`` or a
+    warm agent's :class:`~convergence.launch.forkserver.WarmJob`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+
 class LocalLauncher:
-    """The ``local`` launcher: torchrun on this machine (see module docstring)."""
+    """The ``local`` launcher: a job's ranks on this machine, started warm (forked from the
+    session's fork server) or by torchrun (see the module docstrings)."""
 
     name = "local"
 
     def __init__(
         self,
         *,
+        start: str = "torchrun",
         python: str = sys.executable,
         poll_interval_s: float = 0.02,
         stop_grace_s: float = 30.0,
@@ -166,6 +192,9 @@ class LocalLauncher:
         progress_interval_s: float = 1.0,
         track_interval_s: float = 0.5,
     ) -> None:
+        if start not in STARTS:
+            raise ValueError(f"start must be one of {STARTS}, got {start!r}")
+        self.start = start
         self.python = python
         self.poll_interval_s = poll_interval_s
         self.track_interval_s = track_interval_s
@@ -196,23 +225,32 @@ class LocalLauncher:
         shutil.rmtree(request.log_dir / RANKS_DIR, ignore_errors=True)
         if request.stop_file is not None:
             request.stop_file.unlink(missing_ok=True)  # a stale one would stop us at step 1
-        argv = self.build_argv(request)
+        warm = self.warm_problem(request) is None
+        argv = [self.python, *request.entry] if warm else self.build_argv(request)
         start = time.monotonic()
+        proc: JobProcess
         with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
             log.write(f"# argv: {argv!r}\n".encode())
+            if warm:
+                log.write(
+                    f"# warm start: {request.nproc} ranks forked (launch/forkserver.py)\n".encode()
+                )
             log.flush()
-            proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.job_env(request),
-                cwd=request.cwd,
-                start_new_session=True,
-                preexec_fn=child_dies_with_us(signal.SIGTERM),
-            )
+            if not warm:
+                proc = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.job_env(request),
+                    cwd=request.cwd,
+                    start_new_session=True,
+                    preexec_fn=child_dies_with_us(signal.SIGTERM),
+                )
+        if warm:
+            proc = self._start_warm(request)
         tracker = DescendantTracker(proc.pid)
-        if on_progress is not None:  # torchrun's start-up is silent for many seconds
+        if on_progress is not None:  # the start-up is silent for seconds
             what = "1 process" if request.direct else f"{request.nproc} ranks"
             on_progress(
                 Progress(
@@ -221,7 +259,7 @@ class LocalLauncher:
                     total_steps=request.total_steps,
                     loss=None,
                     elapsed_s=0.0,
-                    note=f"starting ({what}, {self.name} launcher)",
+                    note=f"starting ({what}, {self.name} launcher{', warm' if warm else ''})",
                 )
             )
         watch = JobWatch(
@@ -237,7 +275,7 @@ class LocalLauncher:
             # KeyboardInterrupt or a raising callback: end the tree, then let it propagate.
             kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
             if proc.returncode is None:
-                proc.returncode = kill.root_returncode if kill.root_returncode is not None else -9
+                proc.returncode = _root_returncode(proc, kill.root_returncode)
             _write_pids(request.log_dir, proc.pid, tracker)
             raise
         kill_leftovers(tracker.processes)
@@ -264,8 +302,47 @@ class LocalLauncher:
         """The command of one job; a subclass (the Slurm launcher) wraps it in ``srun``."""
         return build_torchrun_argv(request, python=self.python)
 
+    def warm_problem(self, request: LaunchRequest) -> str | None:
+        """Why ``request`` goes through torchrun rather than a warm start, or None."""
+        if self.start != "warm" or self.name != "local":
+            return f"the {self.name} launcher starts {self.start}"
+        if request.direct:
+            return "a direct command is not a rank"
+        return warm_entry_problem(request.entry)
+
+    def _server(self, request: LaunchRequest) -> ForkServer:
+        env = self.job_env(request)
+        return server_for(self.python, env, str(request.cwd or os.getcwd()))
+
+    def _start_warm(self, request: LaunchRequest) -> WarmJob:
+        env = self.job_env(request)
+        spec = WarmJobSpec(
+            name=request.name,
+            entry=list(request.entry),
+            nproc=request.nproc,
+            env=env,
+            cwd=str(request.cwd or os.getcwd()),
+            launcher_log=str(request.log_dir / LAUNCHER_LOG),
+            ranks_dir=str(request.log_dir / RANKS_DIR),
+            run_id=_rdzv_id(request.name),
+        )
+        return self._server(request).start_job(spec)
+
+    def warm_up(self, request: LaunchRequest | None = None) -> tuple[float, float]:
+        """Start the fork server now (a session's first warm job would); returns its start's
+        wall and CPU seconds (0, 0 when one was already running)."""
+        probe = request or LaunchRequest(name="warm-up", entry=["-m", "x"], nproc=1, log_dir=Path())
+        before = time.monotonic()
+        server = self._server(probe)
+        fresh = time.monotonic() - before > 0.05
+        return (server.start_wall_s, server.start_cpu_s) if fresh else (0.0, 0.0)
+
+    def close(self) -> None:
+        """End this process's fork servers (at exit they end anyway)."""
+        close_servers()
+
     def _supervise(
-        self, proc: subprocess.Popen[bytes], tracker: DescendantTracker, watch: JobWatch
+        self, proc: JobProcess, tracker: DescendantTracker, watch: JobWatch
     ) -> tuple[str, int | None, FailureInfo | None]:
         verdict: Verdict | None = None
         stop_deadline: float | None = None
@@ -290,7 +367,7 @@ class LocalLauncher:
                 kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
                 # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
                 # wait again (it would read the status as 0) or warn that it is still running.
-                proc.returncode = kill.root_returncode if kill.root_returncode is not None else -9
+                proc.returncode = _root_returncode(proc, kill.root_returncode)
                 if verdict.status == "ok" and verdict.failure is not None:  # ended, run kept
                     note_in_launcher_log(watch.request.log_dir, verdict.failure.message)
                 return verdict.status, kill.root_returncode, verdict.failure
@@ -298,7 +375,7 @@ class LocalLauncher:
         return self._exited(proc, watch, verdict)
 
     def _exited(
-        self, proc: subprocess.Popen[bytes], watch: JobWatch, verdict: Verdict | None
+        self, proc: JobProcess, watch: JobWatch, verdict: Verdict | None
     ) -> tuple[str, int | None, FailureInfo | None]:
         """The process ended by itself (perhaps after we asked it to stop)."""
         returncode = proc.returncode
@@ -320,6 +397,14 @@ class LocalLauncher:
                 note_teardown_abort(req.log_dir, failure, steps=req.total_steps),
             )
         return ("killed" if failure.signal else "failed"), returncode, failure
+
+
+def _root_returncode(proc: JobProcess, killed: int | None) -> int:
+    """The agent's exit status after terminate_tree: its own (our child), else what the fork
+    server reported for a warm agent, else -9."""
+    if killed is None and isinstance(proc, WarmJob):
+        killed = proc.wait_reported(2.0)
+    return killed if killed is not None else -9
 
 
 def _name_hung_rank(verdict: Verdict, tracker: DescendantTracker, log_dir: Path) -> Verdict:
