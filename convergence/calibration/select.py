@@ -14,6 +14,8 @@ paired/twin verdict carries the note (its tolerance text, details["floors"]).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -115,6 +117,19 @@ def use(selection: Selection) -> Selection:
 
 def current() -> Selection:
     return _current[0]
+
+
+@contextmanager
+def in_force(selection: Selection) -> Iterator[Selection]:
+    """``selection`` in force for the verdicts made inside the block, the previous one after
+    (convergence/run/judge.py: a verdict uses the calibration it is handed, whatever the
+    process selected before)."""
+    before = _current[0]
+    _current[0] = selection
+    try:
+        yield selection
+    finally:
+        _current[0] = before
 
 
 def calibrated(regime: str, metric: str, default: T) -> T:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from convergence.calibration.select import select_calibration, use
+from convergence.calibration.select import select_calibration
 from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
 from convergence.cli.compare import compare_rules
 from convergence.options import (
@@ -30,14 +30,15 @@ from convergence.options import (
     values_from_args,
 )
 from convergence.preflight import load_checked
+from convergence.regimes import REGISTRY
 from convergence.report.formats.failure_text import render_outcome
 from convergence.report.formats.terminal import render_summary
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings
+from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
-from convergence.stats.registry import compare_all
 from convergence.worktrees import checkout, in_tree_settings, sigterm_as_interrupt
 
 SIDES = ("baseline", "candidate")
@@ -92,8 +93,8 @@ def run_ab(
 ) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
 
-    # The job floor alone (run/jobs.py): each side's jobs run fresh, and the verdicts below
-    # are ab's own (no regime, no session floors, no probe).
+    # The job floor alone (run/jobs.py): each side's jobs run fresh, no probe; the verdicts
+    # are the one judge's (run/judge.py), with this stack's calibration as for pytest.
     jobs = [
         apply_job_settings(job, settings)
         for job in _jobs(load_checked(experiment, rootdir=rootdir).pairs)
@@ -115,20 +116,20 @@ def run_ab(
         checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label),
         checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label),
     ):
-        # The paired comparisons read the floors in force (calibration/select.py): this
-        # stack's calibration under the workdir, else the shipped defaults, as for pytest.
-        use(select_calibration(settings.work_dir))
+        calibration = select_calibration(settings.work_dir)
         runners = {
             "baseline": JobRunner(in_tree_settings(settings, base_dir)),
             "candidate": JobRunner(in_tree_settings(settings, cand_dir)),
         }
         for job in jobs:
+            # A deterministic fp32 job against itself: the regime a pair of it gets (paired).
+            regime = REGISTRY.default_for(job, job)
             pair = PairSpec(
                 pair_id=f"ab::{job.name}",
                 control=job,
                 test=job,
-                rules=compare_rules(None, None, "paired"),
-                regime="paired",
+                rules=compare_rules(None, None, regime),
+                regime=regime,
                 early_stop=False,
                 source=f"{base_label} vs {cand_label}",
             )
@@ -149,17 +150,20 @@ def run_ab(
                     )
                 )
                 continue
-            verdicts = tuple(
-                compare_all(pair.rules, [sides["baseline"].metrics], sides["candidate"].metrics)
+            judgement = judge(
+                pair,
+                [sides["baseline"].metrics],
+                sides["candidate"].metrics,
+                calibration,
+                test_meta=sides["candidate"].meta,
             )
-            passed = all(v.passed for v in verdicts if v.gate)
             outcomes.append(
                 PairOutcome(
                     pair=pair,
-                    status="passed" if passed else "failed",
+                    status="passed" if judgement.passed else "failed",
                     control=sides["baseline"],
                     test=sides["candidate"],
-                    verdicts=verdicts,
+                    verdicts=judgement.verdicts,
                 )
             )
     return outcomes

@@ -3,7 +3,8 @@
 A regime is added by writing its module (a class that satisfies
 :class:`convergence.regimes.base.Regime`) and one line: its instance in :data:`SHIPPED` below
 (or ``REGISTRY.register(...)`` from outside the package, as tests/test_regimes_extension.py
-does). Nothing else in the library names a regime.
+does). Outside this package the library asks the registry and the regimes (their
+attributes and methods), never tests a regime's name (tests/test_names_stay_home.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class RegimeRegistry:
 
     def default_rules(self, name: str) -> tuple[ComparisonRule, ...]:
         return self.get(name).default_rules()
+
+    def default_for_runs(self, count: int) -> str:
+        """``convergence compare`` without ``--regime``: paired for one control run; with
+        more (``--replicate``), the other runs are other seeds' controls: the seed band."""
+        return PAIRED.name if count <= 1 else SEED.name
 
 
 REGISTRY = RegimeRegistry(SHIPPED)

@@ -363,7 +363,7 @@ def cache_key_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
 
 def floor_notes(outcomes: Iterable[PairOutcome]) -> list[str]:
     """Whose noise floors the paired/twin verdicts used -- the calibration of this stack, or
-    the shipped CPU defaults and why (each verdict's ``details["floors"]``, run/floors.py):
+    the shipped CPU defaults and why (each verdict's ``details["floors"]``, run/judge.py):
     each distinct note once, in order. The terminal and the report both say it from here."""
     notes: dict[str, None] = {}
     for o in outcomes:
