@@ -45,7 +45,7 @@ class LooseRegime:
             for r in gating_rules(self.method)
         )
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         return False  # only where an experiment names it
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:

@@ -94,8 +94,10 @@ class Regime(Protocol):
         """The rules of a pair whose experiment names none (``compare`` overrides them)."""
         ...
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
-        """Whether this regime is the default for these jobs (asked in registry order)."""
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
+        """Whether this regime is the default for these jobs (asked in registry order);
+        ``twins``: both sides' backends derive noise twins for the usual controls
+        (convergence.backends.Capabilities.twins_by_default)."""
         ...
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:

@@ -64,7 +64,7 @@ class PairedRegime:
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return gating_rules(self.method)
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         """The default only when both runs are deterministic fp32 (compute and reduction),
         uncompiled and share the seed, as the README promises."""
         return control.seed == test.seed and bitwise_pairable(control) and bitwise_pairable(test)

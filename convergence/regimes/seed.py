@@ -33,7 +33,7 @@ class SeedRegime:
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return gating_rules(self.method)
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         return True  # the fallback: asked last among the shipped regimes
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
