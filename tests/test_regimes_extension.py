@@ -38,6 +38,7 @@ class LooseRegime:
     method: Method = "allclose"
     early_stop: EarlyStopPolicy = EarlyStopPolicy(min_step=1, patience=1)
     probe_on_failure: bool = False
+    band_of_replicates: bool = False
 
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return tuple(

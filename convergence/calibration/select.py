@@ -132,13 +132,14 @@ def in_force(selection: Selection) -> Iterator[Selection]:
         _current[0] = before
 
 
-def calibrated(regime: str, metric: str, default: T) -> T:
+def calibrated(method: str, metric: str, default: T) -> T:
     """``default`` (a frozen dataclass of tolerance parameters) with the calibrated values of
-    ``metric`` under ``regime`` in place, when a calibration is in force and has them."""
+    comparison ``method`` for ``metric`` in place, when a calibration is in force and has
+    them."""
     calibration = current().calibration
     if calibration is None:
         return default
-    values = calibration.values(regime, metric)
+    values = calibration.values(method, metric)
     names = {f.name for f in dataclasses.fields(default)}  # type: ignore[arg-type]
     values = {k: v for k, v in values.items() if k in names}
     return dataclasses.replace(default, **values) if values else default  # type: ignore[type-var]

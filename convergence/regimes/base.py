@@ -84,6 +84,12 @@ class Regime(Protocol):
         ...
 
     @property
+    def band_of_replicates(self) -> bool:
+        """Whether its method's verdicts hold the test to a band of control replicates
+        (reports draw it centred on their mean, with the replicates' count)."""
+        ...
+
+    @property
     def probe_on_failure(self) -> bool:
         """Whether a failed pair is localised by the numerics probe: both sides must start
         from one seed checkpoint and read the same samples for a per-module comparison to

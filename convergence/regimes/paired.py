@@ -58,6 +58,7 @@ def check_same_seed(pair: PairSpec, *, key: str) -> None:
 class PairedRegime:
     name: str = "paired"
     method: Method = "paired"
+    band_of_replicates: bool = False
     early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
     probe_on_failure: bool = True
 

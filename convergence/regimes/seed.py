@@ -27,6 +27,7 @@ from convergence.spec.pair import ComparisonRule, Method, PairSpec
 class SeedRegime:
     name: str = "seed"
     method: Method = "seed"
+    band_of_replicates: bool = True
     early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
     probe_on_failure: bool = False
 

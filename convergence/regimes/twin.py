@@ -33,6 +33,7 @@ from convergence.spec.pair import ComparisonRule, Method, PairSpec
 class TwinRegime:
     name: str = "twin"
     method: Method = "twin"
+    band_of_replicates: bool = False
     early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
     probe_on_failure: bool = True
 

@@ -34,6 +34,7 @@ from convergence.run.resume import run_resumed
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import PairSpec
 from convergence.stats.health import control_problem
+from convergence.stats.registry import get_comparison
 from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.types import MetricVerdict
 
@@ -46,7 +47,10 @@ def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
     rules = pair.rules
     if settings.alpha is not None:
         rules = tuple(
-            dataclasses.replace(r, alpha=settings.alpha) if r.method == "seed" else r for r in rules
+            dataclasses.replace(r, alpha=settings.alpha)
+            if get_comparison(r.method).takes_alpha
+            else r
+            for r in rules
         )
     return dataclasses.replace(
         pair,

@@ -37,6 +37,7 @@ class Regression:
     method: Method = "regression"
     all_controls = False
     calibrated = False
+    takes_alpha = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return None  # judged on a median over the whole run: never stops a job
