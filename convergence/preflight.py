@@ -238,8 +238,3 @@ def validate_devices(pair: PairSpec, *, available_devices: int | DeviceSet | Non
                 "salloc/sbatch -N <nodes>), raise --convergence-devices (CPU slots may "
                 "oversubscribe cores), or lower the degrees",
             )
-
-
-def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:
-    check_pair(pair)
-    validate_devices(pair, available_devices=available_devices)
