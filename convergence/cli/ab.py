@@ -15,19 +15,22 @@ Nothing is read from or written to the run cache (both sides are code under test
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from convergence.calibration.select import select_calibration
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
+from convergence.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    option_values,
+    write_report_folder,
+)
 from convergence.cli.compare import compare_rules
 from convergence.options import (
     OPTIONS,
-    OptionError,
     add_arguments,
     cli_run_settings,
-    values_from_args,
 )
 from convergence.preflight import load_checked
 from convergence.regimes import REGISTRY
@@ -170,10 +173,8 @@ def run_ab(
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    try:
-        values = values_from_args(args, cwd=Path.cwd())
-    except OptionError as exc:
-        print(f"convergence ab: {exc}", file=sys.stderr)
+    values = option_values(args, "ab")
+    if values is None:
         return EXIT_USAGE
     values["no-early-stop"] = True  # both sides run to their last step: whole curves compared
     settings = cli_run_settings(values)

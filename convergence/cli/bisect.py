@@ -41,13 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends import get_backend
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, option_values
 from convergence.options import (
     OPTIONS,
-    OptionError,
     add_arguments,
     cli_run_settings,
-    values_from_args,
 )
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome
@@ -427,10 +425,8 @@ def _dirty(top: Path) -> bool:
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
-    try:
-        values = values_from_args(args, cwd=Path.cwd())
-    except OptionError as exc:
-        print(f"convergence bisect: {exc}", file=sys.stderr)
+    values = option_values(args, "bisect")
+    if values is None:
         return EXIT_USAGE
     settings = cli_run_settings(values)
     top = Path(git(Path(args.repo), "rev-parse", "--show-toplevel"))

@@ -11,21 +11,18 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from convergence.calibration.select import select_calibration
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, option_values
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.golden import export_golden
 from convergence.metrics.reader import describe_source, read_run
 from convergence.options import (
     CLI_WORKDIR,
     OPTIONS,
-    OptionError,
     add_arguments,
-    values_from_args,
 )
 from convergence.regimes import REGISTRY, get_regime
 from convergence.report.formats.failure_text import render_outcome
@@ -112,10 +109,8 @@ def compare_rules(
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    try:
-        values = values_from_args(args, cwd=Path.cwd())
-    except OptionError as exc:
-        print(f"convergence compare: {exc}", file=sys.stderr)
+    values = option_values(args, "compare")
+    if values is None:
         return EXIT_USAGE
     paths = [Path(args.a), *map(Path, args.replicate)]
     controls = [read_run(p) for p in paths]
