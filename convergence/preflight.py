@@ -22,6 +22,7 @@ from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import (
     JOB_KEYS,
+    NO_TRAIN_CONFIG,
     TIERS,
     Experiment,
     load_experiment,
@@ -32,6 +33,19 @@ from convergence.spec.pair import PairSpec
 
 if TYPE_CHECKING:
     from convergence.launch.pool import DeviceSet
+
+
+def twins_by_default(backend: str) -> bool:
+    """Whether the backend called ``backend`` derives twins for the usual controls (False
+    where it cannot be loaded: check_pair then names the problem)."""
+    try:
+        return get_backend(backend).capabilities.twins_by_default
+    except SpecError:
+        return False
+
+
+#: The regimes as the experiment parser sees them: the default regime asks the backends.
+REGIMES = REGISTRY.seen_by(twins_by_default)
 
 
 def load_checked(
@@ -49,7 +63,7 @@ def load_checked(
     ``not_runnable``: where a pair's :class:`NotRunnableHere` (a backend that is not
     installed) is recorded, by pair name, instead of raised (the plugin skips those pairs).
     """
-    experiment = load_experiment(path, rootdir=rootdir, regimes=REGISTRY)
+    experiment = load_experiment(path, rootdir=rootdir, regimes=REGIMES)
     for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
         if in_tier(pair, max_tier):
             try:
@@ -63,7 +77,7 @@ def load_checked(
 
 def make_checked_pair(**kwargs: Any) -> PairSpec:
     """:func:`convergence.spec.experiment.make_pair` plus :func:`check_pair`."""
-    pair = make_pair(**kwargs, regimes=REGISTRY)
+    pair = make_pair(**kwargs, regimes=REGIMES)
     check_pair(pair, key=str(kwargs.get("key", "test")))
     return pair
 
@@ -83,6 +97,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     for side_key, job in (("control", control), (key, test)):
         try:
             backends[side_key] = get_backend(job.backend)
+            check_train_config(job, backends[side_key])
             backends[side_key].preflight(job)
         except ImportError as exc:
             # The backend's package is installed but cannot import here (torchtitan built for
@@ -123,10 +138,10 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     regime.check(pair, key=key, backend=backends["control"])
     for other in REGISTRY.all():
         other.check_method_use(pair, key=key)
-    if pair.probe_always and {control.backend, test.backend} != {"builtin"}:
+    if pair.probe_always and not all(b.capabilities.probe for b in backends.values()):
         raise SpecError(
-            'probe = "always" needs the built-in trainer on both sides (only it '
-            "has a probe mode; torchtitan and command jobs are never probed)",
+            'probe = "always" needs a trainer with a probe mode on both sides (the '
+            "built-in one; torchtitan and command jobs are never probed)",
             file=file,
             key=f"{key}.probe",
             fix='drop probe = "always" for this pair',
@@ -140,16 +155,33 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                 "(local batch x DP x grad accumulation x seq_len)",
                 file=file,
                 key=f"{key}.local_batch_size",
-                fix=_batch_fix(control, test, ctrl_tokens, test_tokens),
+                fix=_batch_fix(backend, test, ctrl_tokens),
             )
 
 
+def check_train_config(job: JobSpec, backend: Backend) -> None:
+    """A job of a backend that needs a train config file names one."""
+    if backend.capabilities.needs_train_config and str(job.train_config) == NO_TRAIN_CONFIG:
+        raise SpecError(
+            "no train_config", key="train_config", fix=backend.capabilities.train_config_fix
+        )
+
+
 def check_resume(test: JobSpec, *, file: str, key: str) -> None:
-    """A resuming test side (convergence.spec.resume): the resume layout passes the backend's
-    preflight and reads the same tokens per optimizer step as before the resume."""
+    """A resuming test side (convergence.spec.resume): its backend resumes, the resume layout
+    passes the backend's preflight and reads the same tokens per optimizer step as before
+    the resume."""
     after = test.after_resume()
     where = f"{key}.resume"
     backend = get_backend(after.backend)
+    if not backend.capabilities.resume:
+        raise SpecError(
+            f"the {backend.name!r} backend does not resume (its trainer's checkpointing "
+            "flags are not mapped)",
+            file=file,
+            key=where,
+            fix="drop resume from this test, or use a backend that resumes (the built-in one)",
+        )
     try:
         backend.preflight(after)
     except SpecError as exc:
@@ -167,16 +199,14 @@ def check_resume(test: JobSpec, *, file: str, key: str) -> None:
             "schedule would no longer line up with the control",
             file=file,
             key=f"{where}.local_batch_size",
-            fix=_batch_fix(test, after, before, resumed).replace(
-                "on the test", "in the resume table"
-            ),
+            fix=_batch_fix(backend, after, before).replace("on the test", "in the resume table"),
         )
 
 
-def _batch_fix(control: JobSpec, test: JobSpec, ctrl_tokens: int, test_tokens: int) -> str:
-    if test.backend != "builtin":
+def _batch_fix(backend: Backend, test: JobSpec, ctrl_tokens: int) -> str:
+    if not isinstance(backend, BuiltinBackend):  # its train config says what one sample is
         return "make local batch x DP x grad accumulation equal on both sides"
-    cfg = BuiltinBackend().effective_config(test)  # looked up: preflight worked it out
+    cfg = backend.effective_config(test)  # looked up: preflight worked it out
     per_sample = test.layout.dp * cfg.training.grad_accum_steps * cfg.data.seq_len
     if ctrl_tokens % per_sample == 0:
         return (
@@ -244,7 +274,3 @@ def validate_devices(
         placement=placement.text,
     )
 
-
-def validate_pair(pair: PairSpec, *, available_devices: int | None) -> None:
-    check_pair(pair)
-    validate_devices(pair, available_devices=available_devices)

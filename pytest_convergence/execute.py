@@ -25,6 +25,8 @@ def execute_pair(
     """Run ``pair`` with live progress, record its outcome for the reports, and attach its
     JUnit properties. KeyboardInterrupt passes through: the launcher ends the job trees."""
     state = get_state(config)
+    # Other plugins may change the pair, or veto it with pytest.skip (hookspecs.py).
+    pair = config.hook.pytest_convergence_modify_pair(config=config, pair=pair) or pair
     _ignore_in_git(state.settings.work_dir)
     printer: ProgressPrinter | WorkerProgress | None = ProgressPrinter(config)
     if state.is_worker:  # its terminal is not the user's: the controller relays a file
@@ -91,9 +93,10 @@ def record_outcome(
     outcome: PairOutcome,
     user_properties: list[tuple[str, object]] | None = None,
 ) -> None:
-    """Keep the outcome in memory and, for the controller and later ``convergence report``,
-    as JSON in the session folder (xdist workers share it with the controller); attach its
-    JUnit properties to the test."""
+    """Tell other plugins the verdict (hookspecs.py); keep the outcome in memory and, for
+    the controller and later ``convergence report``, as JSON in the session folder (xdist
+    workers share it with the controller); attach its JUnit properties to the test."""
+    config.hook.pytest_convergence_pair_verdict(config=config, outcome=outcome)
     state = get_state(config)
     state.outcomes.append(outcome)
     if user_properties is not None:

@@ -102,3 +102,80 @@ def test_an_installed_third_party_backend_is_used_by_name(
     path = experiment(tmp_path, "tiny")
     (pair,) = load_checked(path, rootdir=REPO).pairs  # its preflight and tokens per step ran
     assert pair.control.backend == pair.test.backend == "tiny"
+
+
+CAPABLE_MODULE = '''\
+"""A third party's backends: the built-in trainer under other names, one stating what it can
+do (resume, probe, twins by default), one stating nothing."""
+from convergence.backends import Capabilities
+from convergence.backends.builtin import BuiltinBackend
+
+
+class CapableBackend(BuiltinBackend):
+    name = "capable"
+    capabilities = Capabilities(resume=True, probe=True, twins_by_default=True)
+
+
+class PlainBackend(BuiltinBackend):
+    name = "plain"
+    capabilities = Capabilities()
+'''
+
+
+def install_entry_points(site: Path, module: str, source: str, points: dict[str, str]) -> None:
+    """An installed distribution as it lies on disk (a module and its ``.dist-info`` with the
+    entry points), found through ``site`` on sys.path like any installed package."""
+    (site / f"{module}.py").write_text(source)
+    info = site / f"{module}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    lines = "".join(f"{name} = {module}:{target}\n" for name, target in points.items())
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\n{lines}")
+
+
+def test_a_third_party_backend_gets_what_it_states_it_can_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Capabilities, not names: a backend of another package that states resume and twins
+    gets the twin regime by default, a resuming test side and the probe; one that states
+    nothing gets the seed band and a clear refusal of resume."""
+    from convergence.regimes import get_regime
+    from convergence.run.probe import wants_probe
+
+    site = tmp_path / "site"
+    site.mkdir()
+    install_entry_points(
+        site,
+        "lab_backends",
+        CAPABLE_MODULE,
+        {"capable": "CapableBackend", "plain": "PlainBackend"},
+    )
+    monkeypatch.syspath_prepend(str(site))
+    assert {"capable", "plain"} <= set(backend_names())
+
+    def bf16_pair(backend: str, folder: Path, **test: object) -> Path:
+        folder.mkdir()
+        return builtin_pair(
+            folder,
+            train_config="debug",
+            backend=backend,
+            control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+            tests=[{"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}, **test}],
+            techniques={"param_dtype": "bfloat16"},
+        )
+
+    # Not bitwise pairable (bf16), one seed: the twin regime, its twin derived by the backend.
+    (pair,) = load_checked(bf16_pair("capable", tmp_path / "a"), rootdir=REPO).pairs
+    assert pair.regime == "twin"
+    jobs = get_regime(pair.regime).control_jobs(pair, get_backend("capable"))
+    assert jobs[0] == pair.control and len(jobs) > 1  # the control and its twin(s)
+    assert wants_probe(pair, "failed")
+    resumed = bf16_pair("capable", tmp_path / "b", resume={"at_step": 2})
+    (pair,) = load_checked(resumed, rootdir=REPO).pairs
+    assert pair.test.resume is not None and pair.test.resume.at_step == 2
+
+    (plain,) = load_checked(bf16_pair("plain", tmp_path / "c"), rootdir=REPO).pairs
+    assert plain.regime == "seed" and not wants_probe(plain, "failed")
+    with pytest.raises(SpecError, match="'plain' backend does not resume") as err:
+        load_checked(bf16_pair("plain", tmp_path / "d", resume={"at_step": 2}), rootdir=REPO)
+    assert err.value.key == "test[0].resume"

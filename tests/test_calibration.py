@@ -213,7 +213,7 @@ def test_a_calibration_of_another_stack_is_not_used_and_every_report_says_so(
     from convergence.report import build_report, render_markdown
     from convergence.report.formats.junit import junit_properties
     from convergence.report.formats.terminal import render_summary
-    from convergence.run.floors import with_floors
+    from convergence.run.judge import with_calibration_note
 
     other = {**current_stack(), "hardware": "cuda:NVIDIA H100 80GB HBM3"}
     path = tmp_path / "h100.json"
@@ -232,7 +232,7 @@ def test_a_calibration_of_another_stack_is_not_used_and_every_report_says_so(
         == (PAIRED_DEFAULTS["loss"])
     )
     outcome = passing_pair()
-    outcome = dataclasses.replace(outcome, verdicts=with_floors(outcome.verdicts, selection))
+    outcome = dataclasses.replace(outcome, verdicts=with_calibration_note(outcome.verdicts, selection))
     loss = outcome.verdict("loss")
     assert loss is not None and loss.tolerance.endswith("[floors: shipped CPU defaults]")
     assert loss.details["floors"]["source"] == "defaults"

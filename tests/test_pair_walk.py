@@ -64,9 +64,15 @@ MORE: dict[str, tuple[int, str]] = {
         "assembled into curves",
     ),
     "calibration/select.py": (
+        4,
+        "the judge's calibration in force for the judgement (a context manager: made, "
+        "entered, left), its label and JSON on each verdict (run/judge.py), and the "
+        "calibrated paired tolerance (stats/paired.py)",
+    ),
+    "stats/registry.py": (
         3,
-        "the floors' label and JSON on each verdict (run/floors.py) and the calibrated "
-        "paired tolerance (stats/paired.py)",
+        "the judge's comparisons and whether a verdict's method is calibrated (run/judge.py), "
+        "the early-stop checks (stats/sequential.py)",
     ),
 }
 

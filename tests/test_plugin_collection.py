@@ -55,11 +55,11 @@ def _warm_imports(tmp_path_factory: pytest.TempPathFactory) -> None:
     import convergence.report
     import convergence.run.runner  # noqa: F401
     from convergence.launch.pool import detect_devices
-    from convergence.preflight import load_checked, validate_pair
+    from convergence.preflight import load_checked, validate_devices
 
     path = write_toml(tmp_path_factory.mktemp("warm") / "exp.toml", EXPERIMENT)
     for pair in load_checked(path, rootdir=REPO).pairs:
-        validate_pair(pair, available_devices=len(detect_devices().devices))
+        validate_devices(pair, available_devices=len(detect_devices().devices))
 
 
 @pytest.fixture

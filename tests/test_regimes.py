@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from convergence.metrics.curve import Curve
+from convergence.preflight import REGIMES
 from convergence.regimes import REGISTRY, get_regime
 from convergence.regimes.registry import SHIPPED
 from convergence.spec.errors import SpecError
@@ -47,9 +48,13 @@ def test_the_shipped_regimes_in_the_order_the_default_is_asked() -> None:
     assert REGISTRY.names()[:3] == ("paired", "twin", "seed") == tuple(r.name for r in SHIPPED)
     bf16 = dataclasses.replace(CONTROL, techniques=Techniques(param_dtype="bfloat16"))
     assert REGISTRY.default_for(CONTROL, CONTROL) == "paired"
-    assert REGISTRY.default_for(CONTROL, bf16) == "twin"
-    assert REGISTRY.default_for(CONTROL, dataclasses.replace(bf16, backend="command")) == "seed"
-    assert REGISTRY.default_for(CONTROL, dataclasses.replace(CONTROL, seed=7)) == "seed"
+    # Twin where both sides' backends derive twins (Capabilities.twins_by_default), else seed.
+    assert REGISTRY.default_for(CONTROL, bf16, twins=True) == "twin"
+    assert REGISTRY.default_for(CONTROL, bf16, twins=False) == "seed"
+    assert REGISTRY.default_for(CONTROL, dataclasses.replace(CONTROL, seed=7), twins=True) == "seed"
+    # As the parser sees it (convergence.preflight.REGIMES): the backends are asked.
+    assert REGIMES.default_for(CONTROL, bf16) == "twin"
+    assert REGIMES.default_for(CONTROL, dataclasses.replace(bf16, backend="command")) == "seed"
 
 
 def test_an_unknown_regime_names_the_known_ones() -> None:

@@ -38,6 +38,7 @@ class LooseRegime:
     method: Method = "allclose"
     early_stop: EarlyStopPolicy = EarlyStopPolicy(min_step=1, patience=1)
     probe_on_failure: bool = False
+    band_of_replicates: bool = False
 
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return tuple(
@@ -45,7 +46,7 @@ class LooseRegime:
             for r in gating_rules(self.method)
         )
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         return False  # only where an experiment names it
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:

@@ -1,8 +1,14 @@
 """The Backend Protocol: one per trainer (built-in, torchtitan, any command, or a third
-party's: convergence.backends.registry loads them by name from entry points)."""
+party's: convergence.backends.registry loads them by name from entry points).
+
+What a backend can do beyond running a job -- resume, a numerics probe, twins by default, the
+identity of its code -- it states (:class:`Capabilities`, :meth:`Backend.code_identity`); the
+rest of the library asks, and never tests a backend's name (tests/test_names_stay_home.py).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -10,11 +16,53 @@ from convergence.metrics.curve import RunMetrics
 from convergence.spec.job import JobSpec
 
 
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a backend offers; the defaults are what any backend can do (run a job)."""
+
+    resume: bool = False
+    """A test side may checkpoint at step K and resume under another layout
+    (spec/resume.py, run/resume.py): the trainer reads ``--checkpoint.*`` as the built-in
+    one does."""
+    probe: bool = False
+    """The trainer has the numerics probe mode (``--probe.*``: run/probe.py)."""
+    twins_by_default: bool = False
+    """``noise_twin`` derives twins for the usual controls: where both sides' backends do
+    (and the runs are not bitwise pairable), twin is a pair's default regime, else the seed
+    band is."""
+    needs_train_config: bool = True
+    """A job must name a train config file (``train_config``)."""
+    train_config_fix: str = (
+        "set train_config to your trainer's config file (hashed into the run-cache key, so a "
+        "changed config is never mistaken for a cached one)"
+    )
+    """The fix when a job that needs one names none."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeIdentity:
+    """How a job's trainer code is identified (the run cache; ``convergence bisect``)."""
+
+    keyed: bool
+    """The run-cache key holds the content of the code the job runs (its package version
+    and sources, or the files ``backend_options.sources`` lists)."""
+    packages: tuple[str, ...] = ()
+    """Top-level packages of that code: when the repository being bisected holds one (the
+    trainer's own repository), its git tree id at each commit identifies the code."""
+    note: str = ""
+    """When not keyed: what a stale reuse would come from and the fix (the report says it)."""
+
+
 class Backend(Protocol):
     name: str
+    capabilities: Capabilities
 
     def version(self) -> str:
         """Goes into the run-cache key: a new trainer version never reuses old runs."""
+        ...
+
+    def code_identity(self, job: JobSpec) -> CodeIdentity:
+        """How the code ``job`` runs is identified (cache key, bisect)."""
         ...
 
     def preflight(self, job: JobSpec) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import convergence
+from convergence.backends.base import Capabilities, CodeIdentity
 from convergence.backends.effective import once_per_job
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
@@ -60,9 +61,20 @@ def job_overrides(job: JobSpec) -> list[str]:
 
 class BuiltinBackend:
     name = "builtin"
+    capabilities = Capabilities(
+        resume=True,
+        probe=True,
+        twins_by_default=True,
+        train_config_fix='set train_config = "debug" (a shipped config) in [defaults]',
+    )
 
     def version(self) -> str:
         return f"builtin-{convergence.__version__}"
+
+    def code_identity(self, job: JobSpec) -> CodeIdentity:
+        # The installed package's version is in the key; a repository holding the package
+        # (bisecting pytest-convergence itself) names it by its tree.
+        return CodeIdentity(keyed=True, packages=("convergence",))
 
     @once_per_job  # asked by most methods here, at collection and again by the runner
     def effective_config(self, job: JobSpec) -> TrainConfig:

@@ -26,6 +26,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from convergence.backends.base import Capabilities, CodeIdentity
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tags import TENSORBOARD_TAGS, resolve_map
@@ -114,9 +115,18 @@ def placeholders(job: JobSpec, dump_dir: Path) -> dict[str, str]:
 
 class CommandBackend:
     name = "command"
+    capabilities = Capabilities()
 
     def version(self) -> str:
         return "command-1"
+
+    def code_identity(self, job: JobSpec) -> CodeIdentity:
+        # Without ``sources`` the key knows the command text only.
+        return CodeIdentity(
+            keyed="sources" in dict(job.backend_options),
+            note="keyed by their command text only (list the trainer's files in "
+            "backend_options.sources to key their content)",
+        )
 
     def source_files(self, job: JobSpec) -> list[Path]:
         """The files ``backend_options.sources`` names (sorted, existing files only)."""

@@ -46,10 +46,10 @@ class Calibration:
     obtained: dict[str, Any] = field(default_factory=dict)
     """How the values were measured (experiment, steps, layouts, date, raw figures)."""
 
-    def values(self, regime: str, metric: str) -> dict[str, float]:
-        """The calibrated parameters for ``metric`` under ``regime`` ({} when none)."""
-        table = self.paired if regime == "paired" else self.twin if regime == "twin" else {}
-        return dict(table.get(metric, {}))
+    def values(self, method: str, metric: str) -> dict[str, float]:
+        """The calibrated parameters of comparison ``method`` for ``metric`` ({} when none)."""
+        tables = {"paired": self.paired, "twin": self.twin}  # by the method they calibrate
+        return dict(tables.get(method, {}).get(metric, {}))
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -14,6 +14,8 @@ paired/twin verdict carries the note (its tolerance text, details["floors"]).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -117,13 +119,27 @@ def current() -> Selection:
     return _current[0]
 
 
-def calibrated(regime: str, metric: str, default: T) -> T:
+@contextmanager
+def in_force(selection: Selection) -> Iterator[Selection]:
+    """``selection`` in force for the verdicts made inside the block, the previous one after
+    (convergence/run/judge.py: a verdict uses the calibration it is handed, whatever the
+    process selected before)."""
+    before = _current[0]
+    _current[0] = selection
+    try:
+        yield selection
+    finally:
+        _current[0] = before
+
+
+def calibrated(method: str, metric: str, default: T) -> T:
     """``default`` (a frozen dataclass of tolerance parameters) with the calibrated values of
-    ``metric`` under ``regime`` in place, when a calibration is in force and has them."""
+    comparison ``method`` for ``metric`` in place, when a calibration is in force and has
+    them."""
     calibration = current().calibration
     if calibration is None:
         return default
-    values = calibration.values(regime, metric)
+    values = calibration.values(method, metric)
     names = {f.name for f in dataclasses.fields(default)}  # type: ignore[arg-type]
     values = {k: v for k, v in values.items() if k in names}
     return dataclasses.replace(default, **values) if values else default  # type: ignore[type-var]

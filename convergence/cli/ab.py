@@ -16,29 +16,33 @@ Nothing is read from or written to the run cache (both sides are code under test
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from convergence.calibration.select import select_calibration, use
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
+from convergence.calibration.select import select_calibration
+from convergence.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    option_values,
+    write_report_folder,
+)
 from convergence.cli.compare import compare_rules
 from convergence.options import (
     OPTIONS,
-    OptionError,
     add_arguments,
     cli_run_settings,
-    values_from_args,
 )
 from convergence.preflight import load_checked
+from convergence.regimes import REGISTRY
 from convergence.report.formats.failure_text import render_outcome
 from convergence.report.formats.terminal import render_summary
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings
+from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
-from convergence.stats.registry import compare_all
 from convergence.worktrees import checkout, in_tree_settings, sigterm_as_interrupt
 
 SIDES = ("baseline", "candidate")
@@ -93,8 +97,8 @@ def run_ab(
 ) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
 
-    # The job floor alone (run/jobs.py): each side's jobs run fresh, and the verdicts below
-    # are ab's own (no regime, no session floors, no probe).
+    # The job floor alone (run/jobs.py): each side's jobs run fresh, no probe; the verdicts
+    # are the one judge's (run/judge.py), with this stack's calibration as for pytest.
     jobs = [
         apply_job_settings(job, settings)
         for job in _jobs(load_checked(experiment, rootdir=rootdir).pairs)
@@ -116,20 +120,20 @@ def run_ab(
         checkout(repo, baseline, work / "baseline-tree") as (base_dir, base_label),
         checkout(repo, candidate, work / "candidate-tree") as (cand_dir, cand_label),
     ):
-        # The paired comparisons read the floors in force (calibration/select.py): this
-        # stack's calibration under the workdir, else the shipped defaults, as for pytest.
-        use(select_calibration(settings.work_dir))
+        calibration = select_calibration(settings.work_dir)
         runners = {
             "baseline": JobRunner(in_tree_settings(settings, base_dir)),
             "candidate": JobRunner(in_tree_settings(settings, cand_dir)),
         }
         for job in jobs:
+            # A deterministic fp32 job against itself: the regime a pair of it gets (paired).
+            regime = REGISTRY.default_for(job, job)
             pair = PairSpec(
                 pair_id=f"ab::{job.name}",
                 control=job,
                 test=job,
-                rules=compare_rules(None, None, "paired"),
-                regime="paired",
+                rules=compare_rules(None, None, regime),
+                regime=regime,
                 early_stop=False,
                 source=f"{base_label} vs {cand_label}",
             )
@@ -150,27 +154,28 @@ def run_ab(
                     )
                 )
                 continue
-            verdicts = tuple(
-                compare_all(pair.rules, [sides["baseline"].metrics], sides["candidate"].metrics)
+            judgement = judge(
+                pair,
+                [sides["baseline"].metrics],
+                sides["candidate"].metrics,
+                calibration,
+                test_meta=sides["candidate"].meta,
             )
-            passed = all(v.passed for v in verdicts if v.gate)
             outcomes.append(
                 PairOutcome(
                     pair=pair,
-                    status="passed" if passed else "failed",
+                    status="passed" if judgement.passed else "failed",
                     control=sides["baseline"],
                     test=sides["candidate"],
-                    verdicts=verdicts,
+                    verdicts=judgement.verdicts,
                 )
             )
     return outcomes
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    try:
-        values = values_from_args(args, cwd=Path.cwd())
-    except OptionError as exc:
-        print(f"convergence ab: {exc}", file=sys.stderr)
+    values = option_values(args, "ab")
+    if values is None:
         return EXIT_USAGE
     values["no-early-stop"] = True  # both sides run to their last step: whole curves compared
     settings = cli_run_settings(values)

@@ -30,14 +30,20 @@ from convergence.cli.ab import add_ab_parser
 from convergence.cli.bisect import add_bisect_parser
 from convergence.cli.cache import add_cache_parser
 from convergence.cli.calibrate import add_calibrate_parser
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, write_report_folder
+from convergence.cli.common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    option_values,
+    write_report_folder,
+)
 from convergence.cli.compare import add_compare_parser, add_export_parser
 from convergence.cli.nightly import add_subcommands as add_nightly_subcommands
 from convergence.configs import describe
 from convergence.launch.devices import session_devices
 from convergence.launch.progress_text import LogThrottle
 from convergence.launch.types import Progress
-from convergence.options import OptionError, add_arguments, cli_run_settings, values_from_args
+from convergence.options import add_arguments, cli_run_settings
 from convergence.preflight import in_tier, load_checked, validate_devices
 from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 from convergence.report.formats.terminal import render_summary
@@ -68,10 +74,8 @@ class _ProgressLog:
 
 def cmd_run(args: argparse.Namespace) -> int:
 
-    try:
-        values = values_from_args(args, cwd=Path.cwd())
-    except OptionError as exc:
-        _print_err(f"convergence run: {exc}")
+    values = option_values(args, "run")
+    if values is None:
         return EXIT_USAGE
     path = Path(args.experiment)
     experiment = load_checked(path, rootdir=Path(args.rootdir).resolve(), max_tier=values["tier"])

@@ -40,13 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from convergence.backends import get_backend
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, option_values
 from convergence.options import (
     OPTIONS,
-    OptionError,
     add_arguments,
     cli_run_settings,
-    values_from_args,
 )
 from convergence.preflight import load_checked
 from convergence.report.formats.failure_text import render_outcome
@@ -255,12 +254,13 @@ def control_code(pair: PairSpec, top: Path, commit: str, tree: Path) -> tuple[st
       them the key knows the command text only: the commit goes in (no reuse, but correct);
     - a hook (built-in trainer, torchtitan): git's tree id of the hook's top-level package
       (or module file) at the commit -- the hook may import anything in its package;
-    - the built-in trainer's and torchtitan's own code: the installed package's is in the
-      key; when the repository holds it (bisecting pytest-convergence or torchtitan itself),
-      its folder's tree id at the commit;
-    - any other backend: the commit.
+    - the trainer's own code (Backend.code_identity): the packages it names -- the
+      installed one's version is in the key; when the repository holds it (bisecting
+      pytest-convergence or torchtitan itself), its folder's tree id at the commit; a
+      backend whose key does not hold its code: the commit.
     """
     job = pair.control
+    identity = get_backend(job.backend).code_identity(job)
     parts: list[str] = []
 
     def tree_id(rel: str) -> None:
@@ -270,11 +270,9 @@ def control_code(pair: PairSpec, top: Path, commit: str, tree: Path) -> tuple[st
     if job.hook:
         top_module = job.hook.split(":", 1)[0].split(".", 1)[0]
         tree_id(top_module if (tree / top_module).is_dir() else f"{top_module}.py")
-    if job.backend == "builtin":
-        tree_id("convergence")
-    elif job.backend == "torchtitan":
-        tree_id("torchtitan")
-    elif not (job.backend == "command" and "sources" in dict(job.backend_options)):
+    for package in identity.packages:
+        tree_id(package)
+    if not identity.keyed:
         parts.append(f"commit={commit}")
     return ("bisect_code", " ".join(parts)) if parts else None
 
@@ -427,10 +425,8 @@ def _dirty(top: Path) -> bool:
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
-    try:
-        values = values_from_args(args, cwd=Path.cwd())
-    except OptionError as exc:
-        print(f"convergence bisect: {exc}", file=sys.stderr)
+    values = option_values(args, "bisect")
+    if values is None:
         return EXIT_USAGE
     settings = cli_run_settings(values)
     top = Path(git(Path(args.repo), "rev-parse", "--show-toplevel"))

@@ -5,11 +5,14 @@ that no front end imports another for a helper (``ab`` once reached into ``cli``
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from convergence.options import OptionError, values_from_args
 from convergence.report import write_reports
 from convergence.report.data.schema import default_environment
 from convergence.run.outcome import PairOutcome
@@ -31,3 +34,13 @@ def write_report_folder(
     )
     for kind, path in sorted(dict(paths).items()):
         print(f"  {kind}: {path}")
+
+
+def option_values(args: argparse.Namespace, command: str) -> dict[str, Any] | None:
+    """The option table's values of a subcommand's flags (relative paths against the cwd);
+    None after saying on stderr which one is out of range (the caller exits EXIT_USAGE)."""
+    try:
+        return values_from_args(args, cwd=Path.cwd())
+    except OptionError as exc:
+        print(f"convergence {command}: {exc}", file=sys.stderr)
+        return None

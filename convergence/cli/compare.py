@@ -14,19 +14,28 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from convergence.calibration.select import select_calibration
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, option_values
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.golden import export_golden
 from convergence.metrics.reader import describe_source, read_run
+from convergence.options import (
+    CLI_WORKDIR,
+    OPTIONS,
+    add_arguments,
+)
 from convergence.regimes import REGISTRY, get_regime
 from convergence.report.formats.failure_text import render_outcome
+from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import METHODS, METRICS, ComparisonRule, Method, PairSpec
-from convergence.stats.provenance import golden_provenance, read_run_meta, with_golden_note
-from convergence.stats.registry import compare_all
+from convergence.stats.provenance import golden_provenance, read_run_meta
+from convergence.stats.types import MetricVerdict
 
-EXIT_OK, EXIT_FAILED = 0, 1
+#: Session options ``compare`` takes: the workdir, where this stack's calibration is found.
+COMPARE_OPTIONS = ("workdir",)
 
 #: The metrics that gate by default (from the rules, so the help cannot drift from them).
 GATING = ", ".join(r.metric for r in REGISTRY.default_rules("paired") if r.gate)
@@ -81,6 +90,8 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         help="comparison method for the gating metrics "
         "(default: the regime's: paired, twin or seed)",
     )
+    # The calibration is this stack's under the workdir, as for pytest and `convergence run`.
+    add_arguments(compare, skip=[opt.name for opt in OPTIONS if opt.name not in COMPARE_OPTIONS])
     compare.set_defaults(func=cmd_compare)
 
 
@@ -98,22 +109,24 @@ def compare_rules(
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-
+    values = option_values(args, "compare")
+    if values is None:
+        return EXIT_USAGE
     paths = [Path(args.a), *map(Path, args.replicate)]
     controls = [read_run(p) for p in paths]
     test = read_run(Path(args.b))
-    # Without --regime: other runs given are seed replicates (the band of A + these).
-    regime = args.regime or ("seed" if args.replicate else "paired")
+    regime = args.regime or REGISTRY.default_for_runs(len(controls))
     get_regime(regime).check_control_runs(len(controls))
     rules = compare_rules(args.metric, args.method, regime)
     _check_requested(args.metric or [], paths, controls, Path(args.b), test)
-    verdicts = compare_all(rules, controls, test)
-    if describe_source(Path(args.a)) == "golden":
-        verdicts = with_golden_note(Path(args.a), verdicts, read_run_meta(Path(args.b)))
-    passed = all(v.passed for v in verdicts if v.gate)
-    outcome = _outcome(paths, controls, Path(args.b), test, rules, regime, verdicts, passed)
+    pair = _pair(paths, Path(args.b), rules, regime, replicates=len(controls))
+    calibration = select_calibration((values["workdir"] or CLI_WORKDIR).resolve())
+    verdicts = judge(
+        pair, controls, test, calibration, test_meta=read_run_meta(Path(args.b))
+    ).verdicts
+    outcome = _outcome(pair, paths, controls, Path(args.b), test, verdicts)
     print(render_outcome(outcome, show_layouts=False))
-    return EXIT_OK if passed else EXIT_FAILED
+    return EXIT_OK if outcome.status == "passed" else EXIT_FAILED
 
 
 def _check_requested(
@@ -147,16 +160,16 @@ def _labels(control: Path, test: Path) -> tuple[str, str]:
     return control.name, test.name
 
 
-def _outcome(
+def _pair(
     paths: Sequence[Path],
-    controls: Sequence[RunMetrics],
     test_path: Path,
-    test: RunMetrics,
     rules: tuple[ComparisonRule, ...],
     regime: str,
-    verdicts: Sequence[object],
-    passed: bool,
-) -> PairOutcome:
+    *,
+    replicates: int,
+) -> PairSpec:
+    """The pair the two runs stand for: named by the paths, judged by ``rules``; a golden file
+    as the control is the pair's golden (its provenance note)."""
     control_label, test_label = _labels(paths[0], test_path)
 
     def job(path: Path, label: str) -> JobSpec:
@@ -164,31 +177,42 @@ def _outcome(
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", label) or "run"
         return JobSpec(name=name, train_config=path, source=str(path))
 
-    control_job, test_job = job(paths[0], control_label), job(test_path, test_label)
-    pair = PairSpec(
+    return PairSpec(
         pair_id=f"compare {test_label} vs {control_label}",
-        control=control_job,
-        test=test_job,
+        control=job(paths[0], control_label),
+        test=job(test_path, test_label),
         rules=rules,
         regime=regime,
-        replicates=max(2, len(controls)),
+        replicates=max(2, replicates),
         early_stop=False,
+        golden=str(paths[0]) if describe_source(paths[0]) == "golden" else None,
     )
+
+
+def _outcome(
+    pair: PairSpec,
+    paths: Sequence[Path],
+    controls: Sequence[RunMetrics],
+    test_path: Path,
+    test: RunMetrics,
+    verdicts: tuple[MetricVerdict, ...],
+) -> PairOutcome:
     # As the Runner keeps them: what the regime keeps (the seed band's replicates, the twin).
-    kept = get_regime(regime).control_curves(controls)
+    kept = get_regime(pair.regime).control_curves(controls)
     control = SideOutcome(
-        job=control_job,
+        job=pair.control,
         metrics=controls[0],
         run_dir=paths[0],
         replicates=kept.replicates,
         twin=kept.twin,
     )
+    passed = all(v.passed for v in verdicts if v.gate)
     return PairOutcome(
         pair=pair,
         status="passed" if passed else "failed",
         control=control,
-        test=SideOutcome(job=test_job, metrics=test, run_dir=test_path),
-        verdicts=tuple(verdicts),  # type: ignore[arg-type]
+        test=SideOutcome(job=pair.test, metrics=test, run_dir=test_path),
+        verdicts=verdicts,
     )
 
 

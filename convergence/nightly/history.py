@@ -346,12 +346,6 @@ class History:
             seen.setdefault(str(r["night"]), None)
         return list(seen)
 
-    def by_pair(self) -> dict[str, list[dict[str, Any]]]:
-        out: dict[str, list[dict[str, Any]]] = {}
-        for r in self.records:
-            out.setdefault(str(r["pair"]), []).append(r)
-        return out
-
     def entries(self) -> tuple[NightRecord, ...]:
         """The records parsed, whatever their version."""
         return tuple(NightRecord.from_json(r) for r in self.records)

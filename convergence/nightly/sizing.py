@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from convergence.backends import get_backend
-from convergence.regimes import REGISTRY, get_regime
+from convergence.preflight import REGIMES
+from convergence.regimes import get_regime
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import TIERS, load_experiment
 
@@ -51,7 +52,7 @@ def largest_job(
     best: LargestJob | None = None
     for file in _experiment_files(paths):
         try:
-            experiment = load_experiment(file, rootdir=rootdir, regimes=REGISTRY)
+            experiment = load_experiment(file, rootdir=rootdir, regimes=REGIMES)
         except SpecError:
             continue  # pytest reports it at collection
         for pair in experiment.pairs:

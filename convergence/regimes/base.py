@@ -84,6 +84,12 @@ class Regime(Protocol):
         ...
 
     @property
+    def band_of_replicates(self) -> bool:
+        """Whether its method's verdicts hold the test to a band of control replicates
+        (reports draw it centred on their mean, with the replicates' count)."""
+        ...
+
+    @property
     def probe_on_failure(self) -> bool:
         """Whether a failed pair is localised by the numerics probe: both sides must start
         from one seed checkpoint and read the same samples for a per-module comparison to
@@ -94,8 +100,10 @@ class Regime(Protocol):
         """The rules of a pair whose experiment names none (``compare`` overrides them)."""
         ...
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
-        """Whether this regime is the default for these jobs (asked in registry order)."""
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
+        """Whether this regime is the default for these jobs (asked in registry order);
+        ``twins``: both sides' backends derive noise twins for the usual controls
+        (convergence.backends.Capabilities.twins_by_default)."""
         ...
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:

@@ -58,13 +58,14 @@ def check_same_seed(pair: PairSpec, *, key: str) -> None:
 class PairedRegime:
     name: str = "paired"
     method: Method = "paired"
+    band_of_replicates: bool = False
     early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
     probe_on_failure: bool = True
 
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return gating_rules(self.method)
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         """The default only when both runs are deterministic fp32 (compute and reduction),
         uncompiled and share the seed, as the README promises."""
         return control.seed == test.seed and bitwise_pairable(control) and bitwise_pairable(test)

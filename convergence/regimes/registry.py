@@ -3,12 +3,13 @@
 A regime is added by writing its module (a class that satisfies
 :class:`convergence.regimes.base.Regime`) and one line: its instance in :data:`SHIPPED` below
 (or ``REGISTRY.register(...)`` from outside the package, as tests/test_regimes_extension.py
-does). Nothing else in the library names a regime.
+does). Outside this package the library asks the registry and the regimes (their
+attributes and methods), never tests a regime's name (tests/test_names_stay_home.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from convergence.regimes.base import Regime
@@ -57,10 +58,11 @@ class RegimeRegistry:
                 fix=f"use one of {', '.join(self._regimes)}",
             ) from None
 
-    def default_for(self, control: JobSpec, test: JobSpec) -> str:
-        """The first regime (in registration order) that claims the pair."""
+    def default_for(self, control: JobSpec, test: JobSpec, *, twins: bool = False) -> str:
+        """The first regime (in registration order) that claims the pair (``twins``: both
+        sides' backends derive twins by default; :meth:`seen_by` asks the backends)."""
         for regime in self._regimes.values():
-            if regime.claims(control, test):
+            if regime.claims(control, test, twins=twins):
                 return regime.name
         raise SpecError(
             "no regime applies to this pair",
@@ -70,6 +72,36 @@ class RegimeRegistry:
 
     def default_rules(self, name: str) -> tuple[ComparisonRule, ...]:
         return self.get(name).default_rules()
+
+    def seen_by(self, twins_by_default: Callable[[str], bool]) -> BackendAwareRegimes:
+        """This registry as the experiment parser sees it (spec.rules.RegimeTable), with
+        ``twins_by_default(backend name)`` answering for the pairs' default regime (the
+        caller, convergence.preflight, asks the backends: this package imports none)."""
+        return BackendAwareRegimes(self, twins_by_default)
+
+    def default_for_runs(self, count: int) -> str:
+        """``convergence compare`` without ``--regime``: paired for one control run; with
+        more (``--replicate``), the other runs are other seeds' controls: the seed band."""
+        return PAIRED.name if count <= 1 else SEED.name
+
+
+class BackendAwareRegimes:
+    """A :class:`RegimeRegistry` whose default regime asks the backends whether they derive
+    twins; satisfies ``convergence.spec.rules.RegimeTable``."""
+
+    def __init__(self, registry: RegimeRegistry, twins_by_default: Callable[[str], bool]):
+        self._registry = registry
+        self._twins_by_default = twins_by_default
+
+    def names(self) -> tuple[str, ...]:
+        return self._registry.names()
+
+    def default_for(self, control: JobSpec, test: JobSpec) -> str:
+        twins = all(self._twins_by_default(job.backend) for job in (control, test))
+        return self._registry.default_for(control, test, twins=twins)
+
+    def default_rules(self, name: str) -> tuple[ComparisonRule, ...]:
+        return self._registry.default_rules(name)
 
 
 REGISTRY = RegimeRegistry(SHIPPED)

@@ -27,13 +27,14 @@ from convergence.spec.pair import ComparisonRule, Method, PairSpec
 class SeedRegime:
     name: str = "seed"
     method: Method = "seed"
+    band_of_replicates: bool = True
     early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
     probe_on_failure: bool = False
 
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return gating_rules(self.method)
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         return True  # the fallback: asked last among the shipped regimes
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:

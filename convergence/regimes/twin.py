@@ -28,25 +28,22 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import ComparisonRule, Method, PairSpec
 
-#: Backends whose noise_twin derives a twin for the usual controls: where both sides use one of
-#: them (and the runs are not bitwise pairable), twin is the default regime; elsewhere the seed
-#: band is. A backend that implements ``noise_twin`` adds its name here to make twin its default.
-DEFAULT_FOR_BACKENDS: frozenset[str] = frozenset({"builtin", "torchtitan"})
-
 
 @dataclass(frozen=True)
 class TwinRegime:
     name: str = "twin"
     method: Method = "twin"
+    band_of_replicates: bool = False
     early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
     probe_on_failure: bool = True
 
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return gating_rules(self.method)
 
-    def claims(self, control: JobSpec, test: JobSpec) -> bool:
-        # Asked after paired: same seed checkpoint and data but not bitwise reproducible.
-        return control.seed == test.seed and {control.backend, test.backend} <= DEFAULT_FOR_BACKENDS
+    def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
+        # Asked after paired: same seed checkpoint and data but not bitwise reproducible, and
+        # both sides' backends derive twins (Capabilities.twins_by_default); else the seed band.
+        return control.seed == test.seed and twins
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
         check_same_seed(pair, key=key)

@@ -7,7 +7,7 @@
                       verdicts -> numerics probe on failure -> PairOutcome
     session.py        SessionRunner: the session's one Runner, built at its first pair
     outcome.py        PairOutcome / SideOutcome: all that reports read
-    floors.py         the floors note on every paired/twin verdict
+    judge.py          the one place a verdict is made (every front end calls judge())
     probe.py          failure localisation: probe jobs on both sides, on the job floor
     resume.py         a resuming test side: two jobs, one curve, on the job floor
     probe_compare.py  two probe.json files -> the first differing module / parameter

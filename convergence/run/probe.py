@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.backends.builtin import BuiltinBackend
+from convergence.backends import get_backend
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.regimes import get_regime
@@ -41,8 +41,9 @@ def wants_probe(pair: PairSpec, status: str) -> bool:
     """Probe a failed pair whose regime allows it (paired, twin; unless switched off), or any
     judged pair asked to. A seed-band pair has no common starting point to probe (other
     seeds, other weights)."""
-    if pair.control.backend != "builtin" or pair.test.backend != "builtin" or pair.golden:
-        return False  # only the built-in trainer has a probe mode
+    sides = (pair.control, pair.test)
+    if pair.golden or not all(get_backend(job.backend).capabilities.probe for job in sides):
+        return False  # a golden curve has no trainer; only some trainers have a probe mode
     if getattr(pair, "probe_always", False) and status in ("passed", "failed"):
         return True
     return status == "failed" and get_regime(pair.regime).probe_on_failure and pair.probe_on_failure
@@ -70,7 +71,7 @@ def run_probe_job(
     checkpoints); returns its probe.json (raises RuntimeError on failure)."""
     from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
 
-    backend = BuiltinBackend()
+    backend = runner.backend(job)  # one with a probe mode (wants_probe)
     seed_dir = runner.prepare(job).seed_dir
     dump = probe_dir / side / "dump"
     request = runner.launch_request(

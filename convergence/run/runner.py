@@ -26,16 +26,15 @@ from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
 from convergence.regimes import Regime, get_regime
-from convergence.run.floors import with_floors
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings, slug
+from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.run.resume import run_resumed
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import PairSpec
 from convergence.stats.health import control_problem
-from convergence.stats.provenance import with_golden_note
-from convergence.stats.registry import compare_all
+from convergence.stats.registry import get_comparison
 from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.types import MetricVerdict
 
@@ -48,7 +47,10 @@ def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
     rules = pair.rules
     if settings.alpha is not None:
         rules = tuple(
-            dataclasses.replace(r, alpha=settings.alpha) if r.method == "seed" else r for r in rules
+            dataclasses.replace(r, alpha=settings.alpha)
+            if get_comparison(r.method).takes_alpha
+            else r
+            for r in rules
         )
     return dataclasses.replace(
         pair,
@@ -66,9 +68,10 @@ class Runner(JobRunner):
 
     def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
         super().__init__(settings, launcher=launcher)
-        # The floors this session's verdicts use: the calibration for this stack, else the
-        # shipped defaults (convergence/calibration/select.py); every verdict names them.
-        self.floors = use(select_calibration(settings.work_dir))
+        # The calibration this session's verdicts use: the file for this stack, else the
+        # shipped defaults (convergence/calibration/select.py); every verdict names it. In
+        # force for the process too: the early-stop monitor's checks read it.
+        self.calibration = use(select_calibration(settings.work_dir))
 
     # -- pairs --------------------------------------------------------------------------
     def run_pair(
@@ -168,14 +171,10 @@ class Runner(JobRunner):
                 error=_os_error_text(exc, self.settings.work_dir),
                 wall_s=time.monotonic() - started,
             )
-        stopped = _stopped_at(test)
-        if stopped is not None:
-            # A test stopped early is judged on the steps it ran: the sequential monitor already
-            # saw a gating metric clearly outside; "incomplete" must not fail the others.
-            control_runs = [{m: c.upto(stopped) for m, c in run.items()} for run in control_runs]
-        verdicts = with_floors(compare_all(pair.rules, control_runs, test.metrics), self.floors)
-        if pair.golden:  # a golden recorded with another torch/GPU says so in the verdict
-            verdicts = with_golden_note(Path(pair.golden), verdicts, test.meta)
+        stopped = _stopped_at(test)  # a test stopped early is judged on the steps it ran
+        verdicts = judge(
+            pair, control_runs, test.metrics, self.calibration, test_meta=test.meta, upto=stopped
+        ).verdicts
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"

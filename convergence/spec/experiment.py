@@ -301,15 +301,7 @@ def _job(
     name: str | None, table: Mapping[str, Any], *, file: str, key: str, rootdir: Path
 ) -> JobSpec:
     """The JobSpec of one side; ``name`` None: the layout's short name (e.g. "fsdp2-tp2")."""
-    backend = str(table.get("backend", "builtin"))
-    if "train_config" not in table and backend != "torchtitan":
-        fix = (
-            'set train_config = "debug" (a shipped config) in [defaults]'
-            if backend == "builtin"
-            else "set train_config to your trainer's config file (hashed into the run-cache "
-            "key, so a changed config is never mistaken for a cached one)"
-        )
-        raise SpecError("no train_config", file=file, key=f"{key}.train_config", fix=fix)
+    backend = str(table.get("backend", JobSpec.backend))
     par = expect_table(table.get("parallelism", {}), file=file, key=f"{key}.parallelism")
     check_keys(par, LAYOUT_KEYS, file=file, path=f"{key}.parallelism")
     tech = expect_table(table.get("techniques", {}), file=file, key=f"{key}.techniques")
@@ -330,8 +322,8 @@ def _job(
         hook = table.get("hook")
         return JobSpec(
             name=name if name is not None else layout.short_name(),
-            # torchtitan names its config by module + config; a file is optional (hashed
-            # into the key when given): the backend's config_text covers the rest.
+            # A backend that needs a file says so at preflight (Capabilities.needs_train_config:
+            # torchtitan names its config by module + config, a file is optional there).
             train_config=(
                 _resolve_config(
                     table["train_config"],
@@ -618,7 +610,6 @@ def _with_resume(job: JobSpec, value: Any, *, file: str, key: str) -> JobSpec:
         value,
         layout=job.layout,
         techniques=job.techniques,
-        backend=job.backend,
         file=file,
         key=f"{key}.resume",
     )

@@ -61,21 +61,13 @@ class Resume:
 
 
 def parse_resume(
-    value: Any, *, layout: ParallelLayout, techniques: Techniques, backend: str, file: str, key: str
+    value: Any, *, layout: ParallelLayout, techniques: Techniques, file: str, key: str
 ) -> Resume:
     """The ``resume`` table of a test side (``key`` is its path, e.g. ``test[0].resume``):
     ``parallelism`` replaces the side's layout (a whole layout, as in ``parallelism``),
     ``techniques`` merge into the side's."""
     table = expect_table(value, file=file, key=key)
     check_keys(table, RESUME_KEYS, file=file, path=key)
-    if backend != "builtin":
-        raise SpecError(
-            f"resume is built-in only for now: the {backend!r} backend's own "
-            "checkpointing flags are not mapped yet",
-            file=file,
-            key=key,
-            fix='drop resume from this test, or use backend = "builtin"',
-        )
     if "at_step" not in table:
         raise SpecError(
             "resume has no at_step",

@@ -21,6 +21,8 @@ DEFAULT_ATOL = 1e-8
 class AllClose:
     method: Method = "allclose"
     all_controls = False
+    calibrated = False
+    takes_alpha = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         atol = DEFAULT_ATOL if rule.atol is None else rule.atol

@@ -20,6 +20,8 @@ from convergence.stats.types import Check, MetricVerdict
 class Exact:
     method: Method = "exact"
     all_controls = False
+    calibrated = False
+    takes_alpha = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         reference = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist(), strict=True))

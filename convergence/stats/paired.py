@@ -206,6 +206,8 @@ def _full_band(tol: Tolerance, control: Curve | None) -> Band | None:
 class PairedBand:
     method: Method = "paired"
     all_controls = False
+    calibrated = True  # its parameters come from the calibration in force (calibration/)
+    takes_alpha = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return point_check(controls[0], tolerance_at(paired_tolerance(rule)))

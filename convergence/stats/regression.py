@@ -36,6 +36,8 @@ def steady_median(curve: Curve) -> tuple[float, int]:
 class Regression:
     method: Method = "regression"
     all_controls = False
+    calibrated = False
+    takes_alpha = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return None  # judged on a median over the whole run: never stops a job

@@ -294,6 +294,8 @@ def longest_run(mask: npt.NDArray[np.bool_]) -> int:
 class SeedBand:
     method: Method = "seed"
     all_controls = True  # the K replicates
+    calibrated = False
+    takes_alpha = True  # the TOST on the final window
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         if len(controls) < 2:

@@ -174,6 +174,8 @@ def twin_tolerance(rule: ComparisonRule, control: Curve, twins: Sequence[Curve])
 class TwinEnvelope:
     method: Method = "twin"
     all_controls = True  # the control, then its noise twins
+    calibrated = True  # its parameters come from the calibration in force (calibration/)
+    takes_alpha = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         if len(controls) < 2:

@@ -108,6 +108,11 @@ class Comparison(Protocol):
     all_controls: bool
     """Whether ``compare`` is given every control curve (the seed band's replicates, the
     control and its twin) or only the control's."""
+    takes_alpha: bool
+    """Whether its rules' ``alpha`` (an equivalence test's level; ``--alpha``) applies."""
+    calibrated: bool
+    """Whether its parameters come from the calibration in force (calibration/select.py):
+    its verdicts then say which one (run/judge.py)."""
 
     def compare(
         self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve

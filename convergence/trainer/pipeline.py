@@ -103,11 +103,6 @@ def fsdp_per_block_ok(schedule_name: str) -> bool:
     return schedule_name not in ZERO_BUBBLE_SCHEDULES
 
 
-def is_multi_stage(schedule_name: str) -> bool:
-    """True for schedules that hold several stages per rank (interleaved, looped, V)."""
-    return schedule_name in pp_rules.MULTI_STAGE_SCHEDULES
-
-
 def resolve_stages_per_rank(schedule_name: str, configured: int | None) -> int:
     """parallelism.pp_stages_per_rank with unset (None or 0) resolved (1 single-stage, 2 multi-stage), checked."""
     problem = pp_rules.schedule_problem(schedule_name)

@@ -10,6 +10,7 @@ from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any
 
+from convergence.backends.base import Capabilities, CodeIdentity
 from convergence.backends.effective import once_per_job
 from convergence.backends.torchtitan.argv import (
     LAUNCH_MODULE,
@@ -58,6 +59,12 @@ def source_hash() -> str:
 
 class TorchtitanBackend:
     name = "torchtitan"
+    capabilities = Capabilities(twins_by_default=True, needs_train_config=False)
+
+    def code_identity(self, job: JobSpec) -> CodeIdentity:
+        # torchtitan's source hash is in the key (version()); a torchtitan checkout being
+        # bisected names it by its tree.
+        return CodeIdentity(keyed=True, packages=("torchtitan",))
 
     def version(self) -> str:
         """torchtitan's version and a hash of its Python sources where they are imported from

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from convergence.metrics.curve import Curve
+from convergence.regimes import REGISTRY
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.stats.regression import steady_median
 
@@ -48,12 +49,10 @@ def replicate_band(outcome: PairOutcome, metric: str) -> ControlBand | None:
     measures from exactly the band that decided, whatever the method computes it from.
     """
     verdict = outcome.verdict(metric)
-    if (
-        verdict is None
-        or verdict.method != "seed"
-        or verdict.band is None
-        or not verdict.band.steps
-    ):
+    if verdict is None or verdict.band is None or not verdict.band.steps:
+        return None
+    # Only a band of control replicates (the regimes say whose method draws one).
+    if not any(r.band_of_replicates and r.method == verdict.method for r in REGISTRY.all()):
         return None
     lower = np.asarray(verdict.band.lower, dtype=np.float64)
     upper = np.asarray(verdict.band.upper, dtype=np.float64)

@@ -16,10 +16,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TypedDict
 
+from convergence.backends import CodeIdentity, get_backend
 from convergence.regimes import REGISTRY
 from convergence.report.data.jsonable import NON_FINITE, jsonable
 from convergence.report.data.records import JsonFloat, PairRecord, pair_record, relative_plot
 from convergence.run.outcome import PAIR_STATUSES, PairOutcome
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
 from convergence.spec.layout import AXES
 
 REPORT_SCHEMA_VERSION = 1
@@ -343,28 +346,36 @@ def summarize(outcomes: Iterable[PairOutcome]) -> dict[str, int]:
 
 
 def cache_key_notes(outcomes: Iterable[PairOutcome]) -> dict[str, str]:
-    """``{"cache_key": ...}`` when a control of the ``command`` backend is keyed without its
-    trainer's sources (no ``backend_options.sources``): reused controls may then be stale."""
-    names = sorted(
-        {
-            o.pair.control.name
-            for o in outcomes
-            if o.pair.control.backend == "command"
-            and "sources" not in dict(o.pair.control.backend_options)
-        }
-    )
-    if not names:
+    """``{"cache_key": ...}`` when a control's run-cache key does not hold its trainer's code
+    (Backend.code_identity: a command trainer without ``backend_options.sources``): reused
+    controls may then be stale. One sentence per backend, in the backend's words."""
+    unkeyed: dict[str, tuple[set[str], str]] = {}
+    for o in outcomes:
+        job = o.pair.control
+        identity = _code_identity(job)
+        if identity is not None and not identity.keyed:
+            unkeyed.setdefault(job.backend, (set(), identity.note))[0].add(job.name)
+    if not unkeyed:
         return {}
     return {
-        "cache_key": f"command-backend controls {', '.join(names)} are keyed by their "
-        "command text only (list the trainer's files in "
-        "backend_options.sources to key their content)"
+        "cache_key": "; ".join(
+            f"{backend}-backend controls {', '.join(sorted(names))} are {note}"
+            for backend, (names, note) in unkeyed.items()
+        )
     }
+
+
+def _code_identity(job: JobSpec) -> CodeIdentity | None:
+    """None where the job's backend cannot be loaded here (a report of saved outcomes)."""
+    try:
+        return get_backend(job.backend).code_identity(job)
+    except SpecError:
+        return None
 
 
 def floor_notes(outcomes: Iterable[PairOutcome]) -> list[str]:
     """Whose noise floors the paired/twin verdicts used -- the calibration of this stack, or
-    the shipped CPU defaults and why (each verdict's ``details["floors"]``, run/floors.py):
+    the shipped CPU defaults and why (each verdict's ``details["floors"]``, run/judge.py):
     each distinct note once, in order. The terminal and the report both say it from here."""
     notes: dict[str, None] = {}
     for o in outcomes:
