@@ -239,7 +239,7 @@ def _merge(defaults: Mapping[str, Any], side: Mapping[str, Any]) -> dict[str, An
 
 
 def _resolve_config(
-    value: Any, *, file: str, key: str, rootdir: Path, backend: str = "builtin"
+    value: Any, *, file: str, key: str, rootdir: Path, backend: str = JobSpec.backend
 ) -> Path:
     """A shipped config by short name (``"debug"``), or a path: absolute, or relative to the
     experiment file's folder, then to each parent folder up to (and including) the rootdir."""
@@ -266,17 +266,17 @@ def _resolve_config(
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    if backend == "torchtitan":
-        # The shipped configs are the built-in trainer's; for torchtitan a file here only
-        # keys the run cache (its config is backend_options.module + config).
-        fix = (
-            f"name an existing file, e.g. this experiment itself (train_config = "
-            f'"{Path(file).name}"), or drop train_config: torchtitan\'s config is '
-            "backend_options.module + config"
-        )
-    else:
+    # The shipped configs are the default backend's (the built-in trainer's): another backend
+    # (torchtitan: backend_options.module + config) only keys the run cache with this file, so
+    # its fix names the experiment itself, never a shipped config.
+    if backend == JobSpec.backend:
         fix = "point it at an existing TOML, or name a shipped config: " + ", ".join(
             map(repr, shipped)
+        )
+    else:
+        fix = (
+            f"name an existing file, e.g. this experiment itself (train_config = "
+            f'"{Path(file).name}"), or drop train_config if the backend has its own config'
         )
     raise SpecError(
         f"train config {text!r} does not exist (looked in {', '.join(str(c) for c in candidates)})",
