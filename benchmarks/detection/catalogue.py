@@ -7,7 +7,7 @@ in the ``detection_bugs`` package (next to this file) and the metric(s) expected
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 PKG = "detection_bugs"
@@ -327,9 +327,38 @@ PRECISION: tuple[Case, ...] = (
 
 ALL: tuple[Case, ...] = BUGS + RESUME_BUGS + CORRECT + RESUME_CORRECT + PRECISION
 
+#: Late-onset bugs (issue 41): a catalogue bug switched on at step S of the test side
+#: (detection_bugs/late_onset.py). Not in ALL: they need a run longer than S (STEPS is 30).
+LATE_START = 50
+LATE_STEPS = 100
+
+
+def late_onset(start: int = LATE_START) -> tuple[Case, ...]:
+    """The CP-rope, row-wise all-reduce and data-loader bugs, each from step ``start``."""
+    bugs = {
+        "cp-rope-ignores-offset": "cp_rope_without_offset",
+        "tp-rowwise-not-reduced": "rowwise_output_not_reduced",
+        "dp-ranks-read-same-shard": "every_dp_rank_reads_rank0_shard",
+    }
+    cases = []
+    for name, function in bugs.items():
+        early = next(case for case in BUGS if case.name == name)
+        cases.append(
+            replace(
+                early,
+                name=f"{name}-from-{start}",
+                hook=f"{PKG}.late_onset:{function}_from_{start}",
+                note=f"{early.note}, from step {start}",
+            )
+        )
+    return tuple(cases)
+
+
+LATE_ONSET: tuple[Case, ...] = late_onset()
+
 
 def by_name(name: str) -> Case:
-    for case in ALL:
+    for case in (*ALL, *LATE_ONSET):
         if case.name == name:
             return case
     raise KeyError(f"no detection case {name!r}")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
-from catalogue import ALL, PRECISION, STEPS, Case
+from catalogue import ALL, LATE_ONSET, PRECISION, STEPS, Case
 from pairs import DEBUG_CONFIG, build_pairs
 
 from convergence.run.outcome import PairOutcome
@@ -251,9 +251,11 @@ def main() -> int:
         "section, detection-long-<precision>",
     )
     args = parser.parse_args()
+    # The late-onset bugs (issue 41) run only when named: they need --steps past their start.
+    named_late = [c for c in LATE_ONSET if args.only and c.name in args.only]
     cases = [
         c
-        for c in ALL
+        for c in (*ALL, *named_late)
         if (not args.only or c.name in args.only) and (args.kind is None or c.kind == args.kind)
     ]
     skipped: list[str] = []

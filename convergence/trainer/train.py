@@ -56,6 +56,7 @@ from convergence.trainer.optim import (
 )
 from convergence.trainer.parallelize import Meshes, build_meshes, parallelize_chunk
 from convergence.trainer.probe import run_probe
+from convergence.trainer.step_clock import set_step
 from convergence.trainer.validate import check_config, pp_microbatches, stages_per_rank
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -636,6 +637,7 @@ def train(cfg: TrainConfig) -> RunStatus:
         status = "finished"
         for step in range(first_step, (probe_at - 1 if probe_at else training.steps) + 1):
             step_start = time.perf_counter()
+            set_step(step)
             lr = lr_at(step + lr_offset, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -707,6 +709,7 @@ def train(cfg: TrainConfig) -> RunStatus:
             # then stop. Steps before it ran the loop above, so the probe sees exactly the
             # state this run had at this step (same data, LR, optimizer).
             step = probe_at
+            set_step(step)
 
             def probe_forward_backward() -> torch.Tensor:
                 # The loop's own data path (read_step + the token weight): the probe sees the

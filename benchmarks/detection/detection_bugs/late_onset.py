@@ -1,0 +1,114 @@
+"""Bugs that start late: the CP-rope, row-wise all-reduce and data-loader bugs, switched on at
+step S of the test side (issue 41).
+
+A bug that acts from step 1 is caught while the correct curves are still close; one that starts
+at step 300 of a 500-step run meets curves that have long since drifted apart by legitimate
+rounding. These stand for the real cases: a code path taken only after warm-up, a loader bug
+after the first epoch, a kernel that switches with the sequence-length schedule.
+
+The hook name carries S: ``late_onset:<bug>_from_<S>`` (e.g. ``cp_rope_without_offset_from_50``,
+any S), built by the module's ``__getattr__``. Up to step S-1 the hook is exactly a correct
+layout; from step S on (``convergence.trainer.step_clock.current_step()``, which the training
+loop sets, so a resumed or anchored job at step K+1 gets K+1) it is the bug of the same name in
+sequence_and_data.py / tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+from torch import nn
+from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+from convergence.trainer import data as trainer_data
+from convergence.trainer.hooks import HookContext
+from convergence.trainer.parallelize import tp_plan
+from convergence.trainer.step_clock import current_step
+
+Hook = Callable[[nn.Module, HookContext], None]
+
+
+def _cp_rope_without_offset(start: int) -> Hook:
+    def apply(model: nn.Module, ctx: HookContext) -> None:
+        """CP rotary offset dropped (sequence_and_data.cp_rope_without_offset) from step S."""
+        if ctx.config.parallelism.cp == 1:
+            return
+        right = model.position_offset  # r*L, set by the trainer before the hooks run
+
+        def before_forward(module: nn.Module, args: Any) -> None:
+            module.position_offset = 0 if current_step() >= start else right  # BUG from S
+
+        model.register_forward_pre_hook(before_forward)
+
+    return apply
+
+
+def _rowwise_output_not_reduced(start: int) -> Hook:
+    class RowwiseLosingItsReduce(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(
+            output_layouts: Any,
+            use_local_output: bool,
+            mod: nn.Module,
+            outputs: Any,
+            device_mesh: Any,
+        ) -> Any:
+            if current_step() >= start:
+                return outputs.to_local()  # BUG from S: the partial sums, never reduced
+            return RowwiseParallel._prepare_output_fn(
+                output_layouts, use_local_output, mod, outputs, device_mesh
+            )
+
+    def apply(model: nn.Module, ctx: HookContext) -> None:
+        """hook_mode = "replace_tp": layer 1's wo loses its all-reduce from step S
+        (tensor_parallel.rowwise_output_not_reduced)."""
+        if ctx.tp_mesh is None:
+            return
+        sp = ctx.config.parallelism.sequence_parallel
+        root, block_plan = tp_plan(model, sp)  # type: ignore[arg-type]
+        model.hidden_seq_shards = ctx.tp_mesh.size() if sp else 1  # type: ignore[assignment]
+        if root:
+            parallelize_module(model, ctx.tp_mesh, root)  # type: ignore[arg-type]
+        for name, block in model.layers.items():  # type: ignore[union-attr, operator]
+            plan = dict(block_plan)
+            if name == "1" and not sp:
+                plan["attention.wo"] = RowwiseLosingItsReduce()
+            parallelize_module(block, ctx.tp_mesh, plan)  # type: ignore[arg-type]
+
+    return apply
+
+
+_ORIGINAL_INDICES = trainer_data.BatchPlan.indices
+
+
+def _every_dp_rank_reads_rank0_shard(start: int) -> Hook:
+    def indices(self: trainer_data.BatchPlan, step: int, microstep: int) -> np.ndarray:
+        if current_step() >= start:  # BUG from S: every rank reads rank 0's samples
+            self = dataclasses.replace(self, dp_rank=0)
+        return _ORIGINAL_INDICES(self, step, microstep)
+
+    def apply(model: nn.Module, ctx: HookContext) -> None:
+        """Every DP rank reads rank 0's shard from step S (e.g. a sampler rebuilt at an epoch
+        boundary without the rank; sequence_and_data.every_dp_rank_reads_rank0_shard)."""
+        trainer_data.BatchPlan.indices = indices  # type: ignore[method-assign]
+
+    return apply
+
+
+_FACTORIES: dict[str, Callable[[int], Hook]] = {
+    "cp_rope_without_offset": _cp_rope_without_offset,
+    "rowwise_output_not_reduced": _rowwise_output_not_reduced,
+    "every_dp_rank_reads_rank0_shard": _every_dp_rank_reads_rank0_shard,
+}
+
+
+def __getattr__(name: str) -> Hook:
+    """``<bug>_from_<S>``: the bug switched on at step S (load_hook's getattr lands here)."""
+    bug, sep, start = name.rpartition("_from_")
+    if sep and bug in _FACTORIES and start.isdigit() and int(start) >= 1:
+        return _FACTORIES[bug](int(start))
+    raise AttributeError(
+        f"{__name__!r} has no {name!r}: write <bug>_from_<S>, <bug> one of {sorted(_FACTORIES)}"
+    )
