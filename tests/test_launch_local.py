@@ -326,7 +326,13 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
 
     def look_at_step_1(record: dict[str, float]) -> bool:
         if record.get("step") == 1:
-            for proc in psutil.Process().children(recursive=True):
+            # This job's torchrun tree only (a warm server of an earlier test is a child too).
+            agents = [
+                p
+                for p in psutil.Process().children()
+                if "loopback_torchrun" in " ".join(p.cmdline())
+            ]
+            for proc in [q for a in agents for q in (a, *a.children(recursive=True))]:
                 try:
                     conns = proc.net_connections(kind="inet")
                     environ = proc.environ()
