@@ -290,6 +290,7 @@ class LocalLauncher:
             status, returncode, failure = self._supervise(proc, tracker, watch)
         except BaseException:
             # KeyboardInterrupt or a raising callback: end the tree, then let it propagate.
+            tracker.poll()  # every rank in pids.json, even one born after the last scan
             kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
             if proc.returncode is None:
                 proc.returncode = _root_returncode(proc, kill.root_returncode)
@@ -387,6 +388,7 @@ class LocalLauncher:
                 assert verdict is not None
                 if verdict.status == "hung":  # name the rank while it can still be asked
                     verdict = self.name_hung_rank(verdict, tracker, watch.request)
+                tracker.poll()  # every rank in pids.json, even one born after the last scan
                 kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
                 # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
                 # wait again (it would read the status as 0) or warn that it is still running.
