@@ -246,7 +246,11 @@ def main() -> None:
             server_start = launchers["warm"].warm_up()
         for r in range(args.rounds):
             for start in starts:
-                res = run_one(launchers[start], work, f"{start}-{r}", seed, args)
+                try:
+                    res = run_one(launchers[start], work, f"{start}-{r}", seed, args)
+                except SystemExit as exc:  # one way failing must not lose the others' rows
+                    print(f"round {r} {start}: FAILED: {exc}")
+                    continue
                 results[start].append(res)
                 print(
                     f"round {r} {start}: {res['total'][0]:.2f} s wall, {res['total'][1]:.2f} s CPU"

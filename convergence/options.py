@@ -102,9 +102,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         name="launcher",
-        help="how jobs are started: local torchrun or srun+torchrun",
+        help="how jobs are started: local (ranks forked from a warm per-session server), "
+        "torchrun (a local torchrun per job) or slurm (srun+torchrun)",
         kind="choice",
-        choices=("local", "slurm"),
+        choices=("local", "torchrun", "slurm"),
         default="local",
         setting="launcher",
     ),

@@ -306,7 +306,9 @@ def test_stopped_agent_after_the_last_step_keeps_the_run(tmp_path: Path) -> None
                     child.send_signal(signal.SIGSTOP)
         return False
 
-    result = LocalLauncher(kill_grace_s=2.0).launch(req, on_metrics=stop_agent_at_last_step)
+    # torchrun's agent, found by its command line (a warm agent is the fork server's child).
+    launcher = LocalLauncher(start="torchrun", kill_grace_s=2.0)
+    result = launcher.launch(req, on_metrics=stop_agent_at_last_step)
     assert result.status == "ok", result
     assert result.last_step == 3
     assert result.failure is not None and "logged all 3 steps" in result.failure.message
@@ -324,7 +326,13 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
 
     def look_at_step_1(record: dict[str, float]) -> bool:
         if record.get("step") == 1:
-            for proc in psutil.Process().children(recursive=True):
+            # This job's torchrun tree only (a warm server of an earlier test is a child too).
+            agents = [
+                p
+                for p in psutil.Process().children()
+                if "loopback_torchrun" in " ".join(p.cmdline())
+            ]
+            for proc in [q for a in agents for q in (a, *a.children(recursive=True))]:
                 try:
                     conns = proc.net_connections(kind="inet")
                     environ = proc.environ()
@@ -338,12 +346,36 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
                 )
         return False
 
-    result = LocalLauncher().launch(req, on_metrics=look_at_step_1)
+    # torchrun's two stores; a warm rank's /proc environ is its server's (test below).
+    result = LocalLauncher(start="torchrun").launch(req, on_metrics=look_at_step_1)
     assert result.status == "ok", result
     assert len(listening) >= 2, listening  # the agent hosts two stores
     assert {ip for _, ip in listening} <= {"127.0.0.1", "::1"}, listening
     # gloo's and NCCL's own sockets follow these, whatever the hostname resolves to.
     assert ifnames and set(ifnames) == {(loopback_interface(), loopback_interface())}, ifnames
+
+
+def test_a_warm_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    """The warm agent's store and the forked ranks' own sockets: loopback only, read from the
+    kernel while the job trains."""
+    import psutil
+
+    req = make_request(tmp_path, "ok", steps=3)
+    listening: list[str] = []
+
+    def look_at_step_1(record: dict[str, float]) -> bool:
+        if record.get("step") == 1:
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    conns = proc.net_connections(kind="inet")
+                except psutil.Error:
+                    continue
+                listening.extend(c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN)
+        return False
+
+    result = LocalLauncher(start="warm").launch(req, on_metrics=look_at_step_1)
+    assert result.status == "ok", result
+    assert listening and set(listening) <= {"127.0.0.1", "::1"}, listening
 
 
 def test_a_named_socket_interface_is_kept(tmp_path: Path) -> None:

@@ -72,7 +72,10 @@ def _output(project: Path) -> str:
 
 def _job_processes(proc: subprocess.Popen[str]) -> list[psutil.Process]:
     children = psutil.Process(proc.pid).children(recursive=True)
-    assert any("torch" in " ".join(p.cmdline()) for p in children), children
+    # torchrun's processes, or the warm start's (forked from convergence.launch.forkserver)
+    assert any(
+        "torch" in " ".join(p.cmdline()) or "forkserver" in " ".join(p.cmdline()) for p in children
+    ), children
     return children
 
 

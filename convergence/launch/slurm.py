@@ -64,6 +64,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
@@ -235,9 +236,9 @@ class SlurmLauncher(LocalLauncher):
         squeue: str = "squeue",
         scancel: str = "scancel",
         python: str = sys.executable,
-        **local_options: float,
+        **local_options: Any,
     ) -> None:
-        super().__init__(python=python, **local_options)
+        super().__init__(python=python, start="torchrun", **local_options)
         env = dict(os.environ if environ is None else environ)
         self.allocation = Allocation.from_env(env, scontrol=scontrol)
         self.srun, self.squeue, self.scancel = srun, squeue, scancel

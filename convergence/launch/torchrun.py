@@ -17,6 +17,7 @@ to the first non-loopback interface).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -37,9 +38,10 @@ from convergence.launch.failure import (
     note_teardown_abort,
 )
 from convergence.launch.forkserver import (
+    RANKS_FILE,
     ForkServer,
+    ForkServerError,
     WarmJob,
-    WarmJobSpec,
     close_servers,
     server_for,
     warm_entry_problem,
@@ -54,6 +56,7 @@ from convergence.launch.types import (
     OnProgress,
     Progress,
 )
+from convergence.launch.warm_agent import WarmJobSpec
 from convergence.launch.watch import JobWatch, Verdict
 from convergence.process_lifetime import child_dies_with_us
 
@@ -156,7 +159,13 @@ def job_env(request: LaunchRequest, base: Mapping[str, str] | None = None) -> di
 
 
 def _write_pids(log_dir: Path, agent_pid: int, tracker: DescendantTracker) -> None:
-    data = {"agent": agent_pid, "descendants": sorted(tracker.pids)}
+    # A warm job's ranks as its agent listed them: a short job may end between two scans.
+    # (Not signalled from here: they die with their agent, by parent-death SIGKILL.)
+    try:
+        listed = json.loads((log_dir / RANKS_DIR / RANKS_FILE).read_text())
+    except (OSError, ValueError):
+        listed = {}
+    data = {"agent": agent_pid, "descendants": sorted(tracker.pids | {int(p) for p in listed})}
     (log_dir / PIDS_FILE).write_text(json.dumps(data))
 
 
@@ -184,7 +193,7 @@ class LocalLauncher:
     def __init__(
         self,
         *,
-        start: str = "torchrun",
+        start: str = "warm",
         python: str = sys.executable,
         poll_interval_s: float = 0.02,
         stop_grace_s: float = 30.0,
@@ -248,7 +257,15 @@ class LocalLauncher:
                     preexec_fn=child_dies_with_us(signal.SIGTERM),
                 )
         if warm:
-            proc = self._start_warm(request)
+            try:
+                proc = self._start_warm(request)
+            except ForkServerError as exc:
+                # A job must not fail because its start-up could not be shortened: say so in
+                # its log and start it the torchrun way.
+                note_in_launcher_log(request.log_dir, f"{exc}; starting with torchrun instead")
+                return LocalLauncher.launch(
+                    self._torchrun_twin(), request, on_metrics=on_metrics, on_progress=on_progress
+                )
         tracker = DescendantTracker(proc.pid)
         if on_progress is not None:  # the start-up is silent for seconds
             what = "1 process" if request.direct else f"{request.nproc} ranks"
@@ -273,6 +290,7 @@ class LocalLauncher:
             status, returncode, failure = self._supervise(proc, tracker, watch)
         except BaseException:
             # KeyboardInterrupt or a raising callback: end the tree, then let it propagate.
+            tracker.poll()  # every rank in pids.json, even one born after the last scan
             kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
             if proc.returncode is None:
                 proc.returncode = _root_returncode(proc, kill.root_returncode)
@@ -328,6 +346,12 @@ class LocalLauncher:
         )
         return self._server(request).start_job(spec)
 
+    def _torchrun_twin(self) -> LocalLauncher:
+        """This launcher with the torchrun start (the fallback when a warm start fails)."""
+        twin = copy.copy(self)
+        twin.start = "torchrun"
+        return twin
+
     def warm_up(self, request: LaunchRequest | None = None) -> tuple[float, float]:
         """Start the fork server now (a session's first warm job would); returns its start's
         wall and CPU seconds (0, 0 when one was already running)."""
@@ -364,13 +388,14 @@ class LocalLauncher:
                 assert verdict is not None
                 if verdict.status == "hung":  # name the rank while it can still be asked
                     verdict = self.name_hung_rank(verdict, tracker, watch.request)
+                tracker.poll()  # every rank in pids.json, even one born after the last scan
                 kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
                 # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
                 # wait again (it would read the status as 0) or warn that it is still running.
                 proc.returncode = _root_returncode(proc, kill.root_returncode)
                 if verdict.status == "ok" and verdict.failure is not None:  # ended, run kept
                     note_in_launcher_log(watch.request.log_dir, verdict.failure.message)
-                return verdict.status, kill.root_returncode, verdict.failure
+                return verdict.status, proc.returncode, verdict.failure
             time.sleep(self.poll_interval_s)
         return self._exited(proc, watch, verdict)
 

@@ -168,7 +168,11 @@ def run_agent(spec: WarmJobSpec, *, server_pid: int) -> int:
     (ranks_dir / "warm_ranks.json").write_text(
         json.dumps({str(pid): {"rank": r, "local_rank": r} for pid, r in ranks.items()})
     )
-    print(f"# warm start: {spec.nproc} ranks forked, pids {sorted(ranks)}", flush=True)
+    print(
+        f"# warm agent: {spec.nproc} ranks forked, pids {sorted(ranks)}; their store on "
+        f"127.0.0.1:{port} (bound to port 0: the OS picked it)",
+        flush=True,
+    )
     store = _host_store(sock, port)
     code = _wait_ranks(spec, ranks)
     del store

@@ -496,8 +496,12 @@ def _hook_source_hash(hook: str | None) -> str | None:
 def _make_launcher(name: str) -> Launcher:
     if name == "local":
         return LocalLauncher()
+    if name == "torchrun":
+        return LocalLauncher(start="torchrun")
     if name == "slurm":
         return SlurmLauncher()
     raise SpecError(
-        f"unknown launcher {name!r}", key="--convergence-launcher", fix="use local or slurm"
+        f"unknown launcher {name!r}",
+        key="--convergence-launcher",
+        fix="use local, torchrun or slurm",
     )
