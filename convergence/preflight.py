@@ -273,4 +273,3 @@ def validate_devices(
         test=placement.apply(pair.test),
         placement=placement.text,
     )
-

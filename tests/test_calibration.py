@@ -232,7 +232,9 @@ def test_a_calibration_of_another_stack_is_not_used_and_every_report_says_so(
         == (PAIRED_DEFAULTS["loss"])
     )
     outcome = passing_pair()
-    outcome = dataclasses.replace(outcome, verdicts=with_calibration_note(outcome.verdicts, selection))
+    outcome = dataclasses.replace(
+        outcome, verdicts=with_calibration_note(outcome.verdicts, selection)
+    )
     loss = outcome.verdict("loss")
     assert loss is not None and loss.tolerance.endswith("[floors: shipped CPU defaults]")
     assert loss.details["floors"]["source"] == "defaults"
