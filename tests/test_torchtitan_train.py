@@ -107,3 +107,14 @@ def test_planted_bug_through_a_torchtitan_hook_fails(
     assert re.search(r"grad_norm\s+paired\s+FAIL\s+first divergent step 1", out), out
     assert re.search(r"data_fingerprint\s+exact\s+pass", out), out
     assert len(lines) >= 6  # 3 steps of each job
+    # The launcher's step log: the float64 norms that are judged, each part by the report's
+    # name, and torchtitan's own float32 norm beside them.
+    logs = sorted((work / "runs").rglob("control-*/dump/convergence_steps.jsonl"))
+    assert logs, "the control wrote no step log"
+    import json
+
+    first = json.loads(logs[0].read_text().splitlines()[0])
+    assert {"grad_norm", "grad_norm_parts", "torchtitan_grad_norm"} <= set(first)
+    assert {"grad_norm/tok_embeddings", "grad_norm/feed_forward.w2"} <= set(first)
+    assert first["grad_norm"] != first["torchtitan_grad_norm"]  # float64 vs torchtitan's float32
+    assert abs(first["grad_norm"] / first["torchtitan_grad_norm"] - 1) < 1e-3
