@@ -24,7 +24,12 @@ from convergence.backends.torchtitan.argv import (
     module_and_config,
     seed_args,
 )
-from convergence.backends.torchtitan.assets import ASSETS_VERSION, assets_root, ensure_assets
+from convergence.backends.torchtitan.assets import (
+    ASSETS_VERSION,
+    assets_root,
+    ensure_assets,
+    entropy_floor,
+)
 from convergence.backends.torchtitan.config_parser import ParseError, blame, parse
 from convergence.backends.torchtitan.degrees import check_degrees
 from convergence.backends.torchtitan.patches import unsupported_releases
@@ -281,7 +286,9 @@ class TorchtitanBackend:
         return metrics
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
-        return {}
+        if "dataset_path" in backend_options(job):  # the user's data: its floor is unknown
+            return {}
+        return {"entropy_floor": entropy_floor()}  # the generated corpus (assets.py)
 
 
 def _one_process(job: JobSpec) -> JobSpec:
