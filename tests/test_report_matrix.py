@@ -107,3 +107,22 @@ def test_junit_properties() -> None:
     assert err["convergence.error"].startswith("test job 'fsdp2-cp2'")
     assert err["convergence.control_cached"] == "true"
     assert "convergence.test_wall_s" not in err
+
+
+def test_a_fingerprint_failure_counts_steps_not_a_deviation() -> None:
+    from convergence.report.formats.failure_text import _verdict_line
+    from convergence.stats.types import MetricVerdict
+
+    line = _verdict_line(
+        MetricVerdict(
+            metric="data_fingerprint",
+            method="exact",
+            passed=False,
+            gate=True,
+            steps_compared=6,
+            first_divergent_step=1,
+            tolerance="equal",
+            max_deviation=6.0,
+        )
+    )
+    assert "6 steps differ" in line and "max |Δ|" not in line
