@@ -26,6 +26,7 @@ from typing import Any
 
 from convergence.backends.torchtitan.argv import TB_TAGS
 from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
+from convergence.trainer.optim import grad_norms, parameter_part, parts_geomean
 
 
 class StepLog:
@@ -45,8 +46,6 @@ class StepLog:
         """Before torchtitan clips optimizer step ``step``: its fingerprint and gradient norms."""
         import torch
         import torch.distributed as dist
-
-        from convergence.trainer.optim import grad_norms, parts_geomean
 
         digest = torch.tensor([self.digest % 2**FINGERPRINT_BITS], dtype=torch.int64)
         self.digest = 0
@@ -89,8 +88,6 @@ def model_parts(named: list[tuple[str, Any]], pp_group: Any) -> tuple[str, ...]:
     """Every part of the whole model, the same ordered tuple on every rank (with PP each stage
     holds some layers: the stages' parts are gathered once)."""
     import torch.distributed as dist
-
-    from convergence.trainer.optim import parameter_part
 
     local = {parameter_part(name) for name, _ in named}
     if pp_group is None:
