@@ -16,7 +16,7 @@ def test_rows_hold_the_columns() -> None:
     assert tp["verdict"] == "PASS" and tp["tps"] == "0.93x" and tp["cache"] == "ctrl cached"
     assert tp["dloss"] == "2.5e-07" and tp["techniques"] == "-"
     pp = rows["fsdp2-pp2"]
-    assert pp["verdict"] == "FAIL" and pp["pp"] == "2" and pp["dloss"] == "0.048"
+    assert pp["verdict"] == "FAIL loss+1" and pp["pp"] == "2" and pp["dloss"] == "0.048"
     assert pp["cache"] == "-" and pp["wall"] == "16.0s"
     cp = rows["fsdp2-cp2"]
     assert cp["verdict"] == "ERROR" and cp["dloss"] == "-" and cp["tps"] == "-"
@@ -69,6 +69,20 @@ def test_long_names_are_cut_to_the_width() -> None:
         assert "…" in lines[2]
 
 
+def test_the_failing_metric_is_named_and_memory_without_a_device_reading_is_a_dash() -> None:
+    failed = dataclasses.replace(
+        failing_pair(),
+        verdicts=tuple(v for v in failing_pair().verdicts if v.metric != "loss"),
+    )
+    row = matrix_rows([failed])[0]
+    assert row["verdict"].startswith("FAIL grad_norm"), row
+    from convergence.report.formats.terminal import _memory_ratio
+
+    assert matrix_rows([passing_pair()])[0]["mem"] == "0.59x"  # a device that reports memory
+    assert _memory_ratio({"control": -9.5e-07, "test": -9.5e-07, "ratio": 1.0}) == "-"  # CPU
+    assert _memory_ratio({"control": 0.0, "test": 0.0, "ratio": None}) == "-"
+
+
 def test_stopped_early_is_marked() -> None:
     o = dataclasses.replace(passing_pair(), stopped_early_at=25)
     text = render_matrix([o])
@@ -93,3 +107,22 @@ def test_junit_properties() -> None:
     assert err["convergence.error"].startswith("test job 'fsdp2-cp2'")
     assert err["convergence.control_cached"] == "true"
     assert "convergence.test_wall_s" not in err
+
+
+def test_a_fingerprint_failure_counts_steps_not_a_deviation() -> None:
+    from convergence.report.formats.failure_text import _verdict_line
+    from convergence.stats.types import MetricVerdict
+
+    line = _verdict_line(
+        MetricVerdict(
+            metric="data_fingerprint",
+            method="exact",
+            passed=False,
+            gate=True,
+            steps_compared=6,
+            first_divergent_step=1,
+            tolerance="equal",
+            max_deviation=6.0,
+        )
+    )
+    assert "6 steps differ" in line and "max |Δ|" not in line

@@ -24,7 +24,6 @@ from torch.nn.attention.flex_attention import (
 
 from convergence.backends.torchtitan.launch import split_argv
 from convergence.backends.torchtitan.patches import eager_flex_attention, patch_pipeline_step
-from convergence.backends.torchtitan.step_log import part_of
 
 
 def test_our_options_are_removed_before_torchtitan_parses() -> None:
@@ -43,14 +42,6 @@ def test_our_options_are_removed_before_torchtitan_parses() -> None:
     assert options.hook_mode == "after"
     with pytest.raises(SystemExit, match="unknown option"):
         split_argv(["--convergence.hokk=x"])
-
-
-def test_parts_are_kinds_of_weights() -> None:
-    assert part_of("layers.0.attention.wq.weight") == "wq.weight"
-    assert part_of("layers.5._checkpoint_wrapped_module.attention.wq.weight") == "wq.weight"
-    assert part_of("layers.1.feed_forward.w2.weight") == "w2.weight"
-    assert part_of("tok_embeddings.weight") == "tok_embeddings.weight"
-    assert part_of("norm.weight") == "norm.weight"
 
 
 def test_eager_attention_equals_flex_with_a_document_mask() -> None:

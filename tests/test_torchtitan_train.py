@@ -107,3 +107,64 @@ def test_planted_bug_through_a_torchtitan_hook_fails(
     assert re.search(r"grad_norm\s+paired\s+FAIL\s+first divergent step 1", out), out
     assert re.search(r"data_fingerprint\s+exact\s+pass", out), out
     assert len(lines) >= 6  # 3 steps of each job
+    # The launcher's step log: the float64 norms that are judged, each part by the report's
+    # name, and torchtitan's own float32 norm beside them.
+    logs = sorted((work / "runs").rglob("control-*/dump/convergence_steps.jsonl"))
+    assert logs, "the control wrote no step log"
+    import json
+
+    first = json.loads(logs[0].read_text().splitlines()[0])
+    assert {"grad_norm", "grad_norm_parts", "torchtitan_grad_norm"} <= set(first)
+    assert {"grad_norm/tok_embeddings", "grad_norm/feed_forward.w2"} <= set(first)
+    assert first["grad_norm"] != first["torchtitan_grad_norm"]  # float64 vs torchtitan's float32
+    assert abs(first["grad_norm"] / first["torchtitan_grad_norm"] - 1) < 1e-3
+
+
+def _health_experiment(name: str, steps: int, lr: float | None) -> dict[str, object]:
+    overrides: dict[str, object] = {
+        "training.seq_len": 64,
+        "lr_scheduler.warmup_steps": 2,
+        "validator.enable": False,
+    }
+    if lr is not None:
+        overrides["optimizer.param_groups.0.optimizer_kwargs.lr"] = lr
+    return experiment_doc(
+        experiment={"description": f"torchtitan control health: {name}"},
+        defaults={
+            "backend": "torchtitan",
+            "train_config": f"{name}.toml",
+            "backend_options": {"module": "llama3", "config": "llama3_debugmodel"},
+            "steps": steps,
+            "seed": 42,
+            "local_batch_size": 2,
+            "overrides": overrides,
+        },
+        control={"name": "fsdp1", "parallelism": {"dp_shard": 1}},
+        tests=[{"name": f"{name}-test", "parallelism": {"dp_shard": 1}}],
+    )
+
+
+def test_control_health_fits_torchtitan_learning_and_flat(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The generated corpus's entropy floor is the reference: a 30-step debug-model control
+    learns enough (it closes ~7% of its gap to the floor), a control with lr = 0 is an error."""
+    monkeypatch.setenv("COLUMNS", "200")
+    pytester.makeini("[pytest]\n")
+    write_toml(
+        pytester.path / "experiments" / "learns.toml", _health_experiment("learns", 30, None)
+    )
+    write_toml(pytester.path / "experiments" / "flat.toml", _health_experiment("flat", 20, 0.0))
+    result = pytester.runpytest_subprocess(
+        "-m",
+        "convergence",
+        "-p",
+        "no:cacheprovider",
+        f"--convergence-workdir={pytester.path / 'work'}",
+        "experiments",
+        timeout=900,
+    )
+    out = result.stdout.str()
+    result.assert_outcomes(passed=1, failed=1)  # an erroring pair is a failed pytest item
+    assert "learns-test" in out and re.search(r"learns-test\s.*PASS", out), out
+    assert "the control did not learn" in out and "entropy floor" in out, out

@@ -17,6 +17,7 @@ from convergence.backends.torchtitan.argv import (
     OPTION_KEYS,
     PLACEHOLDER_DIR,
     STEP_LOG,
+    TB_TAGS,
     backend_options,
     build_argv,
     launch_options,
@@ -24,7 +25,12 @@ from convergence.backends.torchtitan.argv import (
     module_and_config,
     seed_args,
 )
-from convergence.backends.torchtitan.assets import ASSETS_VERSION, assets_root, ensure_assets
+from convergence.backends.torchtitan.assets import (
+    ASSETS_VERSION,
+    assets_root,
+    ensure_assets,
+    entropy_floor,
+)
 from convergence.backends.torchtitan.config_parser import ParseError, blame, parse
 from convergence.backends.torchtitan.degrees import check_degrees
 from convergence.backends.torchtitan.patches import unsupported_releases
@@ -275,18 +281,21 @@ class TorchtitanBackend:
         return None  # torchtitan has no stop request: an early stop ends the job
 
     def record_keys(self, job: JobSpec) -> dict[str, str] | None:
-        return dict(TENSORBOARD_TAGS)  # live records carry torchtitan's tags
+        # Live records carry torchtitan's tags and our norms (first: they name grad_norm and
+        # grad_norm_parts, so torchtitan's float32 "grad_norm" is not what is judged).
+        return {**TB_TAGS, **TENSORBOARD_TAGS}
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         metrics = read_tensorboard(dump_dir / "tb")
         steps = dump_dir / STEP_LOG
-        if steps.is_file():  # the wrapper's records (absent in runs cached before it existed)
-            for name, curve in read_jsonl(steps).items():
-                metrics.setdefault(name, curve)
+        if steps.is_file():  # the wrapper's records, at full precision: they win
+            metrics.update(read_jsonl(steps))
         return metrics
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
-        return {}
+        if "dataset_path" in backend_options(job):  # the user's data: its floor is unknown
+            return {}
+        return {"entropy_floor": entropy_floor()}  # the generated corpus (assets.py)
 
 
 def _one_process(job: JobSpec) -> JobSpec:

@@ -313,8 +313,10 @@ def force_sum_reduction(model: Any) -> None:
 @pinned(torchtitan="0.3", torch="2.13")
 def record_steps(log: StepLog) -> None:
     """Record each step's batches (``Trainer.batch_generator``) and gradients (just before
-    torchtitan clips them, ``distributed.utils.clip_grad_norm_``)."""
+    torchtitan clips them, ``distributed.utils.clip_grad_norm_``, which returns the norm it
+    clipped with), and add our norms to the scalars its TensorBoard logger writes."""
     import torchtitan.distributed.utils as dist_utils
+    from torchtitan.components.metrics import TensorBoardLogger
     from torchtitan.trainer import Trainer
 
     generator = Trainer.batch_generator
@@ -328,19 +330,30 @@ def record_steps(log: StepLog) -> None:
     clip = dist_utils.clip_grad_norm_
     trainer_init = Trainer.__init__
     named: list[Any] = []
-    state: dict[str, Any] = {}
+    trainers: list[Any] = []
 
     def init(self: Any, config: Any) -> None:
         trainer_init(self, config)
         named.extend((n, p) for m in self.model_parts for n, p in m.named_parameters())
-        state["parallel_dims"] = self.parallel_dims
+        trainers.append(self)
 
     def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        log.on_grads(named, state["parallel_dims"])
-        return clip(parameters, *args, **kwargs)
+        trainer = trainers[-1]
+        log.on_grads(named, trainer.parallel_dims, step=trainer.step)
+        total = clip(parameters, *args, **kwargs)
+        log.on_clipped(float(total))
+        return total
 
     Trainer.__init__ = init
     dist_utils.clip_grad_norm_ = clip_grad_norm_
+    tensorboard_log = TensorBoardLogger.log
+
+    def log_with_ours(self: Any, metrics: dict[str, Any], step: int) -> None:
+        if "grad_norm" in metrics and log.record.get("step") == step:  # a training step's line
+            metrics = {**metrics, **log.tensorboard_extras()}
+        tensorboard_log(self, metrics, step)
+
+    TensorBoardLogger.log = log_with_ours
 
 
 @pinned(torchtitan="0.3", torch="2.13")

@@ -1,83 +1,97 @@
-"""The launcher's per-step records: the data fingerprint and per-part gradient norms, from the
-batches and gradients torchtitan itself uses (one JSON line per step, rank 0)."""
+"""The launcher's per-step records, from the batches and gradients torchtitan itself uses, with
+the built-in trainer's names and definitions (one JSON line per step, rank 0):
+
+- ``data_fingerprint``: the sum of ``convergence.trainer.data.sample_hash`` over every sample
+  of the global batch, mod 2**48;
+- ``grad_norm``: the total gradient norm, summed in float64 from each rank's local shards
+  (``convergence.trainer.optim.grad_norms``, the built-in trainer's own function), just before
+  torchtitan clips. torchtitan's own norm (``torch.nn.utils.get_total_norm``: a float32
+  foreach norm whose summation order follows the shards) moves by ~2e-5 relative between a
+  layout and its TP variant on the debug model, the size of a real bug's signal; the float64
+  sum moves by the gradients' own rounding only. torchtitan's value is kept as
+  ``torchtitan_grad_norm`` (and in its TensorBoard and console lines, unchanged);
+- ``grad_norm/<part>`` per part of the model (``attention.wq``, ``feed_forward.w2``,
+  ``attention_norm``, ``tok_embeddings``, ...: ``convergence.trainer.optim.parameter_part``),
+  and ``grad_norm_parts``, their geometric mean.
+
+The same norms go into torchtitan's TensorBoard folder as ``convergence/grad_norm`` and
+``convergence/grad_norm_parts`` (``TB_TAGS``), so a job followed live is judged on them too.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
+from convergence.backends.torchtitan.argv import TB_TAGS
 from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
+from convergence.trainer.optim import grad_norms, parameter_part, parts_geomean
 
 
 class StepLog:
-    """Collects what a step read and its gradients; rank 0 appends one JSON line per step with
-    the built-in trainer's names and definitions (``data_fingerprint``: the sum of
-    ``convergence.trainer.data.sample_hash`` over every sample of the global batch, mod 2**48;
-    ``grad_norm_parts``: the geometric mean of the per-part gradient norms)."""
+    """Collects what a step read and its gradients (see the module docstring)."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self.digest = 0
-        self.step = 0
+        self.parts: tuple[str, ...] | None = None
+        #: This step's record (every rank computes the same norms; rank 0 writes it).
+        self.record: dict[str, float | int] = {}
 
     def on_batch(self, input_dict: dict[str, Any], labels: Any) -> None:
         self.digest += sample_hash(input_dict["input"], labels)
 
-    def on_grads(self, parameters: list[Any], parallel_dims: Any) -> None:
+    def on_grads(self, named: list[tuple[str, Any]], parallel_dims: Any, *, step: int) -> None:
+        """Before torchtitan clips optimizer step ``step``: its fingerprint and gradient norms."""
         import torch
         import torch.distributed as dist
 
-        self.step += 1
         digest = torch.tensor([self.digest % 2**FINGERPRINT_BITS], dtype=torch.int64)
         self.digest = 0
         # Summed over the ranks that read different samples only (TP/PP ranks hold copies).
         mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims.dp_enabled else None
         if mesh is not None:
             dist.all_reduce(digest, group=mesh.get_group())
-        parts = part_grad_norms(parameters, parallel_dims.get_optional_mesh("pp"))
+        pp_mesh = parallel_dims.get_optional_mesh("pp")
+        pp_group = pp_mesh.get_group() if pp_mesh is not None else None
+        if self.parts is None:
+            self.parts = model_parts(named, pp_group)
+        total, part_norms = grad_norms(named, self.parts, pp_group)
+        self.record = {
+            "step": step,
+            "data_fingerprint": int(digest.item()) % 2**FINGERPRINT_BITS,
+            "grad_norm": float(total),
+            "grad_norm_parts": parts_geomean(part_norms),
+            **{
+                f"grad_norm/{part}": float(norm)
+                for part, norm in zip(self.parts, part_norms.tolist(), strict=True)
+            },
+        }
+
+    def on_clipped(self, torchtitan_norm: float) -> None:
+        """After torchtitan clipped with its own norm: the step's line (rank 0)."""
+        import torch.distributed as dist
+
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        norms = [v for v in parts.values() if v > 0]
-        geomean = math.exp(sum(math.log(v) for v in norms) / len(norms)) if norms else 0.0
-        record = {
-            "step": self.step,
-            "data_fingerprint": int(digest.item()) % 2**FINGERPRINT_BITS,
-            "grad_norm_parts": geomean,
-        }
+        record = {**self.record, "torchtitan_grad_norm": torchtitan_norm}
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
 
-
-def part_of(name: str) -> str:
-    """The kind of weight a parameter is (queries, keys, MLP, norms, embeddings ...): its name
-    without layer indices and wrapper prefixes."""
-    words = [w for w in name.split(".") if not w.isdigit() and not w.startswith("_")]
-    return ".".join(words[-2:]) if len(words) >= 2 else ".".join(words)
+    def tensorboard_extras(self) -> dict[str, float]:
+        """This step's norms under ``TB_TAGS``' names."""
+        return {tag: float(self.record[name]) for tag, name in TB_TAGS.items() if self.record}
 
 
-def part_grad_norms(parameters: list[Any], pp_mesh: Any) -> dict[str, float]:
-    """Per part, the gradient's global 2-norm: DTensor shards reduced over their mesh (FSDP,
-    TP), then the pipeline stages' sums of squares added (each stage holds other layers)."""
+def model_parts(named: list[tuple[str, Any]], pp_group: Any) -> tuple[str, ...]:
+    """Every part of the whole model, the same ordered tuple on every rank (with PP each stage
+    holds some layers: the stages' parts are gathered once)."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    squares: dict[str, float] = {}
-    for name, param in parameters:
-        grad = param.grad
-        if grad is None:
-            continue
-        sq = grad.detach().double().pow(2).sum()
-        if isinstance(sq, DTensor):
-            sq = sq.full_tensor()
-        key = part_of(name)
-        squares[key] = squares.get(key, 0.0) + float(sq)
-    if pp_mesh is not None:
-        gathered: list[dict[str, float] | None] = [None] * pp_mesh.size()
-        dist.all_gather_object(gathered, squares, group=pp_mesh.get_group())
-        squares = {}
-        for stage in gathered:
-            for key, value in (stage or {}).items():
-                squares[key] = squares.get(key, 0.0) + value
-    return {k: math.sqrt(v) for k, v in sorted(squares.items())}
+    local = {parameter_part(name) for name, _ in named}
+    if pp_group is None:
+        return tuple(sorted(local))
+    gathered: list[set[str] | None] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(gathered, local, group=pp_group)
+    return tuple(sorted(set().union(*(stage or set() for stage in gathered))))

@@ -33,7 +33,10 @@ def _verdict_line(v: MetricVerdict, metric_width: int = 12) -> str:
     if v.first_divergent_step is not None:
         parts.append(f"first divergent step {v.first_divergent_step}")
     at = f" at step {v.max_deviation_step}" if v.max_deviation_step is not None else ""
-    parts.append(f"max |Δ| {fmt_float(float(v.max_deviation))}{at}")
+    if v.tolerance == "equal":  # an exact check (data fingerprint): its deviation is a count
+        parts.append(f"{int(v.max_deviation)} steps differ")
+    else:
+        parts.append(f"max |Δ| {fmt_float(float(v.max_deviation))}{at}")
     if v.tolerance_at_max is not None:
         parts.append(f"(tolerance there {fmt_float(float(v.tolerance_at_max))})")
     if v.message:

@@ -10,6 +10,7 @@ Axis degrees are the test's; "-" means 1 (axis off). Ratios are test / control.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from convergence.report.data.records import PairRecord, pair_record
 from convergence.report.data.schema import floor_notes
@@ -56,7 +57,7 @@ DEVICE_COLUMN = ("device", "device")
 """Where each pair ran (convergence.launch.placement: cuda, cuda-shared, cpu): shown when a
 pair ran off the CPU, so a CPU machine's matrix stays as narrow as it was."""
 RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "dloss", "dgnorm", "tps", "mem", "wall"})
-SHRINKABLE = ("techniques", "pair")
+SHRINKABLE = ("techniques", "pair", "verdict")
 """Columns cut (with "…") when the table is too wide, in this order."""
 MIN_SHRINK = 8
 GAP = "  "
@@ -78,11 +79,13 @@ def record_row(record: PairRecord) -> dict[str, str]:
     row.update(
         {
             "techniques": fmt_techniques(record["techniques_changed"]),
-            "verdict": verdict + ("*" if record["stopped_early_at"] is not None else ""),
+            "verdict": verdict
+            + ("*" if record["stopped_early_at"] is not None else "")
+            + _failed_metrics(record),
             "dloss": fmt_num(record["max_abs_delta"]["loss"]),
             "dgnorm": fmt_num(record["max_abs_delta"]["grad_norm"]),
             "tps": fmt_ratio(res["tokens_per_s"]["ratio"]),
-            "mem": fmt_ratio(res["peak_mem_mib"]["ratio"]),
+            "mem": _memory_ratio(res["peak_mem_mib"]),
             "wall": fmt_wall(as_float(wall)),
             "cache": "+".join(cached) + " cached" if cached else "-",
             # Where the pair ran (convergence.launch.placement): cuda, cuda-shared or cpu.
@@ -90,6 +93,29 @@ def record_row(record: PairRecord) -> dict[str, str]:
         }
     )
     return row
+
+
+def _failed_metrics(record: PairRecord) -> str:
+    """The first gating metric that failed (and how many more), after the verdict ("FAIL
+    grad_norm_parts", "FAIL loss+1"): the deltas
+    shown are the loss's and the grad norm's, which may be small when another metric failed."""
+    names = [
+        v["metric"]
+        for v in record["verdicts"]
+        if v["gate"] and not v["passed"] and not v.get("not_compared")
+    ]
+    if not names:
+        return ""
+    return f" {names[0]}" + (f"+{len(names) - 1}" if len(names) > 1 else "")
+
+
+def _memory_ratio(mem: Mapping[str, Any]) -> str:
+    """The peak-memory ratio, or "-" where a device reports no memory (CPU: zero or a
+    meaningless negative number)."""
+    values = [as_float(mem.get(side)) for side in ("control", "test")]
+    if any(v is None or not v > 0 for v in values):
+        return "-"
+    return fmt_ratio(mem["ratio"])
 
 
 def matrix_rows(outcomes: Iterable[PairOutcome]) -> list[dict[str, str]]:
