@@ -42,10 +42,20 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from convergence.backends.torchtitan.step_log import StepLog
+
+class StepLog(Protocol):
+    """What record_steps feeds (step_log.StepLog). A Protocol, not an import: step_log needs
+    the trainer's torch modules, and this module is read at collection (unsupported_releases)."""
+
+    def on_batch(self, input_dict: Any, labels: Any) -> None: ...
+    def on_grads(self, named: Any, parallel_dims: Any, *, step: int) -> None: ...
+    def on_clipped(self, torchtitan_norm: float) -> None: ...
+    def tensorboard_extras(self) -> dict[str, float]: ...
+
+    record: dict[str, float | int]
+
 
 PatchFn = TypeVar("PatchFn", bound=Callable[..., Any])
 
