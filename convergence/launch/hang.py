@@ -13,7 +13,8 @@ stuck rank stops every other rank at its next collective, so the question is whi
 
 Neither look is needed for the verdict (the job is ended either way); they make the message
 point at the rank and line to look at. A job launched under Slurm runs its ranks on other
-nodes, out of reach: there only the generic message is given.
+nodes: there the same two looks run on each node inside the job's step (hang_probe.py), and the
+rank is named with its node.
 """
 
 from __future__ import annotations
