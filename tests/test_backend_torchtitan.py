@@ -314,7 +314,8 @@ def test_read_metrics_from_torchtitans_tensorboard_layout(tmp_path: Path) -> Non
     assert metrics["loss"].values.tolist() == [7.5, 7.25, 7.0]
     assert metrics["grad_norm"].values.tolist() == [1.5, 1.25, 1.0]
     assert metrics["peak_mem_mib"].values.tolist() == [2048.0] * 3
-    assert BACKEND.read_meta(job(), dump) == {}
+    # No run_meta of a run's own here: only what the backend knows of its generated corpus.
+    assert set(BACKEND.read_meta(job(), dump)) <= {"entropy_floor"}
 
 
 def test_live_metrics_tail_the_same_tensorboard_folder(tmp_path: Path) -> None:
@@ -422,4 +423,4 @@ def test_probe_always_is_refused_for_torchtitan_at_collection(tmp_path: Path) ->
     )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
-    assert info.value.key.endswith(".probe") and "built-in trainer" in str(info.value)
+    assert info.value.key.endswith(".probe") and "never probed" in str(info.value)

@@ -31,6 +31,8 @@ from convergence.stats.types import MetricVerdict
 from convergence.worktrees import git
 from experiments import write_experiment, write_toml
 
+pytestmark = pytest.mark.xdist_group("one_judge")  # its module-scoped runs stay on one worker
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 6
 NOISY = {"loss": {"atol": 1e-3, "growth": 0.1, "rtol": 1e-6}}

@@ -157,7 +157,7 @@ def test_python_api_progress_and_cached_control(project: pytest.Pytester) -> Non
     # last step is always shown (the launcher forces a final progress event).
     result.stdout.fnmatch_lines(
         [
-            "[[]fsdp2 control[]] starting (2 ranks, local launcher)",
+            "[[]fsdp2 control[]] starting (2 ranks, local launcher, warm)",
             "[[]fsdp2 control[]] step */8 loss *",
             "[[]test_layouts[[]ddp2[]] test[]] step 8/8 loss * ETA 0:00",
         ]

@@ -33,6 +33,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout
 from convergence.spec.toml_io import read_toml
+from convergence.stats.regression import WARMUP_STEPS
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_FILES = ("experiments/dp_vs_tp.toml", "experiments/zero_stages.toml")
@@ -122,15 +123,16 @@ def test_zero_stages_control_is_ddp_and_tests_are_the_fsdp_stages(rel: str) -> N
 
 
 # -- step time in the report record -----------------------------------------------------------
-def test_step_time_is_tokens_per_step_over_tokens_per_s_without_the_first_step() -> None:
+def test_step_time_is_tokens_per_step_over_tokens_per_s_without_the_warmup_steps() -> None:
     job = JobSpec(
         name="j",
         train_config=REPO / "train_configs" / "debug.toml",
         layout=ParallelLayout(dp_shard=2),
     )
-    tps = Curve("tokens_per_s", np.arange(1, 5), np.array([10.0, 1000.0, 500.0, 250.0]))
+    values = [10.0] * WARMUP_STEPS + [1000.0, 500.0, 250.0]  # the slow warm-up is left out
+    tps = Curve("tokens_per_s", np.arange(1, len(values) + 1), np.array(values))
     side = SideOutcome(job=job, metrics={"tokens_per_s": tps}, meta={"tokens_per_step": 1000})
-    assert step_time_s(side) == pytest.approx(2.0)  # median of 1, 2, 4 s; step 1 left out
+    assert step_time_s(side) == pytest.approx(2.0)  # median of 1, 2, 4 s
     assert step_time_s(SideOutcome(job=job, metrics={"tokens_per_s": tps})) is None  # no meta
     assert step_time_s(None) is None
 

@@ -296,6 +296,13 @@ def server_for(python: str, env: Mapping[str, str], cwd: str) -> ForkServer:
         return server
 
 
+def server_pids() -> set[int]:
+    """The live servers' own pids: they outlive jobs on purpose (one per session); what they
+    fork for a job (agent, ranks) must not."""
+    with _servers_lock:
+        return {server.proc.pid for server in _servers.values() if server.alive}
+
+
 def close_servers() -> None:
     """End every server this process started (also at exit; a dead process's servers end by
     themselves when their stdin pipe closes)."""
