@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import numpy as np
 from torch import nn
-from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import RowwiseParallel
 
 from convergence.trainer import data as trainer_data
 from convergence.trainer.hooks import HookContext
-from convergence.trainer.parallelize import tp_plan
 from convergence.trainer.step_clock import current_step
+from detection_bugs.tensor_parallel import parallelize_with_layer1_wo
 
 Hook = Callable[[nn.Module, HookContext], None]
 
@@ -64,18 +64,7 @@ def _rowwise_output_not_reduced(start: int) -> Hook:
     def apply(model: nn.Module, ctx: HookContext) -> None:
         """hook_mode = "replace_tp": layer 1's wo loses its all-reduce from step S
         (tensor_parallel.rowwise_output_not_reduced)."""
-        if ctx.tp_mesh is None:
-            return
-        sp = ctx.config.parallelism.sequence_parallel
-        root, block_plan = tp_plan(model, sp)  # type: ignore[arg-type]
-        model.hidden_seq_shards = ctx.tp_mesh.size() if sp else 1  # type: ignore[assignment]
-        if root:
-            parallelize_module(model, ctx.tp_mesh, root)  # type: ignore[arg-type]
-        for name, block in model.layers.items():  # type: ignore[union-attr, operator]
-            plan = dict(block_plan)
-            if name == "1" and not sp:
-                plan["attention.wo"] = RowwiseLosingItsReduce()
-            parallelize_module(block, ctx.tp_mesh, plan)  # type: ignore[arg-type]
+        parallelize_with_layer1_wo(model, ctx, RowwiseLosingItsReduce())
 
     return apply
 

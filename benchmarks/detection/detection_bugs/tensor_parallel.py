@@ -113,6 +113,12 @@ def rowwise_output_not_reduced(model: nn.Module, ctx: HookContext) -> None:
     the Partial result, or a custom kernel) without the all-reduce: each TP rank continues with
     its own partial sum. Nothing crashes; from layer 1 on the numbers are wrong.
     """
+    parallelize_with_layer1_wo(model, ctx, _RowwiseWithoutReduce())
+
+
+def parallelize_with_layer1_wo(model: nn.Module, ctx: HookContext, wo_style: Any) -> None:
+    """The built-in TP plan (hook_mode = "replace_tp"), with ``wo_style`` as layer 1's attention
+    output projection (without sequence parallelism; with it the built-in plan stays)."""
     if ctx.tp_mesh is None:
         return
     sp = ctx.config.parallelism.sequence_parallel
@@ -123,5 +129,5 @@ def rowwise_output_not_reduced(model: nn.Module, ctx: HookContext) -> None:
     for name, block in model.layers.items():  # type: ignore[union-attr, operator]
         plan = dict(block_plan)
         if name == "1" and not sp:
-            plan["attention.wo"] = _RowwiseWithoutReduce()
+            plan["attention.wo"] = wo_style
         parallelize_module(block, ctx.tp_mesh, plan)  # type: ignore[arg-type]
