@@ -1,9 +1,11 @@
 """Commits of a trainer's repository as folders jobs run in: what ``convergence ab`` and
 ``convergence bisect`` share.
 
-- :func:`git`: one git command, its failure a :class:`SpecError` naming the repository;
+- :func:`git`: one git command, its failure a :class:`SpecError` naming the repository (the
+  commands that can fail read the user's refs and folders);
 - :func:`checkout`: a detached worktree at a commit (or an existing folder as it is), removed
-  on the way out -- also on Ctrl-C and, inside :func:`sigterm_as_interrupt`, on SIGTERM;
+  on the way out -- also on Ctrl-C and, inside :func:`sigterm_as_interrupt`
+  (:mod:`convergence.process_lifetime`), on SIGTERM;
 - :func:`in_tree_settings`: RunSettings whose jobs run in that folder, first on PYTHONPATH, so
   a relative command (``train.py``), a hook module or torchtitan is imported from the commit.
 """
@@ -13,15 +15,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 
+from convergence.process_lifetime import sigterm_as_interrupt
 from convergence.run.jobs import RunSettings
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import RunFailed, SpecError
+
+# sigterm_as_interrupt: the front ends that check out commits wrap their work in it.
+__all__ = [
+    "checkout",
+    "git",
+    "git_ok",
+    "in_tree_settings",
+    "remove_worktree",
+    "sigterm_as_interrupt",
+]
 
 
 def git(repo: Path, *args: str, key: str = "--repo") -> str:
@@ -52,7 +63,8 @@ def remove_worktree(top: Path, folder: Path) -> None:
 @contextmanager
 def checkout(repo: Path, ref: str, into: Path) -> Iterator[tuple[Path, str]]:
     """The side's folder and a label: an existing folder as it is, else a detached worktree
-    of ``repo`` at ``ref`` (removed afterwards)."""
+    of ``repo`` at ``ref`` (removed afterwards). SpecError for a ref that is no commit,
+    RunFailed when git cannot add the worktree."""
     folder = Path(ref)
     if folder.is_dir():
         yield folder.resolve(), str(folder)
@@ -62,7 +74,16 @@ def checkout(repo: Path, ref: str, into: Path) -> Iterator[tuple[Path, str]]:
     if into.exists():  # a worktree left by an interrupted run
         remove_worktree(top, into)
     into.parent.mkdir(parents=True, exist_ok=True)
-    git(top, "worktree", "add", "--detach", str(into), commit)
+    added = subprocess.run(
+        ["git", "-C", str(top), "worktree", "add", "--detach", str(into), commit],
+        capture_output=True,
+        text=True,
+    )
+    if added.returncode != 0:  # the refs were valid: the disk, a lock, ... not the input
+        raise RunFailed(
+            f"cannot check out {ref} ({commit[:10]}) into {into}: "
+            f"{(added.stderr or added.stdout).strip()}"
+        )
     try:
         yield into, f"{ref} ({commit[:10]})"
     finally:
@@ -73,29 +94,3 @@ def in_tree_settings(settings: RunSettings, folder: Path) -> RunSettings:
     """``settings`` with jobs run in ``folder``, which comes first on their PYTHONPATH."""
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
     return dataclasses.replace(settings, job_cwd=folder, job_env=(("PYTHONPATH", path),))
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: the launcher then stops the running
-    job and every ``finally`` (worktree removal) runs. Python's default for SIGTERM is to die
-    on the spot, leaving a worktree registered in the user's repository and the job to its
-    parent-death signal. Restores the previous handler on the way out."""
-    try:
-        previous = signal.getsignal(signal.SIGTERM)
-    except ValueError:  # not the main thread: signals cannot be handled here
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

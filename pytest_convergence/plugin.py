@@ -29,7 +29,7 @@ from pytest_convergence.fixtures import convergence_pair
 from pytest_convergence.options import add_options, read_options
 from pytest_convergence.progress_relay import ProgressRelay
 from pytest_convergence.reporting import session_finish, terminal_summary
-from pytest_convergence.signals import restore_sigterm, sigterm_as_interrupt
+from pytest_convergence.signals import interrupt_on_sigterm, restore_sigterm
 from pytest_convergence.stash import STATE_KEY, SessionState
 from pytest_convergence.xdist import (
     is_distributing,
@@ -61,7 +61,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
     add_convergence_paths(config)  # -m convergence must see convergence_paths (testpaths)
-    sigterm_as_interrupt(forward_to_workers=is_distributing(config))
+    interrupt_on_sigterm(forward_to_workers=is_distributing(config))
     options = read_options(config)
     worker = is_worker(config)
     share_dir = (

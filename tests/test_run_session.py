@@ -17,6 +17,7 @@ from convergence.preflight import load_checked
 from convergence.run import session as session_module
 from convergence.run.runner import Runner, RunSettings
 from convergence.run.session import SessionRunner
+from convergence.spec.errors import RunFailed
 from convergence.spec.pair import PairSpec
 from experiments import command_pair
 
@@ -127,3 +128,20 @@ def test_a_bug_inside_the_runner_is_an_error_outcome_with_its_traceback(
     assert "TypeError: planted bug" in outcome.error
     saved = next((tmp_path / "work" / "runs").glob("*/internal_error.txt"))
     assert "raise TypeError" in saved.read_text() and str(saved) in outcome.error
+
+
+def test_a_run_failure_past_the_runner_is_an_error_with_its_message_not_a_bug(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RunFailed (the run failed, the input was fine) is the pair's error in its own words:
+    not an internal error, no traceback file."""
+
+    def failing(self: Runner, pair: PairSpec) -> Any:
+        raise RunFailed("the trainer wrote no metrics file at /somewhere/metrics.jsonl")
+
+    monkeypatch.setattr(Runner, "_run_pair", failing)
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", devices=1), launcher=FakeLauncher())
+    outcome = runner.run_pair(_pairs(tmp_path)[0])
+    assert outcome.status == "error"
+    assert outcome.error == "the trainer wrote no metrics file at /somewhere/metrics.jsonl"
+    assert not list((tmp_path / "work").glob("runs/*/internal_error.txt"))

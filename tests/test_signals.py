@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from convergence.process_lifetime import sigterm_as_interrupt
 from experiments import builtin_pair
 
 
@@ -127,3 +128,16 @@ def test_sigterm_under_xdist_ends_workers_and_jobs(project: Path) -> None:
     assert _survivors(jobs, timeout=30) == [], _output(project)
     report = json.loads((project / "report" / "report.json").read_text())
     assert report["environment"]["interrupted"] is True
+
+
+def test_the_cli_block_turns_sigterm_into_ctrl_c_and_puts_the_default_back() -> None:
+    """``convergence ab`` / ``bisect`` run inside sigterm_as_interrupt: a SIGTERM raises
+    KeyboardInterrupt there (so worktrees are removed), and the default action is back after."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # this session's plugin has one
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"), sigterm_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -28,6 +28,7 @@ from typing import Any
 import filelock
 
 from convergence.launch.process_tree import pid_alive
+from convergence.spec.errors import RunFailed
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -37,7 +38,7 @@ _LOCKS = ".locks"
 log = logging.getLogger(__name__)
 
 
-class CacheError(RuntimeError):
+class CacheError(RunFailed, RuntimeError):
     """The cache could not store a run (e.g. disk full); nothing half-written was left."""
 
 

@@ -48,7 +48,7 @@ from convergence.preflight import in_tier, load_checked, validate_devices
 from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 from convergence.report.formats.terminal import render_summary
 from convergence.run.session import SessionRunner
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import RunFailed, SpecError
 
 OUTCOME_GLOBS = ("*.outcome.json", "*.json")
 
@@ -223,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as exc:
         _print_err(f"error: {exc}")
         return EXIT_USAGE
+    except RunFailed as exc:  # valid input, a failed run: the exit status of a failed pair
+        _print_err(f"error: {exc}")
+        return EXIT_FAILED
     except KeyboardInterrupt:
         _print_err("interrupted: running jobs were stopped")
         return 130

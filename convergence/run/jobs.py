@@ -38,7 +38,7 @@ from convergence.launch.slurm import SlurmLauncher
 from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
 from convergence.run.outcome import SideOutcome
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.torch_info import torch_version
 
@@ -86,7 +86,7 @@ class RunSettings:
         return self.cache_dir or self.work_dir / "cache"
 
 
-class JobFailed(Exception):
+class JobFailed(RunFailed):
     """A job ended without usable metrics (crash, hang, timeout, signal)."""
 
     def __init__(self, side: str, job: JobSpec, result: JobResult) -> None:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.cache.store import CacheError
 from convergence.calibration.select import select_calibration, use
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
@@ -31,7 +30,7 @@ from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.run.resume import run_resumed
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
 from convergence.stats.health import control_problem
 from convergence.stats.registry import get_comparison
@@ -77,7 +76,8 @@ class Runner(JobRunner):
     def run_pair(
         self, pair: PairSpec, *, on_progress: Callable[[Progress], None] | None = None
     ) -> PairOutcome:
-        """Run ``pair`` and judge it. A job failure becomes status "error", never raised.
+        """Run ``pair`` and judge it. A run failure (:class:`RunFailed`: a job, the cache)
+        becomes status "error", never raised.
 
         ``on_progress``: where this pair's progress goes (default ``settings.on_progress``);
         the plugin gives each test item its own printer while the Runner lives on.
@@ -85,6 +85,8 @@ class Runner(JobRunner):
         self._on_progress = on_progress or self.settings.on_progress
         try:
             return self._run_pair(pair)
+        except RunFailed as exc:  # a run failure past _run_pair's own handling: not a bug
+            return PairOutcome(pair=pair, status="error", control=None, test=None, error=str(exc))
         except Exception as exc:  # noqa: BLE001 -- a bug of ours: still in the report, as an error
             return self._internal_error(pair, exc)
         finally:
@@ -153,7 +155,10 @@ class Runner(JobRunner):
                 test = self.run_job(
                     "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
                 )
-        except (JobFailed, SpecError, CacheError) as exc:
+        except (RunFailed, SpecError) as exc:
+            # RunFailed: a job or the cache failed (JobFailed, CacheError). SpecError: input
+            # found wrong only now, after the session's settings (e.g. --convergence-steps
+            # cutting a run before its resume step); either way this pair is an error.
             return PairOutcome(
                 pair=pair,
                 status="error",

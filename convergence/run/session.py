@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from convergence.cache.store import CacheError
 from convergence.launch.types import Launcher, Progress
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
+from convergence.spec.errors import RunFailed
 from convergence.spec.pair import PairSpec
 
 
@@ -40,6 +40,6 @@ class SessionRunner:
         as before the Runner was shared."""
         try:
             runner = self.runner()
-        except CacheError as exc:
+        except RunFailed as exc:  # CacheError
             return PairOutcome(pair=pair, status="error", control=None, test=None, error=str(exc))
         return runner.run_pair(pair, on_progress=on_progress)

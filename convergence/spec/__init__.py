@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import PP_SCHEDULES, Layout, ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec
@@ -14,6 +14,7 @@ __all__ = [
     "Layout",
     "PairSpec",
     "ParallelLayout",
+    "RunFailed",
     "SpecError",
     "Techniques",
 ]

@@ -32,6 +32,13 @@ class SpecError(ValueError):
         super().__init__(text)
 
 
+class RunFailed(Exception):
+    """A run that was valid input failed while it ran: a job crashed, hung or was killed, a
+    file the run should have written is missing, a subprocess it needed failed, the cache
+    could not store it. Not the user's file: the pair it belongs to is an error (a test
+    failure with this message), never a collection error, and other pairs still run."""
+
+
 class NotRunnableHere(SpecError):
     """A valid pair that this session cannot run: it needs more devices than the session has,
     or a backend that is not installed. Collection skips it with this message as the reason
