@@ -232,7 +232,7 @@ def twin_pair() -> PairOutcome:
     return PairOutcome(
         pair=pair,
         status="passed",
-        control=dataclasses.replace(_side(control, ctrl_m, cached=True), twin=twin_m),
+        control=dataclasses.replace(_side(control, ctrl_m, cached=True), twins=(twin_m,)),
         test=_side(test, test_m, wall_s=9.0),
         verdicts=verdicts,
         wall_s=9.8,

@@ -68,11 +68,11 @@ def test_twin_curves_survive() -> None:
 
     o = seed_pair()
     assert o.control is not None
-    twin_side = dataclasses.replace(o.control, replicates=(), twin=o.control.replicates[1])
+    twin_side = dataclasses.replace(o.control, replicates=(), twins=(o.control.replicates[1],))
     back = _roundtrip(dataclasses.replace(o, control=twin_side))
-    assert back.control is not None and back.control.twin is not None
+    assert back.control is not None and len(back.control.twins) == 1
     original = o.control.replicates[1]["loss"].values
-    assert back.control.twin["loss"].values.tobytes() == original.tobytes()
+    assert back.control.twins[0]["loss"].values.tobytes() == original.tobytes()
 
 
 def test_non_finite_values_roundtrip_as_strict_json() -> None:

@@ -58,7 +58,8 @@ def collect(steps: int, seeds_extra: bool) -> dict[str, Any]:
         if outcome.control is None or outcome.test is None:
             out[row.case.name] = {"kind": row.case.kind, "error": outcome.error}
             continue
-        control, twin = outcome.control.metrics, outcome.control.twin or {}
+        control = outcome.control.metrics
+        twin = outcome.control.twins[0] if outcome.control.twins else {}
         out[row.case.name] = {
             "kind": row.case.kind,
             "layout": row.case.parallelism,

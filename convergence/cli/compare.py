@@ -204,7 +204,7 @@ def _outcome(
         metrics=controls[0],
         run_dir=paths[0],
         replicates=kept.replicates,
-        twin=kept.twin,
+        twins=kept.twins,
     )
     passed = all(v.passed for v in verdicts if v.gate)
     return PairOutcome(

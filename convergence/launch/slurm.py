@@ -223,6 +223,7 @@ class SlurmLauncher(LocalLauncher):
     """The ``slurm`` launcher: one ``srun`` step per job (see the module docstring)."""
 
     name = "slurm"
+    on_this_machine = False  # ranks on other nodes: no loopback sockets, no warm start
 
     def __init__(
         self,
@@ -307,14 +308,18 @@ class SlurmLauncher(LocalLauncher):
             step_name=step, hosts=hosts, nproc_per_node=request.nproc // nodes, port=port
         )
 
-    def srun_argv(self, plan: StepPlan) -> list[str]:
+    def srun_argv(
+        self, plan: StepPlan, *, suffix: str = "", kill_on_bad_exit: bool = True
+    ) -> list[str]:
+        """``srun`` with one task per node of ``plan`` in this allocation, named
+        ``plan.step_name + suffix`` (how the step is found again), before the command."""
         nodes = str(len(plan.hosts))
         return [
             self.srun,
             "--jobid",
             self.allocation.job_id,
             "--job-name",
-            plan.step_name,
+            plan.step_name + suffix,
             "--nodes",
             nodes,
             "--ntasks",
@@ -326,7 +331,7 @@ class SlurmLauncher(LocalLauncher):
             # --overlap: steps of one allocation share its resources (the device pool
             # partitions the devices) instead of queueing behind each other.
             "--overlap",
-            "--kill-on-bad-exit=1",
+            *(["--kill-on-bad-exit=1"] if kill_on_bad_exit else []),
             *self.srun_args,
         ]
 
@@ -382,23 +387,10 @@ class SlurmLauncher(LocalLauncher):
         plan: StepPlan | None = self._local.plan
         if plan is None or verdict.failure is None:
             return verdict
-        nodes = str(len(plan.hosts))
+        # One probe per node; a node whose probe fails must not end the others' (no
+        # --kill-on-bad-exit): their sentences are what the verdict needs.
         argv = [
-            self.srun,
-            "--jobid",
-            self.allocation.job_id,
-            "--job-name",
-            f"{plan.step_name}-hang",
-            "--nodes",
-            nodes,
-            "--ntasks",
-            nodes,
-            "--ntasks-per-node",
-            "1",
-            "--nodelist",
-            ",".join(plan.hosts),
-            "--overlap",
-            *self.srun_args,
+            *self.srun_argv(plan, suffix="-hang", kill_on_bad_exit=False),
             self.python,
             "-m",
             "convergence.launch.hang_probe",

@@ -189,6 +189,9 @@ class LocalLauncher:
     session's fork server) or by torchrun (see the module docstrings)."""
 
     name = "local"
+    on_this_machine = True
+    """Every rank runs on this machine: the job's sockets stay on loopback and its ranks may
+    be forked warm. False for a launcher whose jobs span nodes (the Slurm launcher)."""
 
     def __init__(
         self,
@@ -217,9 +220,9 @@ class LocalLauncher:
         self.progress_interval_s = progress_interval_s
 
     def job_env(self, request: LaunchRequest) -> dict[str, str]:
-        """The job's environment: on this machine only, so gloo and NCCL listen on loopback
-        (a subclass that spans nodes, such as Slurm's, gets the plain :func:`job_env`)."""
-        return local_job_env(request) if self.name == "local" else job_env(request)
+        """The job's environment: on this machine only, gloo and NCCL listen on loopback; a
+        job spanning nodes gets the plain :func:`job_env`."""
+        return local_job_env(request) if self.on_this_machine else job_env(request)
 
     def launch(
         self,
@@ -322,7 +325,7 @@ class LocalLauncher:
 
     def warm_problem(self, request: LaunchRequest) -> str | None:
         """Why ``request`` goes through torchrun rather than a warm start, or None."""
-        if self.start != "warm" or self.name != "local":
+        if self.start != "warm" or not self.on_this_machine:
             return f"the {self.name} launcher starts {self.start}"
         if request.direct:
             return "a direct command is not a rank"

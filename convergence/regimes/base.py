@@ -56,10 +56,9 @@ DEFAULT_EARLY_STOP = EarlyStopPolicy()
 @dataclass(frozen=True, kw_only=True)
 class ControlCurves:
     """What travels with the control's outcome besides its own curves (for verdicts and reports):
-    the seed band's replicates (including the control), or the noise twin's curves."""
+    the seed band's replicates (including the control), or the twins' curves."""
 
     replicates: tuple[RunMetrics, ...] = ()
-    twin: RunMetrics | None = None
     twins: tuple[RunMetrics, ...] = ()
     """Twin regime: every twin's curves (noise twin first), in ``control_jobs`` order."""
 

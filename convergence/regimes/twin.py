@@ -113,7 +113,7 @@ class TwinRegime:
 
     def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
         # The test is compared with the control itself; the twins only set the envelope.
-        return ControlCurves(twin=runs[1] if len(runs) > 1 else None, twins=tuple(runs[1:]))
+        return ControlCurves(twins=tuple(runs[1:]))
 
 
 #: Technique fields that change a run's rounding, not its math: a test that changes one of them

@@ -36,11 +36,10 @@ class SideOutcome:
     wall_s: float = 0.0
     replicates: tuple[RunMetrics, ...] = ()
     """Seed regime: all K control replicates (including the first)."""
-    twin: RunMetrics | None = None
-    """Twin regime: the curves of the control's noise twin (convergence/stats/twin.py)."""
     twins: tuple[RunMetrics, ...] = ()
-    """Twin regime: every twin's curves (noise twin, forward-noise twin, the twin with the
-    test's numerics), in the regime's ``control_jobs`` order."""
+    """Twin regime: every twin's curves (the noise twin first, then the forward-noise twin and
+    the twin with the test's numerics where they ran), in the regime's ``control_jobs`` order
+    (convergence/stats/twin.py)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Trainer metadata (seed checkpoint hash, entropy floor, world size, versions)."""
 

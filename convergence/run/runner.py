@@ -236,9 +236,7 @@ class Runner(JobRunner):
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True) for job in jobs]
         # What travels with the control (seed replicates, the twin's curves) is the regime's.
         kept = regime.control_curves([s.metrics for s in sides])
-        sides[0] = dataclasses.replace(
-            sides[0], replicates=kept.replicates, twin=kept.twin, twins=kept.twins
-        )
+        sides[0] = dataclasses.replace(sides[0], replicates=kept.replicates, twins=kept.twins)
         return sides
 
 

@@ -147,7 +147,8 @@ def side_to_json(side: SideOutcome | None) -> dict[str, Any] | None:
         "run_dir": None if side.run_dir is None else str(side.run_dir),
         "wall_s": jsonable(side.wall_s),
         "replicates": [metrics_to_json(r) for r in side.replicates],
-        "twin": None if side.twin is None else metrics_to_json(side.twin),
+        # The noise twin's curves only (what the report's residual plot draws).
+        "twin": metrics_to_json(side.twins[0]) if side.twins else None,
         "meta": jsonable(side.meta),
     }
 
@@ -226,7 +227,7 @@ def side_from_json(data: Mapping[str, Any] | None) -> SideOutcome | None:
         run_dir=None if data.get("run_dir") is None else Path(data["run_dir"]),
         wall_s=read_float(data.get("wall_s", 0.0)),
         replicates=tuple(metrics_from_json(r) for r in data.get("replicates", [])),
-        twin=None if data.get("twin") is None else metrics_from_json(data["twin"]),
+        twins=() if data.get("twin") is None else (metrics_from_json(data["twin"]),),
         meta=dict(data.get("meta", {})),
     )
 

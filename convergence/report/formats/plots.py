@@ -218,7 +218,8 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
 
 def _twin_residual(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     """Twin regime: twin - control, the legitimate noise the envelope was sized from."""
-    twin = outcome.control.twin if outcome.control is not None else None
+    twins = outcome.control.twins if outcome.control is not None else ()
+    twin = twins[0] if twins else None  # the noise twin
     control = outcome.control.metrics.get(metric) if outcome.control is not None else None
     if twin is None or control is None or metric not in twin:
         return
