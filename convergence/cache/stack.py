@@ -89,7 +89,7 @@ def accelerator_stack() -> dict[str, Any]:
     if "torch" not in sys.modules and build is not None and not build.has_gpu:
         # A CPU-only build has no CUDA, HIP, cuDNN or NCCL to report: the same dict as below,
         # told from torch's version.py instead of an import that costs the pytest process ~3 s
-        # of CPU before its first job (issue 30).
+        # of CPU before its first job.
         driver = _driver_version()
         return {"driver": driver} if driver is not None else {}
     try:

@@ -4,7 +4,7 @@ CPU defaults -- and the sentence that says so.
 A session selects once (the Runner, when it is built: :func:`select_calibration` then
 :func:`use`); the paired and twin tolerances then ask :func:`calibrated` for each metric's
 parameters instead of reading their defaults table directly. A process that selected nothing
-(a unit test, ``convergence compare``) gets the shipped defaults, as before.
+(a unit test, ``convergence compare``) gets the shipped defaults.
 
 A file is only used when its stack equals this machine's (stack.py). A file for another stack
 is never used, but never ignored silently either: the note names it and what differs, and every

@@ -4,7 +4,7 @@
     common.py   what subcommands share: exit codes, report folders
     compare.py  compare, export-golden          cache.py    cache list/verify/prune
     ab.py       the same jobs from two commits  bisect.py   the first commit a pair fails at
-    nightly.py  nightly, record, trend, decide
+    nightly.py  nightly, record, trend, decide  calibrate.py  calibrate (noise floors)
 
 The front ends sit on the library's top layer (tests/test_layers.py): nothing below imports
 them. ``main`` is imported lazily so that ``import convergence.cli.common`` does not load every

@@ -7,13 +7,16 @@
     convergence nightly --experiments PATH... --out DIR             write the nightly sbatch script
     convergence record REPORT.json HISTORY.jsonl                   append a night to the history
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
+    convergence decide HISTORY.jsonl --out DIR                      tonight vs the green nights' band
     convergence ab EXPERIMENT.toml --baseline REF --candidate REF   the same jobs from two commits
     convergence bisect GOOD BAD PAIR [--experiment FILE]          the first commit a pair fails at
+    convergence calibrate SOURCE [--out FILE] [--if-missing]        measure this stack's noise floors
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
     convergence --version
 
-Exit status: 0 when everything passed, 1 when a pair/metric failed, 2 for invalid input.
+Exit status: 0 when everything passed, 1 when a pair/metric or a run failed (RunFailed), 2 for
+invalid input (SpecError); ``decide`` has its own (nightly/decide.py).
 """
 
 from __future__ import annotations

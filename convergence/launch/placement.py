@@ -1,4 +1,4 @@
-"""Where a pair runs, decided at collection for all of its jobs alike (issue 38).
+"""Where a pair runs, decided at collection for all of its jobs alike.
 
 On a machine with GPUs a job whose ranks fit the GPUs gets one GPU per rank (NCCL). A larger job
 has three ways to run, tried in this order (``--convergence-device auto``):
@@ -13,8 +13,8 @@ has three ways to run, tried in this order (``--convergence-device auto``):
 One decision per pair, from its largest job and the union of its layouts' needs, so the control
 and the test always run on the same kind of device: a GPU control against a CPU test is not a
 comparison. ``--convergence-device cpu`` puts every built-in pair on CPU; ``cuda`` never falls
-back to CPU (skips instead). A CPU-only machine runs everything on CPU, as before (``cuda``
-skips there, naming why).
+back to CPU (skips instead). A CPU-only machine runs everything on CPU (``cuda`` skips there,
+naming why).
 
 A job placed on CPU carries ``device = "cpu"`` (convergence.spec.job.JobSpec): part of its
 run-cache key, so a cached GPU control is never compared with a CPU test, and the job floor

@@ -218,7 +218,7 @@ class JobRunner:
         ``watch_idle`` False: the idle limit is the wall limit (a seed checkpoint or a probe
         logs no steps to watch). ``in_job_context``: run in ``settings.job_cwd`` with
         ``settings.job_env`` (``convergence ab``'s worktree); training jobs do, the seed
-        checkpoint and the probe run in the current directory, as they always have.
+        checkpoint and the probe run in the current directory.
         """
         limits = self.settings
         return LaunchRequest(

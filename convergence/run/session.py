@@ -35,9 +35,9 @@ class SessionRunner:
     def run_pair(
         self, pair: PairSpec, *, on_progress: Callable[[Progress], None] | None = None
     ) -> PairOutcome:
-        """Run and judge ``pair``. Never raises for a job failure: it becomes status "error";
-        so does a cache that cannot be opened (e.g. a file where it needs a folder), per pair
-        as before the Runner was shared."""
+        """Run and judge ``pair``. Never raises for a run failure (RunFailed): it becomes
+        status "error"; so does a cache that cannot be opened (e.g. a file where it needs a
+        folder), for each pair until it can (the next pair tries again)."""
         try:
             runner = self.runner()
         except RunFailed as exc:  # CacheError

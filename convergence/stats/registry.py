@@ -1,5 +1,7 @@
-"""Which comparison implements a method, and comparing a run (the default rules per regime are
-pure data in convergence.spec.rules)."""
+"""Which comparison implements each method (:func:`get_comparison`), and comparing a run's
+curves rule by rule (:func:`compare_all`), with a metric missing on one side named and given
+a fix. The rules themselves are data: each regime's defaults live in its module
+(convergence/regimes/), the rules every regime shares in convergence.spec.rules."""
 
 from __future__ import annotations
 

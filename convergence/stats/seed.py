@@ -60,7 +60,7 @@ from convergence.stats.types import Band, Check, MetricVerdict
 # scipy is imported inside the functions that use it, not here. The verdict
 # registry imports this module for every session, but only the seed regime calls it, and
 # importing scipy.signal costs ~4.6 s of CPU on a 2-core machine (measured with cProfile on the
-# quick start, issue 30): seconds every fp32/bf16 session paid before its first verdict.
+# quick start): seconds every fp32/bf16 session would pay before its first verdict.
 
 DEFAULT_Z = 3.0
 DEFAULT_ALPHA = 0.05

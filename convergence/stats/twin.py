@@ -21,8 +21,8 @@ after s steps. The tolerance is
   rounding, a layout carries several at once: see :func:`twin_noise`): the noise twin,
   the forward-noise twin (the forward re-rounded at every step, as TP/SP/CP layouts do) and,
   when the test's numerics differ from the control's, the noise twin of the control run with
-  the test's numerics (convergence/regimes/twin.py; issue 28, BENCHMARKS.md "Twin envelope on
-  other models"). Two trajectories
+  the test's numerics (convergence/regimes/twin.py; BENCHMARKS.md "Twin envelope on other
+  models"). Two trajectories
   pushed apart by rounding drift apart and stay apart (chaos amplifies, it does not heal); that
   they cross at some step says nothing about how far noise can move them, so the envelope never
   narrows back to a crossing.
@@ -131,9 +131,9 @@ def twin_noise(control: Curve, twins: Sequence[Curve], pool: int = 0) -> tuple[I
     step is the running max up to ``pool`` logged steps later.
     Why: the gap at one step is one draw, and the ratio of two such draws (the test's gap over
     the twin's) is heavy-tailed -- at step 1, with nothing before it to take a maximum over, a
-    twin that happened to land close to the control makes k x its gap a needle's eye (issue 28:
-    a correct bf16-reduce test failed grad norm at step 1 at 5x the twin's gap there, 0.8x its
-    gap at step 3). Pooling the next steps' draws sizes the first steps' envelope on three
+    twin that happened to land close to the control makes k x its gap a needle's eye (measured:
+    without pooling, a correct bf16-reduce test fails grad norm at step 1 at 5x the twin's gap
+    there, 0.8x its gap at step 3). Pooling the next steps' draws sizes the first steps' envelope on three
     draws, not one; later steps barely change (the running max already pools). The envelope is
     built after the control and its twins finished, so the later steps are known.
     """

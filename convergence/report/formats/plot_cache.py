@@ -1,13 +1,13 @@
 """Pair plots rendered while the session still runs jobs, and reused by the report.
 
-A session with ``--convergence-report`` used to draw every pair's plot at its very end, after
-the last job: matplotlib's import and one figure per pair (~0.15 s of CPU each on a 2-core
-machine, benchmarks/report_cost.py) were all on the critical path. A pair's plot depends only
-on its outcome, so it can be drawn as soon as the verdict is in, on a background thread, while
-the next pair's jobs run (the pytest process mostly waits on them; prerender.py). The PNG goes
-to a cache folder under a name hashed from the outcome; :func:`cached_plot` hands it to the report, which
-copies it in place of drawing it again. A missing or stale entry is simply drawn as before,
-so the cache can never change a report: the same outcome draws the same bytes.
+Drawn at the session's end, after the last job, matplotlib's import and one figure per pair
+(~0.15 s of CPU each on a 2-core machine, benchmarks/report_cost.py) would all be on the
+critical path. A pair's plot depends only on its outcome, so it is drawn as soon as the verdict
+is in, on a background thread, while the next pair's jobs run (the pytest process mostly waits
+on them; prerender.py). The PNG goes to a cache folder under a name hashed from the outcome;
+:func:`cached_plot` hands it to the report, which copies it in place of drawing it again. A
+missing or stale entry is simply drawn then, so the cache can never change a report: the same
+outcome draws the same bytes.
 """
 
 from __future__ import annotations
