@@ -64,7 +64,9 @@ class RunSettings:
     steps: int | None = None
     """Override every job's steps (quick looks)."""
     alpha: float | None = None
-    """Override the level of the seed-band equivalence test."""
+    """``--alpha``: override the level of every rule whose comparison takes one
+    (``Comparison.takes_alpha``: today the seed band's equivalence test). A session option
+    like the others here; no regime is named for it."""
     backend: str | None = None
     """Override every job's backend."""
     wall_limit_s: float = 3600.0

@@ -93,7 +93,10 @@ class PairSpec:
     bitwise-comparable), ``twin`` (same seed checkpoint and data, noise envelope from a twin
     of the control) or ``seed`` (ensemble)."""
     replicates: int = 3
-    """seed regime: number of control replicates (different seeds) forming the band."""
+    """seed regime: number of control replicates (different seeds) forming the band. Here,
+    not in the seed regime, because the pair is parsed in spec/, the bottom layer, which
+    cannot import the regimes, and a pair must stay one frozen, serialisable value (saved
+    outcomes, the run cache); only convergence.regimes.seed reads it."""
     early_stop: bool = True
     """Stop the test job once the verdict is decided."""
     source: str = ""
