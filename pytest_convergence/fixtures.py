@@ -115,17 +115,12 @@ class PairRunner:
         )
 
     def __call__(
-        self,
-        control: Mapping[str, Any],
-        test: Mapping[str, Any],
-        *,
-        name: str | None = None,
-        compare: Mapping[str, Any] | None = None,
-        hook: str | None = None,
-        **job_kw: Any,
+        self, control: Mapping[str, Any], test: Mapping[str, Any], **options: Any
     ) -> PairOutcome:
+        """Run the pair :meth:`build` makes of the same arguments (``name``, ``compare``,
+        ``hook`` and job keys as keywords); fail the test unless it passes."""
         try:
-            pair = self.build(control, test, name=name, compare=compare, hook=hook, **job_kw)
+            pair = self.build(control, test, **options)
         except NotRunnableHere as exc:
             if not get_state(self._node.config).options["strict"]:
                 pytest.skip(skip_reason(exc))  # too few devices, a backend not installed

@@ -139,3 +139,32 @@ def gating_rules(method: Method) -> tuple[ComparisonRule, ...]:
         ComparisonRule(metric="grad_norm_parts", method=method),
         DATA_RULE,
     ) + PERFORMANCE_RULES
+
+
+@dataclass(frozen=True)
+class ShippedRegime:
+    """What the shipped regimes have alike (a subclass gives ``name`` and ``method`` defaults
+    and overrides what differs): the shared gating rules judged by its own method, one control
+    job, nothing kept beside the control's curves, every method use allowed. A regime of
+    another package may start from it too; the :class:`Regime` Protocol is what counts."""
+
+    name: str
+    method: Method
+    band_of_replicates: bool = False
+    early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
+    probe_on_failure: bool = True
+
+    def default_rules(self) -> tuple[ComparisonRule, ...]:
+        return gating_rules(self.method)
+
+    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
+        return None
+
+    def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
+        return (pair.control,)
+
+    def check_control_runs(self, count: int) -> None:
+        return None  # the first run is the control; others are not used
+
+    def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
+        return ControlCurves()

@@ -8,20 +8,12 @@ a failure is localised by the numerics probe (both sides start from the same wei
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from convergence.metrics.curve import RunMetrics
-from convergence.regimes.base import (
-    DEFAULT_EARLY_STOP,
-    ControlCurves,
-    EarlyStopPolicy,
-    TwinSource,
-    gating_rules,
-)
+from convergence.regimes.base import ShippedRegime, TwinSource
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.pair import ComparisonRule, Method, PairSpec
+from convergence.spec.pair import Method, PairSpec
 
 #: Train-config overrides that take a job out of the fp32 deterministic regime unless they
 #: hold exactly this value (an ``overrides`` table can set them behind ``techniques``' back).
@@ -55,15 +47,12 @@ def check_same_seed(pair: PairSpec, *, key: str) -> None:
 
 
 @dataclass(frozen=True)
-class PairedRegime:
+class PairedRegime(ShippedRegime):
+    """One control job and curve (ShippedRegime's): its method works in any regime, and
+    the other runs given to ``convergence compare`` are not used."""
+
     name: str = "paired"
     method: Method = "paired"
-    band_of_replicates: bool = False
-    early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
-    probe_on_failure: bool = True
-
-    def default_rules(self) -> tuple[ComparisonRule, ...]:
-        return gating_rules(self.method)
 
     def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         """The default only when both runs are deterministic fp32 (compute and reduction),
@@ -72,18 +61,6 @@ class PairedRegime:
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
         check_same_seed(pair, key=key)
-
-    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
-        return None  # one control curve: any regime has it
-
-    def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
-        return (pair.control,)
-
-    def check_control_runs(self, count: int) -> None:
-        return None  # the first run is the control; others are not used
-
-    def control_curves(self, runs: Sequence[RunMetrics]) -> ControlCurves:
-        return ControlCurves()
 
 
 PAIRED = PairedRegime()

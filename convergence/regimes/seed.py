@@ -11,28 +11,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from convergence.metrics.curve import RunMetrics
-from convergence.regimes.base import (
-    DEFAULT_EARLY_STOP,
-    ControlCurves,
-    EarlyStopPolicy,
-    TwinSource,
-    gating_rules,
-)
+from convergence.regimes.base import ControlCurves, ShippedRegime, TwinSource
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.pair import ComparisonRule, Method, PairSpec
+from convergence.spec.pair import Method, PairSpec
 
 
 @dataclass(frozen=True)
-class SeedRegime:
+class SeedRegime(ShippedRegime):
     name: str = "seed"
     method: Method = "seed"
     band_of_replicates: bool = True
-    early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
     probe_on_failure: bool = False
-
-    def default_rules(self) -> tuple[ComparisonRule, ...]:
-        return gating_rules(self.method)
 
     def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         return True  # the fallback: asked last among the shipped regimes
@@ -46,9 +36,8 @@ class SeedRegime:
                 fix="set replicates >= 2",
             )
 
-    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
-        # Allowed anywhere: with one control curve the seed comparison fails with its reason.
-        return None
+    # check_method_use: allowed anywhere (ShippedRegime's): with one control curve the seed
+    # comparison fails with its own reason.
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
         control = pair.control

@@ -15,30 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from convergence.metrics.curve import RunMetrics
-from convergence.regimes.base import (
-    DEFAULT_EARLY_STOP,
-    FORWARD_TWIN,
-    ControlCurves,
-    EarlyStopPolicy,
-    TwinSource,
-    gating_rules,
-)
+from convergence.regimes.base import FORWARD_TWIN, ControlCurves, ShippedRegime, TwinSource
 from convergence.regimes.paired import check_same_seed
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.pair import ComparisonRule, Method, PairSpec
+from convergence.spec.pair import Method, PairSpec
 
 
 @dataclass(frozen=True)
-class TwinRegime:
+class TwinRegime(ShippedRegime):
     name: str = "twin"
     method: Method = "twin"
-    band_of_replicates: bool = False
-    early_stop: EarlyStopPolicy = DEFAULT_EARLY_STOP
-    probe_on_failure: bool = True
-
-    def default_rules(self) -> tuple[ComparisonRule, ...]:
-        return gating_rules(self.method)
 
     def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         # Asked after paired: same seed checkpoint and data but not bitwise reproducible, and

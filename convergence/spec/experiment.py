@@ -29,7 +29,14 @@ from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import METHODS, METRICS, ComparisonRule, PairSpec, Tier
 from convergence.spec.resume import parse_resume
 from convergence.spec.rules import RegimeTable
-from convergence.spec.toml_io import check_keys, expect, expect_table, read_toml
+from convergence.spec.toml_io import (
+    check_keys,
+    expect,
+    expect_choice,
+    expect_table,
+    read_toml,
+    require_key,
+)
 
 TIERS: tuple[Tier, ...] = get_args(Tier)
 
@@ -160,13 +167,14 @@ def _tests(data: Mapping[str, Any], file: str) -> list[tuple[str, dict[str, Any]
         key = f"test[{i}]"
         test = expect_table(raw, file=file, key=key)
         check_keys(test, TEST_KEYS, file=file, path=key)
-        if "name" not in test:
-            raise SpecError(
-                "test has no name",
-                file=file,
-                key=f"{key}.name",
-                fix='add name = "fsdp2-tp2" (it becomes the pytest item name)',
-            )
+        require_key(
+            test,
+            "name",
+            file=file,
+            key=key,
+            what="test",
+            fix='add name = "fsdp2-tp2" (it becomes the pytest item name)',
+        )
         out.append((key, test))
     raw_sweeps = expect(
         data.get("sweep", []), list, file=file, key="sweep", what="an array of tables ([[sweep]])"
@@ -560,30 +568,12 @@ def make_pair(
             test_job = _with_resume(test_job, test_table["resume"], file=file, key=key)
 
     regime = pair_conf.get("regime") or regimes.default_for(control_job, test_job)
-    if regime not in regimes.names():
-        raise SpecError(
-            f"unknown regime {regime!r}",
-            file=file,
-            key=f"{key}.regime",
-            fix=f"use one of: {', '.join(regimes.names())}",
-        )
+    expect_choice(regime, regimes.names(), file=file, key=f"{key}.regime", what="regime")
     tier = pair_conf.get("tier", "quick")
-    if tier not in TIERS:
-        raise SpecError(
-            f"unknown tier {tier!r}",
-            file=file,
-            key=f"{key}.tier",
-            fix=f"use one of: {', '.join(TIERS)}",
-        )
+    expect_choice(tier, TIERS, file=file, key=f"{key}.tier", what="tier")
     compare_table = expect_table(pair_conf.get("compare", {}), file=file, key=f"{key}.compare")
     probe = pair_conf.get("probe", "on_failure")
-    if probe not in PROBE_MODES:
-        raise SpecError(
-            f"unknown probe mode {probe!r}",
-            file=file,
-            key=f"{key}.probe",
-            fix=f"use one of: {', '.join(PROBE_MODES)}",
-        )
+    expect_choice(probe, PROBE_MODES, file=file, key=f"{key}.probe", what="probe mode")
     pair = PairSpec(
         pair_id=f"{Path(file).name}::{name}",
         control=control_job,

@@ -15,7 +15,7 @@ from typing import Any
 
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import ParallelLayout, Techniques
-from convergence.spec.toml_io import check_keys, expect, expect_table
+from convergence.spec.toml_io import check_keys, expect, expect_table, require_key
 
 #: Keys of the ``resume`` table.
 RESUME_KEYS = ("at_step", "parallelism", "techniques", "local_batch_size")
@@ -68,13 +68,14 @@ def parse_resume(
     ``techniques`` merge into the side's."""
     table = expect_table(value, file=file, key=key)
     check_keys(table, RESUME_KEYS, file=file, path=key)
-    if "at_step" not in table:
-        raise SpecError(
-            "resume has no at_step",
-            file=file,
-            key=f"{key}.at_step",
-            fix="set at_step = K: the step after which the side checkpoints",
-        )
+    at_step = require_key(
+        table,
+        "at_step",
+        file=file,
+        key=key,
+        what="resume",
+        fix="set at_step = K: the step after which the side checkpoints",
+    )
     par = table.get("parallelism")
     tech = expect_table(table.get("techniques", {}), file=file, key=f"{key}.techniques")
     check_keys(tech, TECHNIQUE_KEYS, file=file, path=f"{key}.techniques")
@@ -84,9 +85,7 @@ def parse_resume(
             check_keys(par, LAYOUT_KEYS, file=file, path=f"{key}.parallelism")
         batch = table.get("local_batch_size")
         return Resume(
-            at_step=expect(
-                table["at_step"], int, file=file, key=f"{key}.at_step", what="an integer"
-            ),
+            at_step=expect(at_step, int, file=file, key=f"{key}.at_step", what="an integer"),
             layout=ParallelLayout(**par) if par is not None else layout,
             techniques=Techniques(**{**techniques.to_dict(), **tech}),
             local_batch_size=None

@@ -62,3 +62,22 @@ def expect(value: Any, kind: type | tuple[type, ...], *, file: str, key: str, wh
 
 def expect_table(value: Any, *, file: str, key: str) -> dict[str, Any]:
     return dict(expect(value, dict, file=file, key=key, what="a table ({ key = value, ... })"))
+
+
+def require_key(
+    table: Mapping[str, Any], name: str, *, file: str, key: str, what: str, fix: str
+) -> Any:
+    """``table[name]``; SpecError "``what`` has no ``name``" at ``key.name`` otherwise."""
+    if name not in table:
+        raise SpecError(f"{what} has no {name}", file=file, key=f"{key}.{name}", fix=fix)
+    return table[name]
+
+
+def expect_choice(value: Any, choices: Iterable[str], *, file: str, key: str, what: str) -> Any:
+    """``value`` when it is one of ``choices``; SpecError "unknown ``what``" naming them."""
+    choices = list(choices)
+    if value not in choices:
+        raise SpecError(
+            f"unknown {what} {value!r}", file=file, key=key, fix=f"use one of: {', '.join(choices)}"
+        )
+    return value

@@ -46,136 +46,85 @@ _NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": list(NON_FINITE)}
 _OPT_NUM: dict[str, Any] = {"anyOf": [{"type": "number"}, {"enum": [*NON_FINITE, None]}]}
 _OPT_INT: dict[str, Any] = {"type": ["integer", "null"]}
 _OPT_STR: dict[str, Any] = {"type": ["string", "null"]}
-_CURVE: dict[str, Any] = {
-    "type": "object",
-    "required": ["steps", "values"],
-    "properties": {
-        "metric": {"type": "string"},
-        "steps": {"type": "array", "items": {"type": "integer"}},
-        "values": {"type": "array", "items": _NUM},
-    },
-}
+_INT: dict[str, Any] = {"type": "integer"}
+_STR: dict[str, Any] = {"type": "string"}
+_BOOL: dict[str, Any] = {"type": "boolean"}
+_COUNT: dict[str, Any] = {"type": "integer", "minimum": 0}
+
+
+def _object(
+    required: Mapping[str, Any], optional: Mapping[str, Any] | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A JSON object's schema with each key written once: ``required`` keys must be present,
+    ``optional`` ones may be; ``extra``: more schema keywords (e.g. additionalProperties)."""
+    return {
+        "type": "object",
+        "required": list(required),
+        **extra,
+        "properties": {**required, **(optional or {})},
+    }
+
+
+_CURVE = _object(
+    {"steps": {"type": "array", "items": _INT}, "values": {"type": "array", "items": _NUM}},
+    {"metric": _STR},
+)
 _RUN_CURVES: dict[str, Any] = {"type": "object", "additionalProperties": {"$ref": "#/$defs/curve"}}
 
-_SIDE: dict[str, Any] = {
-    "type": "object",
-    "required": [
-        "name",
-        "short_name",
-        "world_size",
-        "degrees",
-        "techniques",
-        "ran",
-        "cached",
-        "wall_s",
-        "status",
-    ],
-    "properties": {
-        "name": {"type": "string"},
-        "short_name": {"type": "string"},
+_SIDE = _object(
+    {
+        "name": _STR,
+        "short_name": _STR,
         "world_size": {"type": "integer", "minimum": 1},
-        "degrees": {
-            "type": "object",
-            "required": list(AXES),
-            "additionalProperties": False,
-            "properties": {a: {"type": "integer", "minimum": 1} for a in AXES},
-        },
-        "pp_schedule": _OPT_STR,
-        "sequence_parallel": {"type": "boolean"},
+        "degrees": _object(
+            {a: {"type": "integer", "minimum": 1} for a in AXES}, additionalProperties=False
+        ),
         "techniques": {"type": "object"},
-        "hook": _OPT_STR,
-        "steps": {"type": "integer"},
-        "seed": {"type": "integer"},
-        "backend": {"type": "string"},
-        "ran": {"type": "boolean"},
-        "cached": {"type": "boolean"},
+        "ran": _BOOL,
+        "cached": _BOOL,
         "wall_s": _OPT_NUM,
         "status": _OPT_STR,
+    },
+    {
+        "pp_schedule": _OPT_STR,
+        "sequence_parallel": _BOOL,
+        "hook": _OPT_STR,
+        "steps": _INT,
+        "seed": _INT,
+        "backend": _STR,
         "run_dir": _OPT_STR,
         "last_step": _OPT_INT,
-        "num_replicates": {"type": "integer", "minimum": 0},
+        "num_replicates": _COUNT,
     },
-}
+)
 
-_VERDICT: dict[str, Any] = {
-    "type": "object",
-    "required": [
-        "metric",
-        "method",
-        "passed",
-        "gate",
-        "first_divergent_step",
-        "max_deviation",
-        "max_deviation_step",
-        "tolerance",
-        "p_values",
-        "message",
-    ],
-    "properties": {
-        "metric": {"type": "string"},
-        "method": {"type": "string"},
-        "passed": {"type": "boolean"},
-        "gate": {"type": "boolean"},
-        "steps_compared": {"type": "integer"},
+_VERDICT = _object(
+    {
+        "metric": _STR,
+        "method": _STR,
+        "passed": _BOOL,
+        "gate": _BOOL,
         "first_divergent_step": _OPT_INT,
         "max_deviation": _NUM,
         "max_deviation_step": _OPT_INT,
-        "tolerance": {"type": "string"},
-        "tolerance_at_max": _OPT_NUM,
+        "tolerance": _STR,
         "p_values": {"type": "object", "additionalProperties": _NUM},
-        "message": {"type": "string"},
-        "not_compared": {"type": "boolean"},
+        "message": _STR,
     },
-}
+    {"steps_compared": _INT, "tolerance_at_max": _OPT_NUM, "not_compared": _BOOL},
+)
 
-_RESOURCE: dict[str, Any] = {
-    "type": "object",
-    "required": ["control", "test", "ratio"],
-    "properties": {"control": _OPT_NUM, "test": _OPT_NUM, "ratio": _OPT_NUM},
-}
+_RESOURCE = _object({"control": _OPT_NUM, "test": _OPT_NUM, "ratio": _OPT_NUM})
 
-_DIVERGENCE_ROW: dict[str, Any] = {
-    "type": "object",
-    "required": ["step", "control", "test", "delta"],
-    "properties": {
-        "step": {"type": "integer"},
-        "control": _OPT_NUM,
-        "test": _OPT_NUM,
-        "delta": _OPT_NUM,
-    },
-}
+_DIVERGENCE_ROW = _object({"step": _INT, "control": _OPT_NUM, "test": _OPT_NUM, "delta": _OPT_NUM})
 
-_PAIR: dict[str, Any] = {
-    "type": "object",
-    "required": [
-        "id",
-        "name",
-        "source",
-        "status",
-        "regime",
-        "control",
-        "test",
-        "techniques_changed",
-        "verdicts",
-        "first_divergent_step",
-        "max_abs_delta",
-        "resources",
-        "wall_s",
-        "cached",
-        "stopped_early_at",
-        "error",
-        "localisation",
-        "divergence",
-        "plots",
-    ],
-    "properties": {
-        "id": {"type": "string"},
-        "name": {"type": "string"},
-        "source": {"type": "string"},
+_PAIR = _object(
+    {
+        "id": _STR,
+        "name": _STR,
+        "source": _STR,
         "status": {"enum": list(PAIR_STATUSES)},
         "regime": {"enum": list(REGISTRY.names())},
-        "tier": {"type": "string"},
-        "placement": {"type": "string"},
         "control": {"$ref": "#/$defs/side"},
         "test": {"$ref": "#/$defs/side"},
         "techniques_changed": {"type": "object"},
@@ -186,22 +135,13 @@ _PAIR: dict[str, Any] = {
             "required": ["loss", "grad_norm"],
             "additionalProperties": _OPT_NUM,
         },
-        "delta_reference": {"type": "string"},
         "resources": {
             "type": "object",
             "required": ["tokens_per_s", "peak_mem_mib"],
             "additionalProperties": {"$ref": "#/$defs/resource"},
         },
-        "wall_s": {
-            "type": "object",
-            "required": ["pair", "control", "test"],
-            "properties": {"pair": _NUM, "control": _OPT_NUM, "test": _OPT_NUM},
-        },
-        "cached": {
-            "type": "object",
-            "required": ["control", "test"],
-            "properties": {"control": {"type": "boolean"}, "test": {"type": "boolean"}},
-        },
+        "wall_s": _object({"pair": _NUM, "control": _OPT_NUM, "test": _OPT_NUM}),
+        "cached": _object({"control": _BOOL, "test": _BOOL}),
         "stopped_early_at": _OPT_INT,
         "error": _OPT_STR,
         "localisation": {"type": ["object", "null"]},
@@ -209,78 +149,45 @@ _PAIR: dict[str, Any] = {
             "type": "object",
             "additionalProperties": {"type": "array", "items": {"$ref": "#/$defs/divergence_row"}},
         },
-        "plots": {"type": "object", "additionalProperties": {"type": "string"}},
+        "plots": {"type": "object", "additionalProperties": _STR},
+    },
+    {
+        "tier": _STR,
+        "placement": _STR,
+        "delta_reference": _STR,
         "plot_error": _OPT_STR,
-        "resume": {
-            "type": "object",
-            "required": ["at_step", "before", "after", "note"],
-            "properties": {
-                "at_step": {"type": "integer"},
-                "before": {"type": "string"},
-                "after": {"type": "string"},
-                "note": _OPT_STR,
-            },
-        },
-        "curves": {
-            "type": "object",
-            "required": ["control", "test", "control_replicates"],
-            "properties": {
+        "resume": _object({"at_step": _INT, "before": _STR, "after": _STR, "note": _OPT_STR}),
+        "curves": _object(
+            {
                 "control": _RUN_CURVES,
                 "test": _RUN_CURVES,
                 "control_replicates": {"type": "array", "items": _RUN_CURVES},
-            },
-        },
+            }
+        ),
     },
-}
+)
+
+_SUMMARY_COUNTS = ("pairs", "passed", "failed", "errors", "skipped", "cached_runs", "fresh_runs")
 
 REPORT_JSON_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "$id": "https://pytest-convergence/report.schema.json",
     "title": "pytest-convergence report",
-    "type": "object",
-    "required": [
-        "schema_version",
-        "generated_at",
-        "started_at",
-        "wall_s",
-        "environment",
-        "summary",
-        "pairs",
-    ],
-    "properties": {
-        "schema_version": {"const": REPORT_SCHEMA_VERSION},
-        "generated_at": {"type": "string"},
-        "started_at": _OPT_STR,
-        "wall_s": _OPT_NUM,
-        "environment": {"type": "object", "required": ["python", "torch", "platform", "hostname"]},
-        "summary": {
-            "type": "object",
-            "required": [
-                "pairs",
-                "passed",
-                "failed",
-                "errors",
-                "skipped",
-                "cached_runs",
-                "fresh_runs",
-            ],
-            "properties": {
-                k: {"type": "integer", "minimum": 0}
-                for k in (
-                    "pairs",
-                    "passed",
-                    "failed",
-                    "errors",
-                    "skipped",
-                    "cached_runs",
-                    "fresh_runs",
-                    "stopped_early",
-                )
+    **_object(
+        {
+            "schema_version": {"const": REPORT_SCHEMA_VERSION},
+            "generated_at": _STR,
+            "started_at": _OPT_STR,
+            "wall_s": _OPT_NUM,
+            "environment": {
+                "type": "object",
+                "required": ["python", "torch", "platform", "hostname"],
             },
+            "summary": _object({k: _COUNT for k in _SUMMARY_COUNTS}, {"stopped_early": _COUNT}),
+            "pairs": {"type": "array", "items": {"$ref": "#/$defs/pair"}},
         },
-        "plots": {"type": "object", "additionalProperties": {"type": "string"}},
-        "pairs": {"type": "array", "items": {"$ref": "#/$defs/pair"}},
-    },
+        {"plots": {"type": "object", "additionalProperties": _STR}},
+    ),
     "$defs": {
         "curve": _CURVE,
         "side": _SIDE,
