@@ -81,3 +81,20 @@ def test_a_list_elsewhere_is_json_text_of_strings(tmp_path: Path) -> None:
     path = _experiment(tmp_path, "train.py", extra=["a.py", 3])
     with pytest.raises(SpecError, match="backend_options.extra"):
         load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)
+
+
+@pytest.mark.parametrize(
+    ("option", "message", "fix"),
+    [
+        ("launch", "launch must be torchrun or direct", 'set launch = "torchrun"'),
+        ("metrics", "metrics must be jsonl or tensorboard", 'set metrics = "jsonl"'),
+    ],
+)
+def test_a_word_outside_an_options_choices_names_them(
+    tmp_path: Path, option: str, message: str, fix: str
+) -> None:
+    path = _experiment(tmp_path, "python train.py", **{option: "srun"})
+    with pytest.raises(SpecError) as err:
+        load_checked(path, rootdir=tmp_path)
+    assert err.value.key is not None and err.value.key.endswith(f"backend_options.{option}")
+    assert message in str(err.value) and err.value.fix == fix

@@ -43,6 +43,11 @@ OPTION_KEYS = (
     "tokens_per_step",
     "sources",
 )
+#: Options that take one of a few words; the first is the default.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "launch": ("torchrun", "direct"),
+    "metrics": ("jsonl", "tensorboard"),
+}
 PLACEHOLDERS = (
     "nproc",
     "world_size",
@@ -192,13 +197,14 @@ class CommandBackend:
                     key="backend_options.command",
                     fix=f"use only {{{'}, {'.join(PLACEHOLDERS)}}}",
                 ) from None
-        if options.get("launch", "torchrun") not in ("torchrun", "direct"):
-            raise SpecError(
-                "launch must be torchrun or direct",
-                file=file,
-                key="backend_options.launch",
-                fix='set launch = "torchrun"',
-            )
+        for option, choices in CHOICES.items():  # the first choice is the default
+            if options.get(option, choices[0]) not in choices:
+                raise SpecError(
+                    f"{option} must be {' or '.join(choices)}",
+                    file=file,
+                    key=f"backend_options.{option}",
+                    fix=f'set {option} = "{choices[0]}"',
+                )
         if "sources" in options:
             patterns = _sources(job)
             if not patterns or not self.source_files(job):
@@ -209,13 +215,6 @@ class CommandBackend:
                     fix="list globs of the trainer's files relative to the "
                     'experiment file, e.g. sources = ["train.py"]',
                 )
-        if options.get("metrics", "jsonl") not in ("jsonl", "tensorboard"):
-            raise SpecError(
-                "metrics must be jsonl or tensorboard",
-                file=file,
-                key="backend_options.metrics",
-                fix='set metrics = "jsonl"',
-            )
 
     def launches_itself(self, job: JobSpec) -> bool:
         return _options(job).get("launch", "torchrun") == "direct"
