@@ -319,7 +319,7 @@ def test_the_control_is_reused_only_while_its_code_is_unchanged(tmp_path: Path) 
     trainer without `sources` gets the commit itself (the key could not tell otherwise)."""
     import dataclasses
 
-    from convergence.cli.bisect import control_code
+    from convergence.bisection import control_code
     from convergence.preflight import load_checked
 
     repo = _repo(tmp_path)

@@ -36,3 +36,9 @@ class NotRunnableHere(SpecError):
     """A valid pair that this session cannot run: it needs more devices than the session has,
     or a backend that is not installed. Collection skips it with this message as the reason
     (``--convergence-strict`` makes it an error, like every other SpecError)."""
+
+
+class RunFailed(Exception):
+    """A run that did not give what was asked of it (a job crashed, a pair could not run):
+    not the input's fault, so not a :class:`SpecError`. The message says what failed and where
+    its logs are."""
