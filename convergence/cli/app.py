@@ -7,10 +7,12 @@
     convergence nightly --experiments PATH... --out DIR             write the nightly sbatch script
     convergence record REPORT.json HISTORY.jsonl                   append a night to the history
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
+    convergence decide HISTORY.jsonl --out DIR                      tonight vs the last green nights
     convergence ab EXPERIMENT.toml --baseline REF --candidate REF   the same jobs from two commits
     convergence bisect GOOD BAD PAIR [--experiment FILE]          the first commit a pair fails at
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
+    convergence calibrate SOURCE [--if-missing]                     measure this machine's floors
     convergence --version
 
 Exit status: 0 when everything passed, 1 when a pair/metric failed, 2 for invalid input.

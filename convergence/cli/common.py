@@ -1,7 +1,7 @@
-"""What the command-line front ends share (``convergence`` run/report, ``ab``, ``compare``,
-``cache``): exit codes and writing a report folder. A module of its own, below them all, so
-that no front end imports another for a helper (``ab`` once reached into ``cli`` for it, and
-``cli`` imports ``ab`` to register it: a cycle)."""
+"""What the command-line front ends share: exit codes, writing a report folder, the option
+table's values of a subcommand's flags. A module of its own, below them all, so that no front
+end imports another for a helper (app.py imports each one to register it: that would be a
+cycle)."""
 
 from __future__ import annotations
 
