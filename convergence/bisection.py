@@ -60,16 +60,10 @@ class Step:
         return self.status in ("failed", "error")
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "commit": self.commit,
-            "subject": self.subject,
-            "status": self.status,
-            "first_divergent_step": self.first_divergent_step,
-            "stopped_early_at": self.stopped_early_at,
-            "wall_s": round(self.wall_s, 3),
-            "control_cached": self.control_cached,
-            "why": self.why or None,
-        }
+        """Every field but the outcome (the report's to tell), in their order."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["outcome"]
+        return {**fields, "wall_s": round(self.wall_s, 3), "why": self.why or None}
 
 
 @dataclass(frozen=True, kw_only=True)

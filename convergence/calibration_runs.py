@@ -67,8 +67,6 @@ PRESETS: dict[str, Preset] = {
     "fsdp2-cp2": Preset(ParallelLayout(dp_shard=2, cp=2)),
 }
 DEFAULT_CONTROL = "fsdp2"
-DEFAULT_FP32 = ("single", "ddp2")
-DEFAULT_BF16 = ("hsdp2x2", "fsdp2-tp2")  # bf16 goes through FSDP2: every layout shards
 #: The metrics whose floors are measured (val_loss takes the loss's: it is logged every few
 #: steps only, as its defaults do).
 METRICS = ("loss", "grad_norm", "grad_norm_parts")
@@ -76,15 +74,21 @@ METRICS = ("loss", "grad_norm", "grad_norm_parts")
 
 @dataclass(frozen=True)
 class Precision:
-    """One of the two experiments: the parameters' dtype and the regime that judges it."""
+    """One of the two experiments: the parameters' dtype, the regime that judges it and the
+    layouts it runs by default."""
 
     name: str
     regime: str
     param_dtype: DType
+    default_layouts: tuple[str, ...]
 
 
-FP32 = Precision("fp32", regime="paired", param_dtype="float32")
-BF16 = Precision("bf16", regime="twin", param_dtype="bfloat16")
+FP32 = Precision("fp32", regime="paired", param_dtype="float32", default_layouts=("single", "ddp2"))
+# bf16 goes through FSDP2: every layout shards.
+BF16 = Precision(
+    "bf16", regime="twin", param_dtype="bfloat16", default_layouts=("hsdp2x2", "fsdp2-tp2")
+)
+PRECISIONS = (FP32, BF16)
 
 
 @dataclass(frozen=True)

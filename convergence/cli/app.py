@@ -36,6 +36,7 @@ from convergence.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    add_out_folder,
     option_values,
     write_report_folder,
 )
@@ -200,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUTCOMES_DIR",
         help="folder of *.outcome.json (e.g. .convergence/sessions/<id>)",
     )
-    report.add_argument("--out", required=True, metavar="DIR", help="report folder")
+    add_out_folder(report, "report folder")
     report.set_defaults(func=cmd_report)
 
     add_export_parser(sub)

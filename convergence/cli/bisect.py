@@ -14,7 +14,7 @@ then) and runs the pair there -- control and test -- with the verdict pytest giv
   not a failure, and a GOOD reference would blame it. The cost is kept down by the run cache:
   the control's key covers the code it runs (the trainer's ``backend_options.sources``, the
   hook's package at that commit), so a control whose code did not change between two steps
-  runs once (convergence/bisection.py: ``control_code``). Where the key could not tell (a command trainer that names
+  runs once (:func:`control_code`). Where the key could not tell (a command trainer that names
   no sources, a torchtitan checkout), the commit goes into the key: correct, not reused.
 - The test stops as soon as the sequential monitor has decided (the runner's early stop), and
   no numerics probe runs: a broken step costs the steps up to its divergence.
@@ -45,27 +45,10 @@ from convergence.bisection import (
     experiment_paths,
     subject,
 )
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, option_values
-from convergence.options import (
-    OPTIONS,
-    add_arguments,
-    cli_run_settings,
-)
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_job_options, option_values
+from convergence.options import cli_run_settings
 from convergence.report.formats.failure_text import render_outcome
 from convergence.worktrees import git, sigterm_as_interrupt
-
-#: Session options ``bisect`` takes (not tier/alpha/report/strict: one pair, its own verdict).
-BISECT_OPTIONS = (
-    "workdir",
-    "steps",
-    "devices",
-    "launcher",
-    "idle-limit",
-    "wall-limit",
-    "cache-dir",
-    "refresh",
-    "no-early-stop",
-)
 
 #: The exit status of each way a search ends (the module's docstring says them).
 EXIT_STATUS: dict[Ending, int] = {
@@ -100,7 +83,9 @@ def add_bisect_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     bisect.add_argument("--repo", default=".", metavar="DIR", help="the trainer's git repository")
     bisect.add_argument("--json", metavar="FILE", help="also write the steps and answer as JSON")
-    add_arguments(bisect, skip=[opt.name for opt in OPTIONS if opt.name not in BISECT_OPTIONS])
+    # The job options and the cache's, early stop (not tier/alpha/report/strict: one pair, its
+    # own verdict).
+    add_job_options(bisect, "cache-dir", "refresh", "no-early-stop")
     bisect.set_defaults(func=cmd_bisect)
 
 

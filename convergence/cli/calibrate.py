@@ -32,10 +32,9 @@ from convergence.calibration.select import select_calibration
 from convergence.calibration.stack import current_stack, stack_hash
 from convergence.calibration_runs import (
     BF16,
-    DEFAULT_BF16,
     DEFAULT_CONTROL,
-    DEFAULT_FP32,
     FP32,
+    PRECISIONS,
     PRESETS,
     Precision,
     calibration_pairs,
@@ -43,27 +42,19 @@ from convergence.calibration_runs import (
     read_source,
     run_pairs,
 )
-from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, option_values
-from convergence.options import OPTIONS, add_arguments, cli_run_settings
+from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, add_job_options, option_values
+from convergence.options import cli_run_settings
 from convergence.run.outcome import PairOutcome
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
 
-#: Session options ``calibrate`` takes from the shared table (same flags, types and checks as
-#: ``convergence run``): not tier/report/strict (no experiment of the user's), not the
-#: backend (the source's), not early stop (always off: every curve whole), not alpha.
-CALIBRATE_OPTIONS = (
-    "workdir",
-    "steps",
-    "devices",
-    "launcher",
-    "idle-limit",
-    "wall-limit",
-    "cache-dir",
-    "refresh",
-)
 DEFAULT_STEPS = 30
+#: What each experiment's layouts are judged against, and what "none" skips (--help).
+LAYOUTS_HELP = {
+    FP32: ("against FSDP(2)", f"known: {', '.join(PRESETS)}; none: skip the paired floors"),
+    BF16: ("against FSDP(2) and its twin", "none: skip the twin"),
+}
 
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -82,24 +73,17 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         help=f"the control layout (default {DEFAULT_CONTROL}; single: a one-GPU machine)",
     )
     p.add_argument("--seed", type=int, default=7, help="training seed (default 7)")
-    p.add_argument(
-        "--fp32-layouts",
-        nargs="*",
-        default=list(DEFAULT_FP32),
-        choices=[*sorted(PRESETS), "none"],
-        metavar="LAYOUT",
-        help=f"correct fp32 layouts against FSDP(2) (default {' '.join(DEFAULT_FP32)}; "
-        f"known: {', '.join(PRESETS)}; none: skip the paired floors)",
-    )
-    p.add_argument(
-        "--bf16-layouts",
-        nargs="*",
-        default=list(DEFAULT_BF16),
-        choices=[*sorted(PRESETS), "none"],
-        metavar="LAYOUT",
-        help=f"correct bf16 layouts against FSDP(2) and its twin (default "
-        f"{' '.join(DEFAULT_BF16)}; none: skip the twin)",
-    )
+    for precision in PRECISIONS:
+        against, more = LAYOUTS_HELP[precision]
+        p.add_argument(
+            f"--{precision.name}-layouts",
+            nargs="*",
+            default=list(precision.default_layouts),
+            choices=[*sorted(PRESETS), "none"],
+            metavar="LAYOUT",
+            help=f"correct {precision.name} layouts {against} (default "
+            f"{' '.join(precision.default_layouts)}; {more})",
+        )
     p.add_argument(
         "--margin",
         type=float,
@@ -117,7 +101,9 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:  # type: igno
         action="store_true",
         help="do nothing when a calibration for this stack exists (the nightly's step)",
     )
-    add_arguments(p, skip=[opt.name for opt in OPTIONS if opt.name not in CALIBRATE_OPTIONS])
+    # The job options and the cache's: not tier/report/strict (no experiment of the user's),
+    # not the backend (the source's), not early stop (always off: every curve whole), not alpha.
+    add_job_options(p, "cache-dir", "refresh")
     # Steps per job: the table's --steps with calibrate's own default (its jobs have no other).
     p.set_defaults(func=cmd_calibrate, steps=DEFAULT_STEPS)
 
@@ -136,8 +122,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     work_dir = settings.work_dir
     # "none" (or no layout at all) skips that part, as --help says.
     layouts: dict[Precision, list[str]] = {
-        FP32: [name for name in args.fp32_layouts if name != "none"],
-        BF16: [name for name in args.bf16_layouts if name != "none"],
+        precision: [name for name in getattr(args, f"{precision.name}_layouts") if name != "none"]
+        for precision in PRECISIONS
     }
     if args.if_missing:
         found = select_calibration(work_dir, explicit=args.out)
