@@ -13,7 +13,6 @@ break another repository's collection. Item names are the test names:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import pytest
 
 from convergence.preflight import load_checked, validate_devices
 from convergence.spec.errors import NotRunnableHere, SpecError
-from convergence.spec.experiment import TIERS
+from convergence.spec.experiment import TIERS, declares_experiment
 from convergence.spec.pair import PairSpec
 from pytest_convergence.execute import check_outcome, execute_pair
 from pytest_convergence.failure import ConvergenceFailure
@@ -107,19 +106,6 @@ def add_convergence_paths(config: pytest.Config) -> list[Path]:
         have.append(path)
         added.append(path)
     return added
-
-
-# The tables only an experiment file has. Matched on the raw text, so a file that declares
-# itself but does not parse is still ours (and its syntax error is reported).
-_DECLARES = re.compile(r"^[ \t]*(\[[ \t]*control\b|\[\[[ \t]*(test|sweep)\b)", re.MULTILINE)
-
-
-def declares_experiment(file_path: Path) -> bool:
-    try:
-        text = file_path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return False
-    return _DECLARES.search(text) is not None
 
 
 class ExperimentFile(pytest.File):

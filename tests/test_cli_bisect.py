@@ -221,6 +221,41 @@ def test_bad_passing_and_good_failing_are_said(
     assert "the pair fails at GOOD too" in err and "pick an older GOOD" in err, out + err
 
 
+def test_the_search_runs_without_the_front_end(
+    history: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    """convergence.bisection is the search, the CLI only its arguments and printing: bisect()
+    hears of each step as it ends, in order, and says how the search ended (the CLI turns that
+    into its exit status)."""
+    from convergence.bisection import Bisection, bisect, commits_between
+    from convergence.run.jobs import RunSettings
+
+    repo, commits = history
+    settings = RunSettings(work_dir=tmp_path / "work")
+    assert commits_between(repo, commits[0], "main") == commits
+    heard: list[tuple[int, str, str]] = []
+
+    def search(span: list[str]) -> Bisection:
+        heard.clear()
+        return bisect(
+            repo,
+            span,
+            experiments=["exp.toml"],
+            wanted="exp.toml::fsdp2",
+            settings=settings,
+            on_step=lambda number, step: heard.append((number, step.commit, step.status)),
+        )
+
+    found = search(commits)
+    assert (found.ending, found.first_bad) == ("found", commits[4])
+    assert heard == [(i + 1, s.commit, s.status) for i, s in enumerate(found.steps)]
+    assert heard[0][1:] == (commits[7], "failed")  # BAD first
+    late = search(commits[4:])  # GOOD has the bug already
+    assert (late.ending, late.first_bad) == ("fails_at_good", None)
+    assert heard[-1][1:] == (commits[4], "failed") and "fails at GOOD" in late.problem
+    assert search(commits[:4]).ending == "passes_at_bad" and len(heard) == 1
+
+
 SLOW_TRAINER = """\
 import os, sys, time
 from pathlib import Path
@@ -319,7 +354,7 @@ def test_the_control_is_reused_only_while_its_code_is_unchanged(tmp_path: Path) 
     trainer without `sources` gets the commit itself (the key could not tell otherwise)."""
     import dataclasses
 
-    from convergence.cli.bisect import control_code
+    from convergence.bisection import control_code
     from convergence.preflight import load_checked
 
     repo = _repo(tmp_path)

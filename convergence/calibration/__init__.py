@@ -6,6 +6,6 @@ rounds differently per shape (cuBLAS split-K, flash attention), so a correct pai
 CPU-sized band there. ``convergence calibrate`` measures the floors on the machine at hand and
 writes them to a file keyed by the hardware and software stack (stack.py, file.py); a session
 whose stack matches a file uses it, else the shipped defaults, and every paired/twin verdict
-says which (select.py). measure.py turns curves into floors; the runs themselves are the front
-end's (convergence/cli/calibrate.py: they need the Runner, a layer above the statistics).
+says which (select.py). measure.py turns curves into floors; the runs themselves are
+convergence/calibration_runs.py's (they need the Runner, a layer above the statistics).
 """

@@ -24,15 +24,12 @@ from convergence.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    add_job_options,
     option_values,
     write_report_folder,
 )
 from convergence.cli.compare import compare_rules
-from convergence.options import (
-    OPTIONS,
-    add_arguments,
-    cli_run_settings,
-)
+from convergence.options import cli_run_settings
 from convergence.preflight import load_checked
 from convergence.regimes import REGISTRY
 from convergence.report.formats.failure_text import render_outcome
@@ -46,9 +43,6 @@ from convergence.spec.pair import PairSpec
 from convergence.worktrees import checkout, in_tree_settings, sigterm_as_interrupt
 
 SIDES = ("baseline", "candidate")
-#: Session options ``ab`` takes. Not the cache ones (nothing is cached: both sides are code
-#: under test), not early stop (both sides run to the end), not tier/alpha (paired rules only).
-AB_OPTIONS = ("workdir", "report", "steps", "devices", "launcher", "idle-limit", "wall-limit")
 
 
 def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -58,22 +52,17 @@ def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         description=__doc__.split("\n\n", 2)[2] if __doc__ else None,
     )
     ab.add_argument("experiment", help="experiment TOML file (its jobs run on both sides)")
-    ab.add_argument(
-        "--baseline",
-        required=True,
-        metavar="REF|DIR",
-        help="git ref of --repo (or a folder) to compare against",
-    )
-    ab.add_argument(
-        "--candidate",
-        required=True,
-        metavar="REF|DIR",
-        help="git ref of --repo (or a folder) under test",
-    )
+    for side, role in zip(SIDES, ("to compare against", "under test"), strict=True):
+        ab.add_argument(
+            f"--{side}",
+            required=True,
+            metavar="REF|DIR",
+            help=f"git ref of --repo (or a folder) {role}",
+        )
     ab.add_argument("--repo", default=".", metavar="DIR", help="the trainer's git repository")
-    # The session options that make sense here, from the shared table: same flags, types,
-    # checks and RunSettings as `convergence run` and pytest.
-    add_arguments(ab, skip=[opt.name for opt in OPTIONS if opt.name not in AB_OPTIONS])
+    # The job options and a report. Not the cache ones (nothing is cached: both sides are code
+    # under test), not early stop (both sides run to the end), not tier/alpha (paired rules).
+    add_job_options(ab, "report")
     ab.set_defaults(func=cmd_ab)
 
 

@@ -7,12 +7,12 @@
     convergence nightly --experiments PATH... --out DIR             write the nightly sbatch script
     convergence record REPORT.json HISTORY.jsonl                   append a night to the history
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
-    convergence decide HISTORY.jsonl --out DIR                      tonight vs the green nights' band
+    convergence decide HISTORY.jsonl --out DIR                      tonight vs the last green nights
     convergence ab EXPERIMENT.toml --baseline REF --candidate REF   the same jobs from two commits
     convergence bisect GOOD BAD PAIR [--experiment FILE]          the first commit a pair fails at
-    convergence calibrate SOURCE [--out FILE] [--if-missing]        measure this stack's noise floors
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
+    convergence calibrate SOURCE [--if-missing]                     measure this machine's floors
     convergence --version
 
 Exit status: 0 when everything passed, 1 when a pair/metric or a run failed (RunFailed), 2 for
@@ -37,6 +37,7 @@ from convergence.cli.common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
+    add_out_folder,
     option_values,
     write_report_folder,
 )
@@ -201,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OUTCOMES_DIR",
         help="folder of *.outcome.json (e.g. .convergence/sessions/<id>)",
     )
-    report.add_argument("--out", required=True, metavar="DIR", help="report folder")
+    add_out_folder(report, "report folder")
     report.set_defaults(func=cmd_report)
 
     add_export_parser(sub)

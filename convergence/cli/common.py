@@ -1,7 +1,7 @@
-"""What the command-line front ends share (``convergence`` run/report, ``ab``, ``compare``,
-``cache``): exit codes and writing a report folder. A module of its own, below them all, so
-that no front end imports another for a helper (``ab`` once reached into ``cli`` for it, and
-``cli`` imports ``ab`` to register it: a cycle)."""
+"""What the command-line front ends share: exit codes, writing a report folder, the option
+table's values of a subcommand's flags. A module of its own, below them all, so that no front
+end imports another for a helper (app.py imports each one to register it: that would be a
+cycle)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from convergence.options import OptionError, values_from_args
+from convergence.options import OPTIONS, OptionError, add_arguments, values_from_args
 from convergence.report import write_reports
 from convergence.report.data.schema import default_environment
 from convergence.run.outcome import PairOutcome
 
 #: 0 when everything passed, 1 when a pair or metric failed, 2 for invalid input.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+#: The session options of every subcommand that runs jobs outside pytest (``ab``, ``bisect``,
+#: ``calibrate``): where its run state goes, how long its jobs are and where and how they run.
+JOB_OPTIONS = ("workdir", "steps", "devices", "launcher", "idle-limit", "wall-limit")
+
+
+def add_job_options(parser: argparse.ArgumentParser, *more: str) -> None:
+    """The option table's :data:`JOB_OPTIONS` and ``more`` as flags of a subcommand: the same
+    flags, types and checks as ``convergence run`` and pytest (convergence/options.py)."""
+    names = (*JOB_OPTIONS, *more)
+    add_arguments(parser, skip=[opt.name for opt in OPTIONS if opt.name not in names])
+
+
+def add_out_folder(parser: argparse.ArgumentParser, help: str) -> None:
+    """The required ``--out DIR`` of a subcommand that writes a folder of files."""
+    parser.add_argument("--out", required=True, metavar="DIR", help=help)
 
 
 def write_report_folder(

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from convergence.cli.common import add_out_folder
 from convergence.nightly.decide import (
     EXIT_DRIFT,
     EXIT_RED,
@@ -148,12 +149,7 @@ def add_subcommands(sub: Any) -> None:
         metavar="PATH",
         help="experiment TOML files or folders (pytest arguments)",
     )
-    nightly.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR",
-        help="folder for nights, Slurm output and history.jsonl",
-    )
+    add_out_folder(nightly, "folder for nights, Slurm output and history.jsonl")
     nightly.add_argument("--history", help="history file (default OUT/history.jsonl)")
     nightly.add_argument("--rootdir", default=".", help="where pytest runs (default: here)")
     nightly.add_argument("--script", help="where to write the script (default OUT/nightly.sbatch)")
@@ -224,12 +220,7 @@ def add_subcommands(sub: Any) -> None:
         "trend", help="trend report across nights (markdown, JSON, PNGs, TensorBoard runs)"
     )
     trend.add_argument("history", help="history JSONL file")
-    trend.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR",
-        help="report folder: trend.md, trend.json, trend*.png, tensorboard/",
-    )
+    add_out_folder(trend, "report folder: trend.md, trend.json, trend*.png, tensorboard/")
     trend.set_defaults(func=cmd_trend)
 
     dec = sub.add_parser(
@@ -239,9 +230,7 @@ def add_subcommands(sub: Any) -> None:
         "turned red; decision.json/.md, notification hooks",
     )
     dec.add_argument("history", help="history JSONL file")
-    dec.add_argument(
-        "--out", required=True, metavar="DIR", help="where decision.json and decision.md go"
-    )
+    add_out_folder(dec, "where decision.json and decision.md go")
     dec.add_argument(
         "--window", type=int, default=20, help="the last N green nights form the band (default 20)"
     )

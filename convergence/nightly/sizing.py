@@ -10,7 +10,6 @@ a file that does not parse is left to pytest to report.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,7 @@ from convergence.backends import get_backend
 from convergence.preflight import REGIMES
 from convergence.regimes import get_regime
 from convergence.spec.errors import SpecError
-from convergence.spec.experiment import TIERS, load_experiment
-
-_DECLARES = re.compile(r"^[ \t]*(\[[ \t]*control\b|\[\[[ \t]*(test|sweep)\b)", re.MULTILINE)
+from convergence.spec.experiment import TIERS, declares_experiment, load_experiment
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,11 +34,8 @@ def _experiment_files(paths: Iterable[Path]) -> Iterator[Path]:
     for path in paths:
         files = sorted(path.rglob("*.toml")) if path.is_dir() else [path]
         for file in files:
-            try:
-                if _DECLARES.search(file.read_text(errors="replace")):
-                    yield file
-            except OSError:
-                continue
+            if declares_experiment(file):
+                yield file
 
 
 def largest_job(

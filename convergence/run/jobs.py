@@ -78,7 +78,7 @@ class RunSettings:
     """Extra environment for every job (``convergence ab``: PYTHONPATH = the worktree)."""
     key_extra: tuple[tuple[str, str], ...] = ()
     """More identity for every run-cache key, where the key's own parts do not cover the code
-    a job runs (``convergence bisect``: the commit's trainer code, see convergence/cli/bisect.py)."""
+    a job runs (``convergence bisect``: the commit's trainer code, see convergence/bisection.py)."""
     session_id: str = field(default_factory=lambda: f"{os.getpid()}-{time.time_ns()}")
     """Identifies one pytest/CLI run (shared by its xdist workers): see ``refresh``."""
     on_progress: Callable[[Progress], None] | None = field(default=None, compare=False)

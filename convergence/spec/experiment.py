@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,6 +91,22 @@ class Experiment:
     keys: tuple[str, ...] = ()
     """Where each pair is in the file (``test[0]``, ``sweep[0][tp2]``), for the preflight's
     errors (convergence.preflight)."""
+
+
+# The tables only an experiment file has. Matched on the raw text, so a file that declares
+# itself but does not parse is still one (and its syntax error is reported when it is loaded).
+_DECLARES = re.compile(r"^[ \t]*(\[[ \t]*control\b|\[\[[ \t]*(test|sweep)\b)", re.MULTILINE)
+
+
+def declares_experiment(path: Path) -> bool:
+    """Whether a TOML file declares itself an experiment (a ``[control]`` table, ``[[test]]``
+    or ``[[sweep]]``): what pytest collects, what the nightly sizes, what ``calibrate`` reads as
+    an experiment rather than a train config. False for a file that cannot be read."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    return _DECLARES.search(text) is not None
 
 
 def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Experiment:
