@@ -26,12 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from convergence.spec.anchors import ANCHORS_DIR
 from convergence.trainer import resume
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import BatchPlan
-
-#: The anchors' folder inside the control's dump folder (the run cache keeps it with the run).
-ANCHORS_DIR = "anchors"
 
 
 def anchor_path(folder: str | Path, step: int) -> Path:

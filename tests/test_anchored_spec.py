@@ -1,0 +1,72 @@
+"""The pair key ``anchor_every`` (the anchored check, issue 41): parsed once into PairSpec,
+bad values a collection error naming the file, the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from convergence.regimes import REGISTRY
+from convergence.spec.errors import SpecError
+from convergence.spec.experiment import load_experiment
+
+
+def _experiment(tmp_path: Path, test_extra: str = "", defaults_extra: str = "") -> Path:
+    path = tmp_path / "exp.toml"
+    path.write_text(
+        f"""
+[defaults]
+train_config = "debug"
+steps = 40
+{defaults_extra}
+
+[control]
+parallelism = {{ dp_shard = 2 }}
+
+[[test]]
+name = "tp"
+parallelism = {{ dp_shard = 2, tp = 2 }}
+{test_extra}
+"""
+    )
+    return path
+
+
+def _pair(path: Path):  # type: ignore[no-untyped-def]
+    (pair,) = load_experiment(path, rootdir=path.parent, regimes=REGISTRY).pairs
+    return pair
+
+
+def test_off_unless_asked_and_read_from_defaults_or_the_test(tmp_path: Path) -> None:
+    assert _pair(_experiment(tmp_path)).anchor_every == 0
+    assert _pair(_experiment(tmp_path, defaults_extra="anchor_every = 10")).anchor_every == 10
+    both = _experiment(tmp_path, "anchor_every = 5", defaults_extra="anchor_every = 10")
+    assert _pair(both).anchor_every == 5
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("0", "positive integer"),
+        ("-3", "positive integer"),
+        ("true", "positive integer"),
+        ('"10"', "positive integer"),
+        ("2.5", "positive integer"),
+        ("40", "leaves no anchor inside the run of 40 steps"),
+    ],
+)
+def test_a_bad_value_names_the_file_the_key_and_the_fix(
+    tmp_path: Path, value: str, problem: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        _pair(_experiment(tmp_path, f"anchor_every = {value}"))
+    text = str(info.value)
+    assert "exp.toml" in text and "anchor_every" in text and problem in text, text
+    assert info.value.fix and "anchor_every" in info.value.fix, text
+
+
+def test_a_resuming_test_cannot_be_anchored(tmp_path: Path) -> None:
+    path = _experiment(tmp_path, "anchor_every = 10\nresume = { at_step = 20 }")
+    with pytest.raises(SpecError, match="anchor_every and resume"):
+        _pair(path)
