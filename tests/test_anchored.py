@@ -4,7 +4,8 @@ each, and the one judge adds the ``anchored`` verdict.
 
 A late CP-rope bug from step 25 of 40 (fp32, FSDP(2)+CP(2) against FSDP(2)) fails the
 anchored verdict at the first anchor after its start, named in the message; the correct
-layout passes with anchors on.
+layout passes with anchors on; the numerics probe started from the failing anchor names
+where the layouts part.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
 from catalogue import BUGS, late_onset  # noqa: E402
 from pairs import build_pairs  # noqa: E402
 
+from convergence.report.formats.failure_text import headline  # noqa: E402
+from convergence.run.anchors import probe_at_anchor  # noqa: E402
 from convergence.run.runner import Runner, RunSettings  # noqa: E402
 
 START, STEPS, EVERY = 25, 40, 10
@@ -43,6 +46,7 @@ def test_a_late_bug_fails_at_an_anchor_after_its_start_and_a_correct_layout_pass
         anchored.message
     )
     assert anchored.first_divergent_step == anchor + 1
+    assert f"anchored: from the control's state at step {anchor}" in headline(failing)
     # Before the bug the test layout matched the control from each anchor.
     assert anchored.details["anchors"] == [10, 20, 30]
     assert anchored.details["anchors_failing"] == [30]
@@ -51,6 +55,15 @@ def test_a_late_bug_fails_at_an_anchor_after_its_start_and_a_correct_layout_pass
         21,
         31,
     ]
+
+    # The probe starts from the failing anchor (both layouts load it, probe the step after).
+    assert failing.control is not None
+    probe = probe_at_anchor(
+        runner, failing.pair, failing.control, anchor, pair_dir=tmp_path / "probe"
+    )
+    assert "error" not in probe and probe["step"] == anchor + 1, probe
+    assert probe["anchor_step"] == anchor
+    assert probe["module"] is not None or probe["parameter"] is not None, probe
 
     passing = runner.run_pair(pairs[correct.name])
     assert passing.status == "passed", [v.message for v in passing.verdicts]
