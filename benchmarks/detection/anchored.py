@@ -12,6 +12,8 @@ a long run), then a table.
     python benchmarks/detection/anchored.py --steps 500 --anchor-every 25 --precision bf16 \\
         --cases fsdp2-tp2 fsdp2-cp2 hsdp2x2 fsdp2-pp2-1f1b --train-config CONFIG
 
+    python benchmarks/detection/anchored.py --table /tmp/anchored.jsonl ...   # a table
+
 Cost per pair is reported as the anchored job's wall and CPU-less wall time (the job floor
 records wall time only) and its number of steps; the control's anchor saves are in the
 control's own (cached) run.
@@ -81,7 +83,42 @@ def row(case: Case, outcome: PairOutcome, wall_s: float, config: Path) -> dict[s
     }
 
 
+def table(paths: list[Path]) -> str:
+    """The JSON lines of earlier runs as one markdown table."""
+    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line]
+    out = [
+        "| config | precision | pair | kind | start | verdict | default rules: failing (first "
+        "step) | anchored: first failing anchor | anchored worst ratio (loss / grad_norm / "
+        "grad_norm_parts) | anchored job s | test job s |",
+        "|---|---|---|---|---:|---|---|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        ratios = r.get("anchored_ratios") or {}
+        worst = " / ".join(
+            f"{ratios[m]:.2g}" if m in ratios else "-"
+            for m in ("loss", "grad_norm", "grad_norm_parts")
+        )
+        main = ", ".join(r["main_failing"]) or "pass"
+        if r["main_first"]:
+            main += f" ({r['main_first']})"
+        verdict = r["status"] if not r.get("error") else f"{r['status']}: {r['error'][:80]}"
+        anchor = (
+            r["anchor_step"]
+            if r["anchor_step"] is not None
+            else ("pass" if r["anchored_passed"] else "-")
+        )
+        out.append(
+            f"| {r['config']} | {r['precision']} | {r['case']} | {r['kind']} | "
+            f"{r['start'] or '-'} | {verdict} | {main} | {anchor} | {worst} | "
+            f"{r['anchored_job_s']} | {r['test_job_s']} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--table"]:
+        print(table([Path(p) for p in sys.argv[2:]]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--start", type=int, default=300, help="late-onset bugs: first step")
