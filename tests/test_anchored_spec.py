@@ -70,3 +70,35 @@ def test_a_resuming_test_cannot_be_anchored(tmp_path: Path) -> None:
     path = _experiment(tmp_path, "anchor_every = 10\nresume = { at_step = 20 }")
     with pytest.raises(SpecError, match="anchor_every and resume"):
         _pair(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["--checkpoint.anchor_every=-1"], "checkpoint.anchor_every"),
+        (["--checkpoint.anchor_every=5", "--probe.enable=true"], "probe.enable"),
+        (
+            ["--checkpoint.anchored_from=/a", "--checkpoint.resume_from=/b"],
+            "checkpoint.anchored_from",
+        ),
+    ],
+)
+def test_the_trainer_refuses_anchor_keys_it_cannot_honour(overrides: list[str], key: str) -> None:
+    from convergence.trainer.config import load_train_config
+    from convergence.trainer.validate import check_config
+
+    cfg = load_train_config("debug", overrides)
+    with pytest.raises(SpecError) as info:
+        check_config(cfg, 1)
+    assert key in str(info.value), str(info.value)
+
+
+def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
+    """The probe at a failing anchor: resume_from + probe (run/anchors.py probe_at_anchor)."""
+    from convergence.trainer.config import load_train_config
+    from convergence.trainer.validate import check_config
+
+    cfg = load_train_config(
+        "debug", ["--checkpoint.resume_from=/a", "--probe.enable=true", "--probe.step=31"]
+    )
+    check_config(cfg, 1)
