@@ -102,3 +102,29 @@ def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
         "debug", ["--checkpoint.resume_from=/a", "--probe.enable=true", "--probe.step=31"]
     )
     check_config(cfg, 1)
+
+
+def test_a_backend_that_cannot_resume_cannot_be_anchored(tmp_path: Path) -> None:
+    from convergence.preflight import load_checked
+
+    path = tmp_path / "exp.toml"
+    (tmp_path / "train.toml").write_text("")
+    path.write_text(
+        """
+[defaults]
+train_config = "train.toml"
+backend = "command"
+backend_options = { command = ["python", "train.py", "{dump_dir}"] }
+steps = 40
+anchor_every = 10
+
+[control]
+name = "a"
+
+[[test]]
+name = "b"
+"""
+    )
+    with pytest.raises(SpecError) as info:
+        load_checked(path, rootdir=tmp_path)
+    assert "anchor_every" in str(info.value) and "'command'" in str(info.value), info.value

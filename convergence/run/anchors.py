@@ -66,25 +66,11 @@ def anchored_job(test: JobSpec, folder: Path) -> JobSpec:
     )
 
 
-def _check_backends(runner: JobRunner, pair: PairSpec) -> None:
-    for side, job in (("control", pair.control), ("test", pair.test)):
-        backend = runner.backend(job)
-        if not backend.capabilities.resume:
-            raise SpecError(
-                f"anchor_every needs a trainer that saves and loads training checkpoints; "
-                f"the {side}'s backend {backend.name!r} does not",
-                file=pair.source,
-                key="anchor_every",
-                fix="drop anchor_every from this pair, or run it on the built-in trainer",
-            )
-
-
 def run_anchored(
     runner: JobRunner, pair: PairSpec, control: SideOutcome, *, pair_dir: Path
 ) -> SideOutcome:
     """The test layout's anchored steps (raises JobFailed, or SpecError when the control left
     no anchor: e.g. --convergence-steps cut the run below anchor_every)."""
-    _check_backends(runner, pair)
     folder = anchor_folder(control)
     if not folder.is_dir() or not any(folder.iterdir()):
         raise SpecError(
