@@ -115,7 +115,44 @@ def table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+def rejudge(work: Path) -> list[dict[str, object]]:
+    """The anchored verdict of every pair of an earlier run's work folder, recomputed from
+    its saved curves under today's code (no training): the default twin rules, the control,
+    the twins' and the test's anchored steps."""
+    from convergence.metrics.jsonl import read_jsonl
+    from convergence.regimes import REGISTRY
+    from convergence.stats.anchored import anchored_verdict
+
+    runs = work / "work" / "runs"
+
+    control = read_jsonl(
+        next(p for p in runs.glob("*/control-*/dump/metrics.jsonl") if "twin" not in str(p))
+    )
+    twins = [read_jsonl(p) for p in runs.glob("*/control-*-anchored-*/dump/metrics.jsonl")]
+    rules = REGISTRY.default_rules("twin")
+    out = []
+    for path in sorted(runs.glob("*/test-*-anchored-*/dump/metrics.jsonl")):
+        verdict = anchored_verdict(
+            rules, [control], read_jsonl(path), every=25, anchored_twins=twins
+        )
+        out.append(
+            {
+                "pair": path.parts[-4].split("toml_")[-1],
+                "passed": verdict.passed,
+                "anchor_step": verdict.details.get("anchor_step"),
+                "anchors_failing": verdict.details.get("anchors_failing"),
+                "ratios": verdict.details.get("max_ratio_by_metric"),
+                "message": verdict.message,
+            }
+        )
+    return out
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--rejudge"]:
+        for line in rejudge(Path(sys.argv[2])):
+            print(json.dumps(line))
+        return 0
     if sys.argv[1:2] == ["--table"]:
         print(table([Path(p) for p in sys.argv[2:]]))
         return 0

@@ -51,6 +51,17 @@ class _Exact:
         return "equal"
 
 
+#: The anchored twin envelope's multiplier of the measured one-step noise. The twin regime's
+#: k = 3 stands for the draws it does not see: its envelope at a step is one draw per twin
+#: (pooled over three steps). Here each twin's noise is already its largest gap over every
+#: anchor of the run (19 draws at anchor_every 25 of 500 steps), summed over the twins: the
+#: tail the 3 paid for is in the maximum itself. Measured (BENCHMARKS.md "Anchored check"):
+#: correct layouts' one-step gaps stay below ~0.3x of this at k = 1, and the forward-noise
+#: twin's gap alone is 2-3x a correct CP layout's; at k = 3 the late CP-rope bug's first
+#: anchored step (6e-4..8e-4 relative on grad_norm_parts) fell inside.
+ONE_STEP_K = 1.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class AnchoredTwinTolerance:
     """The twin envelope of one step: k x the sum over the twins of each one's largest
@@ -121,10 +132,9 @@ def one_step_tolerance(
             rtol=DEFAULT_RTOL if rule.rtol is None else rule.rtol,
         )
     if rule.method == "twin" and anchored_twins and controls:
-        base = twin_tolerance(rule, controls[0], ())
         floor = paired_tolerance(dataclasses.replace(rule, method="paired"))
         return AnchoredTwinTolerance(
-            k=base.k,
+            k=ONE_STEP_K if rule.z is None else rule.z,
             relative_noise=relative_one_step_noise(controls[0], anchored_twins),
             floor=dataclasses.replace(floor, growth=0.0, atol=floor.atol * (1 + floor.growth)),
         )
