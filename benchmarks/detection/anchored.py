@@ -117,8 +117,8 @@ def table(paths: list[Path]) -> str:
 
 def rejudge(work: Path) -> list[dict[str, object]]:
     """The anchored verdict of every pair of an earlier run's work folder, recomputed from
-    its saved curves under today's code (no training): the default twin rules, the control,
-    the twins' and the test's anchored steps."""
+    its saved curves under today's code (no training): the default rules of the twin regime
+    (paired when no twin ran), the control, the twins' and the test's anchored steps."""
     from convergence.metrics.jsonl import read_jsonl
     from convergence.regimes import REGISTRY
     from convergence.stats.anchored import anchored_verdict
@@ -129,7 +129,7 @@ def rejudge(work: Path) -> list[dict[str, object]]:
         next(p for p in runs.glob("*/control-*/dump/metrics.jsonl") if "twin" not in str(p))
     )
     twins = [read_jsonl(p) for p in runs.glob("*/control-*-anchored-*/dump/metrics.jsonl")]
-    rules = REGISTRY.default_rules("twin")
+    rules = REGISTRY.default_rules("twin" if twins else "paired")
     out = []
     for path in sorted(runs.glob("*/test-*-anchored-*/dump/metrics.jsonl")):
         verdict = anchored_verdict(
