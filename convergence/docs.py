@@ -155,6 +155,18 @@ def key_rows() -> list[KeyRow]:
             f'= false` is `probe = "off"`',
         ),
         (
+            "",
+            ("anchor_every",),
+            "the anchored check (off unless set; built-in trainer): every N steps the control "
+            "saves its whole training state and the test layout trains one step from each; "
+            "each such step must match the control's own next step at the one-step tolerance "
+            "(twin pairs: sized by the twins' one step from the same states), so a bug that "
+            "starts late is judged against one step of rounding, not a long run's drift. A "
+            "failure names the anchor step and the probe starts from it. Cost: one anchored "
+            "test job of `steps / N` steps, and per control group one checkpoint every N "
+            "steps plus one anchored job per twin",
+        ),
+        (
             "test",
             ("resume",),
             f"a table ({_names(RESUME_KEYS)}): train `at_step` steps, write a training "

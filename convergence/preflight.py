@@ -129,6 +129,16 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
             ) from None
     if test.resume is not None:
         check_resume(test, file=file, key=key)
+    if pair.anchor_every:  # the anchored check saves and loads training checkpoints
+        for side, backend in backends.items():
+            if not backend.capabilities.resume:
+                raise SpecError(
+                    f"anchor_every needs a trainer that saves and loads training checkpoints; "
+                    f"the {side}'s backend {backend.name!r} does not",
+                    file=file,
+                    key=f"{key}.anchor_every",
+                    fix="drop anchor_every from this pair, or run it on the built-in trainer",
+                )
     try:
         regime = get_regime(pair.regime)
     except SpecError as exc:

@@ -252,14 +252,19 @@ def test_lazy_imports_are_for_cost() -> None:
 RUN_FLOORS: tuple[tuple[str, ...], ...] = (
     ("outcome", "probe_compare", "judge"),  # what reports read; the one judge
     ("jobs",),  # the job floor
-    ("probe", "resume"),  # users of the job floor alone
+    ("probe", "resume", "anchors"),  # users of the job floor alone
     ("runner",),  # the pair floor
     ("session",),  # one Runner per session
 )
 
 #: Modules that run jobs but no pairs: they must not reach the pair floor, not even through
 #: another module.
-JOB_FLOOR_USERS = ("convergence.run.probe", "convergence.run.resume", "convergence.cli.ab")
+JOB_FLOOR_USERS = (
+    "convergence.run.probe",
+    "convergence.run.resume",
+    "convergence.run.anchors",
+    "convergence.cli.ab",
+)
 PAIR_FLOOR = ("convergence.run.runner", "convergence.run.session")
 
 

@@ -62,7 +62,13 @@ DEBUG_CONFIG = REPO / "train_configs" / "debug.toml"
 
 
 def experiment_text(
-    cases: Sequence[Case], *, seed: int, precision: str, steps: int, config: Path = DEBUG_CONFIG
+    cases: Sequence[Case],
+    *,
+    seed: int,
+    precision: str,
+    steps: int,
+    config: Path = DEBUG_CONFIG,
+    anchor_every: int = 0,
 ) -> str:
     techniques = {"param_dtype": "bfloat16"} if precision == "bf16" else {}
     lines = [
@@ -72,6 +78,7 @@ def experiment_text(
         f"seed = {seed}",
         # Localisation is a separate feature (and costs two probe jobs per failure).
         'probe = "off"',
+        *([f"anchor_every = {anchor_every}"] if anchor_every else []),
         "",
         "[control]",
         'name = "fsdp2"',
@@ -98,7 +105,12 @@ def experiment_text(
 
 
 def build_pairs(
-    cases: Iterable[Case], folder: Path, *, steps: int, config: Path = DEBUG_CONFIG
+    cases: Iterable[Case],
+    folder: Path,
+    *,
+    steps: int,
+    config: Path = DEBUG_CONFIG,
+    anchor_every: int = 0,
 ) -> dict[str, PairSpec]:
     """Write one experiment file per control group into ``folder``; the pairs by case name."""
     put_bugs_on_path()
@@ -109,7 +121,14 @@ def build_pairs(
     for (seed, precision), members in groups.items():
         path = folder / f"detection_seed{seed}_{precision}.toml"
         path.write_text(
-            experiment_text(members, seed=seed, precision=precision, steps=steps, config=config)
+            experiment_text(
+                members,
+                seed=seed,
+                precision=precision,
+                steps=steps,
+                config=config,
+                anchor_every=anchor_every,
+            )
         )
         for pair in load_checked(path, rootdir=REPO).pairs:
             pairs[pair.name] = pair

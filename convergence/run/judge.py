@@ -25,6 +25,7 @@ from typing import Any
 from convergence.calibration.select import Selection, in_force
 from convergence.metrics.curve import RunMetrics
 from convergence.spec.pair import PairSpec
+from convergence.stats.anchored import anchored_verdict
 from convergence.stats.provenance import with_golden_note
 from convergence.stats.registry import compare_all, get_comparison
 from convergence.stats.types import MetricVerdict
@@ -49,6 +50,8 @@ def judge(
     *,
     test_meta: Mapping[str, Any] | None = None,
     upto: int | None = None,
+    anchored: RunMetrics | None = None,
+    anchored_twins: Sequence[RunMetrics] = (),
 ) -> Judgement:
     """``test`` judged against ``controls`` (the control first, then what its regime runs
     beside it: twins, seed replicates) by ``pair.rules`` under ``calibration``.
@@ -56,13 +59,25 @@ def judge(
     ``upto``: the last step the test ran when it was stopped early -- the controls are cut
     there, so "incomplete" fails no metric (the sequential monitor already saw a gating metric
     clearly outside). ``test_meta``: the test run's metadata (the golden note compares its
-    environment with the golden file's).
+    environment with the golden file's). ``anchored``: the test layout's anchored steps
+    (``pair.anchor_every``; convergence/run/anchors.py), judged after the rules as one more
+    verdict, ``anchored`` (stats/anchored.py), on the controls' full curves;
+    ``anchored_twins``: the twins' one step from the same anchors (twin rules' tolerance).
     """
     runs = list(controls)
     if upto is not None:
         runs = [{m: c.upto(upto) for m, c in run.items()} for run in runs]
     with in_force(calibration):
         verdicts = compare_all(pair.rules, runs, test)
+        if anchored is not None:
+            one_step = anchored_verdict(
+                pair.rules,
+                controls,
+                anchored,
+                every=pair.anchor_every,
+                anchored_twins=anchored_twins,
+            )
+            verdicts = (*verdicts, one_step)
     verdicts = with_calibration_note(verdicts, calibration)
     if pair.golden:
         verdicts = with_golden_note(Path(pair.golden), verdicts, test_meta or {})

@@ -59,6 +59,8 @@ class PairOutcome:
     """Numerics probe result: first differing module / parameter (paired failures)."""
     plots: tuple[Path, ...] = ()
     wall_s: float = 0.0
+    anchored: SideOutcome | None = None
+    """The test layout's anchored steps (pair key ``anchor_every``; run/anchors.py)."""
 
     @property
     def passed(self) -> bool:

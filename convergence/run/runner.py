@@ -25,6 +25,13 @@ from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
 from convergence.regimes import Regime, get_regime
+from convergence.run.anchors import (
+    anchored_failure,
+    probe_at_anchor,
+    run_anchored,
+    run_anchored_twins,
+    with_anchor_saves,
+)
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings, slug
 from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
@@ -119,6 +126,8 @@ class Runner(JobRunner):
         pair_dir = self.settings.work_dir / "runs" / slug(pair.pair_id)
         control: SideOutcome | None = None
         test: SideOutcome | None = None
+        anchored: SideOutcome | None = None
+        anchored_twins: list[RunMetrics] = []
         try:
             regime = get_regime(pair.regime)
             controls = self._controls(pair, pair_dir, regime=regime)
@@ -155,6 +164,9 @@ class Runner(JobRunner):
                 test = self.run_job(
                     "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
                 )
+            if pair.anchor_every:  # one test step from each of the control's anchors
+                anchored = run_anchored(self, pair, control, pair_dir=pair_dir)
+                anchored_twins = run_anchored_twins(self, pair, controls, pair_dir=pair_dir)
         except (RunFailed, SpecError) as exc:
             # RunFailed: a job or the cache failed (JobFailed, CacheError). SpecError: input
             # found wrong only now, after the session's settings (e.g. --convergence-steps
@@ -178,7 +190,14 @@ class Runner(JobRunner):
             )
         stopped = _stopped_at(test)  # a test stopped early is judged on the steps it ran
         verdicts = judge(
-            pair, control_runs, test.metrics, self.calibration, test_meta=test.meta, upto=stopped
+            pair,
+            control_runs,
+            test.metrics,
+            self.calibration,
+            test_meta=test.meta,
+            upto=stopped,
+            anchored=anchored.metrics if anchored else None,
+            anchored_twins=anchored_twins,
         ).verdicts
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
@@ -188,7 +207,7 @@ class Runner(JobRunner):
         if asked and error is None:  # the experiment named a metric that a run did not log
             status, error = "error", "not compared: " + "; ".join(asked)
         localisation = self._localise(
-            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics)
+            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control
         )
         return PairOutcome(
             pair=pair,
@@ -200,6 +219,7 @@ class Runner(JobRunner):
             verdicts=tuple(verdicts),
             stopped_early_at=stopped,
             wall_s=time.monotonic() - started,
+            anchored=anchored,
         )
 
     # -- numerics probe (failure localisation; see convergence.run.probe) ----------------
@@ -210,14 +230,21 @@ class Runner(JobRunner):
         pair_dir: Path,
         verdicts: Sequence[MetricVerdict],
         runs: Sequence[RunMetrics],
+        control: SideOutcome,
     ) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
-        step 1, and at the first divergent step when step 1 shows nothing."""
+        step 1, and at the first divergent step when step 1 shows nothing; from the anchor
+        when the anchored check failed before the curves parted."""
         if not wants_probe(pair, status) or pair.test.resume is not None:
             # The probe replays a run from step 1 on one layout: it cannot replay a resume.
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
             return None  # the sides read different data: a numerics probe has nothing to add
+        anchor = anchored_failure(verdicts)
+        parted = first_divergent_step([v for v in verdicts if v.metric != "anchored"])
+        if anchor is not None and (parted is None or parted > anchor):
+            # A late bug: one step from the anchor shows it, no replay of the run up to there.
+            return probe_at_anchor(self, pair, control, anchor, pair_dir=pair_dir)
         return localise(
             pair, pair_dir, runner=self, divergent_step=first_divergent_step(verdicts), runs=runs
         )
@@ -232,7 +259,7 @@ class Runner(JobRunner):
                 )
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
-        jobs = regime.control_jobs(pair, self.backend(pair.control))
+        jobs = with_anchor_saves(pair, regime.control_jobs(pair, self.backend(pair.control)))
         sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True) for job in jobs]
         # What travels with the control (seed replicates, the twin's curves) is the regime's.
         kept = regime.control_curves([s.metrics for s in sides])

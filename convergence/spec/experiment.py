@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, cast, get_args
 
 from convergence.configs import shipped_configs
+from convergence.spec.anchors import parse_anchor_every
 from convergence.spec.errors import SpecError
 from convergence.spec.job import HookMode, JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
@@ -64,6 +65,7 @@ PAIR_KEYS = (
     "tier",
     "probe_on_failure",
     "probe",
+    "anchor_every",
 )
 #: Values of the pair key ``probe``: when the numerics probe runs on both sides.
 PROBE_MODES = ("on_failure", "always", "off")
@@ -608,6 +610,13 @@ def make_pair(
         probe_on_failure=bool(pair_conf.get("probe_on_failure", True)) and probe != "off",
         probe_always=probe == "always",
         golden=pair_conf.get("golden"),
+        anchor_every=parse_anchor_every(
+            pair_conf.get("anchor_every"),
+            test_job,
+            golden=pair_conf.get("golden"),
+            file=file,
+            key=key,
+        ),
     )
     return pair
 

@@ -109,6 +109,10 @@ class PairSpec:
     ``probe = "always"``): the per-module table lands in the report."""
     golden: str | None = None
     """Optional golden curve file to compare the test against instead of a control run."""
+    anchor_every: int = 0
+    """Anchored check (experiment key ``anchor_every = N``; 0 = off): the control saves its
+    state every N steps and the test layout trains one step from each of those states, each
+    compared with the control's next step at the one-step tolerance (convergence/run/anchors.py)."""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     placement: str = ""
     """Where the pair's jobs run, as decided at collection (convergence.launch.placement:

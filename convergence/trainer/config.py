@@ -202,6 +202,14 @@ class CheckpointConfig:
     """Folder of a training checkpoint to resume from, under this job's (possibly other)
     layout: train from its step + 1 to training.steps. A checkpoint that cannot serve this
     job is an error naming it, never a fresh start."""
+    anchor_every: int = 0
+    """Anchors (convergence.trainer.anchors): also write a training checkpoint after every
+    `anchor_every`-th step (before the last) into `<dump_folder>/anchors/step<K>`, and go on
+    training. 0 = never."""
+    anchored_from: str = ""
+    """Anchored steps (convergence.trainer.anchors): for each anchor K in this folder (written
+    by another job's `anchor_every`), load it under this job's layout and train the ONE step
+    K+1 from it; nothing else is trained."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,9 +26,9 @@ from torch import nn
 from convergence.phase_marks import mark
 from convergence.process_lifetime import die_with_parent
 from convergence.spec.errors import SpecError
+from convergence.trainer import anchors, resume
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer import pipeline as pl
-from convergence.trainer import resume
 from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.context_parallel import shard_sequence
@@ -635,8 +635,21 @@ def train(cfg: TrainConfig) -> RunStatus:
     start = time.perf_counter()
     try:
         status = "finished"
-        for step in range(first_step, (probe_at - 1 if probe_at else training.steps) + 1):
+        last = probe_at - 1 if probe_at else training.steps
+        for step in anchors.loop_steps(cfg, first_step, last):
             step_start = time.perf_counter()
+            # An anchored job starts each of its steps from the control's state (anchors.py).
+            anchored = anchors.load_anchor(
+                cfg,
+                step,
+                plan,
+                chunks=engine.chunks,
+                named_params=named_params,
+                optimizer=optimizer,
+                device=device,
+            )
+            if anchored is not None:
+                lr_offset, train_plan = anchored
             set_step(step)
             lr = lr_at(step + lr_offset, cfg)
             for group in optimizer.param_groups:
@@ -683,6 +696,17 @@ def train(cfg: TrainConfig) -> RunStatus:
                 if val_loss is not None:
                     record["val_loss"] = val_loss
                 writer.log(record)
+            if anchors.saves_anchor(cfg, step):
+                anchors.save_anchor(
+                    cfg,
+                    step,
+                    train_plan,
+                    lr_offset,
+                    chunks=engine.chunks,
+                    named_params=named_params,
+                    optimizer=optimizer,
+                    device=device,
+                )
             if step == save_at:
                 # Stop here as an interrupted job would, leaving everything a resume needs.
                 resume.save_training_checkpoint(

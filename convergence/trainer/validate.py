@@ -290,10 +290,18 @@ def _check_resume(cfg: TrainConfig, fail: Fail) -> None:
             "save_at_step needs a folder to write into",
             "set --checkpoint.save_folder=DIR",
         )
-    if (ckpt.save_at_step or ckpt.resume_from) and cfg.probe.enable:
+    if (ckpt.save_at_step or ckpt.anchor_every or ckpt.anchored_from) and cfg.probe.enable:
         fail(
             "probe.enable",
-            "the numerics probe replays a run from step 1; it does not "
-            "save or resume training checkpoints",
+            "the numerics probe replays a run (from step 1, or from a resume_from "
+            "checkpoint); it does not save training checkpoints or run anchored steps",
             "drop the checkpoint keys from the probe",
+        )
+    if ckpt.anchor_every < 0:
+        fail("checkpoint.anchor_every", "must be >= 0", "set it to N >= 1, or 0 for none")
+    if ckpt.anchored_from and (ckpt.resume_from or ckpt.save_at_step):
+        fail(
+            "checkpoint.anchored_from",
+            "anchored steps load their own checkpoints: no resume_from or save_at_step",
+            "drop resume_from and save_at_step from the anchored job",
         )

@@ -17,6 +17,7 @@ from convergence.report.sections.probe import failure_line
 from convergence.run.outcome import PairOutcome
 from convergence.run.probe_compare import summary_items
 from convergence.spec.job import JobSpec
+from convergence.stats.anchored import ANCHORED
 from convergence.stats.types import MetricVerdict
 
 TRACEBACK_HEAD_LINES = 25
@@ -99,6 +100,9 @@ def headline(outcome: PairOutcome) -> str:
         return f"{pair.pair_id}: {outcome.status.upper()}"
     parts = []
     for v in failing:
+        if v.metric == ANCHORED:  # its message names the anchor: "from the control's state at"
+            parts.append(v.message)
+            continue
         where = (
             f"diverges from step {v.first_divergent_step}"
             if v.first_divergent_step is not None

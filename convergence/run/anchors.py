@@ -1,0 +1,144 @@
+"""The anchored check's jobs (pair key ``anchor_every``; issue 41), on the job floor.
+
+    control job   + checkpoint.anchor_every=N: its state after every N-th step, in its dump
+                  folder (convergence/trainer/anchors.py); cached with the control's run
+    anchored job  the test's layout + checkpoint.anchored_from=<those anchors>: one step
+                  from each anchor (never cached: it is part of what is under test)
+    -> its metrics go to the one judge beside the test's curves (stats/anchored.py)
+
+When the anchored verdict fails, the numerics probe starts from the failing anchor itself
+(:func:`probe_at_anchor`): both layouts load that checkpoint and probe the one step after it,
+instead of replaying the whole run up to there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from convergence.metrics.curve import RunMetrics
+from convergence.run.jobs import JobRunner
+from convergence.run.outcome import SideOutcome
+from convergence.run.probe import run_probe_job
+from convergence.run.probe_compare import compare_probe_files
+from convergence.spec.anchors import ANCHORS_DIR
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import PairSpec
+from convergence.stats.anchored import ANCHORED
+from convergence.stats.types import MetricVerdict
+
+
+def with_anchor_saves(pair: PairSpec, jobs: Sequence[JobSpec]) -> list[JobSpec]:
+    """The regime's control jobs, the control (first) saving anchors when the pair asks.
+    Only the control: the twins size the tolerance, nothing starts from their state."""
+    out = list(jobs)
+    if pair.anchor_every and out:
+        control = out[0]
+        out[0] = dataclasses.replace(
+            control,
+            overrides=(*control.overrides, ("checkpoint.anchor_every", str(pair.anchor_every))),
+        )
+    return out
+
+
+def anchor_folder(control: SideOutcome) -> Path:
+    """Where the control's run keeps its anchors."""
+    if control.run_dir is None:
+        raise SpecError("the control has no run folder to take anchors from", key="anchor_every")
+    return control.run_dir / "dump" / ANCHORS_DIR
+
+
+def anchored_job(test: JobSpec, folder: Path) -> JobSpec:
+    """The test's layout, one logged step after each anchor in ``folder`` (no validation
+    pass: the control's anchored steps are compared on the training metrics)."""
+    return dataclasses.replace(
+        test,
+        name=f"{test.name}-anchored",
+        overrides=(
+            *test.overrides,
+            ("checkpoint.anchored_from", str(folder)),
+            ("metrics.log_freq", "1"),
+            ("metrics.val_every", "0"),
+        ),
+    )
+
+
+def run_anchored(
+    runner: JobRunner, pair: PairSpec, control: SideOutcome, *, pair_dir: Path
+) -> SideOutcome:
+    """The test layout's anchored steps (raises JobFailed, or SpecError when the control left
+    no anchor: e.g. --convergence-steps cut the run below anchor_every)."""
+    folder = anchor_folder(control)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise SpecError(
+            f"anchor_every = {pair.anchor_every} left no anchor in the control's run of "
+            f"{control.job.steps} steps ({folder})",
+            file=pair.source,
+            key="anchor_every",
+            fix=f"run more than {pair.anchor_every} steps, or set a smaller anchor_every",
+        )
+    job = anchored_job(pair.test, folder)
+    return runner.run_job("test", job, pair_dir=pair_dir, cacheable=False)
+
+
+def run_anchored_twins(
+    runner: JobRunner, pair: PairSpec, controls: Sequence[SideOutcome], *, pair_dir: Path
+) -> list[RunMetrics]:
+    """The twins' one step from each anchor, where a rule sizes its envelope from twins
+    (stats/anchored.py: the one-step envelope). Control-side: cached, so every pair of the
+    control group shares them."""
+    if len(controls) < 2 or not any(r.gate and r.method == "twin" for r in pair.rules):
+        return []
+    folder = anchor_folder(controls[0])
+    return [
+        runner.run_job(
+            "control", anchored_job(side.job, folder), pair_dir=pair_dir, cacheable=True
+        ).metrics
+        for side in controls[1:]
+    ]
+
+
+def anchored_failure(verdicts: Sequence[MetricVerdict]) -> int | None:
+    """The anchor step of a failed anchored verdict (None when it passed or is absent)."""
+    for v in verdicts:
+        if v.metric == ANCHORED and v.gate and not v.passed:
+            step = v.details.get("anchor_step")
+            return int(step) if isinstance(step, int) else None
+    return None
+
+
+def probe_at_anchor(
+    runner: JobRunner, pair: PairSpec, control: SideOutcome, anchor: int, *, pair_dir: Path
+) -> dict[str, Any]:
+    """The numerics probe of step anchor+1 on both layouts, each loading the control's anchor
+    (a resume, then the probe: convergence/trainer/probe.py), compared module by module.
+    Errors are recorded, never raised (a probe never changes a verdict)."""
+    checkpoint = anchor_folder(control) / f"step{anchor}"
+    probe_dir = pair_dir / "probe" / f"anchor{anchor}"
+    step = anchor + 1
+    try:
+        paths = [
+            run_probe_job(
+                side,
+                dataclasses.replace(
+                    job, overrides=(*job.overrides, ("checkpoint.resume_from", str(checkpoint)))
+                ),
+                probe_dir,
+                runner=runner,
+                step=step,
+            )
+            for side, job in (("control", pair.control), ("test", pair.test))
+        ]
+        result = compare_probe_files(paths[0], paths[1])
+    except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
+        return {"error": f"numerics probe at anchor {anchor} failed: {exc}", "step": step}
+    head = {"anchor_step": anchor, "probe_files": f"{paths[0]} vs {paths[1]}"}
+    # Scalars first (the failure message prints them in order), then the tables.
+    return {
+        **{k: v for k, v in result.items() if not isinstance(v, list)},
+        **head,
+        **{k: v for k, v in result.items() if isinstance(v, list)},
+    }

@@ -1,0 +1,128 @@
+"""Anchors: the control's exact state every N steps, and one test step from each (issue 41).
+
+Two curves that start from one seed checkpoint drift apart by legitimate rounding (bf16,
+another reduction order): after a few hundred steps the gap two correct layouts show is 5-7x
+the gap at the first steps, and a bug that only starts then hides in it. One step from an
+*identical* state does not drift: its difference is one step of rounding at any horizon, and a
+bug's full one-step effect however late it starts. So:
+
+    control job  (checkpoint.anchor_every = N): trains as usual and, after every N-th step K
+                 (K < steps), writes a training checkpoint (convergence.trainer.resume: model,
+                 AdamW state, data and schedule position, RNG) to <dump>/anchors/step<K>
+    anchored job (checkpoint.anchored_from = that folder), under the TEST layout: for each
+                 anchor K, loads it (DCP reshards it onto this layout) and trains the one step
+                 K+1 on the same batch; logs that step's metrics like any step
+
+convergence.run.anchors runs the two; convergence.stats.anchored compares each anchored step
+with the control's own step K+1 at the one-step tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from convergence.spec.anchors import ANCHORS_DIR
+from convergence.trainer import resume
+from convergence.trainer.config import TrainConfig
+from convergence.trainer.data import BatchPlan
+
+
+def anchor_path(folder: str | Path, step: int) -> Path:
+    """The checkpoint of the state after step ``step``."""
+    return Path(folder) / f"step{step}"
+
+
+def saves_anchor(cfg: TrainConfig, step: int) -> bool:
+    """Whether the control writes an anchor after ``step`` (never after the last one: no step
+    follows it to compare)."""
+    every = cfg.checkpoint.anchor_every
+    return every > 0 and step % every == 0 and step < cfg.training.steps
+
+
+def anchors_in(folder: str | Path) -> list[int]:
+    """The anchor steps K whose checkpoint in ``folder`` is complete (resume.json written
+    last), ascending. None at all is an error naming the folder."""
+    folder = Path(folder)
+    steps = sorted(
+        int(path.name.removeprefix("step"))
+        for path in (folder.iterdir() if folder.is_dir() else ())
+        if path.name.startswith("step")
+        and path.name.removeprefix("step").isdigit()
+        and (path / resume.MANIFEST).is_file()
+    )
+    if not steps:
+        raise resume.ResumeError(
+            folder,
+            "it holds no anchor (step<K>/ with a resume.json)",
+            "run the control with checkpoint.anchor_every = N first",
+        )
+    return steps
+
+
+def loop_steps(cfg: TrainConfig, first_step: int, last_step: int) -> Sequence[int]:
+    """The steps the loop trains: all from ``first_step`` to ``last_step``, or for an
+    anchored job only the step after each anchor."""
+    if not cfg.checkpoint.anchored_from:
+        return range(first_step, last_step + 1)
+    return [k + 1 for k in anchors_in(cfg.checkpoint.anchored_from) if k + 1 <= last_step]
+
+
+def load_anchor(
+    cfg: TrainConfig,
+    step: int,
+    plan: BatchPlan,
+    *,
+    chunks: Sequence[nn.Module],
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> tuple[int, BatchPlan] | None:
+    """An anchored job, before ``step``: load the anchor of step - 1 into this layout's model
+    and optimizer; returns (LR offset, batch plan) for the step, as a resume does. None for any
+    other job (nothing to load)."""
+    if not cfg.checkpoint.anchored_from:
+        return None
+    restored = resume.load_training_checkpoint(
+        anchor_path(cfg.checkpoint.anchored_from, step - 1),
+        chunks=chunks,
+        named_params=named_params,
+        optimizer=optimizer,
+        cfg=cfg,
+        global_batch_size=plan.global_batch_size,
+        device=device,
+    )
+    offset = restored.data_position - restored.step * plan.global_batch_size
+    return restored.lr_step - restored.step, dataclasses.replace(plan, offset=offset)
+
+
+def save_anchor(
+    cfg: TrainConfig,
+    step: int,
+    plan: BatchPlan,
+    lr_offset: int,
+    *,
+    chunks: Sequence[nn.Module],
+    named_params: Sequence[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> None:
+    """A control with anchor_every: the state after ``step`` (every rank calls it)."""
+    resume.save_training_checkpoint(
+        anchor_path(Path(cfg.metrics.dump_folder) / ANCHORS_DIR, step),
+        chunks=chunks,
+        named_params=named_params,
+        optimizer=optimizer,
+        cfg=cfg,
+        global_batch_size=plan.global_batch_size,
+        device=device,
+        state=resume.TrainState(
+            step=step,
+            lr_step=step + lr_offset,
+            data_position=plan.offset + step * plan.global_batch_size,
+        ),
+    )

@@ -1,0 +1,71 @@
+"""The anchored check (pair key ``anchor_every``, issue 41), end to end on the built-in
+trainer: the control saves its state every 10 steps, the test layout trains one step from
+each, and the one judge adds the ``anchored`` verdict.
+
+A late CP-rope bug from step 25 of 40 (fp32, FSDP(2)+CP(2) against FSDP(2)) fails the
+anchored verdict at the first anchor after its start, named in the message; the correct
+layout passes with anchors on; the numerics probe started from the failing anchor names
+where the layouts part.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
+
+from catalogue import BUGS, late_onset  # noqa: E402
+from pairs import build_pairs  # noqa: E402
+
+from convergence.report.formats.failure_text import headline  # noqa: E402
+from convergence.run.anchors import probe_at_anchor  # noqa: E402
+from convergence.run.runner import Runner, RunSettings  # noqa: E402
+
+START, STEPS, EVERY = 25, 40, 10
+
+
+def test_a_late_bug_fails_at_an_anchor_after_its_start_and_a_correct_layout_passes(
+    tmp_path: Path,
+) -> None:
+    bug = next(c for c in late_onset(START) if c.name.startswith("cp-rope-ignores-offset"))
+    correct = next(c for c in BUGS if c.name == "cp-rope-ignores-offset")
+    correct = type(correct)(name="fsdp2-cp2", kind="correct", parallelism=correct.parallelism)
+    (tmp_path / "exp").mkdir()
+    pairs = build_pairs([bug, correct], tmp_path / "exp", steps=STEPS, anchor_every=EVERY)
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=180, wall_limit_s=600))
+
+    failing = runner.run_pair(pairs[bug.name])
+    assert failing.status == "failed", failing.error
+    anchored = failing.verdict("anchored")
+    assert anchored is not None and not anchored.passed, [v.message for v in failing.verdicts]
+    anchor = anchored.details["anchor_step"]
+    assert isinstance(anchor, int) and START <= anchor <= START + EVERY, anchored.message
+    assert f"from the control's state at step {anchor} the test layout differs" in (
+        anchored.message
+    )
+    assert anchored.first_divergent_step == anchor + 1
+    assert f"anchored: from the control's state at step {anchor}" in headline(failing)
+    # Before the bug the test layout matched the control from each anchor.
+    assert anchored.details["anchors"] == [10, 20, 30]
+    assert anchored.details["anchors_failing"] == [30]
+    assert failing.anchored is not None and failing.anchored.metrics["loss"].steps.tolist() == [
+        11,
+        21,
+        31,
+    ]
+
+    # The probe starts from the failing anchor (both layouts load it, probe the step after).
+    assert failing.control is not None
+    probe = probe_at_anchor(
+        runner, failing.pair, failing.control, anchor, pair_dir=tmp_path / "probe"
+    )
+    assert "error" not in probe and probe["step"] == anchor + 1, probe
+    assert probe["anchor_step"] == anchor
+    assert probe["module"] is not None or probe["parameter"] is not None, probe
+
+    passing = runner.run_pair(pairs[correct.name])
+    assert passing.status == "passed", [v.message for v in passing.verdicts]
+    verdict = passing.verdict("anchored")
+    assert verdict is not None and verdict.passed and verdict.steps_compared == 3, verdict

@@ -1,0 +1,130 @@
+"""The pair key ``anchor_every`` (the anchored check, issue 41): parsed once into PairSpec,
+bad values a collection error naming the file, the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from convergence.regimes import REGISTRY
+from convergence.spec.errors import SpecError
+from convergence.spec.experiment import load_experiment
+
+
+def _experiment(tmp_path: Path, test_extra: str = "", defaults_extra: str = "") -> Path:
+    path = tmp_path / "exp.toml"
+    path.write_text(
+        f"""
+[defaults]
+train_config = "debug"
+steps = 40
+{defaults_extra}
+
+[control]
+parallelism = {{ dp_shard = 2 }}
+
+[[test]]
+name = "tp"
+parallelism = {{ dp_shard = 2, tp = 2 }}
+{test_extra}
+"""
+    )
+    return path
+
+
+def _pair(path: Path):  # type: ignore[no-untyped-def]
+    (pair,) = load_experiment(path, rootdir=path.parent, regimes=REGISTRY).pairs
+    return pair
+
+
+def test_off_unless_asked_and_read_from_defaults_or_the_test(tmp_path: Path) -> None:
+    assert _pair(_experiment(tmp_path)).anchor_every == 0
+    assert _pair(_experiment(tmp_path, defaults_extra="anchor_every = 10")).anchor_every == 10
+    both = _experiment(tmp_path, "anchor_every = 5", defaults_extra="anchor_every = 10")
+    assert _pair(both).anchor_every == 5
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("0", "positive integer"),
+        ("-3", "positive integer"),
+        ("true", "positive integer"),
+        ('"10"', "positive integer"),
+        ("2.5", "positive integer"),
+        ("40", "leaves no anchor inside the run of 40 steps"),
+    ],
+)
+def test_a_bad_value_names_the_file_the_key_and_the_fix(
+    tmp_path: Path, value: str, problem: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        _pair(_experiment(tmp_path, f"anchor_every = {value}"))
+    text = str(info.value)
+    assert "exp.toml" in text and "anchor_every" in text and problem in text, text
+    assert info.value.fix and "anchor_every" in info.value.fix, text
+
+
+def test_a_resuming_test_cannot_be_anchored(tmp_path: Path) -> None:
+    path = _experiment(tmp_path, "anchor_every = 10\nresume = { at_step = 20 }")
+    with pytest.raises(SpecError, match="anchor_every and resume"):
+        _pair(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["--checkpoint.anchor_every=-1"], "checkpoint.anchor_every"),
+        (["--checkpoint.anchor_every=5", "--probe.enable=true"], "probe.enable"),
+        (
+            ["--checkpoint.anchored_from=/a", "--checkpoint.resume_from=/b"],
+            "checkpoint.anchored_from",
+        ),
+    ],
+)
+def test_the_trainer_refuses_anchor_keys_it_cannot_honour(overrides: list[str], key: str) -> None:
+    from convergence.trainer.config import load_train_config
+    from convergence.trainer.validate import check_config
+
+    cfg = load_train_config("debug", overrides)
+    with pytest.raises(SpecError) as info:
+        check_config(cfg, 1)
+    assert key in str(info.value), str(info.value)
+
+
+def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
+    """The probe at a failing anchor: resume_from + probe (run/anchors.py probe_at_anchor)."""
+    from convergence.trainer.config import load_train_config
+    from convergence.trainer.validate import check_config
+
+    cfg = load_train_config(
+        "debug", ["--checkpoint.resume_from=/a", "--probe.enable=true", "--probe.step=31"]
+    )
+    check_config(cfg, 1)
+
+
+def test_a_backend_that_cannot_resume_cannot_be_anchored(tmp_path: Path) -> None:
+    from convergence.preflight import load_checked
+
+    path = tmp_path / "exp.toml"
+    (tmp_path / "train.toml").write_text("")
+    path.write_text(
+        """
+[defaults]
+train_config = "train.toml"
+backend = "command"
+backend_options = { command = ["python", "train.py", "{dump_dir}"] }
+steps = 40
+anchor_every = 10
+
+[control]
+name = "a"
+
+[[test]]
+name = "b"
+"""
+    )
+    with pytest.raises(SpecError) as info:
+        load_checked(path, rootdir=tmp_path)
+    assert "anchor_every" in str(info.value) and "'command'" in str(info.value), info.value
