@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from convergence.launch.cancel import check_cancelled
 from convergence.launch.failure import (
     diagnose,
     finished_then_aborted,
@@ -241,9 +242,8 @@ class LocalLauncher:
         with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
             log.write(f"# argv: {argv!r}\n".encode())
             if warm:
-                log.write(
-                    f"# warm start: {request.nproc} ranks forked (launch/forkserver.py)\n".encode()
-                )
+                what = "1 process" if request.direct else f"{request.nproc} ranks"
+                log.write(f"# warm start: {what} forked (launch/forkserver.py)\n".encode())
             log.flush()
             if not warm:
                 proc = subprocess.Popen(
@@ -324,8 +324,8 @@ class LocalLauncher:
         """Why ``request`` goes through torchrun rather than a warm start, or None."""
         if self.start != "warm" or self.name != "local":
             return f"the {self.name} launcher starts {self.start}"
-        if request.direct:
-            return "a direct command is not a rank"
+        if request.direct and not request.forkable:
+            return "a direct command that is not forkable starts fresh (LaunchRequest.forkable)"
         return warm_entry_problem(request.entry)
 
     def _server(self, request: LaunchRequest) -> ForkServer:
@@ -343,6 +343,7 @@ class LocalLauncher:
             launcher_log=str(request.log_dir / LAUNCHER_LOG),
             ranks_dir=str(request.log_dir / RANKS_DIR),
             run_id=_rdzv_id(request.name),
+            direct=request.direct,
         )
         return self._server(request).start_job(spec)
 
@@ -372,6 +373,8 @@ class LocalLauncher:
         stop_deadline: float | None = None
         tracked_at = -float("inf")
         while proc.poll() is None:
+            # Its group interrupted (launch/cancel.py): ends the tree as a KeyboardInterrupt does.
+            check_cancelled(watch.request.name)
             now = time.monotonic()
             if now - tracked_at >= self.track_interval_s:
                 tracker.poll()

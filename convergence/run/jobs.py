@@ -79,6 +79,9 @@ class RunSettings:
     a job runs (``convergence bisect``: the commit's trainer code, see convergence/cli/bisect.py)."""
     session_id: str = field(default_factory=lambda: f"{os.getpid()}-{time.time_ns()}")
     """Identifies one pytest/CLI run (shared by its xdist workers): see ``refresh``."""
+    concurrent_controls: bool = True
+    """A pair's independent control-side jobs (control, twins, seed replicates) run at once as
+    far as the device pool has room (run/together.py); False: one after another."""
     on_progress: Callable[[Progress], None] | None = field(default=None, compare=False)
 
     @property
@@ -212,6 +215,7 @@ class JobRunner:
         stop_file: Path | None = None,
         total_steps: int | None = None,
         direct: bool = False,
+        forkable: bool = False,
     ) -> LaunchRequest:
         """The one place a LaunchRequest is built from the session's settings.
 
@@ -235,6 +239,7 @@ class JobRunner:
             cwd=(limits.job_cwd or Path.cwd()) if in_job_context else Path.cwd(),
             env=dict(limits.job_env) if in_job_context else {},
             direct=direct,
+            forkable=forkable,
         )
 
     def launch(
@@ -327,6 +332,7 @@ class JobRunner:
                 nproc=1,
                 log_dir=build / "logs",
                 direct=True,
+                forkable=True,  # one of our processes: a warm start where the launcher has one
                 watch_idle=False,
             )
             result = self.launcher.launch(request)  # one process: no lease from the pool
