@@ -288,13 +288,16 @@ class LocalLauncher:
         )
         try:
             status, returncode, failure = self._supervise(proc, tracker, watch)
-        except BaseException:
-            # KeyboardInterrupt or a raising callback: end the tree, then let it propagate.
+        except BaseException as exc:
+            # KeyboardInterrupt, a cancelled group (launch/cancel.py) or a raising callback:
+            # end the tree, then let it propagate.
             tracker.poll()  # every rank in pids.json, even one born after the last scan
             kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
             if proc.returncode is None:
                 proc.returncode = _root_returncode(proc, kill.root_returncode)
             _write_pids(request.log_dir, proc.pid, tracker)
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            note_in_launcher_log(request.log_dir, f"the job was ended ({why})")
             raise
         kill_leftovers(tracker.processes)
         _write_pids(request.log_dir, proc.pid, tracker)
