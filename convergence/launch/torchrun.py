@@ -229,6 +229,7 @@ class LocalLauncher:
         on_metrics: OnMetrics | None = None,
         on_progress: OnProgress | None = None,
     ) -> JobResult:
+        check_cancelled(request.name)  # a group interrupted before this job started
         request.log_dir.mkdir(parents=True, exist_ok=True)
         # One launch = one set of logs: an earlier attempt's rank logs or root-cause report in
         # the same folder would be mistaken for this run's when diagnosing a failure.

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,9 @@ class JobRunner:
         self._on_progress = settings.on_progress
         self._prepared: dict[JobSpec, PreparedJob] = {}
         self._backends: dict[str, Backend] = {}
+        # A pair's control-side jobs run on threads of their own (run/together.py): one
+        # prepares at a time, so a seed checkpoint or a backend is made once.
+        self._prepare_lock = threading.RLock()
 
     # -- the public job API (run.probe, run.resume, ab, and the pair floor's Runner) -------
     @property
@@ -175,10 +179,11 @@ class JobRunner:
     def backend(self, job: JobSpec) -> Backend:
         """``job``'s backend: one instance per backend name and session (backends hold no
         state of their own; what they work out of a job is kept per job: backends/effective.py)."""
-        backend = self._backends.get(job.backend)
-        if backend is None:
-            backend = self._backends[job.backend] = get_backend(job.backend)
-        return backend
+        with self._prepare_lock:
+            backend = self._backends.get(job.backend)
+            if backend is None:
+                backend = self._backends[job.backend] = get_backend(job.backend)
+            return backend
 
     def prepare(self, job: JobSpec) -> PreparedJob:
         """``job``'s backend, seed checkpoint and run-cache key, worked out once per session.
@@ -191,15 +196,16 @@ class JobRunner:
         per side) all need them; they cannot change within a session, and the seed
         checkpoint, once made, stays in the cache.
         """
-        prepared = self._prepared.get(job)
-        if prepared is None:
-            backend = self.backend(job)
-            seed_dir = self.seed_checkpoint(job, backend)
-            key = self.job_key(job, backend, seed_dir)
-            prepared = self._prepared[job] = PreparedJob(
-                job=job, backend=backend, seed_dir=seed_dir, key=key
-            )
-        return prepared
+        with self._prepare_lock:
+            prepared = self._prepared.get(job)
+            if prepared is None:
+                backend = self.backend(job)
+                seed_dir = self.seed_checkpoint(job, backend)
+                key = self.job_key(job, backend, seed_dir)
+                prepared = self._prepared[job] = PreparedJob(
+                    job=job, backend=backend, seed_dir=seed_dir, key=key
+                )
+            return prepared
 
     def launch_request(
         self,

@@ -231,8 +231,6 @@ class Runner(JobRunner):
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
         jobs = regime.control_jobs(pair, self.backend(pair.control))
-        for job in jobs:  # seed checkpoints and keys here, once: the job threads only read them
-            self.prepare(job)
         # Independent of each other: at once where the pool has room (run/together.py).
         sides = run_together(
             [
