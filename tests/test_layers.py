@@ -250,7 +250,8 @@ def test_lazy_imports_are_for_cost() -> None:
 #: cached runs) knows nothing of pairs; the probe and a resuming side use it alone; the pair
 #: floor (runner.py: controls, monitoring, verdicts, golden, localisation) sits on top.
 RUN_FLOORS: tuple[tuple[str, ...], ...] = (
-    ("outcome", "probe_compare", "judge"),  # what reports read; the one judge
+    # what reports read; the one judge; jobs at once (together: no job or pair of its own)
+    ("outcome", "probe_compare", "judge", "together"),
     ("jobs",),  # the job floor
     ("probe", "resume", "anchors"),  # users of the job floor alone
     ("runner",),  # the pair floor

@@ -141,3 +141,49 @@ def test_the_cli_block_turns_sigterm_into_ctrl_c_and_puts_the_default_back() -> 
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_sigterm_while_control_jobs_run_at_once_leaves_none(project: Path) -> None:
+    """A bf16 twin pair's control, twin and forward twin train together (each supervised by
+    its own thread: convergence/run/together.py); SIGTERM reaches pytest's main thread only,
+    and every job thread still ends its job's tree."""
+    builtin_pair(
+        project / "experiments",
+        file="forever.toml",
+        train_config="debug",
+        steps=100000,
+        seed=3,
+        techniques={"param_dtype": "bfloat16"},
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "fsdp2-again", "parallelism": {"dp_shard": 2}}],
+    )
+    with open(project / "out.txt", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence"],
+            cwd=project,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 600
+    training: list[Path] = []
+    while time.monotonic() < deadline and proc.poll() is None and len(training) < 2:
+        training = [
+            p
+            for p in project.glob(".convergence/runs/*/control-*/dump/metrics.jsonl")
+            if p.stat().st_size
+        ]
+        time.sleep(0.5)
+    if len(training) < 2:
+        proc.kill()
+        raise AssertionError("two control-side jobs never trained at once:\n" + _output(project))
+    jobs = _job_processes(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == pytest.ExitCode.INTERRUPTED, _output(project)
+    assert _survivors(jobs) == [], _output(project)
+    # Each was ended by its own thread (launch/cancel.py), not merely killed with the fork
+    # server as pytest exited (that, too, would leave nothing, but a minute later).
+    for metrics in training:
+        log = (metrics.parent.parent / "logs" / "launcher.log").read_text()
+        assert "the job was ended (JobCancelled: " in log, log[-2000:]

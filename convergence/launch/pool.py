@@ -29,6 +29,7 @@ from pathlib import Path
 
 import filelock
 
+from convergence.launch.cancel import check_cancelled
 from convergence.launch.process_tree import pid_alive
 from convergence.torch_info import may_see_gpus
 
@@ -267,6 +268,7 @@ class DevicePool:
                         state[d] = {"pid": os.getpid(), "lease": lease_id}
                     self._write(state)
                     return Lease(kind=self.kind, devices=chosen, lease_id=lease_id)
+            check_cancelled(f"waiting for {n} {self.kind} devices")
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
                     f"waited {timeout:g} s for {n} free {self.kind} devices of {self.size}; "

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
+from convergence.launch.cancel import check_cancelled
 from convergence.launch.failure import (
     diagnose,
     finished_then_aborted,
@@ -231,6 +232,7 @@ class LocalLauncher:
         on_metrics: OnMetrics | None = None,
         on_progress: OnProgress | None = None,
     ) -> JobResult:
+        check_cancelled(request.name)  # a group interrupted before this job started
         request.log_dir.mkdir(parents=True, exist_ok=True)
         # One launch = one set of logs: an earlier attempt's rank logs or root-cause report in
         # the same folder would be mistaken for this run's when diagnosing a failure.
@@ -244,9 +246,8 @@ class LocalLauncher:
         with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
             log.write(f"# argv: {argv!r}\n".encode())
             if warm:
-                log.write(
-                    f"# warm start: {request.nproc} ranks forked (launch/forkserver.py)\n".encode()
-                )
+                what = "1 process" if request.direct else f"{request.nproc} ranks"
+                log.write(f"# warm start: {what} forked (launch/forkserver.py)\n".encode())
             log.flush()
             if not warm:
                 proc = subprocess.Popen(
@@ -291,13 +292,16 @@ class LocalLauncher:
         )
         try:
             status, returncode, failure = self._supervise(proc, tracker, watch)
-        except BaseException:
-            # KeyboardInterrupt or a raising callback: end the tree, then let it propagate.
+        except BaseException as exc:
+            # KeyboardInterrupt, a cancelled group (launch/cancel.py) or a raising callback:
+            # end the tree, then let it propagate.
             tracker.poll()  # every rank in pids.json, even one born after the last scan
             kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
             if proc.returncode is None:
                 proc.returncode = _root_returncode(proc, kill.root_returncode)
             _write_pids(request.log_dir, proc.pid, tracker)
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            note_in_launcher_log(request.log_dir, f"the job was ended ({why})")
             raise
         kill_leftovers(tracker.processes)
         _write_pids(request.log_dir, proc.pid, tracker)
@@ -327,8 +331,8 @@ class LocalLauncher:
         """Why ``request`` goes through torchrun rather than a warm start, or None."""
         if self.start != "warm" or not self.on_this_machine:
             return f"the {self.name} launcher starts {self.start}"
-        if request.direct:
-            return "a direct command is not a rank"
+        if request.direct and not request.forkable:
+            return "a direct command that is not forkable starts fresh (LaunchRequest.forkable)"
         return warm_entry_problem(request.entry)
 
     def _server(self, request: LaunchRequest) -> ForkServer:
@@ -346,6 +350,7 @@ class LocalLauncher:
             launcher_log=str(request.log_dir / LAUNCHER_LOG),
             ranks_dir=str(request.log_dir / RANKS_DIR),
             run_id=_rdzv_id(request.name),
+            direct=request.direct,
         )
         return self._server(request).start_job(spec)
 
@@ -375,6 +380,8 @@ class LocalLauncher:
         stop_deadline: float | None = None
         tracked_at = -float("inf")
         while proc.poll() is None:
+            # Its group interrupted (launch/cancel.py): ends the tree as a KeyboardInterrupt does.
+            check_cancelled(watch.request.name)
             now = time.monotonic()
             if now - tracked_at >= self.track_interval_s:
                 tracker.poll()

@@ -47,6 +47,11 @@ class LaunchRequest:
     """For progress and ETA."""
     direct: bool = False
     """Run ``entry`` as a plain command (no torchrun), e.g. a seed-checkpoint step."""
+    forkable: bool = False
+    """A direct command that may start forked from the warm-start server (the local launcher's
+    warm start, launch/forkserver.py): one of ours that runs in one process, the seed
+    checkpoint. Other direct commands (a trainer that starts its own ranks) start as fresh
+    processes: what they set before importing torch must still take effect."""
     hosts: tuple[str, ...] = ()
     """Nodes the device pool placed the job on (a Slurm allocation); empty: the launcher
     chooses (one machine, or the first nodes of the allocation)."""

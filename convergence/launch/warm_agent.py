@@ -4,7 +4,9 @@ It runs in the forked child of the server (convergence/launch/forkserver.py expl
 process tree) and does for one job what a one-node torchrun agent does, with the ranks forked
 instead of started: a c10d store on 127.0.0.1, torchrun's environment per rank, per-rank log
 files in torchrun's layout, the other ranks ended when one fails, and torchrun's failure
-report on its own stderr (the job's ``launcher.log``).
+report on its own stderr (the job's ``launcher.log``). A direct job (one process of ours, the
+seed checkpoint: ``LaunchRequest.forkable``) has no ranks: the agent runs its command itself,
+with the job's environment, its output in ``launcher.log`` as a fresh process's would be.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class WarmJobSpec:
     launcher_log: str
     ranks_dir: str
     run_id: str
+    direct: bool = False
+    """A one-process command (LaunchRequest.direct, forkable): the agent runs it itself, with
+    the job's environment only (no ranks, no store), as a fresh ``python <entry>`` would."""
 
     def to_json(self) -> str:
         data = {**self.__dict__, "entry": list(self.entry), "env": dict(self.env)}
@@ -131,6 +136,12 @@ def _rank_main(spec: WarmJobSpec, rank: int, port: int, agent: int) -> NoReturn:
     _redirect(1, folder / "stdout.log")
     _redirect(2, folder / "stderr.log")
     _set_environ(rank_env(spec, rank=rank, port=port, error_file=folder / "error.json"))
+    _run_entry_and_exit(spec)
+
+
+def _run_entry_and_exit(spec: WarmJobSpec) -> NoReturn:
+    """The job's entry in this process, with the torch threads its environment asks for (the
+    server imported torch under its own), then leave (dist_exit.run_and_exit)."""
     omp = os.environ.get("OMP_NUM_THREADS")
     if omp and omp.isdigit() and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(omp))
@@ -150,6 +161,13 @@ def run_agent(spec: WarmJobSpec, *, server_pid: int) -> int:
     _redirect(2, Path(spec.launcher_log))
     _set_environ(dict(spec.env))
     mark("agent_imported")
+    if spec.direct:
+        print(
+            f"# warm agent: pid {os.getpid()} forked from the fork server (pid {server_pid}) "
+            "runs the command itself",
+            flush=True,
+        )
+        _run_entry_and_exit(spec)
     ranks_dir = Path(spec.ranks_dir)
     ranks_dir.mkdir(parents=True, exist_ok=True)
     sock = _bind_store_socket()

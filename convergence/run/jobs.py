@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class RunSettings:
     a job runs (``convergence bisect``: the commit's trainer code, see convergence/bisection.py)."""
     session_id: str = field(default_factory=lambda: f"{os.getpid()}-{time.time_ns()}")
     """Identifies one pytest/CLI run (shared by its xdist workers): see ``refresh``."""
+    concurrent_controls: bool = True
+    """A pair's independent control-side jobs (control, twins, seed replicates) run at once as
+    far as the device pool has room (run/together.py); False: one after another."""
     on_progress: Callable[[Progress], None] | None = field(default=None, compare=False)
 
     @property
@@ -165,6 +169,9 @@ class JobRunner:
         self._on_progress = settings.on_progress
         self._prepared: dict[JobSpec, PreparedJob] = {}
         self._backends: dict[str, Backend] = {}
+        # A pair's control-side jobs run on threads of their own (run/together.py): one
+        # prepares at a time, so a seed checkpoint or a backend is made once.
+        self._prepare_lock = threading.RLock()
 
     # -- the public job API (run.probe, run.resume, ab, and the pair floor's Runner) -------
     @property
@@ -174,10 +181,11 @@ class JobRunner:
     def backend(self, job: JobSpec) -> Backend:
         """``job``'s backend: one instance per backend name and session (backends hold no
         state of their own; what they work out of a job is kept per job: backends/effective.py)."""
-        backend = self._backends.get(job.backend)
-        if backend is None:
-            backend = self._backends[job.backend] = get_backend(job.backend)
-        return backend
+        with self._prepare_lock:
+            backend = self._backends.get(job.backend)
+            if backend is None:
+                backend = self._backends[job.backend] = get_backend(job.backend)
+            return backend
 
     def prepare(self, job: JobSpec) -> PreparedJob:
         """``job``'s backend, seed checkpoint and run-cache key, worked out once per session.
@@ -190,15 +198,16 @@ class JobRunner:
         per side) all need them; they cannot change within a session, and the seed
         checkpoint, once made, stays in the cache.
         """
-        prepared = self._prepared.get(job)
-        if prepared is None:
-            backend = self.backend(job)
-            seed_dir = self.seed_checkpoint(job, backend)
-            key = self.job_key(job, backend, seed_dir)
-            prepared = self._prepared[job] = PreparedJob(
-                job=job, backend=backend, seed_dir=seed_dir, key=key
-            )
-        return prepared
+        with self._prepare_lock:
+            prepared = self._prepared.get(job)
+            if prepared is None:
+                backend = self.backend(job)
+                seed_dir = self.seed_checkpoint(job, backend)
+                key = self.job_key(job, backend, seed_dir)
+                prepared = self._prepared[job] = PreparedJob(
+                    job=job, backend=backend, seed_dir=seed_dir, key=key
+                )
+            return prepared
 
     def launch_request(
         self,
@@ -214,6 +223,7 @@ class JobRunner:
         stop_file: Path | None = None,
         total_steps: int | None = None,
         direct: bool = False,
+        forkable: bool = False,
     ) -> LaunchRequest:
         """The one place a LaunchRequest is built from the session's settings.
 
@@ -237,6 +247,7 @@ class JobRunner:
             cwd=(limits.job_cwd or Path.cwd()) if in_job_context else Path.cwd(),
             env=dict(limits.job_env) if in_job_context else {},
             direct=direct,
+            forkable=forkable,
         )
 
     def launch(
@@ -329,6 +340,7 @@ class JobRunner:
                 nproc=1,
                 log_dir=build / "logs",
                 direct=True,
+                forkable=True,  # one of our processes: a warm start where the launcher has one
                 watch_idle=False,
             )
             result = self.launcher.launch(request)  # one process: no lease from the pool

@@ -17,6 +17,7 @@ import dataclasses
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.run.resume import run_resumed
+from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
 from convergence.stats.health import control_problem
@@ -67,7 +69,8 @@ def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
 
 
 class Runner(JobRunner):
-    """The session's job floor plus pairs: runs pairs one at a time and judges them.
+    """The session's job floor plus pairs: runs pairs one at a time (a pair's control-side
+    jobs at once, as the pool has room) and judges them.
 
     Build it once per session, like the JobRunner it extends (see there for the cost).
     """
@@ -260,7 +263,14 @@ class Runner(JobRunner):
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
         jobs = with_anchor_saves(pair, regime.control_jobs(pair, self.backend(pair.control)))
-        sides = [self.run_job("control", job, pair_dir=pair_dir, cacheable=True) for job in jobs]
+        # Independent of each other: at once where the pool has room (run/together.py).
+        sides = run_together(
+            [
+                partial(self.run_job, "control", job, pair_dir=pair_dir, cacheable=True)
+                for job in jobs
+            ],
+            together=self.settings.concurrent_controls,
+        )
         # What travels with the control (seed replicates, the twin's curves) is the regime's.
         kept = regime.control_curves([s.metrics for s in sides])
         sides[0] = dataclasses.replace(sides[0], replicates=kept.replicates, twins=kept.twins)
