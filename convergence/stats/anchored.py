@@ -61,7 +61,8 @@ class _Exact:
 #: anchored check"), the window is narrow: a correct FSDP(2)+TP(2) reached 1.84x of the k = 1
 #: envelope on the loss at one anchor of 19 (a false alarm below k = 1.84), while the late
 #: CP-rope bug's first anchored step was 1.75x of it (missed at that anchor above k = 1.75);
-#: 2 keeps the correct layouts in (no false alarm measured) at the price of the CP-rope bug.
+#: 2 keeps the correct layouts in (no false alarm measured); the CP-rope bug is left to the
+#: persistence rule below (which catches it at anchor 375, not 300).
 ONE_STEP_K = 2.0
 
 #: Twin rules: an anchor also fails when the same metric is outside this fraction of the
