@@ -12,8 +12,10 @@ that starts at step 300 meets the tolerance of step 1.
 
 One verdict, ``anchored``, over every gating metric and anchor: it fails at the first anchor
 where some metric leaves its one-step tolerance and names that anchor ("from the control's
-state at step 300 the test layout differs after one step: ..."). Methods with no per-step
-tolerance (seed band, regression) are not part of it.
+state at step 300 the test layout differs after one step: ..."). Twin rules also fail on a
+*persistent* smaller excess: the same metric outside half the envelope at two consecutive
+anchors (see PERSISTENT_FRACTION); the message then names the first anchor of that run.
+Methods with no per-step tolerance (seed band, regression) are not part of it.
 """
 
 from __future__ import annotations
@@ -59,8 +61,23 @@ class _Exact:
 #: anchored check"), the window is narrow: a correct FSDP(2)+TP(2) reached 1.84x of the k = 1
 #: envelope on the loss at one anchor of 19 (a false alarm below k = 1.84), while the late
 #: CP-rope bug's first anchored step was 1.75x of it (missed at that anchor above k = 1.75);
-#: 2 keeps the correct layouts in (no false alarm measured) at the price of the CP-rope bug.
+#: 2 keeps the correct layouts in (no false alarm measured); the CP-rope bug is left to the
+#: persistence rule below (which catches it at anchor 375, not 300).
 ONE_STEP_K = 2.0
+
+#: Twin rules: an anchor also fails when the same metric is outside this fraction of the
+#: anchored twin envelope (k x noise + floor with k x PERSISTENT_FRACTION) at PERSISTENT_RUN
+#: consecutive anchors. Why: a correct layout's one-step gaps are independent draws, one per
+#: anchor, so a large one is isolated; a bug acts at every step after its start, so its gap
+#: stays up. Measured on the saved bf16 runs of BENCHMARKS.md "The anchored check" (k in units
+#: of the k = 1 envelope, per metric, two consecutive anchors both above k): the correct
+#: layouts (A: FSDP+TP/CP/HSDP/PP 1F1B, C: FSDP+TP/CP) reach 0.55 at most (C FSDP+TP's loss at
+#: anchors 450 and 475); the late CP-rope bug's per-part grad norm is above 1.55 at anchors
+#: 375 and 400, so k = 2 x 0.5 = 1 sits in the window (0.55, 1.55) with ~1.6-1.8x either side
+#: and catches it at 375 instead of 400. It does *not* catch it at 300: its gap at 325 is
+#: 0.52, below what the correct layouts reach, so no run-of-two threshold separates them there.
+PERSISTENT_FRACTION = 0.5
+PERSISTENT_RUN = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +167,25 @@ class _Miss:
     metric: str
     diff: float
     tol: float
+    persistent: bool = False
+    """Outside only the persistent limit (PERSISTENT_FRACTION of the tolerance), in a run."""
+
+
+def persistent_runs(steps: Ints, outside: np.ndarray, every: int) -> list[list[int]]:
+    """The runs of at least PERSISTENT_RUN consecutive anchored steps (``every`` apart)
+    that are all ``outside``, as lists of indices into ``steps``."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for i in range(steps.size):
+        if outside[i] and current and int(steps[i]) - int(steps[current[-1]]) == every:
+            current.append(i)
+        else:
+            if len(current) >= PERSISTENT_RUN:
+                runs.append(current)
+            current = [i] if outside[i] else []
+    if len(current) >= PERSISTENT_RUN:
+        runs.append(current)
+    return runs
 
 
 def anchored_verdict(
@@ -199,6 +235,21 @@ def anchored_verdict(
                     tol=float(limit[i]),
                 )
             )
+        if isinstance(tol, AnchoredTwinTolerance):
+            low = dataclasses.replace(tol, k=tol.k * PERSISTENT_FRACTION)
+            low_limit = low.at(np.ones_like(pairs.steps), pairs.control)
+            for run in persistent_runs(pairs.steps, ~(diff <= low_limit), every):
+                misses.extend(
+                    _Miss(
+                        step=int(pairs.steps[i]),
+                        metric=rule.metric,
+                        diff=float(diff[i]),
+                        tol=float(low_limit[i]),
+                        persistent=True,
+                    )
+                    for i in run
+                    if not outside[i]
+                )
     count = len(steps_seen)
     tolerance = f"one step from the control's state every {every} steps, at step 1's tolerance"
     details: dict[str, object] = {
@@ -235,7 +286,7 @@ def anchored_verdict(
     first_step = min(m.step for m in misses)
     at_first = [m for m in misses if m.step == first_step]
     head = at_first[0]
-    said = ", ".join(f"{m.metric} |diff| {m.diff:.3g} > tol {m.tol:.3g}" for m in at_first)
+    said = ", ".join(_describe_miss(m, every) for m in at_first)
     anchors_failing = sorted({m.step - 1 for m in misses})
     return MetricVerdict(
         metric=ANCHORED,
@@ -256,4 +307,13 @@ def anchored_verdict(
             "anchors_failing": anchors_failing,
             "max_ratio": max(ratios.values()),
         },
+    )
+
+
+def _describe_miss(miss: _Miss, every: int) -> str:
+    if not miss.persistent:
+        return f"{miss.metric} |diff| {miss.diff:.3g} > tol {miss.tol:.3g}"
+    return (
+        f"{miss.metric} |diff| {miss.diff:.3g} > {PERSISTENT_FRACTION:g}x tol {miss.tol:.3g}, "
+        f"and again at the next anchor (step {miss.step - 1 + every}): a persistent gap"
     )

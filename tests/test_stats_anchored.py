@@ -1,0 +1,99 @@
+"""The anchored verdict on synthetic one-step gaps with known answers: a twin rule fails an
+anchor outside k x the anchored twin envelope, and also a *persistent* gap -- the same metric
+outside half of it at two consecutive anchors -- naming the first anchor of the run; an
+isolated gap that size passes (a correct layout's large gaps are isolated draws). Paired rules
+(fp32) have no persistence rule."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from convergence.metrics.curve import Curve
+from convergence.spec.pair import ComparisonRule, Method
+from convergence.stats.anchored import (
+    PERSISTENT_FRACTION,
+    anchored_verdict,
+    one_step_tolerance,
+    persistent_runs,
+)
+from convergence.stats.types import MetricVerdict
+
+EVERY = 25
+ANCHORS = np.arange(EVERY, 500, EVERY, dtype=np.int64)  # 25 .. 475: 19 anchors
+STEPS = ANCHORS + 1  # the one step trained from each
+CONTROL = 2.0 + 3.0 * np.exp(-STEPS / 100.0)
+#: Each twin's relative one-step gap: small at every anchor but one, where it is 1e-3.
+TWIN_GAPS = (
+    np.where(ANCHORS == 100, 1e-3, 2e-4) * np.cos(STEPS),
+    np.where(ANCHORS == 350, 1e-3, 3e-4) * np.sin(STEPS),
+)
+
+
+def curve(values: np.ndarray) -> Curve:
+    return Curve("loss", STEPS.copy(), np.asarray(values, dtype=np.float64))
+
+
+def verdict(method: Method, test_gap_in_tolerances: np.ndarray) -> MetricVerdict:
+    """The verdict of a test whose gap at each anchor is the given multiple of the rule's
+    one-step tolerance there."""
+    rule = ComparisonRule(metric="loss", method=method)
+    control = curve(CONTROL)
+    twins = [curve(CONTROL * (1 + gap)) for gap in TWIN_GAPS]
+    tol = one_step_tolerance(rule, [control], twins if method == "twin" else [])
+    assert tol is not None
+    limit = tol.at(np.ones_like(STEPS), CONTROL)
+    test = curve(CONTROL + test_gap_in_tolerances * limit)
+    return anchored_verdict(
+        [rule],
+        [{"loss": control}],
+        {"loss": test},
+        every=EVERY,
+        anchored_twins=[{"loss": t} for t in twins] if method == "twin" else (),
+    )
+
+
+def gaps(**at_anchor: float) -> np.ndarray:
+    """0.1 of the tolerance everywhere, except the given anchors ("a300": 0.7 -> 0.7x)."""
+    out = np.full(ANCHORS.shape, 0.1)
+    for name, value in at_anchor.items():
+        out[ANCHORS == int(name[1:])] = value
+    return out
+
+
+def test_an_isolated_gap_below_the_envelope_passes_even_above_half_of_it() -> None:
+    result = verdict("twin", gaps(a350=0.9))
+    assert result.passed, result.message
+    assert 0.85 < float(str(result.details["max_ratio"])) < 0.95
+    # Above half the envelope at two anchors that are not consecutive: still isolated.
+    assert verdict("twin", gaps(a300=0.7, a350=0.7)).passed
+
+
+def test_a_persistent_gap_above_half_the_envelope_fails_at_the_first_anchor_of_its_run() -> None:
+    assert PERSISTENT_FRACTION < 0.7
+    result = verdict("twin", gaps(a300=0.7, a325=0.7, a350=0.6))
+    assert not result.passed
+    assert result.details["anchor_step"] == 300
+    assert result.details["anchors_failing"] == [300, 325, 350]
+    assert result.first_divergent_step == 301
+    assert "from the control's state at step 300 the test layout differs" in result.message
+    assert "again at the next anchor (step 325): a persistent gap" in result.message
+    # Today's rule still fails a single anchor outside the whole envelope, and names it.
+    single = verdict("twin", gaps(a400=1.2))
+    assert not single.passed and single.details["anchors_failing"] == [400]
+    assert "persistent" not in single.message
+
+
+def test_a_paired_rule_has_no_persistence_rule() -> None:
+    # fp32: the paired floor is already one step of rounding; its verdict is unchanged.
+    assert verdict("paired", gaps(a300=0.7, a325=0.7, a350=0.7)).passed
+    assert not verdict("paired", gaps(a300=1.2)).passed
+
+
+def test_runs_need_consecutive_anchors_every_apart() -> None:
+    steps = np.array([26, 51, 76, 126, 151, 176], dtype=np.int64)  # anchor 100 missing
+    outside = np.array([True, True, False, True, True, True])
+    assert persistent_runs(steps, outside, EVERY) == [[0, 1], [3, 4, 5]]
+    gap = np.array([False, True, False, True, False, True])
+    assert persistent_runs(steps, gap, EVERY) == []
+    # A missing anchor breaks a run: 76 and 126 are not consecutive anchors.
+    assert persistent_runs(steps, np.array([False, False, True, True, False, False]), 25) == []
