@@ -28,6 +28,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.anchored import ANCHORED
+from convergence.stats.registry import get_comparison
 from convergence.stats.types import MetricVerdict
 
 
@@ -90,7 +91,9 @@ def run_anchored_twins(
     """The twins' one step from each anchor, where a rule sizes its envelope from twins
     (stats/anchored.py: the one-step envelope). Control-side: cached, so every pair of the
     control group shares them."""
-    if len(controls) < 2 or not any(r.gate and r.method == "twin" for r in pair.rules):
+    if len(controls) < 2 or not any(
+        r.gate and get_comparison(r.method).anchored_twins for r in pair.rules
+    ):
         return []
     folder = anchor_folder(controls[0])
     return [

@@ -12,9 +12,8 @@ import numpy.typing as npt
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats.types import Check, MetricVerdict
-
-Floats = npt.NDArray[np.float64]
-Ints = npt.NDArray[np.int64]
+from convergence.stats.types import Floats as Floats
+from convergence.stats.types import Ints as Ints
 
 
 @dataclass(frozen=True, kw_only=True)

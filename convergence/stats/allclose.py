@@ -12,7 +12,7 @@ from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import point_check
 from convergence.stats.paired import PairedTolerance, envelope_verdict
-from convergence.stats.types import Check, MetricVerdict
+from convergence.stats.types import Check, MetricVerdict, Tolerance
 
 DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-8
@@ -23,6 +23,19 @@ class AllClose:
     all_controls = False
     calibrated = False
     takes_alpha = False
+    anchored_twins = False
+
+    def one_step_tolerance(
+        self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]
+    ) -> Tolerance | None:
+        return self.tolerance(rule)
+
+    def tolerance(self, rule: ComparisonRule) -> PairedTolerance:
+        return PairedTolerance(
+            atol=DEFAULT_ATOL if rule.atol is None else rule.atol,
+            growth=0.0,
+            rtol=DEFAULT_RTOL if rule.rtol is None else rule.rtol,
+        )
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         atol = DEFAULT_ATOL if rule.atol is None else rule.atol
@@ -32,9 +45,5 @@ class AllClose:
     def compare(
         self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
     ) -> MetricVerdict:
-        tol = PairedTolerance(
-            atol=DEFAULT_ATOL if rule.atol is None else rule.atol,
-            growth=0.0,
-            rtol=DEFAULT_RTOL if rule.rtol is None else rule.rtol,
-        )
+        tol = self.tolerance(rule)
         return envelope_verdict(rule, self.method, controls, test, tol, band=tol.describe())

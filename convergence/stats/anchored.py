@@ -28,42 +28,22 @@ import numpy as np
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats._common import Floats, Ints, align
-from convergence.stats.allclose import DEFAULT_ATOL, DEFAULT_RTOL
-from convergence.stats.paired import PairedTolerance, Tolerance, paired_tolerance
-from convergence.stats.twin import twin_tolerance
-from convergence.stats.types import MetricVerdict
+from convergence.stats._common import Ints, align
+from convergence.stats.registry import get_comparison
+from convergence.stats.twin import ONE_STEP_K, AnchoredTwinTolerance
+from convergence.stats.types import MetricVerdict, Tolerance
+
+__all__ = [
+    "ANCHORED",
+    "ONE_STEP_K",
+    "AnchoredTwinTolerance",
+    "anchored_verdict",
+    "one_step_tolerance",
+]
 
 #: The verdict's metric name (reports list it beside the per-metric verdicts).
 ANCHORED = "anchored"
 
-
-@dataclass(frozen=True)
-class _Exact:
-    """Exact equality (the data fingerprint): no tolerance at all."""
-
-    atol: float = 0.0
-    growth: float = 0.0
-    rtol: float = 0.0
-
-    def at(self, steps: Ints, control: Floats) -> Floats:
-        return np.zeros(steps.shape, dtype=np.float64)
-
-    def describe(self) -> str:
-        return "equal"
-
-
-#: The anchored twin envelope's multiplier of the measured one-step noise. The twin regime's
-#: k = 3 stands for the draws it does not see: its envelope at a step is one draw per twin
-#: (pooled over three steps). Here each twin's noise is already its largest gap over every
-#: anchor of the run (19 draws at anchor_every 25 of 500 steps), summed over the twins, so
-#: less is needed for the tail. Measured on the debug model in bf16 (BENCHMARKS.md "The
-#: anchored check"), the window is narrow: a correct FSDP(2)+TP(2) reached 1.84x of the k = 1
-#: envelope on the loss at one anchor of 19 (a false alarm below k = 1.84), while the late
-#: CP-rope bug's first anchored step was 1.75x of it (missed at that anchor above k = 1.75);
-#: 2 keeps the correct layouts in (no false alarm measured); the CP-rope bug is left to the
-#: persistence rule below (which catches it at anchor 375, not 300).
-ONE_STEP_K = 2.0
 
 #: Twin rules: an anchor also fails when the same metric is outside this fraction of the
 #: anchored twin envelope (k x noise + floor with k x PERSISTENT_FRACTION) at PERSISTENT_RUN
@@ -80,85 +60,12 @@ PERSISTENT_FRACTION = 0.5
 PERSISTENT_RUN = 2
 
 
-@dataclass(frozen=True, kw_only=True)
-class AnchoredTwinTolerance:
-    """The twin envelope of one step: k x the sum over the twins of each one's largest
-    *relative* one-step gap over the anchors, times |control|, plus the paired floor.
-
-    Each twin trained the same one step from the same anchors (a control-side anchored job),
-    so its gap to the control is one step of legitimate rounding from an identical state --
-    many draws, one per anchor, at the run's own states. One step of rounding does not grow
-    with the horizon, so the draws of all anchors pool into one maximum (relative: the grad
-    norm's scale moves over a run). The floor is the fp32 paired floor at step 1 (where the
-    twins agree bit for bit, as a DP twin's loss does)."""
-
-    k: float
-    relative_noise: float
-    """Sum over the twins of max over the anchors of |twin - control| / |control|."""
-    floor: PairedTolerance
-
-    @property
-    def atol(self) -> float:
-        return self.floor.atol
-
-    @property
-    def growth(self) -> float:
-        return 0.0
-
-    @property
-    def rtol(self) -> float:
-        return self.k * self.relative_noise + self.floor.rtol
-
-    def at(self, steps: Ints, control: Floats) -> Floats:
-        return self.floor.at(steps, control) + self.k * self.relative_noise * np.abs(control)
-
-    def describe(self) -> str:
-        return (
-            f"{self.k:g} x sum over the anchored twins of max |twin - control|/|control| "
-            f"({self.relative_noise:.3g}) x |control| + {self.floor.describe()}"
-        )
-
-
-def relative_one_step_noise(control: Curve, twins: Sequence[Curve]) -> float:
-    """Sum over the anchored twins of each one's largest |twin - control| / |control|."""
-    total = 0.0
-    for twin in twins:
-        pairs = align(control, twin)
-        if pairs.steps.size == 0:
-            continue
-        with np.errstate(invalid="ignore", divide="ignore"):
-            gap = np.abs(pairs.test - pairs.control) / np.abs(pairs.control)
-        gap = gap[np.isfinite(gap)]  # a NaN twin is no evidence of noise
-        total += float(gap.max()) if gap.size else 0.0
-    return total
-
-
 def one_step_tolerance(
     rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve] = ()
 ) -> Tolerance | None:
-    """The rule's tolerance for one step from an identical state, evaluated at step 1; None
-    for a method without one. Twin rules: from the anchored twins when they ran (see
-    AnchoredTwinTolerance), else the twin envelope of step 1."""
-    if rule.method == "exact":
-        return _Exact()
-    if rule.method == "paired":
-        return paired_tolerance(rule)
-    if rule.method == "allclose":
-        return PairedTolerance(
-            atol=DEFAULT_ATOL if rule.atol is None else rule.atol,
-            growth=0.0,
-            rtol=DEFAULT_RTOL if rule.rtol is None else rule.rtol,
-        )
-    if rule.method == "twin" and anchored_twins and controls:
-        floor = paired_tolerance(dataclasses.replace(rule, method="paired"))
-        return AnchoredTwinTolerance(
-            k=ONE_STEP_K if rule.z is None else rule.z,
-            relative_noise=relative_one_step_noise(controls[0], anchored_twins),
-            floor=dataclasses.replace(floor, growth=0.0, atol=floor.atol * (1 + floor.growth)),
-        )
-    if rule.method == "twin" and len(controls) > 1:
-        return twin_tolerance(rule, controls[0], controls[1:])
-    return None
+    """The rule's tolerance for one step from an identical state, as its comparison method
+    gives it (``Comparison.one_step_tolerance``); None for a method without one."""
+    return get_comparison(rule.method).one_step_tolerance(rule, controls, anchored_twins)
 
 
 @dataclass(frozen=True, kw_only=True)

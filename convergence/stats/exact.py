@@ -8,13 +8,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats._common import align, failed, first_true, incomplete, worst
-from convergence.stats.types import Check, MetricVerdict
+from convergence.stats._common import Floats, Ints, align, failed, first_true, incomplete, worst
+from convergence.stats.types import Check, MetricVerdict, Tolerance
+
+
+@dataclass(frozen=True)
+class ExactTolerance:
+    """Exact equality (the data fingerprint): no tolerance at all."""
+
+    atol: float = 0.0
+    growth: float = 0.0
+    rtol: float = 0.0
+
+    def at(self, steps: Ints, control: Floats) -> Floats:
+        return np.zeros(steps.shape, dtype=np.float64)
+
+    def describe(self) -> str:
+        return "equal"
 
 
 class Exact:
@@ -22,6 +38,12 @@ class Exact:
     all_controls = False
     calibrated = False
     takes_alpha = False
+    anchored_twins = False
+
+    def one_step_tolerance(
+        self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]
+    ) -> Tolerance | None:
+        return ExactTolerance()
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         reference = dict(zip(controls[0].steps.tolist(), controls[0].values.tolist(), strict=True))

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -60,7 +59,7 @@ from convergence.stats._common import (
     tolerance_at,
     worst,
 )
-from convergence.stats.types import Band, Check, MetricVerdict
+from convergence.stats.types import Band, Check, MetricVerdict, Tolerance
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,23 +97,6 @@ def paired_tolerance(rule: ComparisonRule) -> PairedTolerance:
         growth=base.growth if rule.growth is None else rule.growth,
         rtol=base.rtol if rule.rtol is None else rule.rtol,
     )
-
-
-class Tolerance(Protocol):
-    """A per-step tolerance around the control (paired, allclose, twin)."""
-
-    @property
-    def atol(self) -> float: ...
-
-    @property
-    def growth(self) -> float: ...
-
-    @property
-    def rtol(self) -> float: ...
-
-    def at(self, steps: Ints, control: Floats) -> Floats: ...
-
-    def describe(self) -> str: ...
 
 
 def envelope_verdict(
@@ -208,9 +190,15 @@ class PairedBand:
     all_controls = False
     calibrated = True  # its parameters come from the calibration in force (calibration/)
     takes_alpha = False
+    anchored_twins = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return point_check(controls[0], tolerance_at(paired_tolerance(rule)))
+
+    def one_step_tolerance(
+        self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]
+    ) -> Tolerance | None:
+        return paired_tolerance(rule)  # its growth term is nil at step 1
 
     def compare(
         self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve

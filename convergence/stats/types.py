@@ -6,8 +6,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
+
+Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,23 @@ class MetricVerdict:
 Check = Callable[[int, float], "tuple[float, float] | None"]
 
 
+class Tolerance(Protocol):
+    """A per-step tolerance around the control (paired, allclose, twin, exact)."""
+
+    @property
+    def atol(self) -> float: ...
+
+    @property
+    def growth(self) -> float: ...
+
+    @property
+    def rtol(self) -> float: ...
+
+    def at(self, steps: Ints, control: Floats) -> Floats: ...
+
+    def describe(self) -> str: ...
+
+
 class Comparison(Protocol):
     """A comparison method (exact, allclose, paired band, twin envelope, seed band,
     regression)."""
@@ -113,6 +136,9 @@ class Comparison(Protocol):
     calibrated: bool
     """Whether its parameters come from the calibration in force (calibration/select.py):
     its verdicts then say which one (run/judge.py)."""
+    anchored_twins: bool
+    """Whether its one-step tolerance is sized from the twins' own steps from each anchor
+    (the anchored check runs those control-side jobs only for such a method: run/anchors.py)."""
 
     def compare(
         self, rule: ComparisonRule, controls: Sequence[Curve], test: Curve
@@ -124,4 +150,12 @@ class Comparison(Protocol):
         """The per-step check the sequential monitor applies while the test runs (the
         controls have finished); None: this method never stops a job early (it judges the
         whole run, e.g. a median) or the controls do not allow a check."""
+        ...
+
+    def one_step_tolerance(
+        self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]
+    ) -> Tolerance | None:
+        """Its tolerance for one step from a state both sides share (the anchored check,
+        stats/anchored.py), as at step 1 of a pair; None: the method has no per-step
+        tolerance (seed band, regression) and stays out of that check."""
         ...
