@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,37 +34,31 @@ def is_logger(engine: Engine, meshes: Meshes | None) -> bool:
     return engine.holds_loss and all(c == 0 for c in meshes.world.get_coordinate()[1:])  # type: ignore[index]
 
 
+@dataclass(kw_only=True)
 class RunRecord:
     """run_meta.json and the metrics of each logged step, for one run on this rank."""
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        *,
-        is_writer: bool,
-        distributed: bool,
-        device: torch.device,
-        plan: BatchPlan,
-        source: SampleSource,
-        model_args: ModelArgs,
-        parts: tuple[str, ...],
-        counter: CollectiveCounter,
-    ) -> None:
-        self.cfg = cfg
-        self.is_writer = is_writer
-        self.distributed = distributed
-        self.device = device
-        self.source = source
-        self.parts = parts
-        self.counter = counter
-        self.world_size = dist.get_world_size() if distributed else 1
-        self.tokens_per_step = plan.global_batch_size * cfg.data.seq_len
+    cfg: TrainConfig
+    is_writer: bool
+    """Whether this rank writes the files (:func:`is_logger`)."""
+    distributed: bool
+    device: torch.device
+    plan: BatchPlan
+    source: SampleSource
+    model_args: ModelArgs
+    parts: tuple[str, ...]
+    """The model's parts, in the order of the per-part gradient norms (optim.model_parts)."""
+    counter: CollectiveCounter
+
+    def __post_init__(self) -> None:
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.tokens_per_step = self.plan.global_batch_size * self.cfg.data.seq_len
         self.writer = MetricsWriter(
-            Path(cfg.metrics.dump_folder),
-            enabled=is_writer,
-            tensorboard=cfg.metrics.enable_tensorboard,
+            Path(self.cfg.metrics.dump_folder),
+            enabled=self.is_writer,
+            tensorboard=self.cfg.metrics.enable_tensorboard,
         )
-        self.num_params = count_params(build_model(model_args, "meta"))
+        self.num_params = count_params(build_model(self.model_args, "meta"))
         self.start = time.perf_counter()
 
     def begin(self, last_step: int) -> None:

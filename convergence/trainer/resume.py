@@ -29,6 +29,10 @@ plus resume.json (rank 0): what the checkpoint was trained for -- model, data, o
 schedule, seed, steps, global batch --, checked against the resuming job before anything is
 loaded, so that a checkpoint of another model or another data order is an error naming it and
 the key that differs, never a silent fresh start or a run that quietly trains something else.
+
+The loop asks this module where it starts (:func:`start_position`: step 1, or the step after a
+loaded checkpoint's) and what a checkpoint of step s holds of its progress
+(:meth:`RunPosition.state_at`).
 """
 
 from __future__ import annotations

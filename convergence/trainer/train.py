@@ -84,9 +84,11 @@ def train(cfg: TrainConfig) -> RunStatus:
     optimizer = build_optimizer([p for _, p in named_params], cfg)
     pp_group = meshes.pp.get_group() if meshes is not None and meshes.pp is not None else None
 
+    # The record: run_meta.json and a metrics line per logged step, from one rank (record.py);
+    # the collectives of one step are counted for it.
     counter = CollectiveCounter(cfg)
     record = RunRecord(
-        cfg,
+        cfg=cfg,
         is_writer=is_logger(engine, meshes),
         distributed=distributed,
         device=device,
@@ -106,7 +108,7 @@ def train(cfg: TrainConfig) -> RunStatus:
         device=device,
     )
     position = resume.start_position(run, plan)
-    step = position.first_step - 1
+    step = position.first_step - 1  # the last step taken
     record.begin(step)
     save_and_stop = SaveAndStop(run, position, distributed=distributed)
     # The numerics probe replaces step K: the loop trains up to K - 1.
