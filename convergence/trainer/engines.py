@@ -102,16 +102,17 @@ def prepare_chunk(
     return chunk
 
 
+# ----------------------------------------------------------------------------------------------
+# The two engines
+
+
 def shard_for_cp(
     inputs: torch.Tensor, targets: torch.Tensor, meshes: Meshes | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """CP: this rank's contiguous chunk of every sequence (the whole batch without CP)."""
     if meshes is None or meshes.cp is None:
         return inputs, targets
     return shard_sequence(inputs, meshes.cp), shard_sequence(targets, meshes.cp)
-
-
-# ----------------------------------------------------------------------------------------------
-# The two engines
 
 
 @dataclass(kw_only=True)
