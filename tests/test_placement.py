@@ -236,7 +236,7 @@ def test_the_trainer_refuses_tp_and_pp_on_shared_gpu_slots(override: str, axis: 
     """The guard behind the placement, for a job launched some other way: a clean SpecError
     naming the key and the fix, never the SIGABRT/SIGSEGV of gloo on CUDA tensors."""
     from convergence.trainer.config import load_train_config
-    from convergence.trainer.train import check_shared_gpu
+    from convergence.trainer.world import check_shared_gpu
 
     with pytest.raises(SpecError) as err:
         check_shared_gpu(load_train_config(REPO / "train_configs" / "debug.toml", [override]))

@@ -23,9 +23,6 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-from torch import nn
-
 from convergence.spec.anchors import ANCHORS_DIR
 from convergence.trainer import resume
 from convergence.trainer.config import TrainConfig
@@ -73,56 +70,25 @@ def loop_steps(cfg: TrainConfig, first_step: int, last_step: int) -> Sequence[in
 
 
 def load_anchor(
-    cfg: TrainConfig,
-    step: int,
-    plan: BatchPlan,
-    *,
-    chunks: Sequence[nn.Module],
-    named_params: Sequence[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-) -> tuple[int, BatchPlan] | None:
+    run: resume.Checkpointable, step: int, plan: BatchPlan
+) -> resume.RunPosition | None:
     """An anchored job, before ``step``: load the anchor of step - 1 into this layout's model
-    and optimizer; returns (LR offset, batch plan) for the step, as a resume does. None for any
+    and optimizer; returns the run's position for that step, as a resume does. None for any
     other job (nothing to load)."""
-    if not cfg.checkpoint.anchored_from:
+    folder = run.cfg.checkpoint.anchored_from
+    if not folder:
         return None
-    restored = resume.load_training_checkpoint(
-        anchor_path(cfg.checkpoint.anchored_from, step - 1),
-        chunks=chunks,
-        named_params=named_params,
-        optimizer=optimizer,
-        cfg=cfg,
-        global_batch_size=plan.global_batch_size,
-        device=device,
-    )
-    offset = restored.data_position - restored.step * plan.global_batch_size
-    return restored.lr_step - restored.step, dataclasses.replace(plan, offset=offset)
-
-
-def save_anchor(
-    cfg: TrainConfig,
-    step: int,
-    plan: BatchPlan,
-    lr_offset: int,
-    *,
-    chunks: Sequence[nn.Module],
-    named_params: Sequence[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-) -> None:
-    """A control with anchor_every: the state after ``step`` (every rank calls it)."""
-    resume.save_training_checkpoint(
-        anchor_path(Path(cfg.metrics.dump_folder) / ANCHORS_DIR, step),
-        chunks=chunks,
-        named_params=named_params,
-        optimizer=optimizer,
-        cfg=cfg,
-        global_batch_size=plan.global_batch_size,
-        device=device,
-        state=resume.TrainState(
-            step=step,
-            lr_step=step + lr_offset,
-            data_position=plan.offset + step * plan.global_batch_size,
+    restored = resume.load_training_checkpoint(anchor_path(folder, step - 1), run)
+    return resume.RunPosition(
+        first_step=step,
+        lr_offset=restored.lr_step - restored.step,
+        plan=dataclasses.replace(
+            plan, offset=restored.data_position - restored.step * plan.global_batch_size
         ),
     )
+
+
+def save_anchor(run: resume.Checkpointable, step: int, position: resume.RunPosition) -> None:
+    """A control with anchor_every: the state after ``step`` (every rank calls it)."""
+    folder = Path(run.cfg.metrics.dump_folder) / ANCHORS_DIR
+    resume.save_training_checkpoint(anchor_path(folder, step), run, position.state_at(step))

@@ -280,20 +280,14 @@ def _coerce(value: Any, target: Any, *, file: str, key: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.lower() in ("true", "1", "yes")
-    elif target is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif target is int or target is float:
+        # A TOML integer is a float too (lr = 1); a bool is never a number here.
+        numbers = (int,) if target is int else (int, float)
+        if isinstance(value, numbers) and not isinstance(value, bool):
+            return target(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                pass
-    elif target is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
+                return target(value)
             except ValueError:
                 pass
     elif target is str:

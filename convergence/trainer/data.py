@@ -32,7 +32,7 @@ Two sources:
 Padding (`data.pad_fraction`, synthetic): a sample may be cut at a seeded random length; the
 positions after the cut hold IGNORE_INDEX, so its targets there are ignored by the loss and its
 inputs there are token 0. Ranks then hold different numbers of valid tokens, which is what the
-trainer's global token weighting (train.py) must get right.
+trainer's global token weighting (loss.py) must get right.
 
 The loop, validation and the numerics probe all read an optimizer step through `read_step`, which
 also returns the step's data fingerprint: one path, so a data bug shows in the fingerprint that
@@ -273,29 +273,37 @@ def _tokenize(text: str, tokenizer: str, base: Path) -> tuple[np.ndarray, int]:
     return np.asarray(tok.encode(text).ids, dtype=np.int64), tok.get_vocab_size()
 
 
+def _check_ranges(cfg: TrainConfig) -> None:
+    """The synthetic source's knobs, each inside the range it is defined on."""
+    data, half = cfg.data, cfg.data.seq_len // 2
+    ranges = (
+        ("pad_fraction", 0.0 <= data.pad_fraction < 1.0, "[0, 1)", "use 0 (no padding) up to 0.99"),
+        (
+            "lag",
+            1 <= data.lag <= half,
+            f"[1, seq_len // 2 = {half}]",
+            "use 1 (a plain Markov chain) or a small lag such as 2 or 3",
+        ),
+        (
+            "copy_span",
+            0 <= data.copy_span <= half,
+            f"[0, seq_len // 2 = {half}]",
+            f"use 0 (pure Markov) up to {half}",
+        ),
+    )
+    for key, inside, interval, fix in ranges:
+        if not inside:
+            raise SpecError(
+                f"{key}={getattr(data, key)} is not in {interval}",
+                file=cfg.source,
+                key=f"data.{key}",
+                fix=fix,
+            )
+
+
 def build_source(cfg: TrainConfig) -> SampleSource:
     data = cfg.data
-    if not 0.0 <= data.pad_fraction < 1.0:
-        raise SpecError(
-            f"pad_fraction={data.pad_fraction} is not in [0, 1)",
-            file=cfg.source,
-            key="data.pad_fraction",
-            fix="use 0 (no padding) up to 0.99",
-        )
-    if not 1 <= data.lag <= data.seq_len // 2:
-        raise SpecError(
-            f"lag={data.lag} is not in [1, seq_len // 2 = {data.seq_len // 2}]",
-            file=cfg.source,
-            key="data.lag",
-            fix="use 1 (a plain Markov chain) or a small lag such as 2 or 3",
-        )
-    if not 0 <= data.copy_span <= data.seq_len // 2:
-        raise SpecError(
-            f"copy_span={data.copy_span} is not in [0, seq_len // 2 = {data.seq_len // 2}]",
-            file=cfg.source,
-            key="data.copy_span",
-            fix=f"use 0 (pure Markov) up to {data.seq_len // 2}",
-        )
+    _check_ranges(cfg)
     if data.source == "synthetic":
         return MarkovLanguage.build(
             vocab_size=cfg.model.vocab_size,

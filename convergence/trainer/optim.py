@@ -43,6 +43,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return peak * (sched.min_lr_factor + (1.0 - sched.min_lr_factor) * factor)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def _shard_groups(grad: DTensor) -> tuple[ProcessGroup, ...]:
     """Process groups of the mesh dims along which `grad` is sharded (not replicated)."""
     groups = []
@@ -162,3 +167,21 @@ def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: tor
             continue
         local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         local.mul_(coef.to(device=local.device, dtype=local.dtype))
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    named_params: list[tuple[str, nn.Parameter]],
+    parts: tuple[str, ...],
+    pp_group: dist.ProcessGroup | None,
+    max_norm: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norms of the accumulated gradient, clip, step, zero: (total norm, norm per part)."""
+    # Norm of the full gradient (all shards, all stages) and of each part of the model
+    # (grad_norms: a bug in one kind of weight hides in the total), then clip.
+    grad_norm, part_norms = grad_norms(named_params, parts, pp_group)
+    if max_norm > 0:
+        clip_grads_([p for _, p in named_params], max_norm, grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, part_norms

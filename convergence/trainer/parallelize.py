@@ -289,7 +289,7 @@ def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) ->
 def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> None:
     """Attention over the whole sequence from this rank's chunk of it (context_parallel.py);
     the rotary offset is set on the model, since PP stages get no forward kwargs from the
-    schedule. The inputs are sharded per microstep (train.shard_for_cp)."""
+    schedule. The inputs are sharded per microstep (engines.shard_for_cp)."""
     cp_sdpa = make_cp_sdpa(cp_mesh)
     for block in model.layers.values():
         block.attention.sdpa = cp_sdpa

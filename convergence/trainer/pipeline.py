@@ -79,6 +79,9 @@ from convergence.trainer.pp_rules import SCHEDULES, V_SCHEDULES, ZERO_BUBBLE_SCH
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
+PipelineSchedule = _PipelineSchedule
+"""What build_schedule returns (torch's base class of every schedule, a private name there)."""
+
 
 def _schedule_class(schedule_name: str) -> type[_PipelineSchedule]:
     if schedule_name not in SCHEDULES:

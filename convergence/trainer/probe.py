@@ -54,10 +54,10 @@ from torch.distributed.tensor import DTensor
 
 from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
+from convergence.trainer.engines import Engine
 from convergence.trainer.metrics_writer import RunStatus
 from convergence.trainer.optim import _shard_groups
 from convergence.trainer.parallelize import Meshes
-from convergence.trainer.validate import stages_per_rank
 
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -259,14 +259,21 @@ def stage_chunks(
         return [(0, chunk) for chunk in chunks]
     par = cfg.parallelism
     ids = pp_rules.stage_ids(
-        meshes.pp.get_local_rank(), par.pp, stages_per_rank(cfg), par.pp_schedule
+        meshes.pp.get_local_rank(), par.pp, par.stages_per_rank, par.pp_schedule
     )
     return list(zip(ids, chunks, strict=True))
 
 
+def probe_step(cfg: TrainConfig) -> int | None:
+    """The step the numerics probe replaces, None without one."""
+    if cfg.probe.enable and 1 <= cfg.probe.step <= cfg.training.steps:
+        return cfg.probe.step
+    return None
+
+
 def run_probe(
     cfg: TrainConfig,
-    engine: Any,
+    engine: Engine,
     meshes: Meshes | None,
     forward_backward: Callable[[], torch.Tensor],
     device: torch.device,

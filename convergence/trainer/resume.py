@@ -29,13 +29,17 @@ plus resume.json (rank 0): what the checkpoint was trained for -- model, data, o
 schedule, seed, steps, global batch --, checked against the resuming job before anything is
 loaded, so that a checkpoint of another model or another data order is an error naming it and
 the key that differs, never a silent fresh start or a run that quietly trains something else.
+
+The loop asks this module where it starts (:func:`start_position`: step 1, or the step after a
+loaded checkpoint's) and what a checkpoint of step s holds of its progress
+(:meth:`RunPosition.state_at`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from convergence.trainer.config import TrainConfig
+from convergence.trainer.data import BatchPlan
 
 MANIFEST = "resume.json"
 #: Bumped when the contents change; a checkpoint of another format is refused.
@@ -73,6 +78,20 @@ class TrainState:
     """Global index of the next training sample to read (data.BatchPlan)."""
     lr_step: int
     """The step the LR schedule last answered for (optim.lr_at)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpointable:
+    """This rank's share of a run, as a training checkpoint saves and a resume restores it,
+    and the job it belongs to (what a checkpoint is checked against before it is loaded)."""
+
+    chunks: Sequence[nn.Module]
+    named_params: Sequence[tuple[str, nn.Parameter]]
+    """The chunks' parameters by FQN: the optimizer state is keyed by these names."""
+    optimizer: torch.optim.Optimizer
+    cfg: TrainConfig
+    global_batch_size: int
+    device: torch.device
 
 
 def manifest(cfg: TrainConfig, state: TrainState, global_batch_size: int) -> dict[str, Any]:
@@ -132,21 +151,11 @@ def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_training_checkpoint(
-    folder: str | Path,
-    *,
-    chunks: Sequence[nn.Module],
-    named_params: Sequence[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    state: TrainState,
-    cfg: TrainConfig,
-    global_batch_size: int,
-    device: torch.device,
-) -> None:
+def save_training_checkpoint(folder: str | Path, run: Checkpointable, state: TrainState) -> None:
     """Write the training checkpoint of this rank's shards (every rank calls it)."""
     folder = Path(folder)
-    model = model_state(chunks)
-    names = {name for name, _ in named_params}
+    model = model_state(run.chunks)
+    names = {name for name, _ in run.named_params}
     if names != set(model):
         # The optimizer state is keyed by named_parameters(), the model by the state dict's
         # FQNs; they must be the same names or the resume could not pair them up again.
@@ -156,19 +165,19 @@ def save_training_checkpoint(
     dcp.save(
         {
             "model": model,
-            "optim": optimizer_state(named_params, optimizer),
+            "optim": optimizer_state(run.named_params, run.optimizer),
             "train": {
                 "step": torch.tensor(state.step),
                 "data_position": torch.tensor(state.data_position),
                 "lr_step": torch.tensor(state.lr_step),
             },
-            "rng": rng_state(device),
+            "rng": rng_state(run.device),
         },
         checkpoint_id=str(folder),
     )
     # The manifest last: a folder with resume.json holds a complete checkpoint.
     if not dist.is_initialized() or dist.get_rank() == 0:
-        text = json.dumps(manifest(cfg, state, global_batch_size), indent=2, sort_keys=True)
+        text = json.dumps(manifest(run.cfg, state, run.global_batch_size), indent=2, sort_keys=True)
         (folder / MANIFEST).write_text(text + "\n")
     if dist.is_initialized():
         dist.barrier()
@@ -299,42 +308,33 @@ def restore_rng(loaded: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(loaded["cuda"], device)
 
 
-def load_training_checkpoint(
-    folder: str | Path,
-    *,
-    chunks: Sequence[nn.Module],
-    named_params: Sequence[tuple[str, nn.Parameter]],
-    optimizer: torch.optim.Optimizer,
-    cfg: TrainConfig,
-    global_batch_size: int,
-    device: torch.device,
-) -> TrainState:
+def load_training_checkpoint(folder: str | Path, run: Checkpointable) -> TrainState:
     """Check the checkpoint, then load this layout's slices of it into the model and the
     optimizer (the new layout decides the slices: resharding); return the state to go on from.
     Every rank calls it."""
-    model = model_state(chunks)
+    model = model_state(run.chunks)
     optim = {
         name: {
             "step": torch.zeros(()),
             **{key: torch.zeros_like(param).detach() for key in MOMENTS},
         }
-        for name, param in named_params
+        for name, param in run.named_params
     }
     train = {"step": torch.tensor(0), "data_position": torch.tensor(0), "lr_step": torch.tensor(0)}
     rng = {"torch": torch.get_rng_state()}
     state = {"model": model, "optim": optim, "train": train, "rng": rng}
-    check_servable(folder, cfg, global_batch_size, _flatten(state))
+    check_servable(folder, run.cfg, run.global_batch_size, _flatten(state))
     # The CUDA generator only where both runs had one (a CPU checkpoint resumed on a GPU keeps
     # the GPU's seeded generator: nothing drew from the CPU run's, there was none).
     if (
-        device.type == "cuda"
+        run.device.type == "cuda"
         and "rng.cuda" in FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     ):
-        rng["cuda"] = torch.cuda.get_rng_state(device)
+        rng["cuda"] = torch.cuda.get_rng_state(run.device)
     dcp.load(state, checkpoint_id=str(folder))
-    restore_model(chunks, model)
-    restore_optimizer(named_params, optimizer, optim)
-    restore_rng(rng, device)
+    restore_model(run.chunks, model)
+    restore_optimizer(run.named_params, run.optimizer, optim)
+    restore_rng(rng, run.device)
     saved = TrainState(
         step=int(train["step"]),
         data_position=int(train["data_position"]),
@@ -342,4 +342,51 @@ def load_training_checkpoint(
     )
     return TrainState(
         step=saved.step, data_position=restore_data_position(saved), lr_step=restore_lr_step(saved)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop's position: where it starts, and where the LR schedule and the data stand at a step
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPosition:
+    """Where the loop starts, and the LR schedule's and the data's positions at each step.
+
+    A resume (checkpoint.resume_from) continues a run that stopped after step K, possibly
+    under another layout: weights and AdamW moments are loaded as this layout's shards, and
+    the loop goes on from K+1 at the saved data position and schedule position. Those two
+    are kept as offsets from the step count -- zero in a correct resume -- so a checkpoint
+    that put them elsewhere is followed, not silently corrected.
+    """
+
+    first_step: int
+    lr_offset: int
+    """The LR schedule's position minus the step count."""
+    plan: BatchPlan
+    """The batch plan of the training samples, shifted by the data offset (BatchPlan.offset)."""
+
+    def lr_step(self, step: int) -> int:
+        """The step the LR schedule answers for at optimizer step `step`."""
+        return step + self.lr_offset
+
+    def state_at(self, step: int) -> TrainState:
+        """Where the run stands after `step`: what a training checkpoint saves."""
+        return TrainState(
+            step=step,
+            lr_step=self.lr_step(step),
+            data_position=self.plan.offset + step * self.plan.global_batch_size,
+        )
+
+
+def start_position(run: Checkpointable, plan: BatchPlan) -> RunPosition:
+    """Step 1 of a fresh run, or the step after a resumed checkpoint's (loaded into `run`)."""
+    folder = run.cfg.checkpoint.resume_from
+    if not folder:
+        return RunPosition(first_step=1, lr_offset=0, plan=plan)
+    restored = load_training_checkpoint(folder, run)
+    return RunPosition(
+        first_step=restored.step + 1,
+        lr_offset=restored.lr_step - restored.step,
+        plan=replace(plan, offset=restored.data_position - restored.step * plan.global_batch_size),
     )
