@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from convergence.backends.torchtitan import patches
+from convergence.backends.torchtitan.argv import flag
 from convergence.backends.torchtitan.model_parts import wrap_model_spec
 from convergence.backends.torchtitan.probe import ProbeOptions, install_probe
 from convergence.backends.torchtitan.step_log import StepLog
@@ -69,8 +70,6 @@ def probe_options(words: list[str]) -> ProbeOptions:
 def tyro_form(words: list[str]) -> list[str]:
     """``--a.b=true|false`` words as tyro's flags (``--a.b`` / ``--a.no-b``), moved before
     the activation-checkpoint subcommand when they came after it."""
-    from convergence.backends.torchtitan.argv import flag
-
     mark = next((i for i, w in enumerate(words) if w.startswith(SUBCOMMAND_MARK)), len(words))
     head: list[str] = []
     tail: list[str] = []

@@ -91,7 +91,9 @@ def stage_chunks(trainer: Any) -> list[tuple[int, Any]]:
         return [(0, part) for part in trainer.model_parts]
     schedule = trainer.pp_schedule
     stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    return [(stage.stage_index, part) for stage, part in zip(stages, trainer.model_parts)]
+    return [
+        (stage.stage_index, part) for stage, part in zip(stages, trainer.model_parts, strict=True)
+    ]
 
 
 def global_loss(trainer: Any, losses: list[Any], meshes: Any) -> float | None:
@@ -153,7 +155,7 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
     }
     dump = Path(config.dump_folder)
     dump.mkdir(parents=True, exist_ok=True)
-    steps = next((g[3] for g in gathered if g[3]), {})
+    steps: dict[int, float] = next((g[3] for g in gathered if g[3]), {})
     (dump / METRICS_FILE).write_text(
         "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in sorted(steps.items()))
     )
