@@ -63,6 +63,46 @@ class TitanProbe:
     """Step -> global loss of the replayed steps, on the ranks that hold the loss."""
 
 
+def recorder_class() -> Any:
+    """The built-in probe's ``OutputRecorder``, with its hooks paused while ``inferring``."""
+    from convergence.trainer.probe import OutputRecorder
+
+    class TitanRecorder(OutputRecorder):
+        # torch 2.13's pipeline stages run each stage's forward once more at a schedule's first
+        # step, to infer the shapes they send (``_forward_metadata_inference``, on the real
+        # microbatch or on empty buffers): those calls are no part of the step.
+        inferring = False
+
+        def _hook(self, name: str) -> Any:
+            record = super()._hook(name)
+
+            def hook(module: Any, args: Any, output: Any) -> None:
+                if not self.inferring:
+                    record(module, args, output)
+
+            return hook
+
+    return TitanRecorder
+
+
+def pause_during_inference(trainer: Any, recorder: Any) -> None:
+    """Pause ``recorder`` while a pipeline stage infers its metadata (``recorder_class``)."""
+    if not trainer.parallel_dims.pp_enabled:
+        return
+    schedule = trainer.pp_schedule
+    for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+        infer = stage._forward_metadata_inference
+
+        def paused(*args: Any, _infer: Any = infer, **kwargs: Any) -> Any:
+            recorder.inferring = True
+            try:
+                return _infer(*args, **kwargs)
+            finally:
+                recorder.inferring = False
+
+        stage._forward_metadata_inference = paused  # this stage object only
+
+
 def holds_loss(trainer: Any) -> bool:
     return not trainer.parallel_dims.pp_enabled or bool(trainer.pp_has_last_stage)
 
@@ -171,8 +211,6 @@ def install_probe(step: int) -> TitanProbe:
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.trainer import Trainer
 
-    from convergence.trainer.probe import OutputRecorder
-
     probe = TitanProbe(step=step)
     current: list[Any] = []  # the trainer (set at its first step)
     train_step = Trainer.train_step
@@ -182,7 +220,8 @@ def install_probe(step: int) -> TitanProbe:
         if self.step != step:
             train_step(self, data_iterator)
             return
-        probe.recorder = OutputRecorder(stage_chunks(self))
+        probe.recorder = recorder_class()(stage_chunks(self))
+        pause_during_inference(self, probe.recorder)
         forward_backward = self.forward_backward_step
 
         def recording(**kwargs: Any) -> Any:
