@@ -80,7 +80,7 @@ def test_probe_names_the_first_differing_module_of_a_torchtitan_tp_bug(
         "no:cacheprovider",
         f"--convergence-workdir={work}",
         "experiments/tt_probe.toml",
-        timeout=900,
+        timeout=1800,
     )
     lines = show_step_lines(request, work / "runs")
     out = result.stdout.str()
