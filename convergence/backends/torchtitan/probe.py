@@ -154,7 +154,7 @@ def global_loss(trainer: Any, losses: list[Any], meshes: Any) -> float | None:
 
 
 def write_probe(probe: TitanProbe, trainer: Any) -> None:
-    """Steps 3 of the module docstring: gradients, loss, probe.json (rank 0)."""
+    """Step 3 of the module docstring: gradients, loss, probe.json (rank 0)."""
     import torch
     import torch.distributed as dist
 
