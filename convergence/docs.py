@@ -150,7 +150,7 @@ def key_rows() -> list[KeyRow]:
         (
             "",
             ("probe", "probe_on_failure"),
-            f"the numerics probe (built-in trainer on both sides only): {_code(PROBE_MODES)} "
+            f"the numerics probe (built-in or torchtitan jobs on both sides): {_code(PROBE_MODES)} "
             f"(default `on_failure`: a failed paired or twin pair is probed); `probe_on_failure "
             f'= false` is `probe = "off"`',
         ),
