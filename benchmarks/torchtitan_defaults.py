@@ -5,7 +5,8 @@ Runs torchtitan 0.3.0 for real on CPU (gloo) through the plugin (one pytest sess
 then reads each pair's saved outcome: per layout and metric, the worst share of the tolerance
 over the steps (``details.max_ratio`` of the paired verdict) and over the seeds.
 
-    python benchmarks/torchtitan_defaults.py [--seeds 1 2 3] [--steps 6] [--no-cp] [--no-write]
+    python benchmarks/torchtitan_defaults.py [--seeds 1 2 3] [--steps 6] [--no-cp] [--only cp]
+        [--no-write]
 
 Layouts (the debug model, seq 64, local batch 2): FSDP2 on 2 ranks vs FSDP2+TP2, FSDP2+TP2+SP,
 FSDP2+PP2 (1F1B), FSDP2+PP2 (Interleaved1F1B); FSDP2 on 4 ranks vs HSDP 2x2 (the same four
@@ -93,10 +94,12 @@ parallelism = { dp_shard = 2, cp = 2 }
 }
 
 
-def write_experiments(folder: Path, *, seed: int, steps: int, cp: bool) -> list[Path]:
+def write_experiments(
+    folder: Path, *, seed: int, steps: int, cp: bool, only: list[str] | None = None
+) -> list[Path]:
     files = []
     for name, (seq, body) in EXPERIMENTS.items():
-        if name == "cp" and not cp:
+        if (name == "cp" and not cp) or (only and name not in only):
             continue
         path = folder / f"{name}.toml"
         head = f'[experiment]\ndescription = "torchtitan defaults: {name}"\n\n'
@@ -105,10 +108,12 @@ def write_experiments(folder: Path, *, seed: int, steps: int, cp: bool) -> list[
     return files
 
 
-def run_seed(work: Path, seed: int, steps: int, cp: bool) -> tuple[list[dict], float]:
+def run_seed(
+    work: Path, seed: int, steps: int, cp: bool, only: list[str] | None = None
+) -> tuple[list[dict], float]:
     folder = work / f"seed{seed}"
     folder.mkdir(parents=True)
-    files = write_experiments(folder, seed=seed, steps=steps, cp=cp)
+    files = write_experiments(folder, seed=seed, steps=steps, cp=cp, only=only)
     started = time.monotonic()
     subprocess.run(
         [
@@ -170,12 +175,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--no-cp", action="store_true", help="skip the CP pair (4x the cost)")
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(EXPERIMENTS), help="these experiments alone"
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     by_seed, walls = {}, []
     with tempfile.TemporaryDirectory(prefix="tt-defaults-") as tmp:
         for seed in args.seeds:
-            by_seed[seed], wall = run_seed(Path(tmp), seed, args.steps, not args.no_cp)
+            by_seed[seed], wall = run_seed(Path(tmp), seed, args.steps, not args.no_cp, args.only)
             walls.append(wall)
     body = (
         f"torchtitan 0.3.0, no `compare` table, {args.steps} steps, seeds "

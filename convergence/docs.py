@@ -150,7 +150,7 @@ def key_rows() -> list[KeyRow]:
         (
             "",
             ("probe", "probe_on_failure"),
-            f"the numerics probe (built-in trainer on both sides only): {_code(PROBE_MODES)} "
+            f"the numerics probe (built-in or torchtitan jobs on both sides): {_code(PROBE_MODES)} "
             f"(default `on_failure`: a failed paired or twin pair is probed); `probe_on_failure "
             f'= false` is `probe = "off"`',
         ),
@@ -160,7 +160,8 @@ def key_rows() -> list[KeyRow]:
             "the anchored check (off unless set; built-in trainer): every N steps the control "
             "saves its whole training state and the test layout trains one step from each; "
             "each such step must match the control's own next step at the one-step tolerance "
-            "(twin pairs: sized by the twins' one step from the same states), so a bug that "
+            "(twin pairs: sized by the twins' one step from the same states; a gap above half "
+            "of it at two consecutive anchors also fails), so a bug that "
             "starts late is judged against one step of rounding, not a long run's drift. A "
             "failure names the anchor step and the probe starts from it. Cost: one anchored "
             "test job of `steps / N` steps, and per control group one checkpoint every N "

@@ -151,7 +151,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     if pair.probe_always and not all(b.capabilities.probe for b in backends.values()):
         raise SpecError(
             'probe = "always" needs a trainer with a probe mode on both sides (the '
-            "built-in one; torchtitan and command jobs are never probed)",
+            "built-in one, torchtitan; command jobs are never probed)",
             file=file,
             key=f"{key}.probe",
             fix='drop probe = "always" for this pair',

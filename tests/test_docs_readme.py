@@ -150,8 +150,9 @@ def test_security_model_names_who_is_trusted() -> None:
     assert "anyone who can write the run cache folder" in text
 
 
-def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
-    """Point 10: README scopes the probe to built-in jobs, as wants_probe does."""
+def test_numerics_probe_is_for_jobs_with_a_probe_mode(tmp_path: Path) -> None:
+    """Point 10: README scopes the probe to built-in and torchtitan jobs (the backends whose
+    capabilities say probe), as wants_probe does: a command pair is never probed."""
     from convergence.regimes import REGISTRY
     from convergence.run.probe import wants_probe
     from convergence.spec.experiment import make_pair
@@ -172,7 +173,7 @@ def test_numerics_probe_is_built_in_only(tmp_path: Path) -> None:
         regimes=REGISTRY,
     )
     assert pair.regime == "paired" and not wants_probe(pair, "failed")
-    assert "only when both sides are\nbuilt-in jobs" in README
+    assert "runs when both sides are such jobs (`command` pairs get no\nlocalisation)" in README
 
 
 def test_stale_sentences_of_issue_36_are_gone() -> None:

@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from convergence.backends.torchtitan.launch import split_argv
+from convergence.backends.torchtitan.launch import split_argv, tyro_form
 from convergence.backends.torchtitan.patches import eager_flex_attention, patch_pipeline_step
 
 
@@ -42,6 +42,27 @@ def test_our_options_are_removed_before_torchtitan_parses() -> None:
     assert options.hook_mode == "after"
     with pytest.raises(SystemExit, match="unknown option"):
         split_argv(["--convergence.hokk=x"])
+
+
+def test_probe_words_are_ours_and_booleans_move_before_the_subcommand() -> None:
+    """convergence/run/probe.py appends its words after the job's argv, i.e. after the
+    activation-checkpoint subcommand, in the built-in trainer's ``--key=true`` form."""
+    from convergence.run.probe import probe_overrides
+
+    argv = ["--module", "llama3", "--training.steps=4", "activation-checkpoint:none"]
+    options, rest = split_argv([*argv, *probe_overrides(3)])
+    assert options.probe.enable and options.probe.step == 3
+    assert rest == [
+        "--module",
+        "llama3",
+        "--training.steps=4",
+        "--metrics.no-enable_tensorboard",
+        "activation-checkpoint:none",
+    ]
+    assert not split_argv(argv)[0].probe.enable
+    assert tyro_form(["--a.b=true", "x"]) == ["--a.b", "x"]
+    with pytest.raises(SystemExit, match="unknown probe option"):
+        split_argv(["--probe.stpe=2"])
 
 
 def test_eager_attention_equals_flex_with_a_document_mask() -> None:

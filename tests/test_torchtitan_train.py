@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+from torchtitan_logs import show_step_lines
 
 from experiments import experiment_doc, write_toml
 
@@ -54,24 +55,6 @@ BUG_EXPERIMENT = experiment_doc(
     ],
 )
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def step_lines(runs: Path) -> list[str]:
-    """torchtitan's console step lines (rank 0 of each job), colours removed."""
-    lines = []
-    for log in sorted(runs.rglob("ranks/*/attempt_*/0/std*.log")):  # torchrun's per-rank logs
-        job = log.parents[5].name  # runs/<pair>/<job>/logs/ranks/.../0/std*.log
-        for raw in log.read_text(errors="replace").splitlines():
-            line = ANSI.sub("", raw).strip()
-            if re.search(r"\bstep:\s+\d+\s+loss:", line):
-                lines.append(f"{job}: {line}")
-    return lines
-
-
-#: The report section that conftest.py prints at the end of every session (passed or not).
-SHOWN_SECTION = "shown: torchtitan's own step lines"
-
 
 def test_planted_bug_through_a_torchtitan_hook_fails(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
@@ -93,13 +76,10 @@ def test_planted_bug_through_a_torchtitan_hook_fails(
         "experiments/tt_bug.toml",
         timeout=600,
     )
-    lines = step_lines(work / "runs")
     # torchtitan's own steps, visible in CI's log: a report section (it travels from an xdist
     # worker to the controller, where the project's conftest.py prints it for passed tests too;
     # a print would stay in the worker).
-    request.node.add_report_section(
-        "call", SHOWN_SECTION, "\n".join(f"[torchtitan on CPU] {line}" for line in lines)
-    )
+    lines = show_step_lines(request, work / "runs")
     out = result.stdout.str()
     result.assert_outcomes(failed=1)
     assert "fsdp2-bug" in out and "FAIL" in out
@@ -145,7 +125,7 @@ def _health_experiment(name: str, steps: int, lr: float | None) -> dict[str, obj
 
 
 def test_control_health_fits_torchtitan_learning_and_flat(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """The generated corpus's entropy floor is the reference: a 30-step debug-model control
     learns enough (it closes ~7% of its gap to the floor), a control with lr = 0 is an error."""
@@ -164,6 +144,7 @@ def test_control_health_fits_torchtitan_learning_and_flat(
         "experiments",
         timeout=900,
     )
+    show_step_lines(request, pytester.path / "work" / "runs")  # the 30 and 20 steps, in CI's log
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=1)  # an erroring pair is a failed pytest item
     assert "learns-test" in out and re.search(r"learns-test\s.*PASS", out), out

@@ -65,7 +65,9 @@ def source_hash() -> str:
 
 class TorchtitanBackend:
     name = "torchtitan"
-    capabilities = Capabilities(twins_by_default=True, needs_train_config=False)
+    # probe: the launcher wrapper runs the numerics probe inside torchtitan's own loop
+    # (convergence/backends/torchtitan/probe.py).
+    capabilities = Capabilities(twins_by_default=True, needs_train_config=False, probe=True)
 
     def code_identity(self, job: JobSpec) -> CodeIdentity:
         # torchtitan's source hash is in the key (version()); a torchtitan checkout being

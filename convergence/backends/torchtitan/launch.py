@@ -8,6 +8,12 @@ After torchtitan's parallelisation of each model part the user's hook is applied
 (``--convergence.hook``; convergence/backends/torchtitan/model_parts.py), and each step's data
 fingerprint and per-part gradient norms are logged (``--convergence.log``;
 convergence/backends/torchtitan/step_log.py).
+
+The numerics probe's words (``--probe.enable=true --probe.step=K``, what
+convergence/run/probe.py appends to a probing backend's train entry) are the wrapper's too
+(convergence/backends/torchtitan/probe.py), and a library override in the ``--key=true|false``
+form becomes tyro's flag, placed before the activation-checkpoint subcommand (tyro takes a
+parent's options only there).
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from convergence.backends.torchtitan import patches
+from convergence.backends.torchtitan.argv import flag
 from convergence.backends.torchtitan.model_parts import wrap_model_spec
+from convergence.backends.torchtitan.probe import ProbeOptions, install_probe
 from convergence.backends.torchtitan.step_log import StepLog
 
 PREFIX = "--convergence."
+PROBE_PREFIX = "--probe."
+SUBCOMMAND_MARK = "activation-checkpoint:"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,13 +49,49 @@ class LaunchOptions:
     """Only "after" exists for torchtitan jobs (the backend's preflight refuses others)."""
     log: str = ""
     """JSON-lines file (rank 0) for the data fingerprint and per-part gradient norms."""
+    probe: ProbeOptions = ProbeOptions()
+    """The numerics probe (``--probe.enable=true --probe.step=K``)."""
+
+
+def probe_options(words: list[str]) -> ProbeOptions:
+    """``--probe.enable=true|false`` and ``--probe.step=K`` (the built-in trainer's form)."""
+    values = dict(word[len(PROBE_PREFIX) :].partition("=")[::2] for word in words)
+    unknown = set(values) - {"enable", "step"}
+    if unknown or values.get("enable", "true") not in ("true", "false"):
+        raise SystemExit(
+            f"the torchtitan launcher: unknown probe option in {words} (use "
+            f"{PROBE_PREFIX}enable=true|false, {PROBE_PREFIX}step=K)"
+        )
+    return ProbeOptions(
+        enable=values.get("enable", "true") == "true", step=int(values.get("step", "1"))
+    )
+
+
+def tyro_form(words: list[str]) -> list[str]:
+    """``--a.b=true|false`` words as tyro's flags (``--a.b`` / ``--a.no-b``), moved before
+    the activation-checkpoint subcommand when they came after it."""
+    mark = next((i for i, w in enumerate(words) if w.startswith(SUBCOMMAND_MARK)), len(words))
+    head: list[str] = []
+    tail: list[str] = []
+    for i, word in enumerate(words):
+        key, sep, value = word.partition("=")
+        if word.startswith("--") and sep and value in ("true", "false"):
+            head.append(flag(key[2:], value == "true"))
+        else:
+            (head if i < mark else tail).append(word)
+    return head + tail
 
 
 def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     """(our options, torchtitan's argv)."""
     ours: dict[str, Any] = {}
     rest: list[str] = []
+    probe = [word for word in argv if word.startswith(PROBE_PREFIX)]
+    if probe:
+        ours["probe"] = probe_options(probe)
     for word in argv:
+        if word.startswith(PROBE_PREFIX):
+            continue
         if not word.startswith(PREFIX):
             rest.append(word)
             continue
@@ -60,7 +106,7 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
                 f"{PREFIX}log=PATH)"
             )
-    return LaunchOptions(**ours), rest
+    return LaunchOptions(**ours), tyro_form(rest)
 
 
 def install(options: LaunchOptions) -> None:
@@ -78,6 +124,8 @@ def install(options: LaunchOptions) -> None:
         patches.patch_attention()
     if options.log:
         patches.record_steps(StepLog(options.log))
+    if options.probe.enable:  # after record_steps: the probe sees the gradients first
+        install_probe(options.probe.step)
     patches.on_parsed_config(
         lambda config: wrap_model_spec(
             config, cpu=cpu, hook=options.hook, hook_mode=options.hook_mode
