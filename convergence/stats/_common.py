@@ -11,7 +11,7 @@ import numpy.typing as npt
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats.types import Check, MetricVerdict
+from convergence.stats.types import Check, MetricVerdict, Tolerance
 from convergence.stats.types import Floats as Floats
 from convergence.stats.types import Ints as Ints
 
@@ -95,3 +95,21 @@ def point_check(control: Curve, tolerance: Callable[[int, float], float]) -> Che
         return None if ref is None else (abs(value - ref), tolerance(step, ref))
 
     return check
+
+
+class ComparisonDefaults:
+    """What a comparison method is unless it says otherwise (the attributes of the
+    :class:`~convergence.stats.types.Comparison` protocol): judged on the control's curve
+    alone, with its own fixed parameters, no ``alpha``, no one-step tolerance."""
+
+    all_controls = False
+    calibrated = False
+    takes_alpha = False
+    anchored_twins = False
+
+    def one_step_tolerance(
+        self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]
+    ) -> Tolerance | None:
+        """None: a method that judges a window of the run (seed band, regression), not one
+        step, stays out of the anchored check."""
+        return None

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats._common import point_check
+from convergence.stats._common import ComparisonDefaults, point_check
 from convergence.stats.paired import PairedTolerance, envelope_verdict
 from convergence.stats.types import Check, MetricVerdict, Tolerance
 
@@ -18,12 +18,8 @@ DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-8
 
 
-class AllClose:
+class AllClose(ComparisonDefaults):
     method: Method = "allclose"
-    all_controls = False
-    calibrated = False
-    takes_alpha = False
-    anchored_twins = False
 
     def one_step_tolerance(
         self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]

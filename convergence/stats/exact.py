@@ -14,8 +14,15 @@ import numpy as np
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats._common import Floats, Ints, align, failed, first_true, incomplete, worst
-from convergence.stats.types import Check, MetricVerdict, Tolerance
+from convergence.stats._common import (
+    ComparisonDefaults,
+    align,
+    failed,
+    first_true,
+    incomplete,
+    worst,
+)
+from convergence.stats.types import Check, Floats, Ints, MetricVerdict, Tolerance
 
 
 @dataclass(frozen=True)
@@ -33,12 +40,8 @@ class ExactTolerance:
         return "equal"
 
 
-class Exact:
+class Exact(ComparisonDefaults):
     method: Method = "exact"
-    all_controls = False
-    calibrated = False
-    takes_alpha = False
-    anchored_twins = False
 
     def one_step_tolerance(
         self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]

@@ -49,6 +49,7 @@ from convergence.calibration.select import calibrated
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import (
+    ComparisonDefaults,
     Floats,
     Ints,
     align,
@@ -185,12 +186,9 @@ def _full_band(tol: Tolerance, control: Curve | None) -> Band | None:
     return Band.of(control.steps, control.values - tolerance, control.values + tolerance)
 
 
-class PairedBand:
+class PairedBand(ComparisonDefaults):
     method: Method = "paired"
-    all_controls = False
     calibrated = True  # its parameters come from the calibration in force (calibration/)
-    takes_alpha = False
-    anchored_twins = False
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return point_check(controls[0], tolerance_at(paired_tolerance(rule)))

@@ -17,8 +17,8 @@ import numpy as np
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats._common import failed
-from convergence.stats.types import Band, Check, MetricVerdict, Tolerance
+from convergence.stats._common import ComparisonDefaults, failed
+from convergence.stats.types import Band, Check, MetricVerdict
 
 DEFAULT_MAX_REGRESSION = 0.1
 WARMUP_STEPS = 3
@@ -33,17 +33,8 @@ def steady_median(curve: Curve) -> tuple[float, int]:
     return (float(np.median(values)) if values.size else float("nan")), int(values.size)
 
 
-class Regression:
+class Regression(ComparisonDefaults):
     method: Method = "regression"
-    all_controls = False
-    calibrated = False
-    takes_alpha = False
-    anchored_twins = False
-
-    def one_step_tolerance(
-        self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]
-    ) -> Tolerance | None:
-        return None  # it judges a window of the run, not one step
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         return None  # judged on a median over the whole run: never stops a job

@@ -54,8 +54,16 @@ import numpy.typing as npt
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats._common import Floats, Ints, failed, first_true, incomplete, worst
-from convergence.stats.types import Band, Check, MetricVerdict, Tolerance
+from convergence.stats._common import (
+    ComparisonDefaults,
+    Floats,
+    Ints,
+    failed,
+    first_true,
+    incomplete,
+    worst,
+)
+from convergence.stats.types import Band, Check, MetricVerdict
 
 # scipy is imported inside the functions that use it, not here. The verdict
 # registry imports this module for every session, but only the seed regime calls it, and
@@ -291,17 +299,10 @@ def longest_run(mask: npt.NDArray[np.bool_]) -> int:
     return best
 
 
-class SeedBand:
+class SeedBand(ComparisonDefaults):
     method: Method = "seed"
     all_controls = True  # the K replicates
-    calibrated = False
     takes_alpha = True  # the TOST on the final window
-    anchored_twins = False
-
-    def one_step_tolerance(
-        self, rule: ComparisonRule, controls: Sequence[Curve], anchored_twins: Sequence[Curve]
-    ) -> Tolerance | None:
-        return None  # it judges a window of the run, not one step
 
     def monitor(self, rule: ComparisonRule, controls: Sequence[Curve]) -> Check | None:
         if len(controls) < 2:

@@ -48,7 +48,15 @@ import numpy as np
 from convergence.calibration.select import calibrated
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
-from convergence.stats._common import Floats, Ints, align, failed, point_check, tolerance_at
+from convergence.stats._common import (
+    ComparisonDefaults,
+    Floats,
+    Ints,
+    align,
+    failed,
+    point_check,
+    tolerance_at,
+)
 from convergence.stats.paired import PairedTolerance, envelope_verdict, paired_tolerance
 from convergence.stats.types import Check, MetricVerdict, Tolerance
 
@@ -238,11 +246,10 @@ def relative_one_step_noise(control: Curve, twins: Sequence[Curve]) -> float:
     return total
 
 
-class TwinEnvelope:
+class TwinEnvelope(ComparisonDefaults):
     method: Method = "twin"
     all_controls = True  # the control, then its noise twins
     calibrated = True  # its parameters come from the calibration in force (calibration/)
-    takes_alpha = False
     anchored_twins = True
 
     def one_step_tolerance(
