@@ -120,7 +120,11 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                     key=f"{side_key}.{exc.key}" if exc.key else side_key,
                     fix=exc.fix,
                 ) from None
-            key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
+            key_path = (
+                f"{side_key}.{exc.key}"
+                if exc.key in JOB_KEYS or (exc.key or "").startswith("resume.")
+                else exc.key
+            )
             raise error(
                 f"[{side_key} {job.name!r}] {exc.detail}",
                 file=exc.file or file,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from convergence.backends.torchtitan import patches
+from convergence.backends.torchtitan import patches, resume
 from convergence.backends.torchtitan.model_parts import wrap_model_spec
 from convergence.backends.torchtitan.step_log import StepLog
 
@@ -39,6 +39,11 @@ class LaunchOptions:
     """Only "after" exists for torchtitan jobs (the backend's preflight refuses others)."""
     log: str = ""
     """JSON-lines file (rank 0) for the data fingerprint and per-part gradient norms."""
+    stop_after: int = 0
+    """A resuming side's job 1: stop after this step, torchtitan's checkpoint of it written
+    (0: train to the end; convergence/backends/torchtitan/resume.py)."""
+    resume_from: str = ""
+    """A resuming side's job 2: the checkpoint folder, checked before torchtitan loads it."""
 
 
 def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
@@ -52,13 +57,15 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
         key, sep, value = word[len(PREFIX) :].partition("=")
         if key == "cpu":
             ours["cpu"] = True
-        elif key in ("hook", "hook_mode", "log") and sep:
+        elif key in ("hook", "hook_mode", "log", "resume_from") and sep:
             ours[key] = value
+        elif key == "stop_after" and sep and value.isdigit():
+            ours[key] = int(value)
         else:
             raise SystemExit(
                 f"the torchtitan launcher: unknown option {word!r} (use "
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
-                f"{PREFIX}log=PATH)"
+                f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR)"
             )
     return LaunchOptions(**ours), rest
 
@@ -78,6 +85,10 @@ def install(options: LaunchOptions) -> None:
         patches.patch_attention()
     if options.log:
         patches.record_steps(StepLog(options.log))
+    if options.stop_after:
+        resume.stop_after(options.stop_after)
+    if options.resume_from:
+        resume.resume_from(options.resume_from)
     patches.on_parsed_config(
         lambda config: wrap_model_spec(
             config, cpu=cpu, hook=options.hook, hook_mode=options.hook_mode
