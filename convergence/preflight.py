@@ -184,7 +184,7 @@ def check_resume(test: JobSpec, *, file: str, key: str) -> None:
             "flags are not mapped)",
             file=file,
             key=where,
-            fix="drop resume from this test, or use a backend that resumes (the built-in one)",
+            fix="drop resume from this test, or use a backend that resumes (builtin, torchtitan)",
         )
     try:
         backend.preflight(after)
