@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from convergence.backends.torchtitan.backend import TorchtitanBackend
+from convergence.backends.torchtitan.launch import split_argv
 from convergence.backends.torchtitan.resume import MANIFEST, check_checkpoint
 from convergence.preflight import check_pair
 from convergence.regimes import REGISTRY
@@ -69,6 +70,9 @@ def test_the_checkpoint_keys_become_torchtitans_options(tmp_path: Path) -> None:
     second = backend.train_entry(after, tmp_path / "d2", tmp_path / "seed")
     assert "--convergence.stop_after=2" in first and f"--checkpoint.folder={ckpt}" in first
     assert f"--convergence.resume_from={ckpt}" in second
+    # ... which the launcher takes off torchtitan's command line.
+    assert split_argv(first[2:])[0].stop_after == 2
+    assert split_argv(second[2:])[0].resume_from == str(ckpt)
     # The built-in trainer's keys never reach torchtitan (its parser would refuse them).
     assert not any("save_at_step" in w or "checkpoint.resume_from" in w for w in first + second)
     # torchtitan's own parser reads them: job 1 saves at step 2 into the folder (the seed
@@ -147,8 +151,8 @@ def test_planted_resume_bugs_fail_at_the_resume_step(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """One rank each, 4 steps, checkpoint after step 2: the correct resume is bitwise the
-    control; the dropped optimizer state shows at step 4 (K+2: step 3's update), the restarted
-    LR schedule at step 3 (K+1: its learning rate)."""
+    control; the dropped optimizer state and the restarted LR schedule both show at step 4 (K+2:
+    step 3's update is the first wrong one)."""
     from test_torchtitan_train import SHOWN_SECTION
 
     monkeypatch.setenv(
@@ -197,8 +201,9 @@ def test_planted_resume_bugs_fail_at_the_resume_step(
     # Each failure is placed at the resume, the resume named.
     assert out.count("the divergence starts at the resume") >= 2, out
     assert "checkpoint after step 2, fsdp1 -> fsdp1" in out, out
-    assert re.search(r"lr\s+paired\s+FAIL\s+first divergent step 3", out), out
-    assert re.search(r"(loss|grad_norm)\s+paired\s+FAIL\s+first divergent step 4", out), out
+    # Both show at K+2 = 4: step 3's update is the first wrong one.
+    failing = re.findall(r"(loss|grad_norm)\s+paired\s+FAIL\s+first divergent step (\d+)", out)
+    assert failing and {step for _, step in failing} == {"4"}, out
     # torchtitan's own lines: job 2 loads job 1's checkpoint and starts at step 3.
     assert any(": step:  3 " in line or "step:  3" in line for line in lines), lines
     logs = "\n".join(
