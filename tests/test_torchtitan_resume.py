@@ -200,7 +200,7 @@ def test_planted_resume_bugs_fail_at_the_resume_step(
     assert re.search(r"\bresumed\s.*PASS", out), out
     # Each failure is placed at the resume, the resume named.
     assert out.count("the divergence starts at the resume") >= 2, out
-    assert "checkpoint after step 2, fsdp1 -> fsdp1" in out, out
+    assert "resume: checkpoint after step 2, single -> single" in out, out
     # Both show at K+2 = 4: step 3's update is the first wrong one.
     failing = re.findall(r"(loss|grad_norm)\s+paired\s+FAIL\s+first divergent step (\d+)", out)
     assert failing and {step for _, step in failing} == {"4"}, out
