@@ -174,7 +174,7 @@ def key_rows() -> list[KeyRow]:
             f"checkpoint, resume on `parallelism` (a whole layout; default: the side's) with "
             f"`techniques` merged into the side's and `local_batch_size` (keep the tokens per "
             f"step) to the end; one curve against the uninterrupted control. Built-in trainer "
-            f"only for now",
+            f"and torchtitan (its own DCP checkpoint; the DP degree stays the same)",
         ),
     ]
 

@@ -120,7 +120,11 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                     key=f"{side_key}.{exc.key}" if exc.key else side_key,
                     fix=exc.fix,
                 ) from None
-            key_path = f"{side_key}.{exc.key}" if exc.key in JOB_KEYS else exc.key
+            key_path = (
+                f"{side_key}.{exc.key}"
+                if exc.key in JOB_KEYS or (exc.key or "").startswith("resume.")
+                else exc.key
+            )
             raise error(
                 f"[{side_key} {job.name!r}] {exc.detail}",
                 file=exc.file or file,
@@ -131,10 +135,10 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
         check_resume(test, file=file, key=key)
     if pair.anchor_every:  # the anchored check saves and loads training checkpoints
         for side, backend in backends.items():
-            if not backend.capabilities.resume:
+            if not backend.capabilities.anchors:
                 raise SpecError(
-                    f"anchor_every needs a trainer that saves and loads training checkpoints; "
-                    f"the {side}'s backend {backend.name!r} does not",
+                    f"anchor_every needs a trainer that saves its state every N steps and "
+                    f"trains one step from each; the {side}'s backend {backend.name!r} does not",
                     file=file,
                     key=f"{key}.anchor_every",
                     fix="drop anchor_every from this pair, or run it on the built-in trainer",
@@ -190,7 +194,7 @@ def check_resume(test: JobSpec, *, file: str, key: str) -> None:
             "flags are not mapped)",
             file=file,
             key=where,
-            fix="drop resume from this test, or use a backend that resumes (the built-in one)",
+            fix="drop resume from this test, or use a backend that resumes (builtin, torchtitan)",
         )
     try:
         backend.preflight(after)

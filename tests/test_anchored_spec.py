@@ -104,17 +104,27 @@ def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
     check_config(cfg, 1)
 
 
-def test_a_backend_that_cannot_resume_cannot_be_anchored(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("backend", "options"),
+    [
+        ("command", 'backend_options = { command = ["python", "train.py", "{dump_dir}"] }'),
+        # torchtitan resumes through its own DCP checkpoint, but has no anchored steps.
+        ("torchtitan", ""),
+    ],
+)
+def test_a_backend_without_anchored_steps_cannot_be_anchored(
+    tmp_path: Path, backend: str, options: str
+) -> None:
     from convergence.preflight import load_checked
 
     path = tmp_path / "exp.toml"
     (tmp_path / "train.toml").write_text("")
     path.write_text(
-        """
+        f"""
 [defaults]
 train_config = "train.toml"
-backend = "command"
-backend_options = { command = ["python", "train.py", "{dump_dir}"] }
+backend = "{backend}"
+{options}
 steps = 40
 anchor_every = 10
 
@@ -127,4 +137,4 @@ name = "b"
     )
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
-    assert "anchor_every" in str(info.value) and "'command'" in str(info.value), info.value
+    assert "anchor_every" in str(info.value) and f"'{backend}'" in str(info.value), info.value

@@ -23,7 +23,7 @@ from convergence.run.resume import joined, phase_jobs
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 from convergence.spec.layout import ParallelLayout
-from experiments import builtin_pair
+from experiments import builtin_pair, command_pair, fixture_command
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).
@@ -130,7 +130,13 @@ def test_the_tokens_fix_names_the_local_batch(tmp_path: Path) -> None:
 
 
 def test_a_backend_that_does_not_resume_is_refused(tmp_path: Path) -> None:
-    error = error_of(experiment(tmp_path, backend="torchtitan", resume={"at_step": 4}))
+    path = command_pair(
+        tmp_path,
+        command=fixture_command(),
+        steps=6,
+        tests=[{"name": "same", "resume": {"at_step": 3}}],
+    )
+    error = error_of(path)
     assert "does not resume" in str(error) and error.key == "test[0].resume"
 
 

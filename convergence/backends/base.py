@@ -26,6 +26,10 @@ class Capabilities:
     one does."""
     probe: bool = False
     """The trainer has the numerics probe mode (``--probe.*``: run/probe.py)."""
+    anchors: bool = False
+    """The anchored check (run/anchors.py): the control saves its whole state every N steps
+    (``--checkpoint.anchor_every``) and a job trains one step from each of those states
+    (``--checkpoint.anchored_from``)."""
     twins_by_default: bool = False
     """``noise_twin`` derives twins for the usual controls: where both sides' backends do
     (and the runs are not bitwise pairable), twin is a pair's default regime, else the seed

@@ -64,6 +64,7 @@ class BuiltinBackend:
     capabilities = Capabilities(
         resume=True,
         probe=True,
+        anchors=True,
         twins_by_default=True,
         train_config_fix='set train_config = "debug" (a shipped config) in [defaults]',
     )

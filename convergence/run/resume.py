@@ -21,14 +21,16 @@ from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
+from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
 
 #: Where the side's checkpoint goes, inside the pair's run folder.
 CHECKPOINT_DIR = "checkpoint"
 
 
 def phase_jobs(job: JobSpec, checkpoint: Path) -> tuple[JobSpec, JobSpec]:
-    """(the job up to the checkpoint, the job that resumes from it): the built-in trainer's
-    checkpoint keys as overrides, after the user's own."""
+    """(the job up to the checkpoint, the job that resumes from it): the checkpoint keys as
+    overrides, after the user's own (the built-in trainer's keys; other backends translate
+    them: convergence.spec.resume)."""
     assert job.resume is not None
     at = job.resume.at_step
     before = dataclasses.replace(
@@ -37,15 +39,15 @@ def phase_jobs(job: JobSpec, checkpoint: Path) -> tuple[JobSpec, JobSpec]:
         resume=None,
         overrides=(
             *job.overrides,
-            ("checkpoint.save_at_step", str(at)),
-            ("checkpoint.save_folder", str(checkpoint)),
+            (SAVE_AT_STEP, str(at)),
+            (SAVE_FOLDER, str(checkpoint)),
         ),
     )
     after = job.after_resume()
     after = dataclasses.replace(
         after,
         name=f"{job.name}-resumed",
-        overrides=(*after.overrides, ("checkpoint.resume_from", str(checkpoint))),
+        overrides=(*after.overrides, (RESUME_FROM, str(checkpoint))),
     )
     return before, after
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from convergence.backends.torchtitan import resume
 from convergence.backends.torchtitan.assets import asset_paths
 from convergence.spec.job import JobSpec
 
@@ -119,7 +120,9 @@ def build_argv(
     module, config = module_and_config(job)
     options = backend_options(job)
     hf_assets, dataset_path = asset_paths(job)
-    user = [(k, v) for k, v in job.overrides if not _is_ac_key(k)]
+    user, checkpoint = resume.split_overrides(
+        k_v for k_v in job.overrides if not _is_ac_key(k_v[0])
+    )
     user_ac = [(k, v) for k, v in job.overrides if _is_ac_key(k)]
     return [
         "--module",
@@ -134,6 +137,7 @@ def build_argv(
         *extra,
         # User overrides come after the spec-derived words so they win.
         *(override_arg(k, v) for k, v in user),
+        *resume.torchtitan_words(checkpoint),  # a resuming side's phase (resume.py)
         AC_SUBCOMMANDS[job.techniques.activation_checkpoint],
         *(override_arg(k, v) for k, v in user_ac),
     ]
@@ -141,8 +145,9 @@ def build_argv(
 
 def launch_options(job: JobSpec, dump_dir: Path) -> list[str]:
     """The wrapper's own words (convergence/backends/torchtitan/launch.py): its per-step
-    records and the user's hook."""
+    records, the user's hook, a resuming side's phase."""
     words = [f"--convergence.log={dump_dir / STEP_LOG}"]
+    words += resume.launch_words(resume.split_overrides(job.overrides)[1])
     if job.hook:
         words += [f"--convergence.hook={job.hook}", f"--convergence.hook_mode={job.hook_mode}"]
     return words

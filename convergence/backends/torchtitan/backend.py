@@ -34,6 +34,7 @@ from convergence.backends.torchtitan.assets import (
 from convergence.backends.torchtitan.config_parser import ParseError, blame, parse
 from convergence.backends.torchtitan.degrees import check_degrees
 from convergence.backends.torchtitan.patches import unsupported_releases
+from convergence.backends.torchtitan.resume import check_resume_layout, split_overrides
 from convergence.cache.key import sources_hash
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
@@ -66,8 +67,10 @@ def source_hash() -> str:
 class TorchtitanBackend:
     name = "torchtitan"
     # probe: the launcher wrapper runs the numerics probe inside torchtitan's own loop
-    # (convergence/backends/torchtitan/probe.py).
-    capabilities = Capabilities(twins_by_default=True, needs_train_config=False, probe=True)
+    # (probe.py); resume: torchtitan's own DCP checkpointing (resume.py).
+    capabilities = Capabilities(
+        resume=True, twins_by_default=True, needs_train_config=False, probe=True
+    )
 
     def code_identity(self, job: JobSpec) -> CodeIdentity:
         # torchtitan's source hash is in the key (version()); a torchtitan checkout being
@@ -171,6 +174,7 @@ class TorchtitanBackend:
                 'overrides."parallelism.pipeline_parallel_layers_per_stage"',
             )
         check_degrees(job, self.effective_config(job))
+        check_resume_layout(job)
 
     def noise_twin(self, control: JobSpec) -> JobSpec:
         """The control's twin for the twin regime (convergence/stats/twin.py): the same seed
@@ -301,6 +305,13 @@ class TorchtitanBackend:
 
 
 def _one_process(job: JobSpec) -> JobSpec:
-    """The job on a single rank (seed checkpoint): no parallelism, no techniques."""
+    """The job on a single rank (seed checkpoint): no parallelism, no techniques, and not a
+    resuming side's phase (its checkpoint words would replace the seed folder)."""
 
-    return dataclasses.replace(job, layout=ParallelLayout(), techniques=Techniques(), steps=1)
+    return dataclasses.replace(
+        job,
+        layout=ParallelLayout(),
+        techniques=Techniques(),
+        steps=1,
+        overrides=tuple(split_overrides(job.overrides)[0]),
+    )

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from convergence.backends.torchtitan import patches
+from convergence.backends.torchtitan import patches, resume
 from convergence.backends.torchtitan.argv import flag
 from convergence.backends.torchtitan.model_parts import wrap_model_spec
 from convergence.backends.torchtitan.probe import ProbeOptions, install_probe
@@ -51,6 +51,11 @@ class LaunchOptions:
     """JSON-lines file (rank 0) for the data fingerprint and per-part gradient norms."""
     probe: ProbeOptions = ProbeOptions()
     """The numerics probe (``--probe.enable=true --probe.step=K``)."""
+    stop_after: int = 0
+    """A resuming side's job 1: stop after this step, torchtitan's checkpoint of it written
+    (0: train to the end; convergence/backends/torchtitan/resume.py)."""
+    resume_from: str = ""
+    """A resuming side's job 2: the checkpoint folder, checked before torchtitan loads it."""
 
 
 def probe_options(words: list[str]) -> ProbeOptions:
@@ -98,13 +103,15 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
         key, sep, value = word[len(PREFIX) :].partition("=")
         if key == "cpu":
             ours["cpu"] = True
-        elif key in ("hook", "hook_mode", "log") and sep:
+        elif key in ("hook", "hook_mode", "log", "resume_from") and sep:
             ours[key] = value
+        elif key == "stop_after" and sep and value.isdigit():
+            ours[key] = int(value)
         else:
             raise SystemExit(
                 f"the torchtitan launcher: unknown option {word!r} (use "
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
-                f"{PREFIX}log=PATH)"
+                f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR)"
             )
     return LaunchOptions(**ours), tyro_form(rest)
 
@@ -126,6 +133,10 @@ def install(options: LaunchOptions) -> None:
         patches.record_steps(StepLog(options.log))
     if options.probe.enable:  # after record_steps: the probe sees the gradients first
         install_probe(options.probe.step)
+    if options.stop_after:
+        resume.stop_after(options.stop_after)
+    if options.resume_from:
+        resume.resume_from(options.resume_from)
     patches.on_parsed_config(
         lambda config: wrap_model_spec(
             config, cpu=cpu, hook=options.hook, hook_mode=options.hook_mode

@@ -1,0 +1,272 @@
+"""Resume for torchtitan jobs, through torchtitan's own DCP checkpointing.
+
+A resuming test side is two jobs (convergence/run/resume.py); their overrides carry the
+checkpoint keys of convergence.spec.resume, which the built-in trainer reads as they are. Here
+they become torchtitan's words and the launcher's:
+
+    job 1  checkpoint.save_at_step=K, checkpoint.save_folder=F
+           --checkpoint.enable --checkpoint.folder=F --checkpoint.interval=K
+           (torchtitan saves model, optimizer, LR schedulers, dataloader and train state --
+           the step -- at step K, each rank its own shards), and the launcher stops the
+           run after step K (--convergence.stop_after=K) and writes F/convergence_resume.json
+    job 2  checkpoint.resume_from=F
+           --checkpoint.enable --checkpoint.folder=F --checkpoint.load_only
+           torchtitan loads the latest step-N of F (its fault-tolerance branch: DCP reads
+           the new layout's shards of every tensor, so FSDP2 -> FSDP2+TP2 reshards) and
+           trains on from step N+1 (--convergence.resume_from=F: the launcher checks first
+           that F holds a checkpoint of this run, so a missing or foreign checkpoint is an
+           error naming F, never torchtitan's silent fresh start from the seed checkpoint)
+
+What torchtitan 0.3 cannot resume is refused at collection (check_resume_layout): its
+dataloader keeps one position per data-parallel rank and refuses another DP degree at load
+("dp_degree is inconsistent before and after checkpoint, dataloader resharding is not
+supported yet", components/dataloader.py), so the DP degree must stay the same.
+
+The launcher's side (stop_after, resume_from) imports torch and torchtitan inside the
+functions: this module is read at collection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from convergence.backends.torchtitan.patches import pinned
+from convergence.spec.errors import SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
+
+CHECKPOINT_KEYS = (SAVE_AT_STEP, SAVE_FOLDER, RESUME_FROM)
+#: What job 1 trained for (rank 0, beside torchtitan's step-K folder); job 2 checks it first.
+MANIFEST = "convergence_resume.json"
+#: Bumped when the manifest's contents change; a manifest of another format is refused.
+FORMAT = 1
+
+
+def split_overrides(
+    overrides: Iterable[tuple[str, str]],
+) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(the overrides that are not checkpoint keys, the checkpoint keys by name)."""
+    rest, keys = [], {}
+    for key, value in overrides:
+        if key.lstrip("-") in CHECKPOINT_KEYS:
+            keys[key.lstrip("-")] = value
+        else:
+            rest.append((key, value))
+    return rest, keys
+
+
+def torchtitan_words(keys: dict[str, str]) -> list[str]:
+    """torchtitan's checkpoint options for a phase's checkpoint keys (none: no words). They
+    come after the seed checkpoint's load words (argv.load_args), and win over them."""
+    if SAVE_AT_STEP in keys:
+        return [
+            "--checkpoint.enable",
+            f"--checkpoint.folder={keys[SAVE_FOLDER]}",  # absolute: not under dump_folder
+            f"--checkpoint.interval={keys[SAVE_AT_STEP]}",
+            "--checkpoint.no-load_only",
+            # A full checkpoint at step K (it is never the last step: 1 <= K < steps), and
+            # no purge thread (keep every checkpoint: there is one).
+            "--checkpoint.keep_latest_k=0",
+        ]
+    if RESUME_FROM in keys:
+        return [
+            "--checkpoint.enable",
+            f"--checkpoint.folder={keys[RESUME_FROM]}",
+            "--checkpoint.load_only",  # load, never save: the checkpoint is job 1's
+        ]
+    return []
+
+
+def launch_words(keys: dict[str, str]) -> list[str]:
+    """The launcher's options for a phase (convergence/backends/torchtitan/launch.py)."""
+    if SAVE_AT_STEP in keys:
+        return [f"--convergence.stop_after={keys[SAVE_AT_STEP]}"]
+    if RESUME_FROM in keys:
+        return [f"--convergence.resume_from={keys[RESUME_FROM]}"]
+    return []
+
+
+def check_resume_layout(job: JobSpec) -> None:
+    """What torchtitan 0.3 cannot resume onto, said at collection (the backend's preflight of
+    a resuming test side)."""
+    if job.resume is None:
+        return
+    before, after = job.layout, job.after_resume().layout
+    if before.dp != after.dp:
+        raise SpecError(
+            f"the data-parallel degree changes at the resume ({before.dp} before, {after.dp} "
+            "after): torchtitan's dataloader keeps one position per DP rank and refuses "
+            "another DP degree when it loads a checkpoint ('dataloader resharding is not "
+            "supported yet')",
+            key="resume.parallelism",
+            fix=f"keep dp_replicate x dp_shard = {before.dp} in the resume layout (add tp, "
+            "pp or cp ranks instead), or resume on the built-in backend",
+        )
+
+
+# -- the launcher's side -------------------------------------------------------------------------
+
+
+def manifest(config: Any, *, step: int, dp_degree: int, global_batch_size: int) -> dict[str, Any]:
+    """What a checkpoint was trained for: the model, the data and its order, the optimizer and
+    the LR schedule, the run's length -- everything but the layout, which may change."""
+    # Through JSON both when written and when checked: tuples become lists alike.
+    whole = json.loads(json.dumps(config.to_dict(), default=str))
+    training = whole.get("training", {})
+    return {
+        "format": FORMAT,
+        "step": step,
+        "model": _numbers(whole.get("model_spec")),
+        "optimizer": whole.get("optimizer"),
+        "lr_scheduler": whole.get("lr_scheduler"),
+        "dataloader": whole.get("dataloader"),
+        "training": {
+            "steps": training.get("steps"),
+            "seq_len": training.get("seq_len"),
+            "global_batch_size": global_batch_size,
+        },
+        "seed": whole.get("debug", {}).get("seed"),
+        "dp_degree": dp_degree,
+    }
+
+
+def _numbers(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The numeric and boolean leaves of a config tree by path, and its top-level names: the
+    model's shape (a model config also holds functions and sharding reprs, which name memory
+    addresses and differ between processes)."""
+    out: dict[str, Any] = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree or [])
+    for key, value in items:
+        path = f"{prefix}{key}"
+        if isinstance(value, (dict, list)):
+            out.update(_numbers(value, f"{path}."))
+        elif isinstance(value, (bool, int, float)) or (not prefix and isinstance(value, str)):
+            out[path] = value
+    return out
+
+
+def differences(saved: dict[str, Any], wanted: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: checkpoint X, this job Y`` for each leaf that differs (but the step)."""
+    out = []
+    for key in sorted({*saved, *wanted} - {"step"}):
+        a, b = saved.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: checkpoint {_short(a)}, this job {_short(b)}")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def cannot_serve(folder: str, problem: str, fix: str) -> SystemExit:
+    """One line (the launcher quotes a rank's last line): the checkpoint, what is wrong, the
+    fix -- as the built-in trainer's ResumeError says it."""
+    return SystemExit(f"checkpoint {folder} cannot serve this resume: {problem} (fix: {fix})")
+
+
+def latest_step(folder: Path) -> int | None:
+    """The largest N of a ``step-N`` folder holding DCP's .metadata (torchtitan's rule)."""
+    steps = [
+        int(path.name.removeprefix("step-"))
+        for path in folder.glob("step-*")
+        if path.name.removeprefix("step-").isdigit() and (path / ".metadata").is_file()
+    ]
+    return max(steps) if steps else None
+
+
+def check_checkpoint(folder: str, wanted: dict[str, Any]) -> None:
+    """Job 2, before torchtitan loads: ``folder`` holds job 1's checkpoint, of this run."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise cannot_serve(folder, "the folder does not exist", "run the job up to the resume")
+    step = latest_step(path)
+    if step is None:
+        raise cannot_serve(
+            folder, "no step-N folder with DCP's .metadata in it", "run the job up to the resume"
+        )
+    record = path / MANIFEST
+    if not record.is_file():
+        raise cannot_serve(folder, f"{MANIFEST} is missing", "run the job up to the resume")
+    saved = json.loads(record.read_text(encoding="utf-8"))
+    if saved.get("step") != step:
+        raise cannot_serve(
+            folder,
+            f"{MANIFEST} is for step {saved.get('step')}, the latest checkpoint is step-{step}",
+            "run the job up to the resume again",
+        )
+    wrong = differences(saved, wanted)
+    if wrong:
+        raise cannot_serve(
+            folder,
+            "it was trained for another run: " + "; ".join(wrong[:4]),
+            "resume from this job's own checkpoint",
+        )
+
+
+def _dp_degree(trainer: Any) -> int:
+    dims = trainer.parallel_dims
+    return int(dims.dp_replicate) * int(dims.dp_shard)
+
+
+def _global_batch(trainer: Any) -> int:
+    training = trainer.config.training
+    size = int(training.global_batch_size)
+    return size if size > 0 else int(training.local_batch_size) * _dp_degree(trainer)
+
+
+@pinned(torchtitan="0.3", torch="2.13")
+def stop_after(step: int) -> None:
+    """Job 1: train up to ``step`` (torchtitan saved it: ``checkpoint.interval``), then stop;
+    rank 0 writes the manifest beside the checkpoint. The LR schedule still spans the whole
+    run (``training.steps`` is unchanged). A checkpoint a previous attempt left in the folder
+    is never loaded: job 1 starts from the seed checkpoint, as the control does."""
+    import torch.distributed as dist
+    from torchtitan.trainer import Trainer
+
+    train = Trainer.train
+
+    def should_continue_training(self: Any) -> bool:
+        return bool(self.step < min(step, self.config.training.steps))
+
+    def train_to_the_checkpoint(self: Any) -> None:
+        self.checkpointer._find_load_step = lambda folder="": -1  # the seed checkpoint
+        train(self)
+        if self.step != step:
+            raise SystemExit(f"stopped at step {self.step}, not at the checkpoint's {step}")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            record = manifest(
+                self.config,
+                step=step,
+                dp_degree=_dp_degree(self),
+                global_batch_size=_global_batch(self),
+            )
+            folder = Path(self.checkpointer.folder)
+            (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
+
+    Trainer.should_continue_training = should_continue_training
+    Trainer.train = train_to_the_checkpoint
+
+
+@pinned(torchtitan="0.3", torch="2.13")
+def resume_from(folder: str) -> None:
+    """Job 2: before torchtitan loads, ``folder`` must hold job 1's checkpoint of this run
+    (check_checkpoint)."""
+    from torchtitan.trainer import Trainer
+
+    train = Trainer.train
+
+    def train_from_the_checkpoint(self: Any) -> None:
+        wanted = manifest(
+            self.config, step=0, dp_degree=_dp_degree(self), global_batch_size=_global_batch(self)
+        )
+        check_checkpoint(folder, wanted)
+        train(self)
+
+    Trainer.train = train_from_the_checkpoint
