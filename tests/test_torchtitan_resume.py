@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from torchtitan_logs import show_step_lines
 
 from convergence.backends.torchtitan.backend import TorchtitanBackend
 from convergence.backends.torchtitan.launch import split_argv
@@ -141,20 +142,12 @@ def test_a_missing_or_foreign_checkpoint_is_an_error_naming_it(tmp_path: Path) -
 # -- trained: a correct resume passes, two planted resume bugs fail at the resume ------------------
 
 
-def _step_lines(runs: Path) -> list[str]:
-    from test_torchtitan_train import step_lines
-
-    return step_lines(runs)
-
-
 def test_planted_resume_bugs_fail_at_the_resume_step(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """One rank each, 4 steps, checkpoint after step 2: the correct resume is bitwise the
     control; the dropped optimizer state and the restarted LR schedule both show at step 4 (K+2:
     step 3's update is the first wrong one)."""
-    from test_torchtitan_train import SHOWN_SECTION
-
     monkeypatch.setenv(
         "PYTHONPATH",
         os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p),
@@ -191,10 +184,7 @@ def test_planted_resume_bugs_fail_at_the_resume_step(
         "experiments/tt_resume.toml",
         timeout=900,
     )
-    lines = _step_lines(work / "runs")
-    request.node.add_report_section(
-        "call", SHOWN_SECTION, "\n".join(f"[torchtitan on CPU] {line}" for line in lines)
-    )
+    lines = show_step_lines(request, work / "runs")
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=2)
     assert re.search(r"\bresumed\s.*PASS", out), out
