@@ -32,7 +32,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests/test_suite_sharing.py checks that a grouped test's id carries its group."""
     if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
         return
-    from _pytest.nodeid import coerce_node_id
+    try:
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9.1: ids are read from item._id
+    except ImportError:  # older pytest reads item._nodeid, where xdist's suffix already is
+        return
 
     for item in items:
         names = sorted(
