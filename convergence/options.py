@@ -214,6 +214,9 @@ SETTINGS_WITHOUT_OPTION = (
     "key_extra",
     "session_id",
     "on_progress",
+    # A library switch (tests and benchmarks compare both ways): the plugin and the CLI always
+    # run a pair's control-side jobs at once where the pool has room (run/together.py).
+    "concurrent_controls",
 )
 
 
