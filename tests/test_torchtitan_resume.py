@@ -17,6 +17,14 @@ from pathlib import Path
 import pytest
 from torchtitan_logs import show_step_lines
 
+from experiments import experiment_doc, write_toml
+
+if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
+    pytest.importorskip(
+        "torchtitan",
+        reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
+    )
+
 from convergence.backends.torchtitan.backend import TorchtitanBackend
 from convergence.backends.torchtitan.launch import split_argv
 from convergence.backends.torchtitan.resume import MANIFEST, check_checkpoint
@@ -25,13 +33,6 @@ from convergence.regimes import REGISTRY
 from convergence.run.resume import phase_jobs
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
-from experiments import experiment_doc, write_toml
-
-if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
-    pytest.importorskip(
-        "torchtitan",
-        reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
-    )
 
 # One worker runs this module's training session (tests/conftest.py: run sharing).
 pytestmark = pytest.mark.xdist_group("torchtitan_resume")
