@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
-from torchtitan_logs import show_step_lines
+from torchtitan_session import run_experiments
 
-from experiments import experiment_doc, write_toml
+from experiments import experiment_doc
 
 if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
     pytest.importorskip(
@@ -31,7 +30,6 @@ if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan
         reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
     )
 
-HOOKS = Path(__file__).resolve().parent / "fixtures" / "hooks"
 BUGGY_MODULE = "layers.1.attention.wo"
 
 EXPERIMENT = experiment_doc(
@@ -64,24 +62,9 @@ EXPERIMENT = experiment_doc(
 def test_probe_names_the_first_differing_module_of_a_torchtitan_tp_bug(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    monkeypatch.setenv(
-        "PYTHONPATH",
-        os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p),
+    result, lines, work = run_experiments(
+        pytester, monkeypatch, request, {"tt_probe.toml": EXPERIMENT}, timeout=1800
     )
-    monkeypatch.setenv("COLUMNS", "200")
-    pytester.makeini("[pytest]\n")
-    write_toml(pytester.path / "experiments" / "tt_probe.toml", EXPERIMENT)
-    work = pytester.path / "work"
-    result = pytester.runpytest_subprocess(
-        "-m",
-        "convergence",
-        "-p",
-        "no:cacheprovider",
-        f"--convergence-workdir={work}",
-        "experiments/tt_probe.toml",
-        timeout=1800,
-    )
-    lines = show_step_lines(request, work / "runs")
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=1)
     assert f"first differing module {BUGGY_MODULE}" in out, out  # the failure's localisation

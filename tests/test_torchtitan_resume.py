@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from torchtitan_logs import show_step_lines
+from torchtitan_session import run_experiments
 
 from experiments import experiment_doc, write_toml
 
@@ -39,7 +39,6 @@ pytestmark = pytest.mark.xdist_group("torchtitan_resume")
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "experiments" / "torchtitan" / "resume.toml"
-HOOKS = REPO / "tests" / "fixtures" / "hooks"
 DEFAULTS = {
     "backend": "torchtitan",
     "backend_options": {"module": "llama3", "config": "llama3_debugmodel"},
@@ -149,12 +148,6 @@ def test_planted_resume_bugs_fail_at_the_resume_step(
     """One rank each, 4 steps, checkpoint after step 2: the correct resume is bitwise the
     control; the dropped optimizer state and the restarted LR schedule both show at step 4 (K+2:
     step 3's update is the first wrong one)."""
-    monkeypatch.setenv(
-        "PYTHONPATH",
-        os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p),
-    )
-    monkeypatch.setenv("COLUMNS", "200")
-    pytester.makeini("[pytest]\n")
     resume = {"at_step": 2}
     one_rank = {"dp_shard": 1}
     doc = experiment_doc(
@@ -174,18 +167,9 @@ def test_planted_resume_bugs_fail_at_the_resume_step(
             ),
         ],
     )
-    write_toml(pytester.path / "experiments" / "tt_resume.toml", doc)
-    work = pytester.path / "work"
-    result = pytester.runpytest_subprocess(
-        "-m",
-        "convergence",
-        "-p",
-        "no:cacheprovider",
-        f"--convergence-workdir={work}",
-        "experiments/tt_resume.toml",
-        timeout=900,
+    result, lines, work = run_experiments(
+        pytester, monkeypatch, request, {"tt_resume.toml": doc}, timeout=900
     )
-    lines = show_step_lines(request, work / "runs")
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=2)
     assert re.search(r"\bresumed\s.*PASS", out), out

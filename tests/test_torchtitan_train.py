@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import pytest
-from torchtitan_logs import show_step_lines
+from torchtitan_session import run_experiments
 
-from experiments import experiment_doc, write_toml
+from experiments import experiment_doc
 
 if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
     pytest.importorskip(
@@ -26,8 +25,6 @@ if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan
         reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
     )
 
-REPO = Path(__file__).resolve().parents[1]
-HOOKS = REPO / "tests" / "fixtures" / "hooks"
 
 BUG_EXPERIMENT = experiment_doc(
     experiment={"description": "torchtitan: a gradient scaled wrongly by a hook must fail"},
@@ -59,27 +56,12 @@ BUG_EXPERIMENT = experiment_doc(
 def test_planted_bug_through_a_torchtitan_hook_fails(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    monkeypatch.setenv(
-        "PYTHONPATH",
-        os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH", "")) if p),
-    )
-    monkeypatch.setenv("COLUMNS", "200")
-    pytester.makeini("[pytest]\n")
-    write_toml(pytester.path / "experiments" / "tt_bug.toml", BUG_EXPERIMENT)
-    work = pytester.path / "work"
-    result = pytester.runpytest_subprocess(
-        "-m",
-        "convergence",
-        "-p",
-        "no:cacheprovider",
-        f"--convergence-workdir={work}",
-        "experiments/tt_bug.toml",
-        timeout=600,
-    )
     # torchtitan's own steps, visible in CI's log: a report section (it travels from an xdist
     # worker to the controller, where the project's conftest.py prints it for passed tests too;
     # a print would stay in the worker).
-    lines = show_step_lines(request, work / "runs")
+    result, lines, work = run_experiments(
+        pytester, monkeypatch, request, {"tt_bug.toml": BUG_EXPERIMENT}, timeout=600
+    )
     out = result.stdout.str()
     result.assert_outcomes(failed=1)
     assert "fsdp2-bug" in out and "FAIL" in out
@@ -129,22 +111,12 @@ def test_control_health_fits_torchtitan_learning_and_flat(
 ) -> None:
     """The generated corpus's entropy floor is the reference: a 30-step debug-model control
     learns enough (it closes ~7% of its gap to the floor), a control with lr = 0 is an error."""
-    monkeypatch.setenv("COLUMNS", "200")
-    pytester.makeini("[pytest]\n")
-    write_toml(
-        pytester.path / "experiments" / "learns.toml", _health_experiment("learns", 30, None)
-    )
-    write_toml(pytester.path / "experiments" / "flat.toml", _health_experiment("flat", 20, 0.0))
-    result = pytester.runpytest_subprocess(
-        "-m",
-        "convergence",
-        "-p",
-        "no:cacheprovider",
-        f"--convergence-workdir={pytester.path / 'work'}",
-        "experiments",
-        timeout=900,
-    )
-    show_step_lines(request, pytester.path / "work" / "runs")  # the 30 and 20 steps, in CI's log
+    experiments = {
+        "learns.toml": _health_experiment("learns", 30, None),
+        "flat.toml": _health_experiment("flat", 20, 0.0),
+    }
+    # The 30 and 20 steps, in CI's log.
+    result, _, _ = run_experiments(pytester, monkeypatch, request, experiments, timeout=900)
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=1)  # an erroring pair is a failed pytest item
     assert "learns-test" in out and re.search(r"learns-test\s.*PASS", out), out
