@@ -32,39 +32,48 @@ def write_experiment(project: Path) -> None:
     )
 
 
-def _start(project: Path, *extra: str) -> subprocess.Popen[str]:
-    """pytest in a subprocess (output to project/out.txt); returns once the long job has
-    logged a training step (read from its metrics file: xdist workers print no progress)."""
-    write_experiment(project)
+def _spawn_pytest(project: Path, *args: str) -> subprocess.Popen[str]:
+    """``pytest -m convergence *args`` in a subprocess of its own session, output to
+    project/out.txt."""
     with open(project / "out.txt", "w") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-p",
-                "no:cacheprovider",
-                "-m",
-                "convergence",
-                "--convergence-report",
-                "report",
-                *extra,
-            ],
+        return subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence", *args],
             cwd=project,
             stdout=out,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
+
+
+def _await_training(
+    project: Path, proc: subprocess.Popen[str], jobs: str, count: int, never: str
+) -> list[Path]:
+    """Wait until ``count`` jobs matching ``jobs`` (a run folder glob) have logged a training
+    step (read from their metrics files: xdist workers print no progress); kill the session
+    and fail with ``never`` if they do not within 10 minutes."""
     deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        if any(
-            p.stat().st_size for p in project.glob(".convergence/runs/*/test-*/dump/metrics.jsonl")
-        ):
-            return proc
+    training: list[Path] = []
+    while time.monotonic() < deadline and proc.poll() is None and len(training) < count:
+        training = [
+            p
+            for p in project.glob(f".convergence/runs/*/{jobs}/dump/metrics.jsonl")
+            if p.stat().st_size
+        ]
         time.sleep(0.5)
-    proc.kill()
-    raise AssertionError("the long job never logged a step:\n" + _output(project))
+    if len(training) < count:
+        proc.kill()
+        raise AssertionError(f"{never}:\n" + _output(project))
+    return training
+
+
+def _start(project: Path, *extra: str) -> subprocess.Popen[str]:
+    """pytest in a subprocess (output to project/out.txt); returns once the long job has
+    logged a training step."""
+    write_experiment(project)
+    proc = _spawn_pytest(project, "--convergence-report", "report", *extra)
+    _await_training(project, proc, "test-*", 1, "the long job never logged a step")
+    return proc
 
 
 def _output(project: Path) -> str:
@@ -157,27 +166,10 @@ def test_sigterm_while_control_jobs_run_at_once_leaves_none(project: Path) -> No
         control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
         tests=[{"name": "fsdp2-again", "parallelism": {"dp_shard": 2}}],
     )
-    with open(project / "out.txt", "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "convergence"],
-            cwd=project,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 600
-    training: list[Path] = []
-    while time.monotonic() < deadline and proc.poll() is None and len(training) < 2:
-        training = [
-            p
-            for p in project.glob(".convergence/runs/*/control-*/dump/metrics.jsonl")
-            if p.stat().st_size
-        ]
-        time.sleep(0.5)
-    if len(training) < 2:
-        proc.kill()
-        raise AssertionError("two control-side jobs never trained at once:\n" + _output(project))
+    proc = _spawn_pytest(project)
+    training = _await_training(
+        project, proc, "control-*", 2, "two control-side jobs never trained at once"
+    )
     jobs = _job_processes(proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == pytest.ExitCode.INTERRUPTED, _output(project)
