@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
 from convergence.run.probe import run_probe_job
 from convergence.run.probe_compare import compare_probe_files
+from convergence.run.together import run_together
 from convergence.spec.anchors import ANCHORS_DIR
-from convergence.spec.errors import SpecError
+from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.anchored import ANCHORED
@@ -48,7 +50,7 @@ def with_anchor_saves(pair: PairSpec, jobs: Sequence[JobSpec]) -> list[JobSpec]:
 def anchor_folder(control: SideOutcome) -> Path:
     """Where the control's run keeps its anchors."""
     if control.run_dir is None:
-        raise SpecError("the control has no run folder to take anchors from", key="anchor_every")
+        raise RunFailed("the control has no run folder to take anchors from")
     return control.run_dir / "dump" / ANCHORS_DIR
 
 
@@ -96,12 +98,22 @@ def run_anchored_twins(
     ):
         return []
     folder = anchor_folder(controls[0])
-    return [
-        runner.run_job(
-            "control", anchored_job(side.job, folder), pair_dir=pair_dir, cacheable=True
-        ).metrics
-        for side in controls[1:]
-    ]
+    # Independent of each other, like the control-side jobs they mirror: at once where the
+    # pool has room (run/together.py).
+    sides = run_together(
+        [
+            partial(
+                runner.run_job,
+                "control",
+                anchored_job(side.job, folder),
+                pair_dir=pair_dir,
+                cacheable=True,
+            )
+            for side in controls[1:]
+        ],
+        together=runner.settings.concurrent_controls,
+    )
+    return [side.metrics for side in sides]
 
 
 def anchored_failure(verdicts: Sequence[MetricVerdict]) -> int | None:
