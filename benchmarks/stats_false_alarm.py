@@ -1,7 +1,7 @@
 """Seed band + TOST: false-alarm rate and detection power on simulated ensembles.
 
 Each case draws K control replicates and one test run from the noise model in
-``convergence/stats/simulate.py`` (a decaying loss, a slow AR(1) seed wander and fast batch
+``tests/simulate.py`` (a decaying loss, a slow AR(1) seed wander and fast batch
 noise), shifts the test by ``shift`` x sigma_step from step 1, and asks the ``seed`` verdict
 with default parameters (z 3, alpha 0.05, window 20). A shift of 0 measures false alarms (should
 be <= alpha); a shift > 0 measures power. A second model where the slow seed wander dominates
@@ -15,15 +15,20 @@ Prints the tables and writes its section of BENCHMARKS.md (replacing an earlier 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
+# The noise model is a test helper (tests/simulate.py): the tests and this benchmark share it,
+# the library does not ship it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 import numpy as np
 from _report import machine, write_section
+from simulate import NoiseModel, simulate_case
 
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.seed import SeedBand
-from convergence.stats.simulate import NoiseModel, simulate_case
 
 REPO = Path(__file__).resolve().parents[1]
 REPLICATES = (3, 5, 8)

@@ -245,50 +245,50 @@ def test_lazy_imports_are_for_cost() -> None:
     )
 
 
-#: ``convergence/run`` in floors, bottom to top: a run module imports run modules of its own
-#: floor or below. The job floor (jobs.py: cache, pool, launcher, seed checkpoint, job keys,
+#: ``convergence/run`` in tiers, bottom to top: a run module imports run modules of its own
+#: tier or below. The job tier (jobs.py: cache, pool, launcher, seed checkpoint, job keys,
 #: cached runs) knows nothing of pairs; the probe and a resuming side use it alone; the pair
-#: floor (runner.py: controls, monitoring, verdicts, golden, localisation) sits on top.
-RUN_FLOORS: tuple[tuple[str, ...], ...] = (
+#: tier (runner.py: controls, monitoring, verdicts, golden, localisation) sits on top.
+RUN_TIERS: tuple[tuple[str, ...], ...] = (
     # what reports read; the one judge; jobs at once (together: no job or pair of its own)
     ("outcome", "probe_compare", "judge", "together"),
-    ("jobs",),  # the job floor
-    ("probe", "resume", "anchors"),  # users of the job floor alone
-    ("runner",),  # the pair floor
+    ("jobs",),  # the job tier
+    ("probe", "resume", "anchors"),  # users of the job tier alone
+    ("runner",),  # the pair tier
     ("session",),  # one Runner per session
 )
 
-#: Modules that run jobs but no pairs: they must not reach the pair floor, not even through
+#: Modules that run jobs but no pairs: they must not reach the pair tier, not even through
 #: another module.
-JOB_FLOOR_USERS = (
+JOB_TIER_USERS = (
     "convergence.run.probe",
     "convergence.run.resume",
     "convergence.run.anchors",
     "convergence.cli.ab",
 )
-PAIR_FLOOR = ("convergence.run.runner", "convergence.run.session")
+PAIR_TIER = ("convergence.run.runner", "convergence.run.session")
 
 
-def test_run_modules_go_down_its_floors() -> None:
-    level = {f"convergence.run.{m}": i for i, floor in enumerate(RUN_FLOORS) for m in floor}
+def test_run_modules_go_down_its_tiers() -> None:
+    level = {f"convergence.run.{m}": i for i, tier in enumerate(RUN_TIERS) for m in tier}
     inside = {m for m in MODULES if m.startswith("convergence.run.")}
-    assert inside == set(level), "give each module of convergence/run a floor in RUN_FLOORS"
+    assert inside == set(level), "give each module of convergence/run a tier in RUN_TIERS"
     upward = [
         f"{module} imports {dep}"
         for module in inside
         for dep in _graph()[module]
         if dep in level and level[dep] > level[module]
     ]
-    assert upward == [], "run/ imports that climb a floor:\n" + "\n".join(sorted(upward))
+    assert upward == [], "run/ imports that climb a tier:\n" + "\n".join(sorted(upward))
 
 
-def test_job_floor_users_never_reach_the_pair_floor() -> None:
+def test_job_tier_users_never_reach_the_pair_tier() -> None:
     graph = _graph()
-    for start in JOB_FLOOR_USERS:
+    for start in JOB_TIER_USERS:
         seen, todo = {start}, [start]
         while todo:
             for dep in graph[todo.pop()]:
                 if dep not in seen:
                     seen.add(dep)
                     todo.append(dep)
-        assert seen.isdisjoint(PAIR_FLOOR), f"{start} reaches {sorted(seen & set(PAIR_FLOOR))}"
+        assert seen.isdisjoint(PAIR_TIER), f"{start} reaches {sorted(seen & set(PAIR_TIER))}"

@@ -39,7 +39,7 @@ MORE: dict[str, tuple[int, str]] = {
     ),
     "run/jobs.py": (
         7,
-        "the pair floor (runner.py) on the job floor's API it extends: the session's job "
+        "the pair tier (runner.py) on the job tier's API it extends: the session's job "
         "settings on each side, the pair folder's name, each side's backend, the controls' "
         "and the test's runs",
     ),

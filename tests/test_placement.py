@@ -210,7 +210,7 @@ def test_collection_with_device_cuda_skips_tp_and_pp_naming_why(
     assert "--convergence-device auto or cpu" in skipped["fsdp2-tp2"]
 
 
-def test_the_job_floor_runs_a_cpu_job_on_cpu_slots_with_the_gpus_hidden(
+def test_the_job_tier_runs_a_cpu_job_on_cpu_slots_with_the_gpus_hidden(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a (pretended) one-GPU machine a job placed on CPU leases the CPU slots and sees no

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from report_examples import failing_pair, seed_pair
+from simulate import NoiseModel, simulate_case
 
 from convergence.metrics.curve import Curve
 from convergence.report.data.curves import reference_curve, replicate_band
@@ -18,7 +19,6 @@ from convergence.stats.allclose import AllClose
 from convergence.stats.paired import PairedBand
 from convergence.stats.regression import WARMUP_STEPS, Regression
 from convergence.stats.seed import SeedBand, seed_band
-from convergence.stats.simulate import NoiseModel, simulate_case
 from convergence.stats.types import Band, Comparison, MetricVerdict
 
 STEPS = np.arange(1, 61, dtype=np.int64)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from simulate import NoiseModel, simulate_run
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.metrics.golden import export_golden, golden_metadata, load_golden
@@ -14,7 +15,6 @@ from convergence.regimes import default_rules
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.registry import compare_all, get_comparison
 from convergence.stats.regression import Regression
-from convergence.stats.simulate import NoiseModel, simulate_run
 
 STEPS = np.arange(1, 51, dtype=np.int64)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from simulate import NoiseModel, simulate_case, simulate_run
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.seed import SeedBand, default_margin_factor, seed_band
-from convergence.stats.simulate import NoiseModel, simulate_case, simulate_run
 
 RULE = ComparisonRule(metric="loss", method="seed")
 MODEL = NoiseModel()

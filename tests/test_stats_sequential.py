@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+from simulate import NoiseModel, simulate_run
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.regimes import default_rules
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.sequential import SequentialMonitor
-from convergence.stats.simulate import NoiseModel, simulate_run
 
 STEPS = np.arange(1, 201, dtype=np.int64)
 

@@ -14,7 +14,7 @@ a long run), then a table.
 
     python benchmarks/detection/anchored.py --table /tmp/anchored.jsonl ...   # a table
 
-Cost per pair is reported as the anchored job's wall and CPU-less wall time (the job floor
+Cost per pair is reported as the anchored job's wall and CPU-less wall time (the job tier
 records wall time only) and its number of steps; the control's anchor saves are in the
 control's own (cached) run.
 """

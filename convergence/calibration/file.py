@@ -32,7 +32,7 @@ ENV_VAR = "CONVERGENCE_CALIBRATION"
 
 PAIRED_KEYS = ("atol", "growth", "rtol")
 TWIN_KEYS = ("k", "atol", "growth", "rtol")
-REGIME_KEYS = {"paired": PAIRED_KEYS, "twin": TWIN_KEYS}
+METHOD_KEYS = {"paired": PAIRED_KEYS, "twin": TWIN_KEYS}  # by comparison method
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,9 +40,9 @@ class Calibration:
     stack_hash: str
     stack: dict[str, Any]
     paired: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per metric: the paired regime's atol / growth / rtol."""
+    """Per metric: the paired method's atol / growth / rtol."""
     twin: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per metric: the twin regime's k / atol / growth / rtol."""
+    """Per metric: the twin method's k / atol / growth / rtol."""
     obtained: dict[str, Any] = field(default_factory=dict)
     """How the values were measured (experiment, steps, layouts, date, raw figures)."""
 
@@ -81,20 +81,20 @@ def write_calibration(calibration: Calibration, path: Path) -> Path:
     return path
 
 
-def _table(data: Mapping[str, Any], regime: str, path: Path) -> dict[str, dict[str, float]]:
-    raw = data.get(regime, {})
-    keys = REGIME_KEYS[regime]
+def _table(data: Mapping[str, Any], method: str, path: Path) -> dict[str, dict[str, float]]:
+    raw = data.get(method, {})
+    keys = METHOD_KEYS[method]
     if not isinstance(raw, Mapping):
-        raise SpecError("must be a table of metrics", file=str(path), key=regime, fix=_REWRITE)
+        raise SpecError("must be a table of metrics", file=str(path), key=method, fix=_REWRITE)
     out: dict[str, dict[str, float]] = {}
     for metric, values in raw.items():
         if not isinstance(values, Mapping):
             raise SpecError(
-                "must be a table", file=str(path), key=f"{regime}.{metric}", fix=_REWRITE
+                "must be a table", file=str(path), key=f"{method}.{metric}", fix=_REWRITE
             )
         row = {}
         for name, value in values.items():
-            where = f"{regime}.{metric}.{name}"
+            where = f"{method}.{metric}.{name}"
             if name not in keys:
                 raise SpecError(
                     f"unknown parameter (known: {', '.join(keys)})",

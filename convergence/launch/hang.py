@@ -63,7 +63,7 @@ def rank_processes(processes: Iterable[psutil.Process]) -> dict[int, psutil.Proc
     return ranks
 
 
-def _catches(proc: psutil.Process, signum: int) -> bool:
+def catches_signal(proc: psutil.Process, signum: int) -> bool:
     """Whether the process has a handler for ``signum`` (SigCgt in /proc/<pid>/status)."""
     try:
         with open(f"/proc/{proc.pid}/status") as f:
@@ -121,14 +121,14 @@ _THREAD = re.compile(
 )
 
 
-def _dumped_stacks(text: str) -> list[list[str]]:
+def dumped_stacks(text: str) -> list[list[str]]:
     """Every thread stack (frame lines, innermost first) faulthandler wrote into ``text``.
     Each launch starts with fresh rank logs and SIGUSR1 is sent once, so these are the dump's;
     gloo's own threads run no Python and are not listed."""
     return [m.group(1).splitlines() for m in _THREAD.finditer(text)]
 
 
-def _suspect(stacks: list[list[str]]) -> str | None:
+def suspect_frame(stacks: list[list[str]]) -> str | None:
     """None when a thread waits inside torch.distributed, else the innermost user frame of the
     first thread listed (the one that took the signal: the main thread, in a trainer)."""
     frames = [[m for m in map(_FRAME.match, stack) if m] for stack in stacks]
@@ -165,7 +165,7 @@ def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
         return "; ".join(stopped)
     asked = []
     for rank, proc in ranks.items():
-        if _catches(proc, signal.SIGUSR1):
+        if catches_signal(proc, signal.SIGUSR1):
             try:
                 proc.send_signal(signal.SIGUSR1)
                 asked.append(rank)
@@ -181,10 +181,10 @@ def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
         if local_rank is None:  # a forked rank: its local rank is its rank (one node)
             local_rank = rank
         log = _stderr_log(log_dir, local_rank) if local_rank is not None else None
-        stacks = _dumped_stacks(log.read_text(errors="replace")) if log is not None else []
+        stacks = dumped_stacks(log.read_text(errors="replace")) if log is not None else []
         if not stacks:
             continue
-        where = _suspect(stacks)
+        where = suspect_frame(stacks)
         if where is None:
             waiting.append(rank)
         else:

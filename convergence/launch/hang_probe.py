@@ -28,11 +28,11 @@ import psutil
 
 from convergence.launch.hang import (
     DUMP_WAIT_S,
-    _catches,
-    _dumped_stacks,
-    _suspect,
+    catches_signal,
+    dumped_stacks,
     rank_processes,
     rank_state,
+    suspect_frame,
 )
 
 STEP_ENV = "CONVERGENCE_STEP"
@@ -71,7 +71,7 @@ def probe(step: str) -> dict[str, object]:
             continue
         if state != "running":
             report.append({"rank": rank, "pid": proc.pid, "state": state, "where": None})
-        elif _catches(proc, signal.SIGUSR1):
+        elif catches_signal(proc, signal.SIGUSR1):
             try:
                 proc.send_signal(signal.SIGUSR1)
                 asked.append(rank)
@@ -81,8 +81,8 @@ def probe(step: str) -> dict[str, object]:
         time.sleep(DUMP_WAIT_S)
     for rank in asked:
         proc = ranks[rank]
-        stacks = _dumped_stacks(_stderr_text(proc))
-        where = _suspect(stacks) if stacks else None
+        stacks = dumped_stacks(_stderr_text(proc))
+        where = suspect_frame(stacks) if stacks else None
         seen = "unknown" if not stacks else ("waiting" if where is None else "outside")
         report.append({"rank": rank, "pid": proc.pid, "state": seen, "where": where})
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -1,12 +1,12 @@
-"""The job floor: one job from its spec to its curves, through the session's launcher,
+"""The job tier: one job from its spec to its curves, through the session's launcher,
 device pool and run cache.
 
     JobSpec -> backend -> seed checkpoint -> run-cache key -> cached entry or fresh launch
             -> SideOutcome (metrics, meta, result)
 
-Nothing here knows about pairs, rules or verdicts: that is the pair floor (run/runner.py),
+Nothing here knows about pairs, rules or verdicts: that is the pair tier (run/runner.py),
 which builds on this one and which this module never imports. The numerics probe
-(run/probe.py), a resuming side (run/resume.py) and ``convergence ab`` use this floor alone:
+(run/probe.py), a resuming side (run/resume.py) and ``convergence ab`` use this tier alone:
 :meth:`JobRunner.launch_request` (the one place a LaunchRequest is built),
 :meth:`JobRunner.launch` (leases devices from the pool), :meth:`JobRunner.prepare` (backend,
 seed checkpoint and key, once per job), :meth:`JobRunner.cached_run` (claim a run-cache key;
@@ -138,7 +138,7 @@ class PreparedJob:
 
 
 class JobRunner:
-    """The job floor: the session's launcher, device pool and run cache, and the jobs run
+    """The job tier: the session's launcher, device pool and run cache, and the jobs run
     through them (seed checkpoint, cache key, cached or fresh run).
 
     Building one costs device detection (imports torch on a CUDA or ROCm build), a sweep of the
@@ -173,7 +173,7 @@ class JobRunner:
         # prepares at a time, so a seed checkpoint or a backend is made once.
         self._prepare_lock = threading.RLock()
 
-    # -- the public job API (run.probe, run.resume, ab, and the pair floor's Runner) -------
+    # -- the public job API (run.probe, run.resume, ab, and the pair tier's Runner) -------
     @property
     def session_id(self) -> str:
         return self.settings.session_id

@@ -4,7 +4,7 @@
     job 2: the resume layout, loads it, steps K+1..N
     -> one SideOutcome whose curves are job 1's then job 2's
 
-Both jobs go through the job floor (run/jobs.py) like any test job (fresh, never from the run cache: a resume is
+Both jobs go through the job tier (run/jobs.py) like any test job (fresh, never from the run cache: a resume is
 what is under test) and feed the same early-stop monitor; a job 1 stopped early ends the side
 there. A checkpoint that job 2 cannot use fails job 2 with the trainer's message naming the
 checkpoint (convergence/trainer/resume.py: ResumeError), never a fresh start.

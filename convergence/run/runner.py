@@ -1,14 +1,14 @@
-"""The pair floor: runs a pair end to end on the job floor (run/jobs.py) and judges it.
+"""The pair tier: runs a pair end to end on the job tier (run/jobs.py) and judges it.
 
     PairSpec -> controls (golden, or the regime's control jobs, cached) -> test (watched by
-    the early-stop monitor) -> verdicts (with the session's floors) -> numerics probe on
+    the early-stop monitor) -> verdicts (with the session's noise floors) -> numerics probe on
     failure -> PairOutcome
 
 Nothing here knows about pytest. The plugin and the CLI hold one Runner per session
 (:class:`convergence.run.session.SessionRunner`) and call :meth:`Runner.run_pair` for each pair.
 A Runner is a :class:`~convergence.run.jobs.JobRunner` (launcher, device pool, run cache, the
 public job API) with pairs on top; modules that only run jobs (the probe, ``convergence ab``)
-use the job floor and never import this module.
+use the job tier and never import this module.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
 
 
 class Runner(JobRunner):
-    """The session's job floor plus pairs: runs pairs one at a time (a pair's control-side
+    """The session's job tier plus pairs: runs pairs one at a time (a pair's control-side
     jobs at once, as the pool has room) and judges them.
 
     Build it once per session, like the JobRunner it extends (see there for the cost).

@@ -20,8 +20,8 @@ replicates with different seeds show how far seeds alone move the curve.
    freedom, n_eff the number of independent steps the pooling window is worth (Bartlett's
    formula on the replicates' autocorrelation: when a seed's offset wanders slowly, 21 steps
    are worth ~2, and the band widens accordingly). Few replicates thus widen the band instead
-   of trusting a poorly known sigma. Calibrated on simulated ensembles (convergence/stats/
-   simulate.py; benchmarks/stats_false_alarm.py): z=3 keeps the band's false alarms at or
+   of trusting a poorly known sigma. Calibrated on simulated ensembles (tests/simulate.py;
+   benchmarks/stats_false_alarm.py): z=3 keeps the band's false alarms at or
    below ~2% even when the slow seed wander dominates; z=2.5 reached 7-10% there.
    Rule: the test passes the band when at most MAX_OUTSIDE_FRACTION of its steps are outside
    and never MAX_CONSECUTIVE in a row. A few isolated excursions are what z=3 over hundreds

@@ -48,7 +48,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _shard_groups(grad: DTensor) -> tuple[ProcessGroup, ...]:
+def shard_groups(grad: DTensor) -> tuple[ProcessGroup, ...]:
     """Process groups of the mesh dims along which `grad` is sharded (not replicated)."""
     groups = []
     for dim, placement in enumerate(grad.placements):
@@ -123,7 +123,7 @@ def grad_norms(
         groups: tuple[ProcessGroup, ...] = ()
         local = grad
         if isinstance(grad, DTensor):
-            groups, local = _shard_groups(grad), grad.to_local()
+            groups, local = shard_groups(grad), grad.to_local()
         device = device or local.device
         square = local.detach().double().pow(2).sum()
         if groups not in buckets:

@@ -56,7 +56,7 @@ from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.engines import Engine
 from convergence.trainer.metrics_writer import RunStatus
-from convergence.trainer.optim import _shard_groups
+from convergence.trainer.optim import shard_groups
 from convergence.trainer.parallelize import Meshes
 
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
@@ -192,7 +192,7 @@ def grad_sumsq(chunks: list[tuple[int, nn.Module]], device: torch.device) -> lis
             else:
                 local = grad
                 if isinstance(grad, DTensor):
-                    groups, local = _shard_groups(grad), grad.to_local()
+                    groups, local = shard_groups(grad), grad.to_local()
                 square = local.detach().double().pow(2).sum()
             entries.append((clean_fqn(raw), stage, index, square, groups))
     # One all-reduce per distinct group set (ranks of a group hold the same parameters).
