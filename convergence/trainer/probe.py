@@ -232,7 +232,8 @@ def dp_losses(local_loss: torch.Tensor | None, meshes: Meshes | None) -> list[fl
     return [float(v) for v in gathered.tolist()]
 
 
-def _gather_pp(obj: Any, meshes: Meshes | None) -> list[Any]:
+def gather_over_stages(obj: Any, meshes: Meshes | None) -> list[Any]:
+    """Each pipeline stage's rows, gathered over the PP mesh (the one list where there is no PP)."""
     if meshes is None or meshes.pp is None:
         return [obj]
     out: list[Any] = [None] * meshes.pp.size()
@@ -240,7 +241,7 @@ def _gather_pp(obj: Any, meshes: Meshes | None) -> list[Any]:
     return out
 
 
-def _forward_order(rows: list[dict[str, Any]], with_calls: bool) -> list[dict[str, Any]]:
+def in_forward_order(rows: list[dict[str, Any]], with_calls: bool) -> list[dict[str, Any]]:
     rows = sorted(rows, key=lambda r: (r["stage"], r["order"]))
     out = []
     for r in rows:
@@ -307,7 +308,7 @@ def run_probe(
     losses = dp_losses(local_loss if engine.holds_loss else None, meshes)
     modules = module_sumsq(recorder, meshes, device)
     grads = grad_sumsq(chunks, device)
-    gathered = _gather_pp((modules, grads), meshes)
+    gathered = gather_over_stages((modules, grads), meshes)
     if not is_writer:
         return "finished"
     all_modules = [row for mods, _ in gathered for row in mods]
@@ -319,8 +320,8 @@ def run_probe(
         "layout": cfg.parallelism.to_dict(),
         "loss": sum(losses) / len(losses) if losses else None,
         "dp_losses": losses,
-        "modules": _forward_order(all_modules, with_calls=True),
-        "grads": _forward_order(all_grads, with_calls=False),
+        "modules": in_forward_order(all_modules, with_calls=True),
+        "grads": in_forward_order(all_grads, with_calls=False),
     }
     dump = Path(cfg.metrics.dump_folder)
     dump.mkdir(parents=True, exist_ok=True)

@@ -161,9 +161,9 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
     from convergence.trainer.probe import (
         PROBE_FILE,
         PROBE_VERSION,
-        _forward_order,
-        _gather_pp,
+        gather_over_stages,
         grad_sumsq,
+        in_forward_order,
         module_sumsq,
     )
 
@@ -174,7 +174,7 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
     grads = grad_sumsq(stage_chunks(trainer), device)
     loss = global_loss(trainer, probe.losses, meshes)
     replayed = probe.replayed if holds_loss(trainer) else {}
-    gathered = _gather_pp((modules, grads, loss, replayed), meshes)
+    gathered = gather_over_stages((modules, grads, loss, replayed), meshes)
     if dist.get_rank() != 0:
         return
     config = trainer.config
@@ -190,8 +190,8 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
             "pp": trainer.parallel_dims.pp,
         },
         "loss": next((g[2] for g in gathered if g[2] is not None), None),
-        "modules": _forward_order([row for g in gathered for row in g[0]], with_calls=True),
-        "grads": _forward_order([row for g in gathered for row in g[1]], with_calls=False),
+        "modules": in_forward_order([row for g in gathered for row in g[0]], with_calls=True),
+        "grads": in_forward_order([row for g in gathered for row in g[1]], with_calls=False),
     }
     dump = Path(config.dump_folder)
     dump.mkdir(parents=True, exist_ok=True)
