@@ -59,7 +59,7 @@ def test_a_late_bug_fails_at_an_anchor_after_its_start_and_a_correct_layout_pass
     # The probe starts from the failing anchor (both layouts load it, probe the step after).
     assert failing.control is not None
     probe = probe_at_anchor(
-        runner, failing.pair, failing.control, anchor, pair_dir=tmp_path / "probe"
+        runner.jobs, failing.pair, failing.control, anchor, pair_dir=tmp_path / "probe"
     )
     assert "error" not in probe and probe["step"] == anchor + 1, probe
     assert probe["anchor_step"] == anchor

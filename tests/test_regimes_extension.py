@@ -133,8 +133,8 @@ def test_the_runner_runs_its_control_jobs_and_keeps_its_curves(
         ran.append(job.name)
         return SideOutcome(job=job, metrics={})
 
-    monkeypatch.setattr(runner, "run_job", run_job)
-    sides = runner._controls(pair, tmp_path / "pair", LOOSE)
+    monkeypatch.setattr(runner.jobs, "run_job", run_job)
+    sides = runner._controls(pair, tmp_path / "pair", LOOSE, runner.jobs)
     # Run at once where the pool has room (run/together.py): in any order, kept in order.
     assert sorted(ran) == ["fsdp2", "fsdp2-wide"] and len(sides[0].replicates) == 2
     assert [side.job.name for side in sides] == ["fsdp2", "fsdp2-wide"]

@@ -15,6 +15,7 @@ import pytest
 from convergence.launch.types import JobResult, LaunchRequest, Progress
 from convergence.preflight import load_checked
 from convergence.run import session as session_module
+from convergence.run.jobs import JobRunner
 from convergence.run.runner import Runner, RunSettings
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import RunFailed
@@ -117,7 +118,7 @@ def test_a_bug_inside_the_runner_is_an_error_outcome_with_its_traceback(
     """An unexpected exception (a bug of ours, not a job failure) must not drop the pair from
     the session's outcomes and report: it becomes an error that says so, traceback kept."""
 
-    def broken(self: Runner, pair: PairSpec) -> Any:
+    def broken(self: Runner, pair: PairSpec, jobs: JobRunner) -> Any:
         raise TypeError("planted bug")
 
     monkeypatch.setattr(Runner, "_run_pair", broken)
@@ -136,7 +137,7 @@ def test_a_run_failure_past_the_runner_is_an_error_with_its_message_not_a_bug(
     """RunFailed (the run failed, the input was fine) is the pair's error in its own words:
     not an internal error, no traceback file."""
 
-    def failing(self: Runner, pair: PairSpec) -> Any:
+    def failing(self: Runner, pair: PairSpec, jobs: JobRunner) -> Any:
         raise RunFailed("the trainer wrote no metrics file at /somewhere/metrics.jsonl")
 
     monkeypatch.setattr(Runner, "_run_pair", failing)

@@ -3,7 +3,7 @@
     jobs.py           the job tier: JobRunner (launcher, device pool, run cache) runs one job
                       -- backend, seed checkpoint and cache key once per job, cached or fresh
                       launch -> SideOutcome; RunSettings; JobFailed. Knows nothing of pairs
-    runner.py         the pair tier: Runner (a JobRunner) runs a pair -> controls -> test ->
+    runner.py         the pair tier: Runner (on the JobRunner) runs a pair -> controls -> test ->
                       verdicts -> numerics probe on failure -> PairOutcome
     session.py        SessionRunner: the session's one Runner, built at its first pair
     outcome.py        PairOutcome / SideOutcome: all that reports read

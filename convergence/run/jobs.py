@@ -15,6 +15,7 @@ reuse its entry or produce and commit one) and :meth:`JobRunner.run_job`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -172,6 +173,18 @@ class JobRunner:
         # A pair's control-side jobs run on threads of their own (run/together.py): one
         # prepares at a time, so a seed checkpoint or a backend is made once.
         self._prepare_lock = threading.RLock()
+
+    def reporting_to(self, on_progress: Callable[[Progress], None] | None) -> JobRunner:
+        """This job tier (the same launcher, pools, cache and prepared jobs) with its jobs'
+        progress going to ``on_progress`` (None: ``settings.on_progress``).
+
+        Why a view and not a setter: the pair tier gives each pair its own printer (the
+        plugin prints per test item) while the job tier lives for the session, and a pair's
+        control-side jobs run on threads of their own; a view per pair leaves nothing to reset.
+        """
+        view = copy.copy(self)  # shallow: every shared part stays the very same object
+        view._on_progress = on_progress or self.settings.on_progress
+        return view
 
     # -- the public job API (run.probe, run.resume, ab, and the pair tier's Runner) -------
     @property

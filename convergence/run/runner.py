@@ -6,8 +6,9 @@
 
 Nothing here knows about pytest. The plugin and the CLI hold one Runner per session
 (:class:`convergence.run.session.SessionRunner`) and call :meth:`Runner.run_pair` for each pair.
-A Runner is a :class:`~convergence.run.jobs.JobRunner` (launcher, device pool, run cache, the
-public job API) with pairs on top; modules that only run jobs (the probe, ``convergence ab``)
+A Runner holds the session's :class:`~convergence.run.jobs.JobRunner` (launcher, device pool,
+run cache, the public job API) and runs each pair on a view of it that reports to the pair's
+printer (``JobRunner.reporting_to``); modules that only run jobs (the probe, ``convergence ab``)
 use the job tier and never import this module.
 """
 
@@ -68,15 +69,16 @@ def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
     )
 
 
-class Runner(JobRunner):
-    """The session's job tier plus pairs: runs pairs one at a time (a pair's control-side
-    jobs at once, as the pool has room) and judges them.
+class Runner:
+    """The pair tier: runs pairs one at a time on the session's job tier (a pair's
+    control-side jobs at once, as the pool has room) and judges them.
 
-    Build it once per session, like the JobRunner it extends (see there for the cost).
+    Build it once per session, like the JobRunner it holds (see there for the cost).
     """
 
     def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
-        super().__init__(settings, launcher=launcher)
+        self.settings = settings
+        self.jobs = JobRunner(settings, launcher=launcher)
         # The calibration this session's verdicts use: the file for this stack, else the
         # shipped defaults (convergence/calibration/select.py); every verdict names it. In
         # force for the process too: the early-stop monitor's checks read it.
@@ -92,15 +94,12 @@ class Runner(JobRunner):
         ``on_progress``: where this pair's progress goes (default ``settings.on_progress``);
         the plugin gives each test item its own printer while the Runner lives on.
         """
-        self._on_progress = on_progress or self.settings.on_progress
         try:
-            return self._run_pair(pair)
+            return self._run_pair(pair, self.jobs.reporting_to(on_progress))
         except RunFailed as exc:  # a run failure past _run_pair's own handling: not a bug
             return PairOutcome(pair=pair, status="error", control=None, test=None, error=str(exc))
         except Exception as exc:  # noqa: BLE001 -- a bug of ours: still in the report, as an error
             return self._internal_error(pair, exc)
-        finally:
-            self._on_progress = self.settings.on_progress
 
     def _internal_error(self, pair: PairSpec, exc: Exception) -> PairOutcome:
         """An unexpected exception (not a job failure, a bug in this package) as an error
@@ -123,7 +122,8 @@ class Runner(JobRunner):
             f"it): {type(exc).__name__}: {exc}; {kept}",
         )
 
-    def _run_pair(self, pair: PairSpec) -> PairOutcome:
+    def _run_pair(self, pair: PairSpec, jobs: JobRunner) -> PairOutcome:
+        """``pair`` run on ``jobs`` (the job tier, reporting to this pair's printer)."""
         started = time.monotonic()
         pair = apply_settings(pair, self.settings)
         pair_dir = self.settings.work_dir / "runs" / slug(pair.pair_id)
@@ -133,7 +133,7 @@ class Runner(JobRunner):
         anchored_twins: list[RunMetrics] = []
         try:
             regime = get_regime(pair.regime)
-            controls = self._controls(pair, pair_dir, regime=regime)
+            controls = self._controls(pair, pair_dir, regime=regime, jobs=jobs)
             control = controls[0]
             unhealthy = None if pair.golden else _control_problem(control)
             if unhealthy:
@@ -154,22 +154,22 @@ class Runner(JobRunner):
                 on_metrics = SequentialMonitor(
                     pair.rules,
                     control_runs,
-                    key_map=self.backend(pair.test).record_keys(pair.test),
+                    key_map=jobs.backend(pair.test).record_keys(pair.test),
                     min_step=policy.min_step,
                     patience=policy.patience,
                 ).decided_by
 
             if pair.test.resume is not None:  # two jobs, one curve (run/resume.py)
                 test = run_resumed(
-                    self, "test", pair.test, pair_dir=pair_dir, on_metrics=on_metrics
+                    jobs, "test", pair.test, pair_dir=pair_dir, on_metrics=on_metrics
                 )
             else:
-                test = self.run_job(
+                test = jobs.run_job(
                     "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
                 )
             if pair.anchor_every:  # one test step from each of the control's anchors
-                anchored = run_anchored(self, pair, control, pair_dir=pair_dir)
-                anchored_twins = run_anchored_twins(self, pair, controls, pair_dir=pair_dir)
+                anchored = run_anchored(jobs, pair, control, pair_dir=pair_dir)
+                anchored_twins = run_anchored_twins(jobs, pair, controls, pair_dir=pair_dir)
         except (RunFailed, SpecError) as exc:
             # RunFailed: a job or the cache failed (JobFailed, CacheError). SpecError: input
             # found wrong only now, after the session's settings (e.g. --convergence-steps
@@ -210,7 +210,7 @@ class Runner(JobRunner):
         if asked and error is None:  # the experiment named a metric that a run did not log
             status, error = "error", "not compared: " + "; ".join(asked)
         localisation = self._localise(
-            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control
+            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control, jobs
         )
         return PairOutcome(
             pair=pair,
@@ -234,6 +234,7 @@ class Runner(JobRunner):
         verdicts: Sequence[MetricVerdict],
         runs: Sequence[RunMetrics],
         control: SideOutcome,
+        jobs: JobRunner,
     ) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing; from the anchor
@@ -247,13 +248,15 @@ class Runner(JobRunner):
         parted = first_divergent_step([v for v in verdicts if v.metric != "anchored"])
         if anchor is not None and (parted is None or parted > anchor):
             # A late bug: one step from the anchor shows it, no replay of the run up to there.
-            return probe_at_anchor(self, pair, control, anchor, pair_dir=pair_dir)
+            return probe_at_anchor(jobs, pair, control, anchor, pair_dir=pair_dir)
         return localise(
-            pair, pair_dir, runner=self, divergent_step=first_divergent_step(verdicts), runs=runs
+            pair, pair_dir, runner=jobs, divergent_step=first_divergent_step(verdicts), runs=runs
         )
 
-    def _controls(self, pair: PairSpec, pair_dir: Path, regime: Regime) -> list[SideOutcome]:
-        """The control sides, ``pair.control`` first (``regime``: the pair's)."""
+    def _controls(
+        self, pair: PairSpec, pair_dir: Path, regime: Regime, jobs: JobRunner
+    ) -> list[SideOutcome]:
+        """The control sides, ``pair.control`` first (``regime``: the pair's), run on ``jobs``."""
         if pair.golden:
             golden = read_run(Path(pair.golden), key="golden")
             return [
@@ -262,12 +265,12 @@ class Runner(JobRunner):
                 )
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
-        jobs = with_anchor_saves(pair, regime.control_jobs(pair, self.backend(pair.control)))
+        specs = with_anchor_saves(pair, regime.control_jobs(pair, jobs.backend(pair.control)))
         # Independent of each other: at once where the pool has room (run/together.py).
         sides = run_together(
             [
-                partial(self.run_job, "control", job, pair_dir=pair_dir, cacheable=True)
-                for job in jobs
+                partial(jobs.run_job, "control", spec, pair_dir=pair_dir, cacheable=True)
+                for spec in specs
             ],
             together=self.settings.concurrent_controls,
         )
