@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report
 
 from _report import machine, write_section
 
-from convergence.stats.paired import PAIRED_DEFAULTS
-from convergence.stats.twin import TWIN_DEFAULTS
+from convergence.stats.paired_band import PAIRED_DEFAULTS
+from convergence.stats.twin_envelope import TWIN_DEFAULTS
 
 
 def run(config: str, steps: int) -> dict[str, Any]:

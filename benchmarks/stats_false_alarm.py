@@ -28,7 +28,7 @@ from _report import machine, write_section
 from simulate import NoiseModel, simulate_case
 
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.seed import SeedBand
+from convergence.stats.seed_band import SeedBand
 
 REPO = Path(__file__).resolve().parents[1]
 REPLICATES = (3, 5, 8)

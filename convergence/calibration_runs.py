@@ -31,8 +31,8 @@ from convergence.spec.experiment import declares_experiment
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import DType, ParallelLayout, Techniques
 from convergence.spec.pair import PairSpec
-from convergence.stats.paired import PAIRED_DEFAULTS
-from convergence.stats.twin import TWIN_DEFAULTS, twin_noise
+from convergence.stats.paired_band import PAIRED_DEFAULTS
+from convergence.stats.twin_envelope import TWIN_DEFAULTS, twin_noise
 
 if sys.version_info >= (3, 11):
     import tomllib

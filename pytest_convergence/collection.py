@@ -24,7 +24,7 @@ from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import TIERS, declares_experiment
 from convergence.spec.pair import PairSpec
 from pytest_convergence.execute import check_outcome, execute_pair
-from pytest_convergence.failure import ConvergenceFailure
+from pytest_convergence.failure_section import ConvergenceFailure
 from pytest_convergence.stash import get_state
 
 MARKER = "convergence"

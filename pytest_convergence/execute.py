@@ -11,7 +11,7 @@ import pytest
 
 from convergence.run.outcome import PairOutcome
 from convergence.spec.pair import PairSpec
-from pytest_convergence.failure import ConvergenceFailure
+from pytest_convergence.failure_section import ConvergenceFailure
 from pytest_convergence.progress import ProgressPrinter
 from pytest_convergence.progress_relay import WorkerProgress
 from pytest_convergence.stash import SessionState, get_state

@@ -37,9 +37,9 @@ from convergence.nightly.sbatch import NightlySettings, render_sbatch
 from convergence.regimes import REGISTRY
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.paired import PAIRED_DEFAULTS, paired_tolerance
+from convergence.stats.paired_band import PAIRED_DEFAULTS, paired_tolerance
 from convergence.stats.registry import compare_all
-from convergence.stats.twin import TWIN_DEFAULTS, TwinEnvelope, twin_noise
+from convergence.stats.twin_envelope import TWIN_DEFAULTS, TwinEnvelope, twin_noise
 from convergence.stats.types import MetricVerdict
 from experiments import builtin_pair
 

@@ -46,7 +46,7 @@ MORE: dict[str, tuple[int, str]] = {
     "stats/_common.py": (
         6,
         "the comparisons' helper functions (incomplete, align, worst, first_true, the "
-        "per-step check and tolerance), one call each from stats/paired.py",
+        "per-step check and tolerance), one call each from stats/paired_band.py",
     ),
     "launch/process_tree.py": (
         4,
@@ -67,7 +67,7 @@ MORE: dict[str, tuple[int, str]] = {
         4,
         "the judge's calibration in force for the judgement (a context manager: made, "
         "entered, left), its label and JSON on each verdict (run/judge.py), and the "
-        "calibrated paired tolerance (stats/paired.py)",
+        "calibrated paired tolerance (stats/paired_band.py)",
     ),
     "stats/registry.py": (
         3,

@@ -63,7 +63,7 @@ make_outcome = _ns["make_outcome"]
 
 
 def test_failure_text_names_the_divergence() -> None:
-    from pytest_convergence.failure import render_outcome
+    from pytest_convergence.failure_section import render_outcome
 
     text = render_outcome(make_outcome("fsdp2-tp2", passed=False, diverge_at=5))
     assert text.splitlines()[0] == (
@@ -88,7 +88,7 @@ def test_failure_text_names_the_divergence() -> None:
 def test_error_text_shows_the_job_and_traceback_head() -> None:
     import dataclasses
 
-    from pytest_convergence.failure import TRACEBACK_HEAD_LINES, render_outcome
+    from pytest_convergence.failure_section import TRACEBACK_HEAD_LINES, render_outcome
 
     tb = "\n".join(f"  frame {i}" for i in range(100))
     outcome = dataclasses.replace(

@@ -181,7 +181,7 @@ def test_planted_tp_plan_bug_is_localised(outcomes: dict[str, Any]) -> None:
 
 def test_failure_text_and_reports_name_the_module(outcomes: dict[str, Any], tmp_path: Path) -> None:
     from convergence.report.formats.write import write_reports
-    from pytest_convergence.failure import render_outcome
+    from pytest_convergence.failure_section import render_outcome
 
     text = render_outcome(outcomes["fsdp2-tp2-bug"])
     assert f"module: {BUGGY_MODULE}" in text
@@ -288,7 +288,7 @@ def test_late_bug_invisible_at_step1_is_localised_at_the_divergent_step(late_out
 
 def test_late_localisation_in_failure_text_and_reports(late_outcome: Any, tmp_path: Path) -> None:
     from convergence.report.formats.write import write_reports
-    from pytest_convergence.failure import render_outcome
+    from pytest_convergence.failure_section import render_outcome
 
     text = render_outcome(late_outcome)
     assert (

@@ -1,6 +1,6 @@
 """convergence.report is three groups in layers: data -> sections -> formats, over shared
 helpers; no import cycle, every import at the top of its module (matplotlib lazily on purpose;
-the seed band is read from the verdict, so no module needs the scipy-heavy stats.seed)."""
+the seed band is read from the verdict, so no module needs the scipy-heavy stats.seed_band)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from report_examples import DIVERGES_AT, errored_pair, failing_pair, seed_pair
 from convergence.metrics.curve import Curve
 from convergence.report import REPORT_JSON_SCHEMA, divergence_table, render_matrix, write_reports
 from convergence.run.outcome import PairOutcome
-from convergence.stats.seed import seed_band
+from convergence.stats.seed_band import seed_band
 
 
 def _odd_outcomes() -> list[PairOutcome]:

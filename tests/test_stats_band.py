@@ -16,9 +16,9 @@ from convergence.report.data.serialize import outcome_from_json, outcome_to_json
 from convergence.report.formats.plots import tolerance_envelope
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.allclose import AllClose
-from convergence.stats.paired import PairedBand
+from convergence.stats.paired_band import PairedBand
 from convergence.stats.regression import WARMUP_STEPS, Regression
-from convergence.stats.seed import SeedBand, seed_band
+from convergence.stats.seed_band import SeedBand, seed_band
 from convergence.stats.types import Band, Comparison, MetricVerdict
 
 STEPS = np.arange(1, 61, dtype=np.int64)

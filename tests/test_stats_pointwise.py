@@ -9,7 +9,7 @@ from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.allclose import AllClose
 from convergence.stats.exact import Exact
-from convergence.stats.paired import PairedBand, paired_tolerance
+from convergence.stats.paired_band import PairedBand, paired_tolerance
 
 STEPS = np.arange(1, 201, dtype=np.int64)
 

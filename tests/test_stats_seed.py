@@ -8,7 +8,7 @@ from simulate import NoiseModel, simulate_case, simulate_run
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.seed import SeedBand, default_margin_factor, seed_band
+from convergence.stats.seed_band import SeedBand, default_margin_factor, seed_band
 
 RULE = ComparisonRule(metric="loss", method="seed")
 MODEL = NoiseModel()

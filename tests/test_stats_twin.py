@@ -9,7 +9,7 @@ from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.registry import compare_one
 from convergence.stats.sequential import SequentialMonitor
-from convergence.stats.twin import TwinEnvelope, twin_noise, twin_tolerance
+from convergence.stats.twin_envelope import TwinEnvelope, twin_noise, twin_tolerance
 
 STEPS = np.arange(1, 41, dtype=np.int64)
 BASE = 2.0 + 3.0 * np.exp(-STEPS / 10.0)

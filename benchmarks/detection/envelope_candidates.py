@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 from _report import machine, write_section
 
 from convergence.metrics.curve import Curve
-from convergence.stats.twin import TWIN_DEFAULTS, twin_noise
+from convergence.stats.twin_envelope import TWIN_DEFAULTS, twin_noise
 
 HERE = Path(__file__).resolve().parent
 CURVES = HERE / "envelope" / "curves"
@@ -88,7 +88,7 @@ def growth_floor(alpha: float, pool: int = 2) -> Noise:
 
 
 def library(control: np.ndarray, twins: Sequence[np.ndarray]) -> np.ndarray:
-    """The construction convergence/stats/twin.py ships (its defaults' pool)."""
+    """The construction convergence/stats/twin_envelope.py ships (its defaults' pool)."""
     steps = np.arange(1, control.size + 1, dtype=np.int64)
     as_curve = lambda v: Curve("loss", steps, v)
     _, noise = twin_noise(

@@ -43,7 +43,7 @@ from run import as_bf16, run_cases
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.twin import TWIN_DEFAULTS, TwinEnvelope, twin_tolerance
+from convergence.stats.twin_envelope import TWIN_DEFAULTS, TwinEnvelope, twin_tolerance
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {

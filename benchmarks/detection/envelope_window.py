@@ -3,7 +3,7 @@ offline on the saved 500-step curves (issue 28, "adjust the envelope's growth mo
 figures say so").
 
 The shipped envelope takes, per twin, the running maximum of |twin - control| since step 1
-(stats/twin.py). Over 500 steps it keeps rising after the layouts' gaps level off (BENCHMARKS.md
+(stats/twin_envelope.py). Over 500 steps it keeps rising after the layouts' gaps level off (BENCHMARKS.md
 "Twin envelope, long horizon"), so a bug whose gap stays the same size falls back inside it: a
 bug that *starts* late would pass. A trailing window (the maximum over the last W steps) lets
 the envelope follow the noise down again. What it costs is the question: a correct layout's
@@ -37,7 +37,7 @@ from _report import machine, write_section
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.twin import TWIN_DEFAULTS, twin_tolerance
+from convergence.stats.twin_envelope import TWIN_DEFAULTS, twin_tolerance
 
 HERE = Path(__file__).resolve().parent
 LONG = HERE / "envelope" / "long"
@@ -59,7 +59,7 @@ def trailing_max(gap: np.ndarray, window: int | None) -> np.ndarray:
 
 def ratio(case: dict[str, Any], metric: str, window: int | None) -> np.ndarray:
     """|test - control| / tolerance at each step: the verdict's own tolerance
-    (stats/twin.py ``twin_tolerance``: k, floors, pool) with the twins' running maxima
+    (stats/twin_envelope.py ``twin_tolerance``: k, floors, pool) with the twins' running maxima
     replaced by trailing ones when ``window`` is set."""
     control = Curve(metric, *map(np.asarray, case["control"][metric]))
     test = np.asarray(case["test"][metric][1], dtype=np.float64)

@@ -36,7 +36,7 @@ from catalogue import ALL
 from run import as_bf16, has_fsdp, run_cases
 
 from convergence.metrics.curve import Curve
-from convergence.stats.twin import TWIN_DEFAULTS, twin_noise
+from convergence.stats.twin_envelope import TWIN_DEFAULTS, twin_noise
 
 METRICS = ("loss", "grad_norm", "grad_norm_parts")
 Curves = dict[str, dict[str, list[list[float]]]]

@@ -1,7 +1,7 @@
 """Noise floors measured on the user's hardware (``convergence calibrate``), and which floors a
 verdict uses.
 
-The paired and twin defaults (stats/paired.py, stats/twin.py) were calibrated on CPU. A GPU
+The paired and twin defaults (stats/paired_band.py, stats/twin_envelope.py) were calibrated on CPU. A GPU
 rounds differently per shape (cuBLAS split-K, flash attention), so a correct pair can leave a
 CPU-sized band there. ``convergence calibrate`` measures the floors on the machine at hand and
 writes them to a file keyed by the hardware and software stack (stack.py, file.py); a session

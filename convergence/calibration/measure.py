@@ -15,7 +15,7 @@ calibration run is one draw of the noise, the next pair another.
   (noise 0, typically step 1: a DP change leaves the forward bit-identical) only the floor can
   cover a layout's difference, so rtol must reach ``margin x |d|/|control|`` there; after that,
   k needed = ``max over steps of (|d| - floor(step)) / noise(step)``, with noise(step) built as
-  the verdict builds it (stats/twin.py ``twin_noise``: summed over the twins, pooled) -- the figure
+  the verdict builds it (stats/twin_envelope.py ``twin_noise``: summed over the twins, pooled) -- the figure
   benchmarks/detection/twin_calibration.py prints -- and k = max(default, margin x needed).
 """
 
@@ -66,7 +66,7 @@ def twin_floor(
     """(k/atol/growth/rtol for this metric, the raw figures).
 
     ``noise``: (steps, noise) of the control's twins exactly as the verdict builds it
-    (``convergence.stats.twin.twin_noise``: each twin's running max of |twin - control|,
+    (``convergence.stats.twin_envelope.twin_noise``: each twin's running max of |twin - control|,
     summed over the twins, the next steps pooled in; the caller computes it, stats sits above
     this layer), so the k measured here is the k the verdict needs, not the k of another
     construction.

@@ -16,8 +16,8 @@ Modules, each importing only those above it:
 
     sbatch.py       the script (NightlySettings, render_sbatch, write_sbatch)
     history.py      report.json -> history lines; reading them back (any version)
-    plots.py        the trend's PNGs: small multiples, verdict markers, gaps
-    tensorboard.py  the trend's scalars as TensorBoard runs
+    trend_plots.py  the trend's PNGs: small multiples, verdict markers, gaps
+    tensorboard_export.py  the trend's scalars as TensorBoard runs
     trend.py        series per pair over nights; trend.md / trend.json; write_trend
 """
 
@@ -35,9 +35,8 @@ from convergence.nightly.history import (
     read_history,
     step_times,
 )
-from convergence.nightly.plots import PLOTS, PlotSpec, plot_trend_panels, runs
 from convergence.nightly.sbatch import NightlySettings, render_sbatch, write_sbatch
-from convergence.nightly.tensorboard import export_tensorboard, run_names
+from convergence.nightly.tensorboard_export import export_tensorboard, run_names
 from convergence.nightly.trend import (
     TREND_METRICS,
     Trend,
@@ -48,6 +47,7 @@ from convergence.nightly.trend import (
     trend_series,
     write_trend,
 )
+from convergence.nightly.trend_plots import PLOTS, PlotSpec, plot_trend_panels, runs
 
 __all__ = [
     "HISTORY_VERSION",

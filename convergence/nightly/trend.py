@@ -7,8 +7,8 @@
   not run reads "absent";
 - ``trend.json``: the same series, one value per night (None where the pair did not run);
 - ``trend.png`` (final loss Δ) and ``trend_<metric>.png``: one small panel per pair
-  (convergence.nightly.plots);
-- ``tensorboard/<pair>/``: the scalars as TensorBoard runs (convergence.nightly.tensorboard).
+  (convergence.nightly.trend_plots);
+- ``tensorboard/<pair>/``: the scalars as TensorBoard runs (convergence.nightly.tensorboard_export).
 
 A night's position in the history (0, 1, ...) is its index everywhere: in the series, on the
 plots' x axis and as the TensorBoard step. The history only grows at the end, so an index
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convergence.nightly.history import History, NightRecord, json_num, read_history
-from convergence.nightly.plots import PLOTS, plot_trend_panels
-from convergence.nightly.tensorboard import export_tensorboard
+from convergence.nightly.tensorboard_export import export_tensorboard
+from convergence.nightly.trend_plots import PLOTS, plot_trend_panels
 
 #: The numeric series per pair: (field of NightRecord, label).
 TREND_METRICS: tuple[tuple[str, str], ...] = (

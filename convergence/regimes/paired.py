@@ -2,7 +2,7 @@
 
 Control and test start from the same seed checkpoint and read the same samples in the same
 order with deterministic kernels in fp32, so the curves may differ only by the rounding of
-another reduction order (convergence/stats/paired.py). No control job besides the control;
+another reduction order (convergence/stats/paired_band.py). No control job besides the control;
 a failure is localised by the numerics probe (both sides start from the same weights).
 """
 

@@ -1,7 +1,7 @@
 """``seed``: runs that cannot be paired (other seeds, a technique that changes the math, a
 backend without a noise twin). K control replicates with different seeds form a per-step band;
 the test must stay inside it and pass an equivalence test (TOST) on the final window
-(convergence/stats/seed.py). No numerics probe: the sides start from other weights.
+(convergence/stats/seed_band.py). No numerics probe: the sides start from other weights.
 """
 
 from __future__ import annotations

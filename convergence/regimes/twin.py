@@ -5,7 +5,7 @@ the control that differs only by legitimate rounding, derived by the control's b
 forward-noise twin and the twin with the test's numerics), and the test may deviate from the
 control by at most k x the sum over the twins of the running max of |twin - control| (each twin
 measures one source of rounding, a layout carries several) plus a small relative floor
-(convergence/stats/twin.py).
+(convergence/stats/twin_envelope.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ same curves under the same calibration get the same verdict wherever they are ju
 (tests/test_one_judge.py). What it adds to the comparisons (stats/registry.py):
 
 - the calibration is the one handed in, in force while the comparisons run (the calibrated
-  methods read it: stats/paired.py, stats/twin.py), not whatever the process selected last;
+  methods read it: stats/paired_band.py, stats/twin_envelope.py), not whatever the process selected last;
 - each verdict of a calibrated method says whose parameters it used: its tolerance text
   (report.json/.md/.html, the failure text) and ``details["floors"]`` (saved outcomes,
   JUnit's ``convergence.floors``);

@@ -39,7 +39,7 @@ class SideOutcome:
     twins: tuple[RunMetrics, ...] = ()
     """Twin regime: every twin's curves (the noise twin first, then the forward-noise twin and
     the twin with the test's numerics where they ran), in the regime's ``control_jobs`` order
-    (convergence/stats/twin.py)."""
+    (convergence/stats/twin_envelope.py)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Trainer metadata (seed checkpoint hash, entropy floor, world size, versions)."""
 

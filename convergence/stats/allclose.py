@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import ComparisonDefaults, point_check
-from convergence.stats.paired import PairedTolerance, envelope_verdict
+from convergence.stats.paired_band import PairedTolerance, envelope_verdict
 from convergence.stats.types import Check, MetricVerdict, Tolerance
 
 DEFAULT_RTOL = 1e-5

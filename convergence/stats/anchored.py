@@ -30,7 +30,7 @@ from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Ints, align
 from convergence.stats.registry import get_comparison
-from convergence.stats.twin import ONE_STEP_K, AnchoredTwinTolerance
+from convergence.stats.twin_envelope import ONE_STEP_K, AnchoredTwinTolerance
 from convergence.stats.types import MetricVerdict, Tolerance
 
 __all__ = [

@@ -13,10 +13,10 @@ from convergence.stats.allclose import AllClose
 from convergence.stats.exact import Exact
 from convergence.stats.fingerprint import METRIC as FINGERPRINT
 from convergence.stats.fingerprint import compare_fingerprints, not_logged
-from convergence.stats.paired import PairedBand
+from convergence.stats.paired_band import PairedBand
 from convergence.stats.regression import Regression
-from convergence.stats.seed import SeedBand
-from convergence.stats.twin import TwinEnvelope
+from convergence.stats.seed_band import SeedBand
+from convergence.stats.twin_envelope import TwinEnvelope
 from convergence.stats.types import Comparison, MetricVerdict
 
 _COMPARISONS: dict[str, Comparison] = {

@@ -147,7 +147,7 @@ def grad_norms(
 def parts_geomean(part_norms: torch.Tensor) -> float:
     """The geometric mean of the parts' norms that are not zero: one number that moves by the
     AVERAGE relative change of the parts (the total moves by the change of the largest), so a
-    bug in any one kind of weight shows (module docstring of convergence.stats.paired)."""
+    bug in any one kind of weight shows (module docstring of convergence.stats.paired_band)."""
     values = [float(v) for v in part_norms if float(v) > 0]
     if not values:
         return 0.0

@@ -177,7 +177,7 @@ class TorchtitanBackend:
         check_resume_layout(job)
 
     def noise_twin(self, control: JobSpec) -> JobSpec:
-        """The control's twin for the twin regime (convergence/stats/twin.py): the same seed
+        """The control's twin for the twin regime (convergence/stats/twin_envelope.py): the same seed
         checkpoint, samples, precision and techniques, reduced in another order.
 
         Half the local batch with twice the gradient accumulation (``training.global_batch_size``

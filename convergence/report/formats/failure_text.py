@@ -1,5 +1,5 @@
 """How a failed or broken pair reads as text: pytest's failure section (TOML items and the
-``convergence_pair`` fixture, via :mod:`pytest_convergence.failure`) and ``convergence compare``
+``convergence_pair`` fixture, via :mod:`pytest_convergence.failure_section`) and ``convergence compare``
 print the same words."""
 
 from __future__ import annotations

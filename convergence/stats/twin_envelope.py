@@ -57,7 +57,7 @@ from convergence.stats._common import (
     point_check,
     tolerance_at,
 )
-from convergence.stats.paired import PairedTolerance, envelope_verdict, paired_tolerance
+from convergence.stats.paired_band import PairedTolerance, envelope_verdict, paired_tolerance
 from convergence.stats.types import Check, MetricVerdict, Tolerance
 
 
