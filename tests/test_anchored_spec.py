@@ -85,7 +85,7 @@ def test_a_resuming_test_cannot_be_anchored(tmp_path: Path) -> None:
 )
 def test_the_trainer_refuses_anchor_keys_it_cannot_honour(overrides: list[str], key: str) -> None:
     from convergence.trainer.config import load_train_config
-    from convergence.trainer.validate import check_config
+    from convergence.trainer.config_checks import check_config
 
     cfg = load_train_config("debug", overrides)
     with pytest.raises(SpecError) as info:
@@ -96,7 +96,7 @@ def test_the_trainer_refuses_anchor_keys_it_cannot_honour(overrides: list[str], 
 def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
     """The probe at a failing anchor: resume_from + probe (run/anchors.py probe_at_anchor)."""
     from convergence.trainer.config import load_train_config
-    from convergence.trainer.validate import check_config
+    from convergence.trainer.config_checks import check_config
 
     cfg = load_train_config(
         "debug", ["--checkpoint.resume_from=/a", "--probe.enable=true", "--probe.step=31"]

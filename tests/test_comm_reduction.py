@@ -25,8 +25,8 @@ from convergence.run.outcome import SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.trainer.config import ModelConfig, ParallelismConfig, TrainConfig
+from convergence.trainer.config_checks import check_config
 from convergence.trainer.model import ModelArgs, build_model, count_params
-from convergence.trainer.validate import check_config
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).

@@ -39,7 +39,7 @@ from convergence.trainer.config import (
     build_train_config,
     load_train_config,
 )
-from convergence.trainer.validate import check_config
+from convergence.trainer.config_checks import check_config
 
 DEBUG = shipped_config("debug")
 assert DEBUG is not None

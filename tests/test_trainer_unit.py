@@ -11,6 +11,7 @@ import torch
 
 from convergence.spec.errors import SpecError
 from convergence.trainer.config import load_train_config
+from convergence.trainer.config_checks import check_config
 from convergence.trainer.data import TRAIN, VAL, BatchPlan, MarkovLanguage, build_source
 from convergence.trainer.hooks import load_hook
 from convergence.trainer.model import ModelArgs, build_model
@@ -23,7 +24,6 @@ from convergence.trainer.optim import (
     parameter_part,
     parts_geomean,
 )
-from convergence.trainer.validate import check_config
 from experiments import builtin_pair
 
 REPO = Path(__file__).resolve().parents[1]

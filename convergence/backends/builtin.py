@@ -18,8 +18,8 @@ from convergence.spec.layout import LAYOUT_FIELDS, PP_DEFAULTED
 from convergence.spec.pp_schedules import TORCH_FLOORS as PP_TORCH_FLOORS
 from convergence.torch_info import older_than, torch_version
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
+from convergence.trainer.config_checks import check_config
 from convergence.trainer.forward_noise import UNIT_ROUNDOFF
-from convergence.trainer.validate import check_config
 
 TRAINER_MODULE = "convergence.trainer"
 

@@ -1,4 +1,4 @@
-"""The anchored check's jobs (pair key ``anchor_every``; issue 41), on the job tier.
+"""The anchored check's jobs (pair key ``anchor_every``), on the job tier.
 
     control job   + checkpoint.anchor_every=N: its state after every N-th step, in its dump
                   folder (convergence/trainer/anchors.py); cached with the control's run

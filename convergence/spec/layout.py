@@ -3,7 +3,7 @@
 :class:`Layout` is the one schema of a layout: the experiment spec's :class:`ParallelLayout`
 (checked when built) and the built-in trainer's ``[parallelism]`` section
 (convergence.trainer.config.ParallelismConfig: these fields plus the trainer's own, checked by
-trainer/validate.py with the model and batch in view) both derive from it, so a field, its
+trainer/config_checks.py with the model and batch in view) both derive from it, so a field, its
 default and how an unset PP default resolves are written once, here.
 """
 

@@ -1,4 +1,4 @@
-"""Anchors: the control's exact state every N steps, and one test step from each (issue 41).
+"""Anchors: the control's exact state every N steps, and one test step from each.
 
 Two curves that start from one seed checkpoint drift apart by legitimate rounding (bf16,
 another reduction order): after a few hundred steps the gap two correct layouts show is 5-7x

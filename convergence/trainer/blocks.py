@@ -1,6 +1,6 @@
 """Block kinds of the built-in model (`model.block_pattern`), without torch.
 
-Kept apart from model.py so that the collection-time config check (validate.py) does not
+Kept apart from model.py so that the collection-time config check (config_checks.py) does not
 import torch: the pytest process validates every pair before the first job is launched.
 The meaning of each kind is in model.py's docstring.
 """

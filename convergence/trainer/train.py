@@ -25,6 +25,7 @@ from convergence.spec.errors import SpecError
 from convergence.trainer import anchors, resume
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer.config import TrainConfig
+from convergence.trainer.config_checks import check_config
 from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, build_source, read_step
 from convergence.trainer.engines import Engine, build_engine, microsteps, validation_loss
 from convergence.trainer.forward_noise import add_forward_noise
@@ -37,7 +38,6 @@ from convergence.trainer.probe import probe_step, run_probe
 from convergence.trainer.record import CollectiveCounter, RunRecord, is_logger, step_seconds
 from convergence.trainer.step_clock import set_step
 from convergence.trainer.stopping import SaveAndStop
-from convergence.trainer.validate import check_config
 from convergence.trainer.world import (
     average_over,
     check_shared_gpu,

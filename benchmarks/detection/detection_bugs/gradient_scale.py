@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from convergence.trainer.config_checks import pp_microbatches
 from convergence.trainer.hooks import HookContext
-from convergence.trainer.validate import pp_microbatches
 from detection_bugs._common import data_parallel_rank_and_size, scale_backward_at_logits
 
 
