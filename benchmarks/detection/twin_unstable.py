@@ -36,7 +36,7 @@ from _report import machine, write_section
 from convergence.stats.twin import TWIN_DEFAULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from envelope_candidates import library  # noqa: E402  (the shipped construction)
+from envelope_candidates import library  # the shipped construction
 
 HERE = Path(__file__).resolve().parent
 LONG = HERE / "envelope" / "long"
@@ -174,8 +174,12 @@ def spikes_table(extra: dict[str, Any], c: dict[str, Any]) -> str:
 def fp32_table(extra: dict[str, Any]) -> str:
     """The fp32 pair (paired regime): how close the TP layout stays, and where it parts."""
     runs = extra.get("runs", {})
-    control = next((r for r in runs.values() if r["precision"] == "fp32" and r["kind"] == "control"), None)
-    test = next((r for r in runs.values() if r["precision"] == "fp32" and r["kind"] == "test"), None)
+    control = next(
+        (r for r in runs.values() if r["precision"] == "fp32" and r["kind"] == "control"), None
+    )
+    test = next(
+        (r for r in runs.values() if r["precision"] == "fp32" and r["kind"] == "test"), None
+    )
     if control is None or test is None:
         return ""
     c, t = series(control, "grad_norm"), series(test, "grad_norm")
@@ -212,17 +216,15 @@ def anchored_table(c: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, case in c.items():
-        control = {
-            s: v for s, v in zip(case["control"]["loss"][0], case["control"]["loss"][1])
-        }
         for m in METRICS:
             ref = dict(zip(case["control"][m][0], case["control"][m][1], strict=True))
             cells = []
             for run in case["anchored"]:
-                gaps = [abs(v - ref[s]) / abs(ref[s]) for s, v in zip(*run[m]) if s in ref]
+                gaps = [
+                    abs(v - ref[s]) / abs(ref[s]) for s, v in zip(*run[m], strict=True) if s in ref
+                ]
                 cells.append(f"{np.median(gaps):.2g} / {np.max(gaps):.2g}")
             lines.append(f"| {name} | {m} | " + " | ".join(cells) + " |")
-        del control
     return "\n".join(lines)
 
 
