@@ -309,11 +309,12 @@ READING = """What the tables say:
   norm 1.5e-3 against 1.5e-3; grad norm 1.3e-4 against 3.6e-5 + 4.5e-5): the anchored check
   passes it at 0.51x.
 - **Why outside: the run entered a spiky phase early.** Config C is unstable: its grad norm
-  jumps above the clipping threshold (trunk gradients 1e3-1e4x their usual size, e.g. wq's
-  1991 against 3e-4 at step 342; clipping bounds the step). Which runs spike, and when, is a
+  jumps above the clipping threshold (at the TP test's step 342 the attention wq gradient
+  norm is 1991 against the control's 3.3e-4, the output layer's is unchanged; clipping bounds
+  the step). Which runs spike, and when, is a
   draw: control 5 spikes in 500 steps, noise twin 12, forward-noise twin 32 (mostly after
-  step 180), the TP test 112 -- 28 of them in steps 81-140, where its loss sat 0.02-0.03 above
-  the control's on average (clipped steps cost progress). Its loss gap there (0.063) is 3x
+  step 180), the TP test 112 -- 28 of them in steps 81-140, where its loss sat 0.017-0.029 above
+  the control's on average (per 20 steps) (clipped steps cost progress). Its loss gap there (0.063) is 3x
   the largest gap either twin reached in all 500 steps (0.021); its grad-norm spikes (3212,
   521) are 37x and 6x the largest twin spike (86.5) -- spike sizes are heavy-tailed (the
   median spike is 2.1-3.3 in every run; the largest grows with the count).
@@ -330,7 +331,8 @@ READING = """What the tables say:
   would pass (0.55x), but the grad-norm spikes (3212 against 3 x 98.5, the twins' largest
   summed gap over the whole run) stay outside any growth of the twins' own gaps.
 - **No principled change of the twin envelope passes it** without costing the planted bugs
-  (third table, every saved twin-regime pair: 69 correct, 51 bugs): outside at two
+  (third table, every saved twin-regime pair: 69 correct, 51 bugs; the bug today's rules
+  miss is A's CP-rope bug started at step 300, see the anchored check): outside at two
   consecutive steps passes it but misses C's CP-rope bug at seed 8 and delays 10 others;
   adding the twins' gap to each other delays 10 bugs and still fails it (grad norms at step 200);
   judging grad norms as the optimizer applies them (after clipping) costs no bug and removes
@@ -343,7 +345,8 @@ READING = """What the tables say:
   verdicts above are today's.
 - What judges such a run today: the anchored check (`anchor_every`), whose one step from the
   control's own states is not a long-horizon draw (0.51x here, and it catches the row-wise
-  and data bugs at their first anchor). One config, one seed: the spike counts are 6 runs.
+  and data bugs at their first anchor). One config, one seed: the spike counts are 7 runs (one
+  partial).
 """
 
 
