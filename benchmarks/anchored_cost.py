@@ -5,14 +5,16 @@ rank), the CPU seconds of each job being its whole process tree's (``RUSAGE_CHIL
 
     control            FSDP(2), N steps, no anchors (what every pair's control costs today)
     control + anchors  the same with checkpoint.anchor_every = E (a checkpoint every E steps)
-    anchored test      the test layout, one step from each anchor (checkpoint.anchored_from)
+    anchored test      the test layout, one step from each anchor (checkpoint.anchored_from);
+                       with --anchored-steps M, M steps from each (checkpoint.anchored_steps)
     test               the test layout's own N-step job, for scale
 
 Per pair, the anchored check adds the anchored test job; per control group (cached, shared by
 its pairs) the anchor saves and, in the twin regime, one anchored job per twin (each about an
 anchored test job of the twin's layout).
 
-    python benchmarks/anchored_cost.py --steps 500 --every 25 --precision bf16
+    python benchmarks/anchored_cost.py --steps 500 --every 25 --precision bf16 \
+        [--anchored-steps 1 8]
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--every", type=int, default=25)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument(
+        "--anchored-steps",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="steps from each anchor (checkpoint.anchored_steps): one anchored row per value",
+    )
     args = parser.parse_args()
     common = [f"--training.steps={args.steps}"]
     if args.precision == "bf16":
@@ -87,16 +96,20 @@ def main() -> int:
                     f"--checkpoint.anchor_every={args.every}",
                 ],
             ),
-            (
-                "anchored test (fsdp2-tp2)",
-                4,
-                [
-                    *common,
-                    *test,
-                    f"--metrics.dump_folder={out / 'a'}",
-                    f"--checkpoint.anchored_from={out / 'ca' / 'anchors'}",
-                    "--metrics.val_every=0",
-                ],
+            *(
+                (
+                    f"anchored test (fsdp2-tp2, {m} step{'s' if m > 1 else ''} from each anchor)",
+                    4,
+                    [
+                        *common,
+                        *test,
+                        f"--metrics.dump_folder={out / f'a{m}'}",
+                        f"--checkpoint.anchored_from={out / 'ca' / 'anchors'}",
+                        f"--checkpoint.anchored_steps={m}",
+                        "--metrics.val_every=0",
+                    ],
+                )
+                for m in args.anchored_steps
             ),
             ("test (fsdp2-tp2)", 4, [*common, *test, f"--metrics.dump_folder={out / 't'}"]),
         ]

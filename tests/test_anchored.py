@@ -5,7 +5,8 @@ each, and the one judge adds the ``anchored`` verdict.
 A late CP-rope bug from step 25 of 40 (fp32, FSDP(2)+CP(2) against FSDP(2)) fails the
 anchored verdict at the first anchor after its start, named in the message; the correct
 layout passes with anchors on; the numerics probe started from the failing anchor names
-where the layouts part.
+where the layouts part. Each part's grad norm travels with the anchored steps and the control
+(the twin regime judges each part: tests/test_stats_anchored.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from catalogue import BUGS, late_onset  # noqa: E402
 from pairs import build_pairs  # noqa: E402
 
 from convergence.report.formats.failure_text import headline  # noqa: E402
-from convergence.run.anchors import probe_at_anchor  # noqa: E402
+from convergence.run.anchors import probe_at_anchor, with_part_norms  # noqa: E402
 from convergence.run.runner import Runner, RunSettings  # noqa: E402
 
 START, STEPS, EVERY = 25, 40, 10
@@ -55,9 +56,14 @@ def test_a_late_bug_fails_at_an_anchor_after_its_start_and_a_correct_layout_pass
         21,
         31,
     ]
+    # Each part's grad norm travels with the anchored steps and the control (read from their
+    # JSONL logs) for the anchored check's per-part judgement (twin regime; stats/anchored.py).
+    assert failing.control is not None
+    for side in (failing.anchored, with_part_norms(failing.control)):
+        assert "grad_norm/attention.wq" in side.metrics, sorted(side.metrics)
+    assert failing.anchored.metrics["grad_norm/attention.wq"].steps.tolist() == [11, 21, 31]
 
     # The probe starts from the failing anchor (both layouts load it, probe the step after).
-    assert failing.control is not None
     probe = probe_at_anchor(
         runner.jobs, failing.pair, failing.control, anchor, pair_dir=tmp_path / "probe"
     )

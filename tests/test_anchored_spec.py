@@ -81,6 +81,7 @@ def test_a_resuming_test_cannot_be_anchored(tmp_path: Path) -> None:
             ["--checkpoint.anchored_from=/a", "--checkpoint.resume_from=/b"],
             "checkpoint.anchored_from",
         ),
+        (["--checkpoint.anchored_steps=0"], "checkpoint.anchored_steps"),
     ],
 )
 def test_the_trainer_refuses_anchor_keys_it_cannot_honour(overrides: list[str], key: str) -> None:
@@ -138,3 +139,13 @@ name = "b"
     with pytest.raises(SpecError) as info:
         load_checked(path, rootdir=tmp_path)
     assert "anchor_every" in str(info.value) and f"'{backend}'" in str(info.value), info.value
+
+
+def test_an_anchored_job_trains_m_steps_from_each_anchor_never_past_the_next() -> None:
+    """checkpoint.anchored_steps = m (benchmarks/detection/anchored_redraw.py measures it):
+    K+1..K+m from each anchor K, cut at the next anchor and at the run's last step."""
+    from convergence.trainer.anchors import anchored_steps
+
+    assert anchored_steps([10, 20, 30], 1, 40) == [11, 21, 31]
+    assert anchored_steps([10, 20, 30], 3, 40) == [11, 12, 13, 21, 22, 23, 31, 32, 33]
+    assert anchored_steps([10, 20, 30], 15, 34) == [*range(11, 21), *range(21, 31), *range(31, 35)]

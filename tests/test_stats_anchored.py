@@ -2,15 +2,21 @@
 anchor outside k x the anchored twin envelope, and also a *persistent* gap -- the same metric
 outside half of it at two consecutive anchors -- naming the first anchor of the run; an
 isolated gap that size passes (a correct layout's large gaps are isolated draws). Paired rules
-(fp32) have no persistence rule."""
+(fp32) have no persistence rule. In the twin regime each part's grad norm (grad_norm/<part>)
+is judged too, against the same part of the anchored twins at PART_K_FACTOR x the rule's k,
+with no persistence rule."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats.anchored import (
+    ONE_STEP_K,
+    PART_K_FACTOR,
     PERSISTENT_FRACTION,
     anchored_verdict,
     one_step_tolerance,
@@ -97,3 +103,87 @@ def test_runs_need_consecutive_anchors_every_apart() -> None:
     assert persistent_runs(steps, gap, EVERY) == []
     # A missing anchor breaks a run: 76 and 126 are not consecutive anchors.
     assert persistent_runs(steps, np.array([False, False, True, True, False, False]), 25) == []
+
+
+# -- each part's grad norm (grad_norm/<part>), judged in the twin regime -------------------
+
+WQ, W1 = "grad_norm/attention.wq", "grad_norm/feed_forward.w1"
+
+
+def part_runs(
+    method: Method, wq_gap_in_part_tolerances: np.ndarray, *, twins_log_w1: bool = True
+) -> tuple[list[ComparisonRule], dict[str, Curve], dict[str, Curve], list[dict[str, Curve]]]:
+    """Rules, control, anchored test and anchored twins: grad_norm_parts and two parts, the
+    test equal to the control but for attention.wq's gap (multiples of its part tolerance)."""
+    rule = ComparisonRule(metric="grad_norm_parts", method=method)
+    base = {"grad_norm_parts": CONTROL * 0.01, WQ: CONTROL * 1e-3, W1: CONTROL * 0.05}
+    control = {name: Curve(name, STEPS.copy(), values) for name, values in base.items()}
+    twins = [
+        {
+            name: Curve(name, STEPS.copy(), values * (1 + gap))
+            for name, values in base.items()
+            if twins_log_w1 or name != W1
+        }
+        for gap in TWIN_GAPS
+    ]
+    part_rule = dataclasses.replace(rule, z=PART_K_FACTOR * ONE_STEP_K)
+    tol = one_step_tolerance(part_rule, [control[WQ]], [t[WQ] for t in twins])
+    assert tol is not None
+    limit = tol.at(np.ones_like(STEPS), base[WQ])
+    test = {**control, WQ: Curve(WQ, STEPS.copy(), base[WQ] + wq_gap_in_part_tolerances * limit)}
+    return [rule], control, test, twins if method == "twin" else []
+
+
+def part_verdict(
+    method: Method, wq_gap_in_part_tolerances: np.ndarray, *, twins_log_w1: bool = True
+) -> MetricVerdict:
+    rules, control, test, twins = part_runs(
+        method, wq_gap_in_part_tolerances, twins_log_w1=twins_log_w1
+    )
+    return anchored_verdict(rules, [control], test, every=EVERY, anchored_twins=twins)
+
+
+def test_a_part_outside_its_own_envelope_fails_the_anchor_and_is_named() -> None:
+    # The bf16 CP-rope bug from step 300: attention.wq's norm moves, the mean over parts
+    # (grad_norm_parts, here equal to the control's) barely does.
+    result = part_verdict("twin", gaps(a300=1.5))
+    assert not result.passed
+    assert result.details["anchor_step"] == 300 and result.first_divergent_step == 301
+    assert result.details["anchors_failing"] == [300]
+    assert f"differs after one step: {WQ} |diff|" in result.message, result.message
+    ratios = result.details["max_ratio_by_metric"]
+    assert isinstance(ratios, dict) and 1.4 < ratios[WQ] < 1.6 and ratios[W1] == 0.0
+    assert any("grad_norm/<part>" in t for t in result.details["tolerances"])
+
+
+def test_a_part_inside_its_envelope_passes_and_parts_have_no_persistence_rule() -> None:
+    assert part_verdict("twin", gaps(a300=0.9)).passed
+    # Above half its envelope at consecutive anchors: a scalar would fail, a part does not.
+    assert part_verdict("twin", gaps(a300=0.7, a325=0.7, a350=0.7)).passed
+
+
+def test_a_part_is_held_to_part_k_factor_times_the_rules_k() -> None:
+    # 1.5x the rule's own (k = 2) one-step tolerance at anchor 300: outside it for the scalar
+    # grad_norm_parts, inside k = 2.5 x 2 = 5 for a part.
+    assert PART_K_FACTOR * ONE_STEP_K == 5.0
+    rules, control, test, twins = part_runs("twin", gaps())
+    at_300 = np.where(ANCHORS == 300, 1.5, 0.0)
+    for name in ("grad_norm_parts", WQ):
+        tol = one_step_tolerance(rules[0], [control[name]], [t[name] for t in twins])
+        assert tol is not None
+        gap = at_300 * tol.at(np.ones_like(STEPS), control[name].values)
+        moved = {**test, name: Curve(name, STEPS.copy(), control[name].values + gap)}
+        result = anchored_verdict(rules, [control], moved, every=EVERY, anchored_twins=twins)
+        assert result.passed == (name == WQ), result.message
+
+
+def test_parts_are_judged_only_where_twins_size_them() -> None:
+    # fp32 (paired): the paired floor is sized for the mean over parts; parts stay out.
+    assert part_verdict("paired", gaps(a300=50.0)).passed
+    # A part some anchored twin did not log has no envelope: not judged (never a failure).
+    rules, control, test, twins = part_runs("twin", gaps())
+    test[W1] = Curve(W1, STEPS.copy(), control[W1].values * 2)
+    judged = anchored_verdict(rules, [control], test, every=EVERY, anchored_twins=twins)
+    assert not judged.passed and W1 in judged.message
+    twins = [{k: v for k, v in t.items() if k != W1} for t in twins]
+    assert anchored_verdict(rules, [control], test, every=EVERY, anchored_twins=twins).passed

@@ -36,6 +36,7 @@ from _report import machine
 from catalogue import ALL, Case, late_onset
 from pairs import DEBUG_CONFIG, build_pairs
 
+from convergence.metrics.curve import RunMetrics
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
 
@@ -119,11 +120,15 @@ def rejudge(work: Path) -> list[dict[str, object]]:
     """The anchored verdict of every pair of an earlier run's work folder, recomputed from
     its saved curves under today's code (no training): the default rules of the twin regime
     (paired when no twin ran), the control, the twins' and the test's anchored steps."""
-    from convergence.metrics.jsonl import read_jsonl
+    from convergence.metrics.jsonl import read_jsonl as read_scalars
+    from convergence.metrics.jsonl import read_part_norms
     from convergence.regimes import REGISTRY
     from convergence.stats.anchored import anchored_verdict
 
     runs = work / "work" / "runs"
+
+    def read_jsonl(path: Path) -> RunMetrics:
+        return {**read_scalars(path), **read_part_norms(path)}
 
     control = read_jsonl(
         next(p for p in runs.glob("*/control-*/dump/metrics.jsonl") if "twin" not in str(p))

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
 
-from convergence.stats.twin import TWIN_DEFAULTS
+from convergence.stats.twin_envelope import TWIN_DEFAULTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from envelope_candidates import library  # the shipped construction

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from convergence.metrics.curve import RunMetrics
+from convergence.metrics.curve import Curve, RunMetrics
 from convergence.metrics.tags import JSONL_KEYS, assemble, resolve_map
 
 
@@ -43,6 +43,31 @@ def read_jsonl(path: Path, key_map: Mapping[str, str] | None = None) -> RunMetri
             if value is not None:
                 values.append((step, value))
     return assemble(source_map, pairs)
+
+
+#: The key prefix of the per-part grad norms the built-in trainer (and the torchtitan
+#: backend's step log) writes beside ``grad_norm_parts``: ``grad_norm/attention.wq``, ...
+PART_NORM_PREFIX = "grad_norm/"
+
+
+def read_part_norms(path: Path) -> RunMetrics:
+    """The per-part grad norm curves of a JSONL file (``grad_norm/<part>`` -> its Curve), for
+    the anchored check, which judges each part (convergence/stats/anchored.py); none when the
+    file has none or does not exist. Not part of :func:`read_jsonl`'s metrics: no rule
+    compares a part on its own over a whole run."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    pairs: dict[str, list[tuple[int, float]]] = {}
+    for record in _records(path):
+        step = _step_of(record)
+        if step is None:
+            continue
+        for key, raw in record.items():
+            value = _number(raw)
+            if key.startswith(PART_NORM_PREFIX) and value is not None:
+                pairs.setdefault(key, []).append((step, value))
+    return {key: Curve.from_pairs(key, values) for key, values in pairs.items()}
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

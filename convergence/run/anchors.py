@@ -4,7 +4,8 @@
                   folder (convergence/trainer/anchors.py); cached with the control's run
     anchored job  the test's layout + checkpoint.anchored_from=<those anchors>: one step
                   from each anchor (never cached: it is part of what is under test)
-    -> its metrics go to the one judge beside the test's curves (stats/anchored.py)
+    -> its metrics, each part's grad norm among them (grad_norm/<part>, from its JSONL),
+       go to the one judge beside the test's curves (stats/anchored.py)
 
 When the anchored verdict fails, the numerics probe starts from the failing anchor itself
 (:func:`probe_at_anchor`): both layouts load that checkpoint and probe the one step after it,
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_part_norms
 from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
 from convergence.run.probe import run_probe_job
@@ -69,6 +71,19 @@ def anchored_job(test: JobSpec, folder: Path) -> JobSpec:
     )
 
 
+def with_part_norms(side: SideOutcome) -> SideOutcome:
+    """The side with its per-part grad norms (``grad_norm/<part>``) beside its metrics, read
+    from its JSONL log where the trainer wrote them: the anchored check judges each part
+    (stats/anchored.py). A side without them is returned as it is."""
+    if side.run_dir is None:
+        return side
+    path = side.run_dir / "dump" / "metrics.jsonl"
+    if side.result is not None and side.result.metrics_path is not None:
+        path = side.result.metrics_path
+    parts = read_part_norms(path)
+    return dataclasses.replace(side, metrics={**side.metrics, **parts}) if parts else side
+
+
 def run_anchored(
     runner: JobRunner, pair: PairSpec, control: SideOutcome, *, pair_dir: Path
 ) -> SideOutcome:
@@ -84,7 +99,7 @@ def run_anchored(
             fix=f"run more than {pair.anchor_every} steps, or set a smaller anchor_every",
         )
     job = anchored_job(pair.test, folder)
-    return runner.run_job("test", job, pair_dir=pair_dir, cacheable=False)
+    return with_part_norms(runner.run_job("test", job, pair_dir=pair_dir, cacheable=False))
 
 
 def run_anchored_twins(
@@ -113,7 +128,7 @@ def run_anchored_twins(
         ],
         together=runner.settings.concurrent_controls,
     )
-    return [side.metrics for side in sides]
+    return [with_part_norms(side).metrics for side in sides]
 
 
 def anchored_failure(verdicts: Sequence[MetricVerdict]) -> int | None:

@@ -33,6 +33,7 @@ from convergence.run.anchors import (
     run_anchored,
     run_anchored_twins,
     with_anchor_saves,
+    with_part_norms,
 )
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings, slug
 from convergence.run.judge import judge
@@ -146,6 +147,7 @@ class Runner:
                     wall_s=time.monotonic() - started,
                 )
             control_runs = [c.metrics for c in controls]
+            judged_controls = control_runs
             on_metrics = None
             if pair.early_stop and self.settings.early_stop:
                 policy = regime.early_stop
@@ -170,6 +172,8 @@ class Runner:
             if pair.anchor_every:  # one test step from each of the control's anchors
                 anchored = run_anchored(jobs, pair, control, pair_dir=pair_dir)
                 anchored_twins = run_anchored_twins(jobs, pair, controls, pair_dir=pair_dir)
+                # The anchored check also judges each part's grad norm: the control's parts.
+                judged_controls = [with_part_norms(control).metrics, *control_runs[1:]]
         except (RunFailed, SpecError) as exc:
             # RunFailed: a job or the cache failed (JobFailed, CacheError). SpecError: input
             # found wrong only now, after the session's settings (e.g. --convergence-steps
@@ -194,7 +198,7 @@ class Runner:
         stopped = _stopped_at(test)  # a test stopped early is judged on the steps it ran
         verdicts = judge(
             pair,
-            control_runs,
+            judged_controls,
             test.metrics,
             self.calibration,
             test_meta=test.meta,

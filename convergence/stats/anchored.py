@@ -14,7 +14,10 @@ One verdict, ``anchored``, over every gating metric and anchor: it fails at the 
 where some metric leaves its one-step tolerance and names that anchor ("from the control's
 state at step 300 the test layout differs after one step: ..."). Twin rules also fail on a
 *persistent* smaller excess: the same metric outside half the envelope at two consecutive
-anchors (see PERSISTENT_FRACTION); the message then names the first anchor of that run.
+anchors (see PERSISTENT_FRACTION); the message then names the first anchor of that run. In
+the twin regime each part's grad norm (``grad_norm/<part>``) is judged too, against the same
+part of the anchored twins (see PART_K_FACTOR): a bug that moves one part hides in the mean
+over parts.
 Methods with no per-step tolerance (seed band, regression) are not part of it.
 """
 
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from convergence.metrics.curve import Curve, RunMetrics
+from convergence.metrics.jsonl import PART_NORM_PREFIX
 from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Ints, align
 from convergence.stats.registry import get_comparison
@@ -58,6 +62,21 @@ ANCHORED = "anchored"
 #: 0.52, below what the correct layouts reach, so no run-of-two threshold separates them there.
 PERSISTENT_FRACTION = 0.5
 PERSISTENT_RUN = 2
+
+#: Per-part grad norms (``grad_norm/<part>``), judged one by one in the twin regime at this
+#: factor x the rule's k (2 x 2.5 = 5 with the default k), each part's envelope from the same
+#: part of the anchored twins; no persistence rule. Why the parts: a bug that touches one
+#: part moves that part's norm by far more than the geometric mean over all parts
+#: (grad_norm_parts) shows -- the CP-rope bug from step 300 moves attention.wq's norm by 14x
+#: its k = 1 envelope at anchor 300, the mean by 1.7x. Why a larger k: 12 parts x 19 anchors
+#: are 228 draws per layout, not 19, and the correct layouts' worst part reaches 1.92 x its
+#: k = 1 envelope (C FSDP+TP, the final norm at anchor 400). Re-judged on the saved runs, a
+#: correct layout false-alarms up to k = 1.9 and the bug escapes anchor 300 from k = 14 on:
+#: k = 5 sits ~2.6x from either side (BENCHMARKS.md "The anchored check").
+PART_K_FACTOR = 2.5
+
+#: The failure message names at most this many misses of the first failing anchor.
+SAID_AT_MOST = 4
 
 
 def one_step_tolerance(
@@ -95,6 +114,93 @@ def persistent_runs(steps: Ints, outside: np.ndarray, every: int) -> list[list[i
     return runs
 
 
+@dataclass
+class _Judged:
+    """What the anchored verdict collects, metric by metric (the rules', then the parts')."""
+
+    every: int
+    misses: list[_Miss] = dataclasses.field(default_factory=list)
+    ratios: dict[str, float] = dataclasses.field(default_factory=dict)
+    steps_seen: set[int] = dataclasses.field(default_factory=set)
+    described: list[str] = dataclasses.field(default_factory=list)
+
+    def check(self, name: str, tol: Tolerance, control: Curve, test: Curve) -> None:
+        """``test``'s anchored steps against ``control``'s at ``tol`` (and, for an anchored
+        twin envelope of a rule, the persistence rule; a part has none: PART_K_FACTOR)."""
+        pairs = align(control, test)
+        if pairs.steps.size == 0:
+            return
+        self.steps_seen.update(pairs.steps.tolist())
+        limit = tol.at(np.ones_like(pairs.steps), pairs.control)
+        diff = np.abs(pairs.test - pairs.control)
+        outside = ~(diff <= limit)  # NaN is outside
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(np.isnan(diff), np.inf, diff / limit)
+        ratio = np.where((diff == 0) & (limit == 0), 0.0, ratio)
+        # JSON has no inf: a NaN step (infinite ratio) is recorded as a huge finite one.
+        self.ratios[name] = float(min(ratio.max(), 1e300))
+        if not name.startswith(PART_NORM_PREFIX):
+            self.described.append(f"{name}: {tol.describe()}")
+        for i in np.flatnonzero(outside):
+            self.misses.append(
+                _Miss(
+                    step=int(pairs.steps[i]),
+                    metric=name,
+                    diff=float(diff[i]),
+                    tol=float(limit[i]),
+                )
+            )
+        if isinstance(tol, AnchoredTwinTolerance) and not name.startswith(PART_NORM_PREFIX):
+            low = dataclasses.replace(tol, k=tol.k * PERSISTENT_FRACTION)
+            low_limit = low.at(np.ones_like(pairs.steps), pairs.control)
+            for run in persistent_runs(pairs.steps, ~(diff <= low_limit), self.every):
+                self.misses.extend(
+                    _Miss(
+                        step=int(pairs.steps[i]),
+                        metric=name,
+                        diff=float(diff[i]),
+                        tol=float(low_limit[i]),
+                        persistent=True,
+                    )
+                    for i in run
+                    if not outside[i]
+                )
+
+
+def part_tolerances(
+    gating: Sequence[ComparisonRule],
+    control: RunMetrics,
+    anchored: RunMetrics,
+    anchored_twins: Sequence[RunMetrics],
+) -> dict[str, Tolerance]:
+    """Each part's one-step envelope (``grad_norm/<part>`` -> its tolerance): where
+    ``grad_norm_parts`` gates under a rule sized by anchored twins (the twin regime), every
+    part that the control, the anchored test and every anchored twin logged, at
+    PART_K_FACTOR x the rule's k; none otherwise."""
+    rule = next(
+        (
+            r
+            for r in gating
+            if r.metric == "grad_norm_parts" and get_comparison(r.method).anchored_twins
+        ),
+        None,
+    )
+    if rule is None or not anchored_twins:
+        return {}
+    part_rule = dataclasses.replace(
+        rule, z=PART_K_FACTOR * (ONE_STEP_K if rule.z is None else rule.z)
+    )
+    out: dict[str, Tolerance] = {}
+    for name in sorted(n for n in anchored if n.startswith(PART_NORM_PREFIX)):
+        twins = [run[name] for run in anchored_twins if name in run]
+        if name not in control or len(twins) < len(anchored_twins):
+            continue
+        tol = one_step_tolerance(part_rule, [control[name]], twins)
+        if isinstance(tol, AnchoredTwinTolerance):
+            out[name] = tol
+    return out
+
+
 def anchored_verdict(
     rules: Sequence[ComparisonRule],
     control_runs: Sequence[RunMetrics],
@@ -106,13 +212,12 @@ def anchored_verdict(
     """The anchored steps (``anchored``: the test layout's one step after each anchor)
     against the control's own steps (``control_runs[0]``). Twin rules: ``anchored_twins``
     (the regime's twins, one step from each anchor) size the one-step envelope; without them
-    the twins' curves after the control do (their envelope at step 1)."""
+    the twins' curves after the control do (their envelope at step 1). Where the runs hold
+    per-part grad norms (``grad_norm/<part>``: convergence.metrics.jsonl.read_part_norms)
+    and ``grad_norm_parts`` gates under the twin rule, each part is judged too."""
     gating = [r for r in rules if r.gate]
     method: Method = next((r.method for r in gating if r.metric == "loss"), "paired")
-    misses: list[_Miss] = []
-    ratios: dict[str, float] = {}
-    steps_seen: set[int] = set()
-    described: list[str] = []
+    judged = _Judged(every=every)
     for rule in gating:
         controls = [run[rule.metric] for run in control_runs if rule.metric in run]
         test = anchored.get(rule.metric)
@@ -120,50 +225,25 @@ def anchored_verdict(
         tol = one_step_tolerance(rule, controls, twins)
         if tol is None or test is None or not controls:
             continue
-        pairs = align(controls[0], test)
-        if pairs.steps.size == 0:
-            continue
-        steps_seen.update(pairs.steps.tolist())
-        limit = tol.at(np.ones_like(pairs.steps), pairs.control)
-        diff = np.abs(pairs.test - pairs.control)
-        outside = ~(diff <= limit)  # NaN is outside
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = np.where(np.isnan(diff), np.inf, diff / limit)
-        ratio = np.where((diff == 0) & (limit == 0), 0.0, ratio)
-        # JSON has no inf: a NaN step (infinite ratio) is recorded as a huge finite one.
-        ratios[rule.metric] = float(min(ratio.max(), 1e300))
-        described.append(f"{rule.metric}: {tol.describe()}")
-        for i in np.flatnonzero(outside):
-            misses.append(
-                _Miss(
-                    step=int(pairs.steps[i]),
-                    metric=rule.metric,
-                    diff=float(diff[i]),
-                    tol=float(limit[i]),
-                )
-            )
-        if isinstance(tol, AnchoredTwinTolerance):
-            low = dataclasses.replace(tol, k=tol.k * PERSISTENT_FRACTION)
-            low_limit = low.at(np.ones_like(pairs.steps), pairs.control)
-            for run in persistent_runs(pairs.steps, ~(diff <= low_limit), every):
-                misses.extend(
-                    _Miss(
-                        step=int(pairs.steps[i]),
-                        metric=rule.metric,
-                        diff=float(diff[i]),
-                        tol=float(low_limit[i]),
-                        persistent=True,
-                    )
-                    for i in run
-                    if not outside[i]
-                )
+        judged.check(rule.metric, tol, controls[0], test)
+    parts = (
+        part_tolerances(gating, control_runs[0], anchored, anchored_twins) if control_runs else {}
+    )
+    for name, tol in parts.items():
+        judged.check(name, tol, control_runs[0][name], anchored[name])
+    if parts:
+        first = next(iter(parts.values()))
+        judged.described.append(
+            f"each of {len(parts)} parts' grad norms (grad_norm/<part>): {first.describe()}"
+        )
+    misses, ratios, steps_seen = judged.misses, judged.ratios, judged.steps_seen
     count = len(steps_seen)
     tolerance = f"one step from the control's state every {every} steps, at step 1's tolerance"
     details: dict[str, object] = {
         "anchor_every": every,
         "anchors": sorted(s - 1 for s in steps_seen),
         "max_ratio_by_metric": ratios,
-        "tolerances": described,
+        "tolerances": judged.described,
     }
     if count == 0:
         return MetricVerdict(
@@ -193,7 +273,9 @@ def anchored_verdict(
     first_step = min(m.step for m in misses)
     at_first = [m for m in misses if m.step == first_step]
     head = at_first[0]
-    said = ", ".join(_describe_miss(m, every) for m in at_first)
+    said = ", ".join(_describe_miss(m, every) for m in at_first[:SAID_AT_MOST])
+    if len(at_first) > SAID_AT_MOST:
+        said += f" and {len(at_first) - SAID_AT_MOST} more"
     anchors_failing = sorted({m.step - 1 for m in misses})
     return MetricVerdict(
         metric=ANCHORED,

@@ -10,8 +10,9 @@ bug's full one-step effect however late it starts. So:
                  (K < steps), writes a training checkpoint (convergence.trainer.resume: model,
                  AdamW state, data and schedule position, RNG) to <dump>/anchors/step<K>
     anchored job (checkpoint.anchored_from = that folder), under the TEST layout: for each
-                 anchor K, loads it (DCP reshards it onto this layout) and trains the one step
-                 K+1 on the same batch; logs that step's metrics like any step
+                 anchor K, loads it (DCP reshards it onto this layout) and trains the steps
+                 K+1..K+m (checkpoint.anchored_steps = m, 1 by default) on the same batches;
+                 logs those steps' metrics like any step
 
 convergence.run.anchors runs the two; convergence.stats.anchored compares each anchored step
 with the control's own step K+1 at the one-step tolerance.
@@ -61,22 +62,35 @@ def anchors_in(folder: str | Path) -> list[int]:
     return steps
 
 
+def anchored_steps(anchors: Sequence[int], steps_each: int, last_step: int) -> list[int]:
+    """The steps an anchored job trains: K+1..K+``steps_each`` from each anchor K, never
+    past the next anchor (whose own steps start from the control's state again) nor past
+    ``last_step``."""
+    out: list[int] = []
+    for i, k in enumerate(anchors):
+        end = min(k + steps_each, last_step, *anchors[i + 1 : i + 2])
+        out.extend(range(k + 1, end + 1))
+    return out
+
+
 def loop_steps(cfg: TrainConfig, first_step: int, last_step: int) -> Sequence[int]:
     """The steps the loop trains: all from ``first_step`` to ``last_step``, or for an
-    anchored job only the step after each anchor."""
-    if not cfg.checkpoint.anchored_from:
+    anchored job the ``anchored_steps`` steps after each anchor."""
+    ckpt = cfg.checkpoint
+    if not ckpt.anchored_from:
         return range(first_step, last_step + 1)
-    return [k + 1 for k in anchors_in(cfg.checkpoint.anchored_from) if k + 1 <= last_step]
+    return anchored_steps(anchors_in(ckpt.anchored_from), ckpt.anchored_steps, last_step)
 
 
 def load_anchor(
     run: resume.Checkpointable, step: int, plan: BatchPlan
 ) -> resume.RunPosition | None:
-    """An anchored job, before ``step``: load the anchor of step - 1 into this layout's model
-    and optimizer; returns the run's position for that step, as a resume does. None for any
-    other job (nothing to load)."""
+    """An anchored job, before ``step``: when step - 1 is an anchor, load it into this
+    layout's model and optimizer and return the run's position for that step, as a resume
+    does. None otherwise (a later step from the same anchor goes on from this job's own
+    state; any other job loads nothing)."""
     folder = run.cfg.checkpoint.anchored_from
-    if not folder:
+    if not folder or not (anchor_path(folder, step - 1) / resume.MANIFEST).is_file():
         return None
     restored = resume.load_training_checkpoint(anchor_path(folder, step - 1), run)
     return resume.RunPosition(

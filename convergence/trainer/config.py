@@ -208,8 +208,11 @@ class CheckpointConfig:
     training. 0 = never."""
     anchored_from: str = ""
     """Anchored steps (convergence.trainer.anchors): for each anchor K in this folder (written
-    by another job's `anchor_every`), load it under this job's layout and train the ONE step
-    K+1 from it; nothing else is trained."""
+    by another job's `anchor_every`), load it under this job's layout and train the steps
+    K+1..K+`anchored_steps` from it; nothing else is trained."""
+    anchored_steps: int = 1
+    """With `anchored_from`: how many steps the job trains from each anchor (on the same
+    batches as the run that saved it); never past the next anchor."""
 
 
 @dataclass(frozen=True, kw_only=True)

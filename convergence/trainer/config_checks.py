@@ -299,6 +299,12 @@ def _check_resume(cfg: TrainConfig, fail: Fail) -> None:
         )
     if ckpt.anchor_every < 0:
         fail("checkpoint.anchor_every", "must be >= 0", "set it to N >= 1, or 0 for none")
+    if ckpt.anchored_steps < 1:
+        fail(
+            "checkpoint.anchored_steps",
+            f"must be >= 1, got {ckpt.anchored_steps}",
+            "set it to the number of steps to train from each anchor (1 for one)",
+        )
     if ckpt.anchored_from and (ckpt.resume_from or ckpt.save_at_step):
         fail(
             "checkpoint.anchored_from",
