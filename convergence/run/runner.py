@@ -25,7 +25,7 @@ from convergence.calibration.select import select_calibration, use
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
-from convergence.regimes import Regime, get_regime
+from convergence.regimes import Regime, get_regime, resumed_controls
 from convergence.run.anchors import (
     anchored_failure,
     probe_at_anchor,
@@ -37,7 +37,7 @@ from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_se
 from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
-from convergence.run.resume import run_resumed
+from convergence.run.resume import resumed_checkpoint, run_from_checkpoint, run_resumed
 from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
@@ -131,6 +131,7 @@ class Runner(JobRunner):
         test: SideOutcome | None = None
         anchored: SideOutcome | None = None
         anchored_twins: list[RunMetrics] = []
+        resumed_twins: list[RunMetrics] = []
         try:
             regime = get_regime(pair.regime)
             controls = self._controls(pair, pair_dir, regime=regime)
@@ -163,6 +164,11 @@ class Runner(JobRunner):
                 test = run_resumed(
                     self, "test", pair.test, pair_dir=pair_dir, on_metrics=on_metrics
                 )
+                # The regime's twins from the same checkpoint: the noise after the resume.
+                checkpoint = resumed_checkpoint(test)
+                again = resumed_controls(regime, pair, self.backend(pair.control))
+                if checkpoint is not None and again:
+                    resumed_twins = run_from_checkpoint(self, again, checkpoint, pair_dir=pair_dir)
             else:
                 test = self.run_job(
                     "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
@@ -201,6 +207,7 @@ class Runner(JobRunner):
             upto=stopped,
             anchored=anchored.metrics if anchored else None,
             anchored_twins=anchored_twins,
+            resumed_twins=resumed_twins,
         ).verdicts
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
