@@ -67,6 +67,7 @@ def resumed_verdict(
     if not resumed_twins or not control_runs:
         return None
     judged: list[tuple[MetricVerdict, float]] = []
+    values: dict[str, dict[int, float]] = {}
     for rule in (r for r in rules if r.gate):
         comparison = get_comparison(rule.method)
         if not comparison.anchored_twins or rule.metric not in control_runs[0]:
@@ -79,8 +80,8 @@ def resumed_verdict(
         verdict = comparison.compare(
             rule, [control_runs[0][rule.metric].after(at_step), *twins], after
         )
-        values = dict(zip(after.steps.tolist(), after.values.tolist(), strict=True))
-        judged.append((verdict, _worst_ratio(verdict, values)))
+        values[rule.metric] = dict(zip(after.steps.tolist(), after.values.tolist(), strict=True))
+        judged.append((verdict, _worst_ratio(verdict, values[rule.metric])))
     if not judged:
         return None
     method: Method = judged[0][0].method
@@ -110,10 +111,10 @@ def resumed_verdict(
     dated = [v for v in failing if v.first_divergent_step is not None]
     first = min(dated, key=lambda v: v.first_divergent_step or 0) if dated else failing[0]
     step = first.first_divergent_step
-    where = f"from step {step}" if step is not None else "(no step compared)"
-    said = ", ".join(v.metric for v in failing if v.first_divergent_step == step) or ", ".join(
-        v.metric for v in failing
-    )
+    at_first = [
+        _at_step(v, step, values[v.metric]) for v in failing if v.first_divergent_step == step
+    ]
+    said = "; ".join(at_first) if step is not None else failing[0].message
     return MetricVerdict(
         metric=RESUMED,
         method=method,
@@ -126,8 +127,20 @@ def resumed_verdict(
         tolerance=tolerance,
         tolerance_at_max=first.tolerance_at_max,
         message=f"resumed: after the checkpoint at step {at_step} the test leaves the envelope "
-        f"of the twins resumed from that checkpoint {where} ({said}; "
-        f"{step - at_step if step is not None else '?'} steps after the resume): "
-        + "; ".join(v.message for v in failing),
+        f"of the twins resumed from that checkpoint at step {step} "
+        f"({(step or at_step) - at_step} after the resume): {said}",
         details={**details, "first_step": step, "max_ratio": max(ratios.values())},
+    )
+
+
+def _at_step(verdict: MetricVerdict, step: int | None, test: dict[int, float]) -> str:
+    """``metric |diff| D > tol T`` at ``step``, read from the verdict's band."""
+    band = verdict.band
+    if band is None or step not in band.steps or step not in test:
+        return verdict.metric
+    i = band.steps.index(step)
+    lower, upper = band.lower[i], band.upper[i]
+    return (
+        f"{verdict.metric} |diff| {abs(test[step] - (upper + lower) / 2):.3g} > tol "
+        f"{(upper - lower) / 2:.3g}"
     )
