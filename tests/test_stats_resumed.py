@@ -10,7 +10,7 @@ import numpy as np
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.registry import get_comparison
-from convergence.stats.resumed import RESUMED, resumed_verdict
+from convergence.stats.resumed import MEAN_MIN_STEPS, RESUMED, resumed_verdict
 from convergence.stats.types import MetricVerdict
 
 STEPS = np.arange(1, 21, dtype=np.int64)
@@ -52,7 +52,7 @@ def test_a_layout_broken_after_the_resume_fails_at_the_first_step_after_it() -> 
     assert after is not None and not after.passed and after.metric == RESUMED
     assert after.first_divergent_step == AT + 1
     assert f"after the checkpoint at step {AT}" in after.message
-    assert "at step 11 (1 after the resume): loss |diff| 0.0005 > tol" in after.message
+    assert "allow at step 11 (1 after the resume): loss |diff| 0.0005 > tol" in after.message
 
 
 def test_a_correct_layout_passes_with_the_room_it_used() -> None:
@@ -66,3 +66,24 @@ def test_only_twin_sized_rules_and_only_with_resumed_twins() -> None:
     paired = ComparisonRule(metric="loss", method="paired")
     assert verdict(test, [paired]) is None
     assert resumed_verdict([TWIN], [run(CONTROL)], test, at_step=AT, resumed_twins=()) is None
+
+
+def test_a_gap_inside_the_envelope_that_stays_up_fails_the_mean_gap() -> None:
+    """Two resumed twins 1e-4 (relative) from the control at every step: the envelope is
+    3 x their summed running max, 6e-4. A test 5e-4 away at every step stays inside it, but its
+    mean gap is 2.5x the twins' summed mean (> MEAN_K): it fails once the mean is judged."""
+    usual = 1e-4 * CONTROL[AFTER]
+    twins = [run(CONTROL[AFTER] + usual, STEPS[AFTER]), run(CONTROL[AFTER] - usual, STEPS[AFTER])]
+    test = run(np.where(AFTER, CONTROL * (1 + 5e-4), CONTROL))
+    rule_verdict = get_comparison("twin").compare(
+        TWIN, [run(CONTROL)["loss"].after(AT), *(t["loss"] for t in twins)], test["loss"].after(AT)
+    )
+    assert rule_verdict.passed  # inside the resumed twins' envelope
+    after = resumed_verdict([TWIN], [run(CONTROL)], test, at_step=AT, resumed_twins=twins)
+    assert after is not None and not after.passed
+    assert after.first_divergent_step == AT + MEAN_MIN_STEPS
+    assert f"loss mean |diff| over steps 11-{AT + MEAN_MIN_STEPS} 2.49x" in after.message
+    # A test as far as one twin passes both.
+    same = run(np.where(AFTER, CONTROL * (1 + 1e-4), CONTROL))
+    passing = resumed_verdict([TWIN], [run(CONTROL)], same, at_step=AT, resumed_twins=twins)
+    assert passing is not None and passing.passed

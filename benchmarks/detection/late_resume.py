@@ -11,6 +11,7 @@ appended to ``--out`` as it finishes (a long run keeps its partial results).
     python benchmarks/detection/late_resume.py --steps 500 --at 400 --precision bf16 \\
         --out /tmp/late_resume.jsonl
     python benchmarks/detection/late_resume.py --table /tmp/late_resume.jsonl
+    python benchmarks/detection/late_resume.py --rejudge WORK --at 400   # saved curves, today's code
 """
 
 from __future__ import annotations
@@ -96,7 +97,68 @@ def table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+def rejudge(work: Path, at: int) -> list[dict[str, object]]:
+    """The ``resumed`` verdict of every pair of an earlier run's work folder, recomputed from
+    its saved curves under today's code (no training): the control, the test's two jobs and
+    the twins resumed from its checkpoint; twin rules where twins resumed."""
+    from convergence.metrics.jsonl import read_jsonl
+    from convergence.regimes import REGISTRY
+    from convergence.run.resume import joined
+    from convergence.stats.registry import compare_all
+    from convergence.stats.resumed import resumed_verdict
+
+    runs = work / "work" / "runs"
+    metrics = "dump/metrics.jsonl"
+    control = read_jsonl(
+        next(
+            p
+            for p in runs.glob(f"*/control-*/{metrics}")
+            if "twin" not in str(p) and "-from-" not in str(p)
+        )
+    )
+    twins = [
+        read_jsonl(p)
+        for p in runs.glob(f"*/control-*twin-*/{metrics}")
+        if "-from-" not in str(p.parents[1].name)
+    ]
+    out = []
+    for pair in sorted(p for p in runs.iterdir() if p.is_dir()):
+        before = next(pair.glob(f"test-*-to-step{at}-*/{metrics}"), None)
+        after = next(pair.glob(f"test-*-resumed-*/{metrics}"), None)
+        if before is None or after is None:
+            continue
+        test = joined(read_jsonl(before), read_jsonl(after))
+        resumed = [read_jsonl(p) for p in pair.glob(f"control-*-from-*/{metrics}")]
+        rules = REGISTRY.default_rules("twin" if resumed else "paired")
+        main = [
+            v
+            for v in compare_all(rules, [control, *twins] if resumed else [control], test)
+            if v.gate and not v.passed
+        ]
+        verdict = resumed_verdict(rules, [control], test, at_step=at, resumed_twins=resumed)
+        out.append(
+            {
+                "pair": pair.name.split("toml_")[-1],
+                "main_failing": [v.metric for v in main],
+                "main_first": min(
+                    (v.first_divergent_step for v in main if v.first_divergent_step), default=None
+                ),
+                "resumed_passed": None if verdict is None else verdict.passed,
+                "resumed_first": None if verdict is None else verdict.first_divergent_step,
+                "max_ratio": None if verdict is None else verdict.details["max_ratio_by_metric"],
+                "mean_ratio": None if verdict is None else verdict.details["mean_ratio_by_metric"],
+                "message": None if verdict is None else verdict.message,
+            }
+        )
+    return out
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--rejudge"]:
+        at = int(sys.argv[sys.argv.index("--at") + 1]) if "--at" in sys.argv else 400
+        for line in rejudge(Path(sys.argv[2]), at):
+            print(json.dumps(line))
+        return 0
     if sys.argv[1:2] == ["--table"]:
         print(table([Path(p) for p in sys.argv[2:]]))
         return 0
