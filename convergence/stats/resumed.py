@@ -63,18 +63,22 @@ def _worst_ratio(verdict: MetricVerdict, test_values: dict[int, float]) -> float
 
 #: The mean-gap check: from MEAN_MIN_STEPS steps after the resume on, the test's mean relative
 #: |gap| to the control over the steps since the resume must stay within MEAN_K x the sum over
-#: the resumed twins of theirs. Why a mean as well as the envelope: from a trained state one
-#: step of bf16 rounding already moves a twin as far as it will go (measured on the debug model
-#: after a resume at 400 of 500: the resumed twins' loss gap is ~1e-4 relative one step after
-#: the resume, as large as the twins from step 1 reach there), so the envelope -- k x the
-#: twins' running *maximum*, a heavy-tailed draw -- does not restart small, and a bug whose
-#: per-step effect is of the noise's size stays inside it for tens of steps. A bug acts at
-#: every step, so its *mean* gap is above the noise's from the first steps on, while a correct
-#: layout's mean is like the twins' sum (means of heavy-tailed draws are far steadier than
-#: maxima). Measured (BENCHMARKS.md "A resume onto a broken layout"): correct layouts of the
-#: debug model, in windows of 5-20 steps anywhere in 100..500, reach 1.35x; the CP-rope bug
-#: after the resume is 8x at 5 steps, the row-wise all-reduce bug 2.1x.
-MEAN_K = 1.75
+#: the resumed twins of theirs (plus the paired floor's rtol: bitwise twins divide nothing).
+#: Why a mean as well as the envelope: from a trained state one step of bf16 rounding already
+#: moves a twin about as far as it will go (debug model, resume at 400 of 500: the resumed
+#: twins' loss gap is ~1e-4 relative right after the resume, as large as the twins from step
+#: 1 show there), so the envelope -- k x the twins' running *maximum*, a heavy-tailed draw --
+#: does not restart small, and a bug whose per-step effect is of the noise's size stays inside
+#: it for tens of steps (the row-wise all-reduce bug: 63). A bug acts at every step, so its
+#: *mean* gap is above the twins' from the first steps on, while a correct layout's is like
+#: theirs: means of heavy-tailed draws are far steadier than maxima. Measured (BENCHMARKS.md
+#: "A resume onto a broken layout", bf16, debug model, from 5 steps after a resume at 400):
+#: correct FSDP2+TP2 and FSDP2+CP2 reach 1.05x and 0.48x (and correct layouts run from step 1,
+#: their twins too, 1.35x at worst in any 5-20-step window of steps 100-500); the CP-rope bug
+#: ~8x, the row-wise all-reduce bug 1.88x at 5 steps. 1.5 sits in that window, ~1.4x from
+#: the correct resumes and ~1.25x from the weaker bug: one resume per layout, not a
+#: distribution.
+MEAN_K = 1.5
 MEAN_MIN_STEPS = 5
 
 
