@@ -147,6 +147,9 @@ def rejudge(work: Path, at: int) -> list[dict[str, object]]:
                 "resumed_first": None if verdict is None else verdict.first_divergent_step,
                 "max_ratio": None if verdict is None else verdict.details["max_ratio_by_metric"],
                 "mean_ratio": None if verdict is None else verdict.details["mean_ratio_by_metric"],
+                "first_by_check": None
+                if verdict is None
+                else verdict.details["first_step_by_check"],
                 "message": None if verdict is None else verdict.message,
             }
         )

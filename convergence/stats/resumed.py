@@ -74,7 +74,7 @@ def _worst_ratio(verdict: MetricVerdict, test_values: dict[int, float]) -> float
 #: theirs: means of heavy-tailed draws are far steadier than maxima. Measured (BENCHMARKS.md
 #: "A resume onto a broken layout", bf16, debug model, from 5 steps after a resume at 400):
 #: correct FSDP2+TP2 and FSDP2+CP2 reach 1.05x and 0.48x (and correct layouts run from step 1,
-#: their twins too, 1.35x at worst in any 5-20-step window of steps 100-500); the CP-rope bug
+#: their twins too, 1.37x at worst from any step 100-480 on); the CP-rope bug
 #: ~8x, the row-wise all-reduce bug 1.88x at 5 steps. 1.5 sits in that window, ~1.4x from
 #: the correct resumes and ~1.25x from the weaker bug: one resume per layout, not a
 #: distribution.
@@ -183,6 +183,12 @@ def resumed_verdict(
     )
     steps = max(v.steps_compared for v, _, _ in judged)
     misses: list[tuple[int, str]] = []
+    envelope_first = [v.first_divergent_step for v, _, _ in judged if not v.passed]
+    mean_first = [m.first_step for _, _, m in judged if m.first_step is not None]
+    details["first_step_by_check"] = {
+        "envelope": min((s for s in envelope_first if s is not None), default=None),
+        "mean": min(mean_first, default=None),
+    }
     for v, _, m in judged:
         if not v.passed and v.first_divergent_step is not None:
             misses.append(
