@@ -353,7 +353,8 @@ def test_a_resume_onto_a_broken_layout_fails_against_the_twins_resumed_with_it(
 ) -> None:
     """bf16 (the twin regime), 16 steps, FSDP2 -> FSDP2+TP2 after step 8: with layer 1's
     row-wise all-reduce left out the ``resumed`` verdict (the twins run again from the test's
-    checkpoint) fails right after the resume; the correct resume passes it."""
+    checkpoint) fails right after the resume, and the probe starts from that checkpoint; the
+    correct resume passes it."""
     import dataclasses
 
     from convergence.report.formats.failure_text import headline
@@ -372,13 +373,18 @@ def test_a_resume_onto_a_broken_layout_fails_against_the_twins_resumed_with_it(
     (tmp_path / "exp").mkdir()
     pairs = build_pairs(cases, tmp_path / "exp", steps=16)
     runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=180, wall_limit_s=600))
-    bug, correct = (runner.run_pair(pairs[c.name]) for c in cases)
+    # The bug's pair probes its failure: both layouts from the test's checkpoint, step 9.
+    probed = dataclasses.replace(pairs[cases[0].name], probe_on_failure=True)
+    bug, correct = runner.run_pair(probed), runner.run_pair(pairs[cases[1].name])
 
     assert bug.pair.regime == "twin" and bug.status == "failed", bug.error
     resumed = bug.verdict("resumed")
     assert resumed is not None and not resumed.passed, [v.message for v in bug.verdicts]
     assert resumed.first_divergent_step is not None and 9 <= resumed.first_divergent_step <= 12
     assert "resumed: after the checkpoint at step 8" in headline(bug)
+    probe = bug.localisation
+    assert probe is not None and "error" not in probe, probe
+    assert probe["resume_step"] == 8 and probe["step"] == 9, probe
 
     assert correct.status == "passed", [v.message for v in correct.verdicts]
     after = correct.verdict("resumed")

@@ -19,13 +19,17 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
+from convergence.run.probe import run_probe_job
+from convergence.run.probe_compare import compare_probe_files
 from convergence.run.together import run_together
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
+from convergence.spec.pair import PairSpec
 from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
 
 #: Where the side's checkpoint goes, inside the pair's run folder.
@@ -145,3 +149,36 @@ def run_from_checkpoint(
         together=runner.settings.concurrent_controls,
     )
     return [side.metrics for side in sides]
+
+
+def probe_after_resume(
+    runner: JobRunner, pair: PairSpec, checkpoint: Path, *, pair_dir: Path
+) -> dict[str, Any]:
+    """The numerics probe of the step after the resume: the control's layout and the resume
+    layout each load the test's checkpoint and probe step K+1, compared module by module (as
+    the anchored check's probe does from an anchor). Errors are recorded, never raised."""
+    assert pair.test.resume is not None
+    at = pair.test.resume.at_step
+    step = at + 1
+    try:
+        paths = [
+            run_probe_job(
+                side,
+                dataclasses.replace(
+                    job, overrides=(*job.overrides, (RESUME_FROM, str(checkpoint)))
+                ),
+                pair_dir / "probe" / f"resume{at}",
+                runner=runner,
+                step=step,
+            )
+            for side, job in (("control", pair.control), ("test", pair.test.after_resume()))
+        ]
+        result = compare_probe_files(paths[0], paths[1])
+    except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
+        return {"error": f"numerics probe after the resume at {at} failed: {exc}", "step": step}
+    head = {"resume_step": at, "probe_files": f"{paths[0]} vs {paths[1]}"}
+    return {
+        **{k: v for k, v in result.items() if not isinstance(v, list)},
+        **head,
+        **{k: v for k, v in result.items() if isinstance(v, list)},
+    }

@@ -37,7 +37,12 @@ from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_se
 from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
-from convergence.run.resume import resumed_checkpoint, run_from_checkpoint, run_resumed
+from convergence.run.resume import (
+    probe_after_resume,
+    resumed_checkpoint,
+    run_from_checkpoint,
+    run_resumed,
+)
 from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
@@ -217,7 +222,7 @@ class Runner(JobRunner):
         if asked and error is None:  # the experiment named a metric that a run did not log
             status, error = "error", "not compared: " + "; ".join(asked)
         localisation = self._localise(
-            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control
+            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control, test
         )
         return PairOutcome(
             pair=pair,
@@ -241,15 +246,24 @@ class Runner(JobRunner):
         verdicts: Sequence[MetricVerdict],
         runs: Sequence[RunMetrics],
         control: SideOutcome,
+        test: SideOutcome,
     ) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing; from the anchor
-        when the anchored check failed before the curves parted."""
-        if not wants_probe(pair, status) or pair.test.resume is not None:
-            # The probe replays a run from step 1 on one layout: it cannot replay a resume.
+        when the anchored check failed before the curves parted; from the test's checkpoint
+        when a resuming test parted after its resume."""
+        if not wants_probe(pair, status):
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
             return None  # the sides read different data: a numerics probe has nothing to add
+        if pair.test.resume is not None:
+            # The probe replays a run from step 1 on one layout: it cannot replay a resume,
+            # but both layouts can start from its checkpoint and probe the step after it.
+            checkpoint = resumed_checkpoint(test)
+            parted = first_divergent_step(verdicts)
+            if checkpoint is None or parted is None or parted <= pair.test.resume.at_step:
+                return None
+            return probe_after_resume(self, pair, checkpoint, pair_dir=pair_dir)
         anchor = anchored_failure(verdicts)
         parted = first_divergent_step([v for v in verdicts if v.metric != "anchored"])
         if anchor is not None and (parted is None or parted > anchor):
