@@ -140,6 +140,11 @@ def rejudge(work: Path, at: int) -> list[dict[str, object]]:
             {
                 "pair": pair.name.split("toml_")[-1],
                 "main_failing": [v.metric for v in main],
+                "main_ratio": {
+                    v.metric: v.details.get("max_ratio")
+                    for v in compare_all(rules, [control, *twins] if resumed else [control], test)
+                    if v.gate and v.metric in ("loss", "grad_norm", "grad_norm_parts")
+                },
                 "main_first": min(
                     (v.first_divergent_step for v in main if v.first_divergent_step), default=None
                 ),
