@@ -10,7 +10,7 @@ import numpy as np
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.registry import get_comparison
-from convergence.stats.resumed import MEAN_MIN_STEPS, RESUMED, resumed_verdict
+from convergence.stats.resumed import GAP_MIN_STEPS, RESUMED, resumed_verdict
 from convergence.stats.types import MetricVerdict
 
 STEPS = np.arange(1, 21, dtype=np.int64)
@@ -68,10 +68,11 @@ def test_only_twin_sized_rules_and_only_with_resumed_twins() -> None:
     assert resumed_verdict([TWIN], [run(CONTROL)], test, at_step=AT, resumed_twins=()) is None
 
 
-def test_a_gap_inside_the_envelope_that_stays_up_fails_the_mean_gap() -> None:
+def test_a_gap_inside_the_envelope_that_stays_up_fails_the_gap_level() -> None:
     """Two resumed twins 1e-4 (relative) from the control at every step: the envelope is
-    3 x their summed running max, 6e-4. A test 5e-4 away at every step stays inside it, but its
-    mean gap is 2.5x the twins' summed mean (> MEAN_K): it fails once the mean is judged."""
+    3 x their summed running max, 6e-4. A test 5e-4 away at every step stays inside it, but the
+    level of its gap -- mean and median -- is 2.27x the twins' summed (with the fp32 floor):
+    outside 1.5x on the per-part grad norm once the level is judged, inside the loss's 3x."""
     usual = 1e-4 * CONTROL[AFTER]
     twins = [run(CONTROL[AFTER] + usual, STEPS[AFTER]), run(CONTROL[AFTER] - usual, STEPS[AFTER])]
     test = run(np.where(AFTER, CONTROL * (1 + 5e-4), CONTROL))
@@ -79,11 +80,31 @@ def test_a_gap_inside_the_envelope_that_stays_up_fails_the_mean_gap() -> None:
         TWIN, [run(CONTROL)["loss"].after(AT), *(t["loss"] for t in twins)], test["loss"].after(AT)
     )
     assert rule_verdict.passed  # inside the resumed twins' envelope
-    after = resumed_verdict([TWIN], [run(CONTROL)], test, at_step=AT, resumed_twins=twins)
+
+    def parts(r: RunMetrics) -> RunMetrics:
+        return {"grad_norm_parts": Curve("grad_norm_parts", r["loss"].steps, r["loss"].values)}
+
+    rules = [ComparisonRule(metric="grad_norm_parts", method="twin")]
+    after = resumed_verdict(
+        rules,
+        [parts(run(CONTROL))],
+        parts(test),
+        at_step=AT,
+        resumed_twins=[parts(t) for t in twins],
+    )
     assert after is not None and not after.passed
-    assert after.first_divergent_step == AT + MEAN_MIN_STEPS
-    assert f"loss mean |diff| over steps 11-{AT + MEAN_MIN_STEPS} 2.49x" in after.message
-    # A test as far as one twin passes both.
-    same = run(np.where(AFTER, CONTROL * (1 + 1e-4), CONTROL))
-    passing = resumed_verdict([TWIN], [run(CONTROL)], same, at_step=AT, resumed_twins=twins)
-    assert passing is not None and passing.passed
+    assert after.first_divergent_step == AT + GAP_MIN_STEPS
+    assert f"grad_norm_parts |diff| over steps 11-{AT + GAP_MIN_STEPS} 2.27x" in after.message
+    assert "by mean and median (limit 1.5x)" in after.message
+    loss = resumed_verdict([TWIN], [run(CONTROL)], test, at_step=AT, resumed_twins=twins)
+    assert loss is not None and loss.passed  # the loss is held to 3x
+    # One spike in an otherwise twin-sized gap lifts the mean, not the median: it passes.
+    spiky = run(np.where(AFTER, CONTROL * (1 + np.where(STEPS == AT + 2, 5e-3, 1e-4)), CONTROL))
+    spiked = resumed_verdict(
+        rules,
+        [parts(run(CONTROL))],
+        parts(spiky),
+        at_step=AT,
+        resumed_twins=[parts(t) for t in twins],
+    )
+    assert spiked is not None and spiked.details["first_step_by_check"]["gap_level"] is None

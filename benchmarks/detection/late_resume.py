@@ -151,7 +151,7 @@ def rejudge(work: Path, at: int) -> list[dict[str, object]]:
                 "resumed_passed": None if verdict is None else verdict.passed,
                 "resumed_first": None if verdict is None else verdict.first_divergent_step,
                 "max_ratio": None if verdict is None else verdict.details["max_ratio_by_metric"],
-                "mean_ratio": None if verdict is None else verdict.details["mean_ratio_by_metric"],
+                "gap_ratio": None if verdict is None else verdict.details["gap_ratio_by_metric"],
                 "first_by_check": None
                 if verdict is None
                 else verdict.details["first_step_by_check"],
