@@ -400,8 +400,11 @@ def late_resume(at: int = LATE_RESUME_AT) -> tuple[Case, ...]:
     )
 
 
+LATE_RESUME: tuple[Case, ...] = late_resume()
+
+
 def by_name(name: str) -> Case:
-    for case in (*ALL, *LATE_ONSET):
+    for case in (*ALL, *LATE_ONSET, *LATE_RESUME):
         if case.name == name:
             return case
     raise KeyError(f"no detection case {name!r}")
