@@ -125,3 +125,21 @@ def test_twin_regime_adds_the_forward_twin_and_the_twin_with_the_tests_numerics(
     assert jobs[2].hook is None  # control-side: no test code in it
     kept = get_regime("twin").control_curves(["c", "t1", "t2"])  # type: ignore[list-item]
     assert kept.twins == ("t1", "t2")
+
+
+def test_a_resuming_test_resumes_the_twins_and_only_in_the_twin_regime() -> None:
+    from convergence.regimes import resumed_controls
+    from convergence.spec.resume import Resume
+
+    resuming = dataclasses.replace(
+        CONTROL,
+        name="t",
+        resume=Resume(at_step=4, layout=ParallelLayout(dp_shard=2, tp=2), techniques=Techniques()),
+    )
+    twin = get_regime("twin")
+    assert [j.name for j in resumed_controls(twin, pair("twin", test=resuming), Twins())] == [
+        "fsdp2-twin"
+    ]
+    assert resumed_controls(twin, pair("twin"), Twins()) == ()  # no resume, nothing again
+    for name in ("paired", "seed"):
+        assert resumed_controls(get_regime(name), pair(name, test=resuming), Twins()) == ()

@@ -343,3 +343,49 @@ def test_steps_cut_before_the_resume_is_that_pairs_error(tmp_path: Path) -> None
     assert outcome.status == "error" and outcome.error is not None
     assert "resume.at_step = 4 is not inside the run of 3 steps" in outcome.error
     assert "internal error" not in outcome.error
+
+
+# -- a late broken layout after a resume, in the twin regime (issue 41) -----------------------
+
+
+def test_a_resume_onto_a_broken_layout_fails_against_the_twins_resumed_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 (the twin regime), 16 steps, FSDP2 -> FSDP2+TP2 after step 8: with layer 1's
+    row-wise all-reduce left out the ``resumed`` verdict (the twins run again from the test's
+    checkpoint) fails right after the resume, and the probe starts from that checkpoint; the
+    correct resume passes it."""
+    import dataclasses
+
+    from convergence.report.formats.failure_text import headline
+    from convergence.run.runner import Runner, RunSettings
+
+    monkeypatch.syspath_prepend(str(DETECTION))
+    from catalogue import late_resume
+    from pairs import build_pairs
+
+    bf16 = {"param_dtype": "bfloat16"}
+    cases = [
+        dataclasses.replace(c, precision="bf16", techniques=bf16)
+        for c in late_resume(8)
+        if c.name.endswith(("onto-tp2-rowwise-not-reduced", "fsdp2-onto-tp2"))
+    ]
+    (tmp_path / "exp").mkdir()
+    pairs = build_pairs(cases, tmp_path / "exp", steps=16)
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=180, wall_limit_s=600))
+    # The bug's pair probes its failure: both layouts from the test's checkpoint, step 9.
+    probed = dataclasses.replace(pairs[cases[0].name], probe_on_failure=True)
+    bug, correct = runner.run_pair(probed), runner.run_pair(pairs[cases[1].name])
+
+    assert bug.pair.regime == "twin" and bug.status == "failed", bug.error
+    resumed = bug.verdict("resumed")
+    assert resumed is not None and not resumed.passed, [v.message for v in bug.verdicts]
+    assert resumed.first_divergent_step is not None and 9 <= resumed.first_divergent_step <= 12
+    assert "resumed: after the checkpoint at step 8" in headline(bug)
+    probe = bug.localisation
+    assert probe is not None and "error" not in probe, probe
+    assert probe["resume_step"] == 8 and probe["step"] == 9, probe
+
+    assert correct.status == "passed", [v.message for v in correct.verdicts]
+    after = correct.verdict("resumed")
+    assert after is not None and after.passed and after.details["resumed_twins"] == 2

@@ -356,9 +356,55 @@ def late_onset(start: int = LATE_START) -> tuple[Case, ...]:
 
 LATE_ONSET: tuple[Case, ...] = late_onset()
 
+#: A resume onto a broken layout late in a run (issue 41): the test trains FSDP2 up to step
+#: ``at`` (bitwise the control's run), checkpoints, and resumes onto FSDP2+CP2 with the CP
+#: rotary offset dropped, or onto FSDP2+TP2 with layer 1's row-wise all-reduce left out -- the
+#: catalogue bugs, acting from step at+1 only (the hooks change nothing on the FSDP2 job before
+#: the resume: no CP, no TP mesh there). Beside them the same resumes onto correct layouts.
+LATE_RESUME_AT = 400
+LATE_RESUME_STEPS = 500
+
+
+def late_resume(at: int = LATE_RESUME_AT) -> tuple[Case, ...]:
+    onto_cp2 = {"at_step": at, "parallelism": {"dp_shard": 2, "cp": 2}}
+    onto_tp2 = {"at_step": at, "parallelism": FSDP2_TP2}
+    rope = next(case for case in BUGS if case.name == "cp-rope-ignores-offset")
+    rowwise = next(case for case in BUGS if case.name == "tp-rowwise-not-reduced")
+    return (
+        replace(
+            rope,
+            name=f"resume-at-{at}-onto-cp2-rope-ignores-offset",
+            parallelism=FSDP2,
+            resume=onto_cp2,
+            note=f"FSDP2 -> FSDP2+CP2 at step {at}, CP rotary offset dropped after the resume",
+        ),
+        replace(
+            rowwise,
+            name=f"resume-at-{at}-onto-tp2-rowwise-not-reduced",
+            parallelism=FSDP2,
+            resume=onto_tp2,
+            note=f"FSDP2 -> FSDP2+TP2 at step {at}, layer 1 wo without its all-reduce after it",
+        ),
+        Case(
+            name=f"resume-at-{at}-fsdp2-onto-cp2",
+            kind="correct",
+            parallelism=FSDP2,
+            resume=onto_cp2,
+        ),
+        Case(
+            name=f"resume-at-{at}-fsdp2-onto-tp2",
+            kind="correct",
+            parallelism=FSDP2,
+            resume=onto_tp2,
+        ),
+    )
+
+
+LATE_RESUME: tuple[Case, ...] = late_resume()
+
 
 def by_name(name: str) -> Case:
-    for case in (*ALL, *LATE_ONSET):
+    for case in (*ALL, *LATE_ONSET, *LATE_RESUME):
         if case.name == name:
             return case
     raise KeyError(f"no detection case {name!r}")

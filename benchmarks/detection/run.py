@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine, write_section
-from catalogue import ALL, LATE_ONSET, PRECISION, STEPS, Case
+from catalogue import ALL, LATE_ONSET, LATE_RESUME, PRECISION, STEPS, Case
 from pairs import DEBUG_CONFIG, build_pairs
 
 from convergence.run.outcome import PairOutcome
@@ -251,8 +251,9 @@ def main() -> int:
         "section, detection-long-<precision>",
     )
     args = parser.parse_args()
-    # The late-onset bugs (issue 41) run only when named: they need --steps past their start.
-    named_late = [c for c in LATE_ONSET if args.only and c.name in args.only]
+    # The late-onset bugs and late resumes (issue 41) run only when named: they need --steps
+    # past their start (benchmarks/detection/late_resume.py runs the resumes with their table).
+    named_late = [c for c in (*LATE_ONSET, *LATE_RESUME) if args.only and c.name in args.only]
     cases = [
         c
         for c in (*ALL, *named_late)

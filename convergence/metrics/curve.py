@@ -33,6 +33,11 @@ class Curve:
         keep = self.steps <= step
         return Curve(self.metric, self.steps[keep], self.values[keep])
 
+    def after(self, step: int) -> Curve:
+        """The steps past ``step`` (a resume's second job: step+1 on)."""
+        keep = self.steps > step
+        return Curve(self.metric, self.steps[keep], self.values[keep])
+
     def to_json(self) -> dict[str, list[float] | list[int] | str]:
         return {"metric": self.metric, "steps": self.steps.tolist(), "values": self.values.tolist()}
 

@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
-from convergence.regimes.base import ControlCurves, EarlyStopPolicy, Regime, TwinSource
+from convergence.regimes.base import (
+    ControlCurves,
+    EarlyStopPolicy,
+    Regime,
+    TwinSource,
+    resumed_controls,
+)
 from convergence.regimes.registry import REGISTRY, default_rules, get_regime, registered
 
 __all__ = [
@@ -15,4 +21,5 @@ __all__ = [
     "default_rules",
     "get_regime",
     "registered",
+    "resumed_controls",
 ]

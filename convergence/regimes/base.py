@@ -36,6 +36,23 @@ class TwinSource(Protocol):
 FORWARD_TWIN = "forward_twin"
 
 
+#: Optional on a Regime (``getattr``): ``resumed_controls(pair, backend) -> tuple[JobSpec, ...]``,
+#: the control-side jobs that a resuming test's checkpoint is also loaded into, to size the
+#: verdict after the resume from that shared state (convergence/regimes/twin.py: the twins).
+#: A regime without it judges a resumed curve like any other (:func:`resumed_controls`).
+RESUMED_CONTROLS = "resumed_controls"
+
+
+def resumed_controls(regime: Regime, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
+    """The regime's jobs to run from a resuming test's checkpoint to the end (() for none,
+    or when the test does not resume)."""
+    method = getattr(regime, RESUMED_CONTROLS, None)
+    if pair.test.resume is None or method is None:
+        return ()
+    jobs: tuple[JobSpec, ...] = method(pair, backend)
+    return jobs
+
+
 @dataclass(frozen=True, kw_only=True)
 class EarlyStopPolicy:
     """When the sequential monitor (convergence.stats.sequential) may stop a test job.

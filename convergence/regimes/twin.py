@@ -89,6 +89,15 @@ class TwinRegime(ShippedRegime):
                 jobs.append(noisier)
         return tuple(jobs)
 
+    def resumed_controls(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
+        """A resuming test: its twins again, each loading the test's checkpoint and training
+        to the end (run/resume.py). Why: after K steps the twins' envelope has grown 5-7x
+        (BENCHMARKS "Twin envelope, long horizon"), so a layout broken from step K+1 passes
+        it; twins that start from the test's own state at K measure the noise from there (and
+        hold any drift the test brought to K, which they start from too). stats/resumed.py
+        judges the steps after K against them."""
+        return self.control_jobs(pair, backend)[1:]
+
     def check_control_runs(self, count: int) -> None:
         if count < 2:
             raise SpecError(

@@ -28,6 +28,7 @@ from convergence.spec.pair import PairSpec
 from convergence.stats.anchored import anchored_verdict
 from convergence.stats.provenance import with_golden_note
 from convergence.stats.registry import compare_all, get_comparison
+from convergence.stats.resumed import resumed_verdict
 from convergence.stats.types import MetricVerdict
 
 
@@ -52,6 +53,7 @@ def judge(
     upto: int | None = None,
     anchored: RunMetrics | None = None,
     anchored_twins: Sequence[RunMetrics] = (),
+    resumed_twins: Sequence[RunMetrics] = (),
 ) -> Judgement:
     """``test`` judged against ``controls`` (the control first, then what its regime runs
     beside it: twins, seed replicates) by ``pair.rules`` under ``calibration``.
@@ -63,10 +65,15 @@ def judge(
     (``pair.anchor_every``; convergence/run/anchors.py), judged after the rules as one more
     verdict, ``anchored`` (stats/anchored.py), on the controls' full curves;
     ``anchored_twins``: the twins' one step from the same anchors (twin rules' tolerance).
+    ``resumed_twins``: a resuming test's twins run again from its checkpoint (the regime's
+    ``resumed_controls``), judging the steps after the resume as one more verdict, ``resumed``
+    (stats/resumed.py).
     """
     runs = list(controls)
+    resumed = list(resumed_twins)
     if upto is not None:
         runs = [{m: c.upto(upto) for m, c in run.items()} for run in runs]
+        resumed = [{m: c.upto(upto) for m, c in run.items()} for run in resumed]
     with in_force(calibration):
         verdicts = compare_all(pair.rules, runs, test)
         if anchored is not None:
@@ -78,6 +85,11 @@ def judge(
                 anchored_twins=anchored_twins,
             )
             verdicts = (*verdicts, one_step)
+        if resumed and pair.test.resume is not None:
+            after = resumed_verdict(
+                pair.rules, runs, test, at_step=pair.test.resume.at_step, resumed_twins=resumed
+            )
+            verdicts = (*verdicts, *([after] if after is not None else []))
     verdicts = with_calibration_note(verdicts, calibration)
     if pair.golden:
         verdicts = with_golden_note(Path(pair.golden), verdicts, test_meta or {})

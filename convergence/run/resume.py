@@ -3,6 +3,9 @@
     job 1: the side's layout, steps 1..K, then a training checkpoint (DCP) and stop
     job 2: the resume layout, loads it, steps K+1..N
     -> one SideOutcome whose curves are job 1's then job 2's
+    + where the regime asks (Regime.resumed_controls: the twin regime's twins), its
+      control-side jobs loading the same checkpoint, steps K+1..N: the noise from the
+      test's state at K (stats/resumed.py judges the steps after K against them)
 
 Both jobs go through the job tier (run/jobs.py) like any test job (fresh, never from the run cache: a resume is
 what is under test) and feed the same early-stop monitor; a job 1 stopped early ends the side
@@ -13,14 +16,20 @@ checkpoint (convergence/trainer/resume.py: ResumeError), never a fresh start.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
+from convergence.run.probe import run_probe_job
+from convergence.run.probe_compare import compare_probe_files
+from convergence.run.together import run_together
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
+from convergence.spec.pair import PairSpec
 from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
 
 #: Where the side's checkpoint goes, inside the pair's run folder.
@@ -107,3 +116,69 @@ def run_resumed(
         wall_s=first.wall_s + second.wall_s,
         meta={**second.meta, "resume": {**info, "first_run": str(first.run_dir)}},
     )
+
+
+def resumed_checkpoint(test: SideOutcome) -> Path | None:
+    """The checkpoint a resuming test's second job loaded (None: it never resumed -- job 1
+    stopped early, or the side does not resume)."""
+    info = (test.meta or {}).get("resume")
+    if not isinstance(info, dict) or "first_run" not in info:
+        return None
+    return Path(str(info["checkpoint"]))
+
+
+def run_from_checkpoint(
+    runner: JobRunner, jobs: Sequence[JobSpec], checkpoint: Path, *, pair_dir: Path
+) -> list[RunMetrics]:
+    """Control-side ``jobs`` (the regime's ``resumed_controls``), each loading the test's
+    ``checkpoint`` and training to the end, at once where the pool has room. Never cached:
+    they start from the test's state, which is part of what is under test."""
+    resumed = [
+        dataclasses.replace(
+            job,
+            name=f"{job.name}-from-{checkpoint.name}",
+            overrides=(*job.overrides, (RESUME_FROM, str(checkpoint))),
+        )
+        for job in jobs
+    ]
+    sides = run_together(
+        [
+            partial(runner.run_job, "control", job, pair_dir=pair_dir, cacheable=False)
+            for job in resumed
+        ],
+        together=runner.settings.concurrent_controls,
+    )
+    return [side.metrics for side in sides]
+
+
+def probe_after_resume(
+    runner: JobRunner, pair: PairSpec, checkpoint: Path, *, pair_dir: Path
+) -> dict[str, Any]:
+    """The numerics probe of the step after the resume: the control's layout and the resume
+    layout each load the test's checkpoint and probe step K+1, compared module by module (as
+    the anchored check's probe does from an anchor). Errors are recorded, never raised."""
+    assert pair.test.resume is not None
+    at = pair.test.resume.at_step
+    step = at + 1
+    try:
+        paths = [
+            run_probe_job(
+                side,
+                dataclasses.replace(
+                    job, overrides=(*job.overrides, (RESUME_FROM, str(checkpoint)))
+                ),
+                pair_dir / "probe" / f"resume{at}",
+                runner=runner,
+                step=step,
+            )
+            for side, job in (("control", pair.control), ("test", pair.test.after_resume()))
+        ]
+        result = compare_probe_files(paths[0], paths[1])
+    except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
+        return {"error": f"numerics probe after the resume at {at} failed: {exc}", "step": step}
+    head = {"resume_step": at, "probe_files": f"{paths[0]} vs {paths[1]}"}
+    return {
+        **{k: v for k, v in result.items() if not isinstance(v, list)},
+        **head,
+        **{k: v for k, v in result.items() if isinstance(v, list)},
+    }

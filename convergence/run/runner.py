@@ -26,7 +26,7 @@ from convergence.calibration.select import select_calibration, use
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
-from convergence.regimes import Regime, get_regime
+from convergence.regimes import Regime, get_regime, resumed_controls
 from convergence.run.anchors import (
     anchored_failure,
     probe_at_anchor,
@@ -39,7 +39,12 @@ from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_se
 from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
-from convergence.run.resume import run_resumed
+from convergence.run.resume import (
+    probe_after_resume,
+    resumed_checkpoint,
+    run_from_checkpoint,
+    run_resumed,
+)
 from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
@@ -132,6 +137,7 @@ class Runner:
         test: SideOutcome | None = None
         anchored: SideOutcome | None = None
         anchored_twins: list[RunMetrics] = []
+        resumed_twins: list[RunMetrics] = []
         try:
             regime = get_regime(pair.regime)
             controls = self._controls(pair, pair_dir, regime=regime, jobs=jobs)
@@ -165,6 +171,11 @@ class Runner:
                 test = run_resumed(
                     jobs, "test", pair.test, pair_dir=pair_dir, on_metrics=on_metrics
                 )
+                # The regime's twins from the same checkpoint: the noise after the resume.
+                checkpoint = resumed_checkpoint(test)
+                again = resumed_controls(regime, pair, jobs.backend(pair.control))
+                if checkpoint is not None and again:
+                    resumed_twins = run_from_checkpoint(jobs, again, checkpoint, pair_dir=pair_dir)
             else:
                 test = jobs.run_job(
                     "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
@@ -205,6 +216,7 @@ class Runner:
             upto=stopped,
             anchored=anchored.metrics if anchored else None,
             anchored_twins=anchored_twins,
+            resumed_twins=resumed_twins,
         ).verdicts
         error = None
         if test.result is not None and test.result.status == "nan" and test.result.failure:
@@ -214,7 +226,7 @@ class Runner:
         if asked and error is None:  # the experiment named a metric that a run did not log
             status, error = "error", "not compared: " + "; ".join(asked)
         localisation = self._localise(
-            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control, jobs
+            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control, test, jobs
         )
         return PairOutcome(
             pair=pair,
@@ -238,16 +250,25 @@ class Runner:
         verdicts: Sequence[MetricVerdict],
         runs: Sequence[RunMetrics],
         control: SideOutcome,
+        test: SideOutcome,
         jobs: JobRunner,
     ) -> dict[str, Any] | None:
         """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
         step 1, and at the first divergent step when step 1 shows nothing; from the anchor
-        when the anchored check failed before the curves parted."""
-        if not wants_probe(pair, status) or pair.test.resume is not None:
-            # The probe replays a run from step 1 on one layout: it cannot replay a resume.
+        when the anchored check failed before the curves parted; from the test's checkpoint
+        when a resuming test parted after its resume."""
+        if not wants_probe(pair, status):
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
             return None  # the sides read different data: a numerics probe has nothing to add
+        if pair.test.resume is not None:
+            # The probe replays a run from step 1 on one layout: it cannot replay a resume,
+            # but both layouts can start from its checkpoint and probe the step after it.
+            checkpoint = resumed_checkpoint(test)
+            parted = first_divergent_step(verdicts)
+            if checkpoint is None or parted is None or parted <= pair.test.resume.at_step:
+                return None
+            return probe_after_resume(jobs, pair, checkpoint, pair_dir=pair_dir)
         anchor = anchored_failure(verdicts)
         parted = first_divergent_step([v for v in verdicts if v.metric != "anchored"])
         if anchor is not None and (parted is None or parted > anchor):

@@ -52,6 +52,8 @@ def parse_anchor_every(value: Any, test: JobSpec, *, golden: Any, file: str, key
             "anchor_every and resume on one test: the anchored steps need one test layout",
             file=file,
             key=where,
-            fix="put the anchored check on a test without resume",
+            fix="put the anchored check on a test without resume (after a resume, the twin "
+            "regime already judges the steps against its twins resumed from the same "
+            "checkpoint: the 'resumed' verdict)",
         )
     return value

@@ -11,6 +11,10 @@ any S), built by the module's ``__getattr__``. Up to step S-1 the hook is exactl
 layout; from step S on (``convergence.trainer.step_clock.current_step()``, which the training
 loop sets, so a resumed or anchored job at step K+1 gets K+1) it is the bug of the same name in
 sequence_and_data.py / tensor_parallel.py.
+
+A resume onto a broken layout late in a run needs no hook of its own: the catalogue's
+``late_resume`` cases (catalogue.py) put the CP-rope and row-wise bugs on the resume layout of a
+test that trains FSDP2 up to step 400, where they change nothing (no CP, no TP mesh).
 """
 
 from __future__ import annotations

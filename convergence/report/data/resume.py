@@ -37,10 +37,12 @@ def resume_note(resume: Resume, first_divergent: int | None, before: str) -> str
             f" the layout {before} itself differs from the control"
         )
     if first_divergent <= at + AT_RESUME_STEPS:
+        # Onto another layout, that layout itself is the other suspect (a late broken layout).
+        onto = f", or the layout {after} differs from the control" if after != before else ""
         return (
             f"the divergence starts at the resume: step {first_divergent}, right after the "
             f"{where} -- the checkpoint lost or changed state (weights, optimizer, LR "
-            "schedule, data position, RNG)"
+            f"schedule, data position, RNG){onto}"
         )
     return (
         f"the divergence starts at step {first_divergent}, {first_divergent - at} steps "

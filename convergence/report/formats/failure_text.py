@@ -18,6 +18,7 @@ from convergence.run.outcome import PairOutcome
 from convergence.run.probe_compare import summary_items
 from convergence.spec.job import JobSpec
 from convergence.stats.anchored import ANCHORED
+from convergence.stats.resumed import RESUMED
 from convergence.stats.types import MetricVerdict
 
 TRACEBACK_HEAD_LINES = 25
@@ -100,7 +101,7 @@ def headline(outcome: PairOutcome) -> str:
         return f"{pair.pair_id}: {outcome.status.upper()}"
     parts = []
     for v in failing:
-        if v.metric == ANCHORED:  # its message names the anchor: "from the control's state at"
+        if v.metric in (ANCHORED, RESUMED):  # its message names the anchor or the resume
             parts.append(v.message)
             continue
         where = (
