@@ -38,10 +38,10 @@ MORE: dict[str, tuple[int, str]] = {
         "job; a third party implements the same methods",
     ),
     "run/jobs.py": (
-        7,
-        "the pair tier (runner.py) on the job tier's API it extends: the session's job "
-        "settings on each side, the pair folder's name, each side's backend, the controls' "
-        "and the test's runs",
+        8,
+        "the pair tier (runner.py) on the job tier it holds: the pair's view of it "
+        "(reporting_to, the pair's printer), the session's job settings on each side, the "
+        "pair folder's name, each side's backend, the controls' and the test's runs",
     ),
     "stats/_common.py": (
         6,

@@ -165,7 +165,7 @@ def _run_twin(tmp_path: Path, work: str, *, together: bool) -> tuple[PairOutcome
         on_progress=intervals,
     )
     runner = Runner(settings)
-    assert runner.pool.size == 8  # the default CPU pool: room for 2 + 4 + 2 ranks at once
+    assert runner.jobs.pool.size == 8  # the default CPU pool: room for 2 + 4 + 2 ranks at once
     outcome = runner.run_pair(pair)
     assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
     return outcome, intervals
