@@ -210,15 +210,15 @@ def check_checkpoint(folder: str, wanted: dict[str, Any]) -> None:
         )
 
 
-def _dp_degree(trainer: Any) -> int:
+def dp_degree(trainer: Any) -> int:
     dims = trainer.parallel_dims
     return int(dims.dp_replicate) * int(dims.dp_shard)
 
 
-def _global_batch(trainer: Any) -> int:
+def global_batch(trainer: Any) -> int:
     training = trainer.config.training
     size = int(training.global_batch_size)
-    return size if size > 0 else int(training.local_batch_size) * _dp_degree(trainer)
+    return size if size > 0 else int(training.local_batch_size) * dp_degree(trainer)
 
 
 @pinned(torchtitan="0.3", torch="2.13")
@@ -244,8 +244,8 @@ def stop_after(step: int) -> None:
             record = manifest(
                 self.config,
                 step=step,
-                dp_degree=_dp_degree(self),
-                global_batch_size=_global_batch(self),
+                dp_degree=dp_degree(self),
+                global_batch_size=global_batch(self),
             )
             folder = Path(self.checkpointer.folder)
             (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
@@ -264,7 +264,7 @@ def resume_from(folder: str) -> None:
 
     def train_from_the_checkpoint(self: Any) -> None:
         wanted = manifest(
-            self.config, step=0, dp_degree=_dp_degree(self), global_batch_size=_global_batch(self)
+            self.config, step=0, dp_degree=dp_degree(self), global_batch_size=global_batch(self)
         )
         check_checkpoint(folder, wanted)
         train(self)
