@@ -4,13 +4,15 @@ trains one step from each (convergence/backends/torchtitan/anchors.py), and the 
 them with the control's own next step (convergence/stats/anchored.py).
 
 One session, 12 steps, anchors at steps 4 and 8: a correct TP2 layout passes; a bug that starts
-at step 7 (tests/fixtures/hooks/planted_titan_late_bugs.py) fails the ``anchored`` verdict at
-anchor 8, the first after it. Plus, without training: the command lines, and the DP-degree
-change torchtitan cannot load, refused at collection.
+at step 9 (tests/fixtures/hooks/planted_titan_late_bugs.py) fails the ``anchored`` verdict at
+anchor 8, whose one step is the bug's first, and the numerics probe starts from that anchor
+(both layouts load torchtitan's step-8) and names the buggy parameter. Plus, without training:
+the command lines, and the DP-degree change torchtitan cannot load, refused at collection.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -39,10 +41,11 @@ from convergence.regimes import REGISTRY
 from convergence.run.anchors import anchored_job, with_anchor_saves
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
+from convergence.spec.resume import RESUME_FROM
 
 pytestmark = pytest.mark.xdist_group("torchtitan_anchors")
 
-STEPS, EVERY, FIRST_BAD_STEP = 12, 4, 7
+STEPS, EVERY, FIRST_BAD_STEP = 12, 4, 9
 DEFAULTS = {
     "backend": "torchtitan",
     "backend_options": {"module": "llama3", "config": "llama3_debugmodel"},
@@ -101,6 +104,13 @@ def test_the_anchor_keys_become_torchtitans_options(tmp_path: Path) -> None:
     )
     ckpt = backend.effective_config(test).checkpoint
     assert (ckpt.enable, ckpt.folder, ckpt.load_only) == (True, str(folder), True)
+    # The probe from anchor 8 (run/anchors.py names it <anchors>/step8, the built-in
+    # trainer's folder): torchtitan loads its step-8 from the anchors folder.
+    probe = dataclasses.replace(
+        pair.test, overrides=(*pair.test.overrides, (RESUME_FROM, str(folder / "step8")))
+    )
+    ckpt = backend.effective_config(probe).checkpoint
+    assert (ckpt.folder, ckpt.load_step, ckpt.load_only) == (str(folder), 8, True)
     seed = backend.seed_entry(control, tmp_path / "seed")  # the seed checkpoint: no anchors
     assert not any("anchor_every" in w or "interval" in w for w in seed)
 
@@ -129,10 +139,10 @@ def at(curve: Curve, step: int) -> float:
     return float(curve.values[list(curve.steps).index(step)])
 
 
-# -- trained: a correct layout passes, a late bug fails at the first anchor after it -------------
+# -- trained: a correct layout passes, a late bug fails at its anchor and is probed there ---------
 
 
-def test_a_late_bug_fails_at_the_first_anchor_after_it(
+def test_a_late_bug_fails_at_its_anchor_and_is_probed_there(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     doc = experiment(
@@ -141,7 +151,7 @@ def test_a_late_bug_fails_at_the_first_anchor_after_it(
             {
                 "name": "late-bug",
                 "parallelism": SINGLE,
-                "hook": "planted_titan_late_bugs:double_ffn_grad_from_step7",
+                "hook": "planted_titan_late_bugs:double_ffn_grad_from_step9",
             },
         ]
     )
@@ -161,14 +171,18 @@ def test_a_late_bug_fails_at_the_first_anchor_after_it(
     correct, buggy = verdicts["tp2"], verdicts["late-bug"]
     assert correct["passed"] and correct["details"]["anchors"] == [4, 8], correct
     assert not buggy["passed"], buggy
-    assert buggy["details"]["anchor_step"] == 8, buggy  # the first anchor after step 7
+    assert buggy["details"]["anchor_step"] == 8, buggy  # its step 9 is the bug's first
     assert buggy["details"]["anchors_failing"] == [8], buggy  # anchor 4 is still right
     assert "from the control's state at step 8" in out, out
+    # The probe started from that anchor (no replay of the run up to it) and names the bug.
+    probe = outcomes["late-bug"]["localisation"]
+    assert "error" not in probe and probe["anchor_step"] == 8, probe
+    assert probe["parameter"] == "layers.0.feed_forward.w2.weight", probe
     # torchtitan's own lines: the anchored jobs train steps 5 and 9 only.
     anchored = [line for line in lines if "-anchored" in line.split(":")[0]]
     assert anchored and {re.search(r"step:\s+(\d+)", x)[1] for x in anchored} == {"5", "9"}  # type: ignore[index]
     # Saving anchors leaves the control's curve as it is: bitwise the same layout's without
-    # them (the late bug's side) up to the bug, past anchor 4; and the anchored step 5 of that
+    # them (the late bug's side) up to the bug, past anchors 4 and 8; and the anchored step 5 of that
     # layout is bitwise the control's own, on the control's batch (the data position loads).
     runs = work / "runs"
     control = metrics(next(runs.glob("*/control-*")))  # run once, by the first pair

@@ -205,3 +205,23 @@ def train_from_anchors(folder: str) -> None:
             batches.close()
 
     Trainer.train = train_from_each_anchor
+
+
+@pinned(torchtitan="0.3", torch="2.13")
+def resume_from_anchor(path: str) -> None:
+    """The anchored check's probe (``checkpoint.resume_from=<anchors>/step<K>``,
+    resume.anchor_of): before torchtitan loads step-K of the anchors folder
+    (``--checkpoint.load_step``), the folder holds that anchor, of this run."""
+    from torchtitan.trainer import Trainer
+
+    anchor = resume.anchor_of(path)
+    assert anchor is not None
+    folder, step = anchor
+    train = Trainer.train
+
+    def train_from_the_anchor(self: Any) -> None:
+        if step not in check_anchors(folder, _manifest(self, 0)):
+            raise resume.cannot_serve(path, f"the control saved no anchor {step}", "probe from one")
+        train(self)
+
+    Trainer.train = train_from_the_anchor

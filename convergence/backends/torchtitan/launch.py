@@ -141,7 +141,9 @@ def install(options: LaunchOptions) -> None:
         install_probe(options.probe.step)
     if options.stop_after:
         resume.stop_after(options.stop_after)
-    if options.resume_from:
+    if options.resume_from and resume.anchor_of(options.resume_from):
+        anchors.resume_from_anchor(options.resume_from)  # the anchored check's probe
+    elif options.resume_from:
         resume.resume_from(options.resume_from)
     if options.anchor_every:
         anchors.save_anchors(options.anchor_every)

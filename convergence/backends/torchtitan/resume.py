@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan.patches import pinned
+from convergence.spec.anchors import ANCHORS_DIR
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
@@ -72,12 +73,32 @@ def torchtitan_words(keys: dict[str, str]) -> list[str]:
             "--checkpoint.keep_latest_k=0",
         ]
     if RESUME_FROM in keys:
+        anchor = anchor_of(keys[RESUME_FROM])
+        if anchor is not None:  # the anchored check's probe: one of the control's anchors
+            folder, step = anchor
+            return [
+                "--checkpoint.enable",
+                f"--checkpoint.folder={folder}",
+                "--checkpoint.load_only",
+                f"--checkpoint.load_step={step}",
+            ]
         return [
             "--checkpoint.enable",
             f"--checkpoint.folder={keys[RESUME_FROM]}",
             "--checkpoint.load_only",  # load, never save: the checkpoint is job 1's
         ]
     return []
+
+
+def anchor_of(path: str) -> tuple[str, int] | None:
+    """(the anchors folder, K) when ``path`` names an anchor the way the library does for the
+    built-in trainer (``<dump>/anchors/step<K>``: convergence/run/anchors.py probes from it);
+    torchtitan keeps it as ``step-K`` in that folder, loaded with ``--checkpoint.load_step``."""
+    where = Path(path)
+    number = where.name.removeprefix("step")
+    if where.parent.name != ANCHORS_DIR or not where.name.startswith("step"):
+        return None
+    return (str(where.parent), int(number)) if number.isdigit() else None
 
 
 def launch_words(keys: dict[str, str]) -> list[str]:
