@@ -143,6 +143,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                     key=f"{key}.anchor_every",
                     fix="drop anchor_every from this pair, or run it on the built-in trainer",
                 )
+        check_anchor_layouts(pair, backends, file=file, key=key)
     try:
         regime = get_regime(pair.regime)
     except SpecError as exc:
@@ -178,6 +179,33 @@ def check_train_config(job: JobSpec, backend: Backend) -> None:
     if backend.capabilities.needs_train_config and str(job.train_config) == NO_TRAIN_CONFIG:
         raise SpecError(
             "no train_config", key="train_config", fix=backend.capabilities.train_config_fix
+        )
+
+
+def check_anchor_layouts(
+    pair: PairSpec, backends: dict[str, Backend], *, file: str, key: str
+) -> None:
+    """What the anchored check needs of the two sides beyond each backend's say: the anchors
+    are one trainer's checkpoints, and some trainers cannot load them onto another DP degree."""
+    control, test = backends["control"], backends[key]
+    if control.name != test.name:
+        raise SpecError(
+            f"anchor_every: the test ({test.name!r}) cannot load the control's anchors, which "
+            f"are the {control.name!r} trainer's checkpoints",
+            file=file,
+            key=f"{key}.anchor_every",
+            fix="run both sides on one backend, or drop anchor_every from this pair",
+        )
+    before, after = pair.control.layout.dp, pair.test.layout.dp
+    if test.capabilities.anchors_keep_dp and before != after:
+        raise SpecError(
+            f"anchor_every: the test's data-parallel degree ({after}) is not the control's "
+            f"({before}), and the {test.name!r} trainer's dataloader keeps one position per DP "
+            "rank: it cannot load the control's anchors onto another DP degree",
+            file=file,
+            key=f"{key}.anchor_every",
+            fix=f"keep dp_replicate x dp_shard = {before} on the test (add tp, pp or cp ranks "
+            "instead), or drop anchor_every from this pair",
         )
 
 

@@ -109,8 +109,7 @@ def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
     ("backend", "options"),
     [
         ("command", 'backend_options = { command = ["python", "train.py", "{dump_dir}"] }'),
-        # torchtitan resumes through its own DCP checkpoint, but has no anchored steps.
-        ("torchtitan", ""),
+        # (torchtitan has them: tests/test_torchtitan_anchors.py)
     ],
 )
 def test_a_backend_without_anchored_steps_cannot_be_anchored(

@@ -30,6 +30,9 @@ class Capabilities:
     """The anchored check (run/anchors.py): the control saves its whole state every N steps
     (``--checkpoint.anchor_every``) and a job trains one step from each of those states
     (``--checkpoint.anchored_from``)."""
+    anchors_keep_dp: bool = False
+    """The anchored job must keep the control's data-parallel degree: the trainer's data
+    position cannot move onto another one when it loads an anchor (torchtitan's dataloader)."""
     twins_by_default: bool = False
     """``noise_twin`` derives twins for the usual controls: where both sides' backends do
     (and the runs are not bitwise pairable), twin is a pair's default regime, else the seed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from convergence.backends.torchtitan import resume
+from convergence.backends.torchtitan import anchors, resume
 from convergence.backends.torchtitan.assets import asset_paths
 from convergence.spec.job import JobSpec
 
@@ -120,9 +120,8 @@ def build_argv(
     module, config = module_and_config(job)
     options = backend_options(job)
     hf_assets, dataset_path = asset_paths(job)
-    user, checkpoint = resume.split_overrides(
-        k_v for k_v in job.overrides if not _is_ac_key(k_v[0])
-    )
+    plain, anchor = anchors.split_overrides(job.overrides)
+    user, checkpoint = resume.split_overrides(k_v for k_v in plain if not _is_ac_key(k_v[0]))
     user_ac = [(k, v) for k, v in job.overrides if _is_ac_key(k)]
     return [
         "--module",
@@ -138,6 +137,7 @@ def build_argv(
         # User overrides come after the spec-derived words so they win.
         *(override_arg(k, v) for k, v in user),
         *resume.torchtitan_words(checkpoint),  # a resuming side's phase (resume.py)
+        *anchors.torchtitan_words(anchor, dump_dir),  # the anchored check (anchors.py)
         AC_SUBCOMMANDS[job.techniques.activation_checkpoint],
         *(override_arg(k, v) for k, v in user_ac),
     ]
@@ -145,9 +145,10 @@ def build_argv(
 
 def launch_options(job: JobSpec, dump_dir: Path) -> list[str]:
     """The wrapper's own words (convergence/backends/torchtitan/launch.py): its per-step
-    records, the user's hook, a resuming side's phase."""
+    records, the user's hook, a resuming side's phase, the anchored check's part."""
     words = [f"--convergence.log={dump_dir / STEP_LOG}"]
     words += resume.launch_words(resume.split_overrides(job.overrides)[1])
+    words += anchors.launch_words(anchors.split_overrides(job.overrides)[1])
     if job.hook:
         words += [f"--convergence.hook={job.hook}", f"--convergence.hook_mode={job.hook_mode}"]
     return words

@@ -12,6 +12,7 @@ from typing import Any
 
 from convergence.backends.base import Capabilities, CodeIdentity
 from convergence.backends.effective import once_per_job
+from convergence.backends.torchtitan import anchors
 from convergence.backends.torchtitan.argv import (
     LAUNCH_MODULE,
     OPTION_KEYS,
@@ -67,9 +68,15 @@ def source_hash() -> str:
 class TorchtitanBackend:
     name = "torchtitan"
     # probe: the launcher wrapper runs the numerics probe inside torchtitan's own loop
-    # (probe.py); resume: torchtitan's own DCP checkpointing (resume.py).
+    # (probe.py); resume and anchors: torchtitan's own DCP checkpointing (resume.py,
+    # anchors.py), whose dataloader cannot change its DP degree at a load.
     capabilities = Capabilities(
-        resume=True, twins_by_default=True, needs_train_config=False, probe=True
+        resume=True,
+        anchors=True,
+        anchors_keep_dp=True,
+        twins_by_default=True,
+        needs_train_config=False,
+        probe=True,
     )
 
     def code_identity(self, job: JobSpec) -> CodeIdentity:
@@ -306,12 +313,13 @@ class TorchtitanBackend:
 
 def _one_process(job: JobSpec) -> JobSpec:
     """The job on a single rank (seed checkpoint): no parallelism, no techniques, and not a
-    resuming side's phase (its checkpoint words would replace the seed folder)."""
+    resuming side's phase nor a part of the anchored check (their checkpoint words would
+    replace the seed folder)."""
 
     return dataclasses.replace(
         job,
         layout=ParallelLayout(),
         techniques=Techniques(),
         steps=1,
-        overrides=tuple(split_overrides(job.overrides)[0]),
+        overrides=tuple(split_overrides(anchors.split_overrides(job.overrides)[0])[0]),
     )

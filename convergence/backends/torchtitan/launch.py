@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from convergence.backends.torchtitan import patches, resume
+from convergence.backends.torchtitan import anchors, patches, resume
 from convergence.backends.torchtitan.argv import flag
 from convergence.backends.torchtitan.model_parts import wrap_model_spec
 from convergence.backends.torchtitan.probe import ProbeOptions, install_probe
@@ -56,6 +56,11 @@ class LaunchOptions:
     (0: train to the end; convergence/backends/torchtitan/resume.py)."""
     resume_from: str = ""
     """A resuming side's job 2: the checkpoint folder, checked before torchtitan loads it."""
+    anchor_every: int = 0
+    """The anchored check's control: save an anchor after every N-th step (0: none;
+    convergence/backends/torchtitan/anchors.py)."""
+    anchored_from: str = ""
+    """The anchored job: the control's anchors folder, one step trained from each."""
 
 
 def probe_options(words: list[str]) -> ProbeOptions:
@@ -103,15 +108,16 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
         key, sep, value = word[len(PREFIX) :].partition("=")
         if key == "cpu":
             ours["cpu"] = True
-        elif key in ("hook", "hook_mode", "log", "resume_from") and sep:
+        elif key in ("hook", "hook_mode", "log", "resume_from", "anchored_from") and sep:
             ours[key] = value
-        elif key == "stop_after" and sep and value.isdigit():
+        elif key in ("stop_after", "anchor_every") and sep and value.isdigit():
             ours[key] = int(value)
         else:
             raise SystemExit(
                 f"the torchtitan launcher: unknown option {word!r} (use "
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
-                f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR)"
+                f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR, "
+                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR)"
             )
     return LaunchOptions(**ours), tyro_form(rest)
 
@@ -135,8 +141,14 @@ def install(options: LaunchOptions) -> None:
         install_probe(options.probe.step)
     if options.stop_after:
         resume.stop_after(options.stop_after)
-    if options.resume_from:
+    if options.resume_from and resume.anchor_of(options.resume_from):
+        anchors.resume_from_anchor(options.resume_from)  # the anchored check's probe
+    elif options.resume_from:
         resume.resume_from(options.resume_from)
+    if options.anchor_every:
+        anchors.save_anchors(options.anchor_every)
+    if options.anchored_from:
+        anchors.train_from_anchors(options.anchored_from)
     patches.on_parsed_config(
         lambda config: wrap_model_spec(
             config, cpu=cpu, hook=options.hook, hook_mode=options.hook_mode

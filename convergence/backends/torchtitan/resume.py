@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan.patches import pinned
+from convergence.spec.anchors import ANCHORS_DIR
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
@@ -72,12 +73,32 @@ def torchtitan_words(keys: dict[str, str]) -> list[str]:
             "--checkpoint.keep_latest_k=0",
         ]
     if RESUME_FROM in keys:
+        anchor = anchor_of(keys[RESUME_FROM])
+        if anchor is not None:  # the anchored check's probe: one of the control's anchors
+            folder, step = anchor
+            return [
+                "--checkpoint.enable",
+                f"--checkpoint.folder={folder}",
+                "--checkpoint.load_only",
+                f"--checkpoint.load_step={step}",
+            ]
         return [
             "--checkpoint.enable",
             f"--checkpoint.folder={keys[RESUME_FROM]}",
             "--checkpoint.load_only",  # load, never save: the checkpoint is job 1's
         ]
     return []
+
+
+def anchor_of(path: str) -> tuple[str, int] | None:
+    """(the anchors folder, K) when ``path`` names an anchor the way the library does for the
+    built-in trainer (``<dump>/anchors/step<K>``: convergence/run/anchors.py probes from it);
+    torchtitan keeps it as ``step-K`` in that folder, loaded with ``--checkpoint.load_step``."""
+    where = Path(path)
+    number = where.name.removeprefix("step")
+    if where.parent.name != ANCHORS_DIR or not where.name.startswith("step"):
+        return None
+    return (str(where.parent), int(number)) if number.isdigit() else None
 
 
 def launch_words(keys: dict[str, str]) -> list[str]:
@@ -210,15 +231,15 @@ def check_checkpoint(folder: str, wanted: dict[str, Any]) -> None:
         )
 
 
-def _dp_degree(trainer: Any) -> int:
+def dp_degree(trainer: Any) -> int:
     dims = trainer.parallel_dims
     return int(dims.dp_replicate) * int(dims.dp_shard)
 
 
-def _global_batch(trainer: Any) -> int:
+def global_batch(trainer: Any) -> int:
     training = trainer.config.training
     size = int(training.global_batch_size)
-    return size if size > 0 else int(training.local_batch_size) * _dp_degree(trainer)
+    return size if size > 0 else int(training.local_batch_size) * dp_degree(trainer)
 
 
 @pinned(torchtitan="0.3", torch="2.13")
@@ -244,8 +265,8 @@ def stop_after(step: int) -> None:
             record = manifest(
                 self.config,
                 step=step,
-                dp_degree=_dp_degree(self),
-                global_batch_size=_global_batch(self),
+                dp_degree=dp_degree(self),
+                global_batch_size=global_batch(self),
             )
             folder = Path(self.checkpointer.folder)
             (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
@@ -264,7 +285,7 @@ def resume_from(folder: str) -> None:
 
     def train_from_the_checkpoint(self: Any) -> None:
         wanted = manifest(
-            self.config, step=0, dp_degree=_dp_degree(self), global_batch_size=_global_batch(self)
+            self.config, step=0, dp_degree=dp_degree(self), global_batch_size=global_batch(self)
         )
         check_checkpoint(folder, wanted)
         train(self)

@@ -1,0 +1,227 @@
+"""The anchored check for torchtitan jobs, through torchtitan's own DCP checkpointing.
+
+The control and the anchored job get the built-in trainer's keys (convergence/run/anchors.py);
+here they become torchtitan's words and the launcher's:
+
+    control   checkpoint.anchor_every=N
+              --checkpoint.enable --checkpoint.folder=<dump>/anchors --checkpoint.interval=N
+              (torchtitan saves model, optimizer, LR schedulers, dataloader and train state
+              after every N-th step, each rank its own shards), and the launcher
+              (--convergence.anchor_every=N) starts from the seed checkpoint whatever the
+              folder holds, skips torchtitan's forced save of the last step (no step follows
+              it to compare) and, after each save, rank 0 writes <folder>/MANIFEST: what the
+              run trained for and the anchors written so far
+    anchored  checkpoint.anchored_from=F (+ the built-in trainer's metrics.val_every=0,
+              dropped: torchtitan has no such key, and the anchored loop validates nothing)
+              --checkpoint.enable --checkpoint.folder=F --checkpoint.load_only
+              and the launcher (--convergence.anchored_from=F) checks the manifest, then
+              replaces torchtitan's loop: for each anchor K, ``checkpointer.load(step=K)``
+              (DCP reshards it onto this layout), one ``train_step`` on the batch the control
+              trained at K+1, logged as step K+1 -- one process, one Trainer, every anchor
+
+Its metrics (TensorBoard, the wrapper's step records) are one curve over the steps K+1, as the
+built-in trainer's anchored job logs them; convergence/stats/anchored.py judges them.
+
+What torchtitan 0.3 cannot load is refused at collection (the backend's ``Capabilities``:
+``anchors_keep_dp``): its dataloader keeps one position per data-parallel rank and refuses
+another DP degree at load, so the test keeps the control's DP degree (as a resume does).
+
+The launcher's side imports torch and torchtitan inside the functions: this module is read at
+collection.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from convergence.backends.torchtitan import resume
+from convergence.backends.torchtitan.patches import pinned
+from convergence.spec.anchors import ANCHORS_DIR
+
+#: The built-in trainer's keys (convergence/run/anchors.py writes them into the overrides).
+ANCHOR_EVERY = "checkpoint.anchor_every"
+ANCHORED_FROM = "checkpoint.anchored_from"
+ANCHOR_KEYS = (ANCHOR_EVERY, ANCHORED_FROM)
+#: The anchored job's "no validation" in the built-in trainer's words; no torchtitan key.
+VAL_EVERY = "metrics.val_every"
+#: What the control trained for and its anchors so far (rank 0, in the anchors folder).
+MANIFEST = "convergence_anchors.json"
+
+
+def split_overrides(
+    overrides: Iterable[tuple[str, str]],
+) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(the overrides torchtitan reads, the anchor keys by name). An anchored job's
+    ``metrics.val_every`` goes too (see the module docstring)."""
+    items = list(overrides)
+    anchored = any(key.lstrip("-") == ANCHORED_FROM for key, _ in items)
+    rest, keys = [], {}
+    for key, value in items:
+        name = key.lstrip("-")
+        if name in ANCHOR_KEYS:
+            keys[name] = value
+        elif not (anchored and name == VAL_EVERY):
+            rest.append((key, value))
+    return rest, keys
+
+
+def anchors_folder(dump_dir: Path) -> Path:
+    """Where a control keeps its anchors (the folder convergence/run/anchors.py reads)."""
+    return dump_dir / ANCHORS_DIR
+
+
+def torchtitan_words(keys: dict[str, str], dump_dir: Path) -> list[str]:
+    """torchtitan's checkpoint options for the anchor keys (none: no words). They come after
+    the seed checkpoint's load words (argv.load_args), and win over them."""
+    if ANCHOR_EVERY in keys:
+        return [
+            "--checkpoint.enable",
+            f"--checkpoint.folder={anchors_folder(dump_dir)}",  # absolute
+            f"--checkpoint.interval={keys[ANCHOR_EVERY]}",
+            "--checkpoint.no-load_only",
+            # Keep every anchor: no purge thread.
+            "--checkpoint.keep_latest_k=0",
+        ]
+    if ANCHORED_FROM in keys:
+        return [
+            "--checkpoint.enable",
+            f"--checkpoint.folder={keys[ANCHORED_FROM]}",
+            "--checkpoint.load_only",  # load, never save: the anchors are the control's
+        ]
+    return []
+
+
+def launch_words(keys: dict[str, str]) -> list[str]:
+    """The launcher's options (convergence/backends/torchtitan/launch.py)."""
+    if ANCHOR_EVERY in keys:
+        return [f"--convergence.anchor_every={keys[ANCHOR_EVERY]}"]
+    if ANCHORED_FROM in keys:
+        return [f"--convergence.anchored_from={keys[ANCHORED_FROM]}"]
+    return []
+
+
+# -- the launcher's side -------------------------------------------------------------------------
+
+
+def check_anchors(folder: str, wanted: dict[str, Any]) -> list[int]:
+    """The anchored job, before anything loads: ``folder`` holds the control's anchors, of
+    this run (its manifest, and each listed anchor's DCP metadata); their steps, ascending."""
+    path = Path(folder)
+    record = path / MANIFEST
+    if not record.is_file():
+        raise resume.cannot_serve(
+            folder, f"{MANIFEST} is missing", "run the control with anchor_every first"
+        )
+    saved = json.loads(record.read_text(encoding="utf-8"))
+    anchors = sorted(int(k) for k in saved.pop("anchors", []))
+    missing = [k for k in anchors if not (path / f"step-{k}" / ".metadata").is_file()]
+    if not anchors or missing:
+        raise resume.cannot_serve(
+            folder,
+            f"no DCP checkpoint (step-K/.metadata) of anchors {missing}"
+            if missing
+            else "it lists no anchor",
+            "run the control with anchor_every again",
+        )
+    wrong = resume.differences(saved, wanted)
+    if wrong:
+        raise resume.cannot_serve(
+            folder,
+            "its anchors were trained for another run: " + "; ".join(wrong[:4]),
+            "take the anchors of this pair's own control"
+            + (
+                " (keep the control's data-parallel degree)"
+                if any(w.startswith("dp_degree") for w in wrong)
+                else ""
+            ),
+        )
+    return anchors
+
+
+def _manifest(trainer: Any, step: int) -> dict[str, Any]:
+    return resume.manifest(
+        trainer.config,
+        step=step,
+        dp_degree=resume.dp_degree(trainer),
+        global_batch_size=resume.global_batch(trainer),
+    )
+
+
+@pinned(torchtitan="0.3", torch="2.13")
+def save_anchors(every: int) -> None:
+    """The control: torchtitan saves after every ``every``-th step (``checkpoint.interval``)
+    but not after the last; rank 0 lists each anchor in the manifest once it is written."""
+    import torch.distributed as dist
+    from torchtitan.trainer import Trainer
+
+    train = Trainer.train
+
+    def train_saving_anchors(self: Any) -> None:
+        checkpointer = self.checkpointer
+        # Always the seed checkpoint: anchors a previous attempt left are never loaded.
+        checkpointer._find_load_step = lambda folder="": -1
+        save = checkpointer.save
+        folder = Path(checkpointer.folder)
+        written: list[int] = []
+
+        def save_anchor(curr_step: int, last_step: bool = False) -> bool:
+            if last_step or curr_step >= self.config.training.steps or curr_step % every:
+                return False
+            saved = bool(save(curr_step, last_step=False))
+            if saved and (not dist.is_initialized() or dist.get_rank() == 0):
+                written.append(curr_step)
+                record = {**_manifest(self, curr_step), "anchors": written}
+                (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
+            return saved
+
+        checkpointer.save = save_anchor
+        train(self)
+
+    Trainer.train = train_saving_anchors
+
+
+@pinned(torchtitan="0.3", torch="2.13")
+def train_from_anchors(folder: str) -> None:
+    """The anchored job: torchtitan's training loop replaced by one step from each anchor
+    (the module docstring)."""
+    from torchtitan.trainer import Trainer
+
+    def train_from_each_anchor(self: Any) -> None:
+        anchors = check_anchors(folder, _manifest(self, 0))
+        for anchor in anchors:
+            self.checkpointer.load(step=anchor)  # model, optimizer, schedule, data, step
+            if self.step != anchor:
+                raise SystemExit(
+                    f"anchor {folder}/step-{anchor} loaded step {self.step}, not {anchor}"
+                )
+            self.step += 1
+            self.gc_handler.run(self.step)
+            # A fresh iterator: the dataloader goes on from the position it just loaded.
+            batches = self.batch_generator(self.dataloader)
+            self.train_step(batches)
+            batches.close()
+
+    Trainer.train = train_from_each_anchor
+
+
+@pinned(torchtitan="0.3", torch="2.13")
+def resume_from_anchor(path: str) -> None:
+    """The anchored check's probe (``checkpoint.resume_from=<anchors>/step<K>``,
+    resume.anchor_of): before torchtitan loads step-K of the anchors folder
+    (``--checkpoint.load_step``), the folder holds that anchor, of this run."""
+    from torchtitan.trainer import Trainer
+
+    anchor = resume.anchor_of(path)
+    assert anchor is not None
+    folder, step = anchor
+    train = Trainer.train
+
+    def train_from_the_anchor(self: Any) -> None:
+        if step not in check_anchors(folder, _manifest(self, 0)):
+            raise resume.cannot_serve(path, f"the control saved no anchor {step}", "probe from one")
+        train(self)
+
+    Trainer.train = train_from_the_anchor
