@@ -157,8 +157,9 @@ def key_rows() -> list[KeyRow]:
         (
             "",
             ("anchor_every",),
-            "the anchored check (off unless set; built-in trainer): every N steps the control "
-            "saves its whole training state and the test layout trains one step from each; "
+            "the anchored check (off unless set; built-in trainer and torchtitan, through its "
+            "own DCP checkpoints, the test keeping the control's DP degree): every N steps the "
+            "control saves its whole training state and the test layout trains one step from each; "
             "each such step must match the control's own next step at the one-step tolerance "
             "(twin pairs: sized by the twins' one step from the same states; a gap above half "
             "of it at two consecutive anchors also fails; each part's grad norm, "
