@@ -6,9 +6,11 @@ replaces only that section, so scripts can be rerun in any order.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS_MD = REPO / "BENCHMARKS.md"
@@ -29,6 +31,15 @@ def machine() -> str:
         f"torch {torch.__version__}, Python {platform.python_version()}, "
         f"1-min load {load:.1f} at the end"
     )
+
+
+def record_line(path: Path, line: dict[str, Any]) -> None:
+    """Append ``line`` to the JSONL results file ``path`` as soon as it is measured (a long
+    benchmark stopped midway keeps every pair it finished) and print it."""
+    text = json.dumps(line, default=str)
+    with path.open("a") as out:
+        out.write(text + "\n")
+    print(text, flush=True)
 
 
 def write_section(name: str, body: str, path: Path = BENCHMARKS_MD) -> None:

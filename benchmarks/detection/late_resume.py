@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # catalogue, pairs
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
-from _report import machine
+from _report import machine, record_line
 from catalogue import Case, late_resume
 from pairs import DEBUG_CONFIG, build_pairs
 
@@ -207,9 +207,7 @@ def main() -> int:
                 machine=machine(),
                 when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             )
-            with args.out.open("a") as out:
-                out.write(json.dumps(line, default=str) + "\n")
-            print(json.dumps(line, default=str), flush=True)
+            record_line(args.out, line)
     return 0
 
 
