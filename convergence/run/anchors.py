@@ -24,8 +24,7 @@ from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_part_norms
 from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
-from convergence.run.probe import run_probe_job
-from convergence.run.probe_compare import compare_probe_files
+from convergence.run.probe import probe_from_checkpoint
 from convergence.run.together import run_together
 from convergence.spec.anchors import ANCHORS_DIR
 from convergence.spec.errors import RunFailed, SpecError
@@ -143,32 +142,14 @@ def anchored_failure(verdicts: Sequence[MetricVerdict]) -> int | None:
 def probe_at_anchor(
     runner: JobRunner, pair: PairSpec, control: SideOutcome, anchor: int, *, pair_dir: Path
 ) -> dict[str, Any]:
-    """The numerics probe of step anchor+1 on both layouts, each loading the control's anchor
-    (a resume, then the probe: convergence/trainer/probe.py), compared module by module.
-    Errors are recorded, never raised (a probe never changes a verdict)."""
-    checkpoint = anchor_folder(control) / f"step{anchor}"
-    probe_dir = pair_dir / "probe" / f"anchor{anchor}"
-    step = anchor + 1
-    try:
-        paths = [
-            run_probe_job(
-                side,
-                dataclasses.replace(
-                    job, overrides=(*job.overrides, ("checkpoint.resume_from", str(checkpoint)))
-                ),
-                probe_dir,
-                runner=runner,
-                step=step,
-            )
-            for side, job in (("control", pair.control), ("test", pair.test))
-        ]
-        result = compare_probe_files(paths[0], paths[1])
-    except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
-        return {"error": f"numerics probe at anchor {anchor} failed: {exc}", "step": step}
-    head = {"anchor_step": anchor, "probe_files": f"{paths[0]} vs {paths[1]}"}
-    # Scalars first (the failure message prints them in order), then the tables.
-    return {
-        **{k: v for k, v in result.items() if not isinstance(v, list)},
-        **head,
-        **{k: v for k, v in result.items() if isinstance(v, list)},
-    }
+    """The numerics probe of step anchor+1 on both layouts, each loading the control's anchor."""
+    return probe_from_checkpoint(
+        runner,
+        pair.control,
+        pair.test,
+        anchor_folder(control) / f"step{anchor}",
+        pair_dir / "probe" / f"anchor{anchor}",
+        step=anchor + 1,
+        head={"anchor_step": anchor},
+        failed=f"at anchor {anchor}",
+    )

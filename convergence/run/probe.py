@@ -20,6 +20,7 @@ A probe never changes a verdict: whatever goes wrong here is recorded as
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ from convergence.run.jobs import JobRunner
 from convergence.run.probe_compare import compare_probe_files
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.spec.resume import RESUME_FROM
 from convergence.stats.types import MetricVerdict
 
 
@@ -89,6 +91,47 @@ def run_probe_job(
     if not path.is_file():
         raise RuntimeError(f"{side} probe job {job.name!r} wrote no {path}")
     return path
+
+
+def probe_from_checkpoint(
+    runner: JobRunner,
+    control: JobSpec,
+    test: JobSpec,
+    checkpoint: Path,
+    probe_dir: Path,
+    *,
+    step: int,
+    head: Mapping[str, Any],
+    failed: str,
+) -> dict[str, Any]:
+    """The numerics probe of ``step`` on both layouts, each loading ``checkpoint`` (a resume,
+    then the probe: convergence/trainer/probe.py), compared module by module -- instead of
+    replaying the run up to there. ``head``: what says where the probe started; ``failed``:
+    what an error reads as ("numerics probe <failed> failed: ..."). Errors are recorded,
+    never raised (a probe never changes a verdict)."""
+    try:
+        paths = [
+            run_probe_job(
+                side,
+                dataclasses.replace(
+                    job, overrides=(*job.overrides, (RESUME_FROM, str(checkpoint)))
+                ),
+                probe_dir,
+                runner=runner,
+                step=step,
+            )
+            for side, job in (("control", control), ("test", test))
+        ]
+        result = compare_probe_files(paths[0], paths[1])
+    except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
+        return {"error": f"numerics probe {failed} failed: {exc}", "step": step}
+    said = {**head, "probe_files": f"{paths[0]} vs {paths[1]}"}
+    # Scalars first (the failure message prints them in order), then the tables.
+    return {
+        **{k: v for k, v in result.items() if not isinstance(v, list)},
+        **said,
+        **{k: v for k, v in result.items() if isinstance(v, list)},
+    }
 
 
 def cached_probe(runner: JobRunner, side: str, job: JobSpec, probe_dir: Path, step: int) -> Path:

@@ -24,8 +24,7 @@ from typing import Any
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
-from convergence.run.probe import run_probe_job
-from convergence.run.probe_compare import compare_probe_files
+from convergence.run.probe import probe_from_checkpoint
 from convergence.run.together import run_together
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -155,30 +154,16 @@ def probe_after_resume(
     runner: JobRunner, pair: PairSpec, checkpoint: Path, *, pair_dir: Path
 ) -> dict[str, Any]:
     """The numerics probe of the step after the resume: the control's layout and the resume
-    layout each load the test's checkpoint and probe step K+1, compared module by module (as
-    the anchored check's probe does from an anchor). Errors are recorded, never raised."""
+    layout each load the test's checkpoint and probe step K+1."""
     assert pair.test.resume is not None
     at = pair.test.resume.at_step
-    step = at + 1
-    try:
-        paths = [
-            run_probe_job(
-                side,
-                dataclasses.replace(
-                    job, overrides=(*job.overrides, (RESUME_FROM, str(checkpoint)))
-                ),
-                pair_dir / "probe" / f"resume{at}",
-                runner=runner,
-                step=step,
-            )
-            for side, job in (("control", pair.control), ("test", pair.test.after_resume()))
-        ]
-        result = compare_probe_files(paths[0], paths[1])
-    except Exception as exc:  # noqa: BLE001 - a probe must never turn a verdict into an error
-        return {"error": f"numerics probe after the resume at {at} failed: {exc}", "step": step}
-    head = {"resume_step": at, "probe_files": f"{paths[0]} vs {paths[1]}"}
-    return {
-        **{k: v for k, v in result.items() if not isinstance(v, list)},
-        **head,
-        **{k: v for k, v in result.items() if isinstance(v, list)},
-    }
+    return probe_from_checkpoint(
+        runner,
+        pair.control,
+        pair.test.after_resume(),
+        checkpoint,
+        pair_dir / "probe" / f"resume{at}",
+        step=at + 1,
+        head={"resume_step": at},
+        failed=f"after the resume at {at}",
+    )
