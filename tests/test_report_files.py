@@ -102,7 +102,14 @@ def test_pair_records(report: dict) -> None:
     by_name = {p["name"]: p for p in report["pairs"]}
     fail = by_name["fsdp2-pp2"]
     assert fail["status"] == "failed" and fail["first_divergent_step"] == DIVERGES_AT
-    assert fail["test"]["degrees"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1}
+    assert fail["test"]["degrees"] == {
+        "pp": 2,
+        "dp_replicate": 1,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 1,
+        "ep": 1,
+    }
     assert fail["test"]["pp_schedule"] == "1F1B"
     loss = next(v for v in fail["verdicts"] if v["metric"] == "loss")
     assert loss["passed"] is False and loss["first_divergent_step"] == DIVERGES_AT

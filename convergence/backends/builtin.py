@@ -36,7 +36,7 @@ def job_overrides(job: JobSpec) -> list[str]:
         **{
             f"parallelism.{name}": getattr(layout, name)
             for name in LAYOUT_FIELDS
-            if name not in PP_DEFAULTED
+            if name not in PP_DEFAULTED and (name != "ep" or layout.ep > 1)
         },
         "parallelism.reshard_after_forward": tech.reshard_after_forward,
         "training.param_dtype": tech.param_dtype,

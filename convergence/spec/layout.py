@@ -22,6 +22,9 @@ PP_SCHEDULES: tuple[PPSchedule, ...] = SCHEDULES
 
 #: Mesh axis names, outermost first (the order torchtitan uses).
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+#: The degrees a layout reports (report.json, the matrix's dimensions): the mesh axes, and
+#: expert parallelism, which borrows its ranks from dp_shard x cp (no axis of its own).
+DEGREES: tuple[str, ...] = (*AXES, "ep")
 
 ACMode = Literal["none", "full", "selective"]
 """Activation checkpointing: none, every block, or every n-th block."""
@@ -70,6 +73,11 @@ class Layout:
     """Stages held by each PP rank; default 1, or 2 for multi-stage schedules."""
     cp: int = 1
     """Context parallel degree (the sequence dim of attention is sharded)."""
+    ep: int = 1
+    """Expert parallel degree (MoE models): the routed experts are sharded over groups of ep
+    ranks, which EP borrows from dp_shard x cp (as torchtitan does): it adds no ranks, the
+    world size is the same with or without it. The experts' FSDP runs over the other
+    dp_shard*cp/ep ranks."""
 
     @property
     def world_size(self) -> int:
@@ -93,7 +101,8 @@ class Layout:
         return pp_schedules.microbatches(self.pp, self.stages_per_rank, self.pp_microbatches)
 
     def degrees(self) -> dict[str, int]:
-        return {axis: int(getattr(self, axis)) for axis in AXES}
+        """Degree of each of :data:`DEGREES` (the mesh axes and ep)."""
+        return {axis: int(getattr(self, axis)) for axis in DEGREES}
 
     def short_name(self) -> str:
         """e.g. ``fsdp2-tp2-pp2``; DDP-only layouts read ``ddp2``."""
@@ -104,14 +113,19 @@ class Layout:
             parts.append(f"ddp{self.dp_replicate}")
         elif self.dp_shard > 1:
             parts.append(f"fsdp{self.dp_shard}")
-        for axis in ("tp", "cp", "pp"):
+        for axis in ("tp", "cp", "pp", "ep"):
             degree = getattr(self, axis)
             if degree > 1:
                 parts.append(f"{axis}{degree}")
         return "-".join(parts) or "single"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; ``ep`` only when set, so the job keys of layouts without expert
+        parallelism stay what they were before it existed."""
+        out = asdict(self)
+        if out["ep"] == 1:
+            del out["ep"]
+        return out
 
 
 #: The shared fields, in declaration order (the experiment's [parallelism] keys; the
@@ -126,7 +140,7 @@ class ParallelLayout(Layout):
     theirs, in their order."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
             _positive(name, getattr(self, name))
         if self.pp_schedule not in PP_SCHEDULES:
             raise SpecError(
@@ -143,6 +157,13 @@ class ParallelLayout(Layout):
                 "sequence_parallel needs tp > 1",
                 key="sequence_parallel",
                 fix="set tp >= 2 or drop sequence_parallel",
+            )
+        if (self.dp_shard * self.cp) % self.ep:
+            raise SpecError(
+                f"ep={self.ep} must divide dp_shard*cp={self.dp_shard * self.cp}: expert "
+                "parallelism borrows its ranks from dp_shard x cp, it adds none",
+                key="ep",
+                fix="choose ep among the divisors of dp_shard*cp, or raise dp_shard",
             )
 
 

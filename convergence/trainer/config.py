@@ -70,6 +70,29 @@ class ModelConfig:
     parallel_groups: int = 2
     """"parallel" blocks: independent slices of the hidden state (block-diagonal weights); under
     TP each rank computes parallel_groups/tp of them with no communication."""
+    n_experts: int = 0
+    """Mixture of experts: routed experts per MoE layer; 0 = a dense model (every block's
+    FFN is the SwiGLU above). See convergence.trainer.moe and docs/moe.md."""
+    top_k: int = 2
+    """MoE: experts each token is routed to."""
+    score_func: str = "softmax"
+    """MoE: router scores, "softmax" (over all experts) or "sigmoid" (each expert on its own,
+    DeepSeek-V3)."""
+    route_norm: bool = False
+    """MoE: divide each token's top-k routing weights by their sum."""
+    expert_hidden_dim: int = 0
+    """MoE: SwiGLU hidden size of each expert; 0 = ffn_hidden_dim's default / top_k."""
+    n_shared_experts: int = 0
+    """MoE: shared experts every token goes through besides its routed ones (one SwiGLU of
+    n_shared_experts * expert_hidden_dim); 0 = none."""
+    n_dense_layers: int = 0
+    """MoE: the first n_dense_layers blocks keep a dense FFN (DeepSeek's first_k_dense)."""
+    aux_loss_coeff: float = 0.0
+    """MoE: weight of the sequence-wise load-balancing loss added to the training objective
+    (0 = off). Logged as moe_aux_loss (without the coefficient)."""
+    bias_update_rate: float = 0.0
+    """MoE: auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's
+    routing bias moves by this much towards balance (sign of mean load - its load); 0 = off."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +199,8 @@ class ParallelismConfig(Layout):
         for name in PP_DEFAULTED:
             if out[name] is None:
                 out[name] = 0
+        if out["ep"] == 1:  # only when set: records of runs without EP stay byte for byte
+            del out["ep"]
         return out
 
 

@@ -20,6 +20,7 @@ from convergence.trainer.config import (
     OPTIMIZERS,
     TrainConfig,
 )
+from convergence.trainer.moe_rules import check_moe
 
 #: fail(key, message, fix) raises the SpecError.
 Fail = Callable[[str, str, str], NoReturn]
@@ -80,6 +81,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
             "pick n_heads so dim/n_heads is even",
         )
     _check_blocks(cfg, fail)
+    check_moe(cfg, fail)
     if model.name != "llama":
         fail("model.name", f"unknown model {model.name!r}", 'use "llama"')
     if par.tp > 1:

@@ -8,7 +8,8 @@ The structure mirrors torchtitan's llama so its parallel plans read the same her
         attention_norm RMSNorm
         attention      Attention: wq, wk, wv, wo (Linear, no bias) and a swappable `sdpa`
         ffn_norm       RMSNorm
-        feed_forward   FeedForward: w1, w2, w3 (SwiGLU)
+        feed_forward   FeedForward: w1, w2, w3 (SwiGLU)     (None in an MoE block)
+        moe            MoE: router, experts, shared_expert  (MoE blocks only: moe.py)
       norm             RMSNorm                 (None on PP stages that do not own it)
       output           nn.Linear               (None on PP stages that do not own it)
 
@@ -46,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from convergence.trainer.blocks import parse_block_pattern
 from convergence.trainer.config import ModelConfig
+from convergence.trainer.moe import MoE, MoEArgs
 
 #: Attention kernel on (batch, heads, seq, head_dim) tensors with causal semantics.
 SdpaFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,6 +78,8 @@ class ModelArgs:
     """Slices of the hidden state a "parallel" block computes independently."""
     parallel_ffn_hidden_dim: int = 0
     """SwiGLU hidden size of each slice of a "parallel" block."""
+    moe: MoEArgs | None = None
+    """The mixture of experts (model.n_experts > 0), None for a dense model."""
 
     @property
     def head_dim(self) -> int:
@@ -113,7 +117,30 @@ class ModelArgs:
             block_kinds=kinds,
             parallel_groups=groups,
             parallel_ffn_hidden_dim=max(wide, 1),
+            moe=moe_args(model, hidden),
         )
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id >= self.moe.n_dense_layers
+
+
+def moe_args(model: ModelConfig, ffn_hidden_dim: int) -> MoEArgs | None:
+    """The MoE sizes; an expert's default width splits the dense FFN's over the top_k experts
+    a token uses, so an MoE block costs per token about what the dense block costs."""
+    if model.n_experts == 0:
+        return None
+    hidden = model.expert_hidden_dim or max(ffn_hidden_dim // max(model.top_k, 1), 1)
+    return MoEArgs(
+        n_experts=model.n_experts,
+        top_k=model.top_k,
+        score_func=model.score_func,
+        route_norm=model.route_norm,
+        hidden_dim=hidden,
+        n_shared_experts=model.n_shared_experts,
+        n_dense_layers=model.n_dense_layers,
+        aux_loss_coeff=model.aux_loss_coeff,
+        bias_update_rate=model.bias_update_rate,
+    )
 
 
 def rope_angles(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -269,7 +296,15 @@ class TransformerBlock(nn.Module):
         self.ffn_norm: RMSNorm | None = (
             None if self.kind == "single_sync" else RMSNorm(args.dim, args.norm_eps, groups)
         )
-        self.feed_forward = FeedForward(args.dim, hidden, groups)
+        self.feed_forward: FeedForward | None = None
+        self.moe: MoE | None = None
+        if args.moe is not None and args.is_moe_layer(layer_id):
+            shared = None
+            if args.moe.n_shared_experts:
+                shared = FeedForward(args.dim, args.moe.n_shared_experts * args.moe.hidden_dim)
+            self.moe = MoE(args.dim, args.moe, shared)
+        else:
+            self.feed_forward = FeedForward(args.dim, hidden, groups)
         if self.kind == "single_sync":
             self.sync_in = SyncPoint()
             self.sync_out = SyncPoint()
@@ -293,19 +328,30 @@ class TransformerBlock(nn.Module):
             # Attention and MLP side by side from the same normed input (GPT-J); under TP both
             # row-parallel outputs stay partial sums, added, then reduced once in sync_out.
             normed = self.sync_in(self.attention_norm(x))
-            mixed = self.attention(normed, angles) + self.feed_forward(normed)
+            mixed = self.attention(normed, angles) + self.mlp(normed)
             return x + self.sync_out(mixed)
         # standard, and parallel (the same code on block-diagonal, grouped modules).
         assert self.ffn_norm is not None
         h = x + self.attention(self.attention_norm(x), angles)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.mlp(self.ffn_norm(h))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's FFN: the dense SwiGLU, or the mixture of experts."""
+        if self.moe is not None:
+            return self.moe(x)
+        assert self.feed_forward is not None
+        return self.feed_forward(x)
 
     def init_weights(self) -> None:
         self.attention_norm.reset_parameters()
         if self.ffn_norm is not None:
             self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        if self.moe is not None:
+            self.moe.init_weights(self.weight_init_std)
+        else:
+            assert self.feed_forward is not None
+            self.feed_forward.init_weights(self.weight_init_std)
 
 
 class Transformer(nn.Module):

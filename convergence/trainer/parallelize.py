@@ -7,6 +7,11 @@ views, as in torchtitan:
     "dp_shard_cp" = dp_shard x cp                 what FSDP shards over (CP ranks share weights)
     "dp_cp"       = dp_replicate x dp_shard x cp  over which the logged loss is averaged
 
+Expert parallelism (MoE, parallelism.ep > 1) borrows its ranks, as torchtitan does: a second
+mesh over the same world splits dp_shard x cp into ("efsdp", "ep") = (dp_shard*cp/ep, ep),
+consecutive dp_shard_cp ranks forming an EP group. The routed experts are sharded over "ep"
+(whole experts per rank) and FSDP-sharded over "efsdp"; everything else is as without EP.
+
 Order of application to a chunk (still on the meta device, so nothing is allocated yet):
     CP -> TP (or the user's "replace_tp" hook) -> activation checkpointing -> compile
     -> FSDP / HSDP / DDP -> the user's "after" hook
@@ -25,7 +30,14 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -64,6 +76,10 @@ class Meshes:
     """Flattened dp_replicate x dp_shard x cp: the loss average."""
     data: DeviceMesh
     """Flattened dp_replicate x dp_shard: its local rank picks the samples."""
+    ep: DeviceMesh | None = None
+    """The EP group's mesh (the routed experts are sharded over it); None without EP."""
+    efsdp: DeviceMesh | None = None
+    """The experts' FSDP mesh under EP: the dp_shard*cp/ep ranks holding the same experts."""
 
 
 def build_meshes(cfg: TrainConfig, device_type: str) -> Meshes:
@@ -83,6 +99,15 @@ def build_meshes(cfg: TrainConfig, device_type: str) -> Meshes:
         dp_kind, dp = "fsdp", shard_cp
     else:
         dp_kind, dp = "none", None
+    ep = efsdp = None
+    if par.ep > 1:
+        # Same world, same rank order: dp_shard_cp index s*cp + c = efsdp index * ep + ep index.
+        sparse = init_device_mesh(
+            device_type,
+            (par.pp, par.dp_replicate, num_shard // par.ep, par.ep, par.tp),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"),
+        )
+        ep, efsdp = sparse["ep"], sparse["efsdp"]
     return Meshes(
         world=world,
         tp=world["tp"] if par.tp > 1 else None,
@@ -92,6 +117,8 @@ def build_meshes(cfg: TrainConfig, device_type: str) -> Meshes:
         dp_kind=dp_kind,
         dp_cp=dp_cp,
         data=data,
+        ep=ep,
+        efsdp=efsdp,
     )
 
 
@@ -243,6 +270,29 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
             parallelize_module(block, tp_mesh, entry)
 
 
+class ExpertParallel(ParallelStyle):
+    """The routed experts' weights (n_experts, ...) sharded on dim 0 over the EP mesh: each EP
+    rank holds n_experts/ep whole experts (GroupedExperts computes with its local shard)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, param in list(submodule.named_parameters(recurse=False)):
+                sharded = distribute_tensor(param, mesh, [Shard(0)])
+                submodule.register_parameter(pname, nn.Parameter(sharded))
+
+        return distribute_module(module, device_mesh, partition)
+
+
+def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts over the EP mesh and give it the EP group, over which
+    its dispatcher sends each expert's tokens to the expert's rank (moe.dispatch)."""
+    for block in model.layers.values():
+        assert isinstance(block, TransformerBlock)
+        if block.moe is not None:
+            parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
+            block.moe.ep_group = ep_mesh.get_group()
+
+
 def apply_activation_checkpointing(model: Transformer, mode: str, freq: int) -> None:
     """ "full": every block; "selective": every `freq`-th block (by global layer id)."""
     for block in model.layers.values():
@@ -274,6 +324,9 @@ def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) ->
     # One FSDP group per block (all-gathered just in time, freed after use), then the root
     # group for the embeddings, final norm and output.
     for block in model.layers.values():
+        assert isinstance(block, TransformerBlock)
+        if block.moe is not None and meshes.efsdp is not None:
+            shard_experts(block.moe.experts, meshes, mp, offload, reshard)
         fully_shard(
             block,
             mesh=meshes.dp,
@@ -284,6 +337,46 @@ def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) ->
     fully_shard(
         model, mesh=meshes.dp, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard
     )
+
+
+def shard_experts(
+    experts: nn.Module,
+    meshes: Meshes,
+    mp: MixedPrecisionPolicy,
+    offload: OffloadPolicy,
+    reshard: bool,
+) -> None:
+    """FSDP of the EP-sharded experts over the efsdp mesh, in a group of their own (the
+    block's FSDP then leaves them out).
+
+    The gradient divisor is the whole data-parallel degree D = dp*cp, not the efsdp size
+    FSDP would divide by. Why: the loss weight (loss.py) expects every gradient to be the
+    average over the D ranks. An expert's gradient already holds the sum over the ep ranks of
+    its group (their tokens' gradients came back through the all-to-all's backward), and the
+    reduce-scatter adds the efsdp ranks' sums: a sum over all D ranks, so it must be divided
+    by D. Dividing by the efsdp size instead leaves the experts' gradients ep times too large
+    while the loss curve looks fine -- the bug of pytorch/pytorch#160285.
+    """
+    efsdp = meshes.efsdp
+    assert efsdp is not None
+
+    def placement(param: nn.Parameter) -> Shard:
+        # Fewer local experts than efsdp ranks: shard the next dim instead of padding.
+        local_experts = param.to_local().shape[0] if isinstance(param, DTensor) else 0
+        return Shard(0) if local_experts >= efsdp.size() else Shard(1)
+
+    fully_shard(
+        experts,
+        mesh=efsdp,
+        mp_policy=mp,
+        offload_policy=offload,
+        reshard_after_forward=reshard,
+        shard_placement_fn=placement,
+    )
+    # A divisor other than the group's size is a PREMUL_SUM reduce-scatter, which gloo does
+    # not run: a plain SUM, then the division (the same on NCCL, one more kernel).
+    experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    experts.set_gradient_divide_factor(float(meshes.dp_cp.size()))  # type: ignore[operator]
 
 
 def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> None:
@@ -330,6 +423,8 @@ def parallelize_chunk(
         model = replaced
     elif meshes is not None and meshes.tp is not None:
         apply_tp(model, meshes.tp, par.sequence_parallel)
+    if meshes is not None and meshes.ep is not None:
+        apply_ep(model, meshes.ep)
     ac = cfg.activation_checkpoint
     if ac.mode != "none":
         apply_activation_checkpointing(model, ac.mode, ac.selective_layer_freq)

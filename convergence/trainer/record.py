@@ -77,6 +77,7 @@ class RunRecord:
         seconds: float,
         data_fingerprint: int,
         val_loss: float | None,
+        extra: dict[str, float | int] | None = None,
     ) -> None:
         """The metrics line of `step`, every metrics.log_freq steps and at the last one.
         `loss`: the global mean loss (None off the last PP stage). Every rank calls it."""
@@ -104,6 +105,7 @@ class RunRecord:
         }
         if val_loss is not None:
             record["val_loss"] = val_loss
+        record.update(extra or {})  # MoE: routing (moe.StepRouting.metrics)
         self.writer.log(record)
 
     def end(self, status: RunStatus, last_step: int) -> None:

@@ -32,6 +32,7 @@ from convergence.trainer.forward_noise import add_forward_noise
 from convergence.trainer.hooks import load_hook
 from convergence.trainer.metrics_writer import RunStatus
 from convergence.trainer.model import ModelArgs, build_model
+from convergence.trainer.moe_step import MoEStep
 from convergence.trainer.optim import build_optimizer, lr_at, model_parts, optimizer_step, set_lr
 from convergence.trainer.parallelize import Meshes, build_meshes
 from convergence.trainer.probe import probe_step, run_probe
@@ -83,6 +84,8 @@ def train(cfg: TrainConfig) -> RunStatus:
     parts = model_parts(build_model(model_args, "meta"))
     optimizer = build_optimizer([p for _, p in named_params], cfg)
     pp_group = meshes.pp.get_group() if meshes is not None and meshes.pp is not None else None
+    # MoE models: the balance loss's weight, and the step's routing over all ranks (moe_step).
+    moe_step = MoEStep.build(cfg, model_args, engine, meshes, plan, device)
 
     # The record: run_meta.json and a metrics line per logged step, from one rank (record.py);
     # the collectives of one step are counted for it.
@@ -136,6 +139,9 @@ def train(cfg: TrainConfig) -> RunStatus:
             grad_norm, part_norms = optimizer_step(
                 optimizer, named_params, parts, pp_group, cfg.training.max_norm
             )
+            # MoE: the step's tokens per expert per layer, summed over the ranks (and the
+            # expert-bias update that follows from them); {} for a dense model.
+            routing = moe_step.after_step() if moe_step is not None else {}
 
             # Every dp x cp rank holds (D/N) * its token-loss sum: their mean is the global mean.
             global_loss = average_over(local_loss, meshes) if engine.holds_loss else None
@@ -151,6 +157,7 @@ def train(cfg: TrainConfig) -> RunStatus:
                 seconds=step_seconds(step_start, device),
                 data_fingerprint=data.fingerprint,
                 val_loss=val_loss,
+                extra=routing,
             )
 
             # The save and stop steps (stopping.py): the run may end here.

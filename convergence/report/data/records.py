@@ -20,7 +20,7 @@ from convergence.report.data.resume import ResumeRecord, resume_record
 from convergence.report.data.serialize import metrics_to_json
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.job import JobSpec
-from convergence.spec.layout import AXES
+from convergence.spec.layout import DEGREES
 from convergence.stats.regression import WARMUP_STEPS
 from convergence.stats.types import MetricVerdict
 
@@ -180,7 +180,7 @@ def layout_record(job: JobSpec) -> LayoutRecord:
         "name": job.name,
         "short_name": layout.short_name(),
         "world_size": layout.world_size,
-        "degrees": {axis: layout.degrees()[axis] for axis in AXES},
+        "degrees": {axis: layout.degrees()[axis] for axis in DEGREES},
         "pp_schedule": layout.pp_schedule if layout.pp > 1 else None,
         "sequence_parallel": layout.sequence_parallel,
         "techniques": job.techniques.to_dict(),

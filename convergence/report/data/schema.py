@@ -23,7 +23,7 @@ from convergence.report.data.records import JsonFloat, PairRecord, pair_record, 
 from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.layout import AXES
+from convergence.spec.layout import DEGREES
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -77,7 +77,7 @@ _SIDE = _object(
         "short_name": _STR,
         "world_size": {"type": "integer", "minimum": 1},
         "degrees": _object(
-            {a: {"type": "integer", "minimum": 1} for a in AXES}, additionalProperties=False
+            {a: {"type": "integer", "minimum": 1} for a in DEGREES}, additionalProperties=False
         ),
         "techniques": {"type": "object"},
         "ran": _BOOL,

@@ -19,6 +19,8 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
         ("test_layout", describe_test(pair.test.layout.short_name(), techniques_changed(o))),
         ("world_size", f"{pair.control.world_size}->{pair.test.world_size}"),
     ]
+    if pair.control.layout.ep > 1 or pair.test.layout.ep > 1:  # MoE pairs: EP, borrowed ranks
+        props.append(("expert_parallel", f"{pair.control.layout.ep}->{pair.test.layout.ep}"))
     if pair.placement:  # where both sides ran (convergence.launch.placement)
         props.append(("device", pair.placement))
     for v in o.verdicts:

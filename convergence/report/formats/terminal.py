@@ -56,7 +56,10 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 DEVICE_COLUMN = ("device", "device")
 """Where each pair ran (convergence.launch.placement: cuda, cuda-shared, cpu): shown when a
 pair ran off the CPU, so a CPU machine's matrix stays as narrow as it was."""
-RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "dloss", "dgnorm", "tps", "mem", "wall"})
+EP_COLUMN = ("ep", "ep")
+"""The test's expert-parallel degree: shown when a pair has EP (MoE models), after pp, so a
+dense matrix stays as it was."""
+RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "ep", "dloss", "dgnorm", "tps", "mem", "wall"})
 SHRINKABLE = ("techniques", "pair", "verdict")
 """Columns cut (with "…") when the table is too wide, in this order."""
 MIN_SHRINK = 8
@@ -76,6 +79,7 @@ def record_row(record: PairRecord) -> dict[str, str]:
     verdict = VERDICTS.get(record["status"], str(record["status"]).upper())
     row = {"pair": record["name"]}
     row.update({key: fmt_deg(int(degrees[axis])) for key, axis in AXIS_COLUMNS})
+    row["ep"] = fmt_deg(int(degrees.get("ep", 1)))  # report.json files from before EP: 1
     row.update(
         {
             "techniques": fmt_techniques(record["techniques_changed"]),
@@ -126,7 +130,12 @@ def matrix_rows(outcomes: Iterable[PairOutcome]) -> list[dict[str, str]]:
 def with_device(
     columns: tuple[tuple[str, str], ...], rows: Sequence[Mapping[str, str]]
 ) -> tuple[tuple[str, str], ...]:
-    """``columns`` plus :data:`DEVICE_COLUMN` when a row ran on a GPU."""
+    """``columns`` plus :data:`EP_COLUMN` when a row has EP (after pp, or at the end) and
+    :data:`DEVICE_COLUMN` when a row ran on a GPU."""
+    if any(r.get("ep", "-") != "-" for r in rows):
+        keys = [key for key, _ in columns]
+        at = keys.index("pp") + 1 if "pp" in keys else len(columns)
+        columns = (*columns[:at], EP_COLUMN, *columns[at:])
     shown = any(r["device"] not in ("-", "cpu") for r in rows)
     return (*columns, DEVICE_COLUMN) if shown else columns
 

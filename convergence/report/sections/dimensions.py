@@ -30,6 +30,7 @@ AXIS_NAMES: tuple[tuple[str, str], ...] = (
     ("tp", "tp"),
     ("cp", "cp"),
     ("pp", "pp"),
+    ("ep", "ep"),
 )
 SAME = "same layout"
 """The dimension of a pair whose test changes nothing a record shows (e.g. a seed check)."""
@@ -82,10 +83,11 @@ class ChangeRecord(TypedDict):
 def dimension_of(record: PairRecord | ChangeRecord) -> str:
     """``+tp2+pp2``, ``+cp4``, ``+tp2 +ac:full``, ... (see the module docstring)."""
     control, test = record["control"], record["test"]
+    # .get(axis, 1): report.json files written before EP was a degree have no "ep".
     axes = "".join(
-        _axis_change(name, int(control["degrees"][axis]), int(test["degrees"][axis]))
+        _axis_change(name, int(control["degrees"].get(axis, 1)), int(test["degrees"].get(axis, 1)))
         for axis, name in AXIS_NAMES
-        if int(control["degrees"][axis]) != int(test["degrees"][axis])
+        if int(control["degrees"].get(axis, 1)) != int(test["degrees"].get(axis, 1))
     )
     parts = [axes] if axes else []
     if int(test["degrees"]["pp"]) > 1 and control.get("pp_schedule") not in (
