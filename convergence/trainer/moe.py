@@ -100,6 +100,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return torch.cat([piece @ w[e] for e, piece in enumerate(pieces)])
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """n_experts SwiGLUs, their weights stacked on dim 0 (what EP shards: whole experts)."""
 
@@ -108,11 +121,19 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        # Set by parallelize.apply_ep to 1/ep: see there why the experts' gradient needs it.
+        self.grad_scale = 1.0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: rows sorted by (local) expert, counts[e] of them for this rank's expert e."""
         # Under EP the weights are DTensors sharded on the expert dim: this rank's experts.
-        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        w1, w2, w3 = (
+            _ScaleGrad.apply(local(w), self.grad_scale) if self.grad_scale != 1.0 else local(w)
+            for w in (self.w1, self.w2, self.w3)
+        )
+        # Weights outside FSDP's mixed precision (EP with ep = dp_shard*cp) meet inputs in the
+        # compute dtype: cast them (a no-op when the dtypes agree).
+        w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
         gate = grouped_mm(x, w1.transpose(-2, -1), counts)
         up = grouped_mm(x, w3.transpose(-2, -1), counts)
         return grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), counts)

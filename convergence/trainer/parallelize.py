@@ -291,6 +291,13 @@ def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
         if block.moe is not None:
             parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
             block.moe.ep_group = ep_mesh.get_group()
+            # The gradient of an expert is the sum over the ep ranks of its group (their
+            # tokens' gradients came back through the all-to-all's backward); FSDP then
+            # averages over the efsdp ranks. The loss weight (loss.py) expects the average
+            # over all D = efsdp * ep data-parallel ranks, so 1/ep more is due here (exact:
+            # ep is a power of two in practice). Without it the experts' gradients are ep
+            # times too large while the loss curve looks fine (pytorch/pytorch#160285).
+            block.moe.experts.grad_scale = 1.0 / ep_mesh.size()
 
 
 def apply_activation_checkpointing(model: Transformer, mode: str, freq: int) -> None:
@@ -325,14 +332,24 @@ def apply_data_parallel(model: Transformer, meshes: Meshes, cfg: TrainConfig) ->
     # group for the embeddings, final norm and output.
     for block in model.layers.values():
         assert isinstance(block, TransformerBlock)
+        ignored: set[nn.Parameter] | None = None
         if block.moe is not None and meshes.efsdp is not None:
-            shard_experts(block.moe.experts, meshes, mp, offload, reshard)
+            if meshes.efsdp.size() > 1:
+                shard_experts(block.moe.experts, meshes, mp, offload, reshard)
+            else:
+                # ep = dp_shard*cp: each expert lives on one rank only, its gradient is
+                # complete after the all-to-all's backward -- nothing for FSDP to reduce. (An
+                # FSDP group over one rank here gave experts' gradients halved after a seed
+                # checkpoint load, torch 2.13 + gloo.) GroupedExperts casts the weights to
+                # the compute dtype itself.
+                ignored = set(block.moe.experts.parameters())
         fully_shard(
             block,
             mesh=meshes.dp,
             mp_policy=mp,
             offload_policy=offload,
             reshard_after_forward=reshard,
+            ignored_params=ignored,
         )
     fully_shard(
         model, mesh=meshes.dp, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard
@@ -347,15 +364,11 @@ def shard_experts(
     reshard: bool,
 ) -> None:
     """FSDP of the EP-sharded experts over the efsdp mesh, in a group of their own (the
-    block's FSDP then leaves them out).
+    block's FSDP then leaves them out). It averages over the efsdp ranks; the other 1/ep of
+    the average over all data-parallel ranks is applied in the experts' backward (apply_ep).
 
-    The gradient divisor is the whole data-parallel degree D = dp*cp, not the efsdp size
-    FSDP would divide by. Why: the loss weight (loss.py) expects every gradient to be the
-    average over the D ranks. An expert's gradient already holds the sum over the ep ranks of
-    its group (their tokens' gradients came back through the all-to-all's backward), and the
-    reduce-scatter adds the efsdp ranks' sums: a sum over all D ranks, so it must be divided
-    by D. Dividing by the efsdp size instead leaves the experts' gradients ep times too large
-    while the loss curve looks fine -- the bug of pytorch/pytorch#160285.
+    Not FSDP's set_gradient_divide_factor(dp*cp): its reduce-scatter is then a PREMUL_SUM,
+    which gloo does not run.
     """
     efsdp = meshes.efsdp
     assert efsdp is not None
@@ -373,10 +386,6 @@ def shard_experts(
         reshard_after_forward=reshard,
         shard_placement_fn=placement,
     )
-    # A divisor other than the group's size is a PREMUL_SUM reduce-scatter, which gloo does
-    # not run: a plain SUM, then the division (the same on NCCL, one more kernel).
-    experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-    experts.set_gradient_divide_factor(float(meshes.dp_cp.size()))  # type: ignore[operator]
 
 
 def apply_cp(model: Transformer, cp_mesh: DeviceMesh, seq_len: int) -> None:
