@@ -96,7 +96,12 @@ def test_ep_borrows_ranks_and_adds_none() -> None:
             "dense model",
         ),
         (["--model.score_func=relu"], "model.score_func", "relu"),
-        (["--parallelism.dp_shard=2", "--parallelism.tp=2"], "parallelism.tp", "not built"),
+        (
+            ["--parallelism.tp=2", "--parallelism.sequence_parallel=true"],
+            "parallelism.sequence_parallel",
+            "not built",
+        ),
+        (["--parallelism.cp=2"], "model.aux_loss_coeff", "whole sequences"),
     ],
 )
 def test_impossible_moe_layouts_are_refused_with_key_and_fix(

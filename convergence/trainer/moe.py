@@ -363,16 +363,18 @@ class StepRouting:
         digest = hashlib.sha256(self.tokens.cpu().numpy().tobytes()).digest()
         return int.from_bytes(digest[:8], "little") % 2**FINGERPRINT_BITS
 
-    def metrics(self) -> dict[str, float | int]:
-        """The metrics line's MoE entries."""
+    def metrics(self, *, with_balance: bool = True) -> dict[str, float | int]:
+        """The metrics line's MoE entries (`with_balance` False: no moe_aux_loss, which CP
+        cannot compute: its ranks hold pieces of each sequence)."""
         load = self.tokens.double()
         mean = load.mean(dim=1).clamp(min=1.0)
         out: dict[str, float | int] = {
-            "moe_aux_loss": float(self.balance.mean()),
             # Most loaded expert / mean, worst layer: 1 = perfectly balanced.
             "moe_load_max": float((load.max(dim=1).values / mean).max()),
             "routing_fingerprint": self.fingerprint(),
         }
+        if with_balance:
+            out["moe_aux_loss"] = float(self.balance.mean())
         for row, layer in enumerate(self.layers):
             for expert, num in enumerate(self.tokens[row].tolist()):
                 out[f"moe_tokens/{layer}.{expert}"] = int(num)
@@ -386,16 +388,22 @@ def step_routing(
     samples: int,
     groups: Iterable[ProcessGroup],
     device: torch.device,
+    forwards: int,
 ) -> StepRouting:
-    """Sum this step's statistics over the microsteps, the data-parallel ranks (different
-    tokens) and the PP stages (different layers; `groups`), then clear them. Every rank of
-    the world calls it (collectives); ranks holding the same tokens (TP) are not summed."""
+    """Sum this step's statistics over its `forwards` training forwards (microsteps x PP
+    microbatches), the data-parallel ranks (different tokens) and the PP stages (different
+    layers; `groups`), then clear them. Every rank of the world calls it (collectives);
+    ranks holding the same tokens (TP) are not summed.
+
+    Only the last `forwards` rows count: on its first step a pipeline schedule runs each
+    stage once more, first, on uninitialised tensors of the right shapes (torch 2.13's
+    metadata inference), whose routing is noise."""
     held = moe_layers(chunks)
     table = torch.zeros(len(layer_ids), n_experts + 1, dtype=torch.float64, device=device)
     for row, layer_id in enumerate(layer_ids):
         layer = held.get(layer_id)
         if layer is not None and layer.stats:
-            table[row] = torch.stack(layer.stats).sum(dim=0)
+            table[row] = torch.stack(layer.stats[-forwards:]).sum(dim=0)
             layer.stats.clear()
     for group in groups:
         dist.all_reduce(table, group=group)

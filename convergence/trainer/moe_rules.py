@@ -64,17 +64,23 @@ def check_moe(cfg: TrainConfig, fail: Fail) -> None:
             'drop model.block_pattern (all "standard") for an MoE model',
         )
     # What the built-in trainer does not build for MoE yet, refused rather than run wrong.
-    for key, why in (
-        ("tp", "tensor parallelism of the dense parts next to the experts"),
-        ("pp", "pipeline stages gathering the routing statistics"),
-        ("cp", "the sequence-wise balance loss over a sequence split by CP"),
-    ):
-        if getattr(par, key) > 1:
-            fail(
-                f"parallelism.{key}",
-                f"{key}={getattr(par, key)} with an MoE model is not built yet ({why})",
-                f"set parallelism.{key} = 1 for MoE pairs (FSDP, DDP and EP run)",
-            )
+    if par.sequence_parallel:
+        fail(
+            "parallelism.sequence_parallel",
+            "sequence parallel with an MoE model is not built yet (the MoE layers take the "
+            "whole sequence on every TP rank)",
+            "set sequence_parallel = false (TP of the attention runs without it)",
+        )
+    if par.cp > 1 and model.aux_loss_coeff:
+        # Routing is per token, so CP splits it freely; the balance loss is per sequence, and
+        # CP's ranks each hold a piece of every sequence.
+        fail(
+            "model.aux_loss_coeff",
+            f"the sequence-wise balance loss needs whole sequences, and cp={par.cp} splits "
+            "them over ranks",
+            "set model.aux_loss_coeff = 0 with cp (the expert-bias update, "
+            "model.bias_update_rate, balances without it), or cp = 1",
+        )
     if par.ep == 1:
         return
     if model.n_experts % par.ep:

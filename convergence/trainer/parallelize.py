@@ -251,7 +251,18 @@ def block_tp_plan(
         )
     if block.kind == "single_sync":
         return entry, _single_sync_block_plan(sequence_parallel)
+    if block.moe is not None:
+        return entry, _moe_block_plan(sequence_parallel)
     return entry, _standard_block_plan(sequence_parallel)
+
+
+def _moe_block_plan(sequence_parallel: bool) -> dict[str, object]:
+    """An MoE block under TP: attention as in a standard block; the MoE is not TP-sharded.
+    Its input (the normed residual stream, replicated over the TP ranks: no SP, which
+    moe_rules refuses) is a plain tensor, so every TP rank routes and computes the same
+    tokens -- the same numbers as without TP; the experts are split by EP, not TP."""
+    plan = _standard_block_plan(sequence_parallel)
+    return {key: style for key, style in plan.items() if not key.startswith("feed_forward")}
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
