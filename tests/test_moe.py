@@ -134,9 +134,11 @@ def test_an_experiment_with_an_impossible_ep_fails_at_collection(tmp_path: Path)
 
 def test_the_shipped_moe_experiment_loads() -> None:
     exp = load_checked(ROOT / "experiments" / "moe.toml", rootdir=ROOT)
-    (pair,) = exp.pairs
-    assert pair.test.layout.ep == 2 and pair.test.world_size == pair.control.world_size == 2
-    assert pair.regime == "paired"
+    pairs = {p.name: p for p in exp.pairs}
+    assert set(pairs) == {"fsdp2-ep2", "fsdp2-tp2-ep2", "fsdp2-pp2-ep2"}
+    ep2 = pairs["fsdp2-ep2"]
+    assert ep2.test.world_size == ep2.control.world_size == 2  # EP adds no ranks
+    assert all(p.test.layout.ep == 2 and p.regime == "paired" for p in exp.pairs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,7 +164,8 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         defaults={"train_config": "moe_debug", "steps": STEPS, "seed": 5, "probe": "off"},
         control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
         tests=[
-            {"name": "fsdp2-ep2", "parallelism": ep2},
+            # Opted in: the routing compared exactly (not by default: docs/moe.md).
+            {"name": "fsdp2-ep2", "parallelism": ep2, "compare": {"routing_fingerprint": "exact"}},
             {
                 "name": "ep2-experts-2x",
                 "parallelism": ep2,
@@ -191,6 +194,8 @@ def _metric(outcome: PairOutcome, side: str, name: str) -> list[float]:
 def test_fsdp_vs_fsdp_ep2_passes_and_routes_alike(runner: Runner, pairs: dict) -> None:
     outcome = runner.run_pair(pairs["fsdp2-ep2"])
     assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
+    routing = outcome.verdict("routing_fingerprint")
+    assert routing is not None and routing.passed and routing.gate and routing.steps_compared
     # Deterministic fp32: every step's tokens per expert per layer are the control's.
     control = _metric(outcome, "control", "routing_fingerprint")
     assert len(control) == STEPS
@@ -224,3 +229,27 @@ def test_a_dispatch_without_its_permutation_fails_at_step_1(runner: Runner, pair
     loss = outcome.verdict("loss")
     assert loss is not None and not loss.passed and loss.gate
     assert loss.first_divergent_step is not None and loss.first_divergent_step <= 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "test_par",
+    [{"dp_shard": 2, "tp": 2, "ep": 2}, {"dp_shard": 2, "pp": 2, "ep": 2}],
+    ids=["fsdp2-tp2-ep2", "fsdp2-pp2-ep2"],
+)
+def test_ep_composed_with_tp_or_pp_passes_and_routes_alike(
+    runner: Runner, tmp_path: Path, test_par: dict[str, int]
+) -> None:
+    """4 ranks each (slow on 2 cores); the CI-tier pair of the same property is FSDP2+EP2."""
+    path = write_experiment(
+        tmp_path,
+        file="composed.toml",
+        defaults={"train_config": "moe_debug", "steps": 6, "seed": 5, "probe": "off"},
+        control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
+        tests=[{"name": "composed", "parallelism": test_par}],
+    )
+    (pair,) = load_checked(path, rootdir=ROOT).pairs
+    outcome = runner.run_pair(pair)
+    assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
+    control = _metric(outcome, "control", "routing_fingerprint")
+    assert _metric(outcome, "test", "routing_fingerprint") == control

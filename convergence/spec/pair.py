@@ -18,6 +18,10 @@ METRICS: tuple[str, ...] = (
     "tokens_per_s",
     "peak_mem_mib",
     "data_fingerprint",
+    # MoE models (built-in trainer, docs/moe.md): logged every step, compared only when a
+    # pair's `compare` table names them (a legitimate routing flip changes the fingerprint).
+    "routing_fingerprint",
+    "moe_aux_loss",
 )
 #: The comparison methods (convergence.stats.registry implements each).
 Method = Literal["exact", "allclose", "paired", "twin", "seed", "regression"]

@@ -1,0 +1,153 @@
+"""Correct MoE pairs (train_configs/moe_debug.toml) and what routing flips do to them.
+
+    python benchmarks/moe_pairs.py --steps 100 --seeds 1 2 3 [--precision bf16] [--tests ep2 ...]
+
+For each seed: the FSDP control against each test layout, with the default verdict of the
+pair's regime (fp32: paired; bf16: twin). Besides the verdict, per pair: on how many steps the
+routing fingerprint (tokens per expert per layer, moe.StepRouting) differs from the control's,
+the first such step, and the largest difference of one expert's token count -- a routing flip
+is a top-k decision that the test's rounding decided the other way. One JSON line per pair to
+--out, then a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+from _report import machine, record_line  # noqa: E402
+
+from convergence.preflight import load_checked  # noqa: E402
+from convergence.run.outcome import PairOutcome, SideOutcome  # noqa: E402
+from convergence.run.runner import Runner, RunSettings  # noqa: E402
+from experiments import write_experiment  # noqa: E402
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "ep2": {"dp_shard": 2, "ep": 2},
+    "tp2-ep2": {"dp_shard": 2, "tp": 2, "ep": 2},
+    "pp2-ep2": {"dp_shard": 2, "pp": 2, "ep": 2},
+    "fsdp4-ep2": {"dp_shard": 4, "ep": 2},
+    "fsdp4-ep4": {"dp_shard": 4, "ep": 4},
+}
+CONTROLS = {2: {"dp_shard": 2}, 4: {"dp_shard": 4}}
+
+
+def _lines(side: SideOutcome | None) -> list[dict[str, Any]]:
+    assert side is not None and side.run_dir is not None
+    (path,) = side.run_dir.rglob("metrics.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def routing_flips(outcome: PairOutcome) -> dict[str, Any]:
+    control = {r["step"]: r for r in _lines(outcome.control)}
+    test = {r["step"]: r for r in _lines(outcome.test)}
+    steps = sorted(set(control) & set(test))
+    differ = [
+        s for s in steps if control[s]["routing_fingerprint"] != test[s]["routing_fingerprint"]
+    ]
+    keys = [k for k in control[steps[0]] if k.startswith("moe_tokens/")]
+    worst = max((abs(control[s][k] - test[s][k]) for s in steps for k in keys), default=0)
+    return {
+        "steps_compared": len(steps),
+        "routing_steps_differ": len(differ),
+        "routing_first_differs": differ[0] if differ else None,
+        "max_tokens_moved": worst,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--tests", nargs="+", default=["ep2"], choices=sorted(LAYOUTS))
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--out", type=Path, default=Path("moe_pairs.jsonl"))
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        help="the test side's training.forward_noise (2**-24 = fp32 unit roundoff): a "
+        "rounding-level change of its forward at every step, to provoke routing flips",
+    )
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="moe_pairs_"))
+    runner = Runner(RunSettings(work_dir=work / "work", idle_limit_s=600, wall_limit_s=3600))
+    techniques = {"param_dtype": "bfloat16"} if args.precision == "bf16" else {}
+    rows = []
+    for seed in args.seeds:
+        for name in args.tests:
+            test = LAYOUTS[name]
+            control = CONTROLS[test["dp_shard"]]
+            path = write_experiment(
+                work,
+                file=f"moe_{seed}_{name}.toml",
+                defaults={
+                    "train_config": "moe_debug",
+                    "steps": args.steps,
+                    "seed": seed,
+                    "probe": "off",
+                },
+                control={
+                    "name": f"fsdp{control['dp_shard']}",
+                    "parallelism": control,
+                    "techniques": techniques,
+                },
+                tests=[
+                    {
+                        "name": name,
+                        "parallelism": test,
+                        "techniques": techniques,
+                        **(
+                            {"overrides": {"training.forward_noise": args.noise}}
+                            if args.noise
+                            else {}
+                        ),
+                    }
+                ],
+            )
+            (pair,) = load_checked(path, rootdir=HERE.parent).pairs
+            outcome = runner.run_pair(pair)
+            # The step closest to its limit: the verdict's max |diff| / tolerance ratio.
+            shares = {
+                v.metric: v.details.get("max_ratio")
+                for v in outcome.verdicts
+                if v.gate and v.method in ("paired", "twin")
+            }
+            line = {
+                "pair": name + (f"+noise{args.noise:.2g}" if args.noise else ""),
+                "seed": seed,
+                "precision": args.precision,
+                "regime": pair.regime,
+                "status": outcome.status,
+                "failed": [v.metric for v in outcome.verdicts if v.gate and not v.passed],
+                "worst_share": shares,
+                **routing_flips(outcome),
+            }
+            record_line(args.out, line)
+            rows.append(line)
+    print(f"\nmachine: {machine()}\n")
+    print(
+        "| pair | precision | seed | regime | status | worst share of tolerance | "
+        "routing steps differing | first | max tokens moved |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        worst = max((v for v in r["worst_share"].values() if v is not None), default=0.0)
+        which = max(r["worst_share"], key=lambda k: r["worst_share"][k] or 0.0, default="-")
+        print(
+            f"| {r['pair']} | {r['precision']} | {r['seed']} | {r['regime']} | {r['status']} "
+            f"| {worst:.2f} ({which}) | {r['routing_steps_differ']}/{r['steps_compared']} "
+            f"| {r['routing_first_differs'] or '-'} | {r['max_tokens_moved']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
