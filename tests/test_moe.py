@@ -8,6 +8,7 @@ control does; two planted EP bugs fail, each on the metric that witnesses it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -253,3 +254,45 @@ def test_ep_composed_with_tp_or_pp_passes_and_routes_alike(
     assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
     control = _metric(outcome, "control", "routing_fingerprint")
     assert _metric(outcome, "test", "routing_fingerprint") == control
+
+
+# ----------------------------------------------------------------------------------------------
+# EP in the reports
+
+
+def _ep_outcome() -> PairOutcome:
+    """The report examples' passing pair, its test with EP: FSDP2 vs FSDP2+EP2."""
+    from report_examples import passing_pair
+
+    base = passing_pair()
+    test = dataclasses.replace(
+        base.pair.test, name="fsdp2-ep2", layout=ParallelLayout(dp_shard=2, ep=2)
+    )
+    pair = dataclasses.replace(base.pair, pair_id="moe.toml::fsdp2-ep2", test=test)
+    assert base.test is not None
+    return dataclasses.replace(base, pair=pair, test=dataclasses.replace(base.test, job=test))
+
+
+def test_ep_is_a_dimension_of_every_report(tmp_path: Path) -> None:
+    import jsonschema
+
+    from convergence.report import REPORT_JSON_SCHEMA, write_reports
+    from convergence.report.formats.junit import junit_properties
+    from convergence.report.formats.terminal import render_matrix
+    from convergence.report.sections.dimensions import dimension_of
+
+    outcome = _ep_outcome()
+    written = write_reports([outcome], tmp_path, environment={}, started_at=0.0, wall_s=1.0)
+    doc = json.loads(written["json"].read_text())
+    jsonschema.Draft202012Validator(REPORT_JSON_SCHEMA).validate(doc)
+    (record,) = doc["pairs"]
+    assert record["test"]["degrees"]["ep"] == 2 and record["control"]["degrees"]["ep"] == 1
+    assert dimension_of(record) == "+ep2"
+    assert "+ep2" in written["markdown"].read_text() and "+ep2" in written["html"].read_text()
+    header = render_matrix([outcome]).splitlines()[0].split()
+    assert header[header.index("pp") + 1] == "ep"  # the column, after pp
+    assert ("convergence.expert_parallel", "1->2") in junit_properties(outcome)
+    # A dense pair's matrix has no ep column.
+    from report_examples import passing_pair
+
+    assert "ep" not in render_matrix([passing_pair()]).splitlines()[0].split()

@@ -23,7 +23,7 @@ from convergence.report.data.records import JsonFloat, PairRecord, pair_record, 
 from convergence.run.outcome import PAIR_STATUSES, PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.layout import DEGREES
+from convergence.spec.layout import AXES
 
 REPORT_SCHEMA_VERSION = 1
 
@@ -76,8 +76,11 @@ _SIDE = _object(
         "name": _STR,
         "short_name": _STR,
         "world_size": {"type": "integer", "minimum": 1},
+        # ep optional: report.json files written before EP was a degree have none.
         "degrees": _object(
-            {a: {"type": "integer", "minimum": 1} for a in DEGREES}, additionalProperties=False
+            {a: {"type": "integer", "minimum": 1} for a in AXES},
+            {"ep": {"type": "integer", "minimum": 1}},
+            additionalProperties=False,
         ),
         "techniques": {"type": "object"},
         "ran": _BOOL,
