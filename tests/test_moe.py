@@ -172,6 +172,13 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                 "parallelism": ep2,
                 "hook": "planted_moe_bugs:experts_divided_by_efsdp",
             },
+            # Checkpointed under EP after step 3, resumed on plain FSDP2 (DCP reshards the
+            # experts; the expert bias travels with the model).
+            {
+                "name": "ep2-resumed-on-fsdp2",
+                "parallelism": ep2,
+                "resume": {"at_step": 3, "parallelism": {"dp_shard": 2}},
+            },
             {
                 "name": "ep2-no-regroup",
                 "parallelism": ep2,
@@ -203,6 +210,14 @@ def test_fsdp_vs_fsdp_ep2_passes_and_routes_alike(runner: Runner, pairs: dict) -
     assert _metric(outcome, "test", "routing_fingerprint") == control
     for name in ("moe_tokens/1.0", "moe_tokens/3.7", "moe_aux_loss"):
         assert _metric(outcome, "test", name) == pytest.approx(_metric(outcome, "control", name))
+
+
+def test_an_ep_checkpoint_resumes_on_another_layout(runner: Runner, pairs: dict) -> None:
+    outcome = runner.run_pair(pairs["ep2-resumed-on-fsdp2"])
+    assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
+    # The resumed steps route as the uninterrupted control does.
+    control = _metric(outcome, "control", "routing_fingerprint")
+    assert _metric(outcome, "test", "routing_fingerprint")[-3:] == control[-3:]
 
 
 def test_expert_gradients_ep_times_too_large_fail_on_the_part_norms(

@@ -156,7 +156,10 @@ def save_training_checkpoint(folder: str | Path, run: Checkpointable, state: Tra
     folder = Path(folder)
     model = model_state(run.chunks)
     names = {name for name, _ in run.named_params}
-    if names != set(model):
+    # Persistent buffers (an MoE router's expert_bias) are model state without an optimizer
+    # state: saved with the model, left out of the pairing.
+    buffers = {name for chunk in run.chunks for name, _ in chunk.named_buffers()}
+    if names != set(model) - buffers:
         # The optimizer state is keyed by named_parameters(), the model by the state dict's
         # FQNs; they must be the same names or the resume could not pair them up again.
         raise RuntimeError(
