@@ -24,6 +24,9 @@ TB_TAGS: dict[str, str] = {
     "tokens_per_s": "throughput(tps)",
     "peak_mem_mib": "memory/max_reserved(MiB)",
     "val_loss": "validation_metrics/loss",
+    # MoE models only (trainer/moe.py: StepRouting.metrics).
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_load_max": "moe/load_max",
 }
 
 
