@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -77,7 +78,20 @@ def main() -> None:
         help="the test side's training.forward_noise (2**-24 = fp32 unit roundoff): a "
         "rounding-level change of its forward at every step, to provoke routing flips",
     )
+    parser.add_argument(
+        "--flip-at",
+        type=int,
+        default=0,
+        help="step at which the test side decides its nearest top-k tie the other way "
+        "(tests/fixtures/hooks/moe_flip.py): one legitimate routing flip",
+    )
     args = parser.parse_args()
+    if args.flip_at:
+        hooks = str(HERE.parent / "tests" / "fixtures" / "hooks")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (hooks, os.environ.get("PYTHONPATH", "")) if p
+        )
+        sys.path.insert(0, hooks)
     work = Path(tempfile.mkdtemp(prefix="moe_pairs_"))
     runner = Runner(RunSettings(work_dir=work / "work", idle_limit_s=600, wall_limit_s=3600))
     techniques = {"param_dtype": "bfloat16"} if args.precision == "bf16" else {}
@@ -110,6 +124,11 @@ def main() -> None:
                             if args.noise
                             else {}
                         ),
+                        **(
+                            {"hook": f"moe_flip:nearest_tie_at_{args.flip_at}"}
+                            if args.flip_at
+                            else {}
+                        ),
                     }
                 ],
             )
@@ -122,7 +141,9 @@ def main() -> None:
                 if v.gate and v.method in ("paired", "twin")
             }
             line = {
-                "pair": name + (f"+noise{args.noise:.2g}" if args.noise else ""),
+                "pair": name
+                + (f"+noise{args.noise:.2g}" if args.noise else "")
+                + (f"+flip@{args.flip_at}" if args.flip_at else ""),
                 "seed": seed,
                 "precision": args.precision,
                 "regime": pair.regime,
