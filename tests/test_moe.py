@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from convergence.configs import shipped_config
 from convergence.preflight import load_checked
@@ -26,7 +27,15 @@ from convergence.spec.layout import ParallelLayout
 from convergence.trainer.config import load_train_config
 from convergence.trainer.config_checks import check_config
 from convergence.trainer.model import ModelArgs, build_model
-from convergence.trainer.moe import grouped_mm, grouped_mm_runs
+from convergence.trainer.moe import (
+    MoE,
+    Router,
+    StepRouting,
+    grouped_mm,
+    grouped_mm_runs,
+    sequence_balance_loss,
+    update_expert_bias,
+)
 from experiments import write_experiment
 
 pytestmark = pytest.mark.xdist_group("moe")
@@ -58,6 +67,59 @@ def test_grouped_gemm_is_the_per_expert_loop() -> None:
     odd_x, odd_w = torch.randn(int(counts.sum()), 6), torch.randn(6, 6, 5)
     assert not grouped_mm_runs(odd_x, odd_w)
     assert torch.equal(grouped_mm(odd_x, odd_w, counts), _loop(odd_x, odd_w, counts))
+
+
+def _router(**changes: object) -> Router:
+    args = ModelArgs.from_config(load_train_config(MOE).model, seq_len=64).moe
+    assert args is not None
+    router = Router(16, dataclasses.replace(args, **changes))  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    router.reset_parameters()
+    return router
+
+
+def test_sigmoid_scores_with_route_norm_weigh_each_token_to_one() -> None:
+    router = _router(score_func="sigmoid", route_norm=True)
+    scores, selected, weights = router(torch.randn(32, 16))
+    assert ((scores > 0) & (scores < 1)).all() and selected.shape == (32, 2)
+    assert torch.allclose(weights.sum(dim=-1), torch.ones(32))
+    # The weights are the chosen experts' scores, renormalised: the bias only chooses.
+    chosen = scores.gather(-1, selected)
+    assert torch.allclose(weights, chosen / chosen.sum(dim=-1, keepdim=True))
+
+
+def test_the_expert_bias_moves_the_load_towards_balance() -> None:
+    router = _router()
+    model = nn.ModuleDict({"layers": nn.ModuleDict({"1": nn.Module()})})
+    moe = MoE(16, router.args, None)
+    moe.router = router
+    model["layers"]["1"].moe = moe  # type: ignore[index]
+    tokens = torch.tensor([[24, 0, 12, 12, 12, 12, 12, 12]])  # mean 12
+    routing = StepRouting(layers=(1,), tokens=tokens, balance=torch.ones(1))
+    update_expert_bias([model], routing, rate=0.01)
+    bias = router.expert_bias
+    assert bias[0] < 0 < bias[1]  # overloaded down, idle up
+    assert torch.equal(bias[2:], torch.zeros(6))  # at the mean: unchanged
+    # With the bias, the choice moves away from the overloaded expert; weights do not change.
+    x = torch.randn(64, 16)
+    before = router(x)
+    router.expert_bias.copy_(torch.tensor([-1.0, 1.0, 0, 0, 0, 0, 0, 0]))
+    after = router(x)
+    assert (after[1] == 1).any(dim=-1).all() and not (after[1] == 0).any()
+    assert torch.equal(after[0], before[0])
+
+
+def test_the_balance_loss_is_one_at_perfect_balance() -> None:
+    # 2 sequences of 4 tokens, 4 experts, top 1, uniform scores, each expert once per sequence.
+    scores = torch.full((8, 4), 0.25)
+    selected = torch.tensor([[0], [1], [2], [3], [3], [2], [1], [0]])
+    assert torch.allclose(sequence_balance_loss(scores, selected, 2, 1), torch.ones(2))
+    # Every token on expert 0, which also takes most of the score: E times the balance.
+    skewed_scores = torch.tensor([[0.97, 0.01, 0.01, 0.01]]).repeat(8, 1)
+    skewed = torch.zeros(8, 1, dtype=torch.long)
+    assert torch.allclose(
+        sequence_balance_loss(skewed_scores, skewed, 2, 1), torch.full((2,), 4 * 0.97)
+    )
 
 
 def test_a_dense_config_builds_no_expert() -> None:
