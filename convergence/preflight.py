@@ -11,6 +11,7 @@ An invalid pair still fails before anything is launched, with file, key and fix.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ def load_checked(
     rootdir: Path,
     max_tier: str | None = None,
     not_runnable: dict[str, NotRunnableHere] | None = None,
+    modify: Callable[[PairSpec], PairSpec | None] | None = None,
 ) -> Experiment:
     """Parse an experiment file and preflight its pairs. Raises SpecError.
 
@@ -62,8 +64,14 @@ def load_checked(
     (torchtitan's parser imports its models) or need an optional extra.
     ``not_runnable``: where a pair's :class:`NotRunnableHere` (a backend that is not
     installed) is recorded, by pair name, instead of raised (the plugin skips those pairs).
+    ``modify``: what another plugin makes of each pair (the plugin's
+    ``pytest_convergence_modify_pair``), applied *before* the checks, so a pair a hook changes
+    is checked like any other.
     """
     experiment = load_experiment(path, rootdir=rootdir, regimes=REGIMES)
+    if modify is not None:
+        pairs = tuple(modify(pair) or pair for pair in experiment.pairs)
+        experiment = dataclasses.replace(experiment, pairs=pairs)
     for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
         if in_tier(pair, max_tier):
             try:
@@ -75,9 +83,14 @@ def load_checked(
     return experiment
 
 
-def make_checked_pair(**kwargs: Any) -> PairSpec:
-    """:func:`convergence.spec.experiment.make_pair` plus :func:`check_pair`."""
+def make_checked_pair(
+    *, modify: Callable[[PairSpec], PairSpec | None] | None = None, **kwargs: Any
+) -> PairSpec:
+    """:func:`convergence.spec.experiment.make_pair`, then ``modify`` (as in
+    :func:`load_checked`), then :func:`check_pair`."""
     pair = make_pair(**kwargs, regimes=REGIMES)
+    if modify is not None:
+        pair = modify(pair) or pair
     check_pair(pair, key=str(kwargs.get("key", "test")))
     return pair
 
