@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convergence.backends import Backend, get_backend
-from convergence.backends.builtin import BuiltinBackend
 from convergence.backends.registry import not_importable
 from convergence.launch.placement import FIX_MORE_DEVICES, NotPlaceable, place
 from convergence.regimes import REGISTRY, get_regime
@@ -259,15 +258,23 @@ def check_resume(test: JobSpec, *, file: str, key: str) -> None:
 
 
 def _batch_fix(backend: Backend, test: JobSpec, ctrl_tokens: int) -> str:
-    if not isinstance(backend, BuiltinBackend):  # its train config says what one sample is
-        return "make local batch x DP x grad accumulation equal on both sides"
-    cfg = backend.effective_config(test)  # looked up: preflight worked it out
-    per_sample = test.layout.dp * cfg.training.grad_accum_steps * cfg.data.seq_len
-    if ctrl_tokens % per_sample == 0:
+    """The local batch that gives the test the control's tokens per step, asked of the backend
+    itself (its tokens per step at local batch 1 and 2): a backend whose tokens do not follow
+    the local batch (torchtitan with a global batch size, a command job stating its tokens)
+    gets the general fix."""
+    generic = "make local batch x DP x grad accumulation equal on both sides"
+    try:
+        one, two = (
+            backend.tokens_per_step(dataclasses.replace(test, local_batch_size=n)) for n in (1, 2)
+        )
+    except (SpecError, ValueError, TypeError):
+        return generic
+    if one <= 0 or two != 2 * one:
+        return generic
+    if ctrl_tokens % one == 0:
         return (
-            f"set local_batch_size = {ctrl_tokens // per_sample} on the test "
-            f"(its DP degree is {test.layout.dp}, grad accumulation "
-            f"{cfg.training.grad_accum_steps})"
+            f"set local_batch_size = {ctrl_tokens // one} on the test "
+            f"(its DP degree is {test.layout.dp}; {one} tokens per unit of local batch)"
         )
     return (
         "change the test's local_batch_size or techniques.grad_accum_steps so that "
@@ -313,7 +320,12 @@ def validate_devices(
                 )
         return pair
     try:
-        placement = place([job for _, job in jobs], available_devices, device_mode)
+        fixed = frozenset(
+            job.backend
+            for _, job in jobs
+            if not get_backend(job.backend).capabilities.device_follows_placement
+        )
+        placement = place([job for _, job in jobs], available_devices, device_mode, fixed=fixed)
     except NotPlaceable as exc:
         side, job = max(jobs, key=lambda sj: sj[1].world_size)
         raise NotRunnableHere(
