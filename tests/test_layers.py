@@ -254,7 +254,7 @@ RUN_TIERS: tuple[tuple[str, ...], ...] = (
     ("outcome", "probe_compare", "judge", "together"),
     ("jobs",),  # the job tier
     ("probe", "resume", "anchors"),  # users of the job tier alone
-    ("runner",),  # the pair tier
+    ("runner", "attribution"),  # the pair tier (attribution runs pairs through run_pair)
     ("session",),  # one Runner per session
 )
 
