@@ -14,6 +14,7 @@
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
     convergence calibrate SOURCE [--if-missing]                     measure this machine's floors
+    convergence selftest EXPERIMENT [--json FILE]                   plant bugs: what the suite sees
     convergence --version
 
 Exit status: 0 when everything passed, 1 when a pair/metric or a run failed (RunFailed), 2 for
@@ -45,6 +46,7 @@ from convergence.cli.common import (
 )
 from convergence.cli.compare import add_compare_parser, add_export_parser
 from convergence.cli.nightly import add_subcommands as add_nightly_subcommands
+from convergence.cli.selftest import add_selftest_parser
 from convergence.configs import describe
 from convergence.launch.devices import session_devices
 from convergence.launch.progress_text import LogThrottle
@@ -221,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(sub)
 
     add_calibrate_parser(sub)
+    add_selftest_parser(sub)
 
     # -- nightly / record / trend / decide: Slurm nightly runs (cli/nightly.py) --
 
