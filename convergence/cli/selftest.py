@@ -16,16 +16,26 @@ from convergence.options import add_arguments, cli_run_settings
 from convergence.preflight import in_tier, load_checked
 from convergence.run.session import SessionRunner
 from convergence.selftest.run import bug_names, render_table, selftest
+from convergence.spec.errors import SpecError
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
     values = option_values(args, "selftest")
     if values is None:
         return EXIT_USAGE
+    # Every pair of the file unless --tier says otherwise: the user asks what *their* suite
+    # can see, nightly pairs included.
+    tier = args.tier or "nightly"
     experiment = load_checked(
-        Path(args.experiment), rootdir=Path(args.rootdir).resolve(), max_tier=values["tier"]
+        Path(args.experiment), rootdir=Path(args.rootdir).resolve(), max_tier=tier
     )
-    pairs = [pair for pair in experiment.pairs if in_tier(pair, values["tier"])]
+    pairs = [pair for pair in experiment.pairs if in_tier(pair, tier)]
+    if not pairs:
+        raise SpecError(
+            f"no pair up to tier {tier!r}",
+            file=str(args.experiment),
+            fix="drop --tier (every pair of the file) or name a higher one",
+        )
     devices = session_devices(values["launcher"], values["devices"])
     runner = SessionRunner(cli_run_settings(values))
     start = time.monotonic()

@@ -23,7 +23,8 @@ def _scale_logits_grad(model: nn.Module, factor: float) -> None:
     """Every gradient upstream of the logits (all of them; through PP's send/recv the other
     stages' too) times ``factor``, the loss value untouched. A tensor hook, not an autograd
     Function: the pipeline schedules run backward through torch.autograd.grad."""
-    output = getattr(model, "output", None)
+    # The built-in model's output projection is ``output``, torchtitan 0.3's ``lm_head``.
+    output = getattr(model, "output", None) or getattr(model, "lm_head", None)
     if output is None:
         return
 
