@@ -204,19 +204,50 @@ def test_calibrate_takes_none_as_its_help_says() -> None:
     assert args.fp32_layouts == ["none"]
 
 
-def test_tomllib_is_imported_only_where_python_has_it() -> None:
-    """requires-python >= 3.10, and tomllib is 3.11+: each import of it sits under a version
-    check (cli/calibrate.py imported it unconditionally: the CLI failed on 3.10)."""
-    import ast
+#: typing names by the Python release that added them (after 3.10).
+_TYPING_SINCE = {
+    (3, 11): {
+        "NotRequired",
+        "Required",
+        "Self",
+        "LiteralString",
+        "Never",
+        "assert_never",
+        "assert_type",
+        "reveal_type",
+        "dataclass_transform",
+        "TypeVarTuple",
+        "Unpack",
+    },
+    (3, 12): {"override", "TypeAliasType"},
+    (3, 13): {"ReadOnly", "TypeIs", "NoDefault"},
+}
 
+
+def test_declared_python_is_what_the_code_needs() -> None:
+    """Issue 52: pyproject declared Python >= 3.10 while report/data/records.py imports
+    ``typing.NotRequired`` (3.11): the plugin could not import on 3.10. The declared floor,
+    ruff's target, README's compatibility table and the typing names the code imports agree."""
+    import ast
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    declared = project["project"]["requires-python"]
+    assert declared.startswith(">="), declared
+    floor = tuple(int(x) for x in declared[2:].split("."))
+    assert project["tool"]["ruff"]["target-version"] == f"py{floor[0]}{floor[1]}"
+    assert f"Python >= {floor[0]}.{floor[1]}" in README
+    too_new = set().union(*(names for since, names in _TYPING_SINCE.items() if since > floor))
     for path in [
         *(REPO / "convergence").rglob("*.py"),
         *(REPO / "pytest_convergence").rglob("*.py"),
     ]:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in tree.body:  # module level, outside any `if sys.version_info`
-            if isinstance(node, ast.Import) and any(a.name == "tomllib" for a in node.names):
-                raise AssertionError(f"{path}: unconditional `import tomllib`")
+        tree = ast.parse(path.read_text(encoding="utf-8"), feature_version=floor[:2])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "typing":
+                late = {a.name for a in node.names} & too_new
+                assert not late, f"{path}: typing.{late} is newer than Python {declared}"
+    assert "tomli" not in " ".join(project["project"]["dependencies"])
 
 
 def test_readme_states_the_torch_floors_the_code_declares() -> None:
@@ -224,7 +255,7 @@ def test_readme_states_the_torch_floors_the_code_declares() -> None:
     registry's (issue 36: README said torch >= 2.6, which the trainer cannot run on)."""
     import tomllib
 
-    from convergence.backends.registry import TORCH_FLOORS
+    from convergence.backends.registry import TORCH_SERIES
     from convergence.spec.pp_schedules import TORCH_FLOORS as PP_FLOORS
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -232,5 +263,5 @@ def test_readme_states_the_torch_floors_the_code_declares() -> None:
     assert f"any torch >= {floor} build works" in README
     table = README.split("### Compatibility", 1)[1].split("\n\n", 2)[1]
     assert f"torch >= {floor}" in table
-    assert f"torch >= {TORCH_FLOORS['torchtitan']['0.3']}" in table
+    assert f"torch {TORCH_SERIES['torchtitan']['0.3']}.x" in table
     assert f"torch >= {PP_FLOORS['DualPipeV']}" in table
