@@ -27,11 +27,12 @@ from convergence.report.data.records import (
     layout_record,
     techniques_changed,
 )
+from convergence.report.data.resume import resume_record
 from convergence.report.figure import new_figure, save_png
 from convergence.report.files import atomic_write, slug
 from convergence.report.fmt import VERDICTS, describe_test
 from convergence.report.formats.plot_cache import cached_plot
-from convergence.report.sections.dimensions import dimension_of
+from convergence.report.sections.dimensions import ChangeRecord, dimension_of
 from convergence.run.outcome import PairOutcome
 from convergence.stats.types import MetricVerdict
 
@@ -342,13 +343,15 @@ def _pin_title(ax: Axes) -> None:
 def dimension(outcome: PairOutcome) -> str:
     """What the pair verifies, named as the "By dimension" table names it (``+tp2``,
     ``+cp2 +ac:full``, ``-rep2+shard2``): the heatmap's row groups are that table's rows."""
-    return dimension_of(
-        {
-            "control": layout_record(outcome.pair.control),
-            "test": layout_record(outcome.pair.test),
-            "techniques_changed": techniques_changed(outcome),
-        }
-    )
+    change: ChangeRecord = {
+        "control": layout_record(outcome.pair.control),
+        "test": layout_record(outcome.pair.test),
+        "techniques_changed": techniques_changed(outcome),
+    }
+    resume = resume_record(outcome, None)
+    if resume is not None:
+        change["resume"] = resume
+    return dimension_of(change)
 
 
 def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from convergence.report.data.records import PairRecord, pair_record
+from convergence.report.data.resume import ResumeRecord
 from convergence.report.data.schema import floor_notes
 from convergence.report.fmt import (
     NOT_COMPARED_TITLE,
@@ -66,6 +67,9 @@ GAP = "  "
 def record_row(record: PairRecord) -> dict[str, str]:
     """Formatted cells of one pair, from its report record (see records.pair_record)."""
     degrees = record["test"]["degrees"]
+    resume = record.get("resume")
+    if resume is not None and "layout" in resume:  # shown as the layout it resumed on
+        degrees = resume["layout"]["degrees"]
     res = record["resources"]
     wall = record["wall_s"]["test"] or record["wall_s"]["pair"] or None
     cached = [
@@ -78,7 +82,7 @@ def record_row(record: PairRecord) -> dict[str, str]:
     row.update({key: fmt_deg(int(degrees[axis])) for key, axis in AXIS_COLUMNS})
     row.update(
         {
-            "techniques": fmt_techniques(record["techniques_changed"]),
+            "techniques": _with_resume(fmt_techniques(record["techniques_changed"]), resume),
             "verdict": verdict
             + ("*" if record["stopped_early_at"] is not None else "")
             + _failed_metrics(record),
@@ -93,6 +97,14 @@ def record_row(record: PairRecord) -> dict[str, str]:
         }
     )
     return row
+
+
+def _with_resume(techniques: str, resume: ResumeRecord | None) -> str:
+    """The techniques cell of a resume pair starts with where it resumed (``resume@10``)."""
+    if resume is None:
+        return techniques
+    where = f"resume@{resume['at_step']}"
+    return where if techniques == "-" else f"{where},{techniques}"
 
 
 def _failed_metrics(record: PairRecord) -> str:
