@@ -101,14 +101,16 @@ def tolerance_envelope(
     return None
 
 
-def _mark_divergence(ax: Axes, step: int | None) -> None:
+def _mark_divergence(ax: Axes, step: int | None, metric: str) -> None:
+    """The panel's own metric's first divergent step, named (the title's step is the
+    earliest over every failing metric, which may be another one)."""
     if step is not None:
         ax.axvline(
             step,
             color=DIVERGE_COLOR,
             linestyle="--",
             linewidth=1.2,
-            label=f"first divergence (step {step})",
+            label=f"{metric} first diverges (step {step})",
         )
 
 
@@ -173,7 +175,7 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
             label=f"test ({outcome.pair.test.layout.short_name()})",
         )
     verdict = outcome.verdict(metric)
-    _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
+    _mark_divergence(ax, verdict.first_divergent_step if verdict else None, metric)
     _mark_resume(ax, outcome, label=True)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
@@ -210,7 +212,7 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     ax.plot(steps, delta, color=color, linewidth=1.2, marker=marker, markersize=3, label="Δ")
     _twin_residual(ax, outcome, metric)
     ax.axhline(0, color="0.5", linewidth=0.6)
-    _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
+    _mark_divergence(ax, verdict.first_divergent_step if verdict else None, metric)
     if ax.get_yscale() == "linear":
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.legend(fontsize=8, loc="upper left")
@@ -277,7 +279,14 @@ def _title(outcome: PairOutcome) -> str:
     )
     step = first_divergent_step(outcome)
     if step is not None:
-        text += f", diverges at step {step}"
+        # Which metric: the panels mark each their own metric's step, and a pair whose grad
+        # norm parts at step 8 and loss at 11 read "diverges at step 8" over "step 11" lines.
+        metrics = [
+            v.metric
+            for v in outcome.verdicts
+            if v.gate and not v.passed and v.first_divergent_step == step
+        ]
+        text += f", first diverges at step {step} ({', '.join(metrics)})"
     return text
 
 
