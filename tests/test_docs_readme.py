@@ -64,6 +64,39 @@ def test_cli_workdir_help_says_what_the_cli_does(command: str) -> None:
     assert "rootdir" not in workdir_help, workdir_help
 
 
+def test_ab_and_compare_help_say_what_their_workdir_and_runs_are() -> None:
+    """Issue 52: `ab --help` said its --workdir holds a cache that ab never uses; `compare
+    --help` named no golden file for B, which compare reads like A."""
+    ab = _help("ab").split("--workdir DIR ", 1)[1].split(" --", 1)[0]
+    assert "no run cache" in ab and "and cache" not in ab, ab
+    compare = _help("compare")
+    assert "test: run folder, TensorBoard folder, JSONL or golden" in compare, compare
+    workdir = compare.split("--workdir DIR ", 1)[1]
+    assert "calibration" in workdir and "and cache" not in workdir, workdir
+
+
+def test_compare_reads_a_golden_file_as_b(tmp_path: Path) -> None:
+    """What the help says: a golden file as the test side is judged like any run."""
+    import json
+
+    import numpy as np
+
+    from convergence.cli import main
+    from convergence.metrics.curve import Curve
+    from convergence.metrics.golden import export_golden
+
+    steps, values = [1, 2, 3], [3.0, 2.5, 2.2]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.json"
+    a.write_text(
+        "".join(
+            json.dumps({"step": s, "loss": v}) + "\n" for s, v in zip(steps, values, strict=True)
+        )
+    )
+    export_golden({"loss": Curve("loss", np.asarray(steps), np.asarray(values))}, b)
+    rc = main(["compare", str(a), str(b), "--metric", "loss", "--workdir", str(tmp_path)])
+    assert rc == 0
+
+
 def test_compare_help_names_every_gating_metric_and_twin() -> None:
     """Point 15: grad_norm_parts and data_fingerprint gate too; twin is a regime."""
     text = _help("compare")
