@@ -172,7 +172,8 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                     f"trains one step from each; the {side}'s backend {backend.name!r} does not",
                     file=file,
                     key=f"{key}.anchor_every",
-                    fix="drop anchor_every from this pair, or run it on the built-in trainer",
+                    fix="drop anchor_every from this pair, or run it on a backend that saves "
+                    "anchors (the built-in trainer, or torchtitan through its DCP checkpoints)",
                 )
         check_anchor_layouts(pair, backends, file=file, key=key)
     try:

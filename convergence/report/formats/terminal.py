@@ -28,6 +28,8 @@ from convergence.report.fmt import (
 )
 from convergence.report.sections.dimensions import render_dimensions
 from convergence.run.outcome import PairOutcome
+from convergence.stats.anchored import ANCHORED
+from convergence.stats.resumed import RESUMED
 
 AXIS_COLUMNS: tuple[tuple[str, str], ...] = (
     ("rep", "dp_replicate"),
@@ -85,7 +87,7 @@ def record_row(record: PairRecord) -> dict[str, str]:
             "techniques": _with_resume(fmt_techniques(record["techniques_changed"]), resume),
             "verdict": verdict
             + ("*" if record["stopped_early_at"] is not None else "")
-            + _failed_metrics(record),
+            + (_failed_metrics(record) or _passed_checks(record)),
             "dloss": fmt_num(record["max_abs_delta"]["loss"]),
             "dgnorm": fmt_num(record["max_abs_delta"]["grad_norm"]),
             "tps": fmt_ratio(res["tokens_per_s"]["ratio"]),
@@ -105,6 +107,22 @@ def _with_resume(techniques: str, resume: ResumeRecord | None) -> str:
         return techniques
     where = f"resume@{resume['at_step']}"
     return where if techniques == "-" else f"{where},{techniques}"
+
+
+#: Verdicts of the checks a pair asked for beyond its curves (the anchored check, a resume's
+#: twins), named after a PASS: a passing anchored or resumed pair showed nothing of them.
+EXTRA_CHECKS = (ANCHORED, RESUMED)
+
+
+def _passed_checks(record: PairRecord) -> str:
+    """`` +anchored`` after a passing verdict whose pair ran the anchored check (and
+    ``+resumed`` for a resume judged against its twins)."""
+    names = [
+        str(v["metric"])
+        for v in record["verdicts"]
+        if v["metric"] in EXTRA_CHECKS and v["passed"] and not v.get("not_compared")
+    ]
+    return "".join(f" +{name}" for name in dict.fromkeys(names))
 
 
 def _failed_metrics(record: PairRecord) -> str:
