@@ -127,3 +127,31 @@ def test_the_run_folder_keeps_itself_out_of_git(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert status.splitlines() == ["?? kept.txt"], status
+
+
+def _hooks():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "mkdocs_hooks", REPO / "scripts" / "mkdocs_hooks.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pages_show_benchmarks_sections_that_exist() -> None:
+    """The guarantees and late-bugs pages embed BENCHMARKS.md's measured tables at build time
+    (scripts/mkdocs_hooks.py): every section they name exists, and a missing one fails."""
+    hooks = _hooks()
+    used = 0
+    for page in DOCS.rglob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        if hooks.INCLUDE.search(text):
+            used += 1
+            shown = hooks.on_page_markdown(text)
+            assert "<!-- benchmarks:" not in shown and "|---|" in shown, page
+    assert used >= 2
+    shown = hooks.on_page_markdown("<!-- benchmarks:detection -->\n")
+    assert "Detection rate: **" in shown and shown.startswith("### Verdict quality")
+    with pytest.raises(ValueError, match="no section 'nope'"):
+        hooks.on_page_markdown("<!-- benchmarks:nope -->\n")
