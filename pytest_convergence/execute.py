@@ -24,9 +24,9 @@ def execute_pair(
 ) -> PairOutcome:
     """Run ``pair`` with live progress, record its outcome for the reports, and attach its
     JUnit properties. KeyboardInterrupt passes through: the launcher ends the job trees."""
+    # Other plugins changed the pair (or vetoed it) before its checks, at collection or in
+    # the fixture (collection.modified_pair): ``pair`` is the checked pair to run.
     state = get_state(config)
-    # Other plugins may change the pair, or veto it with pytest.skip (hookspecs.py).
-    pair = config.hook.pytest_convergence_modify_pair(config=config, pair=pair) or pair
     _ignore_in_git(state.settings.work_dir)
     printer: ProgressPrinter | WorkerProgress | None = ProgressPrinter(config)
     if state.is_worker:  # its terminal is not the user's: the controller relays a file
