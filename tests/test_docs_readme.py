@@ -319,3 +319,25 @@ def test_readme_states_the_torch_floors_the_code_declares() -> None:
     assert f"torch >= {PP_FLOORS['DualPipeV']}" in table
     # the site's compatibility page shows the same table
     assert table in page("reference/compatibility.md")
+
+
+def test_the_paired_guarantee_states_the_codes_floors() -> None:
+    """Issue 52: the guarantee said "2e-5 relative" for the paired regime while the loss's
+    floor is absolute (atol x (1 + growth sqrt(step))) and the grad norm's relative plus an
+    absolute floor. The sentence names the code's numbers, each in its kind."""
+    from convergence.stats.paired_band import PAIRED_DEFAULTS
+
+    text = flat(page("explanation/guarantees.md"))
+    loss, grad = PAIRED_DEFAULTS["loss"], PAIRED_DEFAULTS["grad_norm"]
+    assert PAIRED_DEFAULTS["grad_norm_parts"] == grad
+    assert (
+        f"absolute {loss.atol:.0e} x (1 + {loss.growth:g} sqrt(step)) plus {loss.rtol:.0e} of "
+        "the loss" in text
+    ), text
+    assert (
+        f"the global gradient norm by more than {grad.rtol:.0e} of its value plus an absolute "
+        f"{grad.atol:.0e} x (1 + {grad.growth:g} sqrt(step))" in text
+    ), text
+    # its worked number: the loss's tolerance at step 30 for a loss of 6
+    at_30 = loss.atol * (1 + loss.growth * 30**0.5) + loss.rtol * 6
+    assert f"({at_30:.1e} at step 30 for a loss of 6)" in text, at_30
