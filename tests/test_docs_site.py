@@ -64,7 +64,7 @@ def test_every_page_is_in_the_nav() -> None:
     listed = set(re.findall(r":\s+([\w/.-]+\.md)\s*$", nav, re.MULTILINE))
     pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
     assert pages - listed == set(), (
-        "add these pages to mkdocs.yml's nav (a topic page: under Topics)"
+        "add these pages to mkdocs.yml's nav (a topic page: a Topics section)"
     )
     assert listed - pages == set(), "nav entries without a page"
 
