@@ -283,15 +283,21 @@ def resolve_path(value: str | Path | None, base: Path) -> Path | None:
     return path if path.is_absolute() else base / path
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    skip: Iterable[str] = (),
+    help_for: Mapping[str, str] | None = None,
+) -> None:
     """The table as ``--<name>`` flags of an argparse parser (values default to None, so the
-    caller can tell "not given" from a default)."""
+    caller can tell "not given" from a default). ``help_for``: a subcommand's own help of an
+    option whose use differs there (``ab``'s workdir holds no run cache)."""
     skipped = set(skip)
     for opt in OPTIONS:
         if opt.name in skipped:
             continue
         flag = f"--{opt.name}"
-        text = opt.cli_help or opt.help
+        text = (help_for or {}).get(opt.name) or opt.cli_help or opt.help
         if opt.kind == "bool":
             parser.add_argument(flag, action="store_true", default=None, help=text)
         elif opt.kind == "choice":

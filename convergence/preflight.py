@@ -55,6 +55,7 @@ def load_checked(
     max_tier: str | None = None,
     not_runnable: dict[str, NotRunnableHere] | None = None,
     modify: Callable[[PairSpec], PairSpec | None] | None = None,
+    steps: int | None = None,
 ) -> Experiment:
     """Parse an experiment file and preflight its pairs. Raises SpecError.
 
@@ -66,6 +67,8 @@ def load_checked(
     ``modify``: what another plugin makes of each pair (the plugin's
     ``pytest_convergence_modify_pair``), applied *before* the checks, so a pair a hook changes
     is checked like any other.
+    ``steps``: the session's step override (``--convergence-steps``), checked against each
+    pair's anchors and resume step here, before any job runs.
     """
     experiment = load_experiment(path, rootdir=rootdir, regimes=REGIMES)
     if modify is not None:
@@ -73,6 +76,7 @@ def load_checked(
         experiment = dataclasses.replace(experiment, pairs=pairs)
     for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
         if in_tier(pair, max_tier):
+            check_steps_override(pair, steps, key=key)
             try:
                 check_pair(pair, key=key)
             except NotRunnableHere as exc:
@@ -80,6 +84,33 @@ def load_checked(
                     raise
                 not_runnable[pair.name] = exc
     return experiment
+
+
+def check_steps_override(pair: PairSpec, steps: int | None, *, key: str) -> None:
+    """A session's ``--convergence-steps`` that leaves the pair's anchored check or resume
+    nothing to do is an error at collection: the file's own steps were checked when it was
+    parsed, the override only now (it used to surface after two jobs had run)."""
+    if steps is None:
+        return
+    if pair.anchor_every and pair.anchor_every >= steps:
+        raise SpecError(
+            f"--convergence-steps {steps} leaves no anchor inside the run: the pair's "
+            f"anchor_every is {pair.anchor_every}",
+            file=pair.source,
+            key=f"{key}.anchor_every",
+            fix=f"run more than {pair.anchor_every} steps (--convergence-steps "
+            f"{pair.anchor_every + 1} or more), or deselect this pair",
+        )
+    resume = pair.test.resume
+    if resume is not None and resume.at_step >= steps:
+        raise SpecError(
+            f"--convergence-steps {steps} ends the run before the test's resume at step "
+            f"{resume.at_step}",
+            file=pair.source,
+            key=f"{key}.resume.at_step",
+            fix=f"run more than {resume.at_step} steps (--convergence-steps "
+            f"{resume.at_step + 1} or more), or deselect this pair",
+        )
 
 
 def make_checked_pair(
@@ -153,7 +184,8 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                     f"trains one step from each; the {side}'s backend {backend.name!r} does not",
                     file=file,
                     key=f"{key}.anchor_every",
-                    fix="drop anchor_every from this pair, or run it on the built-in trainer",
+                    fix="drop anchor_every from this pair, or run it on a backend that saves "
+                    "anchors (the built-in trainer, or torchtitan through its DCP checkpoints)",
                 )
         check_anchor_layouts(pair, backends, file=file, key=key)
     try:

@@ -1,7 +1,8 @@
 """Collecting experiment TOML files: one ``ConvergenceItem`` per control/test pair.
 
 A TOML file is collected as an experiment when it is listed (or lies in a folder listed) in the
-ini option ``convergence_paths``, when it is named on the command line, or when it lies inside a
+ini option ``convergence_paths``, when it is named on the command line (the file, or a folder
+holding it: then only if it declares itself, as below), or when it lies inside a
 folder named ``experiments`` *and declares itself* (a ``[control]`` table, ``[[test]]`` or
 ``[[sweep]]``). pytest only visits its ``testpaths`` (most repositories: ``["tests"]``), so a
 session that selects convergence tests (``-m convergence``) with no path on the command line
@@ -58,9 +59,19 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
             return True  # named: ours, so its errors are reported
         if listed.is_dir() and _under(resolved, listed) and declares_experiment(file_path):
             return True  # in a listed folder: only files that declare themselves, as above
+    named = config.args_source == pytest.Config.ArgsSource.ARGS  # not testpaths or the cwd
     for arg in config.args:
         arg_path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
         if arg_path == resolved:
+            return True
+        # A folder named on the command line (`pytest -m convergence some/folder/`): the
+        # experiments in it, by the rule of a listed folder (only files that declare one).
+        if (
+            named
+            and arg_path.is_dir()
+            and _under(resolved, arg_path)
+            and declares_experiment(file_path)
+        ):
             return True
     return False
 
@@ -142,6 +153,7 @@ class ExperimentFile(pytest.File):
                 rootdir=self.config.rootpath,
                 max_tier=state.options["tier"],
                 not_runnable=None if strict else skipped,
+                steps=state.options["steps"],
                 modify=functools.partial(modified_pair, self.config, vetoed=vetoed),
             )
             devices = state.device_set()

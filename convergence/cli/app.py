@@ -87,7 +87,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if values is None:
         return EXIT_USAGE
     path = Path(args.experiment)
-    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve(), max_tier=values["tier"])
+    experiment = load_checked(
+        path, rootdir=Path(args.rootdir).resolve(), max_tier=values["tier"], steps=values["steps"]
+    )
     pairs = [pair for pair in experiment.pairs if in_tier(pair, values["tier"])]
     skipped = len(experiment.pairs) - len(pairs)
     if skipped:
@@ -231,8 +233,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Options whose one value is a string of other options (``--pytest-args "-x --foo=1"``).
+STRING_OF_OPTIONS = ("--pytest-args", "--decide-args")
+
+
+def join_string_options(argv: Sequence[str]) -> list[str]:
+    """``--pytest-args "--convergence-workdir=/x"`` as ``--pytest-args=--convergence-workdir=/x``:
+    argparse reads a value that starts with ``-`` as an option of its own and refuses
+    ("expected one argument"), although the value is what the option is for."""
+    out: list[str] = []
+    words = list(argv)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in STRING_OF_OPTIONS and i + 1 < len(words) and words[i + 1].startswith("-"):
+            out.append(f"{word}={words[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_string_options(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
     except SpecError as exc:

@@ -168,7 +168,18 @@ _PAIR = _object(
         "placement": _STR,
         "delta_reference": _STR,
         "plot_error": _OPT_STR,
-        "resume": _object({"at_step": _INT, "before": _STR, "after": _STR, "note": _OPT_STR}),
+        "resume": _object(
+            {"at_step": _INT, "before": _STR, "after": _STR, "note": _OPT_STR},
+            {
+                "layout": _object(
+                    {
+                        "degrees": {"type": "object", "additionalProperties": _INT},
+                        "pp_schedule": _OPT_STR,
+                        "sequence_parallel": _BOOL,
+                    }
+                )
+            },
+        ),
         "attribution": _object(
             {
                 "axes": {"type": "array", "items": _STR},

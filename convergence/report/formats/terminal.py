@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from convergence.report.data.records import PairRecord, pair_record
+from convergence.report.data.resume import ResumeRecord
 from convergence.report.data.schema import floor_notes
 from convergence.report.fmt import (
     NOT_COMPARED_TITLE,
@@ -28,6 +29,8 @@ from convergence.report.fmt import (
 from convergence.report.sections.attribution import attribution_cell
 from convergence.report.sections.dimensions import render_dimensions
 from convergence.run.outcome import PairOutcome
+from convergence.stats.anchored import ANCHORED
+from convergence.stats.resumed import RESUMED
 
 AXIS_COLUMNS: tuple[tuple[str, str], ...] = (
     ("rep", "dp_replicate"),
@@ -69,6 +72,9 @@ GAP = "  "
 def record_row(record: PairRecord) -> dict[str, str]:
     """Formatted cells of one pair, from its report record (see records.pair_record)."""
     degrees = record["test"]["degrees"]
+    resume = record.get("resume")
+    if resume is not None and "layout" in resume:  # shown as the layout it resumed on
+        degrees = resume["layout"]["degrees"]
     res = record["resources"]
     wall = record["wall_s"]["test"] or record["wall_s"]["pair"] or None
     cached = [
@@ -81,10 +87,10 @@ def record_row(record: PairRecord) -> dict[str, str]:
     row.update({key: fmt_deg(int(degrees[axis])) for key, axis in AXIS_COLUMNS})
     row.update(
         {
-            "techniques": fmt_techniques(record["techniques_changed"]),
+            "techniques": _with_resume(fmt_techniques(record["techniques_changed"]), resume),
             "verdict": verdict
             + ("*" if record["stopped_early_at"] is not None else "")
-            + _failed_metrics(record),
+            + (_failed_metrics(record) or _passed_checks(record)),
             "dloss": fmt_num(record["max_abs_delta"]["loss"]),
             "dgnorm": fmt_num(record["max_abs_delta"]["grad_norm"]),
             "tps": fmt_ratio(res["tokens_per_s"]["ratio"]),
@@ -98,6 +104,30 @@ def record_row(record: PairRecord) -> dict[str, str]:
         }
     )
     return row
+
+
+def _with_resume(techniques: str, resume: ResumeRecord | None) -> str:
+    """The techniques cell of a resume pair starts with where it resumed (``resume@10``)."""
+    if resume is None:
+        return techniques
+    where = f"resume@{resume['at_step']}"
+    return where if techniques == "-" else f"{where},{techniques}"
+
+
+#: Verdicts of the checks a pair asked for beyond its curves (the anchored check, a resume's
+#: twins), named after a PASS: a passing anchored or resumed pair showed nothing of them.
+EXTRA_CHECKS = (ANCHORED, RESUMED)
+
+
+def _passed_checks(record: PairRecord) -> str:
+    """`` +anchored`` after a passing verdict whose pair ran the anchored check (and
+    ``+resumed`` for a resume judged against its twins)."""
+    names = [
+        str(v["metric"])
+        for v in record["verdicts"]
+        if v["metric"] in EXTRA_CHECKS and v["passed"] and not v.get("not_compared")
+    ]
+    return "".join(f" +{name}" for name in dict.fromkeys(names))
 
 
 def _failed_metrics(record: PairRecord) -> str:
