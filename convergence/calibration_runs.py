@@ -15,7 +15,7 @@ needs the Runner and measuring the statistics' defaults, both layers above it.
 
 from __future__ import annotations
 
-import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +33,6 @@ from convergence.spec.layout import DType, ParallelLayout, Techniques
 from convergence.spec.pair import PairSpec
 from convergence.stats.paired_band import PAIRED_DEFAULTS
 from convergence.stats.twin_envelope import TWIN_DEFAULTS, twin_noise
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10 (pyproject's tomli dependency)
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""README's generated parts: the experiment key table (from the spec) and the option list (from
-the option table), so that what the README promises is what the code accepts.
+"""The documentation's generated parts: the experiment key table (from the spec) and the option
+list (from the option table), so that what the docs promise is what the code accepts.
 
-README.md marks each part with ``<!-- NAME:begin -->`` / ``<!-- NAME:end -->``;
-``python -m convergence.docs README.md`` rewrites them in place, and tests/test_docs_readme.py
-fails when README drifts from the code (a key added to the spec without a line here fails too:
-:func:`key_table` refuses to render while a key is undocumented).
+The site's reference page of the keys (docs/reference/experiment-keys.md) is written by
+``python scripts/docs_reference.py`` from :func:`key_table`, and tests/test_docs_site.py fails
+when it drifts from the code; a key added to the spec without a line here fails too:
+:func:`key_table` refuses to render while a key is undocumented. Any other page may embed a
+generated part between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` markers, rewritten in
+place by ``python -m convergence.docs FILE``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _code(values: Sequence[str]) -> str:
     return ", ".join(f'`"{v}"`' for v in values)
 
 
-#: (where, keys, meaning): one row of README's key table. Keys are the spec's names.
+#: (where, keys, meaning): one row of the key table. Keys are the spec's names.
 KeyRow = tuple[str, tuple[str, ...], str]
 
 
@@ -212,7 +214,7 @@ def key_table() -> str:
     missing = undocumented(rows)
     if missing:
         raise ValueError(
-            f"README key table: undocumented spec keys {', '.join(missing)}; "
+            f"the key table: undocumented spec keys {', '.join(missing)}; "
             f"add them to convergence/docs.py key_rows()"
         )
     lines = ["| where | key | meaning |", "|---|---|---|"]
@@ -248,18 +250,31 @@ def _block(name: str) -> re.Pattern[str]:
 
 
 def render(text: str) -> str:
-    """``text`` (README) with every generated part rewritten; a missing marker is an error."""
+    """``text`` with every generated part it marks rewritten; a page that marks none is an
+    error (nothing to generate there)."""
+    found = False
     for name, make in PARTS.items():
         match = _block(name).search(text)
         if match is None:
-            raise ValueError(f"README has no <!-- {name}:begin --> ... <!-- {name}:end --> block")
+            continue
+        found = True
         text = text[: match.start(2)] + make() + "\n" + text[match.end(2) :]
+    if not found:
+        names = ", ".join(f"<!-- {name}:begin -->" for name in PARTS)
+        raise ValueError(f"no generated part to rewrite: the page marks none of {names}")
     return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    path = Path(args[0] if args else "README.md")
+    if not args:
+        print(
+            "usage: python -m convergence.docs FILE (the site's reference pages: "
+            "python scripts/docs_reference.py)",
+            file=sys.stderr,
+        )
+        return 2
+    path = Path(args[0])
     old = path.read_text(encoding="utf-8")
     new = render(old)
     if new != old:

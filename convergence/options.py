@@ -126,6 +126,14 @@ OPTIONS: tuple[Option, ...] = (
         default="auto",
     ),
     Option(
+        name="attribute",
+        help="when a pair whose test has two or more non-DP axes (TP, SP, CP, PP) fails, run "
+        "the lower-dimensional pairs that isolate each axis against the same control and "
+        "name the axis or combination to blame (on by default with --convergence-tier nightly)",
+        kind="bool",
+        default=False,
+    ),
+    Option(
         name="strict",
         help="a pair this session cannot run (more devices than it has, a "
         "backend that is not installed) is a collection error instead of a skip",
@@ -275,15 +283,21 @@ def resolve_path(value: str | Path | None, base: Path) -> Path | None:
     return path if path.is_absolute() else base / path
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, skip: Iterable[str] = ()) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    skip: Iterable[str] = (),
+    help_for: Mapping[str, str] | None = None,
+) -> None:
     """The table as ``--<name>`` flags of an argparse parser (values default to None, so the
-    caller can tell "not given" from a default)."""
+    caller can tell "not given" from a default). ``help_for``: a subcommand's own help of an
+    option whose use differs there (``ab``'s workdir holds no run cache)."""
     skipped = set(skip)
     for opt in OPTIONS:
         if opt.name in skipped:
             continue
         flag = f"--{opt.name}"
-        text = opt.cli_help or opt.help
+        text = (help_for or {}).get(opt.name) or opt.cli_help or opt.help
         if opt.kind == "bool":
             parser.add_argument(flag, action="store_true", default=None, help=text)
         elif opt.kind == "choice":

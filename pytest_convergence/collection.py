@@ -1,7 +1,8 @@
 """Collecting experiment TOML files: one ``ConvergenceItem`` per control/test pair.
 
 A TOML file is collected as an experiment when it is listed (or lies in a folder listed) in the
-ini option ``convergence_paths``, when it is named on the command line, or when it lies inside a
+ini option ``convergence_paths``, when it is named on the command line (the file, or a folder
+holding it: then only if it declares itself, as below), or when it lies inside a
 folder named ``experiments`` *and declares itself* (a ``[control]`` table, ``[[test]]`` or
 ``[[sweep]]``). pytest only visits its ``testpaths`` (most repositories: ``["tests"]``), so a
 session that selects convergence tests (``-m convergence``) with no path on the command line
@@ -13,6 +14,7 @@ break another repository's collection. Item names are the test names:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,19 @@ def is_experiment_file(config: pytest.Config, file_path: Path) -> bool:
             return True  # named: ours, so its errors are reported
         if listed.is_dir() and _under(resolved, listed) and declares_experiment(file_path):
             return True  # in a listed folder: only files that declare themselves, as above
+    named = config.args_source == pytest.Config.ArgsSource.ARGS  # not testpaths or the cwd
     for arg in config.args:
         arg_path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
         if arg_path == resolved:
+            return True
+        # A folder named on the command line (`pytest -m convergence some/folder/`): the
+        # experiments in it, by the rule of a listed folder (only files that declare one).
+        if (
+            named
+            and arg_path.is_dir()
+            and _under(resolved, arg_path)
+            and declares_experiment(file_path)
+        ):
             return True
     return False
 
@@ -108,6 +120,22 @@ def add_convergence_paths(config: pytest.Config) -> list[Path]:
     return added
 
 
+def modified_pair(
+    config: pytest.Config, pair: PairSpec, *, vetoed: dict[str, str] | None = None
+) -> PairSpec:
+    """What other plugins make of ``pair`` (``pytest_convergence_modify_pair``), before the
+    pair's checks. A veto (``pytest.skip`` in the hook) is recorded in ``vetoed`` by pair name
+    (the item is then a skip with the hook's reason); without ``vetoed`` it propagates (a
+    ``convergence_pair`` test is skipped)."""
+    try:
+        return config.hook.pytest_convergence_modify_pair(config=config, pair=pair) or pair
+    except pytest.skip.Exception as exc:
+        if vetoed is None:
+            raise
+        vetoed[pair.name] = str(exc.msg or "vetoed by pytest_convergence_modify_pair")
+        return pair
+
+
 class ExperimentFile(pytest.File):
     """An experiment TOML file; invalid input is a clean collection error (nothing runs)."""
 
@@ -118,12 +146,15 @@ class ExperimentFile(pytest.File):
         state = get_state(self.config)
         strict = bool(state.options["strict"])
         skipped: dict[str, NotRunnableHere] = {}
+        vetoed: dict[str, str] = {}
         try:
             experiment = load_checked(
                 self.path,
                 rootdir=self.config.rootpath,
                 max_tier=state.options["tier"],
                 not_runnable=None if strict else skipped,
+                steps=state.options["steps"],
+                modify=functools.partial(modified_pair, self.config, vetoed=vetoed),
             )
             devices = state.device_set()
             pairs = list(experiment.pairs)
@@ -148,7 +179,10 @@ class ExperimentFile(pytest.File):
         for pair in pairs:
             item = ConvergenceItem.from_parent(self, name=pair.name, pair=pair)
             item.add_marker(MARKER)
-            if pair.name in skipped:
+            if pair.name in vetoed:
+                item.add_marker(pytest.mark.skip(reason=vetoed[pair.name]))
+                item.skipped = True
+            elif pair.name in skipped:
                 item.add_marker(pytest.mark.skip(reason=skip_reason(skipped[pair.name])))
                 item.skipped = True
             yield item

@@ -148,3 +148,28 @@ def test_an_anchored_job_trains_m_steps_from_each_anchor_never_past_the_next() -
     assert anchored_steps([10, 20, 30], 1, 40) == [11, 21, 31]
     assert anchored_steps([10, 20, 30], 3, 40) == [11, 12, 13, 21, 22, 23, 31, 32, 33]
     assert anchored_steps([10, 20, 30], 15, 34) == [*range(11, 21), *range(21, 31), *range(31, 35)]
+
+
+def test_a_backend_without_anchors_is_refused_naming_those_with_them(tmp_path: Path) -> None:
+    """Issue 52: the refusal said "run it on the built-in trainer" although torchtitan has
+    anchors too (through its DCP checkpoints)."""
+    from convergence.preflight import make_checked_pair
+
+    (tmp_path / "t.toml").write_text("")
+    side = {
+        "train_config": "t.toml",
+        "backend": "command",
+        "backend_options": {"command": ["train.py", "{dump_dir}"]},
+        "parallelism": {"dp_shard": 2},
+        "steps": 40,
+    }
+    with pytest.raises(SpecError) as caught:
+        make_checked_pair(
+            name="cmd",
+            control=side,
+            test={**side, "anchor_every": 10},
+            rootdir=tmp_path,
+            source=str(tmp_path / "e.toml"),
+        )
+    text = str(caught.value)
+    assert "anchor_every" in text and "torchtitan" in text and "built-in" in text, text

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from convergence.backends.registry import TORCH_FLOORS, torch_too_old
+from convergence.backends.registry import TORCH_SERIES, torch_mismatch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -105,23 +105,59 @@ def test_a_torch_older_than_torchtitan_needs_is_a_skip_naming_both(tmp_path: Pat
     # The import that failed (not torchtitan's "Cannot import config_registry" alone), and
     # the torch it needs; never the old "fix the override" on backend_options.module.
     assert "cannot import name 'DataParallelMeshDims'" in out, out
-    assert "needs torch >= 2.12" in out, out
+    assert "needs torch 2.13.x" in out, out
     assert "fix the override" not in out, out
 
 
-def test_torchtitan_0_3_needs_torch_2_12() -> None:
-    assert torch_too_old("torchtitan", "0.3.0", "2.11.0") == "2.12"
-    assert torch_too_old("torchtitan", "0.3.0", "2.11.0+cu128") == "2.12"
-    assert torch_too_old("torchtitan", "0.3.0", "2.12.0") is None
-    assert torch_too_old("torchtitan", "0.3.0", "2.13.0+cpu") is None
-    assert torch_too_old("torchtitan", "0.4.0", "2.6.0") is None  # not known: its import checks
+def test_torchtitan_0_3_needs_torch_2_13_exactly() -> None:
+    """Issue 52: the registry said torch >= 2.12 while the patches refuse anything but 2.13.x
+    (a user on 2.11 was told to install 2.12, then refused again; the extra let pip pick 2.14)."""
+    assert torch_mismatch("torchtitan", "0.3.0", "2.11.0") == "2.13"
+    assert torch_mismatch("torchtitan", "0.3.0", "2.12.0+cu128") == "2.13"
+    assert torch_mismatch("torchtitan", "0.3.0", "2.14.0") == "2.13"
+    assert torch_mismatch("torchtitan", "0.3.1", "2.13.0+cpu") is None
+    assert torch_mismatch("torchtitan", "0.3.0", "2.13.2") is None
+    assert torch_mismatch("torchtitan", "0.4.0", "2.6.0") is None  # not known: its import checks
 
 
-def test_the_torchtitan_extra_declares_the_torch_it_needs() -> None:
+def test_every_place_states_the_same_torch_for_torchtitan() -> None:
+    """The registry, every pinned patch, pyproject's extra and the refusal message say one
+    torch series (2.13.x): none can move without the others."""
+    from packaging.specifiers import SpecifierSet
+
+    from convergence.backends.torchtitan import anchors, probe, resume  # noqa: F401 (pins)
+    from convergence.backends.torchtitan.patches import PATCHES, unsupported_releases
+
+    series = TORCH_SERIES["torchtitan"]["0.3"]
+    assert {pin.torch for pin in PATCHES.values()} == {series}, PATCHES
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    assert f"torch>={TORCH_FLOORS['torchtitan']['0.3']}" in extras["torchtitan"]
+    (torch_req,) = [r for r in extras["torchtitan"] if r.startswith("torch>")]
+    spec = SpecifierSet(torch_req[len("torch") :])
+    admitted = [v for v in ("2.11.0", "2.12.0", "2.13.0", "2.13.1", "2.14.0") if v in spec]
+    assert admitted == ["2.13.0", "2.13.1"], torch_req
+    refusal = unsupported_releases({"torchtitan": "0.3.0", "torch": "2.14.0"})
+    assert refusal is not None and f"torch {series}.x" in refusal, refusal
+    assert "pytest-convergence[torchtitan]'" not in refusal  # not on the public index
+    assert unsupported_releases({"torchtitan": "0.3.0", "torch": "2.13.0"}) is None
+
+
+def test_a_torch_outside_the_series_is_refused_before_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.14 (which the old ``torch>=2.12`` extra let pip pick) is named, with the fix."""
+    from convergence.backends import registry
+
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed (pip install -e '.[torchtitan]' triton)")
+    versions = {"torchtitan": "0.3.0", "torch": "2.14.0"}
+    monkeypatch.setattr(registry, "_installed", versions.get)
+    problem = registry.requirement_problem("torchtitan")
+    assert problem is not None
+    text = str(problem)
+    assert "torch 2.13.x only" in text and "torch 2.14.0" in text, text
+    assert "torch==2.13.*" in text, text
 
 
 def test_on_a_gpu_host_the_skip_names_fixes_that_add_devices(tmp_path: Path) -> None:

@@ -153,3 +153,20 @@ def test_launch_announces_the_job_before_torchrun_starts(tmp_path: Path) -> None
     )
     assert LocalLauncher().launch(req, on_progress=seen.append).ok
     assert seen and seen[0].note == "starting (1 process, local launcher)"
+
+
+def test_the_progress_line_names_the_launcher_chosen(tmp_path: Path) -> None:
+    """Issue 52: with `--convergence-launcher torchrun` the line said "local launcher"."""
+    from convergence.launch.torchrun import LocalLauncher
+    from convergence.run.jobs import _make_launcher
+
+    script = tmp_path / "quiet.py"
+    script.write_text("print('done')\n")
+    seen: list[Progress] = []
+    req = LaunchRequest(
+        name="seed", entry=[str(script)], nproc=1, log_dir=tmp_path / "l", direct=True
+    )
+    launcher = _make_launcher("torchrun")
+    assert isinstance(launcher, LocalLauncher)
+    assert launcher.launch(req, on_progress=seen.append).ok
+    assert seen and seen[0].note == "starting (1 process, torchrun launcher)", seen[0]

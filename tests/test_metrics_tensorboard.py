@@ -150,3 +150,31 @@ def test_missing_and_empty_paths(tmp_path: Path) -> None:
     assert find_loss_logging_dir(tmp_path) is None
     write(tmp_path / "other", {"grad_norm": [(1, 1.0)]})
     assert find_loss_logging_dir(tmp_path) is None
+
+
+def test_torchtitan_cpu_memory_sentinel_is_no_measurement(tmp_path: Path) -> None:
+    """Issue 52: torchtitan 0.3 on CPU logs max_reserved as -1 byte in GiB (its
+    DeviceMemoryMonitor's default when memory_stats() is empty), which read as -9.5e-07 MiB and
+    was compared. Such a run has no peak-memory curve, and the default (non-gating) rule
+    compares nothing and says "not compared"."""
+    from convergence.spec.rules import PERFORMANCE_RULES
+    from convergence.stats.registry import compare_all
+
+    gib = 1024**3
+    for side in ("control", "test"):
+        write(
+            tmp_path / side,
+            {
+                LOSS: [(1, 3.0), (2, 2.9)],
+                "memory/max_reserved(GiB)": [(1, -1 / gib), (2, -1 / gib)],
+            },
+        )
+    control, test = read_tensorboard(tmp_path / "control"), read_tensorboard(tmp_path / "test")
+    assert "peak_mem_mib" not in control and "peak_mem_mib" not in test
+    (rule,) = [r for r in PERFORMANCE_RULES if r.metric == "peak_mem_mib"]
+    (verdict,) = compare_all([rule], [control], test)
+    assert verdict.steps_compared == 0 and not verdict.gate, verdict
+    assert "missing in the" in verdict.message and "not compared" in verdict.message, verdict
+    # A real measurement still reads, 0 included (a GPU's first step may reserve nothing).
+    write(tmp_path / "gpu", {LOSS: [(1, 3.0)], "memory/max_reserved(GiB)": [(1, 0.0), (2, 2.0)]})
+    assert read_tensorboard(tmp_path / "gpu")["peak_mem_mib"].values.tolist() == [0.0, 2048.0]

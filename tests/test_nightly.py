@@ -603,3 +603,29 @@ def test_calibration_goes_to_the_sessions_workdir() -> None:
         text = render_sbatch(dataclasses.replace(EXAMPLE, pytest_args=args))
         assert "calibrate --if-missing --workdir /shared/wd debug" in text
     assert "calibrate --if-missing debug" in render_sbatch(EXAMPLE)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--pytest-args", "--convergence-workdir=/shared/wd"],
+        ["--pytest-args", "--convergence-workdir /shared/wd -x"],
+        ["--pytest-args=--convergence-workdir=/shared/wd"],
+    ],
+)
+def test_pytest_args_may_start_with_a_dash(
+    tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 52: `convergence nightly --pytest-args "--convergence-workdir=/x"` was refused by
+    argparse ("expected one argument"); the script passes the workdir on and calibrates there."""
+    from convergence.cli import main
+
+    out = tmp_path / "nightly"
+    rc = main(
+        ["nightly", "--experiments", "experiments", "--out", str(out), "--stdout", *argv]
+        + ["--decide-args", "--notify always"]
+    )
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "calibrate --if-missing --workdir /shared/wd debug" in captured.out, captured.out
+    assert "--convergence-workdir" in captured.out and "--notify always" in captured.out

@@ -222,6 +222,58 @@ def test_toml_outside_experiments_needs_convergence_paths(pytester: pytest.Pytes
     result.stdout.fnmatch_lines(["pairs/mine.toml::fsdp2-tp2"])
 
 
+def test_a_folder_named_on_the_command_line_collects_its_experiments(
+    pytester: pytest.Pytester,
+) -> None:
+    """Issue 52: `pytest -m convergence some/folder/` collected nothing (rc 5, no hint) while
+    README said files named on the command line are collected. A named folder collects the
+    experiment files in it (nested too), by the rule of a listed folder: only files that
+    declare themselves, so a train config or a torchtitan job config there is left alone."""
+    write_toml(pytester.path / "some" / "folder" / "mine.toml", EXPERIMENT)
+    write_toml(pytester.path / "some" / "folder" / "deeper" / "more.toml", EXPERIMENT)
+    write_toml(pytester.path / "some" / "folder" / "train.toml", {"model": {"dim": 8}})
+    write_toml(pytester.path / "elsewhere" / "other.toml", EXPERIMENT)
+    pytester.makeini("[pytest]\n")
+    for arg in ("some/folder/", "some/folder", "some"):
+        result = pytester.runpytest("-m", "convergence", "--collect-only", "-q", arg)
+        assert result.ret == 0, result.stdout.str()
+        result.stdout.fnmatch_lines(
+            ["some/folder/deeper/more.toml::fsdp2-tp2", "some/folder/mine.toml::fsdp2-tp2"],
+            consecutive=False,
+        )
+        out = result.stdout.str()
+        assert "train.toml" not in out and "other.toml" not in out, out
+
+
+@pytest.mark.parametrize(
+    ("extra", "key", "needs"),
+    [
+        ({"anchor_every": 10}, "anchor_every", "--convergence-steps 11"),
+        ({"resume": {"at_step": 10}}, "resume.at_step", "--convergence-steps 11"),
+    ],
+)
+def test_steps_override_below_the_anchors_is_a_collection_error(
+    pytester: pytest.Pytester, extra: dict[str, Any], key: str, needs: str
+) -> None:
+    """Issue 52: `--convergence-steps 5` with `anchor_every = 10` was found after two jobs
+    ran; it is a collection error naming the file, the key and the fix (nothing launched)."""
+    doc = experiment()
+    doc["test"] = [{**doc["test"][0], "steps": 40, **extra}]
+    doc["control"]["steps"] = 40
+    write_toml(pytester.path / "experiments" / "exp.toml", doc)
+    pytester.makeini("[pytest]\n")
+    ok = pytester.runpytest("-m", "convergence", "--collect-only", "-q")
+    assert ok.ret == 0, ok.stdout.str()
+    result = pytester.runpytest("-m", "convergence", "--convergence-steps", "5")
+    out = result.stdout.str()
+    assert result.ret == 2, out
+    assert "nothing was launched" in out and "--convergence-steps 5" in out, out
+    assert f".{key}" in out and needs in out and "exp.toml" in out, out
+    assert " passed" not in out, out
+    fine = pytester.runpytest("-m", "convergence", "--convergence-steps", "11", "--collect-only")
+    assert fine.ret == 0, fine.stdout.str()
+
+
 def test_fixture_rejects_bad_input_before_launching(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\n")
     pytester.makepyfile(f"""

@@ -1,5 +1,7 @@
-"""README's examples cannot rot: every indented code block of README.md is either run here, in
-a temporary folder at CPU size, or named in SKIPPED with the reason and the test that covers it.
+"""The documentation's examples cannot rot: every code block of README.md and of the site's
+how-to, explanation and home pages (docs/) is either run here, in a temporary folder at CPU
+size, or named in SKIPPED with the reason and the test that covers it (the tutorial's blocks:
+tests/test_docs_tutorial.py; the generated reference pages: tests/test_docs_site.py).
 
 - TOML and Python examples become a user repository (the experiment files, the hook module,
   the marked Python test, the pyproject snippet); README's ``pytest -m convergence`` collects
@@ -23,10 +25,10 @@ import re
 import shlex
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from docs_blocks import fenced_blocks, indented_blocks
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).
@@ -34,6 +36,20 @@ pytestmark = pytest.mark.xdist_group("readme_examples")
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+#: The pages whose examples are checked here: README first, then the site's pages (the
+#: tutorial has its own test, the reference pages are generated).
+PAGES = [
+    README,
+    REPO / "docs" / "index.md",
+    *sorted((REPO / "docs" / "how-to").glob("*.md")),
+    *sorted((REPO / "docs" / "explanation").glob("*.md")),
+]
+
+
+def page_text() -> str:
+    """Every checked page's text, one after the other."""
+    return "\n\n".join(page.read_text(encoding="utf-8") for page in PAGES)
+
 
 #: Commands that do not run here: the reason, and what covers them instead.
 SKIPPED: dict[str, str] = {
@@ -54,39 +70,41 @@ SKIPPED: dict[str, str] = {
 NOT_EXAMPLES = (
     "e2e.toml::",
     "convergence/        the library",
+    "pair                rep",  # README's matrix
+    "--8<--",  # a snippet of the pictures' run (docs/images, scripts/docs_images.py)
 )
 
 
-def code_blocks(text: str) -> list[str]:
-    """README's indented code blocks (4 spaces, after a blank line), dedented."""
-    blocks: list[list[str]] = []
-    current: list[str] | None = None
-    previous_blank = True
-    for line in text.splitlines():
-        if line.startswith("    ") and (current is not None or previous_blank):
-            if current is None:
-                current = []
-                blocks.append(current)
-            current.append(line)
-        elif not line.strip() and current is not None:
-            current.append("")
-        else:
-            current = None
-        previous_blank = not line.strip()
-    return [textwrap.dedent("\n".join(b)).strip() + "\n" for b in blocks]
+def code_blocks(text: str) -> list[tuple[str | None, str]]:
+    """A page's code blocks as (language, text): fenced ones with their language, README's
+    indented ones with None."""
+    fenced: list[tuple[str | None, str]] = list(fenced_blocks(text))
+    return fenced + [(None, block) for block in indented_blocks(text)]
 
 
-def classify(blocks: list[str]) -> dict[str, list[str]]:
+def all_blocks() -> list[tuple[str | None, str]]:
+    """The checked pages' blocks; a block that several pages show (the pyproject lines) once."""
+    seen: dict[str, tuple[str | None, str]] = {}
+    for page in PAGES:
+        for lang, block in code_blocks(page.read_text(encoding="utf-8")):
+            seen.setdefault(block, (lang, block))
+    return list(seen.values())
+
+
+def classify(blocks: list[tuple[str | None, str]]) -> dict[str, list[str]]:
     kinds: dict[str, list[str]] = {"toml": [], "python": [], "shell": [], "other": []}
-    for block in blocks:
+    kinds["toml_other"] = []
+    for lang, block in blocks:
         first = block.splitlines()[0]
-        if first.startswith(NOT_EXAMPLES):
+        if first.startswith(NOT_EXAMPLES) or lang == "text":
             kinds["other"].append(block)
-        elif first.startswith("# pyproject.toml") or (
+        elif first == "# pyproject.toml" or (
             first.startswith("# experiments/") and ".toml" in first.split()[1]
         ):
             kinds["toml"].append(block)
-        elif "import " in block or first.startswith("# my_project/"):
+        elif lang == "toml":
+            kinds["toml_other"].append(block)  # a snippet of another file: it must parse
+        elif lang == "python" or "import " in block or first.startswith("# my_project/"):
             kinds["python"].append(block)
         else:
             kinds["shell"].append(block)
@@ -98,6 +116,8 @@ def commands(shell_blocks: list[str]) -> list[str]:
     out: list[str] = []
     for block in shell_blocks:
         for line in block.replace("\\\n", " ").splitlines():
+            if line.lstrip().startswith("#"):
+                continue
             line = re.sub(r"\s+#.*$", "", line).strip()
             out += [part.strip() for part in line.split("&&") if part.strip()]
     return out
@@ -137,24 +157,24 @@ def _argv(command: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def readme() -> dict[str, list[str]]:
-    return classify(code_blocks(README.read_text(encoding="utf-8")))
+    return classify(all_blocks())
 
 
 @pytest.fixture(scope="module")
 def user_repo(tmp_path_factory: pytest.TempPathFactory, readme: dict[str, list[str]]) -> Path:
-    """README's TOML and Python examples, written where they say they live."""
+    """The pages' TOML and Python examples, written where they say they live."""
     repo = tmp_path_factory.mktemp("readme_repo")
     experiments = 0
     for block in readme["toml"]:
         first = block.splitlines()[0]
-        if first.startswith("# pyproject.toml"):
+        if first == "# pyproject.toml":
             (repo / "pyproject.toml").write_text(block)
             continue
         named = Path(first.split()[1])
         if len(named.parts) > 2:  # in a folder of its own (torchtitan's): exactly there
             path = repo / named
         else:
-            experiments += 1  # two examples share the name my_layouts.toml: keep both
+            experiments += 1  # examples share names (my_layouts.toml): keep each
             path = repo / "experiments" / f"readme_{experiments}.toml"
         path.parent.mkdir(exist_ok=True)
         path.write_text(block)
@@ -170,13 +190,29 @@ def user_repo(tmp_path_factory: pytest.TempPathFactory, readme: dict[str, list[s
     # README's pyproject has testpaths = ["tests"]: the repository's ordinary tests
     (repo / "tests").mkdir(exist_ok=True)
     (repo / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    # The command-trainer example's train config and its `sources` (a trainer of yours)
+    (repo / "my_trainer.toml").write_text("[training]\nsteps = 100\n")
+    (repo / "train.py").write_text("")
     return repo
 
 
+def _file_with(repo: Path, test_name: str) -> str:
+    """The experiments/readme_N.toml that holds the test ``test_name`` (relative path)."""
+    for path in sorted((repo / "experiments").glob("readme_*.toml")):
+        if f'name = "{test_name}"' in path.read_text():
+            return path.relative_to(repo).as_posix()
+    raise AssertionError(f"no example experiment holds a test {test_name!r}")
+
+
 def test_every_readme_block_is_known(readme: dict[str, list[str]]) -> None:
-    """A new README block must be classified; every example kind is present."""
-    assert len(readme["toml"]) == 4 and len(readme["python"]) == 4, readme
-    assert len(readme["other"]) == 2, readme["other"]
+    """A new block must be classified; every example kind is present, and every TOML snippet
+    of another file parses."""
+    import tomllib
+
+    assert len(readme["toml"]) >= 6 and len(readme["python"]) >= 4, readme
+    assert len(readme["other"]) >= 4, readme["other"]
+    for block in readme["toml_other"]:
+        tomllib.loads(block)
     for command in commands(readme["shell"]):
         assert command.split()[0] in ("pytest", "pip", "salloc", "convergence", "torchrun"), (
             f"README command {command!r}: run it in tests/test_readme_examples.py or add it "
@@ -201,9 +237,13 @@ def test_toml_examples_collect_in_a_testpaths_repository(
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "experiments/readme_1.toml::fsdp2-tp2-pp2" in out, out
-    assert "experiments/readme_1.toml::fsdp2-tp2-cp2" in out, out  # the sweep's grid
-    assert "experiments/readme_2.toml::fsdp2-my-tp2" in out, out
+    layouts = _file_with(user_repo, "fsdp2-tp2-pp2")
+    assert f"{layouts}::fsdp2-tp2-pp2" in out, out
+    assert f"{layouts}::fsdp2-tp2-cp2" in out, out  # the sweep's grid
+    assert f"{_file_with(user_repo, 'fsdp2-my-tp2')}::fsdp2-my-tp2" in out, out
+    # every example experiment (the how-to pages' too: late bugs, your own trainer) collects
+    for path in sorted((user_repo / "experiments").glob("readme_*.toml")):
+        assert f"experiments/{path.name}::" in out, (path.name, out)
     assert "experiments/test_my_tp.py::test_my_tp[fsdp2-tp2]" in out, out
     # torchtitan's example as pasted (its train_config is the file itself): collected, and
     # skipped with the reason where torchtitan is not installed
@@ -228,7 +268,8 @@ def test_minimal_experiment_runs_and_its_runs_compare(
     command = "pytest -m convergence --convergence-report report"
     assert command in shell
     proc = _run(
-        [*_argv(command), "experiments/readme_2.toml", "--convergence-steps", "3"], user_repo
+        [*_argv(command), _file_with(user_repo, "fsdp2-my-tp2"), "--convergence-steps", "3"],
+        user_repo,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
@@ -237,7 +278,7 @@ def test_minimal_experiment_runs_and_its_runs_compare(
     assert pair["name"] == "fsdp2-my-tp2" and pair["status"] == "passed", pair
     control, test = pair["control"]["run_dir"], pair["test"]["run_dir"]
 
-    compare = next(c for c in shell if c.startswith("convergence compare"))
+    compare = next(c for c in shell if c.startswith("convergence compare RUN_A"))
     proc = _run(_argv(compare.replace("RUN_A", control).replace("RUN_B", test)), user_repo)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss" in proc.stdout, proc.stdout
@@ -290,12 +331,12 @@ def test_every_command_is_run_or_skipped_with_a_reason(readme: dict[str, list[st
 
 
 def test_inline_convergence_commands_parse() -> None:
-    """The ``convergence ...`` commands README names in running text (cache, nightly, record,
+    """The ``convergence ...`` commands the pages name in running text (cache, nightly, record,
     trend, ab, report): each subcommand and flag exists in the real parser (optional parts in
     [brackets] included; DAYS, N and G are numbers)."""
     from convergence.cli.app import build_parser
 
-    text = README.read_text(encoding="utf-8")
+    text = page_text()
     spans = {re.sub(r"\s+", " ", s) for s in re.findall(r"`(convergence [^`]+)`", text)}
     parser = build_parser()
     subcommands = next(a for a in parser._actions if a.choices and "run" in a.choices).choices
@@ -303,7 +344,9 @@ def test_inline_convergence_commands_parse() -> None:
     for span in sorted(spans):
         words = shlex.split(span.replace("[", " ").replace("]", " "))[1:]
         assert words[0] in subcommands, span
-        if len(words) == 1 and words[0] in ("run", "ab", "compare"):
+        if "--help" in words:
+            continue  # every --help is in the generated reference (tests/test_docs_site.py)
+        if len(words) == 1:
             continue  # the command's name in a sentence, its arguments elsewhere
         words = ["30" if w in ("DAYS", "N", "G") else w for w in words]
         words = ["debug" if w == "SOURCE" else w for w in words]

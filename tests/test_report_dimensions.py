@@ -155,3 +155,49 @@ def test_terminal_summary_of_one_pair_has_its_dimension_and_says_1_pair() -> Non
     text = render_summary(all_examples()[:1])
     assert "1 pair:" in text and "1 pairs" not in text
     assert "by dimension (what each test adds over its control):" in text
+
+
+def _resume_pair():  # type: ignore[no-untyped-def]
+    """The passing FSDP2+TP2 example as a resume pair: FSDP2 for 4 steps, then FSDP2+TP2."""
+    from convergence.spec.resume import Resume
+
+    outcome = passing_pair()
+    test = outcome.pair.test
+    resumed = dataclasses.replace(
+        test,
+        layout=outcome.pair.control.layout,
+        resume=Resume(at_step=4, layout=test.layout, techniques=test.techniques),
+    )
+    pair = dataclasses.replace(outcome.pair, test=resumed)
+    assert outcome.test is not None
+    return dataclasses.replace(
+        outcome, pair=pair, test=dataclasses.replace(outcome.test, job=resumed)
+    )
+
+
+def test_a_resume_pair_is_shown_as_the_layout_it_resumed_on() -> None:
+    """Issue 52: a resume pair FSDP2 -> FSDP2+TP2 was shown in the matrix, report.md and JUnit
+    as its pre-resume layout (fsdp2) under "same layout"."""
+    import jsonschema
+
+    from convergence.report.data.schema import REPORT_JSON_SCHEMA, build_report
+    from convergence.report.formats.junit import junit_properties
+    from convergence.report.formats.markdown import render_markdown
+    from convergence.report.formats.plots import dimension
+    from convergence.report.formats.terminal import render_matrix
+
+    outcome = _resume_pair()
+    record = pair_record(outcome, include_curves=False)
+    assert dimension_of(record) == "resume@4 +tp2" == dimension(outcome)
+    assert SAME not in render_dimensions([record])
+    matrix = render_matrix([outcome])
+    header, _, row = matrix.splitlines()[:3]
+    tp_at = header.index(" tp") + 1
+    assert row[tp_at : tp_at + 2].strip() == "2", matrix  # the resumed layout's degree
+    assert "resume@4" in row, matrix
+    report = build_report([outcome], environment={}, started_at=None, wall_s=1.0)
+    jsonschema.validate(report, REPORT_JSON_SCHEMA)
+    markdown = render_markdown(report)
+    assert "fsdp2→fsdp2-tp2@4" in markdown and "same layout" not in markdown, markdown
+    props = dict(junit_properties(outcome))
+    assert props["convergence.test_layout"].startswith("fsdp2→fsdp2-tp2@4"), props

@@ -126,3 +126,30 @@ def test_a_fingerprint_failure_counts_steps_not_a_deviation() -> None:
         )
     )
     assert "6 steps differ" in line and "max |Δ|" not in line
+
+
+def test_a_passing_anchored_pair_says_so_in_the_matrix_and_report_md() -> None:
+    """Issue 52: a passing anchored pair showed nothing of its anchored check in the terminal
+    or report.md (only report.json and the html card)."""
+    from convergence.metrics.curve import Curve
+    from convergence.report.data.schema import build_report
+    from convergence.report.formats.markdown import render_markdown
+    from convergence.stats.anchored import anchored_verdict
+
+    outcome = passing_pair()
+    assert outcome.control is not None
+    control = outcome.control.metrics
+    at = [11, 21, 31]  # one step after each anchor of anchor_every = 10
+    anchored = {
+        m: Curve(m, control[m].steps[[s - 1 for s in at]], control[m].values[[s - 1 for s in at]])
+        for m in ("loss", "grad_norm")
+    }
+    verdict = anchored_verdict(outcome.pair.rules, [control], anchored, every=10)
+    assert verdict.passed and verdict.metric == "anchored", verdict
+    pair = dataclasses.replace(outcome.pair, anchor_every=10)
+    outcome = dataclasses.replace(outcome, pair=pair, verdicts=(*outcome.verdicts, verdict))
+    (row,) = matrix_rows([outcome])
+    assert row["verdict"] == "PASS +anchored", row
+    report = build_report([outcome], environment={}, started_at=None, wall_s=1.0)
+    assert "PASS +anchored" in render_markdown(report)
+    assert "PASS +anchored" in render_matrix([outcome])

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from convergence.backends.base import Backend
 from convergence.spec.errors import NotRunnableHere, SpecError
-from convergence.torch_info import older_than
 
 GROUP = "convergence.backends"
 
@@ -48,13 +47,16 @@ _INSTALL_HINTS = {
     "it), plus triton to import torchtitan on CPU",
 }
 
-#: The package behind each optional backend, and per release series the oldest torch that
-#: has every name the package imports from torch at import time. torchtitan 0.3.0 imports
-#: ``torch.distributed.fsdp.DataParallelMeshDims`` (and other names) that torch 2.11 lacks and
-#: 2.12 has (read from each torch's source; README "torchtitan", compatibility). A release
-#: series not listed here is not checked ahead: its import is the check (:func:`not_importable`).
+#: The package behind each optional backend, and per release series the torch release series
+#: it runs with. torchtitan 0.3: exactly torch 2.13.x. Its 0.3.0 imports torch names that
+#: torch 2.11 lacks (``torch.distributed.fsdp.DataParallelMeshDims``), and every patch the
+#: backend applies (backends/torchtitan/patches.py, resume.py, anchors.py, probe.py) reaches
+#: into torch 2.13's internals and is pinned to that series (a test holds the pins and this
+#: table equal), so 2.12 and 2.14 are refused too. pyproject's ``[torchtitan]`` extra says the
+#: same range. A release series not listed here is not checked ahead: its import is the check
+#: (:func:`not_importable`).
 _PACKAGES = {"torchtitan": "torchtitan"}
-TORCH_FLOORS: dict[str, dict[str, str]] = {"torchtitan": {"0.3": "2.12"}}
+TORCH_SERIES: dict[str, dict[str, str]] = {"torchtitan": {"0.3": "2.13"}}
 
 
 def _major_minor(version: str) -> tuple[int, int] | None:
@@ -69,19 +71,23 @@ def _installed(distribution: str) -> str | None:
         return None
 
 
-def torch_floor(package: str, package_version: str) -> str | None:
-    """The oldest torch that ``package`` at ``package_version`` imports with, if known."""
+def torch_series(package: str, package_version: str) -> str | None:
+    """The torch series (``"2.13"``: any 2.13.x) ``package`` at ``package_version`` runs
+    with, if known."""
     series = _major_minor(package_version)
-    for listed, floor in TORCH_FLOORS.get(package, {}).items():
+    for listed, torch in TORCH_SERIES.get(package, {}).items():
         if series is not None and series == _major_minor(listed):
-            return floor
+            return torch
     return None
 
 
-def torch_too_old(package: str, package_version: str, torch_version: str) -> str | None:
-    """The torch floor ``package_version`` needs when ``torch_version`` is below it."""
-    floor = torch_floor(package, package_version)
-    return floor if floor is not None and older_than(torch_version, floor) else None
+def torch_mismatch(package: str, package_version: str, torch_version: str) -> str | None:
+    """The torch series ``package_version`` needs when ``torch_version`` is outside it."""
+    wanted = torch_series(package, package_version)
+    have = _major_minor(torch_version)
+    if wanted is None or have is None:
+        return None
+    return None if have == _major_minor(wanted) else wanted
 
 
 def requirement_problem(name: str) -> NotRunnableHere | None:
@@ -99,15 +105,16 @@ def requirement_problem(name: str) -> NotRunnableHere | None:
     package_version, torch_version = _installed(package), _installed("torch")
     if package_version is None or torch_version is None:
         return None
-    floor = torch_too_old(package, package_version, torch_version)
-    if floor is None:
+    wanted = torch_mismatch(package, package_version, torch_version)
+    if wanted is None:
         return None
     return NotRunnableHere(
-        f"needs the {name} backend, but {package} {package_version} needs torch >= {floor} "
-        f"(it imports torch names older releases lack) and this is torch {torch_version}",
+        f"needs the {name} backend, but {package} {package_version} runs with torch "
+        f"{wanted}.x only (the backend's patches are written for it) and this is torch "
+        f"{torch_version}",
         key="backend",
-        fix=f"install torch >= {floor} (your CPU or CUDA build), or a {package} release made "
-        f"for torch {torch_version}",
+        fix=f"install torch {wanted}.x (your CPU or CUDA build: pip install "
+        f"'torch=={wanted}.*'), or a {package} release made for torch {torch_version}",
     )
 
 
@@ -153,10 +160,10 @@ def not_importable(
     ``where``: what the message starts with (the side of the pair)."""
     package = _PACKAGES.get(name, name)
     package_version, torch_version = _installed(package), _installed("torch") or "?"
-    floor = torch_floor(package, package_version or "")
-    if floor is not None:
+    wanted = torch_series(package, package_version or "")
+    if wanted is not None:
         fix = (
-            f"{package} {package_version} needs torch >= {floor}: install that torch (your "
+            f"{package} {package_version} needs torch {wanted}.x: install that torch (your "
             f"CPU or CUDA build), or a {package} release made for torch {torch_version}"
         )
     else:

@@ -62,7 +62,14 @@ def add_ab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     ab.add_argument("--repo", default=".", metavar="DIR", help="the trainer's git repository")
     # The job options and a report. Not the cache ones (nothing is cached: both sides are code
     # under test), not early stop (both sides run to the end), not tier/alpha (paired rules).
-    add_job_options(ab, "report")
+    add_job_options(
+        ab,
+        "report",
+        help_for={
+            "workdir": "run folders, device-pool state and this stack's calibration; no run "
+            "cache: ab reuses no run (default: ./.convergence, in the folder you run it from)"
+        },
+    )
     ab.set_defaults(func=cmd_ab)
 
 

@@ -9,10 +9,12 @@
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
     convergence decide HISTORY.jsonl --out DIR                      tonight vs the last green nights
     convergence ab EXPERIMENT.toml --baseline REF --candidate REF   the same jobs from two commits
+    convergence attribute EXPERIMENT::PAIR [--json FILE]           which axis a failing N-D pair blames
     convergence bisect GOOD BAD PAIR [--experiment FILE]          the first commit a pair fails at
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
     convergence calibrate SOURCE [--if-missing]                     measure this machine's floors
+    convergence selftest EXPERIMENT [--json FILE]                   plant bugs: what the suite sees
     convergence --version
 
 Exit status: 0 when everything passed, 1 when a pair/metric or a run failed (RunFailed), 2 for
@@ -30,6 +32,7 @@ from typing import Any
 
 from convergence import __version__
 from convergence.cli.ab import add_ab_parser
+from convergence.cli.attribute import add_attribute_parser
 from convergence.cli.bisect import add_bisect_parser
 from convergence.cli.cache import add_cache_parser
 from convergence.cli.calibrate import add_calibrate_parser
@@ -43,6 +46,7 @@ from convergence.cli.common import (
 )
 from convergence.cli.compare import add_compare_parser, add_export_parser
 from convergence.cli.nightly import add_subcommands as add_nightly_subcommands
+from convergence.cli.selftest import add_selftest_parser
 from convergence.configs import describe
 from convergence.launch.devices import session_devices
 from convergence.launch.progress_text import LogThrottle
@@ -51,6 +55,7 @@ from convergence.options import add_arguments, cli_run_settings
 from convergence.preflight import in_tier, load_checked, validate_devices
 from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 from convergence.report.formats.terminal import render_summary
+from convergence.run.attribution import attribute_failed, attribution_on
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import RunFailed, SpecError
 
@@ -82,7 +87,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if values is None:
         return EXIT_USAGE
     path = Path(args.experiment)
-    experiment = load_checked(path, rootdir=Path(args.rootdir).resolve(), max_tier=values["tier"])
+    experiment = load_checked(
+        path, rootdir=Path(args.rootdir).resolve(), max_tier=values["tier"], steps=values["steps"]
+    )
     pairs = [pair for pair in experiment.pairs if in_tier(pair, values["tier"])]
     skipped = len(experiment.pairs) - len(pairs)
     if skipped:
@@ -98,6 +105,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     for pair in pairs:
         _print_err(f"running {pair.pair_id} ...")
         outcome = runner.run_pair(pair)
+        if attribution_on(asked=bool(values["attribute"]), tier=values["tier"]):
+            outcome = attribute_failed(
+                outcome, run=runner.run_pair, devices=devices, device_mode=values["device"]
+            )
         _print_err(f"{pair.pair_id}: {outcome.status}")
         if outcome.status == "error" and outcome.error:
             _print_err(outcome.error)
@@ -208,11 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
 
     add_ab_parser(sub)
+    add_attribute_parser(sub)
     add_bisect_parser(sub)
 
     add_cache_parser(sub)
 
     add_calibrate_parser(sub)
+    add_selftest_parser(sub)
 
     # -- nightly / record / trend / decide: Slurm nightly runs (cli/nightly.py) --
 
@@ -220,8 +233,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Options whose one value is a string of other options (``--pytest-args "-x --foo=1"``).
+STRING_OF_OPTIONS = ("--pytest-args", "--decide-args")
+
+
+def join_string_options(argv: Sequence[str]) -> list[str]:
+    """``--pytest-args "--convergence-workdir=/x"`` as ``--pytest-args=--convergence-workdir=/x``:
+    argparse reads a value that starts with ``-`` as an option of its own and refuses
+    ("expected one argument"), although the value is what the option is for."""
+    out: list[str] = []
+    words = list(argv)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word in STRING_OF_OPTIONS and i + 1 < len(words) and words[i + 1].startswith("-"):
+            out.append(f"{word}={words[i + 1]}")
+            i += 2
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_string_options(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
     except SpecError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,16 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 JOB_OPTIONS = ("workdir", "steps", "devices", "launcher", "idle-limit", "wall-limit")
 
 
-def add_job_options(parser: argparse.ArgumentParser, *more: str) -> None:
+def add_job_options(
+    parser: argparse.ArgumentParser, *more: str, help_for: Mapping[str, str] | None = None
+) -> None:
     """The option table's :data:`JOB_OPTIONS` and ``more`` as flags of a subcommand: the same
-    flags, types and checks as ``convergence run`` and pytest (convergence/options.py)."""
+    flags, types and checks as ``convergence run`` and pytest (convergence/options.py);
+    ``help_for``: the subcommand's own help text of some of them."""
     names = (*JOB_OPTIONS, *more)
-    add_arguments(parser, skip=[opt.name for opt in OPTIONS if opt.name not in names])
+    add_arguments(
+        parser, skip=[opt.name for opt in OPTIONS if opt.name not in names], help_for=help_for
+    )
 
 
 def add_out_folder(parser: argparse.ArgumentParser, help: str) -> None:

@@ -57,7 +57,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "metrics.jsonl file or a golden JSON file.",
     )
     compare.add_argument("a", help="control: run folder, TensorBoard folder, JSONL or golden")
-    compare.add_argument("b", help="test: run folder, TensorBoard folder or JSONL")
+    compare.add_argument("b", help="test: run folder, TensorBoard folder, JSONL or golden")
     compare.add_argument(
         "--replicate",
         action="append",
@@ -91,7 +91,14 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "(default: the regime's: paired, twin or seed)",
     )
     # The calibration is this stack's under the workdir, as for pytest and `convergence run`.
-    add_arguments(compare, skip=[opt.name for opt in OPTIONS if opt.name not in COMPARE_OPTIONS])
+    add_arguments(
+        compare,
+        skip=[opt.name for opt in OPTIONS if opt.name not in COMPARE_OPTIONS],
+        help_for={
+            "workdir": "where this stack's calibration is looked up (nothing runs, nothing "
+            "is cached; default: ./.convergence, in the folder you run it from)"
+        },
+    )
     compare.set_defaults(func=cmd_compare)
 
 

@@ -208,6 +208,10 @@ class LocalLauncher:
         if start not in STARTS:
             raise ValueError(f"start must be one of {STARTS}, got {start!r}")
         self.start = start
+        self.label = "torchrun" if self.name == "local" and start == "torchrun" else self.name
+        """The launcher as the user chose it (``--convergence-launcher``), for the progress
+        line: ``LocalLauncher(start="torchrun")`` is the ``torchrun`` launcher. A warm start's
+        fallback keeps its ``local`` label (its launcher.log says why it used torchrun)."""
         self.python = python
         self.poll_interval_s = poll_interval_s
         self.track_interval_s = track_interval_s
@@ -280,7 +284,7 @@ class LocalLauncher:
                     total_steps=request.total_steps,
                     loss=None,
                     elapsed_s=0.0,
-                    note=f"starting ({what}, {self.name} launcher{', warm' if warm else ''})",
+                    note=f"starting ({what}, {self.label} launcher{', warm' if warm else ''})",
                 )
             )
         watch = JobWatch(

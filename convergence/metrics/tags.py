@@ -38,6 +38,12 @@ JSONL_KEYS: dict[str, str] = {name: name for name in METRICS}
 #: Factors applied to a source's values on read (unit conversions).
 SOURCE_SCALE: dict[str, float] = {"memory/max_reserved(GiB)": 1024.0}
 
+#: Metrics for which a negative value is "no measurement", never a value: torchtitan 0.3
+#: logs ``reserved_bytes.all.peak`` as -1 byte where the device reports no memory statistics
+#: (CPU: -9.3e-10 GiB, which read as -9.5e-07 MiB and was compared). Such points are dropped,
+#: so a run without a measurement has no curve and the metric is "not compared".
+NEGATIVE_IS_UNMEASURED: frozenset[str] = frozenset({"peak_mem_mib"})
+
 
 def resolve_map(
     defaults: Mapping[str, str], override: Mapping[str, str] | None, *, what: str = "key_map"
@@ -84,6 +90,8 @@ def assemble(
     for metric in dict.fromkeys(source_map.values()):
         for source in sources_for(source_map, metric):
             found = pairs.get(source)
+            if found and metric in NEGATIVE_IS_UNMEASURED:
+                found = [(s, v) for s, v in found if not v < 0]
             if found:
                 factor = scale_for(source)
                 scaled = found if factor == 1.0 else [(s, v * factor) for s, v in found]

@@ -9,7 +9,7 @@ Every unknown section or key is an error naming the file and the key.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -20,11 +20,6 @@ from convergence.configs import shipped_config, shipped_configs
 from convergence.spec.errors import SpecError
 from convergence.spec.job import HookMode
 from convergence.spec.layout import PP_DEFAULTED, ACMode, DType, Layout
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 # The closed choices of the train config (validate.check_config holds values to them; the
 # parser reads them as strings, so its type error and check_config's choice list stay apart).

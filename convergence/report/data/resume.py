@@ -3,7 +3,7 @@ about a divergence: every report format shows the same record and the same sente
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from convergence.run.outcome import PairOutcome
 from convergence.spec.resume import Resume
@@ -12,6 +12,14 @@ from convergence.spec.resume import Resume
 #: shows a data, weight or RNG bug; K+2 one in the optimizer or the schedule (the loss of a
 #: step is computed before its update, so a wrong update shows in the next step's loss).
 AT_RESUME_STEPS = 2
+
+
+class ResumedLayout(TypedDict):
+    """What the matrix and the dimension read of the layout the run resumed on."""
+
+    degrees: dict[str, int]
+    pp_schedule: str | None
+    sequence_parallel: bool
 
 
 class ResumeRecord(TypedDict):
@@ -23,6 +31,9 @@ class ResumeRecord(TypedDict):
     """Short name of the layout the run resumed on."""
     note: str | None
     """Where the divergence starts relative to the resume (None when there is none)."""
+    layout: NotRequired[ResumedLayout]
+    """The resumed layout's degrees: a resume pair is shown as the layout it resumed on
+    (issue 52: it was shown as its pre-resume layout, under "same layout")."""
 
 
 def resume_note(resume: Resume, first_divergent: int | None, before: str) -> str | None:
@@ -54,10 +65,20 @@ def resume_record(outcome: PairOutcome, first_divergent: int | None) -> ResumeRe
     test = outcome.pair.test
     if test.resume is None:
         return None
-    before = test.layout.short_name()
+    before, after = test.layout.short_name(), test.resume.layout
     return {
         "at_step": test.resume.at_step,
         "before": before,
-        "after": test.resume.layout.short_name(),
+        "after": after.short_name(),
         "note": resume_note(test.resume, first_divergent, before),
+        "layout": {
+            "degrees": after.degrees(),
+            "pp_schedule": after.pp_schedule if after.pp > 1 else None,
+            "sequence_parallel": after.sequence_parallel,
+        },
     }
+
+
+def resumed_label(resume: ResumeRecord) -> str:
+    """``fsdp2→fsdp2-tp2@10``: the layouts before and after the checkpoint of step 10."""
+    return f"{resume['before']}→{resume['after']}@{resume['at_step']}"

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from convergence.report.data.records import first_divergent_step, techniques_changed
+from convergence.report.data.resume import resume_record, resumed_label
 from convergence.report.fmt import describe_test, fmt_num
 from convergence.run.outcome import PairOutcome
 
 PREFIX = "convergence."
+
+
+def _test_layout(o: PairOutcome) -> str:
+    """The test's layout; a resume pair's as ``fsdp2→fsdp2-tp2@10`` (it resumed on the
+    second), not its pre-resume layout alone."""
+    resume = resume_record(o, None)
+    return resumed_label(resume) if resume is not None else o.pair.test.layout.short_name()
 
 
 def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
@@ -16,13 +24,15 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
         ("status", o.status),
         ("regime", pair.regime),
         ("control_layout", pair.control.layout.short_name()),
-        ("test_layout", describe_test(pair.test.layout.short_name(), techniques_changed(o))),
+        ("test_layout", describe_test(_test_layout(o), techniques_changed(o))),
         ("world_size", f"{pair.control.world_size}->{pair.test.world_size}"),
     ]
     if pair.control.layout.ep > 1 or pair.test.layout.ep > 1:  # MoE pairs: EP, borrowed ranks
         props.append(("expert_parallel", f"{pair.control.layout.ep}->{pair.test.layout.ep}"))
     if pair.placement:  # where both sides ran (convergence.launch.placement)
         props.append(("device", pair.placement))
+    if o.attribution:  # which axis a failing N-D pair's failure belongs to
+        props.append(("attribution", str(o.attribution["summary"])))
     for v in o.verdicts:
         name = v.metric
         word = "not compared" if v.not_compared else ("pass" if v.passed else "fail")

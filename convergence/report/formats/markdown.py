@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from convergence.report.data.records import DivergenceRecord, PairRecord
+from convergence.report.data.resume import resumed_label
 from convergence.report.data.schema import ReportDocument
 from convergence.report.fmt import (
     NOT_COMPARED_TITLE,
@@ -28,6 +29,7 @@ from convergence.report.markup import md_code as code
 from convergence.report.markup import md_table as table
 from convergence.report.markup import md_text as text
 from convergence.report.sections import SECTIONS
+from convergence.report.sections.attribution import attribution_lines
 from convergence.report.sections.probe import summary_text
 
 STEP_SUMMARY_LIMIT = 1024 * 1024
@@ -70,13 +72,18 @@ def matrix_table(pairs: Sequence[PairRecord]) -> list[str]:
     """The matrix in :data:`MD_COLUMNS`; the layout column is left out when every pair is
     named after its test's layout (an experiment's ``fsdp2-tp2``): it would repeat the name."""
     columns = with_device(MD_COLUMNS, [record_row(record) for record in pairs])
-    if pairs and all(str(r["name"]) == str(r["test"]["short_name"]) for r in pairs):
+    if pairs and all(
+        str(r["name"]) == str(r["test"]["short_name"]) and "resume" not in r for r in pairs
+    ):
         columns = tuple(c for c in columns if c[0] != "layout")
     rows = []
     for record in pairs:
         row = record_row(record)
         row["verdict"] = f"{ICONS.get(record['status'], '')} {row['verdict']}".strip()
-        row["layout"] = str(record["test"]["short_name"])
+        resume = record.get("resume")
+        row["layout"] = (
+            resumed_label(resume) if resume is not None else str(record["test"]["short_name"])
+        )
         rows.append([row[key] for key, _ in columns])
     return table([title for _, title in columns], rows, [key in RIGHT for key, _ in columns])
 
@@ -158,6 +165,8 @@ def failure_section(record: PairRecord) -> list[str]:
             "",
             f"Localisation (numerics probe): {text(summary_text(record['localisation']))}",
         ]
+    if "attribution" in record:
+        lines += ["", *attribution_lines(record["attribution"])]
     if record["error"]:
         err = record["error"].rstrip().splitlines()
         shown = err[:ERROR_LINES] + (

@@ -27,11 +27,12 @@ from convergence.report.data.records import (
     layout_record,
     techniques_changed,
 )
+from convergence.report.data.resume import resume_record
 from convergence.report.figure import new_figure, save_png
 from convergence.report.files import atomic_write, slug
 from convergence.report.fmt import VERDICTS, describe_test
 from convergence.report.formats.plot_cache import cached_plot
-from convergence.report.sections.dimensions import dimension_of
+from convergence.report.sections.dimensions import ChangeRecord, dimension_of
 from convergence.run.outcome import PairOutcome
 from convergence.stats.types import MetricVerdict
 
@@ -100,14 +101,16 @@ def tolerance_envelope(
     return None
 
 
-def _mark_divergence(ax: Axes, step: int | None) -> None:
+def _mark_divergence(ax: Axes, step: int | None, metric: str) -> None:
+    """The panel's own metric's first divergent step, named (the title's step is the
+    earliest over every failing metric, which may be another one)."""
     if step is not None:
         ax.axvline(
             step,
             color=DIVERGE_COLOR,
             linestyle="--",
             linewidth=1.2,
-            label=f"first divergence (step {step})",
+            label=f"{metric} first diverges (step {step})",
         )
 
 
@@ -172,7 +175,7 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
             label=f"test ({outcome.pair.test.layout.short_name()})",
         )
     verdict = outcome.verdict(metric)
-    _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
+    _mark_divergence(ax, verdict.first_divergent_step if verdict else None, metric)
     _mark_resume(ax, outcome, label=True)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
@@ -209,7 +212,7 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
     ax.plot(steps, delta, color=color, linewidth=1.2, marker=marker, markersize=3, label="Δ")
     _twin_residual(ax, outcome, metric)
     ax.axhline(0, color="0.5", linewidth=0.6)
-    _mark_divergence(ax, verdict.first_divergent_step if verdict else None)
+    _mark_divergence(ax, verdict.first_divergent_step if verdict else None, metric)
     if ax.get_yscale() == "linear":
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     ax.legend(fontsize=8, loc="upper left")
@@ -276,7 +279,14 @@ def _title(outcome: PairOutcome) -> str:
     )
     step = first_divergent_step(outcome)
     if step is not None:
-        text += f", diverges at step {step}"
+        # Which metric: the panels mark each their own metric's step, and a pair whose grad
+        # norm parts at step 8 and loss at 11 read "diverges at step 8" over "step 11" lines.
+        metrics = [
+            v.metric
+            for v in outcome.verdicts
+            if v.gate and not v.passed and v.first_divergent_step == step
+        ]
+        text += f", first diverges at step {step} ({', '.join(metrics)})"
     return text
 
 
@@ -342,13 +352,15 @@ def _pin_title(ax: Axes) -> None:
 def dimension(outcome: PairOutcome) -> str:
     """What the pair verifies, named as the "By dimension" table names it (``+tp2``,
     ``+cp2 +ac:full``, ``-rep2+shard2``): the heatmap's row groups are that table's rows."""
-    return dimension_of(
-        {
-            "control": layout_record(outcome.pair.control),
-            "test": layout_record(outcome.pair.test),
-            "techniques_changed": techniques_changed(outcome),
-        }
-    )
+    change: ChangeRecord = {
+        "control": layout_record(outcome.pair.control),
+        "test": layout_record(outcome.pair.test),
+        "techniques_changed": techniques_changed(outcome),
+    }
+    resume = resume_record(outcome, None)
+    if resume is not None:
+        change["resume"] = resume
+    return dimension_of(change)
 
 
 def _heat_metrics(outcomes: Sequence[PairOutcome]) -> list[str]:

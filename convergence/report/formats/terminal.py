@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from convergence.report.data.records import PairRecord, pair_record
+from convergence.report.data.resume import ResumeRecord
 from convergence.report.data.schema import floor_notes
 from convergence.report.fmt import (
     NOT_COMPARED_TITLE,
@@ -25,8 +26,11 @@ from convergence.report.fmt import (
     fmt_techniques,
     fmt_wall,
 )
+from convergence.report.sections.attribution import attribution_cell
 from convergence.report.sections.dimensions import render_dimensions
 from convergence.run.outcome import PairOutcome
+from convergence.stats.anchored import ANCHORED
+from convergence.stats.resumed import RESUMED
 
 AXIS_COLUMNS: tuple[tuple[str, str], ...] = (
     ("rep", "dp_replicate"),
@@ -59,6 +63,8 @@ pair ran off the CPU, so a CPU machine's matrix stays as narrow as it was."""
 EP_COLUMN = ("ep", "ep")
 """The test's expert-parallel degree: shown when a pair has EP (MoE models), after pp, so a
 dense matrix stays as it was."""
+BLAME_COLUMN = ("blame", "blame")
+"""The attribution of a failing N-D pair (which axis): shown when a pair was attributed."""
 RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "ep", "dloss", "dgnorm", "tps", "mem", "wall"})
 SHRINKABLE = ("techniques", "pair", "verdict")
 """Columns cut (with "…") when the table is too wide, in this order."""
@@ -69,6 +75,9 @@ GAP = "  "
 def record_row(record: PairRecord) -> dict[str, str]:
     """Formatted cells of one pair, from its report record (see records.pair_record)."""
     degrees = record["test"]["degrees"]
+    resume = record.get("resume")
+    if resume is not None and "layout" in resume:  # shown as the layout it resumed on
+        degrees = resume["layout"]["degrees"]
     res = record["resources"]
     wall = record["wall_s"]["test"] or record["wall_s"]["pair"] or None
     cached = [
@@ -82,10 +91,10 @@ def record_row(record: PairRecord) -> dict[str, str]:
     row["ep"] = fmt_deg(int(degrees.get("ep", 1)))  # report.json files from before EP: 1
     row.update(
         {
-            "techniques": fmt_techniques(record["techniques_changed"]),
+            "techniques": _with_resume(fmt_techniques(record["techniques_changed"]), resume),
             "verdict": verdict
             + ("*" if record["stopped_early_at"] is not None else "")
-            + _failed_metrics(record),
+            + (_failed_metrics(record) or _passed_checks(record)),
             "dloss": fmt_num(record["max_abs_delta"]["loss"]),
             "dgnorm": fmt_num(record["max_abs_delta"]["grad_norm"]),
             "tps": fmt_ratio(res["tokens_per_s"]["ratio"]),
@@ -94,9 +103,35 @@ def record_row(record: PairRecord) -> dict[str, str]:
             "cache": "+".join(cached) + " cached" if cached else "-",
             # Where the pair ran (convergence.launch.placement): cuda, cuda-shared or cpu.
             "device": str(record.get("placement") or "-").partition(":")[0],
+            # Which axis a failing N-D pair's failure belongs to (run/attribution.py).
+            "blame": attribution_cell(dict(record)),
         }
     )
     return row
+
+
+def _with_resume(techniques: str, resume: ResumeRecord | None) -> str:
+    """The techniques cell of a resume pair starts with where it resumed (``resume@10``)."""
+    if resume is None:
+        return techniques
+    where = f"resume@{resume['at_step']}"
+    return where if techniques == "-" else f"{where},{techniques}"
+
+
+#: Verdicts of the checks a pair asked for beyond its curves (the anchored check, a resume's
+#: twins), named after a PASS: a passing anchored or resumed pair showed nothing of them.
+EXTRA_CHECKS = (ANCHORED, RESUMED)
+
+
+def _passed_checks(record: PairRecord) -> str:
+    """`` +anchored`` after a passing verdict whose pair ran the anchored check (and
+    ``+resumed`` for a resume judged against its twins)."""
+    names = [
+        str(v["metric"])
+        for v in record["verdicts"]
+        if v["metric"] in EXTRA_CHECKS and v["passed"] and not v.get("not_compared")
+    ]
+    return "".join(f" +{name}" for name in dict.fromkeys(names))
 
 
 def _failed_metrics(record: PairRecord) -> str:
@@ -130,14 +165,16 @@ def matrix_rows(outcomes: Iterable[PairOutcome]) -> list[dict[str, str]]:
 def with_device(
     columns: tuple[tuple[str, str], ...], rows: Sequence[Mapping[str, str]]
 ) -> tuple[tuple[str, str], ...]:
-    """``columns`` plus :data:`EP_COLUMN` when a row has EP (after pp, or at the end) and
-    :data:`DEVICE_COLUMN` when a row ran on a GPU."""
+    """``columns`` plus :data:`EP_COLUMN` when a row has EP (after pp, or at the end),
+    :data:`DEVICE_COLUMN` when a row ran on a GPU, and :data:`BLAME_COLUMN` when a pair was
+    attributed."""
     if any(r.get("ep", "-") != "-" for r in rows):
         keys = [key for key, _ in columns]
         at = keys.index("pp") + 1 if "pp" in keys else len(columns)
         columns = (*columns[:at], EP_COLUMN, *columns[at:])
     shown = any(r["device"] not in ("-", "cpu") for r in rows)
-    return (*columns, DEVICE_COLUMN) if shown else columns
+    columns = (*columns, DEVICE_COLUMN) if shown else columns
+    return (*columns, BLAME_COLUMN) if any(r.get("blame") for r in rows) else columns
 
 
 def _layout(

@@ -17,9 +17,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from convergence.report.data.records import LayoutRecord, PairRecord, TechniqueValue
+from convergence.report.data.resume import ResumeRecord
 from convergence.report.fmt import as_float, cut, fmt_num, fmt_techniques
 from convergence.report.markup import html_table, md_table
 
@@ -78,25 +79,31 @@ class ChangeRecord(TypedDict):
     control: LayoutRecord
     test: LayoutRecord
     techniques_changed: dict[str, TechniqueValue]
+    resume: NotRequired[ResumeRecord]
 
 
 def dimension_of(record: PairRecord | ChangeRecord) -> str:
-    """``+tp2+pp2``, ``+cp4``, ``+tp2 +ac:full``, ... (see the module docstring)."""
-    control, test = record["control"], record["test"]
+    """``+tp2+pp2``, ``+cp4``, ``+tp2 +ac:full``, ... (see the module docstring). A resume
+    pair is named by the layout it resumed on, after ``resume@K`` (``resume@10 +tp2``)."""
+    control = record["control"]
+    resume = record.get("resume")
+    test = record["test"]
+    degrees, schedule, sp = test["degrees"], test.get("pp_schedule"), test["sequence_parallel"]
+    if resume is not None and "layout" in resume:
+        after = resume["layout"]
+        degrees, schedule, sp = after["degrees"], after["pp_schedule"], after["sequence_parallel"]
     # .get(axis, 1): report.json files written before EP was a degree have no "ep".
     axes = "".join(
-        _axis_change(name, int(control["degrees"].get(axis, 1)), int(test["degrees"].get(axis, 1)))
+        _axis_change(name, int(control["degrees"].get(axis, 1)), int(degrees.get(axis, 1)))
         for axis, name in AXIS_NAMES
-        if int(control["degrees"].get(axis, 1)) != int(test["degrees"].get(axis, 1))
+        if int(control["degrees"].get(axis, 1)) != int(degrees.get(axis, 1))
     )
-    parts = [axes] if axes else []
-    if int(test["degrees"]["pp"]) > 1 and control.get("pp_schedule") not in (
-        None,
-        test.get("pp_schedule"),
-    ):
-        parts.append(f"pp:{test.get('pp_schedule')}")
-    if bool(test.get("sequence_parallel")) != bool(control.get("sequence_parallel")):
-        parts.append("+sp" if test.get("sequence_parallel") else "-sp")
+    parts = [f"resume@{resume['at_step']}"] if resume is not None else []
+    parts += [axes] if axes else []
+    if int(degrees["pp"]) > 1 and control.get("pp_schedule") not in (None, schedule):
+        parts.append(f"pp:{schedule}")
+    if bool(sp) != bool(control.get("sequence_parallel")):
+        parts.append("+sp" if sp else "-sp")
     techniques = fmt_techniques(record.get("techniques_changed") or {})
     if techniques != "-":
         parts += [f"+{t}" for t in techniques.split(",")]
