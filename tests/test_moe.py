@@ -261,6 +261,7 @@ def _metric(outcome: PairOutcome, side: str, name: str) -> list[float]:
     return [float(line[name]) for line in lines]
 
 
+@pytest.mark.rounding  # a routing flip, or the step a bug shows, is a draw
 def test_fsdp_vs_fsdp_ep2_passes_and_routes_alike(runner: Runner, pairs: dict) -> None:
     outcome = runner.run_pair(pairs["fsdp2-ep2"])
     assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
@@ -274,6 +275,7 @@ def test_fsdp_vs_fsdp_ep2_passes_and_routes_alike(runner: Runner, pairs: dict) -
         assert _metric(outcome, "test", name) == pytest.approx(_metric(outcome, "control", name))
 
 
+@pytest.mark.rounding  # a routing flip, or the step a bug shows, is a draw
 def test_an_ep_checkpoint_resumes_on_another_layout(runner: Runner, pairs: dict) -> None:
     outcome = runner.run_pair(pairs["ep2-resumed-on-fsdp2"])
     assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
@@ -299,7 +301,10 @@ def test_expert_gradients_ep_times_too_large_fail_on_the_part_norms(
     assert gate == pytest.approx(_metric(outcome, "control", "grad_norm/moe.router.gate")[0])
 
 
-def test_a_dispatch_without_its_permutation_fails_at_step_1(runner: Runner, pairs: dict) -> None:
+@pytest.mark.rounding  # a routing flip, or the step a bug shows, is a draw
+def test_a_dispatch_without_its_permutation_fails_within_5_steps(
+    runner: Runner, pairs: dict
+) -> None:
     outcome = runner.run_pair(pairs["ep2-no-regroup"])
     assert outcome.status == "failed"
     # At init the experts are alike and small: tokens through the wrong ones move the loss by
@@ -310,6 +315,7 @@ def test_a_dispatch_without_its_permutation_fails_at_step_1(runner: Runner, pair
 
 
 @pytest.mark.slow
+@pytest.mark.rounding
 @pytest.mark.parametrize(
     "test_par",
     [{"dp_shard": 2, "tp": 2, "ep": 2}, {"dp_shard": 2, "pp": 2, "ep": 2}],
