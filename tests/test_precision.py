@@ -277,5 +277,5 @@ def test_too_few_replicates_for_the_margin_read_inconclusive_with_the_number(
     assert loss["inconclusive"]
     needed = loss["evidence"]["replicates_needed"]
     assert needed is not None and needed > 2, loss
-    assert f"run {needed - 2} more replicates (replicates = {needed})" in loss["message"]
+    assert f"(replicates = {needed})" in loss["message"], loss
     assert "INCONCLUSIVE" in out and "1 inconclusive" in out, out

@@ -455,7 +455,9 @@ def message(metric: str, decision: Decision, more_pairs: int | None, more_steps:
     advice = []
     if more_pairs is not None:
         advice.append(
-            f"run {more_pairs - decision.num_pairs} more replicates (replicates = {more_pairs})"
+            f"run {more_pairs - decision.num_pairs} more "
+            f"replicate{'' if more_pairs - decision.num_pairs == 1 else 's'} "
+            f"(replicates = {more_pairs})"
         )
     if more_steps is not None:
         advice.append(f"~{more_steps} more steps")
