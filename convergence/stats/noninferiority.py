@@ -413,6 +413,7 @@ def _verdict(
             "excludable": max(w.excludable for w in decision.windows),
             "margin": min(w.margin for w in decision.windows),
             "replicates_needed": more_pairs,
+            "band_label": f"control mean ± margin ({decision.num_pairs} seeds)",
             "more_steps": more_steps,
         },
     )
