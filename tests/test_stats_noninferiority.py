@@ -183,3 +183,33 @@ def test_the_pair_status_has_four_outcomes() -> None:
     # A failure outweighs an inconclusive metric; a non-gating one decides nothing.
     assert status_of([verdict(False), verdict(False, inconclusive=True)]) == "failed"
     assert status_of([verdict(True), verdict(False, gate=False)]) == "passed"
+
+
+def test_more_steps_shrink_only_the_per_step_part_of_the_spread() -> None:
+    from convergence.stats.noninferiority import Window, steps_needed
+
+    def window(spread: float, fast: float) -> Window:
+        return Window(
+            first_step=1,
+            last_step=50,
+            delta=0.0,
+            standard_error=spread / math.sqrt(3),
+            lower=-1.0,
+            upper=1.0,
+            margin=0.01,
+            excludable=1.0,
+            spread=spread,
+            fast_noise=fast,
+            num_steps=50,
+            worse=False,
+            as_good=True,
+            p_value=0.5,
+        )
+
+    # All of the spread is per-step noise: n' = sigma_fast^2 / target^2, the window that
+    # makes 3 pairs powered at this margin.
+    target = 0.01 * math.sqrt(3) / (_student(2, 0.95) + _student(2, POWER))
+    needed = steps_needed(window(0.02, 0.02), 3, 0.05)
+    assert needed == math.ceil(0.02**2 * 50 / target**2)
+    # A slow part (the pairs' own offsets) at least the target: no number of steps decides.
+    assert steps_needed(window(math.hypot(target, 0.001), 0.001), 3, 0.05) is None
