@@ -101,7 +101,9 @@ def verdict_lines(record: PairRecord) -> list[str]:
         if v["passed"] or v.get("not_compared"):
             continue  # not compared: its own section, for every pair
         gate = (
-            ""
+            ": **inconclusive** (not enough evidence either way)"
+            if v.get("inconclusive")
+            else ""
             if v["gate"]
             else (
                 ": regressed (report only, does not gate)"
