@@ -38,6 +38,11 @@ CORRECT = {
 }
 BUGS = {
     "float8-local-amax": ({"float8": "tensorwise"}, "detection_bugs.precision:local_amax_scale"),
+    "float8-grads-e4m3": ({"float8": "tensorwise"}, "detection_bugs.precision:grads_e4m3"),
+    "float8-stale-scales": (
+        {"float8": "tensorwise", "float8_all_gather": True},
+        "detection_bugs.precision:stale_scales",
+    ),
 }
 
 
@@ -46,14 +51,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[42, 142, 242])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=Path("precision_acceptance.jsonl"))
+    parser.add_argument("--bugs-only", action="store_true", help="only the planted bugs")
+    parser.add_argument("--correct-only", action="store_true", help="only the correct recipes")
     args = parser.parse_args()
+    correct = {} if args.bugs_only else CORRECT
+    bugs = {} if args.correct_only else BUGS
     with tempfile.TemporaryDirectory(prefix="precision-acceptance-") as tmp:
         root = Path(tmp)
         for seed in args.seeds:
-            tests = [{"name": f"{n}-s{seed}", "techniques": t} for n, t in CORRECT.items()]
+            tests = [{"name": f"{n}-s{seed}", "techniques": t} for n, t in correct.items()]
             tests += [
                 {"name": f"{n}-s{seed}", "techniques": t, "hook": hook}
-                for n, (t, hook) in BUGS.items()
+                for n, (t, hook) in bugs.items()
             ]
             builtin_pair(
                 root / "experiments",

@@ -96,6 +96,9 @@ def convert(model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
     # torchao's import logs a warning for each CUDA extension it cannot load: on a CPU build
     # (or a GPU without them) that is every one of them, and says nothing about this run.
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # And torchao 0.18 registers an Enum as a pytree constant, which torch 2.13 deprecates
+    # with a warning on every rank: torchao's to fix, not this run's.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     if cfg.precision.mxfp8:
         _convert_mxfp8(model, emulated=emulated)
         return
