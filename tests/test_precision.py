@@ -283,3 +283,15 @@ def test_too_few_replicates_for_the_margin_read_inconclusive_with_the_number(
     assert needed is not None and needed > 2, loss
     assert f"(replicates = {needed})" in loss["message"], loss
     assert "INCONCLUSIVE" in out and "1 inconclusive" in out, out
+
+
+def test_a_float8_jobs_cache_key_covers_torchaos_release() -> None:
+    from convergence.trainer.precision_here import torchao_version
+
+    backend = BuiltinBackend()
+    plain = backend.config_text(job(Techniques(param_dtype="bfloat16"), dp_shard=2))
+    float8 = backend.config_text(job(Techniques(float8="tensorwise"), dp_shard=2))
+    assert "torchao" not in plain  # a job without torchao keeps its key
+    version = torchao_version()
+    if version is not None:
+        assert float8 == f"{plain}\n# torchao {version}\n"

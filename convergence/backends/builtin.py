@@ -20,7 +20,8 @@ from convergence.torch_info import older_than, torch_version
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 from convergence.trainer.config_checks import check_config
 from convergence.trainer.forward_noise import UNIT_ROUNDOFF
-from convergence.trainer.precision_here import check_precision_here
+from convergence.trainer.precision_here import check_precision_here, torchao_version
+from convergence.trainer.precision_here import enabled as precision_enabled
 
 TRAINER_MODULE = "convergence.trainer"
 
@@ -176,7 +177,11 @@ class BuiltinBackend:
         return twin
 
     def config_text(self, job: JobSpec) -> str:
-        return Path(job.train_config).read_text(encoding="utf-8")
+        text = Path(job.train_config).read_text(encoding="utf-8")
+        # The cache key covers torch, not torchao: a job that runs torchao's recipes keys
+        # its release too, so an upgrade never reuses a float8 run of the old one.
+        version = torchao_version() if precision_enabled(self.effective_config(job)) else None
+        return text if version is None else f"{text}\n# torchao {version}\n"
 
     def seed_identity(self, job: JobSpec) -> dict[str, Any] | None:
         cfg = self.effective_config(job)

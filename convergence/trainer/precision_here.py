@@ -31,6 +31,14 @@ def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
+def torchao_version() -> str | None:
+    """The installed torchao's version (None: not installed, or a source checkout)."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _series(version: str) -> tuple[int, int]:
     major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -48,10 +56,7 @@ def check_precision_here(cfg: TrainConfig, *, file: str) -> None:
             key="techniques",
             fix=INSTALL,
         )
-    try:
-        version = importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        version = ""  # a source checkout on PYTHONPATH: used as is
+    version = torchao_version() or ""  # "": a source checkout on PYTHONPATH, used as is
     low, high = (_series(v) for v in TORCHAO_RANGE)
     if version and not low <= _series(version) < high:
         raise NotRunnableHere(
