@@ -27,17 +27,28 @@ CLOSING = re.compile(
 DURATION = re.compile(r"^(?P<s>[\d.]+)s (call|setup|teardown)\s+(?P<test>\S+)$")
 
 
+STARTS = re.compile(r"^== (?P<name>.+)$")
+
+
 def parse(log: Path) -> dict[str, object]:
     phases: dict[str, int] = {}
     summary, tests_s, slowest = "no closing line", float("nan"), []
-    total = 0
+    draws: list[str] = []  # the closing lines of the rounding-draw phases
+    total, phase = 0, ""
     for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
         line = line.strip()
         if m := PHASE.match(line):
             phases[m["name"]] = int(m["s"])
             total = int(m["total"])
+        elif m := STARTS.match(line):
+            phase = m["name"]
         elif m := CLOSING.match(line):
-            summary, tests_s = m["summary"], float(m["s"])
+            # The suite's own closing line is the tests phase's; the phases after it run the
+            # rounding-sensitive tests under other draws.
+            if phase.startswith("rounding draw"):
+                draws.append(f"{phase.split(' (')[0]}: {m['summary']}")
+            elif phase == "tests":
+                summary, tests_s = m["summary"], float(m["s"])
         elif m := DURATION.match(line):
             slowest.append((float(m["s"]), m["test"]))
     return {
@@ -46,6 +57,7 @@ def parse(log: Path) -> dict[str, object]:
         "tests_s": tests_s,
         "total_s": total,
         "slowest": sorted(slowest, reverse=True)[:5],
+        "draws": draws,
     }
 
 
@@ -60,17 +72,22 @@ def main() -> int:
         label, _, path = run.partition("=")
         rows.append((label, parse(Path(path))))
     lines = [
-        "| run | install | lint | tests | whole `.ci/run` | outcome |",
-        "|---|---:|---:|---:|---:|---|",
+        "| run | install | lint | tests | rounding draws | whole `.ci/run` | outcome |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for label, r in rows:
         ph = r["phases"]
         assert isinstance(ph, dict)
         install = sum(v for k, v in ph.items() if k.startswith("install"))
         tests_min = ph.get("tests", 0) / 60
+        draws_min = sum(v for k, v in ph.items() if k.startswith("rounding draw")) / 60
+        draws = r["draws"]
+        assert isinstance(draws, list)
+        outcome = "; ".join([str(r["summary"]), *draws])
         lines.append(
             f"| {label} | {install / 60:.1f} min | {ph.get('lint', 0)} s | "
-            f"{tests_min:.1f} min | {int(r['total_s']) / 60:.1f} min | {r['summary']} |"
+            f"{tests_min:.1f} min | {draws_min:.1f} min | {int(r['total_s']) / 60:.1f} min "
+            f"| {outcome} |"
         )
     slow = ["", "Slowest tests of the first run (`--durations`):", ""]
     first = rows[0][1]["slowest"]

@@ -126,6 +126,14 @@ OPTIONS: tuple[Option, ...] = (
         default="auto",
     ),
     Option(
+        name="attribute",
+        help="when a pair whose test has two or more non-DP axes (TP, SP, CP, PP) fails, run "
+        "the lower-dimensional pairs that isolate each axis against the same control and "
+        "name the axis or combination to blame (on by default with --convergence-tier nightly)",
+        kind="bool",
+        default=False,
+    ),
+    Option(
         name="strict",
         help="a pair this session cannot run (more devices than it has, a "
         "backend that is not installed) is a collection error instead of a skip",

@@ -11,11 +11,11 @@ An invalid pair still fails before anything is launched, with file, key and fix.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from convergence.backends import Backend, get_backend
-from convergence.backends.builtin import BuiltinBackend
 from convergence.backends.registry import not_importable
 from convergence.launch.placement import FIX_MORE_DEVICES, NotPlaceable, place
 from convergence.regimes import REGISTRY, get_regime
@@ -54,6 +54,7 @@ def load_checked(
     rootdir: Path,
     max_tier: str | None = None,
     not_runnable: dict[str, NotRunnableHere] | None = None,
+    modify: Callable[[PairSpec], PairSpec | None] | None = None,
 ) -> Experiment:
     """Parse an experiment file and preflight its pairs. Raises SpecError.
 
@@ -62,8 +63,14 @@ def load_checked(
     (torchtitan's parser imports its models) or need an optional extra.
     ``not_runnable``: where a pair's :class:`NotRunnableHere` (a backend that is not
     installed) is recorded, by pair name, instead of raised (the plugin skips those pairs).
+    ``modify``: what another plugin makes of each pair (the plugin's
+    ``pytest_convergence_modify_pair``), applied *before* the checks, so a pair a hook changes
+    is checked like any other.
     """
     experiment = load_experiment(path, rootdir=rootdir, regimes=REGIMES)
+    if modify is not None:
+        pairs = tuple(modify(pair) or pair for pair in experiment.pairs)
+        experiment = dataclasses.replace(experiment, pairs=pairs)
     for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
         if in_tier(pair, max_tier):
             try:
@@ -75,9 +82,14 @@ def load_checked(
     return experiment
 
 
-def make_checked_pair(**kwargs: Any) -> PairSpec:
-    """:func:`convergence.spec.experiment.make_pair` plus :func:`check_pair`."""
+def make_checked_pair(
+    *, modify: Callable[[PairSpec], PairSpec | None] | None = None, **kwargs: Any
+) -> PairSpec:
+    """:func:`convergence.spec.experiment.make_pair`, then ``modify`` (as in
+    :func:`load_checked`), then :func:`check_pair`."""
     pair = make_pair(**kwargs, regimes=REGIMES)
+    if modify is not None:
+        pair = modify(pair) or pair
     check_pair(pair, key=str(kwargs.get("key", "test")))
     return pair
 
@@ -246,15 +258,23 @@ def check_resume(test: JobSpec, *, file: str, key: str) -> None:
 
 
 def _batch_fix(backend: Backend, test: JobSpec, ctrl_tokens: int) -> str:
-    if not isinstance(backend, BuiltinBackend):  # its train config says what one sample is
-        return "make local batch x DP x grad accumulation equal on both sides"
-    cfg = backend.effective_config(test)  # looked up: preflight worked it out
-    per_sample = test.layout.dp * cfg.training.grad_accum_steps * cfg.data.seq_len
-    if ctrl_tokens % per_sample == 0:
+    """The local batch that gives the test the control's tokens per step, asked of the backend
+    itself (its tokens per step at local batch 1 and 2): a backend whose tokens do not follow
+    the local batch (torchtitan with a global batch size, a command job stating its tokens)
+    gets the general fix."""
+    generic = "make local batch x DP x grad accumulation equal on both sides"
+    try:
+        one, two = (
+            backend.tokens_per_step(dataclasses.replace(test, local_batch_size=n)) for n in (1, 2)
+        )
+    except (SpecError, ValueError, TypeError):
+        return generic
+    if one <= 0 or two != 2 * one:
+        return generic
+    if ctrl_tokens % one == 0:
         return (
-            f"set local_batch_size = {ctrl_tokens // per_sample} on the test "
-            f"(its DP degree is {test.layout.dp}, grad accumulation "
-            f"{cfg.training.grad_accum_steps})"
+            f"set local_batch_size = {ctrl_tokens // one} on the test "
+            f"(its DP degree is {test.layout.dp}; {one} tokens per unit of local batch)"
         )
     return (
         "change the test's local_batch_size or techniques.grad_accum_steps so that "
@@ -300,7 +320,12 @@ def validate_devices(
                 )
         return pair
     try:
-        placement = place([job for _, job in jobs], available_devices, device_mode)
+        fixed = frozenset(
+            job.backend
+            for _, job in jobs
+            if not get_backend(job.backend).capabilities.device_follows_placement
+        )
+        placement = place([job for _, job in jobs], available_devices, device_mode, fixed=fixed)
     except NotPlaceable as exc:
         side, job = max(jobs, key=lambda sj: sj[1].world_size)
         raise NotRunnableHere(

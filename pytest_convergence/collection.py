@@ -13,6 +13,7 @@ break another repository's collection. Item names are the test names:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,22 @@ def add_convergence_paths(config: pytest.Config) -> list[Path]:
     return added
 
 
+def modified_pair(
+    config: pytest.Config, pair: PairSpec, *, vetoed: dict[str, str] | None = None
+) -> PairSpec:
+    """What other plugins make of ``pair`` (``pytest_convergence_modify_pair``), before the
+    pair's checks. A veto (``pytest.skip`` in the hook) is recorded in ``vetoed`` by pair name
+    (the item is then a skip with the hook's reason); without ``vetoed`` it propagates (a
+    ``convergence_pair`` test is skipped)."""
+    try:
+        return config.hook.pytest_convergence_modify_pair(config=config, pair=pair) or pair
+    except pytest.skip.Exception as exc:
+        if vetoed is None:
+            raise
+        vetoed[pair.name] = str(exc.msg or "vetoed by pytest_convergence_modify_pair")
+        return pair
+
+
 class ExperimentFile(pytest.File):
     """An experiment TOML file; invalid input is a clean collection error (nothing runs)."""
 
@@ -118,12 +135,14 @@ class ExperimentFile(pytest.File):
         state = get_state(self.config)
         strict = bool(state.options["strict"])
         skipped: dict[str, NotRunnableHere] = {}
+        vetoed: dict[str, str] = {}
         try:
             experiment = load_checked(
                 self.path,
                 rootdir=self.config.rootpath,
                 max_tier=state.options["tier"],
                 not_runnable=None if strict else skipped,
+                modify=functools.partial(modified_pair, self.config, vetoed=vetoed),
             )
             devices = state.device_set()
             pairs = list(experiment.pairs)
@@ -148,7 +167,10 @@ class ExperimentFile(pytest.File):
         for pair in pairs:
             item = ConvergenceItem.from_parent(self, name=pair.name, pair=pair)
             item.add_marker(MARKER)
-            if pair.name in skipped:
+            if pair.name in vetoed:
+                item.add_marker(pytest.mark.skip(reason=vetoed[pair.name]))
+                item.skipped = True
+            elif pair.name in skipped:
                 item.add_marker(pytest.mark.skip(reason=skip_reason(skipped[pair.name])))
                 item.skipped = True
             yield item

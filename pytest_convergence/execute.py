@@ -24,16 +24,29 @@ def execute_pair(
 ) -> PairOutcome:
     """Run ``pair`` with live progress, record its outcome for the reports, and attach its
     JUnit properties. KeyboardInterrupt passes through: the launcher ends the job trees."""
+    # Other plugins changed the pair (or vetoed it) before its checks, at collection or in
+    # the fixture (collection.modified_pair): ``pair`` is the checked pair to run.
     state = get_state(config)
-    # Other plugins may change the pair, or veto it with pytest.skip (hookspecs.py).
-    pair = config.hook.pytest_convergence_modify_pair(config=config, pair=pair) or pair
     _ignore_in_git(state.settings.work_dir)
     printer: ProgressPrinter | WorkerProgress | None = ProgressPrinter(config)
     if state.is_worker:  # its terminal is not the user's: the controller relays a file
         printer = WorkerProgress(state.share_dir) if state.share_dir is not None else None
+    outcome: PairOutcome | None = None
     try:
         outcome = state.runner.run_pair(pair, on_progress=printer)
+        from convergence.run.attribution import attribute_failed, attribution_on  # lazy
+
+        if attribution_on(asked=bool(state.options["attribute"]), tier=state.options["tier"]):
+            outcome = attribute_failed(
+                outcome,
+                run=lambda sub: state.runner.run_pair(sub, on_progress=printer),
+                devices=state.device_set(),
+                device_mode=state.options["device"],
+            )
     except KeyboardInterrupt as exc:
+        if outcome is not None:  # interrupted while attributing: the pair's verdict stands
+            record_outcome(config, outcome, user_properties)
+            raise
         # Ctrl-C / SIGTERM mid-pair: the report still lists the pair (as an error that says
         # so), not only the pairs that had finished. Runs that finished (e.g. the control)
         # are already in the run cache and are reused by the next session.

@@ -43,6 +43,7 @@ the pair does not pass. Tests using the fixture get the ``convergence`` marker a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,7 +55,7 @@ from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import DEFAULTS_KEYS, JOB_KEYS, TEST_KEYS
 from convergence.spec.pair import PairSpec
 from convergence.spec.toml_io import check_keys
-from pytest_convergence.collection import MARKER, skip_reason
+from pytest_convergence.collection import MARKER, modified_pair, skip_reason
 from pytest_convergence.execute import check_outcome, execute_pair
 from pytest_convergence.stash import get_state
 
@@ -101,6 +102,7 @@ class PairRunner:
         if name is None and self._calls > 1:
             pair_name = f"{pair_name}-{self._calls}"
         pair = make_checked_pair(
+            modify=functools.partial(modified_pair, self._node.config),
             name=pair_name,
             control=control,
             test=test_table,

@@ -16,6 +16,7 @@ import pytest
 
 from convergence.options import run_settings
 from convergence.run.session import SessionRunner
+from convergence.trainer.rounding_draw import ROUNDING_DRAW_ENV, RoundingDrawError, rounding_draw
 from pytest_convergence.collection import (
     MARKER_HELP,
     ConvergenceItem,
@@ -63,6 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
     add_convergence_paths(config)  # -m convergence must see convergence_paths (testpaths)
     interrupt_on_sigterm(forward_to_workers=is_distributing(config))
     options = read_options(config)
+    session_rounding_draw()  # a bad value is a usage error before anything runs
     worker = is_worker(config)
     share_dir = (
         worker_share_dir(config)
@@ -85,6 +87,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [f"convergence: run state in {options['workdir']}"]
     if options["report"] is not None:
         lines.append(f"convergence: report to {options['report']}")
+    if draw := session_rounding_draw():
+        lines.append(
+            f"convergence: rounding draw {draw} ({ROUNDING_DRAW_ENV}): every job rounds as another machine would"
+        )
     return lines
 
 
@@ -124,3 +130,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int | pytest.ExitC
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     terminal_summary(terminalreporter, config)
+
+
+def session_rounding_draw() -> int:
+    """The session's emulated rounding draw (convergence/trainer/rounding_draw.py)."""
+    try:
+        return rounding_draw()
+    except RoundingDrawError as exc:
+        raise pytest.UsageError(str(exc)) from None

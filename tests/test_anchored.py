@@ -14,6 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
 
@@ -27,6 +29,7 @@ from convergence.run.runner import Runner, RunSettings  # noqa: E402
 START, STEPS, EVERY = 25, 40, 10
 
 
+@pytest.mark.rounding
 def test_a_late_bug_fails_at_an_anchor_after_its_start_and_a_correct_layout_passes(
     tmp_path: Path,
 ) -> None:

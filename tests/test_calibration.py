@@ -360,6 +360,7 @@ def test_the_nightly_script_calibrates_before_pytest_when_asked() -> None:
     assert "calibrate" not in off.split("export MPLBACKEND")[1]
 
 
+@pytest.mark.rounding
 @pytest.mark.slow
 def test_calibrate_writes_a_file_that_the_next_session_uses(project: Path) -> None:
     """The whole command on the debug config (few steps, one layout each), then a session."""

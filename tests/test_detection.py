@@ -91,6 +91,7 @@ def test_reduction_missing_a_rank_is_caught(runner: Runner, pairs: dict[str, Pai
     assert _failed_on(outcome, "grad_norm") == 1
 
 
+@pytest.mark.rounding
 def test_position_bug_is_caught_at_step_1_by_the_per_part_grad_norm(
     runner: Runner, pairs: dict[str, PairSpec]
 ) -> None:

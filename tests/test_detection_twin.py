@@ -57,6 +57,7 @@ def test_bf16_pairs_default_to_the_twin_regime(pairs: dict[str, PairSpec]) -> No
         assert pair.rule_for("loss") is not None and pair.rule_for("loss").method == "twin"
 
 
+@pytest.mark.rounding
 def test_correct_bf16_layout_passes_inside_the_measured_envelope(
     runner: Runner, pairs: dict[str, PairSpec]
 ) -> None:
@@ -80,6 +81,7 @@ def test_correct_bf16_layout_passes_inside_the_measured_envelope(
     assert all(w > 0 for w in width) and width[-1] > width[0]  # grows with the twin's noise
 
 
+@pytest.mark.rounding
 def test_cp_mask_bug_that_the_seed_band_missed_fails_early(
     runner: Runner, pairs: dict[str, PairSpec]
 ) -> None:
@@ -91,6 +93,7 @@ def test_cp_mask_bug_that_the_seed_band_missed_fails_early(
     assert first <= 2
 
 
+@pytest.mark.rounding
 @pytest.mark.slow
 def test_a_bf16_reduce_test_against_an_fp32_control_is_judged_by_its_own_noise(
     runner: Runner, tmp_path: Path

@@ -22,6 +22,7 @@ from convergence.run.runner import Runner, RunSettings  # noqa: E402
 START, STEPS = 4, 7
 
 
+@pytest.mark.rounding
 def test_data_bug_from_step_s_matches_the_control_before_s_and_is_caught_from_s(
     tmp_path: Path,
 ) -> None:

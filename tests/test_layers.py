@@ -39,7 +39,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("report",),  # terminal, JSON/MD/HTML, plots
     ("options",),  # the one option table (plugin, CLI)
     ("docs",),  # README's generated parts (key table, option list)
-    ("nightly", "worktrees", "bisection", "calibration_runs"),  # the nightly; commits in git
+    (
+        "nightly",
+        "worktrees",
+        "bisection",
+        "calibration_runs",
+        "selftest",
+    ),  # the nightly; commits in git
     # worktrees; the first commit a pair fails at; the calibration's pairs, run and measured
     ("cli",),  # the `convergence` command: one module per subcommand (cli/)
 )
@@ -254,7 +260,7 @@ RUN_TIERS: tuple[tuple[str, ...], ...] = (
     ("outcome", "probe_compare", "judge", "together"),
     ("jobs",),  # the job tier
     ("probe", "resume", "anchors"),  # users of the job tier alone
-    ("runner",),  # the pair tier
+    ("runner", "attribution"),  # the pair tier (attribution runs pairs through run_pair)
     ("session",),  # one Runner per session
 )
 

@@ -31,9 +31,52 @@ def _name_comparisons(path: Path) -> list[str]:
             for n in ast.walk(side)
             if isinstance(n, ast.Constant) and isinstance(n.value, str)
         }
-        if literals & NAMES:
+        if literals & NAMES or any(_class_default(side) for side in (node.left, *node.comparators)):
             found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    return found + _name_sets(path) + _concrete_isinstance(path)
+
+
+def _class_default(node: ast.AST) -> bool:
+    """``JobSpec.backend``, ``PairSpec.regime``: a class's default name, a name in disguise."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr in ("backend", "regime")
+        and isinstance(node.value, ast.Name)
+        and node.value.id[:1].isupper()
+    )
+
+
+def _name_sets(path: Path) -> list[str]:
+    """Set literals holding a backend's name (``MOVABLE = frozenset({"builtin"})``): a
+    membership test in waiting. (Tuples are left alone: "seed" and "command" are also keys.)"""
+    return [
+        f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, ast.Set)
+        and {e.value for e in node.elts if isinstance(e, ast.Constant)} & set(SHIPPED_BACKENDS)
+    ]
+
+
+def _concrete_isinstance(path: Path) -> list[str]:
+    """``isinstance(backend, BuiltinBackend)``: a concrete backend's class outside its home."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "isinstance"
+            and len(node.args) == 2
+        ):
+            classes = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            if any(c.endswith("Backend") and c != "Backend" for c in classes):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
     return found
+
+
+#: Known and left, with the reason. spec/ is the bottom layer and cannot ask a backend: the
+#: missing-train-config fix names the shipped configs only for the default backend, whose
+#: configs they are (issue 36: torchtitan's fix must not name them).
+LEFT = ("convergence/spec/experiment.py", "backend == JobSpec.backend")
 
 
 def test_no_module_outside_backends_and_regimes_compares_their_names() -> None:
@@ -43,14 +86,20 @@ def test_no_module_outside_backends_and_regimes_compares_their_names() -> None:
         for path in sorted((REPO / package).rglob("*.py"))
         if not str(path.relative_to(REPO)).startswith(HOMES)
         for hit in _name_comparisons(path)
+        if not (hit.startswith(LEFT[0]) and hit.endswith(LEFT[1]))
     ]
     assert found == [], "ask the backend or the regime instead:\n" + "\n".join(found)
 
 
 def test_the_check_sees_a_name_comparison(tmp_path: Path) -> None:
     probe = REPO / "tests" / "fixtures" / "_names_probe.py"
-    probe.write_text('def f(job):\n    return job.backend == "builtin" or "seed" in (job.x,)\n')
+    probe.write_text(
+        'def f(job):\n    return job.backend == "builtin" or "seed" in (job.x,)\n'
+        'MOVABLE = frozenset({"builtin"})\n'
+        "def g(job, backend):\n"
+        "    return job.backend == JobSpec.backend or isinstance(backend, BuiltinBackend)\n"
+    )
     try:
-        assert len(_name_comparisons(probe)) == 2
+        assert len(_name_comparisons(probe)) == 5
     finally:
         probe.unlink()

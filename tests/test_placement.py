@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from convergence.backends import get_backend
 from convergence.launch.placement import (
     GLOO_ON_CUDA,
     NotPlaceable,
@@ -121,7 +122,11 @@ def test_no_sharing_allowed_sends_even_cp_to_cpu() -> None:
     assert kind(placed) == "cpu" and "1 GPU slots" in placed.placement
 
 
+FIXED = frozenset({"torchtitan"})  # its own config decides its device
+
+
 def test_a_backend_that_cannot_move_is_skipped_with_real_fixes() -> None:
+    assert not get_backend("torchtitan").capabilities.device_follows_placement
     job = JobSpec(
         name="titan-fsdp2",
         train_config=REPO / "train_configs" / "debug.toml",
@@ -129,10 +134,10 @@ def test_a_backend_that_cannot_move_is_skipped_with_real_fixes() -> None:
         backend="torchtitan",
     )
     with pytest.raises(NotPlaceable) as err:
-        place([job, dataclasses.replace(job, name="other")], pretend_gpus(1))
+        place([job, dataclasses.replace(job, name="other")], pretend_gpus(1), fixed=FIXED)
     assert "needs 2 GPUs, this machine has 1" in err.value.detail
     assert err.value.fix == "run on a machine with 2 GPUs"  # no CPU fallback offered
-    assert place([job], pretend_gpus(2)).kind == "cuda"
+    assert place([job], pretend_gpus(2), fixed=FIXED).kind == "cuda"
 
 
 def test_every_layout_need_is_in_the_measured_table() -> None:

@@ -67,3 +67,34 @@ def test_other_plugins_change_veto_and_hear_each_pair(pytester: pytest.Pytester)
     lines = [json.loads(x) for x in (root / "dashboard.jsonl").read_text().splitlines()]
     # The verdict hook saw the pair as the modify hook changed it (both sides: 4 steps).
     assert lines == [{"pair": "changed", "status": "passed", "test_steps": 4, "loss": [True]}]
+
+
+CHANGES_INTO_INVALID = """
+import dataclasses
+
+
+def pytest_convergence_modify_pair(config, pair):
+    # The command backend saves no anchors: preflight refuses anchor_every for it.
+    return dataclasses.replace(pair, anchor_every=2)
+"""
+
+
+def test_a_pair_a_hook_changed_is_checked_like_any_other(pytester: pytest.Pytester) -> None:
+    """modify_pair runs before collection's checks: a change that makes the pair invalid is a
+    collection error naming the key and the fix, and nothing runs."""
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(CHANGES_INTO_INVALID)
+    root = Path(pytester.path)
+    (root / "cfg.toml").write_text("# hashed only\n")
+    (root / "experiments").mkdir()
+    job = {"backend": "command", "backend_options": {"command": ["true"], "launch": "direct"}}
+    write_experiment(
+        root / "experiments",
+        defaults={"train_config": str(root / "cfg.toml"), "steps": 6, **job},
+        control={"name": "control"},
+        tests=[{"name": "changed"}],
+    )
+    result = pytester.runpytest_subprocess("-m", "convergence", "-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*nothing was launched*", "*anchor_every needs a trainer*"])
+    assert not (root / ".convergence" / "runs").exists()

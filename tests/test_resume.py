@@ -286,6 +286,7 @@ def test_a_missing_shard_or_folder_is_an_error_naming_the_checkpoint(
         pytest.param("data_restarted", "data_fingerprint", 5, marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.rounding
 def test_a_planted_resume_bug_fails_at_the_resume(
     tmp_path: Path, bug: str, metric: str, step: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -348,10 +349,11 @@ def test_steps_cut_before_the_resume_is_that_pairs_error(tmp_path: Path) -> None
 # -- a late broken layout after a resume, in the twin regime (issue 41) -----------------------
 
 
+@pytest.mark.rounding
 def test_a_resume_onto_a_broken_layout_fails_against_the_twins_resumed_with_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """bf16 (the twin regime), 16 steps, FSDP2 -> FSDP2+TP2 after step 8: with layer 1's
+    """bf16 (the twin regime), 20 steps, FSDP2 -> FSDP2+TP2 after step 8: with layer 1's
     row-wise all-reduce left out the ``resumed`` verdict (the twins run again from the test's
     checkpoint) fails right after the resume, and the probe starts from that checkpoint; the
     correct resume passes it."""
@@ -371,7 +373,7 @@ def test_a_resume_onto_a_broken_layout_fails_against_the_twins_resumed_with_it(
         if c.name.endswith(("onto-tp2-rowwise-not-reduced", "fsdp2-onto-tp2"))
     ]
     (tmp_path / "exp").mkdir()
-    pairs = build_pairs(cases, tmp_path / "exp", steps=16)
+    pairs = build_pairs(cases, tmp_path / "exp", steps=20)
     runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=180, wall_limit_s=600))
     # The bug's pair probes its failure: both layouts from the test's checkpoint, step 9.
     probed = dataclasses.replace(pairs[cases[0].name], probe_on_failure=True)
@@ -380,7 +382,14 @@ def test_a_resume_onto_a_broken_layout_fails_against_the_twins_resumed_with_it(
     assert bug.pair.regime == "twin" and bug.status == "failed", bug.error
     resumed = bug.verdict("resumed")
     assert resumed is not None and not resumed.passed, [v.message for v in bug.verdicts]
-    assert resumed.first_divergent_step is not None and 9 <= resumed.first_divergent_step <= 12
+    # After the resume and within the run: that is all the rule implies. The envelope is judged
+    # from step K+1 on, the gap level from K + GAP_MIN_STEPS on, and which of them trips first,
+    # and when, is the rounding draw's (13 on one Xeon where an EPYC gave 9-12; under
+    # CONVERGENCE_ROUNDING_DRAW 0-7 here: 9, 13, 13, 14, 13, 13, 13, 9): bf16 on another CPU or
+    # GPU rounds otherwise. 20 steps leave the gap level 8 judged steps (at 16, one draw was
+    # caught at the last step).
+    first = resumed.first_divergent_step
+    assert first is not None and 8 < first <= 20, first
     assert "resumed: after the checkpoint at step 8" in headline(bug)
     probe = bug.localisation
     assert probe is not None and "error" not in probe, probe

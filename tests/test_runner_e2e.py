@@ -72,6 +72,7 @@ def test_correct_pair_passes_and_control_is_cached(
     assert again.status == "passed"
 
 
+@pytest.mark.rounding
 def test_planted_bug_fails_with_first_divergent_step(
     runner: Runner, experiment: dict[str, object]
 ) -> None:

@@ -119,6 +119,7 @@ def _records(
     return [{k: v for k, v in json.loads(x).items() if k not in TIMINGS} for x in lines]
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("pair", ["fp32-paired", "bf16-twin-hooked"])
 def test_a_warm_start_logs_bitwise_what_torchrun_logs(tmp_path: Path, pair: str) -> None:
     hook_dir = tmp_path / "hooks"

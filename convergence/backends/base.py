@@ -37,6 +37,10 @@ class Capabilities:
     """``noise_twin`` derives twins for the usual controls: where both sides' backends do
     (and the runs are not bitwise pairable), twin is a pair's default regime, else the seed
     band is."""
+    device_follows_placement: bool = False
+    """The job runs on whatever device the pair's placement gives it (``--convergence-device``,
+    GPU slots shared through gloo, CPU when GPUs are too few); False: the backend's own config
+    decides its device, so its pairs are never moved (convergence/launch/placement.py)."""
     needs_train_config: bool = True
     """A job must name a train config file (``train_config``)."""
     train_config_fix: str = (

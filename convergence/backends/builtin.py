@@ -71,6 +71,7 @@ class BuiltinBackend:
         probe=True,
         anchors=True,
         twins_by_default=True,
+        device_follows_placement=True,
         train_config_fix='set train_config = "debug" (a shipped config) in [defaults]',
     )
 

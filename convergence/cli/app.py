@@ -9,10 +9,12 @@
     convergence trend HISTORY.jsonl --out DIR                       trend report across nights
     convergence decide HISTORY.jsonl --out DIR                      tonight vs the last green nights
     convergence ab EXPERIMENT.toml --baseline REF --candidate REF   the same jobs from two commits
+    convergence attribute EXPERIMENT::PAIR [--json FILE]           which axis a failing N-D pair blames
     convergence bisect GOOD BAD PAIR [--experiment FILE]          the first commit a pair fails at
     convergence configs                                             list the shipped train configs
     convergence cache list|verify|prune [--cache-dir DIR]          look after a run cache
     convergence calibrate SOURCE [--if-missing]                     measure this machine's floors
+    convergence selftest EXPERIMENT [--json FILE]                   plant bugs: what the suite sees
     convergence --version
 
 Exit status: 0 when everything passed, 1 when a pair/metric or a run failed (RunFailed), 2 for
@@ -30,6 +32,7 @@ from typing import Any
 
 from convergence import __version__
 from convergence.cli.ab import add_ab_parser
+from convergence.cli.attribute import add_attribute_parser
 from convergence.cli.bisect import add_bisect_parser
 from convergence.cli.cache import add_cache_parser
 from convergence.cli.calibrate import add_calibrate_parser
@@ -43,6 +46,7 @@ from convergence.cli.common import (
 )
 from convergence.cli.compare import add_compare_parser, add_export_parser
 from convergence.cli.nightly import add_subcommands as add_nightly_subcommands
+from convergence.cli.selftest import add_selftest_parser
 from convergence.configs import describe
 from convergence.launch.devices import session_devices
 from convergence.launch.progress_text import LogThrottle
@@ -51,6 +55,7 @@ from convergence.options import add_arguments, cli_run_settings
 from convergence.preflight import in_tier, load_checked, validate_devices
 from convergence.report.data.serialize import OutcomeFormatError, outcome_from_json
 from convergence.report.formats.terminal import render_summary
+from convergence.run.attribution import attribute_failed, attribution_on
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import RunFailed, SpecError
 
@@ -98,6 +103,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     for pair in pairs:
         _print_err(f"running {pair.pair_id} ...")
         outcome = runner.run_pair(pair)
+        if attribution_on(asked=bool(values["attribute"]), tier=values["tier"]):
+            outcome = attribute_failed(
+                outcome, run=runner.run_pair, devices=devices, device_mode=values["device"]
+            )
         _print_err(f"{pair.pair_id}: {outcome.status}")
         if outcome.status == "error" and outcome.error:
             _print_err(outcome.error)
@@ -208,11 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
 
     add_ab_parser(sub)
+    add_attribute_parser(sub)
     add_bisect_parser(sub)
 
     add_cache_parser(sub)
 
     add_calibrate_parser(sub)
+    add_selftest_parser(sub)
 
     # -- nightly / record / trend / decide: Slurm nightly runs (cli/nightly.py) --
 

@@ -46,9 +46,6 @@ GLOO_ON_CUDA: dict[str, bool] = {
     "functional": False,
 }
 
-#: Built-in backends whose device follows what the job sees (auto): they can be moved to CPU.
-MOVABLE_BACKENDS = frozenset({"builtin"})
-
 
 def layout_collectives(layout: Layout) -> dict[str, str]:
     """The collectives a layout's job calls, each with the axis that needs it (for reasons)."""
@@ -99,12 +96,20 @@ def gpu_count(devices: DeviceSet) -> int:
     return len({d.partition("/")[0] for d in devices.devices})
 
 
-def place(jobs: Sequence[JobSpec], devices: DeviceSet, mode: str = "auto") -> Placement:
-    """The pair's placement (see the module docstring); raises :class:`NotPlaceable`."""
+def place(
+    jobs: Sequence[JobSpec],
+    devices: DeviceSet,
+    mode: str = "auto",
+    *,
+    fixed: frozenset[str] = frozenset(),
+) -> Placement:
+    """The pair's placement (see the module docstring); raises :class:`NotPlaceable`.
+    ``fixed``: the jobs' backends whose own config decides their device (no
+    ``Capabilities.device_follows_placement``): such a pair is never moved or shared."""
     if mode not in DEVICE_MODES:
         raise ValueError(f"device mode must be one of {DEVICE_MODES}, got {mode!r}")
     world = max(job.world_size for job in jobs)
-    movable = all(job.backend in MOVABLE_BACKENDS for job in jobs)
+    movable = not any(job.backend in fixed for job in jobs)
     if devices.kind == "cpu":
         if mode == "cuda":
             raise NotPlaceable(
@@ -116,7 +121,7 @@ def place(jobs: Sequence[JobSpec], devices: DeviceSet, mode: str = "auto") -> Pl
         if not movable:
             raise NotPlaceable(
                 "--convergence-device cpu, but a job of this pair runs on the "
-                f"{_backends(jobs)} backend, whose device its own config decides",
+                f"{_backends(jobs, fixed)} backend, whose device its own config decides",
                 "use --convergence-device auto (or a CPU train config for that backend)",
             )
         return _cpu(devices, world, job_device="cpu")
@@ -128,7 +133,7 @@ def place(jobs: Sequence[JobSpec], devices: DeviceSet, mode: str = "auto") -> Pl
     gpus = gpu_count(devices)
     if world <= gpus:
         return Placement(kind="cuda", text=f"cuda: {world} rank(s), one GPU each (NCCL)")
-    why_not_shared = _why_not_shared(jobs, devices, world, gpus)
+    why_not_shared = _why_not_shared(jobs, devices, world, gpus, movable=movable, fixed=fixed)
     if why_not_shared is None:
         return Placement(
             kind="cuda-shared",
@@ -153,7 +158,13 @@ FIX_MORE_DEVICES = (
 
 
 def _why_not_shared(
-    jobs: Sequence[JobSpec], devices: DeviceSet, world: int, gpus: int
+    jobs: Sequence[JobSpec],
+    devices: DeviceSet,
+    world: int,
+    gpus: int,
+    *,
+    movable: bool,
+    fixed: frozenset[str],
 ) -> str | None:
     """Why the pair's ranks cannot share the GPUs; None when they can."""
     if world > len(devices.devices):
@@ -161,8 +172,8 @@ def _why_not_shared(
             f"{len(devices.devices)} GPU slots ({len(devices.devices) // max(gpus, 1)} ranks per "
             "GPU, CONVERGENCE_RANKS_PER_GPU)"
         )
-    if not all(job.backend in MOVABLE_BACKENDS for job in jobs):
-        return f"the {_backends(jobs)} backend does not share GPUs between ranks"
+    if not movable:
+        return f"the {_backends(jobs, fixed)} backend does not share GPUs between ranks"
     for job in jobs:
         for collective, user in layout_collectives(job.layout).items():
             if not GLOO_ON_CUDA.get(collective, False):
@@ -185,5 +196,5 @@ def _host_cpu() -> DeviceSet:
     return DeviceSet(kind="cpu", devices=tuple(str(i) for i in range(slots)))
 
 
-def _backends(jobs: Sequence[JobSpec]) -> str:
-    return "/".join(sorted({job.backend for job in jobs if job.backend not in MOVABLE_BACKENDS}))
+def _backends(jobs: Sequence[JobSpec], fixed: frozenset[str]) -> str:
+    return "/".join(sorted({job.backend for job in jobs if job.backend in fixed}))

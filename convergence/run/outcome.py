@@ -63,6 +63,9 @@ class PairOutcome:
     wall_s: float = 0.0
     anchored: SideOutcome | None = None
     """The test layout's anchored steps (pair key ``anchor_every``; run/anchors.py)."""
+    attribution: dict[str, Any] | None = None
+    """Which axis a failing N-D pair's failure belongs to (run/attribution.py): the isolating
+    pairs' results and the blame; None where it did not run."""
 
     @property
     def passed(self) -> bool:

@@ -36,6 +36,7 @@ from convergence.trainer.optim import build_optimizer, lr_at, model_parts, optim
 from convergence.trainer.parallelize import Meshes, build_meshes
 from convergence.trainer.probe import probe_step, run_probe
 from convergence.trainer.record import CollectiveCounter, RunRecord, is_logger, step_seconds
+from convergence.trainer.rounding_draw import apply_rounding_draw, rounding_draw
 from convergence.trainer.step_clock import set_step
 from convergence.trainer.stopping import SaveAndStop
 from convergence.trainer.world import (
@@ -79,6 +80,10 @@ def train(cfg: TrainConfig) -> RunStatus:
         add_forward_noise(
             engine.chunks, cfg.training.forward_noise, seed=cfg.training.seed * 1009 + rank
         )
+    # Another machine's rounding when the session asks for one (rounding_draw.py): the same
+    # deterministic function of the numbers in every job, so the suite can find a test that
+    # holds only for this machine's draw.
+    apply_rounding_draw(engine.chunks, rounding_draw())
     named_params = [(n, p) for chunk in engine.chunks for n, p in chunk.named_parameters()]
     parts = model_parts(build_model(model_args, "meta"))
     optimizer = build_optimizer([p for _, p in named_params], cfg)

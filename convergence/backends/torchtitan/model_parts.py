@@ -9,6 +9,7 @@ from typing import Any
 
 from convergence.backends.torchtitan.patches import force_sum_reduction
 from convergence.trainer.hooks import HookContext, apply_hook, load_hook
+from convergence.trainer.rounding_draw import apply_rounding_draw, rounding_draw
 
 
 def hook_context(
@@ -46,6 +47,7 @@ def wrap_model_spec(config: Any, *, cpu: bool, hook: str, hook_mode: str) -> Non
         model = parallelize(model, **kwargs)
         if cpu:
             force_sum_reduction(model)
+        apply_rounding_draw([model], rounding_draw())  # another machine's rounding, if asked
         parallel_dims = kwargs["parallel_dims"]
         if hook_fn is not None and not parallel_dims.pp_enabled:
             ctx = hook_context(parallel_dims, config, mode=hook_mode)

@@ -163,6 +163,8 @@ class PairRecord(TypedDict):
     curves: NotRequired[CurvesRecord]
     resume: NotRequired[ResumeRecord]
     """Only for a resuming test side (report/data/resume.py)."""
+    attribution: NotRequired[dict[str, Any]]
+    """Only for a failed N-D pair that was attributed (run/attribution.py)."""
 
 
 #: Resource metrics compared test vs control: (metric, summary used per run).
@@ -364,6 +366,8 @@ def pair_record(
         "plots": dict(plots or {}),
         "plot_error": plot_error,
     }
+    if outcome.attribution is not None:
+        record["attribution"] = outcome.attribution
     resume = resume_record(outcome, record["first_divergent_step"])
     if resume is not None:
         record["resume"] = resume

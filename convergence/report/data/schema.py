@@ -122,6 +122,18 @@ _VERDICT = _object(
 
 _RESOURCE = _object({"control": _OPT_NUM, "test": _OPT_NUM, "ratio": _OPT_NUM})
 
+_ATTRIBUTION_RUN = _object(
+    {
+        "axes": {"type": "array", "items": _STR},
+        "label": _STR,
+        "layout": _STR,
+        "status": _STR,
+        "first_divergent_step": _OPT_INT,
+        "metric": _OPT_STR,
+        "note": _STR,
+    }
+)
+
 _DIVERGENCE_ROW = _object({"step": _INT, "control": _OPT_NUM, "test": _OPT_NUM, "delta": _OPT_NUM})
 
 _PAIR = _object(
@@ -163,6 +175,16 @@ _PAIR = _object(
         "delta_reference": _STR,
         "plot_error": _OPT_STR,
         "resume": _object({"at_step": _INT, "before": _STR, "after": _STR, "note": _OPT_STR}),
+        "attribution": _object(
+            {
+                "axes": {"type": "array", "items": _STR},
+                "runs": {"type": "array", "items": {"$ref": "#/$defs/attribution_run"}},
+                "blame": _STR,
+                "blamed": {"type": "array", "items": _STR},
+                "summary": _STR,
+                "jobs": _INT,
+            }
+        ),
         "curves": _object(
             {
                 "control": _RUN_CURVES,
@@ -203,6 +225,7 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
         "verdict": _VERDICT,
         "resource": _RESOURCE,
         "divergence_row": _DIVERGENCE_ROW,
+        "attribution_run": _ATTRIBUTION_RUN,
         "pair": _PAIR,
     },
 }

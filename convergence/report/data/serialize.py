@@ -169,6 +169,7 @@ def outcome_to_json(o: PairOutcome) -> dict[str, Any]:
         "error": o.error,
         "stopped_early_at": o.stopped_early_at,
         "localisation": jsonable(o.localisation),
+        "attribution": jsonable(o.attribution),
         "plots": [str(p) for p in o.plots],
         "wall_s": jsonable(o.wall_s),
     }
@@ -286,6 +287,7 @@ def outcome_from_json(d: Mapping[str, Any]) -> PairOutcome:
             error=d.get("error"),
             stopped_early_at=d.get("stopped_early_at"),
             localisation=d.get("localisation"),
+            attribution=d.get("attribution"),
             plots=tuple(Path(p) for p in d.get("plots", [])),
             wall_s=read_float(d.get("wall_s", 0.0)),
         )

@@ -168,6 +168,8 @@ def render_outcome(
 
         lines.append(f"localisation (numerics probe): {failure_line(outcome.localisation)}")
         lines.extend(f"  {k}: {v}" for k, v in summary_items(outcome.localisation))
+    if outcome.attribution:
+        lines.append(f"attribution (which axis): {outcome.attribution['summary']}")
     lines.extend(_paths(outcome))
     if report_dir is not None and not outcome.plots:
         name = plot_names([outcome])[outcome.pair.pair_id]

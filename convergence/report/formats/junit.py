@@ -21,6 +21,8 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
     ]
     if pair.placement:  # where both sides ran (convergence.launch.placement)
         props.append(("device", pair.placement))
+    if o.attribution:  # which axis a failing N-D pair's failure belongs to
+        props.append(("attribution", str(o.attribution["summary"])))
     for v in o.verdicts:
         name = v.metric
         word = (

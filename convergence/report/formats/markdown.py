@@ -28,6 +28,7 @@ from convergence.report.markup import md_code as code
 from convergence.report.markup import md_table as table
 from convergence.report.markup import md_text as text
 from convergence.report.sections import SECTIONS
+from convergence.report.sections.attribution import attribution_lines
 from convergence.report.sections.probe import summary_text
 
 STEP_SUMMARY_LIMIT = 1024 * 1024
@@ -163,6 +164,8 @@ def failure_section(record: PairRecord) -> list[str]:
             "",
             f"Localisation (numerics probe): {text(summary_text(record['localisation']))}",
         ]
+    if "attribution" in record:
+        lines += ["", *attribution_lines(record["attribution"])]
     if record["error"]:
         err = record["error"].rstrip().splitlines()
         shown = err[:ERROR_LINES] + (

@@ -25,6 +25,7 @@ from convergence.report.fmt import (
     fmt_techniques,
     fmt_wall,
 )
+from convergence.report.sections.attribution import attribution_cell
 from convergence.report.sections.dimensions import render_dimensions
 from convergence.run.outcome import PairOutcome
 
@@ -56,6 +57,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 DEVICE_COLUMN = ("device", "device")
 """Where each pair ran (convergence.launch.placement: cuda, cuda-shared, cpu): shown when a
 pair ran off the CPU, so a CPU machine's matrix stays as narrow as it was."""
+BLAME_COLUMN = ("blame", "blame")
+"""The attribution of a failing N-D pair (which axis): shown when a pair was attributed."""
 RIGHT = frozenset({"rep", "shard", "tp", "cp", "pp", "dloss", "dgnorm", "tps", "mem", "wall"})
 SHRINKABLE = ("techniques", "pair", "verdict")
 """Columns cut (with "…") when the table is too wide, in this order."""
@@ -90,6 +93,8 @@ def record_row(record: PairRecord) -> dict[str, str]:
             "cache": "+".join(cached) + " cached" if cached else "-",
             # Where the pair ran (convergence.launch.placement): cuda, cuda-shared or cpu.
             "device": str(record.get("placement") or "-").partition(":")[0],
+            # Which axis a failing N-D pair's failure belongs to (run/attribution.py).
+            "blame": attribution_cell(dict(record)),
         }
     )
     return row
@@ -126,9 +131,11 @@ def matrix_rows(outcomes: Iterable[PairOutcome]) -> list[dict[str, str]]:
 def with_device(
     columns: tuple[tuple[str, str], ...], rows: Sequence[Mapping[str, str]]
 ) -> tuple[tuple[str, str], ...]:
-    """``columns`` plus :data:`DEVICE_COLUMN` when a row ran on a GPU."""
+    """``columns`` plus :data:`DEVICE_COLUMN` when a row ran on a GPU, and
+    :data:`BLAME_COLUMN` when a pair was attributed."""
     shown = any(r["device"] not in ("-", "cpu") for r in rows)
-    return (*columns, DEVICE_COLUMN) if shown else columns
+    columns = (*columns, DEVICE_COLUMN) if shown else columns
+    return (*columns, BLAME_COLUMN) if any(r.get("blame") for r in rows) else columns
 
 
 def _layout(
