@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from convergence.phase_marks import mark
 from convergence.spec.errors import SpecError
-from convergence.trainer import anchors, resume
+from convergence.trainer import anchors, precision, resume
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.config_checks import check_config
@@ -141,6 +141,7 @@ def train(cfg: TrainConfig) -> RunStatus:
             grad_norm, part_norms = optimizer_step(
                 optimizer, named_params, parts, pp_group, cfg.training.max_norm
             )
+            precision.after_optimizer_step(engine.chunks, cfg)  # float8 all-gather's scales
 
             # Every dp x cp rank holds (D/N) * its token-loss sum: their mean is the global mean.
             global_loss = average_over(local_loss, meshes) if engine.holds_loss else None
