@@ -94,7 +94,8 @@ def key_rows() -> list[KeyRow]:
             ("techniques",),
             f"{_names(TECHNIQUE_KEYS)}. `param_dtype`/`reduce_dtype` are FSDP2's mixed "
             f"precision (need `dp_shard*cp > 1`); `activation_checkpoint`: none, full or "
-            f"selective",
+            f"selective; `float8` (none, tensorwise, rowwise), `float8_all_gather`, `mxfp8`: "
+            f"torchao's low-precision linears, judged by the margin regime (docs/precision.md)",
         ),
         (
             "",

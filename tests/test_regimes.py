@@ -45,9 +45,14 @@ def pair(regime: str, *, replicates: int = 3, test: JobSpec = CONTROL) -> PairSp
 
 
 def test_the_shipped_regimes_in_the_order_the_default_is_asked() -> None:
-    assert REGISTRY.names()[:3] == ("paired", "twin", "seed") == tuple(r.name for r in SHIPPED)
+    names = ("margin", "paired", "twin", "seed")
+    assert REGISTRY.names()[:4] == names == tuple(r.name for r in SHIPPED)
     bf16 = dataclasses.replace(CONTROL, techniques=Techniques(param_dtype="bfloat16"))
     assert REGISTRY.default_for(CONTROL, CONTROL) == "paired"
+    # A technique that changes the math on purpose is judged for "as good", first of all.
+    float8 = dataclasses.replace(bf16, techniques=Techniques(float8="tensorwise"))
+    assert REGISTRY.default_for(bf16, float8, twins=True) == "margin"
+    assert REGISTRY.default_for(bf16, dataclasses.replace(float8, seed=7)) == "margin"
     # Twin where both sides' backends derive twins (Capabilities.twins_by_default), else seed.
     assert REGISTRY.default_for(CONTROL, bf16, twins=True) == "twin"
     assert REGISTRY.default_for(CONTROL, bf16, twins=False) == "seed"
@@ -98,7 +103,8 @@ def test_a_backend_without_twins_leaves_the_twin_regime_with_a_fix() -> None:
 def test_the_seed_regime_needs_two_replicates_and_probes_nothing() -> None:
     with pytest.raises(SpecError, match="at least 2 control replicates"):
         get_regime("seed").check(pair("seed", replicates=1), key="test", backend=NoTwins())
-    assert [r.probe_on_failure for r in SHIPPED] == [True, True, False]
+    # margin: a deliberate change differs at step 1 by design, nothing for the probe to find.
+    assert [r.probe_on_failure for r in SHIPPED] == [False, True, True, False]
 
 
 class ForwardTwins(Twins):

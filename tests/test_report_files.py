@@ -76,6 +76,7 @@ def test_report_json_is_strict_and_valid(written: dict[str, Path], report: dict)
         "pairs": 4,
         "passed": 2,
         "failed": 1,
+        "inconclusive": 0,
         "errors": 1,
         "skipped": 0,
         "cached_runs": 3,

@@ -20,6 +20,8 @@ from convergence.torch_info import older_than, torch_version
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 from convergence.trainer.config_checks import check_config
 from convergence.trainer.forward_noise import UNIT_ROUNDOFF
+from convergence.trainer.precision_here import check_precision_here, torchao_version
+from convergence.trainer.precision_here import enabled as precision_enabled
 
 TRAINER_MODULE = "convergence.trainer"
 
@@ -46,6 +48,9 @@ def job_overrides(job: JobSpec) -> list[str]:
         "training.grad_accum_steps": tech.grad_accum_steps,
         "training.deterministic": tech.deterministic,
         "activation_checkpoint.mode": tech.activation_checkpoint,
+        "precision.float8": tech.float8,
+        "precision.float8_all_gather": tech.float8_all_gather,
+        "precision.mxfp8": tech.mxfp8,
     }
     if layout.pp > 1:
         values["parallelism.pp_microbatches"] = layout.microbatches
@@ -88,7 +93,9 @@ class BuiltinBackend:
             from convergence.trainer.hooks import find_hook_module  # lazy: torch (~2 s)
 
             find_hook_module(job.hook, file=job.source, key="hook")
-        check_config(self.effective_config(job), job.world_size)  # torch-free: see blocks.py
+        cfg = self.effective_config(job)
+        check_config(cfg, job.world_size)  # torch-free: see blocks.py
+        check_precision_here(cfg, file=job.source)
         schedule = job.layout.pp_schedule
         floor = PP_TORCH_FLOORS.get(schedule) if job.layout.pp > 1 else None
         if floor is not None and older_than(torch_version(), floor):
@@ -171,7 +178,11 @@ class BuiltinBackend:
         return twin
 
     def config_text(self, job: JobSpec) -> str:
-        return Path(job.train_config).read_text(encoding="utf-8")
+        text = Path(job.train_config).read_text(encoding="utf-8")
+        # The cache key covers torch, not torchao: a job that runs torchao's recipes keys
+        # its release too, so an upgrade never reuses a float8 run of the old one.
+        version = torchao_version() if precision_enabled(self.effective_config(job)) else None
+        return text if version is None else f"{text}\n# torchao {version}\n"
 
     def seed_identity(self, job: JobSpec) -> dict[str, Any] | None:
         cfg = self.effective_config(job)

@@ -64,6 +64,9 @@ PLACEHOLDERS = (
     "dump_dir",
     "local_batch_size",
     "grad_accum_steps",
+    "float8",
+    "float8_all_gather",
+    "mxfp8",
     "train_config",
 )
 
@@ -114,6 +117,10 @@ def placeholders(job: JobSpec, dump_dir: Path) -> dict[str, str]:
         "dump_dir": str(dump_dir),
         "local_batch_size": str(job.local_batch_size or ""),
         "grad_accum_steps": str(job.techniques.grad_accum_steps),
+        # The precision techniques, for a trainer that offers them (docs/precision.md).
+        "float8": job.techniques.float8,
+        "float8_all_gather": str(job.techniques.float8_all_gather).lower(),
+        "mxfp8": str(job.techniques.mxfp8).lower(),
         "train_config": str(job.train_config),
     }
 

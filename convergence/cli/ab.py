@@ -160,7 +160,7 @@ def run_ab(
             outcomes.append(
                 PairOutcome(
                     pair=pair,
-                    status="passed" if judgement.passed else "failed",
+                    status=judgement.status,
                     control=sides["baseline"],
                     test=sides["candidate"],
                     verdicts=judgement.verdicts,

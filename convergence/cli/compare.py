@@ -26,7 +26,7 @@ from convergence.options import (
 )
 from convergence.regimes import REGISTRY, get_regime
 from convergence.report.formats.failure_text import render_outcome
-from convergence.run.judge import judge
+from convergence.run.judge import judge, status_of
 from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -213,10 +213,9 @@ def _outcome(
         replicates=kept.replicates,
         twins=kept.twins,
     )
-    passed = all(v.passed for v in verdicts if v.gate)
     return PairOutcome(
         pair=pair,
-        status="passed" if passed else "failed",
+        status=status_of(verdicts),
         control=control,
         test=SideOutcome(job=pair.test, metrics=test, run_dir=test_path),
         verdicts=verdicts,

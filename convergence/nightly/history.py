@@ -313,10 +313,11 @@ class NightRecord:
 
     @property
     def passed(self) -> float | None:
-        """1.0 passed, 0.0 failed or error (no verdict is not a pass), None skipped."""
+        """1.0 passed, 0.0 failed, inconclusive or error (no verdict is not a pass), None
+        skipped."""
         if self.status == "passed":
             return 1.0
-        return 0.0 if self.status in ("failed", "error") else None
+        return 0.0 if self.status in ("failed", "inconclusive", "error") else None
 
     def night_time(self) -> float | None:
         """The night's start as a Unix time: the UTC stamp the night's name starts with (the

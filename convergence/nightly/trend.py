@@ -39,7 +39,7 @@ TREND_METRICS: tuple[tuple[str, str], ...] = (
     ("passed", "passed (1 passed, 0 failed or error)"),
 )
 #: How the overview writes a verdict (a night the pair did not run: ABSENT_MARK).
-VERDICT_MARKS = {"passed": "✓", "failed": "✗", "error": "E", "skipped": "s"}
+VERDICT_MARKS = {"passed": "✓", "failed": "✗", "inconclusive": "?", "error": "E", "skipped": "s"}
 ABSENT_MARK = "·"
 ABSENT = "absent"
 Series = dict[str, dict[str, list[float | None]]]

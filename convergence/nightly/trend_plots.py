@@ -34,6 +34,7 @@ SECOND_COLOR = "0.45"
 VERDICT_STYLE: dict[str, tuple[str, str, str]] = {
     "passed": ("o", "#2ca02c", "passed"),
     "failed": ("x", "#d62728", "failed"),
+    "inconclusive": ("P", "#bf8700", "inconclusive"),
     "error": ("s", "0.5", "error"),
     "skipped": ("D", "0.75", "skipped"),
 }

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from convergence.regimes.base import Regime
+from convergence.regimes.margin import MARGIN
 from convergence.regimes.paired import PAIRED
 from convergence.regimes.seed import SEED
 from convergence.regimes.twin import TWIN
@@ -20,9 +21,10 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import ComparisonRule
 
-#: The shipped regimes, in the order the default is asked (``Regime.claims``): seed claims
-#: every pair, so it comes last.
-SHIPPED: tuple[Regime, ...] = (PAIRED, TWIN, SEED)
+#: The shipped regimes, in the order the default is asked (``Regime.claims``): margin claims
+#: the deliberate numerics changes before the others see them; seed claims every pair, so it
+#: comes last.
+SHIPPED: tuple[Regime, ...] = (MARGIN, PAIRED, TWIN, SEED)
 
 
 class RegimeRegistry:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-VERDICTS = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP"}
+VERDICTS = {
+    "passed": "PASS",
+    "failed": "FAIL",
+    "inconclusive": "INCONCLUSIVE",
+    "error": "ERROR",
+    "skipped": "SKIP",
+}
 
 #: Short names for technique fields in the matrix (the report keeps full names).
 TECHNIQUE_ABBREV = {
@@ -18,6 +24,7 @@ TECHNIQUE_ABBREV = {
     "cpu_offload": "offload",
     "grad_accum_steps": "accum",
     "deterministic": "determ",
+    "float8_all_gather": "f8ag",
     "hook": "hook",
 }
 DTYPE_ABBREV = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -118,7 +125,11 @@ def describe_test(short_name: str, changed: Mapping[str, object]) -> str:
 
 
 def verdict_state(
-    passed: bool, gate: bool, steps_compared: int = 1, not_compared: bool = False
+    passed: bool,
+    gate: bool,
+    steps_compared: int = 1,
+    not_compared: bool = False,
+    inconclusive: bool = False,
 ) -> str:
     """One metric's verdict as a word: "pass", "FAIL", or -- for a metric that does not gate
     (tokens/s, memory by default) -- "regressed (report only)", which never reads as a failure
@@ -128,6 +139,8 @@ def verdict_state(
         return "not compared"
     if passed:
         return "pass"
+    if inconclusive:  # not enough evidence either way: never a pass (stats/noninferiority.py)
+        return "INCONCLUSIVE" if gate else "inconclusive (report only)"
     if gate:
         return "FAIL"
     return "regressed (report only)" if steps_compared else "not compared (report only)"

@@ -24,6 +24,7 @@ from typing import Any
 
 from convergence.calibration.select import Selection, in_force
 from convergence.metrics.curve import RunMetrics
+from convergence.run.outcome import PairStatus
 from convergence.spec.pair import PairSpec
 from convergence.stats.anchored import anchored_verdict
 from convergence.stats.provenance import with_golden_note
@@ -41,6 +42,21 @@ class Judgement:
     def passed(self) -> bool:
         """Every gating verdict passed."""
         return all(v.passed for v in self.verdicts if v.gate)
+
+    @property
+    def status(self) -> PairStatus:
+        return status_of(self.verdicts)
+
+
+def status_of(verdicts: Sequence[MetricVerdict]) -> PairStatus:
+    """passed when every gating verdict passed; failed when one failed outright; else (the
+    rest are inconclusive: stats/noninferiority.py) inconclusive -- a failure outweighs it."""
+    gating = [v for v in verdicts if v.gate]
+    if all(v.passed for v in gating):
+        return "passed"
+    if any(not v.passed and not v.inconclusive for v in gating):
+        return "failed"
+    return "inconclusive"
 
 
 def judge(

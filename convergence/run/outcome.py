@@ -15,9 +15,11 @@ from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.stats.types import MetricVerdict
 
-#: Pair statuses: passed/failed are verdicts; error means a job broke before a verdict, or a
-#: metric the experiment names in ``compare`` was not logged (nothing to judge it by).
-PairStatus = Literal["passed", "failed", "error", "skipped"]
+#: Pair statuses: passed/failed/inconclusive are verdicts (inconclusive: the evidence cannot
+#: exclude a difference the margin cares about -- never a pass, in any report or exit status);
+#: error means a job broke before a verdict, or a metric the experiment names in ``compare``
+#: was not logged (nothing to judge it by).
+PairStatus = Literal["passed", "failed", "error", "skipped", "inconclusive"]
 PAIR_STATUSES: tuple[PairStatus, ...] = get_args(PairStatus)
 
 

@@ -36,7 +36,7 @@ from convergence.run.anchors import (
     with_part_norms,
 )
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings, slug
-from convergence.run.judge import judge
+from convergence.run.judge import judge, status_of
 from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.run.resume import (
@@ -340,4 +340,4 @@ def _stopped_at(test: SideOutcome) -> int | None:
 def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> PairStatus:
     if test.result is not None and test.result.status == "nan":
         return "failed"
-    return "passed" if all(v.passed for v in verdicts if v.gate) else "failed"
+    return status_of(verdicts)

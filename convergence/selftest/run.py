@@ -178,12 +178,18 @@ def selftest(
             step, metric = _caught(outcome)
             if name == "(correct)":
                 share = worst_share(outcome)
-                status = {"passed": "passes", "failed": "FALSE ALARM"}.get(outcome.status, "error")
+                status = {
+                    "passed": "passes",
+                    "failed": "FALSE ALARM",
+                    "inconclusive": "inconclusive",
+                }.get(outcome.status, "error")
                 add({**row, "status": status, "step": step, "metric": metric, "worst_share": share})
             elif outcome.status == "failed":
                 add({**row, "status": "caught", "step": step, "metric": metric})
             elif outcome.status == "passed":
                 add({**row, "status": "MISSED"})
+            elif outcome.status == "inconclusive":  # not caught, not passed either
+                add({**row, "status": "inconclusive", "step": step, "metric": metric})
             else:
                 error = (outcome.error or "").strip().splitlines()
                 add({**row, "status": "not planted", "note": (error[-1] if error else "")[:160]})

@@ -31,8 +31,12 @@ ACMode = Literal["none", "full", "selective"]
 DType = Literal["float32", "bfloat16", "float16"]
 """A mixed-precision dtype (parameters in compute, gradient reduction)."""
 
+Float8Recipe = Literal["none", "tensorwise", "rowwise"]
+"""Float8 training of the linear layers (torchao): off, one scale per tensor, one per row."""
+
 AC_MODES: tuple[ACMode, ...] = get_args(ACMode)
 DTYPES: tuple[DType, ...] = get_args(DType)
+FLOAT8_RECIPES: tuple[Float8Recipe, ...] = get_args(Float8Recipe)
 
 #: The layout fields whose unset value means "derive it" (from the schedule and pp). Python
 #: says unset with None; the trainer's TOML files and records spell it 0 (trainer/config.py
@@ -169,7 +173,9 @@ class ParallelLayout(Layout):
 
 @dataclass(frozen=True, kw_only=True)
 class Techniques:
-    """Training techniques a pair can toggle; none of them changes the math in fp32."""
+    """Training techniques a pair can toggle. None changes the math in fp32 but the precision
+    techniques (float8, float8_all_gather, mxfp8), which change it on purpose
+    (:attr:`numerics_changed`; docs/precision.md)."""
 
     param_dtype: DType = "float32"
     """Mixed-precision dtype of the unsharded parameters in compute."""
@@ -187,6 +193,13 @@ class Techniques:
     """Microsteps accumulated per optimizer step."""
     deterministic: bool = True
     """Deterministic kernels and seeded everything (required for paired verdicts)."""
+    float8: Float8Recipe = "none"
+    """Float8 linears (torchao): ``none`` | ``tensorwise`` | ``rowwise`` scaling; emulated
+    matmuls on CPU, hardware float8 matmuls on GPUs that have them."""
+    float8_all_gather: bool = False
+    """FSDP2 all-gathers the float8 weights (needs ``float8 = "tensorwise"`` and FSDP)."""
+    mxfp8: bool = False
+    """MXFP8 linears (torchao: e4m3 values, one power-of-two scale per 32 elements)."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -203,6 +216,30 @@ class Techniques:
                 fix=f"use one of {', '.join(AC_MODES)}",
             )
         _positive("grad_accum_steps", self.grad_accum_steps)
+        if self.float8 not in FLOAT8_RECIPES:
+            raise SpecError(
+                f"unknown float8 recipe {self.float8!r}",
+                key="float8",
+                fix=f"use one of {', '.join(FLOAT8_RECIPES)}",
+            )
+        if self.float8_all_gather and self.float8 != "tensorwise":
+            raise SpecError(
+                "float8_all_gather all-gathers float8 weights with one scale per tensor",
+                key="float8_all_gather",
+                fix='set float8 = "tensorwise" too, or drop float8_all_gather',
+            )
+        if self.mxfp8 and self.float8 != "none":
+            raise SpecError(
+                "mxfp8 and float8 both convert the linear layers: choose one",
+                key="mxfp8",
+                fix='drop mxfp8, or set float8 = "none"',
+            )
+
+    @property
+    def numerics_changed(self) -> bool:
+        """True when a technique changes the arithmetic on purpose (a float8 or MX format):
+        such a test is judged for "as good as the control", never "equal" (regimes/margin.py)."""
+        return self.float8 != "none" or self.mxfp8
 
     @property
     def bitwise_pairable(self) -> bool:
@@ -211,10 +248,11 @@ class Techniques:
         Any dtype below fp32 (compute *or* gradient reduction: a bf16 reduce-scatter rounds
         every gradient), compiled kernels (fusions reorder float arithmetic) and
         nondeterministic kernels each add noise far above that floor, so the paired tolerance
-        would fail a correct run.
+        would fail a correct run; a float8/MX format rounds every matmul input on purpose.
         """
         return (
             self.deterministic
+            and not self.numerics_changed
             and self.param_dtype == "float32"
             and self.reduce_dtype == "float32"
             and not self.compile

@@ -24,7 +24,7 @@ METRICS: tuple[str, ...] = (
     "moe_aux_loss",
 )
 #: The comparison methods (convergence.stats.registry implements each).
-Method = Literal["exact", "allclose", "paired", "twin", "seed", "regression"]
+Method = Literal["exact", "allclose", "paired", "twin", "seed", "regression", "margin"]
 METHODS: tuple[Method, ...] = get_args(Method)
 Tier = Literal["quick", "ci", "nightly"]
 """Which runs select a pair, cheapest first (experiment key ``tier``)."""
@@ -45,7 +45,8 @@ class ComparisonRule:
     metric: str
     """One of :data:`METRICS`."""
     method: Method
-    """``exact`` | ``allclose`` | ``paired`` | ``twin`` | ``seed`` | ``regression``."""
+    """``exact`` | ``allclose`` | ``paired`` | ``twin`` | ``seed`` | ``regression`` |
+    ``margin``."""
     gate: bool = True
     """Whether a failure of this metric fails the pair (throughput/memory default to False)."""
     rtol: float | None = None
@@ -57,9 +58,11 @@ class ComparisonRule:
     z: float | None = None
     """seed: band half-width in standard deviations; twin: multiplier k of the measured noise."""
     alpha: float | None = None
-    """seed: level of the equivalence test (TOST) on the final window."""
+    """seed: level of the equivalence test (TOST) on the final window; margin: level of the
+    non-inferiority test in each window."""
     margin: float | None = None
-    """seed: equivalence margin for the final-window mean difference."""
+    """seed: equivalence margin for the final-window mean difference; margin: how much worse
+    the test may be (metric units, nats for the loss; default: 2 seed std's of the control)."""
     window: int | None = None
     """seed: length of the final window (logged steps)."""
     max_regression: float | None = None

@@ -13,6 +13,7 @@ from convergence.stats.allclose import AllClose
 from convergence.stats.exact import Exact
 from convergence.stats.fingerprint import METRIC as FINGERPRINT
 from convergence.stats.fingerprint import compare_fingerprints, not_logged
+from convergence.stats.noninferiority import NonInferiority
 from convergence.stats.paired_band import PairedBand
 from convergence.stats.regression import Regression
 from convergence.stats.seed_band import SeedBand
@@ -21,7 +22,15 @@ from convergence.stats.types import Comparison, MetricVerdict
 
 _COMPARISONS: dict[str, Comparison] = {
     c.method: c
-    for c in (Exact(), AllClose(), PairedBand(), TwinEnvelope(), SeedBand(), Regression())
+    for c in (
+        Exact(),
+        AllClose(),
+        PairedBand(),
+        TwinEnvelope(),
+        SeedBand(),
+        Regression(),
+        NonInferiority(),
+    )
 }
 
 

@@ -76,6 +76,10 @@ class MetricVerdict:
     band: Band | None = None
     """The range the test had to stay in, per compared step (None: exact, not compared, or a
     verdict saved before verdicts carried it)."""
+    inconclusive: bool = False
+    """Not passed, and not shown worse either: the evidence cannot exclude a difference the
+    margin cares about (the margin comparison, stats/noninferiority.py). The pair is then
+    inconclusive, never passed; ``message`` says how much more evidence would decide."""
     not_compared: bool = False
     """A gating metric that a run did not log, so it was not compared: reports show it in
     amber with the fix (``message``), never as a silent pass. With ``gate`` it was asked for
@@ -98,6 +102,7 @@ class MetricVerdict:
             "details": self.details,
             "band": None if self.band is None else self.band.to_json(),
             "not_compared": self.not_compared,
+            "inconclusive": self.inconclusive,
         }
 
 

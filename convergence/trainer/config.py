@@ -19,7 +19,7 @@ from typing import Any, Literal, get_args
 from convergence.configs import shipped_config, shipped_configs
 from convergence.spec.errors import SpecError
 from convergence.spec.job import HookMode
-from convergence.spec.layout import PP_DEFAULTED, ACMode, DType, Layout
+from convergence.spec.layout import PP_DEFAULTED, ACMode, DType, Float8Recipe, Layout
 
 # The closed choices of the train config (validate.check_config holds values to them; the
 # parser reads them as strings, so its type error and check_config's choice list stay apart).
@@ -27,10 +27,12 @@ DataSource = Literal["synthetic", "text"]
 Device = Literal["auto", "cpu", "cuda"]
 DecayType = Literal["cosine", "linear", "none"]
 OptimizerName = Literal["AdamW", "adamw"]
+Kernels = Literal["auto", "emulated", "hardware"]
 DATA_SOURCES: tuple[DataSource, ...] = get_args(DataSource)
 DEVICES: tuple[Device, ...] = get_args(Device)
 DECAY_TYPES: tuple[DecayType, ...] = get_args(DecayType)
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
+KERNELS: tuple[Kernels, ...] = get_args(Kernels)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,6 +209,22 @@ class ActivationCheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """[precision]: low-precision linears through torchao (convergence.trainer.precision)."""
+
+    float8: Float8Recipe = "none"
+    """Float8 linears: "none", "tensorwise" (one scale per tensor) or "rowwise" (one per row)."""
+    float8_all_gather: bool = False
+    """FSDP2 all-gathers the weights in float8 (tensorwise only), their scales recomputed for
+    all ranks at once after each optimizer step."""
+    mxfp8: bool = False
+    """MXFP8 linears: e4m3 values with one power-of-two scale per block of 32."""
+    kernels: Kernels = "auto"
+    """"auto" (hardware float8 matmuls where the GPU has them, else emulated), "emulated" (the
+    same rounding, matmuls in high precision: any device) or "hardware" (an error without)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     seed_checkpoint: str = ""
     """Folder of the seed checkpoint (torch.distributed.checkpoint) to load; "" = random init."""
@@ -270,6 +288,7 @@ class TrainConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(
         default_factory=ActivationCheckpointConfig
     )
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)

@@ -10,13 +10,14 @@ from typing import Callable, NoReturn
 
 from convergence.spec.errors import SpecError
 from convergence.spec.job import HOOK_MODES
-from convergence.spec.layout import AC_MODES, DTYPES
+from convergence.spec.layout import AC_MODES, DTYPES, FLOAT8_RECIPES
 from convergence.trainer import pp_rules
 from convergence.trainer.blocks import BLOCK_KINDS, parse_block_pattern
 from convergence.trainer.config import (
     DATA_SOURCES,
     DECAY_TYPES,
     DEVICES,
+    KERNELS,
     OPTIMIZERS,
     TrainConfig,
 )
@@ -134,6 +135,7 @@ def check_config(cfg: TrainConfig, world_size: int | None = None) -> None:
         fail("model.vocab_size", "byte-level text needs vocab_size >= 256", "set it to 256")
     _check_pp(cfg, fail)
     _check_techniques(cfg, fail)
+    _check_precision(cfg, fail)
     _check_resume(cfg, fail)
     # Last, so a degree that cannot work at all is reported as such, not as a count mismatch.
     size = world_size_of(cfg)
@@ -206,6 +208,51 @@ def _check_pp(cfg: TrainConfig, fail: Fail) -> None:
     )
     if problem is not None:
         fail(problem.key, problem.message, problem.fix)
+
+
+def _check_precision(cfg: TrainConfig, fail: Fail) -> None:
+    """The [precision] section (trainer/precision.py applies it)."""
+    prec, par = cfg.precision, cfg.parallelism
+    if prec.float8 not in FLOAT8_RECIPES:
+        fail(
+            "precision.float8",
+            f"unknown recipe {prec.float8!r}",
+            f"use one of {', '.join(FLOAT8_RECIPES)}",
+        )
+    if prec.kernels not in KERNELS:
+        fail(
+            "precision.kernels",
+            f"unknown choice {prec.kernels!r}",
+            f"use one of {', '.join(KERNELS)}",
+        )
+    if prec.mxfp8 and prec.float8 != "none":
+        fail(
+            "precision.mxfp8",
+            "mxfp8 and float8 both convert the linear layers",
+            'choose one: precision.float8 = "none" or precision.mxfp8 = false',
+        )
+    if prec.float8_all_gather and prec.float8 != "tensorwise":
+        fail(
+            "precision.float8_all_gather",
+            "float8 all-gather casts each weight with one scale per tensor",
+            'set precision.float8 = "tensorwise", or float8_all_gather = false',
+        )
+    if prec.float8_all_gather and par.dp_shard * par.cp == 1:
+        fail(
+            "precision.float8_all_gather",
+            "float8 all-gather is FSDP2's, and this layout has no FSDP (dp_shard*cp = 1)",
+            "set parallelism.dp_shard >= 2, or float8_all_gather = false",
+        )
+    if (prec.float8 != "none" or prec.mxfp8) and par.tp > 1:
+        # torchao's float8 TP needs its own parallel styles (Float8ColwiseParallel, ...) in
+        # place of the built-in TP plan's; without them a DTensor weight meets a float8 cast
+        # that does not know its placement.
+        fail(
+            "parallelism.tp",
+            "the built-in trainer's float8/mxfp8 linears are not tensor parallel (tp > 1)",
+            "use tp = 1 with float8/mxfp8 (FSDP, HSDP, CP and PP work), or a replace_tp hook "
+            "with torchao's float8 parallel styles",
+        )
 
 
 def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:

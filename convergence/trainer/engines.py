@@ -19,6 +19,7 @@ from torch import nn
 
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer import pipeline as pl
+from convergence.trainer import precision
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.context_parallel import shard_sequence
 from convergence.trainer.data import VAL, BatchPlan, SampleSource, StepData, read_step
@@ -95,6 +96,9 @@ def prepare_chunk(
     num_stages: int = 1,
 ) -> nn.Module:
     """A meta-device chunk (the whole model, or one PP stage) -> ready to train."""
+    # Low-precision linears first, as torchtitan's converters: FSDP must wrap the swapped
+    # weights to all-gather them in float8 (precision.py).
+    precision.convert(model, cfg, device)
     chunk = parallelize_chunk(
         model, meshes, cfg, hook, stage_index=stage_index, num_stages=num_stages
     )

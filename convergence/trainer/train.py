@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from convergence.phase_marks import mark
 from convergence.spec.errors import SpecError
-from convergence.trainer import anchors, resume
+from convergence.trainer import anchors, precision, resume
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.config_checks import check_config
@@ -144,6 +144,7 @@ def train(cfg: TrainConfig) -> RunStatus:
             grad_norm, part_norms = optimizer_step(
                 optimizer, named_params, parts, pp_group, cfg.training.max_norm
             )
+            precision.after_optimizer_step(engine.chunks, cfg)  # float8 all-gather's scales
             # MoE: the step's tokens per expert per layer, summed over the ranks (and the
             # expert-bias update that follows from them); {} for a dense model.
             routing = moe_step.after_step() if moe_step is not None else {}

@@ -34,6 +34,9 @@ class ControlBand:
     half_width: npt.NDArray[np.float64]
     num_replicates: int
     z: float
+    label: str = ""
+    """What the band is, where its method says (``details["band_label"]``: the margin
+    comparison's mean +- margin); "" for the seed band's z-band."""
 
 
 def band_z(outcome: PairOutcome, metric: str) -> float:
@@ -63,6 +66,7 @@ def replicate_band(outcome: PairOutcome, metric: str) -> ControlBand | None:
         half_width=(upper - lower) / 2,
         num_replicates=replicates,
         z=band_z(outcome, metric),
+        label=str(verdict.details.get("band_label", "")),
     )
 
 

@@ -86,6 +86,12 @@ class VerdictRecord(TypedDict):
     not_compared: bool
     """A gating metric a run did not log (the message says how to fix it); absent in
     reports written before it existed."""
+    inconclusive: bool
+    """Neither passed nor shown worse (the margin comparison); absent in older reports."""
+    evidence: dict[str, JsonFloat | int | None] | None
+    """The margin comparison's power statement: ``excludable`` (the smallest difference the
+    test can exclude), ``margin``, ``num_pairs``, ``replicates_needed`` and ``more_steps``
+    (what would decide an inconclusive verdict); None for other methods."""
 
 
 class ResourceRecord(TypedDict):
@@ -247,7 +253,16 @@ def verdict_record(v: MetricVerdict) -> VerdictRecord:
         "p_values": dict(v.p_values),
         "message": v.message,
         "not_compared": v.not_compared,
+        "inconclusive": v.inconclusive,
+        "evidence": _evidence(v),
     }
+
+
+def _evidence(v: MetricVerdict) -> dict[str, JsonFloat | int | None] | None:
+    if "excludable" not in v.details:
+        return None
+    keys = ("excludable", "margin", "num_pairs", "replicates_needed", "more_steps")
+    return {k: v.details.get(k) for k in keys}
 
 
 def first_divergent_step(outcome: PairOutcome) -> int | None:

@@ -114,7 +114,13 @@ _VERDICT = _object(
         "p_values": {"type": "object", "additionalProperties": _NUM},
         "message": _STR,
     },
-    {"steps_compared": _INT, "tolerance_at_max": _OPT_NUM, "not_compared": _BOOL},
+    {
+        "steps_compared": _INT,
+        "tolerance_at_max": _OPT_NUM,
+        "not_compared": _BOOL,
+        "inconclusive": _BOOL,
+        "evidence": {"type": ["object", "null"]},
+    },
 )
 
 _RESOURCE = _object({"control": _OPT_NUM, "test": _OPT_NUM, "ratio": _OPT_NUM})
@@ -219,7 +225,10 @@ REPORT_JSON_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "required": ["python", "torch", "platform", "hostname"],
             },
-            "summary": _object({k: _COUNT for k in _SUMMARY_COUNTS}, {"stopped_early": _COUNT}),
+            "summary": _object(
+                {k: _COUNT for k in _SUMMARY_COUNTS},
+                {"stopped_early": _COUNT, "inconclusive": _COUNT},
+            ),
             "pairs": {"type": "array", "items": {"$ref": "#/$defs/pair"}},
         },
         {"plots": {"type": "object", "additionalProperties": _STR}},
@@ -281,6 +290,7 @@ def summarize(outcomes: Iterable[PairOutcome]) -> dict[str, int]:
         "pairs": len(outcomes),
         "passed": sum(o.status == "passed" for o in outcomes),
         "failed": sum(o.status == "failed" for o in outcomes),
+        "inconclusive": sum(o.status == "inconclusive" for o in outcomes),
         "errors": sum(o.status == "error" for o in outcomes),
         "skipped": sum(o.status == "skipped" for o in outcomes),
         "cached_runs": sum(s.cached for s in sides),

@@ -241,6 +241,7 @@ def verdict_from_json(data: Mapping[str, Any]) -> MetricVerdict:
         gate=bool(data["gate"]),
         steps_compared=int(data.get("steps_compared", 0)),
         not_compared=bool(data.get("not_compared", False)),
+        inconclusive=bool(data.get("inconclusive", False)),
         first_divergent_step=data.get("first_divergent_step"),
         max_deviation=read_float(data.get("max_deviation", 0.0)),
         max_deviation_step=data.get("max_deviation_step"),

@@ -28,7 +28,7 @@ TABLE_AROUND = 3
 
 
 def _verdict_line(v: MetricVerdict, metric_width: int = 12) -> str:
-    state = verdict_state(v.passed, v.gate, v.steps_compared, v.not_compared)
+    state = verdict_state(v.passed, v.gate, v.steps_compared, v.not_compared, v.inconclusive)
     if v.passed and not v.gate and not v.not_compared:
         state += " (report only)"
     parts = [f"  {v.metric:<{metric_width}} {v.method:<10} {state:<6}"]

@@ -43,15 +43,16 @@ th { background: #f6f8fa; } td.num { text-align: right; font-variant-numeric: ta
 tr.passed td.verdict { background: #dafbe1; color: #116329; font-weight: 600; }
 tr.failed td.verdict { background: #ffebe9; color: #a40e26; font-weight: 600; }
 tr.error td.verdict { background: #fff1c2; color: #7d4e00; font-weight: 600; }
+tr.inconclusive td.verdict { background: #fff1c2; color: #7d4e00; font-weight: 600; }
 tr.skipped td.verdict { background: #eaeef2; }
 .pair { border: 1px solid #d1d9e0; border-left-width: 6px; border-radius: 6px;
         padding: 12px 16px; margin: 16px 0; }
 .pair.passed { border-left-color: #1a7f37; } .pair.failed { border-left-color: #cf222e; }
-.pair.error { border-left-color: #bf8700; } .pair.skipped { border-left-color: #8c959f; }
+.pair.error { border-left-color: #bf8700; } .pair.inconclusive { border-left-color: #bf8700; } .pair.skipped { border-left-color: #8c959f; }
 .badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
          font-weight: 600; color: white; vertical-align: middle; }
 .badge.passed { background: #1a7f37; } .badge.failed { background: #cf222e; }
-.badge.error { background: #bf8700; } .badge.skipped { background: #8c959f; }
+.badge.error { background: #bf8700; } .badge.inconclusive { background: #bf8700; } .badge.skipped { background: #8c959f; }
 .ok { color: #116329; } .bad { color: #a40e26; font-weight: 600; }
 .warn { color: #9a6700; font-weight: 600; }
 img { max-width: 100%; height: auto; border: 1px solid #eaeef2; }
@@ -98,11 +99,21 @@ def _layout_text(side: SideRecord) -> str:
     )
 
 
-def _state_span(passed: bool, gate: bool, steps_compared: int, not_compared: bool = False) -> str:
-    """pass (green), FAIL (red), or in amber a non-gating regression (never shown as a FAIL)
-    or a gating metric that was not compared (never shown as a pass)."""
-    css = "warn" if not_compared else ("ok" if passed else ("bad" if gate else "warn"))
-    state = verdict_state(passed, gate, steps_compared, not_compared)
+def _state_span(
+    passed: bool,
+    gate: bool,
+    steps_compared: int,
+    not_compared: bool = False,
+    inconclusive: bool = False,
+) -> str:
+    """pass (green), FAIL (red), or in amber a non-gating regression (never shown as a FAIL),
+    a gating metric that was not compared or an inconclusive one (never shown as a pass)."""
+    css = (
+        "warn"
+        if not_compared or inconclusive
+        else ("ok" if passed else ("bad" if gate else "warn"))
+    )
+    state = verdict_state(passed, gate, steps_compared, not_compared, inconclusive)
     return f'<span class="{css}">{escape(state)}</span>'
 
 
@@ -131,6 +142,7 @@ def verdicts_html(record: PairRecord) -> str:
                     bool(v["gate"]),
                     int(v.get("steps_compared", 1)),
                     bool(v.get("not_compared", False)),
+                    bool(v.get("inconclusive", False)),
                 ),
                 "yes" if v["gate"] else "no",
                 escape(
@@ -273,19 +285,21 @@ def render_html(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
     pairs = report["pairs"]
     bad = summary["failed"] + summary["errors"]
     errors = summary["errors"]
+    undecided = summary.get("inconclusive", 0)
     title = (
         f"Convergence: {summary['passed']} passed, {summary['failed']} failed, "
-        f"{errors} error{'' if errors == 1 else 's'} "
+        + (f"{undecided} inconclusive, " if undecided else "")
+        + f"{errors} error{'' if errors == 1 else 's'} "
         f"({summary['pairs']} pair{'' if summary['pairs'] == 1 else 's'})"
     )
-    overall = "failed" if bad else "passed"
+    overall = "failed" if bad else "inconclusive" if undecided else "passed"
     wall = (
         ""
         if report.get("wall_s") is None
         else f" · wall {escape(fmt_wall(as_float(report['wall_s'])))}"
     )
     env = _kv([(str(k), escape(str(v))) for k, v in report["environment"].items()])
-    failing = [p for p in pairs if p["status"] in ("failed", "error")]
+    failing = [p for p in pairs if p["status"] in ("failed", "inconclusive", "error")]
     ordered = failing + [p for p in pairs if p not in failing]
     sections = "\n".join(s.html(report, plot_files) for s in SECTIONS if s.html)
     pair_sections = "".join(pair_html(r, plot_files) for r in ordered)

@@ -35,7 +35,11 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
         props.append(("attribution", str(o.attribution["summary"])))
     for v in o.verdicts:
         name = v.metric
-        word = "not compared" if v.not_compared else ("pass" if v.passed else "fail")
+        word = (
+            "not compared"
+            if v.not_compared
+            else ("pass" if v.passed else "inconclusive" if v.inconclusive else "fail")
+        )
         props.append(
             (
                 f"{name}.verdict",
@@ -44,6 +48,12 @@ def junit_properties(o: PairOutcome) -> list[tuple[str, str]]:
         )
         if v.not_compared:
             props.append((f"{name}.not_compared", v.message))
+        if "excludable" in v.details:  # the margin comparison's power statement
+            props.append((f"{name}.excludable", fmt_num(v.details["excludable"])))
+            if v.details.get("replicates_needed") is not None:
+                props.append((f"{name}.replicates_needed", str(v.details["replicates_needed"])))
+        if v.inconclusive:
+            props.append((f"{name}.inconclusive", v.message))
         props.append(
             (
                 f"{name}.max_deviation",

@@ -36,18 +36,21 @@ STEP_SUMMARY_LIMIT = 1024 * 1024
 """GitHub rejects a step summary over 1 MiB (the whole file of one step)."""
 STEP_SUMMARY_MARGIN = 8 * 1024
 ERROR_LINES = 30
-ICONS = {"passed": "✅", "failed": "❌", "error": "💥", "skipped": "⏭️"}
+ICONS = {"passed": "✅", "failed": "❌", "inconclusive": "❔", "error": "💥", "skipped": "⏭️"}
 
 
 def headline(summary: Mapping[str, int]) -> str:
     bad = summary["failed"] + summary["errors"]
-    icon = "❌" if bad else "✅"
+    undecided = summary.get("inconclusive", 0)
+    icon = "❌" if bad else "❔" if undecided else "✅"
     errors = summary["errors"]
     parts = [
         f"{summary['passed']} passed",
         f"{summary['failed']} failed",
         f"{errors} error{'' if errors == 1 else 's'}",
     ]
+    if undecided:
+        parts.append(f"{undecided} inconclusive")
     if summary.get("skipped"):
         parts.append(f"{summary['skipped']} skipped")
     count = summary["pairs"]
@@ -105,7 +108,9 @@ def verdict_lines(record: PairRecord) -> list[str]:
         if v["passed"] or v.get("not_compared"):
             continue  # not compared: its own section, for every pair
         gate = (
-            ""
+            ": **inconclusive** (not enough evidence either way)"
+            if v.get("inconclusive")
+            else ""
             if v["gate"]
             else (
                 ": regressed (report only, does not gate)"
@@ -244,7 +249,7 @@ def render_markdown(report: ReportDocument) -> str:
     for section in SECTIONS:
         if not section.markdown_after_failures:
             lines += section.markdown(report)
-    bad = [p for p in pairs if p["status"] in ("failed", "error")]
+    bad = [p for p in pairs if p["status"] in ("failed", "inconclusive", "error")]
     if bad:
         lines += ["", "## Failures", ""]
         for record in bad:

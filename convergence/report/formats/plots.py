@@ -146,14 +146,14 @@ def _curves_panel(ax: Axes, outcome: PairOutcome, metric: str, title: str) -> bo
             color=CONTROL_COLOR,
             alpha=0.2,
             linewidth=0,
-            label=f"control band (z {band.z:g}, {band.num_replicates} seeds)",
+            label=band.label or f"control band (z {band.z:g}, {band.num_replicates} seeds)",
         )
         ax.plot(
             band.steps,
             band.center,
             color=CONTROL_COLOR,
             linewidth=1.4,
-            label="control smoothed mean",
+            label="control mean" if band.label else "control smoothed mean",
         )
     elif ctrl is not None:
         # Wide under the narrow test line: two agreeing curves both stay visible.
@@ -199,7 +199,7 @@ def _residual_panel(ax: Axes, outcome: PairOutcome, metric: str) -> None:
         lower, upper = envelope
         exact = verdict is not None and verdict.band is not None and bool(verdict.band.steps)
         label = (
-            f"band (z {band.z:g})"
+            (band.label or f"band (z {band.z:g})")
             if band is not None
             else "tolerance"
             if exact

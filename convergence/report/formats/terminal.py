@@ -213,6 +213,8 @@ def render_matrix(outcomes: Iterable[PairOutcome], width: int = 120) -> str:
         f"{len(outcomes)} pair{'' if len(outcomes) == 1 else 's'}: {counts['passed']} passed, {counts['failed']} failed, "
         f"{counts['error']} error{'' if counts['error'] == 1 else 's'}"
     )
+    if counts["inconclusive"]:
+        summary += f", {counts['inconclusive']} inconclusive"
     if counts["skipped"]:
         summary += f", {counts['skipped']} skipped"
     if any(o.stopped_early_at is not None for o in outcomes):

@@ -183,7 +183,14 @@ def html_section(records: Sequence[PairRecord]) -> str:
         return ""
     rows = group_by_dimension(records)
     status = [
-        "failed" if r.counts["failed"] else "error" if r.counts["error"] else "passed" for r in rows
+        "failed"
+        if r.counts["failed"]
+        else "error"
+        if r.counts["error"]
+        else "inconclusive"
+        if r.counts.get("inconclusive")
+        else "passed"
+        for r in rows
     ]
     body = [[escape(c) for c in cells(r)] for r in rows]
     return "<h3>By dimension</h3>" + html_table(

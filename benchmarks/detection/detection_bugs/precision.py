@@ -1,0 +1,74 @@
+"""Planted float8 bugs: each is wrong the way a real low-precision bug is (docs/precision.md).
+
+Applied as hooks on a test side that also sets ``techniques = { float8 = ... }``; they patch
+torchao inside the trainer's ranks (each job's ranks are fresh processes, so a patch never
+leaks into another job).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from convergence.trainer.hooks import HookContext
+
+#: How much smaller than the true amax the planted amax is: the amax of one of 4 shards of a
+#: tensor whose largest values sit in another shard.
+LOCAL_AMAX_SHRINK = 4.0
+
+
+def local_amax_scale(model: nn.Module, ctx: HookContext) -> None:
+    """The amax of a sharded tensor taken from the local shard only (where the recipe needs
+    the global one): every float8 scale is computed from an amax LOCAL_AMAX_SHRINK times too
+    small, so the scale is that much too large and every value above amax / LOCAL_AMAX_SHRINK
+    saturates at the format's maximum (to_fp8_saturated) -- the largest activations, weights
+    and gradients of every converted matmul are clipped, silently."""
+    from torchao.float8 import float8_utils
+
+    true_amax_to_scale = float8_utils.amax_to_scale
+
+    @torch.no_grad()  # type: ignore[untyped-decorator]
+    def local_only(amax: torch.Tensor, float8_dtype: torch.dtype, **kwargs: object) -> torch.Tensor:
+        return true_amax_to_scale(amax / LOCAL_AMAX_SHRINK, float8_dtype, **kwargs)  # type: ignore[arg-type]
+
+    # tensor_to_scale looks the function up in its module at each call.
+    float8_utils.amax_to_scale = local_only
+
+
+def grads_e4m3(model: nn.Module, ctx: HookContext) -> None:
+    """Gradients cast to the forward format (e4m3: 4 exponent bits) instead of e5m2 (5): the
+    gradient of each converted matmul's output keeps 3 mantissa bits but loses half its
+    exponent range, so with one scale per tensor its small entries (relative to the amax)
+    flush to zero -- the recipe's typo of ``float8_dtype`` for the backward casts."""
+    import dataclasses
+
+    from torchao.float8.config import Float8LinearConfig
+
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if not isinstance(config, Float8LinearConfig):
+            continue
+        wrong = {
+            name: dataclasses.replace(getattr(config, name), target_dtype=torch.float8_e4m3fn)
+            for name in ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight")
+        }
+        module.config = dataclasses.replace(config, **wrong)
+
+
+def stale_scales(model: nn.Module, ctx: HookContext) -> None:
+    """With float8 all-gather, the weights' float8 scales computed once and not recomputed
+    after the optimizer steps (``precompute_float8_dynamic_scale_for_fsdp`` called for the
+    first step only): each all-gather casts the updated weights with the first step's scale,
+    so weights that grew past their first amax saturate and the others lose precision."""
+    import torchao.float8
+
+    precompute = torchao.float8.precompute_float8_dynamic_scale_for_fsdp
+    calls = {"done": False}
+
+    def once(module: nn.Module) -> None:
+        if not calls["done"]:
+            precompute(module)
+            calls["done"] = True
+
+    # trainer/precision.py looks the function up in torchao.float8 after each step.
+    torchao.float8.precompute_float8_dynamic_scale_for_fsdp = once

@@ -1,0 +1,297 @@
+"""Precision techniques (float8, float8 all-gather, MXFP8 through torchao) in the built-in
+trainer, and their pairs' verdict (the margin regime) end to end on CPU/gloo.
+
+The end-to-end pairs run real torchrun jobs of the debug model with emulated float8 matmuls;
+their outcome depends on rounding, so they assert what the rule implies (a correct recipe is
+never "failed"; a planted bug that clips the largest values is), never a number of this run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from convergence.backends.builtin import BuiltinBackend, job_overrides
+from convergence.spec.errors import NotRunnableHere, SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.layout import ParallelLayout, Techniques
+from convergence.trainer.config import load_train_config
+from convergence.trainer.config_checks import check_config
+from experiments import builtin_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+DETECTION = ROOT / "benchmarks" / "detection"
+HAS_TORCHAO = __import__("importlib").util.find_spec("torchao") is not None
+needs_torchao = pytest.mark.skipif(
+    not HAS_TORCHAO and not os.environ.get("CI"),
+    reason='torchao is not installed: pip install "pytest-convergence[precision]"',
+)
+
+
+# -- the spec and the train config ------------------------------------------------------------
+
+
+def test_the_techniques_are_checked_with_their_key_and_fix() -> None:
+    with pytest.raises(SpecError, match="unknown float8 recipe") as bad:
+        Techniques(float8="blockwise")  # type: ignore[arg-type]
+    assert bad.value.key == "float8" and "tensorwise" in bad.value.fix
+    with pytest.raises(SpecError) as gather:
+        Techniques(float8="rowwise", float8_all_gather=True)
+    assert gather.value.key == "float8_all_gather"
+    with pytest.raises(SpecError) as both:
+        Techniques(float8="tensorwise", mxfp8=True)
+    assert both.value.key == "mxfp8"
+
+
+@pytest.mark.parametrize(
+    "tech",
+    [
+        Techniques(float8="tensorwise"),
+        Techniques(float8="rowwise"),
+        Techniques(float8="tensorwise", float8_all_gather=True),
+        Techniques(mxfp8=True),
+    ],
+)
+def test_a_precision_technique_changes_the_numbers_on_purpose(tech: Techniques) -> None:
+    assert tech.numerics_changed and not tech.bitwise_pairable
+    assert not Techniques(param_dtype="bfloat16").numerics_changed
+
+
+def job(tech: Techniques, **degrees: int) -> JobSpec:
+    return JobSpec(
+        name="t",
+        train_config=str(ROOT / "train_configs" / "debug.toml"),
+        steps=4,
+        layout=ParallelLayout(**degrees),
+        techniques=tech,
+    )
+
+
+def test_the_builtin_backend_passes_them_to_the_trainer() -> None:
+    tech = Techniques(param_dtype="bfloat16", float8="tensorwise", float8_all_gather=True)
+    overrides = job_overrides(job(tech, dp_shard=2))
+    assert "--precision.float8=tensorwise" in overrides
+    assert "--precision.float8_all_gather=true" in overrides
+    cfg = BuiltinBackend().effective_config(job(tech, dp_shard=2))
+    assert cfg.precision.float8 == "tensorwise" and cfg.precision.float8_all_gather
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        (["--precision.float8=tensorwise", "--parallelism.tp=2"], "parallelism.tp"),
+        (
+            ["--precision.float8=tensorwise", "--precision.float8_all_gather=true"],
+            "precision.float8_all_gather",
+        ),
+        (["--precision.float8=blockwise"], "precision.float8"),
+        (["--precision.mxfp8=true", "--precision.float8=rowwise"], "precision.mxfp8"),
+        (["--precision.kernels=fast"], "precision.kernels"),
+    ],
+)
+def test_the_trainer_refuses_what_it_cannot_run(override: list[str], key: str) -> None:
+    cfg = load_train_config("debug", override)
+    with pytest.raises(SpecError) as err:
+        check_config(cfg, None)
+    assert err.value.key == key and err.value.fix
+
+
+def test_hardware_kernels_without_a_gpu_are_a_skip_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # torch sees no GPU
+    spec = job(Techniques(param_dtype="bfloat16", float8="rowwise"), dp_shard=2)
+    spec = spec.__class__(**{**spec.__dict__, "overrides": (("precision.kernels", "hardware"),)})
+    if not HAS_TORCHAO:
+        pytest.skip("torchao missing: the skip names that first")
+    with pytest.raises(NotRunnableHere) as err:
+        BuiltinBackend().preflight(spec)
+    assert err.value.key == "precision.kernels" and "auto" in err.value.fix
+
+
+@needs_torchao
+@pytest.mark.parametrize(
+    ("overrides", "kind"),
+    [
+        (["--precision.float8=tensorwise"], "Float8Linear"),
+        (["--precision.float8=rowwise"], "Float8Linear"),
+        (["--precision.mxfp8=true"], "MXFP8TrainingWeightWrapperTensor"),
+    ],
+)
+def test_the_linears_are_converted_but_the_lm_head(overrides: list[str], kind: str) -> None:
+    import torch
+    from torch import nn
+
+    from convergence.trainer import precision
+    from convergence.trainer.model import ModelArgs, build_model
+
+    cfg = load_train_config("debug", overrides)
+    model = build_model(ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len), "meta")
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    precision.convert(model, cfg, torch.device("cpu"))
+    converted = {
+        n
+        for n, m in model.named_modules()
+        if kind in (type(m).__name__, type(getattr(m, "weight", None)).__name__)
+    }
+    assert "output" not in converted  # the LM head stays in high precision
+    assert converted == {n for n in linears if n != "output"}
+
+
+# -- without torchao ------------------------------------------------------------------------
+
+
+def test_without_torchao_the_precision_pairs_skip_naming_the_install(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(FIXTURES / "no_torchao"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
+        + ["--convergence-workdir", str(tmp_path), "experiments/precision/cpu.toml"]
+        + ["-m", "convergence", "--convergence-tier", "nightly"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "4 skipped" in out, out
+    assert "needs torchao, which is not installed in this environment" in out, out
+    assert 'pip install "pytest-convergence[precision]"' in out, out
+
+
+# -- end to end: the margin regime's three outcomes -----------------------------------------
+
+
+def run_pairs(tmp_path: Path, *tests: dict[str, object], steps: int = 40) -> tuple[int, str, dict]:  # type: ignore[type-arg]
+    """One pytest session on a bf16 FSDP2 control (2 ranks) and ``tests``; its report.json."""
+    builtin_pair(
+        tmp_path / "experiments",
+        file="prec.toml",
+        train_config="debug",
+        steps=steps,
+        seed=42,
+        parallelism={"dp_shard": 2},
+        techniques={"param_dtype": "bfloat16"},
+        control={"name": "bf16"},
+        tests=tests,
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = dict(os.environ, COLUMNS="200")
+    env["PYTHONPATH"] = os.pathsep.join([str(DETECTION), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("GITHUB_STEP_SUMMARY", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q"]
+        + ["experiments/prec.toml", "-m", "convergence", "--convergence-report", "report"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = result.stdout + result.stderr
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    return result.returncode, out, report
+
+
+@needs_torchao
+@pytest.mark.rounding
+@pytest.mark.slow  # 9 jobs: 1.5-5 min here. CI tier of the same properties: the shipped
+# experiments/precision/cpu.toml pairs (correct float8, tier ci) and the rule's "worse" on
+# synthetic pairs (tests/test_stats_noninferiority.py)
+def test_float8_passes_or_is_inconclusive_and_a_planted_bug_fails(tmp_path: Path) -> None:
+    code, out, report = run_pairs(
+        tmp_path,
+        {"name": "float8", "techniques": {"float8": "tensorwise"}},
+        {
+            "name": "float8-local-amax",
+            "techniques": {"float8": "tensorwise"},
+            "hook": "detection_bugs.precision:local_amax_scale",
+        },
+        steps=24,
+    )
+    pairs = {p["name"]: p for p in report["pairs"]}
+    assert code != 0, out  # the bug fails the session
+    assert pairs["float8"]["regime"] == "margin", out  # chosen by default
+    # A correct recipe is never "failed": as good, or not enough evidence (with a number).
+    assert pairs["float8"]["status"] in ("passed", "inconclusive"), out
+    loss = next(v for v in pairs["float8"]["verdicts"] if v["metric"] == "loss")
+    assert loss["method"] == "margin" and loss["evidence"]["num_pairs"] == 3
+    if loss["inconclusive"]:
+        assert loss["evidence"]["replicates_needed"] or loss["evidence"]["more_steps"], loss
+    # Values above a quarter of the true amax saturate: worse by more than the margin.
+    assert pairs["float8-local-amax"]["status"] == "failed", out
+    bad = [v for v in pairs["float8-local-amax"]["verdicts"] if v["gate"] and not v["passed"]]
+    assert bad and not any(v["inconclusive"] for v in bad if v["metric"] == "loss"), bad
+    # 1 control, its 2 seed replicates (shared), and 3 test jobs per pair.
+    assert "FAIL" in out and "float8-local-amax" in out
+
+
+def loss_windows(tmp_path: Path) -> list[dict]:  # type: ignore[type-arg]
+    """The loss verdict's windows of the last session's one pair (its saved outcome)."""
+    session = sorted((tmp_path / ".convergence" / "sessions").iterdir())[-1]
+    (saved,) = session.glob("*.outcome.json")
+    outcome = json.loads(saved.read_text())
+    loss = next(v for v in outcome["verdicts"] if v["metric"] == "loss")
+    return list(loss["details"]["windows"])
+
+
+@pytest.mark.rounding
+def test_too_few_replicates_for_the_margin_read_inconclusive_with_the_number(
+    tmp_path: Path,
+) -> None:
+    # A test marked as a deliberate change (regime = "margin") whose forward is perturbed at
+    # bf16 rounding level (the twin regime's forward noise: no systematic effect), 2 pairs.
+    # Session 1, margin 10 nats, measures each window's bounds; session 2 sets the margin just
+    # below the largest excludable difference E (so the pairs cannot be powered: never a
+    # pass) and the rule then says which outcome: inconclusive where every window's lower
+    # bound L stays at or under the margin, failed otherwise.
+    test: dict[str, object] = {
+        "name": "noisy",
+        "regime": "margin",
+        "replicates": 2,
+        "overrides": {"training.forward_noise": 0.004},
+        "compare": {"loss": {"method": "margin", "margin": 10.0}, "grad_norm": "off"},
+    }
+    run_pairs(tmp_path, test, steps=16)
+    windows = loss_windows(tmp_path)
+    margin = 0.99 * max(w["excludable"] for w in windows)
+    test["compare"] = {"loss": {"method": "margin", "margin": margin}, "grad_norm": "off"}
+    code, out, report = run_pairs(tmp_path, test, steps=16)
+    windows = loss_windows(tmp_path)  # the same curves: the runs are bitwise deterministic
+    (pair,) = report["pairs"]
+    assert code != 0, out  # never a pass, in the exit status either
+    assert report["summary"]["passed"] == 0
+    loss = next(v for v in pair["verdicts"] if v["metric"] == "loss")
+    assert not loss["passed"]
+    if any(w["lower"] > margin for w in windows):
+        assert pair["status"] == "failed", out
+        return
+    assert pair["status"] == "inconclusive", out
+    assert report["summary"]["inconclusive"] == 1
+    assert loss["inconclusive"]
+    needed = loss["evidence"]["replicates_needed"]
+    assert needed is not None and needed > 2, loss
+    assert f"(replicates = {needed})" in loss["message"], loss
+    assert "INCONCLUSIVE" in out and "1 inconclusive" in out, out
+
+
+def test_a_float8_jobs_cache_key_covers_torchaos_release() -> None:
+    from convergence.trainer.precision_here import torchao_version
+
+    backend = BuiltinBackend()
+    plain = backend.config_text(job(Techniques(param_dtype="bfloat16"), dp_shard=2))
+    float8 = backend.config_text(job(Techniques(float8="tensorwise"), dp_shard=2))
+    assert "torchao" not in plain  # a job without torchao keeps its key
+    version = torchao_version()
+    if version is not None:
+        assert float8 == f"{plain}\n# torchao {version}\n"
