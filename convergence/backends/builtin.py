@@ -14,7 +14,7 @@ from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.layout import LAYOUT_FIELDS, PP_DEFAULTED
+from convergence.spec.layout import LAYOUT_FIELDS, PP_DEFAULTED, PRECISION_DEFAULTS
 from convergence.spec.pp_schedules import TORCH_FLOORS as PP_TORCH_FLOORS
 from convergence.torch_info import older_than, torch_version
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
@@ -48,9 +48,13 @@ def job_overrides(job: JobSpec) -> list[str]:
         "training.grad_accum_steps": tech.grad_accum_steps,
         "training.deterministic": tech.deterministic,
         "activation_checkpoint.mode": tech.activation_checkpoint,
-        "precision.float8": tech.float8,
-        "precision.float8_all_gather": tech.float8_all_gather,
-        "precision.mxfp8": tech.mxfp8,
+        # The precision techniques only when on (PRECISION_DEFAULTS): a job without them has
+        # the command line (and job key) it had before they existed.
+        **{
+            f"precision.{name}": getattr(tech, name)
+            for name, default in PRECISION_DEFAULTS.items()
+            if getattr(tech, name) != default
+        },
     }
     if layout.pp > 1:
         values["parallelism.pp_microbatches"] = layout.microbatches

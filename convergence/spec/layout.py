@@ -171,6 +171,11 @@ class ParallelLayout(Layout):
             )
 
 
+#: The precision techniques' fields at their defaults (off): left out of job keys and trainer
+#: command lines while off.
+PRECISION_DEFAULTS: dict[str, Any] = {"float8": "none", "float8_all_gather": False, "mxfp8": False}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Techniques:
     """Training techniques a pair can toggle. None changes the math in fp32 but the precision
@@ -264,4 +269,10 @@ class Techniques:
         return {k: v for k, v in mine.items() if theirs[k] != v}
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; the precision techniques only when set, so the job keys of jobs without
+        them stay what they were before they existed (as Layout.to_dict does for ``ep``)."""
+        out = asdict(self)
+        for name, default in PRECISION_DEFAULTS.items():
+            if out[name] == default:
+                del out[name]
+        return out
