@@ -13,6 +13,8 @@ METRICS: tuple[str, ...] = (
     "loss",
     "grad_norm",
     "grad_norm_parts",
+    "update_norm",
+    "update_norm_parts",
     "lr",
     "val_loss",
     "tokens_per_s",
