@@ -8,11 +8,16 @@ import pytest
 from convergence.metrics.curve import Curve
 from convergence.stats.health import (
     FULL_FRACTION_STEPS,
+    JUMP_FACTOR,
     MIN_DROP_FRACTION,
     MIN_STEPS,
+    SPLIT_FACTOR,
     control_problem,
     min_drop_fraction,
+    unreliable_from,
+    unreliable_reference,
 )
+from convergence.stats.types import MetricVerdict
 
 FLOOR = 3.09  # the debug config's synthetic data
 
@@ -94,3 +99,65 @@ def test_a_short_flat_run_still_did_not_learn() -> None:
         control_problem(_closing(2 * min_drop_fraction(MIN_STEPS), MIN_STEPS, 0.0, 0), FLOOR)
         is None
     )
+
+
+# -- a reference that stops being one (stats.health.unreliable_from) ---------------------------
+
+STEPS = 60
+
+
+def _grad_norm(spike_at: int | None = None, factor: float = 1.0) -> Curve:
+    values = np.full(STEPS, 0.5) + 0.01 * np.sin(np.arange(STEPS))
+    if spike_at is not None:
+        values[spike_at - 1] *= factor
+    return Curve("grad_norm", np.arange(1, STEPS + 1, dtype=np.int64), values)
+
+
+def _failing(metric: str, step: int | None) -> MetricVerdict:
+    return MetricVerdict(
+        metric=metric,
+        method="twin",
+        passed=False,
+        gate=True,
+        steps_compared=STEPS,
+        first_divergent_step=step,
+        message=f"{metric}: outside",
+    )
+
+
+def test_twins_that_split_make_the_reference_unreliable_from_that_step() -> None:
+    # A twin's grad norm just above SPLIT_FACTOR x the control's at step 30 (a spike the
+    # control did not draw); rounding-level twins elsewhere.
+    twin = _grad_norm(30, SPLIT_FACTOR * 1.01)
+    found = unreliable_from(_grad_norm(), [_grad_norm(), twin])
+    assert found is not None and found[0] == 30 and "twin 2" in found[1]
+    assert unreliable_from(_grad_norm(), [_grad_norm(30, SPLIT_FACTOR * 0.99)]) is None
+
+
+def test_a_spike_of_the_control_itself_makes_it_unreliable() -> None:
+    found = unreliable_from(_grad_norm(40, JUMP_FACTOR * 1.1))
+    assert found is not None and found[0] == 40 and "spikes" in found[1]
+    assert unreliable_from(_grad_norm(40, JUMP_FACTOR * 0.9)) is None
+    assert unreliable_from(_grad_norm()) is None
+
+
+def test_a_failure_past_the_unreliable_step_is_the_references() -> None:
+    unreliable = (30, "twin 1's grad norm is 2.5x the control's at step 30")
+    error = unreliable_reference([_failing("loss", 41)], unreliable)
+    assert error is not None and error.startswith("reference unreliable after step 29")
+    assert "step 41 (loss)" in error
+    # From the unreliable step itself on, too (the comparison at that step is the spike's).
+    assert unreliable_reference([_failing("grad_norm", 30)], unreliable) is not None
+
+
+def test_a_failure_before_it_or_not_on_a_trajectory_still_fails() -> None:
+    unreliable = (30, "why")
+    assert (
+        unreliable_reference([_failing("loss", 41), _failing("grad_norm", 12)], unreliable) is None
+    )
+    # One step from the control's state (anchored) and the data are no trajectory.
+    assert (
+        unreliable_reference([_failing("loss", 41), _failing("anchored", 50)], unreliable) is None
+    )
+    assert unreliable_reference([_failing("data_fingerprint", 45)], unreliable) is None
+    assert unreliable_reference([_failing("loss", 41)], None) is None

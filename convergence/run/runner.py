@@ -48,7 +48,7 @@ from convergence.run.resume import (
 from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
-from convergence.stats.health import control_problem
+from convergence.stats.health import control_problem, unreliable_from, unreliable_reference
 from convergence.stats.registry import get_comparison
 from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.types import MetricVerdict
@@ -222,6 +222,12 @@ class Runner:
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
         status = _status(verdicts, test)
+        if status == "failed" and error is None and not pair.golden:
+            # A failure only past the step where the control group stopped being one
+            # trajectory (stats.health.unreliable_from) is the reference's, not the test's.
+            unreliable = unreliable_reference(verdicts, _unreliable_from(control))
+            if unreliable is not None:
+                status, error = "error", f"control job {pair.control.name!r}: {unreliable}"
         asked = [v.message for v in verdicts if v.not_compared and v.gate]
         if asked and error is None:  # the experiment named a metric that a run did not log
             status, error = "error", "not compared: " + "; ".join(asked)
@@ -312,6 +318,12 @@ def _control_problem(control: SideOutcome) -> str | None:
         control.metrics.get("loss"), float(floor) if isinstance(floor, (int, float)) else None
     )
     return f"control job {control.job.name!r}: {problem}" if problem else None
+
+
+def _unreliable_from(control: SideOutcome) -> tuple[int, str] | None:
+    """From which step the control and its twins stop being one reference (stats.health)."""
+    twins = [run["grad_norm"] for run in control.twins if "grad_norm" in run]
+    return unreliable_from(control.metrics.get("grad_norm"), twins)
 
 
 def _os_error_text(exc: OSError, work_dir: Path) -> str:

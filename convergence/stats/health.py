@@ -37,10 +37,13 @@ Thresholds, and why:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from convergence.metrics.curve import Curve
+from convergence.stats.fingerprint import METRIC as FINGERPRINT
+from convergence.stats.types import MetricVerdict
 
 WINDOW = 5
 MIN_STEPS = 20
@@ -103,3 +106,100 @@ def window_difference_sd(values: np.ndarray) -> float:
         return 0.0
     sigma = float(np.std(steps)) / math.sqrt(2.0)
     return sigma * math.sqrt(2.0 / WINDOW)
+
+
+# -- a reference that stops being one ---------------------------------------------------------
+#
+# The trajectory verdicts (paired band, twin envelope) compare a test's curve with the control's
+# step by step. That holds while the control group's runs -- the control and its twins, which
+# differ by legitimate rounding only -- stay on one trajectory. A training that hits an
+# instability (a grad-norm spike, capped by clipping) stops being one trajectory: whether a run
+# spikes at step s is then a rounding draw, and a correct test that draws a spike where the
+# control did not (or the reverse) leaves any pointwise band. From such a step on, a test
+# leaving the band is not evidence of a bug: the reference itself is unreliable there.
+#
+# Two signs, each read on the control group alone (never on the test):
+# - SPLIT: a twin's grad norm differs from the control's by more than a factor SPLIT_FACTOR at a
+#   step. Rounding moves a twin's grad norm by ~1e-4 relative on the calibrated configs (the
+#   twin envelope's rtol); a factor 2 between two runs of one training means one of them spiked
+#   and the other did not.
+# - JUMP: the control's grad norm is more than JUMP_FACTOR x the median of its previous
+#   JUMP_WINDOW steps: a spike, in a regime with or without twins.
+# Measured on every saved twin-regime pair (benchmarks/detection/envelope/: 120 pairs, 69
+# correct and 51 planted bugs, configs A, B, C, 60-500 steps; benchmarks/detection/
+# reference_unreliable.py, BENCHMARKS.md "Verdict V"): the signs fire on config C's 500-step
+# control group (split at 46, jump at 51; its correct TP pair's false alarm is at step 104)
+# and on B's at seed 9 (jump at 57 of 60), nowhere else; no planted bug fails only after them.
+# A verdict that does not follow a trajectory -- the anchored check (one step from the
+# control's state), the data fingerprint -- is not affected and still fails the pair.
+SPLIT_FACTOR = 2.0
+JUMP_FACTOR = 3.0
+JUMP_WINDOW = 10
+
+
+def unreliable_from(control: Curve | None, twins: Sequence[Curve] = ()) -> tuple[int, str] | None:
+    """(the first step from which the control group is no reference, why), or None.
+    ``control``, ``twins``: the grad-norm curves of the control and of its twins."""
+    found: list[tuple[int, str]] = []
+    if control is None or len(control) == 0:
+        return None
+    by_step = dict(zip(control.steps.tolist(), control.values.tolist(), strict=True))
+    for i, twin in enumerate(twins):
+        for step, value in zip(twin.steps.tolist(), twin.values.tolist(), strict=True):
+            base = by_step.get(step)
+            if base is None or not (base > 0 and value > 0):
+                continue
+            ratio = max(value / base, base / value)
+            if ratio > SPLIT_FACTOR:
+                found.append(
+                    (
+                        step,
+                        f"twin {i + 1}'s grad norm is {ratio:.3g}x the control's at step {step} "
+                        f"(the control group's runs split: one spiked, one did not)",
+                    )
+                )
+                break
+    values = control.values
+    for i in range(JUMP_WINDOW, len(values)):
+        median = float(np.median(values[i - JUMP_WINDOW : i]))
+        if median > 0 and values[i] > JUMP_FACTOR * median:
+            step = int(control.steps[i])
+            found.append(
+                (
+                    step,
+                    f"the control's grad norm spikes to {values[i]:.3g} at step {step}, "
+                    f"{values[i] / median:.3g}x the median of its previous {JUMP_WINDOW} steps",
+                )
+            )
+            break
+    return min(found) if found else None
+
+
+def unreliable_reference(
+    verdicts: Sequence[MetricVerdict], unreliable: tuple[int, str] | None
+) -> str | None:
+    """The pair's error when every failing gating verdict follows a trajectory and first failed
+    at or after the step the reference became unreliable (None: the failure stands)."""
+    if unreliable is None:
+        return None
+    step, why = unreliable
+    failing = [v for v in verdicts if v.gate and not v.passed]
+    if not failing:
+        return None
+    for verdict in failing:
+        if verdict.metric in NOT_TRAJECTORIES or verdict.first_divergent_step is None:
+            return None
+        if verdict.first_divergent_step < step:
+            return None
+    first = min(failing, key=lambda v: v.first_divergent_step or 0)
+    return (
+        f"reference unreliable after step {step - 1}: {why}. The test first left it at step "
+        f"{first.first_divergent_step} ({first.metric}), past that step, where a pointwise "
+        f"comparison measures which run drew a spike, not the layout: not a failure, and not "
+        f"a pass. Judge it from shared states instead (anchor_every), or at a steadier "
+        f"learning rate / with fewer steps"
+    )
+
+
+#: Verdicts that do not compare trajectories: their failures stand past an unreliable step.
+NOT_TRAJECTORIES = frozenset({"anchored", FINGERPRINT})
