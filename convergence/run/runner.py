@@ -26,6 +26,7 @@ from convergence.calibration.select import select_calibration, use
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
+from convergence.preflight import with_auto_anchors
 from convergence.regimes import Regime, get_regime, resumed_controls
 from convergence.run.anchors import (
     anchored_failure,
@@ -131,7 +132,8 @@ class Runner:
     def _run_pair(self, pair: PairSpec, jobs: JobRunner) -> PairOutcome:
         """``pair`` run on ``jobs`` (the job tier, reporting to this pair's printer)."""
         started = time.monotonic()
-        pair = apply_settings(pair, self.settings)
+        # The session's settings, then the automatic anchored check on the steps that run.
+        pair = with_auto_anchors(apply_settings(pair, self.settings))
         pair_dir = self.settings.work_dir / "runs" / slug(pair.pair_id)
         control: SideOutcome | None = None
         test: SideOutcome | None = None

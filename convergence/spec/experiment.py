@@ -619,6 +619,7 @@ def make_pair(
             file=file,
             key=key,
         ),
+        anchor_auto="anchor_every" not in pair_conf,
     )
     return pair
 
