@@ -71,3 +71,24 @@ def tp_rank_clips_with_local_norm(model: nn.Module, ctx: HookContext) -> None:
         return total
 
     _install(without_tp)
+
+
+def torchtitan_pp_stage_clips_with_local_norm(model: nn.Module, ctx: HookContext) -> None:
+    """The same bug in torchtitan: its ``clip_grad_norm_`` called without ``pp_mesh``, so each
+    pipeline stage's norm is its own stage's (the squared norm not all-reduced over PP) and the
+    stage clips with it. The launcher's own float64 gradient norm (taken before, from every
+    stage) stays right; torchtitan's returned norm and its update are the stage's."""
+    if ctx.pp_size <= 1:
+        return
+    import torchtitan.distributed.utils as dist_utils
+
+    current = dist_utils.clip_grad_norm_
+    if getattr(current, "planted_local_pp", False):
+        return  # once per process (the hook runs per model chunk)
+
+    def clip_grad_norm_(parameters: object, *args: object, **kwargs: object) -> torch.Tensor:
+        kwargs["pp_mesh"] = None  # BUG: the stage's own norm
+        return current(parameters, *args, **kwargs)  # type: ignore[no-any-return]
+
+    clip_grad_norm_.planted_local_pp = True  # type: ignore[attr-defined]
+    dist_utils.clip_grad_norm_ = clip_grad_norm_
