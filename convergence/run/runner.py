@@ -317,7 +317,9 @@ def _control_problem(control: SideOutcome) -> str | None:
     """A control that did not learn or undercut the entropy floor is no reference (stats.health)."""
     floor = (control.meta or {}).get("entropy_floor")
     problem = control_problem(
-        control.metrics.get("loss"), float(floor) if isinstance(floor, (int, float)) else None
+        control.metrics.get("loss"),
+        float(floor) if isinstance(floor, (int, float)) else None,
+        control.metrics.get("update_norm"),
     )
     return f"control job {control.job.name!r}: {problem}" if problem else None
 
