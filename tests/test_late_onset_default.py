@@ -22,6 +22,8 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
 from catalogue import by_name, late_onset  # noqa: E402
 from pairs import build_pairs  # noqa: E402
 
+from convergence.report import build_report, render_markdown  # noqa: E402
+from convergence.report.formats.terminal import render_summary  # noqa: E402
 from convergence.run.runner import Runner, RunSettings  # noqa: E402
 from convergence.spec.anchors import AUTO_EVERY, AUTO_MIN_STEPS  # noqa: E402
 from convergence.spec.pair import PairSpec  # noqa: E402
@@ -65,3 +67,7 @@ def test_the_correct_layout_passes_it(runner: Runner, pairs: dict[str, PairSpec]
     anchored = outcome.verdict("anchored")
     assert anchored is not None and anchored.passed, anchored
     assert anchored.steps_compared == (STEPS - 1) // AUTO_EVERY  # anchors 10, 20, ..., 90
+    # The pass from the control's states is shown in the terminal summary and report.md.
+    assert "fsdp2-cp2: anchored PASS -- anchored: " in render_summary([outcome])
+    report = build_report([outcome], environment={}, started_at=None, wall_s=None)
+    assert "**anchored**: anchored: from each of" in render_markdown(report)
