@@ -77,3 +77,41 @@ def test_planted_bugs_still_fail(name: str) -> None:
         verdicts = _verdicts(case)
         assert not all(v.passed for v in verdicts), key
         assert unreliable_reference(verdicts, _unreliable(case)) is None, key
+
+
+def test_a_pair_failing_only_after_its_control_spiked_is_an_error(tmp_path: Path) -> None:
+    """End to end (real torchrun jobs of the command-backend fixture trainer, the Runner's
+    verdict): the control's grad norm spikes at step 12 (10x its previous steps); a test that
+    parts from it at step 14 is an error naming the step, one that parts at step 6 fails."""
+    from convergence.preflight import load_checked
+    from convergence.run.runner import Runner, RunSettings
+    from experiments import command_pair, fixture_command
+
+    path = command_pair(
+        tmp_path,
+        command=fixture_command(),
+        steps=16,
+        control={
+            "name": "ddp1",
+            "backend_options": {"command": fixture_command("--gnorm-spike-at 12")},
+        },
+        tests=[
+            {
+                "name": name,
+                "backend_options": {"command": fixture_command(f"--loss-shift-from {start}")},
+                "early_stop": False,
+            }
+            for name, start in (("late", 14), ("early", 6))
+        ],
+    )
+    pairs = {p.name: p for p in load_checked(path, rootdir=tmp_path).pairs}
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=120, wall_limit_s=600))
+    late = runner.run_pair(pairs["late"])
+    assert late.status == "error", (late.status, [v.message for v in late.verdicts])
+    assert late.error is not None and "reference unreliable after step 11" in late.error
+    # The test parts from the spiked control at the spike (its grad norm) and from 14 (loss).
+    assert "spikes" in late.error and "first left it at step 12 (grad_norm)" in late.error
+    early = runner.run_pair(pairs["early"])
+    assert early.status == "failed", (early.status, early.error)
+    loss = early.verdict("loss")
+    assert loss is not None and loss.first_divergent_step == 6
