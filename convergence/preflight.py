@@ -19,6 +19,7 @@ from convergence.backends import Backend, get_backend
 from convergence.backends.registry import not_importable
 from convergence.launch.placement import FIX_MORE_DEVICES, NotPlaceable, place
 from convergence.regimes import REGISTRY, get_regime
+from convergence.spec.anchors import auto_anchor_every
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import (
     JOB_KEYS,
@@ -216,6 +217,30 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                 key=f"{key}.local_batch_size",
                 fix=_batch_fix(backend, test, ctrl_tokens),
             )
+
+
+def with_auto_anchors(pair: PairSpec) -> PairSpec:
+    """``pair`` with the automatic anchored check (``anchor_auto``: the experiment left
+    ``anchor_every`` out) where it can run: a control job (no golden curve), a test that does
+    not resume, both sides on one trainer that saves and loads anchors across their layouts;
+    the spacing from the test's steps (convergence.spec.anchors.auto_anchor_every). Called
+    on the pair as it runs, after the session's --convergence-steps."""
+    if not pair.anchor_auto or pair.golden or pair.test.resume is not None:
+        return pair
+    every = auto_anchor_every(pair.test.steps)
+    if every == 0 or every >= min(pair.test.steps, pair.control.steps):
+        return dataclasses.replace(pair, anchor_every=0)
+    try:
+        backends = {
+            "control": get_backend(pair.control.backend),
+            "test": get_backend(pair.test.backend),
+        }
+        if not all(b.capabilities.anchors for b in backends.values()):
+            return pair
+        check_anchor_layouts(pair, backends, file=pair.source, key="test")
+    except (SpecError, NotRunnableHere):
+        return pair  # the automatic check is only where it can run; an explicit one says why
+    return dataclasses.replace(pair, anchor_every=every)
 
 
 def check_train_config(job: JobSpec, backend: Backend) -> None:

@@ -3,11 +3,14 @@ bad values a collection error naming the file, the key and the fix."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from convergence.preflight import with_auto_anchors
 from convergence.regimes import REGISTRY
+from convergence.spec.anchors import AUTO_EVERY, AUTO_MAX_ANCHORS, AUTO_MIN_STEPS, auto_anchor_every
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 
@@ -38,8 +41,12 @@ def _pair(path: Path):  # type: ignore[no-untyped-def]
     return pair
 
 
-def test_off_unless_asked_and_read_from_defaults_or_the_test(tmp_path: Path) -> None:
-    assert _pair(_experiment(tmp_path)).anchor_every == 0
+def test_automatic_unless_set_and_read_from_defaults_or_the_test(tmp_path: Path) -> None:
+    absent = _pair(_experiment(tmp_path))
+    assert absent.anchor_every == 0 and absent.anchor_auto  # chosen when the pair runs
+    off = _pair(_experiment(tmp_path, defaults_extra="anchor_every = 0"))
+    assert off.anchor_every == 0 and not off.anchor_auto
+    assert not _pair(_experiment(tmp_path, defaults_extra="anchor_every = 10")).anchor_auto
     assert _pair(_experiment(tmp_path, defaults_extra="anchor_every = 10")).anchor_every == 10
     both = _experiment(tmp_path, "anchor_every = 5", defaults_extra="anchor_every = 10")
     assert _pair(both).anchor_every == 5
@@ -48,7 +55,6 @@ def test_off_unless_asked_and_read_from_defaults_or_the_test(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
-        ("0", "positive integer"),
         ("-3", "positive integer"),
         ("true", "positive integer"),
         ('"10"', "positive integer"),
@@ -173,3 +179,32 @@ def test_a_backend_without_anchors_is_refused_naming_those_with_them(tmp_path: P
         )
     text = str(caught.value)
     assert "anchor_every" in text and "torchtitan" in text and "built-in" in text, text
+
+
+def test_the_automatic_spacing_follows_the_rule() -> None:
+    """No anchors below AUTO_MIN_STEPS; from there one every AUTO_EVERY steps (a bug from
+    step S meets an anchor within AUTO_EVERY steps), at most AUTO_MAX_ANCHORS per run."""
+    assert auto_anchor_every(AUTO_MIN_STEPS - 1) == 0
+    assert auto_anchor_every(AUTO_MIN_STEPS) == AUTO_EVERY
+    assert auto_anchor_every(500) == AUTO_EVERY
+    for steps in (100, 500, 1000, 5000, 100_000):
+        every = auto_anchor_every(steps)
+        assert AUTO_EVERY <= every < steps
+        assert (steps - 1) // every <= AUTO_MAX_ANCHORS
+
+
+def test_the_automatic_check_is_only_where_it_can_run(tmp_path: Path) -> None:
+    long = _experiment(tmp_path, defaults_extra="").read_text().replace("steps = 40", "steps = 120")
+    path = tmp_path / "long.toml"
+    path.write_text(long)
+    pair = _pair(path)
+    assert with_auto_anchors(pair).anchor_every == AUTO_EVERY  # built-in trainer, 120 steps
+    assert with_auto_anchors(_pair(_experiment(tmp_path))).anchor_every == 0  # 40 steps
+    off = tmp_path / "off.toml"
+    off.write_text(long.replace("steps = 120", "steps = 120\nanchor_every = 0"))
+    assert with_auto_anchors(_pair(off)).anchor_every == 0
+    # A command trainer has no anchors: no automatic check, and no error either.
+    command = dataclasses.replace(
+        pair, test=dataclasses.replace(pair.test, backend="command"), anchor_auto=True
+    )
+    assert with_auto_anchors(command).anchor_every == 0

@@ -108,9 +108,10 @@ def test_compare_reads_a_golden_file_as_b(tmp_path: Path) -> None:
 
 
 def test_compare_help_names_every_gating_metric_and_twin() -> None:
-    """Point 15: grad_norm_parts and data_fingerprint gate too; twin is a regime."""
+    """Point 15: grad_norm_parts, update_norm_parts and data_fingerprint gate too; twin is a
+    regime."""
     text = _help("compare")
-    assert "loss, grad_norm, grad_norm_parts, data_fingerprint gate" in text
+    assert "loss, grad_norm, grad_norm_parts, update_norm_parts, data_fingerprint gate" in text
     assert "twin (the envelope from the control's twin" in text
     assert "paired, twin or seed" in text
 

@@ -154,3 +154,29 @@ def test_one_tokens_per_s_change_per_pair() -> None:
     ratio = resources(outcome)["tokens_per_s"]["ratio"]
     assert ratio is not None
     assert abs((ratio - 1.0) - verdict.details["relative_change"]) < 1e-12
+
+
+def test_a_passing_anchored_verdict_is_shown_in_the_terminal_and_report_md() -> None:
+    """A pass from the control's states is evidence of its own (issue 47): the terminal
+    summary and report.md list it, not only report.json."""
+    import dataclasses
+
+    from convergence.report.formats.terminal import render_summary
+    from convergence.stats.types import MetricVerdict
+
+    message = "anchored: 9 anchors, every one-step check within its tolerance (0.2x at worst)"
+    anchored = MetricVerdict(
+        metric="anchored",
+        method="paired",
+        passed=True,
+        gate=True,
+        steps_compared=9,
+        message=message,
+    )
+    outcome = passing_pair()
+    outcome = dataclasses.replace(outcome, verdicts=(*outcome.verdicts, anchored))
+    terminal = render_summary([outcome])
+    assert f"{outcome.pair.name}: anchored PASS -- {message}" in terminal
+    md = _md([outcome])
+    assert "## Checks judged from the control's states" in md and message in md
+    assert "## Checks" not in _md([passing_pair()])  # nothing to show without one

@@ -155,6 +155,7 @@ def _non_default_specs() -> PairOutcome:
         probe_always=True,
         golden="g.json",
         anchor_every=25,
+        anchor_auto=True,
         extra=(("k", "v"),),
         placement="cpu: 4 rank(s) on CPU (gloo)",
     )

@@ -109,15 +109,17 @@ def _health_experiment(name: str, steps: int, lr: float | None) -> dict[str, obj
 def test_control_health_fits_torchtitan_learning_and_flat(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    """The generated corpus's entropy floor is the reference: a 30-step debug-model control
-    learns enough (it closes ~7% of its gap to the floor), a control with lr = 0 is an error."""
+    """The generated corpus's entropy floor is the reference: a 20-step debug-model control
+    learns enough (it closes ~4% of its gap to the floor, above the 1% a 20-step run must
+    close: stats/health.py), a control with lr = 0 is an error (its update norm is 0 at every
+    step; its loss alone, at this batch noise, could not tell in 20 steps)."""
     experiments = {
-        "learns.toml": _health_experiment("learns", 30, None),
+        "learns.toml": _health_experiment("learns", 20, None),
         "flat.toml": _health_experiment("flat", 20, 0.0),
     }
-    # The 30 and 20 steps, in CI's log.
+    # The 20 and 20 steps, in CI's log.
     result, _, _ = run_experiments(pytester, monkeypatch, request, experiments, timeout=900)
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=1)  # an erroring pair is a failed pytest item
     assert "learns-test" in out and re.search(r"learns-test\s.*PASS", out), out
-    assert "the control did not learn" in out and "entropy floor" in out, out
+    assert "the control did not learn" in out and "parameters never changed" in out, out

@@ -21,6 +21,7 @@ from convergence.trainer.optim import (
     grad_norms,
     lr_at,
     model_parts,
+    optimizer_step,
     parameter_part,
     parts_geomean,
 )
@@ -443,3 +444,25 @@ def test_load_hook_errors_name_the_key() -> None:
         load_hook("json:no_such_function")
     assert "no_such_function" in str(info.value)
     assert callable(load_hook("convergence.trainer.hooks:apply_hook"))
+
+
+def test_update_norms_are_the_norms_of_what_the_optimizer_applied() -> None:
+    """optimizer_step's update norms are the norms of each part's parameter change, after
+    clipping: SGD makes the change lr x the clipped gradient, known in closed form."""
+    model = build_model(ModelArgs.from_config(cfg().model, seq_len=16), "cpu")
+    parts = model_parts(build_model(ModelArgs.from_config(cfg().model, seq_len=16), "meta"))
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    named = list(model.named_parameters())
+    optimizer = torch.optim.SGD([p for _, p in named], lr=0.1)
+    grad_total = global_grad_norm([p for _, p in named], None).item()
+    max_norm = grad_total / 4  # clipping acts: the update is lr x max_norm in total
+    norms = optimizer_step(optimizer, named, parts, None, max_norm)
+    assert norms.grad.item() == pytest.approx(grad_total, rel=1e-12)  # before clipping
+    # The change is read off float32 parameters: each element's change carries the rounding
+    # of the new value (~6e-8 x |p|, |p| ~ 0.1 here) against a change of ~1e-5 -- 1e-3 of it.
+    assert norms.update.item() == pytest.approx(0.1 * max_norm, rel=1e-3)
+    # Every part's update is the same fraction of its gradient (one clipping coefficient).
+    ratio = norms.update_parts / norms.grad_parts
+    assert torch.allclose(ratio, torch.full_like(ratio, 0.1 / 4), rtol=1e-3, atol=0.0)
+    assert norms.update_parts.pow(2).sum().item() == pytest.approx(norms.update.item() ** 2)

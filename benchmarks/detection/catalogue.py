@@ -36,6 +36,9 @@ class Case:
     resume: dict[str, Any] | None = None
     """The test side's ``resume`` table (stop at at_step, checkpoint, resume; the resume
     bugs' hooks break the loader only), None: one uninterrupted job."""
+    max_norm: float | None = None
+    """Control group: the gradient clipping threshold of both sides (``training.max_norm``);
+    None: the train config's (1.0, above the debug model's gradient norm ~0.3: no clipping)."""
 
 
 FSDP2 = {"dp_shard": 2}
@@ -325,7 +328,39 @@ PRECISION: tuple[Case, ...] = (
     ),
 )
 
-ALL: tuple[Case, ...] = BUGS + RESUME_BUGS + CORRECT + RESUME_CORRECT + PRECISION
+#: Clipping bugs (issue 47): a rank clips with its local gradient norm. Clipping must act for
+#: them to matter: max_norm 0.05 is ~1/6 of the debug model's gradient norm (~0.3), so every
+#: step clips, on both sides. Beside them the same layouts, correct, in the same group.
+CLIP = 0.05
+CLIPPING: tuple[Case, ...] = (
+    Case(
+        name="pp-stage-clips-with-local-norm",
+        kind="bug",
+        parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"},
+        hook=f"{PKG}.clipping:pp_stage_clips_with_local_norm",
+        max_norm=CLIP,
+        expect=("update_norm_parts",),
+        note="each PP stage clips with its own stage's gradient norm (no all-reduce over PP)",
+    ),
+    Case(
+        name="tp-rank-clips-with-local-norm",
+        kind="bug",
+        parallelism=FSDP2_TP2,
+        hook=f"{PKG}.clipping:tp_rank_clips_with_local_norm",
+        max_norm=CLIP,
+        expect=("update_norm_parts",),
+        note="each TP rank clips with its own shard's gradient norm (no all-reduce over TP)",
+    ),
+    Case(
+        name="fsdp2-pp2-1f1b-clipped",
+        kind="correct",
+        parallelism={"dp_shard": 2, "pp": 2, "pp_schedule": "1F1B"},
+        max_norm=CLIP,
+    ),
+    Case(name="fsdp2-tp2-clipped", kind="correct", parallelism=FSDP2_TP2, max_norm=CLIP),
+)
+
+ALL: tuple[Case, ...] = BUGS + RESUME_BUGS + CORRECT + RESUME_CORRECT + PRECISION + CLIPPING
 
 #: Late-onset bugs (issue 41): a catalogue bug switched on at step S of the test side
 #: (detection_bugs/late_onset.py). Not in ALL: they need a run longer than S (STEPS is 30).

@@ -69,6 +69,7 @@ def experiment_text(
     steps: int,
     config: Path = DEBUG_CONFIG,
     anchor_every: int = 0,
+    max_norm: float | None = None,
 ) -> str:
     techniques = {"param_dtype": "bfloat16"} if precision == "bf16" else {}
     lines = [
@@ -79,6 +80,7 @@ def experiment_text(
         # Localisation is a separate feature (and costs two probe jobs per failure).
         'probe = "off"',
         *([f"anchor_every = {anchor_every}"] if anchor_every else []),
+        *([f'overrides = {{ "training.max_norm" = {max_norm!r} }}'] if max_norm else []),
         "",
         "[control]",
         'name = "fsdp2"',
@@ -114,12 +116,13 @@ def build_pairs(
 ) -> dict[str, PairSpec]:
     """Write one experiment file per control group into ``folder``; the pairs by case name."""
     put_bugs_on_path()
-    groups: dict[tuple[int, str], list[Case]] = defaultdict(list)
+    groups: dict[tuple[int, str, float | None], list[Case]] = defaultdict(list)
     for case in cases:
-        groups[(case.seed, case.precision)].append(case)
+        groups[(case.seed, case.precision, case.max_norm)].append(case)
     pairs: dict[str, PairSpec] = {}
-    for (seed, precision), members in groups.items():
-        path = folder / f"detection_seed{seed}_{precision}.toml"
+    for (seed, precision, max_norm), members in groups.items():
+        clip = f"_clip{max_norm:g}" if max_norm else ""
+        path = folder / f"detection_seed{seed}_{precision}{clip}.toml"
         path.write_text(
             experiment_text(
                 members,
@@ -128,6 +131,7 @@ def build_pairs(
                 steps=steps,
                 config=config,
                 anchor_every=anchor_every,
+                max_norm=max_norm,
             )
         )
         for pair in load_checked(path, rootdir=REPO).pairs:

@@ -18,6 +18,8 @@ TENSORBOARD_TAGS: dict[str, str] = {
     "loss_metrics/global_avg_loss": "loss",
     "grad_norm": "grad_norm",
     "grad_norm_parts": "grad_norm_parts",
+    "update_norm": "update_norm",
+    "update_norm_parts": "update_norm_parts",
     "lr": "lr",
     # torchtitan 0.3.0 logs each optimizer's learning rate as lr/<optimizer class> (one param
     # group; lr/<class>/<i> with several, which has no single "lr" to compare).

@@ -145,17 +145,25 @@ class Regime(Protocol):
         ...
 
 
-def gating_rules(method: Method) -> tuple[ComparisonRule, ...]:
+def gating_rules(method: Method, *, update: bool = True) -> tuple[ComparisonRule, ...]:
     """Loss and grad norm judged by ``method`` (a wrongly scaled gradient can leave an Adam
     loss almost unchanged but doubles the grad norm), the per-part grad norm (a bug in one kind
-    of weight -- queries and keys under a position bug -- hides in the total), the data
-    fingerprint, plus throughput and memory: the default rules of every shipped regime."""
+    of weight -- queries and keys under a position bug -- hides in the total), the per-part
+    update norm (``update``: what the optimizer applied after clipping -- a clipping bug, a
+    wrong LR, a lost optimizer state show there first; judged where both sides start from the
+    same state and data, not across seeds), the data fingerprint, plus throughput and memory:
+    the default rules of every shipped regime."""
+    applied = (ComparisonRule(metric="update_norm_parts", method=method),) if update else ()
     return (
-        ComparisonRule(metric="loss", method=method),
-        ComparisonRule(metric="grad_norm", method=method),
-        ComparisonRule(metric="grad_norm_parts", method=method),
-        DATA_RULE,
-    ) + PERFORMANCE_RULES
+        (
+            ComparisonRule(metric="loss", method=method),
+            ComparisonRule(metric="grad_norm", method=method),
+            ComparisonRule(metric="grad_norm_parts", method=method),
+        )
+        + applied
+        + (DATA_RULE,)
+        + PERFORMANCE_RULES
+    )
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from convergence.metrics.curve import RunMetrics
-from convergence.regimes.base import ControlCurves, ShippedRegime, TwinSource
+from convergence.regimes.base import ControlCurves, ShippedRegime, TwinSource, gating_rules
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.pair import Method, PairSpec
+from convergence.spec.pair import ComparisonRule, Method, PairSpec
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,12 @@ class SeedRegime(ShippedRegime):
     method: Method = "seed"
     band_of_replicates: bool = True
     probe_on_failure: bool = False
+
+    def default_rules(self) -> tuple[ComparisonRule, ...]:
+        # No update norm: it is evidence where both sides start from one state and read the
+        # same samples (paired, twin). Across seeds the update is another draw, and its seed
+        # band has not been measured (issue 47 checked the paired and twin regimes only).
+        return gating_rules(self.method, update=False)
 
     def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         return True  # the fallback: asked last among the shipped regimes

@@ -26,6 +26,7 @@ from convergence.calibration.select import select_calibration, use
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
+from convergence.preflight import with_auto_anchors
 from convergence.regimes import Regime, get_regime, resumed_controls
 from convergence.run.anchors import (
     anchored_failure,
@@ -48,7 +49,7 @@ from convergence.run.resume import (
 from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
-from convergence.stats.health import control_problem
+from convergence.stats.health import control_problem, unreliable_from, unreliable_reference
 from convergence.stats.registry import get_comparison
 from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.types import MetricVerdict
@@ -131,7 +132,8 @@ class Runner:
     def _run_pair(self, pair: PairSpec, jobs: JobRunner) -> PairOutcome:
         """``pair`` run on ``jobs`` (the job tier, reporting to this pair's printer)."""
         started = time.monotonic()
-        pair = apply_settings(pair, self.settings)
+        # The session's settings, then the automatic anchored check on the steps that run.
+        pair = with_auto_anchors(apply_settings(pair, self.settings))
         pair_dir = self.settings.work_dir / "runs" / slug(pair.pair_id)
         control: SideOutcome | None = None
         test: SideOutcome | None = None
@@ -222,6 +224,12 @@ class Runner:
         if test.result is not None and test.result.status == "nan" and test.result.failure:
             error = f"test job {pair.test.name!r}: {test.result.failure.message}"
         status = _status(verdicts, test)
+        if status == "failed" and error is None and not pair.golden:
+            # A failure only past the step where the control group stopped being one
+            # trajectory (stats.health.unreliable_from) is the reference's, not the test's.
+            unreliable = unreliable_reference(verdicts, _unreliable_from(control))
+            if unreliable is not None:
+                status, error = "error", f"control job {pair.control.name!r}: {unreliable}"
         asked = [v.message for v in verdicts if v.not_compared and v.gate]
         if asked and error is None:  # the experiment named a metric that a run did not log
             status, error = "error", "not compared: " + "; ".join(asked)
@@ -309,9 +317,17 @@ def _control_problem(control: SideOutcome) -> str | None:
     """A control that did not learn or undercut the entropy floor is no reference (stats.health)."""
     floor = (control.meta or {}).get("entropy_floor")
     problem = control_problem(
-        control.metrics.get("loss"), float(floor) if isinstance(floor, (int, float)) else None
+        control.metrics.get("loss"),
+        float(floor) if isinstance(floor, (int, float)) else None,
+        control.metrics.get("update_norm"),
     )
     return f"control job {control.job.name!r}: {problem}" if problem else None
+
+
+def _unreliable_from(control: SideOutcome) -> tuple[int, str] | None:
+    """From which step the control and its twins stop being one reference (stats.health)."""
+    twins = [run["grad_norm"] for run in control.twins if "grad_norm" in run]
+    return unreliable_from(control.metrics.get("grad_norm"), twins)
 
 
 def _os_error_text(exc: OSError, work_dir: Path) -> str:

@@ -20,9 +20,32 @@ from convergence.spec.job import JobSpec
 ANCHORS_DIR = "anchors"
 
 
+#: The automatic anchored check (the key absent): pairs of at least AUTO_MIN_STEPS steps get
+#: anchors every AUTO_EVERY steps, at most AUTO_MAX_ANCHORS of them (spacing steps //
+#: AUTO_MAX_ANCHORS beyond 1000 steps). Why: a bug that starts at step S shows at the first
+#: anchor at or after S -- within AUTO_EVERY steps, and within 2 x AUTO_EVERY = 20 where the
+#: persistence rule needs a second anchor (stats/anchored.py) -- while the trajectory verdicts
+#: judge it against S steps of drift (a rotary bug from step 300 of 500 passed them). Below
+#: AUTO_MIN_STEPS a late bug is a few steps from the start, where the trajectories have not
+#: separated yet and judge it themselves; and every shipped CI pair is shorter (<= 30 steps),
+#: so CI runs no extra job. The cost, per pair: one anchored job of steps / AUTO_EVERY one-step
+#: checks (twin regime: one per twin as well), measured in BENCHMARKS.md "Verdict V".
+AUTO_MIN_STEPS = 100
+AUTO_EVERY = 10
+AUTO_MAX_ANCHORS = 100
+
+
+def auto_anchor_every(steps: int) -> int:
+    """The automatic anchor spacing of a run of ``steps`` steps (0: no anchors)."""
+    if steps < AUTO_MIN_STEPS:
+        return 0
+    return max(AUTO_EVERY, steps // AUTO_MAX_ANCHORS)
+
+
 def parse_anchor_every(value: Any, test: JobSpec, *, golden: Any, file: str, key: str) -> int:
-    """The pair's ``anchor_every`` (0 when absent: the check is off)."""
-    if value is None:
+    """The pair's ``anchor_every`` (0 when absent -- then automatic, decided at preflight
+    where the backends are known: ``PairSpec.anchor_auto`` -- or set to 0: off)."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
         return 0
     where = f"{key}.anchor_every"
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -31,7 +54,7 @@ def parse_anchor_every(value: Any, test: JobSpec, *, golden: Any, file: str, key
             file=file,
             key=where,
             fix="set anchor_every = N with 1 <= N < steps (e.g. 25 for a 500-step run), "
-            "or drop it to leave the anchored check off",
+            "0 to turn the anchored check off, or drop it for the automatic choice",
         )
     if value >= test.steps:
         raise SpecError(

@@ -536,7 +536,9 @@ def _rules(
 
 
 #: metric -> the metric whose `compare` setting it takes when not named itself.
-FOLLOWS: dict[str, str] = {"grad_norm_parts": "grad_norm"}
+#: The update's norm follows the grad norm as well: where the gradients may differ (models that
+#: differ, a method of one's own) the updates made from them do too.
+FOLLOWS: dict[str, str] = {"grad_norm_parts": "grad_norm", "update_norm_parts": "grad_norm"}
 
 
 def make_pair(
@@ -617,6 +619,7 @@ def make_pair(
             file=file,
             key=key,
         ),
+        anchor_auto="anchor_every" not in pair_conf,
     )
     return pair
 

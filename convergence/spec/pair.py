@@ -13,6 +13,8 @@ METRICS: tuple[str, ...] = (
     "loss",
     "grad_norm",
     "grad_norm_parts",
+    "update_norm",
+    "update_norm_parts",
     "lr",
     "val_loss",
     "tokens_per_s",
@@ -120,6 +122,10 @@ class PairSpec:
     """Anchored check (experiment key ``anchor_every = N``; 0 = off): the control saves its
     state every N steps and the test layout trains one step from each of those states, each
     compared with the control's next step at the one-step tolerance (convergence/run/anchors.py)."""
+    anchor_auto: bool = False
+    """The experiment left ``anchor_every`` out: the anchored check is chosen from the run's
+    steps (convergence.spec.anchors.auto_anchor_every) where both sides' trainer can take it,
+    at preflight, and again after the session's --convergence-steps."""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     placement: str = ""
     """Where the pair's jobs run, as decided at collection (convergence.launch.placement:

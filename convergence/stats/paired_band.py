@@ -86,6 +86,7 @@ PAIRED_DEFAULTS: dict[str, PairedTolerance] = {
     "val_loss": _LOSS,
     "grad_norm": PairedTolerance(atol=1e-7, growth=0.1, rtol=2e-5),
     "grad_norm_parts": PairedTolerance(atol=1e-7, growth=0.1, rtol=2e-5),
+    "update_norm_parts": PairedTolerance(atol=1e-7, growth=0.1, rtol=2e-5),
     "lr": PairedTolerance(atol=1e-12, growth=0.0, rtol=1e-9),
 }
 

@@ -44,8 +44,8 @@ def get_comparison(method: str) -> Comparison:
 
 
 #: Metrics that some backends do not log: when neither side has one, it is reported as not
-#: logged (passed, not gating) instead of missing. The built-in trainer logs both.
-OPTIONAL_METRICS: frozenset[str] = frozenset({FINGERPRINT, "grad_norm_parts"})
+#: logged (passed, not gating) instead of missing. The built-in trainer logs them all.
+OPTIONAL_METRICS: frozenset[str] = frozenset({FINGERPRINT, "grad_norm_parts", "update_norm_parts"})
 
 
 def compare_all(

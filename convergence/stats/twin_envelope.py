@@ -109,6 +109,7 @@ TWIN_DEFAULTS: dict[str, TwinDefaults] = {
     "val_loss": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=2e-5),
     "grad_norm": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=1e-4),
     "grad_norm_parts": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=5e-4),
+    "update_norm_parts": TwinDefaults(k=3.0, atol=0.0, growth=0.0, rtol=5e-4),
     "lr": TwinDefaults(k=0.0, atol=1e-12, growth=0.0, rtol=1e-9),
 }
 

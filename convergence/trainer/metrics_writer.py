@@ -20,6 +20,8 @@ TB_TAGS: dict[str, str] = {
     "loss": "loss_metrics/global_avg_loss",
     "grad_norm": "grad_norm",
     "grad_norm_parts": "grad_norm_parts",
+    "update_norm": "update_norm",
+    "update_norm_parts": "update_norm_parts",
     "lr": "lr",
     "tokens_per_s": "throughput(tps)",
     "peak_mem_mib": "memory/max_reserved(MiB)",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -95,35 +96,49 @@ def grad_norms(
     pp_group: ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """L2 norm of the FULL gradient, and of each part's (`parts`, per parameter_part), whatever
-    mixture of meshes the parameters live on.
-
-    The squared norm is a sum over every element of the global gradient. A DTensor gradient
-    holds a slice: its local sum of squares must be summed over the mesh dims it is *sharded*
-    on, and not over the dims it is *replicated* on (that would count it several times). So
-    parameters are bucketed by the tuple of groups to sum over -- e.g. (dp,) for a norm weight
-    under FSDP+TP, (dp, tp) for a TP-sharded linear -- each bucket is all-reduced over those
-    groups in turn (orthogonal mesh dims, so the result is the sum over their product), and
-    the buckets are added. Pipeline stages hold disjoint parameters: add over the pp group.
-    Plain-tensor gradients (single process, DDP) are complete on every rank.
-    Accumulated in float64 so the norm is not the noisiest number in the comparison.
+    mixture of meshes the parameters live on (sharded_norms).
 
     Why per part: the total is dominated by the largest gradients (embeddings, output), so a
     bug confined to one kind of weight can hide in it. A rotary offset dropped under context
     parallelism moves the query/key gradients by ~3e-3 relative at step 1 but the total by
-    less than the paired tolerance (2e-5); per part it is 100x outside. Each bucket carries
-    [total, part 1, ..., part K] in one tensor: still one all-reduce per bucket.
+    less than the paired tolerance (2e-5); per part it is 100x outside.
     """
-    index = {part: i + 1 for i, part in enumerate(parts)}
-    buckets: dict[tuple[ProcessGroup, ...], torch.Tensor] = {}
-    device = None
+    local = []
     for name, param in named_params:
         grad = param.grad
         if grad is None:
             continue
-        groups: tuple[ProcessGroup, ...] = ()
-        local = grad
-        if isinstance(grad, DTensor):
-            groups, local = shard_groups(grad), grad.to_local()
+        groups = shard_groups(grad) if isinstance(grad, DTensor) else ()
+        local.append((name, grad.to_local() if isinstance(grad, DTensor) else grad, groups))
+    return sharded_norms(local, parts, pp_group)
+
+
+Sharded = tuple[str, torch.Tensor, tuple[ProcessGroup, ...]]
+"""(parameter name, this rank's local piece of a tensor shaped like it, the groups it is
+sharded over: shard_groups)."""
+
+
+@torch.no_grad()
+def sharded_norms(
+    pieces: Iterable[Sharded], parts: tuple[str, ...], pp_group: ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2 norm of the FULL tensor whose local pieces these are, and of each part's.
+
+    The squared norm is a sum over every element of the global tensor. A DTensor holds a
+    slice: its local sum of squares must be summed over the mesh dims it is *sharded* on, and
+    not over the dims it is *replicated* on (that would count it several times). So pieces
+    are bucketed by the tuple of groups to sum over -- e.g. (dp,) for a norm weight under
+    FSDP+TP, (dp, tp) for a TP-sharded linear -- each bucket is all-reduced over those groups
+    in turn (orthogonal mesh dims, so the result is the sum over their product), and the
+    buckets are added. Pipeline stages hold disjoint parameters: add over the pp group.
+    Plain tensors (single process, DDP) are complete on every rank.
+    Accumulated in float64 so the norm is not the noisiest number in the comparison.
+    Each bucket carries [total, part 1, ..., part K] in one tensor: one all-reduce per bucket.
+    """
+    index = {part: i + 1 for i, part in enumerate(parts)}
+    buckets: dict[tuple[ProcessGroup, ...], torch.Tensor] = {}
+    device = None
+    for name, local, groups in pieces:
         device = device or local.device
         square = local.detach().double().pow(2).sum()
         if groups not in buckets:
@@ -169,19 +184,73 @@ def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: tor
         local.mul_(coef.to(device=local.device, dtype=local.dtype))
 
 
+class StepNorms(NamedTuple):
+    """What one optimizer step logs of its gradients and of the update it applied."""
+
+    grad: torch.Tensor
+    """The total norm of the accumulated gradient, before clipping."""
+    grad_parts: torch.Tensor
+    """The norm of each part's gradient (model_parts order), before clipping."""
+    update: torch.Tensor
+    """The total norm of the parameters' change in the step (what the optimizer applied)."""
+    update_parts: torch.Tensor
+    """The norm of each part's parameter change in the step."""
+
+
+def local_pieces(named_params: Iterable[tuple[str, nn.Parameter]]) -> list[Sharded]:
+    """Each parameter's local piece (a clone: the state before the step) and its groups."""
+    pieces = []
+    for name, param in named_params:
+        data = param.detach()
+        groups = shard_groups(data) if isinstance(data, DTensor) else ()
+        local = data.to_local() if isinstance(data, DTensor) else data
+        pieces.append((name, local.clone(), groups))
+    return pieces
+
+
+@torch.no_grad()
+def update_norms(
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    before: list[Sharded],
+    parts: tuple[str, ...],
+    pp_group: ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norms (total, per part) of each parameter's change since `before` (local_pieces).
+
+    Why the update and not only the gradient: the gradient norm is measured before clipping,
+    so it cannot see what happens after -- a clipping coefficient computed from a rank's
+    LOCAL norm (a PP stage or TP rank without the all-reduce), a wrong learning rate, a
+    dropped or doubled optimizer state -- and Adam hides much of it from the loss for many
+    steps (it is invariant to a constant gradient scale; only the step-to-step change of a
+    wrong clipping coefficient moves its update, from step 2). The change of the parameters is
+    what the optimizer actually applied, measured from outside the optimizer: the difference
+    of two float32 values is exact in float64, so the norm carries the update's own rounding
+    only, like the gradient's.
+    """
+    diffs = []
+    for (name, param), (_, old, groups) in zip(named_params, before, strict=True):
+        data = param.detach()
+        new = data.to_local() if isinstance(data, DTensor) else data
+        diffs.append((name, new.double() - old.double(), groups))
+    return sharded_norms(diffs, parts, pp_group)
+
+
 def optimizer_step(
     optimizer: torch.optim.Optimizer,
     named_params: list[tuple[str, nn.Parameter]],
     parts: tuple[str, ...],
     pp_group: dist.ProcessGroup | None,
     max_norm: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norms of the accumulated gradient, clip, step, zero: (total norm, norm per part)."""
+) -> StepNorms:
+    """Norms of the accumulated gradient, clip, step, zero; the norms of the step's update."""
     # Norm of the full gradient (all shards, all stages) and of each part of the model
     # (grad_norms: a bug in one kind of weight hides in the total), then clip.
     grad_norm, part_norms = grad_norms(named_params, parts, pp_group)
     if max_norm > 0:
         clip_grads_([p for _, p in named_params], max_norm, grad_norm)
+    # The parameters before the step (one copy of this rank's shards), to measure the update.
+    before = local_pieces(named_params)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, part_norms
+    update, update_parts = update_norms(named_params, before, parts, pp_group)
+    return StepNorms(grad_norm, part_norms, update, update_parts)

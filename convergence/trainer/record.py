@@ -23,7 +23,7 @@ from convergence.trainer.data import BatchPlan, SampleSource
 from convergence.trainer.engines import Engine, MicrostepFn
 from convergence.trainer.metrics_writer import MetricsWriter, RunStatus
 from convergence.trainer.model import ModelArgs, build_model, count_params
-from convergence.trainer.optim import parts_geomean
+from convergence.trainer.optim import StepNorms, parts_geomean
 from convergence.trainer.parallelize import Meshes
 
 
@@ -71,8 +71,7 @@ class RunRecord:
         step: int,
         *,
         loss: torch.Tensor | None,
-        grad_norm: torch.Tensor,
-        part_norms: torch.Tensor,
+        norms: StepNorms,
         lr: float,
         seconds: float,
         data_fingerprint: int,
@@ -90,11 +89,17 @@ class RunRecord:
         record: dict[str, float | int] = {
             "step": step,
             "loss": loss.item(),
-            "grad_norm": grad_norm.item(),
-            "grad_norm_parts": parts_geomean(part_norms),
+            "grad_norm": norms.grad.item(),
+            "grad_norm_parts": parts_geomean(norms.grad_parts),
             **{
                 f"grad_norm/{part}": float(norm)
-                for part, norm in zip(self.parts, part_norms.tolist(), strict=True)
+                for part, norm in zip(self.parts, norms.grad_parts.tolist(), strict=True)
+            },
+            "update_norm": norms.update.item(),
+            "update_norm_parts": parts_geomean(norms.update_parts),
+            **{
+                f"update_norm/{part}": float(norm)
+                for part, norm in zip(self.parts, norms.update_parts.tolist(), strict=True)
             },
             "lr": lr,
             "tokens_per_s": self.tokens_per_step / seconds,

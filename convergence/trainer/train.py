@@ -141,9 +141,9 @@ def train(cfg: TrainConfig) -> RunStatus:
             local_loss = microsteps(
                 counter.around(step, engine.forward_backward), data.batches, device
             )
-            grad_norm, part_norms = optimizer_step(
-                optimizer, named_params, parts, pp_group, cfg.training.max_norm
-            )
+            # Clip and step; the gradient's norms before clipping, and the norms of the update
+            # the optimizer applied (optim.update_norms: a clipping or LR bug shows there).
+            norms = optimizer_step(optimizer, named_params, parts, pp_group, cfg.training.max_norm)
             precision.after_optimizer_step(engine.chunks, cfg)  # float8 all-gather's scales
             # MoE: the step's tokens per expert per layer, summed over the ranks (and the
             # expert-bias update that follows from them); {} for a dense model.
@@ -157,8 +157,7 @@ def train(cfg: TrainConfig) -> RunStatus:
             record.log_step(
                 step,
                 loss=global_loss,
-                grad_norm=grad_norm,
-                part_norms=part_norms,
+                norms=norms,
                 lr=lr,
                 seconds=step_seconds(step_start, device),
                 data_fingerprint=data.fingerprint,

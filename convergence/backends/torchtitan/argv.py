@@ -22,7 +22,11 @@ LAUNCH_MODULE = "convergence.backends.torchtitan.launch"
 #: Per-step records of the wrapper (data fingerprint, per-part grad norms), rank 0.
 STEP_LOG = "convergence_steps.jsonl"
 #: The wrapper's float64 norms as TensorBoard tags beside torchtitan's own -> our metric names.
-TB_TAGS = {"convergence/grad_norm": "grad_norm", "convergence/grad_norm_parts": "grad_norm_parts"}
+TB_TAGS = {
+    "convergence/grad_norm": "grad_norm",
+    "convergence/grad_norm_parts": "grad_norm_parts",
+    "convergence/update_norm_parts": "update_norm_parts",
+}
 SEED_FOLDER = "checkpoint"
 #: Where a seed checkpoint lands inside the seed folder (``save(curr_step=0)``).
 SEED_STEP = "step-0"

@@ -51,7 +51,8 @@ class StepLog(Protocol):
 
     def on_batch(self, input_dict: Any, labels: Any) -> None: ...
     def on_grads(self, named: Any, parallel_dims: Any, *, step: int) -> None: ...
-    def on_clipped(self, torchtitan_norm: float) -> None: ...
+    def on_clipped(self, torchtitan_norm: float, named: Any) -> None: ...
+    def on_stepped(self, named: Any) -> None: ...
     def tensorboard_extras(self) -> dict[str, float]: ...
 
     record: dict[str, float | int]
@@ -322,11 +323,13 @@ def force_sum_reduction(model: Any) -> None:
 
 @pinned(torchtitan="0.3", torch="2.13")
 def record_steps(log: StepLog) -> None:
-    """Record each step's batches (``Trainer.batch_generator``) and gradients (just before
+    """Record each step's batches (``Trainer.batch_generator``), gradients (just before
     torchtitan clips them, ``distributed.utils.clip_grad_norm_``, which returns the norm it
-    clipped with), and add our norms to the scalars its TensorBoard logger writes."""
+    clipped with) and update (``OptimizersContainer.step``, which the loop calls right after
+    clipping), and add our norms to the scalars its TensorBoard logger writes."""
     import torchtitan.distributed.utils as dist_utils
     from torchtitan.components.metrics import TensorBoardLogger
+    from torchtitan.components.optimizer import OptimizersContainer
     from torchtitan.trainer import Trainer
 
     generator = Trainer.batch_generator
@@ -351,11 +354,19 @@ def record_steps(log: StepLog) -> None:
         trainer = trainers[-1]
         log.on_grads(named, trainer.parallel_dims, step=trainer.step)
         total = clip(parameters, *args, **kwargs)
-        log.on_clipped(float(total))
+        log.on_clipped(float(total), named)
         return total
+
+    container_step = OptimizersContainer.step
+
+    def optimizers_step(self: Any, closure: Any = None) -> Any:
+        out = container_step(self, closure)
+        log.on_stepped(named)
+        return out
 
     Trainer.__init__ = init
     dist_utils.clip_grad_norm_ = clip_grad_norm_
+    OptimizersContainer.step = optimizers_step
     tensorboard_log = TensorBoardLogger.log
 
     def log_with_ours(self: Any, metrics: dict[str, Any], step: int) -> None:

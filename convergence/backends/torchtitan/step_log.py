@@ -12,10 +12,16 @@ the built-in trainer's names and definitions (one JSON line per step, rank 0):
   ``torchtitan_grad_norm`` (and in its TensorBoard and console lines, unchanged);
 - ``grad_norm/<part>`` per part of the model (``attention.wq``, ``feed_forward.w2``,
   ``attention_norm``, ``tok_embeddings``, ...: ``convergence.trainer.optim.parameter_part``),
-  and ``grad_norm_parts``, their geometric mean.
+  and ``grad_norm_parts``, their geometric mean;
+- ``update_norm``, ``update_norm/<part>`` and ``update_norm_parts``: the norms of the
+  parameters' change in the optimizer step (``convergence.trainer.optim.update_norms``: a copy
+  of each rank's shards after torchtitan clipped, against the shards after its optimizers
+  stepped) -- what the optimizer applied, after torchtitan's own clipping: a clipping bug (a
+  PP stage clipping with its local norm) leaves ``grad_norm`` right and shows here.
 
-The same norms go into torchtitan's TensorBoard folder as ``convergence/grad_norm`` and
-``convergence/grad_norm_parts`` (``TB_TAGS``), so a job followed live is judged on them too.
+The same norms go into torchtitan's TensorBoard folder as ``convergence/grad_norm``,
+``convergence/grad_norm_parts`` and ``convergence/update_norm_parts`` (``TB_TAGS``), so a job
+followed live is judged on them too. The step's line is written once its optimizers stepped.
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from typing import Any
 
 from convergence.backends.torchtitan.argv import TB_TAGS
 from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
-from convergence.trainer.optim import grad_norms, parameter_part, parts_geomean
+from convergence.trainer.optim import (
+    Sharded,
+    grad_norms,
+    local_pieces,
+    parameter_part,
+    parts_geomean,
+    update_norms,
+)
 
 
 class StepLog:
@@ -38,6 +51,9 @@ class StepLog:
         self.parts: tuple[str, ...] | None = None
         #: This step's record (every rank computes the same norms; rank 0 writes it).
         self.record: dict[str, float | int] = {}
+        #: This rank's parameter shards after clipping, before the optimizers step.
+        self.before: list[Sharded] | None = None
+        self.pp_group: Any = None
 
     def on_batch(self, input_dict: dict[str, Any], labels: Any) -> None:
         self.digest += sample_hash(input_dict["input"], labels)
@@ -55,6 +71,7 @@ class StepLog:
             dist.all_reduce(digest, group=mesh.get_group())
         pp_mesh = parallel_dims.get_optional_mesh("pp")
         pp_group = pp_mesh.get_group() if pp_mesh is not None else None
+        self.pp_group = pp_group
         if self.parts is None:
             self.parts = model_parts(named, pp_group)
         total, part_norms = grad_norms(named, self.parts, pp_group)
@@ -69,19 +86,41 @@ class StepLog:
             },
         }
 
-    def on_clipped(self, torchtitan_norm: float) -> None:
-        """After torchtitan clipped with its own norm: the step's line (rank 0)."""
+    def on_clipped(self, torchtitan_norm: float, named: list[tuple[str, Any]]) -> None:
+        """After torchtitan clipped with its own norm: its norm, and the parameters as they are
+        before the optimizers step (one copy of this rank's shards)."""
+        self.record["torchtitan_grad_norm"] = torchtitan_norm
+        self.before = local_pieces(named)
+
+    def on_stepped(self, named: list[tuple[str, Any]]) -> None:
+        """After torchtitan's optimizers stepped: the update's norms, then the step's line
+        (rank 0). Every rank calls it (the norms are collectives)."""
         import torch.distributed as dist
 
+        if self.before is None or self.parts is None:
+            return  # a step without our clipping record (none in torchtitan 0.3's loop)
+        total, part_norms = update_norms(named, self.before, self.parts, self.pp_group)
+        self.before = None
+        self.record.update(
+            {
+                "update_norm": float(total),
+                "update_norm_parts": parts_geomean(part_norms),
+                **{
+                    f"update_norm/{part}": float(norm)
+                    for part, norm in zip(self.parts, part_norms.tolist(), strict=True)
+                },
+            }
+        )
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        record = {**self.record, "torchtitan_grad_norm": torchtitan_norm}
         with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json.dumps(self.record) + "\n")
 
     def tensorboard_extras(self) -> dict[str, float]:
         """This step's norms under ``TB_TAGS``' names."""
-        return {tag: float(self.record[name]) for tag, name in TB_TAGS.items() if self.record}
+        return {
+            tag: float(self.record[name]) for tag, name in TB_TAGS.items() if name in self.record
+        }
 
 
 def model_parts(named: list[tuple[str, Any]], pp_group: Any) -> tuple[str, ...]:

@@ -21,6 +21,8 @@ from convergence.report.formats.terminal import (
     AXIS_COLUMNS,
     COLUMNS,
     RIGHT,
+    SHARED_STATE_TITLE,
+    SHARED_STATE_VERDICTS,
     record_row,
     with_device,
 )
@@ -237,6 +239,18 @@ def not_compared_lines(pairs: Sequence[PairRecord]) -> list[str]:
     return ["", f"## ⚠️ {NOT_COMPARED_TITLE}", "", *lines] if lines else []
 
 
+def shared_state_lines(pairs: Sequence[PairRecord]) -> list[str]:
+    """Every anchored or resumed verdict, passed ones too (terminal.SHARED_STATE_VERDICTS)."""
+    lines = [
+        f"- {ICONS['passed' if v['passed'] else 'failed']} {cell(p['name'])}: "
+        f"**{v['metric']}**: {text(v['message'])}"
+        for p in pairs
+        for v in p["verdicts"]
+        if v["metric"] in SHARED_STATE_VERDICTS and not v.get("not_compared")
+    ]
+    return ["", f"## Checks {SHARED_STATE_TITLE}", "", *lines] if lines else []
+
+
 def render_markdown(report: ReportDocument) -> str:
     """Headline, the matrix, the sections (:data:`~convergence.report.sections.SECTIONS`),
     one part per failed/errored pair, the report-only regressions, then the sections placed
@@ -256,6 +270,7 @@ def render_markdown(report: ReportDocument) -> str:
             lines += failure_section(record)
     lines += regression_lines([p for p in pairs if p not in bad])
     lines += not_compared_lines(pairs)
+    lines += shared_state_lines(pairs)
     for section in SECTIONS:
         if section.markdown_after_failures:
             lines += section.markdown(report)

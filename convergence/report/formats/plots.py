@@ -290,15 +290,24 @@ def _title(outcome: PairOutcome) -> str:
     return text
 
 
-GRADIENT_LABELS = {"grad_norm": "grad norm", "grad_norm_parts": "per-part grad norm"}
+GRADIENT_LABELS = {
+    "grad_norm": "grad norm",
+    "grad_norm_parts": "per-part grad norm",
+    "update_norm_parts": "per-part update norm",
+}
 
 
 def _gradient_metric(outcome: PairOutcome) -> str:
-    """The gradient curve worth the third panel: the per-part norm when it failed and the total
-    did not (a bug in one kind of weight, invisible in the total), else the total."""
-    parts, total = outcome.verdict("grad_norm_parts"), outcome.verdict("grad_norm")
-    if parts is not None and not parts.passed and parts.gate and (total is None or total.passed):
-        return "grad_norm_parts"
+    """The gradient curve worth the third panel: the total grad norm when it failed, else the
+    first of the per-part grad norm (a bug in one kind of weight, invisible in the total) and
+    the per-part update norm (a bug after the gradient: clipping, LR, optimizer) that failed,
+    else the total."""
+    total = outcome.verdict("grad_norm")
+    if total is None or total.passed:
+        for metric in ("grad_norm_parts", "update_norm_parts"):
+            verdict = outcome.verdict(metric)
+            if verdict is not None and not verdict.passed and verdict.gate:
+                return metric
     return "grad_norm"
 
 

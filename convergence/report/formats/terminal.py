@@ -245,6 +245,33 @@ def floors_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
     return [f"noise {n}" if n.startswith("floors") else n for n in floor_notes(outcomes)]
 
 
+#: The verdicts that judge from a state shared with the control (one step from each of its
+#: anchors; the steps after a resume) rather than along the trajectory: shown passed too, so a
+#: pass says it held from those states, not only along the curves.
+SHARED_STATE_VERDICTS = ("anchored", "resumed")
+SHARED_STATE_TITLE = "judged from the control's states (anchored) / after the resume (resumed)"
+
+
+def shared_state_verdicts(
+    outcomes: Iterable[PairOutcome],
+) -> list[tuple[str, str, bool, str]]:
+    """(pair, verdict name, passed, message) of every anchored or resumed verdict."""
+    return [
+        (o.pair.name, v.metric, v.passed, v.message)
+        for o in outcomes
+        for v in o.verdicts
+        if v.metric in SHARED_STATE_VERDICTS and not v.not_compared
+    ]
+
+
+def shared_state_lines(outcomes: Iterable[PairOutcome]) -> list[str]:
+    lines = [
+        f"  {name}: {metric} {'PASS' if passed else 'FAIL'} -- {message}"
+        for name, metric, passed, message in shared_state_verdicts(outcomes)
+    ]
+    return [f"{SHARED_STATE_TITLE}:", *lines] if lines else []
+
+
 def render_summary(
     outcomes: Iterable[PairOutcome], width: int = 120, *, not_compared: bool = True
 ) -> str:
@@ -263,6 +290,9 @@ def render_summary(
     floors = floors_lines(outcomes)
     if floors:
         text = text.rstrip("\n") + "\n" + "\n".join(floors) + "\n"
+    shared = shared_state_lines(outcomes)
+    if shared:
+        text = text.rstrip("\n") + "\n" + "\n".join(shared) + "\n"
     missing = not_compared_lines(outcomes) if not_compared else []
     if missing:
         text = text.rstrip("\n") + "\n" + "\n".join(missing) + "\n"

@@ -1,0 +1,73 @@
+"""Late bugs without opting in (issue 47): a 100-step pair with no ``anchor_every`` gets the
+automatic anchored check (spec/anchors.py: an anchor every AUTO_EVERY steps), and a bug that
+starts at step 50 fails it within 20 steps of its start, while the correct layout passes it.
+
+fp32, two and four ranks, real torchrun/gloo: the CP rotary offset dropped from step 50
+(detection_bugs/late_onset.py) against FSDP2, and the correct FSDP2+CP2. The bound: the first
+anchor at or after the start is at most AUTO_EVERY steps later, and the anchored check fails at
+the anchor's next step (a second anchor where the persistence rule needs one): within
+2 x AUTO_EVERY = 20 steps. (bf16, where the trajectories miss this bug: BENCHMARKS.md "Verdict V".)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
+
+from catalogue import by_name, late_onset  # noqa: E402
+from pairs import build_pairs  # noqa: E402
+
+from convergence.report import build_report, render_markdown  # noqa: E402
+from convergence.report.formats.terminal import render_summary  # noqa: E402
+from convergence.run.runner import Runner, RunSettings  # noqa: E402
+from convergence.spec.anchors import AUTO_EVERY, AUTO_MIN_STEPS  # noqa: E402
+from convergence.spec.pair import PairSpec  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("late-onset-default")
+
+START, STEPS = 50, AUTO_MIN_STEPS
+BUG = f"cp-rope-ignores-offset-from-{START}"
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PairSpec]:
+    cases = [c for c in late_onset(START) if c.name == BUG] + [by_name("fsdp2-cp2")]
+    return build_pairs(cases, tmp_path_factory.mktemp("exp"), steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory: pytest.TempPathFactory) -> Runner:
+    return Runner(
+        RunSettings(work_dir=tmp_path_factory.mktemp("work"), idle_limit_s=300, wall_limit_s=900)
+    )
+
+
+@pytest.mark.rounding
+def test_a_bug_from_step_50_fails_the_default_anchored_check_within_20_steps(
+    runner: Runner, pairs: dict[str, PairSpec]
+) -> None:
+    assert pairs[BUG].anchor_every == 0 and pairs[BUG].anchor_auto  # no key in the file
+    outcome = runner.run_pair(pairs[BUG])
+    assert outcome.pair.anchor_every == AUTO_EVERY
+    assert outcome.status == "failed", (outcome.error, [v.message for v in outcome.verdicts])
+    anchored = outcome.verdict("anchored")
+    assert anchored is not None and anchored.gate and not anchored.passed, anchored
+    assert anchored.first_divergent_step is not None
+    assert START < anchored.first_divergent_step <= START + 2 * AUTO_EVERY, anchored.message
+
+
+def test_the_correct_layout_passes_it(runner: Runner, pairs: dict[str, PairSpec]) -> None:
+    outcome = runner.run_pair(pairs["fsdp2-cp2"])
+    assert outcome.status == "passed", (outcome.error, [v.message for v in outcome.verdicts])
+    anchored = outcome.verdict("anchored")
+    assert anchored is not None and anchored.passed, anchored
+    assert anchored.steps_compared == (STEPS - 1) // AUTO_EVERY  # anchors 10, 20, ..., 90
+    # The pass from the control's states is shown in the terminal summary and report.md.
+    assert "fsdp2-cp2: anchored PASS -- anchored: " in render_summary([outcome])
+    report = build_report([outcome], environment={}, started_at=None, wall_s=None)
+    assert "**anchored**: anchored: from each of" in render_markdown(report)
