@@ -320,7 +320,9 @@ def test_a_standalone_job_listens_on_loopback_only(tmp_path: Path) -> None:
     the ranks' own) is bound to loopback, read from the kernel while the job trains."""
     import psutil
 
-    req = make_request(tmp_path, "ok", steps=3)
+    # A second per step: the job is still alive when the watcher reports step 1 (at 0.02 s a
+    # step, a loaded machine's poll saw step 1 only after the tree had exited).
+    req = make_request(tmp_path, "slow", steps=3, extra=("--sleep", "1.0"))
     listening: list[tuple[str, str]] = []
     ifnames: list[tuple[str | None, str | None]] = []
 
@@ -360,7 +362,9 @@ def test_a_warm_job_listens_on_loopback_only(tmp_path: Path) -> None:
     kernel while the job trains."""
     import psutil
 
-    req = make_request(tmp_path, "ok", steps=3)
+    # A second per step: the job is still alive when the watcher reports step 1 (at 0.02 s a
+    # step, a loaded machine's poll saw step 1 only after the tree had exited).
+    req = make_request(tmp_path, "slow", steps=3, extra=("--sleep", "1.0"))
     listening: list[str] = []
 
     def look_at_step_1(record: dict[str, float]) -> bool:

@@ -126,8 +126,8 @@ def unsupported_releases(installed: dict[str, str] | None = None) -> str | None:
         "the torchtitan backend changes torchtitan's and torch's modules for the releases it "
         "was written for, and this session has others:\n  "
         + "\n  ".join(wrong)
-        + "\ninstall those releases into this environment (torchtitan 0.3.x and torch 2.13.x: "
-        'pip install -e ".[torchtitan]" in your pytest-convergence clone installs both), or '
+        + "\ninstall the releases named above into this environment (pip install -e "
+        '".[torchtitan]" in your pytest-convergence clone installs the ones it supports), or '
         "port the patches in convergence/backends/torchtitan/patches.py"
     )
 

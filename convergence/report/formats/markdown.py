@@ -31,7 +31,7 @@ from convergence.report.markup import md_code as code
 from convergence.report.markup import md_table as table
 from convergence.report.markup import md_text as text
 from convergence.report.sections import SECTIONS
-from convergence.report.sections.attribution import attribution_lines
+from convergence.report.sections.blame import attribution_lines
 from convergence.report.sections.probe import summary_text
 
 STEP_SUMMARY_LIMIT = 1024 * 1024

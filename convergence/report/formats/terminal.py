@@ -26,7 +26,7 @@ from convergence.report.fmt import (
     fmt_techniques,
     fmt_wall,
 )
-from convergence.report.sections.attribution import attribution_cell
+from convergence.report.sections.blame import attribution_cell
 from convergence.report.sections.dimensions import render_dimensions
 from convergence.run.outcome import PairOutcome
 from convergence.stats.anchored import ANCHORED
