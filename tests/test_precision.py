@@ -206,7 +206,7 @@ def run_pairs(tmp_path: Path, *tests: dict[str, object], steps: int = 40) -> tup
 @needs_torchao
 @pytest.mark.rounding
 @pytest.mark.slow  # 9 jobs: 1.5-5 min here. CI tier of the same properties: the shipped
-# experiments/precision/cpu.toml pairs (correct float8, tier ci) and the rule's "worse" on
+# experiments/precision/cpu.toml pair (correct float8 tensorwise, tier ci) and the rule's "worse" on
 # synthetic pairs (tests/test_stats_noninferiority.py)
 def test_float8_passes_or_is_inconclusive_and_a_planted_bug_fails(tmp_path: Path) -> None:
     code, out, report = run_pairs(
