@@ -29,16 +29,13 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from convergence.trainer.forward_noise import UNIT_ROUNDOFF
+
 #: The environment variable that selects a draw (an integer >= 0; 0 or unset: none).
 ROUNDING_DRAW_ENV = "CONVERGENCE_ROUNDING_DRAW"
 
-#: Unit roundoff per floating dtype name (half the spacing of the significand at 1).
-_UNIT_ROUNDOFF = {
-    "float32": 2.0**-24,
-    "bfloat16": 2.0**-8,
-    "float16": 2.0**-11,
-    "float64": 2.0**-53,
-}
+#: Unit roundoff per floating dtype name: the forward-noise twin's table, plus float64.
+_UNIT_ROUNDOFF = {**UNIT_ROUNDOFF, "float64": 2.0**-53}
 
 # Two odd 32-bit constants (Knuth's multiplicative hash and a second large odd number): the
 # product of a value's bits with the first, offset by the draw times the second, scatters
