@@ -256,8 +256,9 @@ def test_lazy_imports_are_for_cost() -> None:
 #: cached runs) knows nothing of pairs; the probe and a resuming side use it alone; the pair
 #: tier (runner.py: controls, monitoring, verdicts, golden, localisation) sits on top.
 RUN_TIERS: tuple[tuple[str, ...], ...] = (
-    # what reports read; the one judge; jobs at once (together: no job or pair of its own)
-    ("outcome", "probe_compare", "judge", "together"),
+    # what reports read; the one judge and the one status; jobs at once (together: no job
+    # or pair of its own)
+    ("outcome", "probe_compare", "judge", "settle", "together"),
     ("jobs",),  # the job tier
     ("probe", "resume", "anchors"),  # users of the job tier alone
     ("runner", "attribution"),  # the pair tier (attribution runs pairs through run_pair)

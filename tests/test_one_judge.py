@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from convergence.calibration.file import Calibration, write_calibration
-from convergence.calibration.select import current, select_calibration, use
+from convergence.calibration.select import DEFAULTS, current, select_calibration
 from convergence.calibration.stack import current_stack, stack_hash
 from convergence.cli import main
 from convergence.cli.ab import run_ab
@@ -150,13 +150,10 @@ def test_the_same_curves_get_the_same_verdict_through_every_front_end(
 
     # The Runner: both sides launched as jobs (a relative command runs from the cwd).
     monkeypatch.chdir(project)
-    # (It puts its calibration in force for the
-    # process, for the early-stop monitor: put back what was there.)
-    before = current()
-    try:
-        outcome = Runner(RunSettings(work_dir=work, early_stop=False)).run_pair(pair)
-    finally:
-        use(before)
+    outcome = Runner(RunSettings(work_dir=work, early_stop=True)).run_pair(pair)
+    # The calibration is handed to the judge and the early-stop monitor, never made the
+    # process's: after the Runner, the process holds what it held before.
+    assert current() is DEFAULTS
     assert outcome.status == ("passed" if calibrated else "failed"), outcome.error
     assert _signature(outcome.verdicts) == expected
 
@@ -195,3 +192,17 @@ def test_only_the_judge_makes_a_verdict() -> None:
             if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("compare_all"):
                 callers.append(str(path.relative_to(REPO)))
     assert set(callers) == {"convergence/run/judge.py"}, callers
+
+
+def test_only_settle_makes_a_status() -> None:
+    """A status from verdicts is settled in run/settle.py alone, and the front ends build
+    their outcome's status from it: a front end with its own rule (NaN, not compared, an
+    unreliable reference) would tell the same verdicts another status."""
+    callers = []
+    for path in sorted((REPO / "convergence").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("status_of"):
+                callers.append(str(path.relative_to(REPO)))
+    assert set(callers) == {"convergence/run/settle.py"}, callers
+    for front_end in ("run/runner.py", "cli/compare.py", "cli/ab.py"):
+        assert "settle(" in (REPO / "convergence" / front_end).read_text(), front_end

@@ -79,10 +79,25 @@ def test_planted_bugs_still_fail(name: str) -> None:
         assert unreliable_reference(verdicts, _unreliable(case)) is None, key
 
 
-def test_a_pair_failing_only_after_its_control_spiked_is_an_error(tmp_path: Path) -> None:
+def _jsonl(run: dict[str, Curve], path: Path) -> str:
+    """``run``'s loss and grad norm as a metrics.jsonl file (the standard keys)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for metric in ("loss", "grad_norm"):
+        for step, value in zip(
+            run[metric].steps.tolist(), run[metric].values.tolist(), strict=True
+        ):
+            by_step.setdefault(step, {"step": step})[metric] = value
+    path.write_text("".join(json.dumps(line) + "\n" for line in by_step.values()))
+    return str(path)
+
+
+def test_a_pair_failing_only_after_its_control_spiked_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """End to end (real torchrun jobs of the command-backend fixture trainer, the Runner's
     verdict): the control's grad norm spikes at step 12 (10x its previous steps); a test that
     parts from it at step 14 is an error naming the step, one that parts at step 6 fails."""
+    from convergence.cli import main
     from convergence.preflight import load_checked
     from convergence.run.runner import Runner, RunSettings
     from experiments import command_pair, fixture_command
@@ -106,11 +121,19 @@ def test_a_pair_failing_only_after_its_control_spiked_is_an_error(tmp_path: Path
     )
     pairs = {p.name: p for p in load_checked(path, rootdir=tmp_path).pairs}
     runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=120, wall_limit_s=600))
+    monkeypatch.chdir(tmp_path)  # compare's own work folder
     late = runner.run_pair(pairs["late"])
     assert late.status == "error", (late.status, [v.message for v in late.verdicts])
     assert late.error is not None and "reference unreliable after step 11" in late.error
     # The test parts from the spiked control at the spike (its grad norm) and from 14 (loss).
     assert "spikes" in late.error and "first left it at step 12 (grad_norm)" in late.error
+    # The same runs through `convergence compare`: the same status rules (run/settle.py).
+    assert late.control is not None and late.test is not None
+    sides = (late.control, late.test)
+    files = [_jsonl(side.metrics, tmp_path / f"{side.job.name}.jsonl") for side in sides]
+    code = main(["compare", *files])
+    out = "".join(capsys.readouterr())
+    assert code == 1 and "reference unreliable after step 11" in out, out
     early = runner.run_pair(pairs["early"])
     assert early.status == "failed", (early.status, early.error)
     loss = early.verdict("loss")

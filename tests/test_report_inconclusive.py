@@ -24,8 +24,8 @@ from convergence.report import (
     render_matrix,
     write_reports,
 )
-from convergence.run.judge import status_of
 from convergence.run.outcome import PairOutcome
+from convergence.run.settle import status_of
 from convergence.spec.layout import Techniques
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.registry import compare_all

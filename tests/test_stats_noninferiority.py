@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from convergence.metrics.curve import Curve
-from convergence.run.judge import status_of
+from convergence.run.settle import status_of
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.noninferiority import (
     MARGIN_SEEDS,

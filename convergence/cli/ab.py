@@ -37,6 +37,7 @@ from convergence.report.formats.terminal import render_summary
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings
 from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome
+from convergence.run.settle import settle
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -157,10 +158,17 @@ def run_ab(
                 calibration,
                 test_meta=sides["candidate"].meta,
             )
+            settled = settle(
+                pair,
+                judgement.verdicts,
+                sides["baseline"].metrics,
+                test_result=sides["candidate"].result,
+            )
             outcomes.append(
                 PairOutcome(
                     pair=pair,
-                    status=judgement.status,
+                    status=settled.status,
+                    error=settled.error,
                     control=sides["baseline"],
                     test=sides["candidate"],
                     verdicts=judgement.verdicts,

@@ -26,8 +26,9 @@ from convergence.options import (
 )
 from convergence.regimes import REGISTRY, get_regime
 from convergence.report.formats.failure_text import render_outcome
-from convergence.run.judge import judge, status_of
+from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.run.settle import settle
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import METHODS, METRICS, ComparisonRule, Method, PairSpec
@@ -206,6 +207,7 @@ def _outcome(
 ) -> PairOutcome:
     # As the Runner keeps them: what the regime keeps (the seed band's replicates, the twin).
     kept = get_regime(pair.regime).control_curves(controls)
+    settled = settle(pair, verdicts, controls[0], twins=kept.twins)
     control = SideOutcome(
         job=pair.control,
         metrics=controls[0],
@@ -215,7 +217,8 @@ def _outcome(
     )
     return PairOutcome(
         pair=pair,
-        status=status_of(verdicts),
+        status=settled.status,
+        error=settled.error,
         control=control,
         test=SideOutcome(job=pair.test, metrics=test, run_dir=test_path),
         verdicts=verdicts,

@@ -12,6 +12,8 @@ same curves under the same calibration get the same verdict wherever they are ju
   (report.json/.md/.html, the failure text) and ``details["floors"]`` (saved outcomes,
   JUnit's ``convergence.floors``);
 - a golden control recorded with another torch or GPU says so on the loss verdict.
+
+The pair's status from these verdicts is settled in one place too: run/settle.py.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 
 from convergence.calibration.select import Selection, in_force
 from convergence.metrics.curve import RunMetrics
-from convergence.run.outcome import PairStatus
 from convergence.spec.pair import PairSpec
 from convergence.stats.anchored import anchored_verdict
 from convergence.stats.provenance import with_golden_note
@@ -40,23 +41,8 @@ class Judgement:
 
     @property
     def passed(self) -> bool:
-        """Every gating verdict passed."""
+        """Every gating verdict passed (the pair's status is settled in run/settle.py)."""
         return all(v.passed for v in self.verdicts if v.gate)
-
-    @property
-    def status(self) -> PairStatus:
-        return status_of(self.verdicts)
-
-
-def status_of(verdicts: Sequence[MetricVerdict]) -> PairStatus:
-    """passed when every gating verdict passed; failed when one failed outright; else (the
-    rest are inconclusive: stats/noninferiority.py) inconclusive -- a failure outweighs it."""
-    gating = [v for v in verdicts if v.gate]
-    if all(v.passed for v in gating):
-        return "passed"
-    if any(not v.passed and not v.inconclusive for v in gating):
-        return "failed"
-    return "inconclusive"
 
 
 def judge(

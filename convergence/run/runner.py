@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from convergence.calibration.select import select_calibration, use
+from convergence.calibration.select import select_calibration
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
@@ -37,8 +37,8 @@ from convergence.run.anchors import (
     with_part_norms,
 )
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings, slug
-from convergence.run.judge import judge, status_of
-from convergence.run.outcome import PairOutcome, PairStatus, SideOutcome
+from convergence.run.judge import judge
+from convergence.run.outcome import PairOutcome, SideOutcome
 from convergence.run.probe import first_divergent_step, localise, wants_probe
 from convergence.run.resume import (
     probe_after_resume,
@@ -46,10 +46,11 @@ from convergence.run.resume import (
     run_from_checkpoint,
     run_resumed,
 )
+from convergence.run.settle import settle
 from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.pair import PairSpec
-from convergence.stats.health import control_problem, unreliable_from, unreliable_reference
+from convergence.stats.health import control_problem
 from convergence.stats.registry import get_comparison
 from convergence.stats.sequential import SequentialMonitor
 from convergence.stats.types import MetricVerdict
@@ -87,9 +88,9 @@ class Runner:
         self.settings = settings
         self.jobs = JobRunner(settings, launcher=launcher)
         # The calibration this session's verdicts use: the file for this stack, else the
-        # shipped defaults (convergence/calibration/select.py); every verdict names it. In
-        # force for the process too: the early-stop monitor's checks read it.
-        self.calibration = use(select_calibration(settings.work_dir))
+        # shipped defaults (convergence/calibration/select.py); every verdict names it, and
+        # the early-stop monitor is handed it too.
+        self.calibration = select_calibration(settings.work_dir)
 
     # -- pairs --------------------------------------------------------------------------
     def run_pair(
@@ -165,6 +166,7 @@ class Runner:
                     pair.rules,
                     control_runs,
                     key_map=jobs.backend(pair.test).record_keys(pair.test),
+                    calibration=self.calibration,
                     min_step=policy.min_step,
                     patience=policy.patience,
                 ).decided_by
@@ -220,19 +222,10 @@ class Runner:
             anchored_twins=anchored_twins,
             resumed_twins=resumed_twins,
         ).verdicts
-        error = None
-        if test.result is not None and test.result.status == "nan" and test.result.failure:
-            error = f"test job {pair.test.name!r}: {test.result.failure.message}"
-        status = _status(verdicts, test)
-        if status == "failed" and error is None and not pair.golden:
-            # A failure only past the step where the control group stopped being one
-            # trajectory (stats.health.unreliable_from) is the reference's, not the test's.
-            unreliable = unreliable_reference(verdicts, _unreliable_from(control))
-            if unreliable is not None:
-                status, error = "error", f"control job {pair.control.name!r}: {unreliable}"
-        asked = [v.message for v in verdicts if v.not_compared and v.gate]
-        if asked and error is None:  # the experiment named a metric that a run did not log
-            status, error = "error", "not compared: " + "; ".join(asked)
+        settled = settle(
+            pair, verdicts, control.metrics, twins=control.twins, test_result=test.result
+        )
+        status, error = settled.status, settled.error
         localisation = self._localise(
             pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control, test, jobs
         )
@@ -324,12 +317,6 @@ def _control_problem(control: SideOutcome) -> str | None:
     return f"control job {control.job.name!r}: {problem}" if problem else None
 
 
-def _unreliable_from(control: SideOutcome) -> tuple[int, str] | None:
-    """From which step the control and its twins stop being one reference (stats.health)."""
-    twins = [run["grad_norm"] for run in control.twins if "grad_norm" in run]
-    return unreliable_from(control.metrics.get("grad_norm"), twins)
-
-
 def _os_error_text(exc: OSError, work_dir: Path) -> str:
     import errno
 
@@ -351,9 +338,3 @@ def _stopped_at(test: SideOutcome) -> int | None:
     if loss is not None and len(loss):
         return int(loss.steps[-1])
     return test.result.last_step
-
-
-def _status(verdicts: Sequence[MetricVerdict], test: SideOutcome) -> PairStatus:
-    if test.result is not None and test.result.status == "nan":
-        return "failed"
-    return status_of(verdicts)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from convergence.calibration.select import DEFAULTS, Selection, in_force
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.metrics.tags import JSONL_KEYS, resolve_map
 from convergence.regimes.base import DEFAULT_EARLY_STOP
@@ -59,19 +60,24 @@ class SequentialMonitor:
         min_step: int = DEFAULT_MIN_STEP,
         patience: int = DEFAULT_PATIENCE,
         key_map: Mapping[str, str] | None = None,
+        calibration: Selection = DEFAULTS,
     ) -> None:
+        """``calibration``: the one the pair's verdict will use (run/judge.py), so that the
+        monitor stops a test only where that verdict would fail it."""
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience}")
         self.min_step = min_step
         self.patience = patience
         self._sources = resolve_map(JSONL_KEYS, key_map)
         self._checks: dict[str, Check] = {}
-        for rule in rules:
-            check = _check_for(
-                rule, [run[rule.metric] for run in control_runs if rule.metric in run]
-            )
-            if rule.gate and check is not None:
-                self._checks[rule.metric] = check
+        # The checks take their tolerances when they are built (Comparison.monitor).
+        with in_force(calibration):
+            for rule in rules:
+                check = _check_for(
+                    rule, [run[rule.metric] for run in control_runs if rule.metric in run]
+                )
+                if rule.gate and check is not None:
+                    self._checks[rule.metric] = check
         self._streak: dict[str, list[int]] = {metric: [] for metric in self._checks}
         self.decision = UNDECIDED
 
