@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from convergence.metrics.curve import RunMetrics
+from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import ComparisonRule, Method, PairSpec
 from convergence.spec.rules import DATA_RULE, PERFORMANCE_RULES
@@ -166,6 +167,17 @@ def gating_rules(method: Method, *, update: bool = True) -> tuple[ComparisonRule
     )
 
 
+def check_replicates(pair: PairSpec, regime: str, *, what: str, fix: str) -> None:
+    """SpecError unless ``pair`` asks for at least 2 replicates (a band needs two runs)."""
+    if pair.replicates < 2:
+        raise SpecError(
+            f"the {regime} regime needs at least 2 {what}",
+            file=pair.source,
+            key="replicates",
+            fix=fix,
+        )
+
+
 @dataclass(frozen=True)
 class ShippedRegime:
     """What the shipped regimes have alike (a subclass gives ``name`` and ``method`` defaults
@@ -182,8 +194,20 @@ class ShippedRegime:
     def default_rules(self) -> tuple[ComparisonRule, ...]:
         return gating_rules(self.method)
 
+    method_needs: str = ""
+    """Why this regime's method works only under this regime (it needs controls only this
+    regime runs), for the error; empty: the method may be used under any regime."""
+
     def check_method_use(self, pair: PairSpec, *, key: str) -> None:
-        return None
+        metrics = [r.metric for r in pair.rules if r.method == self.method]
+        if self.method_needs and metrics and pair.regime != self.name:
+            raise SpecError(
+                f'compare.{metrics[0]} = "{self.method}" needs the {self.name} regime '
+                f"({self.method_needs})",
+                file=pair.source,
+                key=f"{key}.compare.{metrics[0]}",
+                fix=f'set regime = "{self.name}", or another method for this metric',
+            )
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
         return (pair.control,)

@@ -19,7 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from convergence.metrics.curve import RunMetrics
-from convergence.regimes.base import ControlCurves, EarlyStopPolicy, ShippedRegime, TwinSource
+from convergence.regimes.base import (
+    ControlCurves,
+    EarlyStopPolicy,
+    ShippedRegime,
+    TwinSource,
+    check_replicates,
+)
 from convergence.regimes.paired import check_same_seed
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -42,6 +48,7 @@ class MarginRegime(ShippedRegime):
     band_of_replicates: bool = True
     early_stop: EarlyStopPolicy = NO_EARLY_STOP
     probe_on_failure: bool = False
+    method_needs: str = "it compares replicate pairs that only that regime runs"
 
     def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         # Asked first: a precision technique differs from its control beyond any rounding,
@@ -50,30 +57,18 @@ class MarginRegime(ShippedRegime):
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
         check_same_seed(pair, key=key)
-        if pair.replicates < 2:
-            raise SpecError(
-                "the margin regime needs at least 2 replicate pairs (their spread is the evidence)",
-                file=pair.source,
-                key="replicates",
-                fix="set replicates >= 2 (3 is the default)",
-            )
+        check_replicates(
+            pair,
+            self.name,
+            what="replicate pairs (their spread is the evidence)",
+            fix="set replicates >= 2 (3 is the default)",
+        )
         if pair.golden:
             raise SpecError(
                 "the margin regime runs control replicates; a golden curve is one run",
                 file=pair.source,
                 key=f"{key}.regime",
                 fix='drop golden, or use regime = "seed"',
-            )
-
-    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
-        rules = [r.metric for r in pair.rules if r.method == self.method]
-        if rules and pair.regime != self.name:
-            raise SpecError(
-                f'compare.{rules[0]} = "margin" needs the margin regime (it compares '
-                "replicate pairs that only that regime runs)",
-                file=pair.source,
-                key=f"{key}.compare.{rules[0]}",
-                fix='set regime = "margin", or another method for this metric',
             )
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:

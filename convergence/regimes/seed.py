@@ -11,7 +11,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from convergence.metrics.curve import RunMetrics
-from convergence.regimes.base import ControlCurves, ShippedRegime, TwinSource, gating_rules
+from convergence.regimes.base import (
+    ControlCurves,
+    ShippedRegime,
+    TwinSource,
+    check_replicates,
+    gating_rules,
+)
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import ComparisonRule, Method, PairSpec
@@ -34,13 +40,7 @@ class SeedRegime(ShippedRegime):
         return True  # the fallback: asked last among the shipped regimes
 
     def check(self, pair: PairSpec, *, key: str, backend: TwinSource) -> None:
-        if pair.replicates < 2:
-            raise SpecError(
-                "the seed regime needs at least 2 control replicates",
-                file=pair.source,
-                key="replicates",
-                fix="set replicates >= 2",
-            )
+        check_replicates(pair, self.name, what="control replicates", fix="set replicates >= 2")
 
     # check_method_use: allowed anywhere (ShippedRegime's): with one control curve the seed
     # comparison fails with its own reason.

@@ -26,6 +26,7 @@ from convergence.spec.pair import Method, PairSpec
 class TwinRegime(ShippedRegime):
     name: str = "twin"
     method: Method = "twin"
+    method_needs: str = "it compares with a twin of the control that only that regime runs"
 
     def claims(self, control: JobSpec, test: JobSpec, *, twins: bool) -> bool:
         # Asked after paired: same seed checkpoint and data but not bitwise reproducible, and
@@ -45,17 +46,6 @@ class TwinRegime(ShippedRegime):
                 key=f"{key}.regime",
                 fix=exc.fix,
             ) from None
-
-    def check_method_use(self, pair: PairSpec, *, key: str) -> None:
-        twin_rules = [r.metric for r in pair.rules if r.method == self.method]
-        if twin_rules and pair.regime != self.name:
-            raise SpecError(
-                f'compare.{twin_rules[0]} = "twin" needs the twin regime (it '
-                "compares with a twin of the control that only that regime runs)",
-                file=pair.source,
-                key=f"{key}.compare.{twin_rules[0]}",
-                fix='set regime = "twin", or another method for this metric',
-            )
 
     def control_jobs(self, pair: PairSpec, backend: TwinSource) -> tuple[JobSpec, ...]:
         """The control, then its twins; SpecError (with a fix) when there is no noise twin.
