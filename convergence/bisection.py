@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from convergence.backends import get_backend
+from convergence.checks.base import first_divergent_step
 from convergence.preflight import load_checked
 from convergence.run.jobs import RunSettings
 from convergence.run.outcome import PairOutcome
-from convergence.run.probe import first_divergent_step
 from convergence.run.session import SessionRunner
 from convergence.spec.errors import SpecError
 from convergence.spec.pair import PairSpec

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from convergence.backends import Backend, get_backend
 from convergence.backends.registry import not_importable
+from convergence.backends.tokens import batch_fix
+from convergence.checks import checks_of
 from convergence.launch.placement import FIX_MORE_DEVICES, NotPlaceable, place
 from convergence.regimes import REGISTRY, get_regime
-from convergence.spec.anchors import auto_anchor_every
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.experiment import (
     JOB_KEYS,
@@ -134,6 +135,45 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
     """Invariants of a pair that need no devices: same data, same tokens per step, valid jobs."""
     file = pair.source
     control, test = pair.control, pair.test
+    backends = _side_backends(pair, key)
+    # The pair's checks (anchored, resumed, ...: convergence/checks/), each its own refusals.
+    for check in checks_of(pair):
+        check.refuse(pair, backends, key=key)
+    try:
+        regime = get_regime(pair.regime)
+    except SpecError as exc:
+        raise SpecError(exc.detail, file=file, key=f"{key}.regime", fix=exc.fix) from None
+    # The regime's own checks (same seed, its control jobs can be derived, ...), then each
+    # regime's say on the methods that need its control jobs.
+    regime.check(pair, key=key, backend=backends["control"])
+    for other in REGISTRY.all():
+        other.check_method_use(pair, key=key)
+    if pair.probe_always and not all(b.capabilities.probe for b in backends.values()):
+        raise SpecError(
+            'probe = "always" needs a trainer with a probe mode on both sides (the '
+            "built-in one, torchtitan; command jobs are never probed)",
+            file=file,
+            key=f"{key}.probe",
+            fix='drop probe = "always" for this pair',
+        )
+    if control.backend == test.backend:
+        backend = backends["control"]
+        ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
+        if ctrl_tokens != test_tokens:
+            raise SpecError(
+                f"tokens per optimizer step differ: control {ctrl_tokens} vs test {test_tokens} "
+                "(local batch x DP x grad accumulation x seq_len)",
+                file=file,
+                key=f"{key}.local_batch_size",
+                fix=batch_fix(backend, test, ctrl_tokens),
+            )
+
+
+def _side_backends(pair: PairSpec, key: str) -> dict[str, Backend]:
+    """Each side's backend, looked up once, with its train config and its own preflight
+    checked; an error names the experiment file and the side's key."""
+    file = pair.source
+    control, test = pair.control, pair.test
     # Each side's backend, looked up once; what it works out of a job (the effective train
     # config) is worked out once per job and kept (backends/effective.py), so the regime's
     # checks, the tokens per step and the runner later only look it up.
@@ -175,72 +215,7 @@ def check_pair(pair: PairSpec, *, key: str = "test") -> None:
                 key=key_path,
                 fix=exc.fix,
             ) from None
-    if test.resume is not None:
-        check_resume(test, file=file, key=key)
-    if pair.anchor_every:  # the anchored check saves and loads training checkpoints
-        for side, backend in backends.items():
-            if not backend.capabilities.anchors:
-                raise SpecError(
-                    f"anchor_every needs a trainer that saves its state every N steps and "
-                    f"trains one step from each; the {side}'s backend {backend.name!r} does not",
-                    file=file,
-                    key=f"{key}.anchor_every",
-                    fix="drop anchor_every from this pair, or run it on a backend that saves "
-                    "anchors (the built-in trainer, or torchtitan through its DCP checkpoints)",
-                )
-        check_anchor_layouts(pair, backends, file=file, key=key)
-    try:
-        regime = get_regime(pair.regime)
-    except SpecError as exc:
-        raise SpecError(exc.detail, file=file, key=f"{key}.regime", fix=exc.fix) from None
-    # The regime's own checks (same seed, its control jobs can be derived, ...), then each
-    # regime's say on the methods that need its control jobs.
-    regime.check(pair, key=key, backend=backends["control"])
-    for other in REGISTRY.all():
-        other.check_method_use(pair, key=key)
-    if pair.probe_always and not all(b.capabilities.probe for b in backends.values()):
-        raise SpecError(
-            'probe = "always" needs a trainer with a probe mode on both sides (the '
-            "built-in one, torchtitan; command jobs are never probed)",
-            file=file,
-            key=f"{key}.probe",
-            fix='drop probe = "always" for this pair',
-        )
-    if control.backend == test.backend:
-        backend = backends["control"]
-        ctrl_tokens, test_tokens = backend.tokens_per_step(control), backend.tokens_per_step(test)
-        if ctrl_tokens != test_tokens:
-            raise SpecError(
-                f"tokens per optimizer step differ: control {ctrl_tokens} vs test {test_tokens} "
-                "(local batch x DP x grad accumulation x seq_len)",
-                file=file,
-                key=f"{key}.local_batch_size",
-                fix=_batch_fix(backend, test, ctrl_tokens),
-            )
-
-
-def with_auto_anchors(pair: PairSpec) -> PairSpec:
-    """``pair`` with the automatic anchored check (``anchor_auto``: the experiment left
-    ``anchor_every`` out) where it can run: a control job (no golden curve), a test that does
-    not resume, both sides on one trainer that saves and loads anchors across their layouts;
-    the spacing from the test's steps (convergence.spec.anchors.auto_anchor_every). Called
-    on the pair as it runs, after the session's --convergence-steps."""
-    if not pair.anchor_auto or pair.golden or pair.test.resume is not None:
-        return pair
-    every = auto_anchor_every(pair.test.steps)
-    if every == 0 or every >= min(pair.test.steps, pair.control.steps):
-        return dataclasses.replace(pair, anchor_every=0)
-    try:
-        backends = {
-            "control": get_backend(pair.control.backend),
-            "test": get_backend(pair.test.backend),
-        }
-        if not all(b.capabilities.anchors for b in backends.values()):
-            return pair
-        check_anchor_layouts(pair, backends, file=pair.source, key="test")
-    except (SpecError, NotRunnableHere):
-        return pair  # the automatic check is only where it can run; an explicit one says why
-    return dataclasses.replace(pair, anchor_every=every)
+    return backends
 
 
 def check_train_config(job: JobSpec, backend: Backend) -> None:
@@ -249,94 +224,6 @@ def check_train_config(job: JobSpec, backend: Backend) -> None:
         raise SpecError(
             "no train_config", key="train_config", fix=backend.capabilities.train_config_fix
         )
-
-
-def check_anchor_layouts(
-    pair: PairSpec, backends: dict[str, Backend], *, file: str, key: str
-) -> None:
-    """What the anchored check needs of the two sides beyond each backend's say: the anchors
-    are one trainer's checkpoints, and some trainers cannot load them onto another DP degree."""
-    control, test = backends["control"], backends[key]
-    if control.name != test.name:
-        raise SpecError(
-            f"anchor_every: the test ({test.name!r}) cannot load the control's anchors, which "
-            f"are the {control.name!r} trainer's checkpoints",
-            file=file,
-            key=f"{key}.anchor_every",
-            fix="run both sides on one backend, or drop anchor_every from this pair",
-        )
-    before, after = pair.control.layout.dp, pair.test.layout.dp
-    if test.capabilities.anchors_keep_dp and before != after:
-        raise SpecError(
-            f"anchor_every: the test's data-parallel degree ({after}) is not the control's "
-            f"({before}), and the {test.name!r} trainer's dataloader keeps one position per DP "
-            "rank: it cannot load the control's anchors onto another DP degree",
-            file=file,
-            key=f"{key}.anchor_every",
-            fix=f"keep dp_replicate x dp_shard = {before} on the test (add tp, pp or cp ranks "
-            "instead), or drop anchor_every from this pair",
-        )
-
-
-def check_resume(test: JobSpec, *, file: str, key: str) -> None:
-    """A resuming test side (convergence.spec.resume): its backend resumes, the resume layout
-    passes the backend's preflight and reads the same tokens per optimizer step as before
-    the resume."""
-    after = test.after_resume()
-    where = f"{key}.resume"
-    backend = get_backend(after.backend)
-    if not backend.capabilities.resume:
-        raise SpecError(
-            f"the {backend.name!r} backend does not resume (its trainer's checkpointing "
-            "flags are not mapped)",
-            file=file,
-            key=where,
-            fix="drop resume from this test, or use a backend that resumes (builtin, torchtitan)",
-        )
-    try:
-        backend.preflight(after)
-    except SpecError as exc:
-        raise SpecError(
-            f"[{key} {test.name!r} after the resume] {exc.detail}",
-            file=file,
-            key=f"{where}.{exc.key}" if exc.key else where,
-            fix=exc.fix,
-        ) from None
-    before, resumed = backend.tokens_per_step(test), backend.tokens_per_step(after)
-    if before != resumed:
-        raise SpecError(
-            f"tokens per optimizer step change at the resume: {before} before, {resumed} after "
-            "(local batch x DP x grad accumulation x seq_len); the data position and the LR "
-            "schedule would no longer line up with the control",
-            file=file,
-            key=f"{where}.local_batch_size",
-            fix=_batch_fix(backend, after, before).replace("on the test", "in the resume table"),
-        )
-
-
-def _batch_fix(backend: Backend, test: JobSpec, ctrl_tokens: int) -> str:
-    """The local batch that gives the test the control's tokens per step, asked of the backend
-    itself (its tokens per step at local batch 1 and 2): a backend whose tokens do not follow
-    the local batch (torchtitan with a global batch size, a command job stating its tokens)
-    gets the general fix."""
-    generic = "make local batch x DP x grad accumulation equal on both sides"
-    try:
-        one, two = (
-            backend.tokens_per_step(dataclasses.replace(test, local_batch_size=n)) for n in (1, 2)
-        )
-    except (SpecError, ValueError, TypeError):
-        return generic
-    if one <= 0 or two != 2 * one:
-        return generic
-    if ctrl_tokens % one == 0:
-        return (
-            f"set local_batch_size = {ctrl_tokens // one} on the test "
-            f"(its DP degree is {test.layout.dp}; {one} tokens per unit of local batch)"
-        )
-    return (
-        "change the test's local_batch_size or techniques.grad_accum_steps so that "
-        "local batch x DP x grad accumulation matches the control"
-    )
 
 
 def pair_jobs(pair: PairSpec) -> list[tuple[str, JobSpec]]:

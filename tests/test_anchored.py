@@ -22,8 +22,10 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "detection"))
 from catalogue import BUGS, late_onset  # noqa: E402
 from pairs import build_pairs  # noqa: E402
 
+from convergence.checks.anchored import anchor_folder, with_part_norms  # noqa: E402
+from convergence.checks.base import SideRun  # noqa: E402
 from convergence.report.formats.failure_text import headline  # noqa: E402
-from convergence.run.anchors import probe_at_anchor, with_part_norms  # noqa: E402
+from convergence.run.probe import probe_from_checkpoint  # noqa: E402
 from convergence.run.runner import Runner, RunSettings  # noqa: E402
 
 START, STEPS, EVERY = 25, 40, 10
@@ -54,21 +56,31 @@ def test_a_late_bug_fails_at_an_anchor_after_its_start_and_a_correct_layout_pass
     # Before the bug the test layout matched the control from each anchor.
     assert anchored.details["anchors"] == [10, 20, 30]
     assert anchored.details["anchors_failing"] == [30]
-    assert failing.anchored is not None and failing.anchored.metrics["loss"].steps.tolist() == [
-        11,
-        21,
-        31,
-    ]
+    (side,) = [s for s in failing.extra_sides if s.job.name.endswith("-anchored")]
+    assert side.metrics["loss"].steps.tolist() == [11, 21, 31]
     # Each part's grad norm travels with the anchored steps and the control (read from their
     # JSONL logs) for the anchored check's per-part judgement (twin regime; stats/anchored.py).
     assert failing.control is not None
-    for side in (failing.anchored, with_part_norms(failing.control)):
-        assert "grad_norm/attention.wq" in side.metrics, sorted(side.metrics)
-    assert failing.anchored.metrics["grad_norm/attention.wq"].steps.tolist() == [11, 21, 31]
+    anchored_parts, control_parts = (
+        with_part_norms(SideRun(job=s.job, metrics=s.metrics, run_dir=s.run_dir))
+        for s in (side, failing.control)
+    )
+    for metrics in (anchored_parts, control_parts):
+        assert "grad_norm/attention.wq" in metrics, sorted(metrics)
+    assert anchored_parts["grad_norm/attention.wq"].steps.tolist() == [11, 21, 31]
 
-    # The probe starts from the failing anchor (both layouts load it, probe the step after).
-    probe = probe_at_anchor(
-        runner.jobs, failing.pair, failing.control, anchor, pair_dir=tmp_path / "probe"
+    # The probe from the failing anchor (both layouts load it, probe the step after): what
+    # the anchored check asks of the Runner when the curves had not parted before it.
+    control = SideRun(job=failing.control.job, metrics={}, run_dir=failing.control.run_dir)
+    probe = probe_from_checkpoint(
+        runner.jobs,
+        failing.pair.control,
+        failing.pair.test,
+        anchor_folder(control) / f"step{anchor}",
+        tmp_path / "probe",
+        step=anchor + 1,
+        head={"anchor_step": anchor},
+        failed=f"at anchor {anchor}",
     )
     assert "error" not in probe and probe["step"] == anchor + 1, probe
     assert probe["anchor_step"] == anchor

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from convergence.preflight import with_auto_anchors
+from convergence.checks.anchored import with_auto_anchors
 from convergence.regimes import REGISTRY
 from convergence.spec.anchors import AUTO_EVERY, AUTO_MAX_ANCHORS, AUTO_MIN_STEPS, auto_anchor_every
 from convergence.spec.errors import SpecError
@@ -101,7 +101,7 @@ def test_the_trainer_refuses_anchor_keys_it_cannot_honour(overrides: list[str], 
 
 
 def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
-    """The probe at a failing anchor: resume_from + probe (run/anchors.py probe_at_anchor)."""
+    """The probe at a failing anchor: resume_from + probe (convergence/checks/anchored.py AnchoredCheck.probe)."""
     from convergence.trainer.config import load_train_config
     from convergence.trainer.config_checks import check_config
 

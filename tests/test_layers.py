@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("calibration",),  # floors measured on this stack (file, selection); stats reads them
     ("stats",),  # comparisons, sequential monitor, health, provenance
     ("backends",),  # how a job becomes a command (builtin, torchtitan, command)
+    ("checks",),  # evidence beside the rules (anchored, resumed): described, the Runner runs it
     ("preflight",),  # the checks that need backends or devices
     ("run",),  # the spine: jobs, pairs, probe, outcomes
     ("report",),  # terminal, JSON/MD/HTML, plots
@@ -260,7 +261,7 @@ RUN_TIERS: tuple[tuple[str, ...], ...] = (
     # or pair of its own)
     ("outcome", "probe_compare", "judge", "settle", "together"),
     ("jobs",),  # the job tier
-    ("probe", "resume", "anchors"),  # users of the job tier alone
+    ("probe", "resume"),  # users of the job tier alone
     ("runner", "attribution"),  # the pair tier (attribution runs pairs through run_pair)
     ("session",),  # one Runner per session
 )
@@ -270,7 +271,6 @@ RUN_TIERS: tuple[tuple[str, ...], ...] = (
 JOB_TIER_USERS = (
     "convergence.run.probe",
     "convergence.run.resume",
-    "convergence.run.anchors",
     "convergence.cli.ab",
 )
 PAIR_TIER = ("convergence.run.runner", "convergence.run.session")

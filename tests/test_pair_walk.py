@@ -64,10 +64,16 @@ MORE: dict[str, tuple[int, str]] = {
         "assembled into curves",
     ),
     "calibration/select.py": (
-        4,
+        5,
         "the judge's calibration in force for the judgement (a context manager: made, "
-        "entered, left), its label and JSON on each verdict (run/judge.py), and the "
-        "calibrated paired tolerance (stats/paired_band.py)",
+        "entered, left), its label and JSON on each verdict (run/judge.py), the "
+        "calibrated paired tolerance (stats/paired_band.py), and the early-stop monitor's "
+        "calibration in force while its checks are built (stats/sequential.py)",
+    ),
+    "checks/registry.py": (
+        3,
+        "the pair as it runs (the Runner: as_run) and its checks (the Runner: checks_of, for "
+        "their jobs; the judge: for their verdicts)",
     ),
     "stats/registry.py": (
         3,

@@ -201,8 +201,9 @@ LATE_STEP = 3  # planted_late_bugs.FIRST_BAD_STEP
 
 
 def test_first_divergent_step_and_failure_line() -> None:
+    from convergence.checks.base import first_divergent_step
     from convergence.report.sections.probe import failure_line, summary_text
-    from convergence.run.probe import agrees, first_divergent_step
+    from convergence.run.probe import agrees
     from convergence.stats.types import MetricVerdict
 
     def verdict(metric: str, passed: bool, first: int | None, gate: bool = True) -> Any:

@@ -33,12 +33,12 @@ from convergence.backends.torchtitan.anchors import MANIFEST
 from convergence.backends.torchtitan.argv import STEP_LOG
 from convergence.backends.torchtitan.backend import TorchtitanBackend
 from convergence.backends.torchtitan.launch import split_argv
+from convergence.checks.anchored import AnchoredCheck, anchored_job
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tensorboard import read_tensorboard
 from convergence.preflight import check_pair
 from convergence.regimes import REGISTRY
-from convergence.run.anchors import anchored_job, with_anchor_saves
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 from convergence.spec.resume import RESUME_FROM
@@ -84,7 +84,7 @@ def test_the_anchor_keys_become_torchtitans_options(tmp_path: Path) -> None:
     pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
     check_pair(pair)  # collection accepts a torchtitan pair with anchor_every
     backend = TorchtitanBackend()
-    control = with_anchor_saves(pair, [pair.control])[0]
+    control = AnchoredCheck().control_jobs(pair, [pair.control])[0]
     folder = tmp_path / "c" / "anchors"
     test = anchored_job(pair.test, folder)
     saving = backend.train_entry(control, tmp_path / "c", tmp_path / "seed")
@@ -104,7 +104,7 @@ def test_the_anchor_keys_become_torchtitans_options(tmp_path: Path) -> None:
     )
     ckpt = backend.effective_config(test).checkpoint
     assert (ckpt.enable, ckpt.folder, ckpt.load_only) == (True, str(folder), True)
-    # The probe from anchor 8 (run/anchors.py names it <anchors>/step8, the built-in
+    # The probe from anchor 8 (checks/anchored.py names it <anchors>/step8, the built-in
     # trainer's folder): torchtitan loads its step-8 from the anchors folder.
     probe = dataclasses.replace(
         pair.test, overrides=(*pair.test.overrides, (RESUME_FROM, str(folder / "step8")))

@@ -3,7 +3,7 @@ correct long curves, with anchors on.
 
 Each pair runs through the library's Runner with the default rules and early stopping, like
 benchmarks/detection/run.py, plus ``anchor_every = N``: the control saves its state every N
-steps and the test layout trains one step from each (convergence/run/anchors.py). Prints one
+steps and the test layout trains one step from each (convergence/checks/anchored.py). Prints one
 line per pair as it finishes and appends it to ``--out`` (JSON lines: partial results survive
 a long run), then a table.
 

@@ -27,7 +27,7 @@ class Capabilities:
     probe: bool = False
     """The trainer has the numerics probe mode (``--probe.*``: run/probe.py)."""
     anchors: bool = False
-    """The anchored check (run/anchors.py): the control saves its whole state every N steps
+    """The anchored check (checks/anchored.py): the control saves its whole state every N steps
     (``--checkpoint.anchor_every``) and a job trains one step from each of those states
     (``--checkpoint.anchored_from``)."""
     anchors_keep_dp: bool = False

@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from convergence.calibration.select import Selection, in_force
+from convergence.checks import Ran, checks_of
 from convergence.metrics.curve import RunMetrics
 from convergence.spec.pair import PairSpec
-from convergence.stats.anchored import anchored_verdict
 from convergence.stats.provenance import with_golden_note
 from convergence.stats.registry import compare_all, get_comparison
-from convergence.stats.resumed import resumed_verdict
 from convergence.stats.types import MetricVerdict
 
 
@@ -53,45 +52,27 @@ def judge(
     *,
     test_meta: Mapping[str, Any] | None = None,
     upto: int | None = None,
-    anchored: RunMetrics | None = None,
-    anchored_twins: Sequence[RunMetrics] = (),
-    resumed_twins: Sequence[RunMetrics] = (),
+    ran: Ran | None = None,
 ) -> Judgement:
     """``test`` judged against ``controls`` (the control first, then what its regime runs
-    beside it: twins, seed replicates) by ``pair.rules`` under ``calibration``.
+    beside it: twins, seed replicates) by ``pair.rules`` under ``calibration``, then by the
+    pair's checks (convergence/checks/: anchored, resumed, ...) on what ``ran`` (the Runner's
+    jobs, the checks' extra jobs among them; None: curves without their jobs, as `compare`
+    has them -- no check has its evidence).
 
     ``upto``: the last step the test ran when it was stopped early -- the controls are cut
     there, so "incomplete" fails no metric (the sequential monitor already saw a gating metric
     clearly outside). ``test_meta``: the test run's metadata (the golden note compares its
-    environment with the golden file's). ``anchored``: the test layout's anchored steps
-    (``pair.anchor_every``; convergence/run/anchors.py), judged after the rules as one more
-    verdict, ``anchored`` (stats/anchored.py), on the controls' full curves;
-    ``anchored_twins``: the twins' one step from the same anchors (twin rules' tolerance).
-    ``resumed_twins``: a resuming test's twins run again from its checkpoint (the regime's
-    ``resumed_controls``), judging the steps after the resume as one more verdict, ``resumed``
-    (stats/resumed.py).
+    environment with the golden file's).
     """
     runs = list(controls)
-    resumed = list(resumed_twins)
     if upto is not None:
         runs = [{m: c.upto(upto) for m, c in run.items()} for run in runs]
-        resumed = [{m: c.upto(upto) for m, c in run.items()} for run in resumed]
     with in_force(calibration):
         verdicts = compare_all(pair.rules, runs, test)
-        if anchored is not None:
-            one_step = anchored_verdict(
-                pair.rules,
-                controls,
-                anchored,
-                every=pair.anchor_every,
-                anchored_twins=anchored_twins,
-            )
-            verdicts = (*verdicts, one_step)
-        if resumed and pair.test.resume is not None:
-            after = resumed_verdict(
-                pair.rules, runs, test, at_step=pair.test.resume.at_step, resumed_twins=resumed
-            )
-            verdicts = (*verdicts, *([after] if after is not None else []))
+        if ran is not None:
+            for check in checks_of(pair):
+                verdicts = (*verdicts, *check.verdicts(pair, ran))
     verdicts = with_calibration_note(verdicts, calibration)
     if pair.golden:
         verdicts = with_golden_note(Path(pair.golden), verdicts, test_meta or {})

@@ -61,8 +61,9 @@ class PairOutcome:
     """Numerics probe result: first differing module / parameter (paired failures)."""
     plots: tuple[Path, ...] = ()
     wall_s: float = 0.0
-    anchored: SideOutcome | None = None
-    """The test layout's anchored steps (pair key ``anchor_every``; run/anchors.py)."""
+    extra_sides: tuple[SideOutcome, ...] = ()
+    """The jobs the pair's checks ran beside the control group and the test (the anchored
+    test job, the resumed twins, ...: convergence/checks/), as they ran."""
     attribution: dict[str, Any] | None = None
     """Which axis a failing N-D pair's failure belongs to (run/attribution.py): the isolating
     pairs' results and the blame; None where it did not run."""

@@ -36,7 +36,6 @@ from convergence.run.probe_compare import compare_probe_files
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
 from convergence.spec.resume import RESUME_FROM
-from convergence.stats.types import MetricVerdict
 
 
 def wants_probe(pair: PairSpec, status: str) -> bool:
@@ -54,16 +53,6 @@ def wants_probe(pair: PairSpec, status: str) -> bool:
 def probe_overrides(step: int) -> list[str]:
     # training.steps stays the job's: the LR schedule of the replayed steps depends on it.
     return ["--probe.enable=true", f"--probe.step={step}", "--metrics.enable_tensorboard=false"]
-
-
-def first_divergent_step(verdicts: Sequence[MetricVerdict]) -> int | None:
-    """Earliest first-divergent step over the failing gate verdicts (None when none says)."""
-    steps = [
-        v.first_divergent_step
-        for v in verdicts
-        if v.gate and not v.passed and v.first_divergent_step is not None
-    ]
-    return min(steps) if steps else None
 
 
 def run_probe_job(

@@ -5,7 +5,7 @@
     -> one SideOutcome whose curves are job 1's then job 2's
     + where the regime asks (Regime.resumed_controls: the twin regime's twins), its
       control-side jobs loading the same checkpoint, steps K+1..N: the noise from the
-      test's state at K (stats/resumed.py judges the steps after K against them)
+      test's state at K -- the resumed check's (convergence/checks/resumed.py)
 
 Both jobs go through the job tier (run/jobs.py) like any test job (fresh, never from the run cache: a resume is
 what is under test) and feed the same early-stop monitor; a job 1 stopped early ends the side
@@ -16,19 +16,14 @@ checkpoint (convergence/trainer/resume.py: ResumeError), never a fresh start.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
-from convergence.run.probe import probe_from_checkpoint
-from convergence.run.together import run_together
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.pair import PairSpec
 from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
 
 #: Where the side's checkpoint goes, inside the pair's run folder.
@@ -114,56 +109,4 @@ def run_resumed(
         run_dir=second.run_dir,
         wall_s=first.wall_s + second.wall_s,
         meta={**second.meta, "resume": {**info, "first_run": str(first.run_dir)}},
-    )
-
-
-def resumed_checkpoint(test: SideOutcome) -> Path | None:
-    """The checkpoint a resuming test's second job loaded (None: it never resumed -- job 1
-    stopped early, or the side does not resume)."""
-    info = (test.meta or {}).get("resume")
-    if not isinstance(info, dict) or "first_run" not in info:
-        return None
-    return Path(str(info["checkpoint"]))
-
-
-def run_from_checkpoint(
-    runner: JobRunner, jobs: Sequence[JobSpec], checkpoint: Path, *, pair_dir: Path
-) -> list[RunMetrics]:
-    """Control-side ``jobs`` (the regime's ``resumed_controls``), each loading the test's
-    ``checkpoint`` and training to the end, at once where the pool has room. Never cached:
-    they start from the test's state, which is part of what is under test."""
-    resumed = [
-        dataclasses.replace(
-            job,
-            name=f"{job.name}-from-{checkpoint.name}",
-            overrides=(*job.overrides, (RESUME_FROM, str(checkpoint))),
-        )
-        for job in jobs
-    ]
-    sides = run_together(
-        [
-            partial(runner.run_job, "control", job, pair_dir=pair_dir, cacheable=False)
-            for job in resumed
-        ],
-        together=runner.settings.concurrent_controls,
-    )
-    return [side.metrics for side in sides]
-
-
-def probe_after_resume(
-    runner: JobRunner, pair: PairSpec, checkpoint: Path, *, pair_dir: Path
-) -> dict[str, Any]:
-    """The numerics probe of the step after the resume: the control's layout and the resume
-    layout each load the test's checkpoint and probe step K+1."""
-    assert pair.test.resume is not None
-    at = pair.test.resume.at_step
-    return probe_from_checkpoint(
-        runner,
-        pair.control,
-        pair.test.after_resume(),
-        checkpoint,
-        pair_dir / "probe" / f"resume{at}",
-        step=at + 1,
-        head={"resume_step": at},
-        failed=f"after the resume at {at}",
     )

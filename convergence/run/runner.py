@@ -17,35 +17,23 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from convergence.calibration.select import select_calibration
+from convergence.checks import Check, ExtraJob, Ran, SideRun, as_run, checks_of
+from convergence.checks.base import first_divergent_step
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
-from convergence.preflight import with_auto_anchors
-from convergence.regimes import Regime, get_regime, resumed_controls
-from convergence.run.anchors import (
-    anchored_failure,
-    probe_at_anchor,
-    run_anchored,
-    run_anchored_twins,
-    with_anchor_saves,
-    with_part_norms,
-)
+from convergence.regimes import Regime, get_regime
 from convergence.run.jobs import JobFailed, JobRunner, RunSettings, apply_job_settings, slug
 from convergence.run.judge import judge
 from convergence.run.outcome import PairOutcome, SideOutcome
-from convergence.run.probe import first_divergent_step, localise, wants_probe
-from convergence.run.resume import (
-    probe_after_resume,
-    resumed_checkpoint,
-    run_from_checkpoint,
-    run_resumed,
-)
+from convergence.run.probe import localise, probe_from_checkpoint, wants_probe
+from convergence.run.resume import run_resumed
 from convergence.run.settle import settle
 from convergence.run.together import run_together
 from convergence.spec.errors import RunFailed, SpecError
@@ -133,113 +121,89 @@ class Runner:
     def _run_pair(self, pair: PairSpec, jobs: JobRunner) -> PairOutcome:
         """``pair`` run on ``jobs`` (the job tier, reporting to this pair's printer)."""
         started = time.monotonic()
-        # The session's settings, then the automatic anchored check on the steps that run.
-        pair = with_auto_anchors(apply_settings(pair, self.settings))
+        # The session's settings, then what the checks set by themselves on the steps that
+        # run (the automatic anchored check of a long pair).
+        pair = as_run(apply_settings(pair, self.settings))
         pair_dir = self.settings.work_dir / "runs" / slug(pair.pair_id)
+        checks = checks_of(pair)
         control: SideOutcome | None = None
         test: SideOutcome | None = None
-        anchored: SideOutcome | None = None
-        anchored_twins: list[RunMetrics] = []
-        resumed_twins: list[RunMetrics] = []
+        extra: dict[str, dict[str, tuple[SideOutcome, ...]]] = {}
         try:
             regime = get_regime(pair.regime)
-            controls = self._controls(pair, pair_dir, regime=regime, jobs=jobs)
+            controls = self._controls(pair, pair_dir, regime=regime, jobs=jobs, checks=checks)
             control = controls[0]
             unhealthy = None if pair.golden else _control_problem(control)
             if unhealthy:
-                return PairOutcome(
-                    pair=pair,
-                    status="error",
-                    control=control,
-                    test=None,
-                    error=unhealthy,
-                    wall_s=time.monotonic() - started,
-                )
+                return _error(pair, control, None, unhealthy, started)
             control_runs = [c.metrics for c in controls]
-            judged_controls = control_runs
-            on_metrics = None
-            if pair.early_stop and self.settings.early_stop:
-                policy = regime.early_stop
-                # The launcher feeds each record to the monitor itself (no callback of ours
-                # between them): it says when the test's failure is decided.
-                on_metrics = SequentialMonitor(
-                    pair.rules,
-                    control_runs,
-                    key_map=jobs.backend(pair.test).record_keys(pair.test),
-                    calibration=self.calibration,
-                    min_step=policy.min_step,
-                    patience=policy.patience,
-                ).decided_by
-
-            if pair.test.resume is not None:  # two jobs, one curve (run/resume.py)
-                test = run_resumed(
-                    jobs, "test", pair.test, pair_dir=pair_dir, on_metrics=on_metrics
-                )
-                # The regime's twins from the same checkpoint: the noise after the resume.
-                checkpoint = resumed_checkpoint(test)
-                again = resumed_controls(regime, pair, jobs.backend(pair.control))
-                if checkpoint is not None and again:
-                    resumed_twins = run_from_checkpoint(jobs, again, checkpoint, pair_dir=pair_dir)
-            else:
-                test = jobs.run_job(
-                    "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
-                )
-            if pair.anchor_every:  # one test step from each of the control's anchors
-                anchored = run_anchored(jobs, pair, control, pair_dir=pair_dir)
-                anchored_twins = run_anchored_twins(jobs, pair, controls, pair_dir=pair_dir)
-                # The anchored check also judges each part's grad norm: the control's parts.
-                judged_controls = [with_part_norms(control).metrics, *control_runs[1:]]
+            test = self._test(pair, pair_dir, regime, control_runs, jobs)
+            for check in checks:  # each check's extra jobs, once the control group and test ran
+                asked = check.extra_jobs(pair, _ran(controls, test), jobs.backend(pair.control))
+                extra[check.name] = _run_extra(jobs, asked, pair_dir=pair_dir)
         except (RunFailed, SpecError) as exc:
             # RunFailed: a job or the cache failed (JobFailed, CacheError). SpecError: input
             # found wrong only now, after the session's settings (e.g. --convergence-steps
             # cutting a run before its resume step); either way this pair is an error.
-            return PairOutcome(
-                pair=pair,
-                status="error",
-                control=control,
-                test=test,
-                error=str(exc),
-                wall_s=time.monotonic() - started,
-            )
+            return _error(pair, control, test, str(exc), started)
         except OSError as exc:  # our own writes (run folder, logs, metrics): e.g. disk full
-            return PairOutcome(
-                pair=pair,
-                status="error",
-                control=control,
-                test=test,
-                error=_os_error_text(exc, self.settings.work_dir),
-                wall_s=time.monotonic() - started,
-            )
+            return _error(pair, control, test, _os_error_text(exc, self.settings.work_dir), started)
         stopped = _stopped_at(test)  # a test stopped early is judged on the steps it ran
+        ran = _ran(controls, test, extra, upto=stopped)
         verdicts = judge(
             pair,
-            judged_controls,
+            control_runs,
             test.metrics,
             self.calibration,
             test_meta=test.meta,
             upto=stopped,
-            anchored=anchored.metrics if anchored else None,
-            anchored_twins=anchored_twins,
-            resumed_twins=resumed_twins,
+            ran=ran,
         ).verdicts
         settled = settle(
             pair, verdicts, control.metrics, twins=control.twins, test_result=test.result
         )
-        status, error = settled.status, settled.error
-        localisation = self._localise(
-            pair, status, pair_dir, verdicts, (control_runs[0], test.metrics), control, test, jobs
-        )
+        localisation = self._localise(pair, settled.status, pair_dir, verdicts, ran, checks, jobs)
         return PairOutcome(
             pair=pair,
-            status=status,
+            status=settled.status,
             control=control,
-            error=error,
+            error=settled.error,
             localisation=localisation,
             test=dataclasses.replace(test, replicates=()),
             verdicts=tuple(verdicts),
             stopped_early_at=stopped,
             wall_s=time.monotonic() - started,
-            anchored=anchored,
+            extra_sides=tuple(
+                side for roles in extra.values() for runs in roles.values() for side in runs
+            ),
+        )
+
+    def _test(
+        self,
+        pair: PairSpec,
+        pair_dir: Path,
+        regime: Regime,
+        control_runs: Sequence[RunMetrics],
+        jobs: JobRunner,
+    ) -> SideOutcome:
+        """The test side, watched by the early-stop monitor where the pair stops early."""
+        on_metrics = None
+        if pair.early_stop and self.settings.early_stop:
+            policy = regime.early_stop
+            # The launcher feeds each record to the monitor itself (no callback of ours
+            # between them): it says when the test's failure is decided.
+            on_metrics = SequentialMonitor(
+                pair.rules,
+                control_runs,
+                key_map=jobs.backend(pair.test).record_keys(pair.test),
+                calibration=self.calibration,
+                min_step=policy.min_step,
+                patience=policy.patience,
+            ).decided_by
+        if pair.test.resume is not None:  # two jobs, one curve (run/resume.py)
+            return run_resumed(jobs, "test", pair.test, pair_dir=pair_dir, on_metrics=on_metrics)
+        return jobs.run_job(
+            "test", pair.test, pair_dir=pair_dir, cacheable=False, on_metrics=on_metrics
         )
 
     # -- numerics probe (failure localisation; see convergence.run.probe) ----------------
@@ -249,38 +213,45 @@ class Runner:
         status: str,
         pair_dir: Path,
         verdicts: Sequence[MetricVerdict],
-        runs: Sequence[RunMetrics],
-        control: SideOutcome,
-        test: SideOutcome,
+        ran: Ran,
+        checks: Sequence[Check],
         jobs: JobRunner,
     ) -> dict[str, Any] | None:
-        """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): at
-        step 1, and at the first divergent step when step 1 shows nothing; from the anchor
-        when the anchored check failed before the curves parted; from the test's checkpoint
-        when a resuming test parted after its resume."""
+        """Probe both sides of a failed paired pair (or a ``probe = "always"`` pair): from
+        where a check says (the failing anchor, the test's checkpoint), else by replaying both
+        layouts from step 1 -- at step 1, and at the first divergent step when step 1 shows
+        nothing -- where every check of the pair allows the replay."""
         if not wants_probe(pair, status):
             return None
         if any(v.metric == "data_fingerprint" and v.gate and not v.passed for v in verdicts):
             return None  # the sides read different data: a numerics probe has nothing to add
-        if pair.test.resume is not None:
-            # The probe replays a run from step 1 on one layout: it cannot replay a resume,
-            # but both layouts can start from its checkpoint and probe the step after it.
-            checkpoint = resumed_checkpoint(test)
-            parted = first_divergent_step(verdicts)
-            if checkpoint is None or parted is None or parted <= pair.test.resume.at_step:
-                return None
-            return probe_after_resume(jobs, pair, checkpoint, pair_dir=pair_dir)
-        anchor = anchored_failure(verdicts)
-        parted = first_divergent_step([v for v in verdicts if v.metric != "anchored"])
-        if anchor is not None and (parted is None or parted > anchor):
-            # A late bug: one step from the anchor shows it, no replay of the run up to there.
-            return probe_at_anchor(jobs, pair, control, anchor, pair_dir=pair_dir)
+        for check in checks:
+            request = check.probe(pair, verdicts, ran)
+            if request is not None:
+                return probe_from_checkpoint(
+                    jobs,
+                    request.control,
+                    request.test,
+                    request.checkpoint,
+                    pair_dir / "probe" / request.folder,
+                    step=request.step,
+                    head=request.head,
+                    failed=request.failed,
+                )
+        if not all(check.replay_probe for check in checks):
+            return None
+        runs = (ran.controls[0].metrics, ran.test.metrics)
         return localise(
             pair, pair_dir, runner=jobs, divergent_step=first_divergent_step(verdicts), runs=runs
         )
 
     def _controls(
-        self, pair: PairSpec, pair_dir: Path, regime: Regime, jobs: JobRunner
+        self,
+        pair: PairSpec,
+        pair_dir: Path,
+        regime: Regime,
+        jobs: JobRunner,
+        checks: Sequence[Check],
     ) -> list[SideOutcome]:
         """The control sides, ``pair.control`` first (``regime``: the pair's), run on ``jobs``."""
         if pair.golden:
@@ -291,7 +262,9 @@ class Runner:
                 )
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
-        specs = with_anchor_saves(pair, regime.control_jobs(pair, jobs.backend(pair.control)))
+        specs = regime.control_jobs(pair, jobs.backend(pair.control))
+        for check in checks:  # e.g. the anchored check's control saves its state
+            specs = check.control_jobs(pair, specs)
         # Independent of each other: at once where the pool has room (run/together.py).
         sides = run_together(
             [
@@ -315,6 +288,76 @@ def _control_problem(control: SideOutcome) -> str | None:
         control.metrics.get("update_norm"),
     )
     return f"control job {control.job.name!r}: {problem}" if problem else None
+
+
+def _error(
+    pair: PairSpec,
+    control: SideOutcome | None,
+    test: SideOutcome | None,
+    error: str,
+    started: float,
+) -> PairOutcome:
+    """The pair as an error before its verdict, with what ran of it."""
+    return PairOutcome(
+        pair=pair,
+        status="error",
+        control=control,
+        test=test,
+        error=error,
+        wall_s=time.monotonic() - started,
+    )
+
+
+def _side_run(side: SideOutcome) -> SideRun:
+    metrics_path = side.result.metrics_path if side.result is not None else None
+    return SideRun(
+        job=side.job,
+        metrics=side.metrics,
+        run_dir=side.run_dir,
+        metrics_path=metrics_path,
+        meta=side.meta,
+    )
+
+
+def _ran(
+    controls: Sequence[SideOutcome],
+    test: SideOutcome,
+    extra: Mapping[str, Mapping[str, Sequence[SideOutcome]]] | None = None,
+    *,
+    upto: int | None = None,
+) -> Ran:
+    """What the pair ran, as its checks see it."""
+    return Ran(
+        controls=tuple(_side_run(c) for c in controls),
+        test=_side_run(test),
+        extra={
+            check: {role: tuple(_side_run(s) for s in sides) for role, sides in roles.items()}
+            for check, roles in (extra or {}).items()
+        },
+        upto=upto,
+    )
+
+
+def _run_extra(
+    jobs: JobRunner, asked: Sequence[ExtraJob], *, pair_dir: Path
+) -> dict[str, tuple[SideOutcome, ...]]:
+    """A check's extra jobs by role: the test's one after another (each a test layout's
+    devices), the control-side ones at once where the pool has room (run/together.py)."""
+    out: dict[str, list[SideOutcome]] = {}
+    for extra in (e for e in asked if e.side == "test"):
+        side = jobs.run_job("test", extra.job, pair_dir=pair_dir, cacheable=extra.cacheable)
+        out.setdefault(extra.role, []).append(side)
+    control_side = [e for e in asked if e.side == "control"]
+    sides = run_together(
+        [
+            partial(jobs.run_job, "control", e.job, pair_dir=pair_dir, cacheable=e.cacheable)
+            for e in control_side
+        ],
+        together=jobs.settings.concurrent_controls,
+    )
+    for extra, side in zip(control_side, sides, strict=True):
+        out.setdefault(extra.role, []).append(side)
+    return {role: tuple(sides) for role, sides in out.items()}
 
 
 def _os_error_text(exc: OSError, work_dir: Path) -> str:

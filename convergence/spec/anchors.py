@@ -1,4 +1,4 @@
-"""The pair key ``anchor_every = N``: the anchored check (convergence/run/anchors.py).
+"""The pair key ``anchor_every = N``: the anchored check (convergence/checks/anchored.py).
 
 Opt-in and per pair (``[defaults]`` or a ``[[test]]``): every N steps the control saves its
 whole training state, and the test layout trains one step from each saved state; each such
@@ -16,7 +16,7 @@ from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
 #: Where a control with anchors writes them, inside its dump folder (the trainer writes,
-#: convergence/run/anchors.py reads; the run cache keeps them with the control's run).
+#: convergence/checks/anchored.py reads; the run cache keeps them with the control's run).
 ANCHORS_DIR = "anchors"
 
 

@@ -121,7 +121,7 @@ class PairSpec:
     anchor_every: int = 0
     """Anchored check (experiment key ``anchor_every = N``; 0 = off): the control saves its
     state every N steps and the test layout trains one step from each of those states, each
-    compared with the control's next step at the one-step tolerance (convergence/run/anchors.py)."""
+    compared with the control's next step at the one-step tolerance (convergence/checks/anchored.py)."""
     anchor_auto: bool = False
     """The experiment left ``anchor_every`` out: the anchored check is chosen from the run's
     steps (convergence.spec.anchors.auto_anchor_every) where both sides' trainer can take it,

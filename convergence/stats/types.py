@@ -143,7 +143,7 @@ class Comparison(Protocol):
     its verdicts then say which one (run/judge.py)."""
     anchored_twins: bool
     """Whether its one-step tolerance is sized from the twins' own steps from each anchor
-    (the anchored check runs those control-side jobs only for such a method: run/anchors.py),
+    (the anchored check runs those control-side jobs only for such a method: checks/anchored.py),
     and whose envelope after a resume is sized from the twins resumed from the test's
     checkpoint (stats/resumed.py judges only such methods' rules there)."""
 

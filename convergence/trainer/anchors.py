@@ -14,7 +14,7 @@ bug's full one-step effect however late it starts. So:
                  K+1..K+m (checkpoint.anchored_steps = m, 1 by default) on the same batches;
                  logs those steps' metrics like any step
 
-convergence.run.anchors runs the two; convergence.stats.anchored compares each anchored step
+convergence.checks.anchored runs the two; convergence.stats.anchored compares each anchored step
 with the control's own step K+1 at the one-step tolerance.
 """
 

@@ -1,6 +1,6 @@
 """The anchored check for torchtitan jobs, through torchtitan's own DCP checkpointing.
 
-The control and the anchored job get the built-in trainer's keys (convergence/run/anchors.py);
+The control and the anchored job get the built-in trainer's keys (convergence/checks/anchored.py);
 here they become torchtitan's words and the launcher's:
 
     control   checkpoint.anchor_every=N
@@ -41,7 +41,7 @@ from convergence.backends.torchtitan import resume
 from convergence.backends.torchtitan.patches import pinned
 from convergence.spec.anchors import ANCHORS_DIR
 
-#: The built-in trainer's keys (convergence/run/anchors.py writes them into the overrides).
+#: The built-in trainer's keys (convergence/checks/anchored.py writes them into the overrides).
 ANCHOR_EVERY = "checkpoint.anchor_every"
 ANCHORED_FROM = "checkpoint.anchored_from"
 ANCHOR_KEYS = (ANCHOR_EVERY, ANCHORED_FROM)
@@ -69,7 +69,7 @@ def split_overrides(
 
 
 def anchors_folder(dump_dir: Path) -> Path:
-    """Where a control keeps its anchors (the folder convergence/run/anchors.py reads)."""
+    """Where a control keeps its anchors (the folder convergence/checks/anchored.py reads)."""
     return dump_dir / ANCHORS_DIR
 
 

@@ -92,7 +92,7 @@ def torchtitan_words(keys: dict[str, str]) -> list[str]:
 
 def anchor_of(path: str) -> tuple[str, int] | None:
     """(the anchors folder, K) when ``path`` names an anchor the way the library does for the
-    built-in trainer (``<dump>/anchors/step<K>``: convergence/run/anchors.py probes from it);
+    built-in trainer (``<dump>/anchors/step<K>``: convergence/checks/anchored.py probes from it);
     torchtitan keeps it as ``step-K`` in that folder, loaded with ``--checkpoint.load_step``."""
     where = Path(path)
     number = where.name.removeprefix("step")

@@ -1,0 +1,226 @@
+"""The anchored check (pair key ``anchor_every``; automatic for long pairs:
+:func:`with_auto_anchors`): one test step from each of the control's saved states, judged at the
+one-step tolerance (convergence/stats/anchored.py: why it sees a late bug that a trajectory
+hides).
+
+    control job   + checkpoint.anchor_every=N: its state after every N-th step, in its dump
+                  folder (convergence/trainer/anchors.py); cached with the control's run
+    anchored job  the test's layout + checkpoint.anchored_from=<those anchors>: one step from
+                  each anchor (never cached: it is part of what is under test)
+    twins         the twin regime's twins, one step from the same anchors (cached: they
+                  start from the control's state), where a rule sizes its envelope from twins
+
+A failed anchored verdict is probed from the failing anchor itself (both layouts load it and
+probe the step after it) when the curves had not parted before it: no replay up to there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from convergence.backends.base import Backend
+from convergence.backends.registry import get_backend
+from convergence.checks.base import ExtraJob, ProbeRequest, Ran, SideRun
+from convergence.metrics.curve import RunMetrics
+from convergence.metrics.jsonl import read_part_norms
+from convergence.spec.anchors import ANCHORS_DIR, auto_anchor_every
+from convergence.spec.errors import NotRunnableHere, RunFailed, SpecError
+from convergence.spec.job import JobSpec
+from convergence.spec.pair import PairSpec
+from convergence.stats.anchored import ANCHORED, anchored_verdict
+from convergence.stats.registry import get_comparison
+from convergence.stats.types import MetricVerdict
+
+#: The roles of its extra jobs (Ran.extra).
+TEST, TWINS = "test", "twins"
+
+
+class AnchoredCheck:
+    name = ANCHORED
+    replay_probe = True
+
+    def as_run(self, pair: PairSpec) -> PairSpec:
+        return with_auto_anchors(pair)
+
+    def applies(self, pair: PairSpec) -> bool:
+        return bool(pair.anchor_every)
+
+    def refuse(self, pair: PairSpec, backends: Mapping[str, Backend], *, key: str) -> None:
+        for side, backend in backends.items():
+            if not backend.capabilities.anchors:
+                raise SpecError(
+                    f"anchor_every needs a trainer that saves its state every N steps and "
+                    f"trains one step from each; the {side}'s backend {backend.name!r} does "
+                    "not",
+                    file=pair.source,
+                    key=f"{key}.anchor_every",
+                    fix="drop anchor_every from this pair, or run it on a backend that saves "
+                    "anchors (the built-in trainer, or torchtitan through its DCP checkpoints)",
+                )
+        check_anchor_layouts(pair, backends, key=key)
+
+    def control_jobs(self, pair: PairSpec, jobs: Sequence[JobSpec]) -> tuple[JobSpec, ...]:
+        """Only the control saves anchors: the twins size the tolerance, nothing starts from
+        their state."""
+        out = list(jobs)
+        if out:
+            control = out[0]
+            out[0] = dataclasses.replace(
+                control,
+                overrides=(*control.overrides, ("checkpoint.anchor_every", str(pair.anchor_every))),
+            )
+        return tuple(out)
+
+    def extra_jobs(self, pair: PairSpec, ran: Ran, backend: Backend) -> tuple[ExtraJob, ...]:
+        control = ran.controls[0]
+        folder = anchor_folder(control)
+        if not folder.is_dir() or not any(folder.iterdir()):
+            raise SpecError(  # e.g. --convergence-steps cut the run below anchor_every
+                f"anchor_every = {pair.anchor_every} left no anchor in the control's run of "
+                f"{control.job.steps} steps ({folder})",
+                file=pair.source,
+                key="anchor_every",
+                fix=f"run more than {pair.anchor_every} steps, or set a smaller anchor_every",
+            )
+        jobs = [ExtraJob(TEST, "test", anchored_job(pair.test, folder), cacheable=False)]
+        if len(ran.controls) > 1 and any(
+            r.gate and get_comparison(r.method).anchored_twins for r in pair.rules
+        ):
+            jobs += [
+                ExtraJob(TWINS, "control", anchored_job(side.job, folder), cacheable=True)
+                for side in ran.controls[1:]
+            ]
+        return tuple(jobs)
+
+    def verdicts(self, pair: PairSpec, ran: Ran) -> tuple[MetricVerdict, ...]:
+        anchored = ran.of(self.name, TEST)
+        if not anchored:
+            return ()
+        # Each part's grad norm is judged too: the control's parts beside its curves.
+        controls = [with_part_norms(ran.controls[0]), *(c.metrics for c in ran.controls[1:])]
+        return (
+            anchored_verdict(
+                pair.rules,
+                controls,
+                with_part_norms(anchored[0]),
+                every=pair.anchor_every,
+                anchored_twins=[with_part_norms(t) for t in ran.of(self.name, TWINS)],
+            ),
+        )
+
+    def probe(
+        self, pair: PairSpec, verdicts: Sequence[MetricVerdict], ran: Ran
+    ) -> ProbeRequest | None:
+        anchor = anchored_failure(verdicts)
+        parted = [
+            v.first_divergent_step
+            for v in verdicts
+            if v.metric != ANCHORED
+            and v.gate
+            and not v.passed
+            and v.first_divergent_step is not None
+        ]
+        if anchor is None or (parted and min(parted) <= anchor):
+            return None  # the curves parted first: the replay from step 1 finds it
+        return ProbeRequest(
+            control=pair.control,
+            test=pair.test,
+            checkpoint=anchor_folder(ran.controls[0]) / f"step{anchor}",
+            folder=f"anchor{anchor}",
+            step=anchor + 1,
+            head={"anchor_step": anchor},
+            failed=f"at anchor {anchor}",
+        )
+
+
+def with_auto_anchors(pair: PairSpec) -> PairSpec:
+    """``pair`` with the automatic anchored check (``anchor_auto``: the experiment left
+    ``anchor_every`` out) where it can run: a control job (no golden curve), a test that does
+    not resume, both sides on one trainer that saves and loads anchors across their layouts;
+    the spacing from the test's steps (convergence.spec.anchors.auto_anchor_every). Called
+    on the pair as it runs, after the session's --convergence-steps."""
+    if not pair.anchor_auto or pair.golden or pair.test.resume is not None:
+        return pair
+    every = auto_anchor_every(pair.test.steps)
+    if every == 0 or every >= min(pair.test.steps, pair.control.steps):
+        return dataclasses.replace(pair, anchor_every=0)
+    try:
+        backends = {
+            "control": get_backend(pair.control.backend),
+            "test": get_backend(pair.test.backend),
+        }
+        if not all(b.capabilities.anchors for b in backends.values()):
+            return pair
+        check_anchor_layouts(pair, backends, key="test")
+    except (SpecError, NotRunnableHere):
+        return pair  # the automatic check is only where it can run; an explicit one says why
+    return dataclasses.replace(pair, anchor_every=every)
+
+
+def check_anchor_layouts(pair: PairSpec, backends: Mapping[str, Backend], *, key: str) -> None:
+    """What the anchored check needs of the two sides beyond each backend's say: the anchors
+    are one trainer's checkpoints, and some trainers cannot load them onto another DP degree."""
+    control, test = backends["control"], backends[key]
+    if control.name != test.name:
+        raise SpecError(
+            f"anchor_every: the test ({test.name!r}) cannot load the control's anchors, which "
+            f"are the {control.name!r} trainer's checkpoints",
+            file=pair.source,
+            key=f"{key}.anchor_every",
+            fix="run both sides on one backend, or drop anchor_every from this pair",
+        )
+    before, after = pair.control.layout.dp, pair.test.layout.dp
+    if test.capabilities.anchors_keep_dp and before != after:
+        raise SpecError(
+            f"anchor_every: the test's data-parallel degree ({after}) is not the control's "
+            f"({before}), and the {test.name!r} trainer's dataloader keeps one position per DP "
+            "rank: it cannot load the control's anchors onto another DP degree",
+            file=pair.source,
+            key=f"{key}.anchor_every",
+            fix=f"keep dp_replicate x dp_shard = {before} on the test (add tp, pp or cp ranks "
+            "instead), or drop anchor_every from this pair",
+        )
+
+
+def anchor_folder(control: SideRun) -> Path:
+    """Where the control's run keeps its anchors."""
+    if control.run_dir is None:
+        raise RunFailed("the control has no run folder to take anchors from")
+    return control.run_dir / "dump" / ANCHORS_DIR
+
+
+def anchored_job(test: JobSpec, folder: Path) -> JobSpec:
+    """The test's layout, one logged step after each anchor in ``folder`` (no validation
+    pass: the control's anchored steps are compared on the training metrics)."""
+    return dataclasses.replace(
+        test,
+        name=f"{test.name}-anchored",
+        overrides=(
+            *test.overrides,
+            ("checkpoint.anchored_from", str(folder)),
+            ("metrics.log_freq", "1"),
+            ("metrics.val_every", "0"),
+        ),
+    )
+
+
+def with_part_norms(side: SideRun) -> RunMetrics:
+    """The side's metrics with its per-part grad norms (``grad_norm/<part>``) beside them,
+    read from its JSONL log where the trainer wrote them (stats/anchored.py judges each
+    part); a side without them, as it is."""
+    if side.run_dir is None:
+        return side.metrics
+    path = side.metrics_path or side.run_dir / "dump" / "metrics.jsonl"
+    parts = read_part_norms(path)
+    return {**side.metrics, **parts} if parts else side.metrics
+
+
+def anchored_failure(verdicts: Sequence[MetricVerdict]) -> int | None:
+    """The anchor step of a failed anchored verdict (None when it passed or is absent)."""
+    for v in verdicts:
+        if v.metric == ANCHORED and v.gate and not v.passed:
+            step = v.details.get("anchor_step")
+            return int(step) if isinstance(step, int) else None
+    return None
