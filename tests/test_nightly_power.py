@@ -56,13 +56,14 @@ def test_a_drop_in_power_is_found_only_on_the_night_that_ran_the_selftest(tmp_pa
     assert power_drops(records, night=WEEK1) == []  # nothing before the first
 
 
-def _pair_history(path: Path) -> None:
+def _pair_history(path: Path, nights: tuple[str, str]) -> None:
     """Two nights of one green pair, as `convergence record` writes them."""
     with path.open("w") as fh:
-        for night in (WEEK1, WEEK2):
+        for night in nights:
             fh.write(json.dumps({"night": night, "pair": "e::tp2", "status": "passed"}) + "\n")
 
 
+@pytest.mark.slow  # two selftests, 5 jobs: 3-6 min on 2 loaded cores
 @pytest.mark.rounding
 def test_a_bug_the_suite_stops_seeing_is_a_drift_alert(tmp_path: Path) -> None:
     """Two real selftests a week apart on one experiment: the first compares the grad norm and
@@ -72,32 +73,36 @@ def test_a_bug_the_suite_stops_seeing_is_a_drift_alert(tmp_path: Path) -> None:
     layout = {"name": "fsdp2-tp2", "parallelism": {"dp_shard": 2, "tp": 2}}
     blind = {m: "off" for m in ("grad_norm", "grad_norm_parts", "update_norm", "update_norm_parts")}
 
-    def selftest(test: dict[str, Any], night: str) -> subprocess.CompletedProcess[str]:
+    now = dt.datetime.now(dt.timezone.utc)
+    # tonight, and a week on (its name is its stamp: the selftest is not asked if it is due)
+    week1, week2 = (f"{(now + dt.timedelta(days=d)):%Y%m%dT%H%M%SZ}-{d}" for d in (0, 7))
+
+    def selftest(test: dict[str, Any], night: str, *due: str) -> subprocess.CompletedProcess[str]:
         path = builtin_pair(folder, file="mine.toml", steps=3, seed=3, train_config="debug",
                             control={"name": "fsdp2", "parallelism": {"dp_shard": 2}},
                             tests=[test])  # fmt: skip
         return subprocess.run(
             [sys.executable, "-m", "convergence.cli", "selftest", str(path), "--bugs",
              "gradient-2x", "--workdir", str(work), "--record-power", str(power),
-             "--night", night, "--every-days", "7"],
+             "--night", night, *due],
             cwd=folder, capture_output=True, text=True, timeout=900, check=False,
         )  # fmt: skip
 
-    first = selftest(layout, WEEK1)
+    first = selftest(layout, week1, "--every-days", "7")
     assert first.returncode == 0, first.stdout + first.stderr
-    again = selftest(layout, WEEK1)  # the same week: not due, nothing run or recorded
+    again = selftest(layout, week1, "--every-days", "7")  # the same week: not due, not run
     assert again.returncode == 0 and "not due" in again.stdout, again.stdout + again.stderr
-    second = selftest({**layout, "compare": blind}, WEEK2)
+    second = selftest({**layout, "compare": blind}, week2)
     assert second.returncode == 1, second.stdout + second.stderr  # a bug missed
     rows = {(r["night"], r["bug"]): r["status"] for r in read_power(power)}
     assert rows == {
-        (WEEK1, "(correct)"): "passes",
-        (WEEK1, "gradient-2x"): "caught",
-        (WEEK2, "(correct)"): "passes",
-        (WEEK2, "gradient-2x"): "MISSED",
+        (week1, "(correct)"): "passes",
+        (week1, "gradient-2x"): "caught",
+        (week2, "(correct)"): "passes",
+        (week2, "gradient-2x"): "MISSED",
     }
     history = tmp_path / "history.jsonl"
-    _pair_history(history)
+    _pair_history(history, (week1, week2))
     out = tmp_path / "trend"
     assert main(["decide", str(history), "--out", str(out)]) == EXIT_CLEAN  # without --power
     status = main(["decide", str(history), "--out", str(out), "--power", str(power)])
