@@ -6,6 +6,7 @@ parsers, and the nightly code stays one package).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import shlex
 import subprocess
@@ -24,6 +25,7 @@ from convergence.nightly.decide import (
     write_decision,
 )
 from convergence.nightly.history import append_history, current_commit, read_history
+from convergence.nightly.power import DEFAULT_STEP_SLACK, power_drops, read_power
 from convergence.nightly.sbatch import NightlySettings, render_sbatch, write_sbatch
 from convergence.nightly.sizing import largest_job, nodes_for
 from convergence.nightly.trend import write_trend
@@ -78,6 +80,8 @@ def cmd_nightly(args: argparse.Namespace) -> int:
         decide_args=tuple(shlex.split(args.decide_args or "")),
         reuse_controls=args.reuse_controls,
         calibrate=None if args.calibrate == "none" else args.calibrate,
+        selftest=tuple(args.selftest or ()),
+        selftest_every_days=args.selftest_every_days,
     )
     if args.stdout:
         print(render_sbatch(settings))
@@ -128,6 +132,12 @@ def cmd_decide(args: argparse.Namespace) -> int:
         print(f"convergence decide: {exc}", file=sys.stderr)
         return 2
     decision = decide(read_history(Path(args.history)), settings)
+    if args.power is not None and decision.night is not None:
+        # a drop in the suite's power on a selftest night is a drift like the others
+        drops = power_drops(
+            read_power(Path(args.power)), night=decision.night, step_slack=args.power_step_slack
+        )
+        decision = dataclasses.replace(decision, findings=(*decision.findings, *drops))
     problems = write_decision(
         decision,
         Path(args.out),
@@ -202,6 +212,20 @@ def add_subcommands(sub: Any) -> None:
         "the noise floors on before each night, when none matches the stack (default debug; "
         "none: no calibration step)",
     )
+    nightly.add_argument(
+        "--selftest",
+        nargs="+",
+        metavar="EXPERIMENT",
+        help="experiment files to run `convergence selftest` on every --selftest-every-days "
+        "(weekly by default); a drop in power is a drift alert",
+    )
+    nightly.add_argument(
+        "--selftest-every-days",
+        type=float,
+        default=7.0,
+        metavar="N",
+        help="how often the selftest runs (default 7: weekly)",
+    )
     nightly.set_defaults(func=cmd_nightly)
 
     record = sub.add_parser("record", help="append a report.json's pairs to a history file")
@@ -253,6 +277,20 @@ def add_subcommands(sub: Any) -> None:
         "(CONVERGENCE_DECISION=<decision.json>)",
     )
     dec.add_argument("--post", metavar="URL", help="POST decision.json to this URL")
+    dec.add_argument(
+        "--power",
+        metavar="FILE",
+        help="power history of the weekly selftest (`convergence selftest --record-power`): "
+        "on a night that ran it, a bug caught before and missed now, or caught later, is drift",
+    )
+    dec.add_argument(
+        "--power-step-slack",
+        type=int,
+        default=DEFAULT_STEP_SLACK,
+        metavar="N",
+        help=f"caught more than N steps later than the last selftest is drift (default "
+        f"{DEFAULT_STEP_SLACK})",
+    )
     dec.add_argument(
         "--notify",
         choices=("problems", "always"),

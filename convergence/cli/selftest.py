@@ -4,6 +4,7 @@ user's experiment and print what the suite catches (convergence/selftest/run.py)
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 from convergence.cli.common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, option_values
 from convergence.launch.devices import session_devices
+from convergence.nightly.power import append_power, due, last_selftest
 from convergence.options import add_arguments, cli_run_settings
 from convergence.preflight import in_tier, load_checked
 from convergence.run.session import SessionRunner
@@ -26,6 +28,14 @@ def cmd_selftest(args: argparse.Namespace) -> int:
     # Every pair of the file unless --tier says otherwise: the user asks what *their* suite
     # can see, nightly pairs included.
     tier = args.tier or "nightly"
+    power = Path(args.record_power) if args.record_power else None
+    if power is not None and args.every_days is not None:
+        last = last_selftest(power, str(args.experiment))
+        if not due(power, str(args.experiment), every_days=args.every_days):
+            print(
+                f"selftest of {args.experiment} not due: last on {last} (every {args.every_days:g} days)"
+            )
+            return EXIT_OK
     experiment = load_checked(
         Path(args.experiment), rootdir=Path(args.rootdir).resolve(), max_tier=tier
     )
@@ -68,6 +78,10 @@ def cmd_selftest(args: argparse.Namespace) -> int:
             json.dumps({"experiment": str(args.experiment), "wall_s": wall, "rows": rows}, indent=2)
             + "\n"
         )
+    if power is not None:
+        night = args.night or dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        append_power(rows, power, night=night, experiment=str(args.experiment))
+        print(f"{len(rows)} selftest row(s) of night {night} appended to {power}")
     return EXIT_FAILED if missed else EXIT_OK
 
 
@@ -89,5 +103,22 @@ def add_selftest_parser(sub: Any) -> None:
     parser.add_argument("--budget", type=int, default=None, help="run at most this many pairs")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    parser.add_argument(
+        "--record-power",
+        default=None,
+        metavar="FILE",
+        help="append the rows to this power history (JSONL) for `convergence decide --power`",
+    )
+    parser.add_argument(
+        "--night", default=None, help="the night's name in the power history (default: UTC now)"
+    )
+    parser.add_argument(
+        "--every-days",
+        type=float,
+        default=None,
+        metavar="N",
+        help="with --record-power: run only when the last recorded selftest of this experiment "
+        "is N days old or more (the nightly's weekly selftest: 7)",
+    )
     add_arguments(parser, skip=["report", "strict", "attribute"])
     parser.set_defaults(func=cmd_selftest)

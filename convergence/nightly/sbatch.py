@@ -49,6 +49,11 @@ class NightlySettings:
     (a train config or an experiment file): only when no calibration matches the node's stack,
     so a night after a driver, CUDA, NCCL or torch upgrade recalibrates and the others cost
     nothing. None: no calibration step (the verdicts use the shipped CPU defaults, and say so)."""
+    selftest: tuple[str, ...] = ()
+    """Experiment files ``convergence selftest`` runs on every ``selftest_every_days`` (the
+    suite's power on them, appended to ``<out>/power.jsonl``; ``convergence decide --power``
+    flags a drop as drift). Empty: no selftest step."""
+    selftest_every_days: float = 7.0
     reuse_controls: bool = False
     """Reuse cached control runs across nights. Off by default: each night re-runs its
     controls (``--convergence-refresh``), so the control's own curve shows the stack drifting
@@ -133,12 +138,12 @@ if [ -f "$NIGHT_DIR/report/report.json" ]; then
 else
     echo "no report.json for night $NIGHT (pytest exit status $status)" >&2
     status=$((status == 0 ? 3 : status))
-fi
+fi{selftest}
 if [ -f "$HISTORY" ]; then
     # the trend across every night so far; a failure here never hides the night's own status
     "$PYTHON" -m convergence.cli trend "$HISTORY" --out "$OUT/trend" \\
         || echo "trend report failed for night $NIGHT" >&2
-    "$PYTHON" -m convergence.cli decide "$HISTORY" --out "$OUT/trend"{decide_args}
+    "$PYTHON" -m convergence.cli decide "$HISTORY" --out "$OUT/trend"{power}{decide_args}
     decided=$?
     case $decided in
         10|11) if [ "$status" -eq 0 ]; then status=$decided; fi ;;
@@ -176,6 +181,27 @@ def _calibrate_step(source: str | None, workdir: str | None) -> str:
     )
 
 
+def _selftest_step(settings: NightlySettings, workdir: str | None) -> str:
+    if not settings.selftest:
+        return ""
+    where = f" --workdir {_q(workdir)}" if workdir else ""
+    every = f"{settings.selftest_every_days:g}"
+    return (
+        f"\n\n# the suite's power on its own experiments, every {every} days: the shipped bugs\n"
+        "# planted on each layout (`convergence selftest`); the rows go to $POWER and decide\n"
+        "# flags a bug caught before and missed now (or caught later) as drift. A missed bug\n"
+        "# never changes the night's status by itself.\n"
+        'POWER="$OUT/power.jsonl"\n'
+        f"for exp in {' '.join(_q(e) for e in settings.selftest)}; do\n"
+        '    "$PYTHON" -m convergence.cli selftest "$exp" --launcher slurm'
+        f'{where} --record-power "$POWER" \\\n'
+        f'        --night "$NIGHT" --every-days {every} '
+        '--json "$NIGHT_DIR/selftest-$(basename "$exp" .toml).json" \\\n'
+        '        || echo "selftest of $exp: a bug missed or a false alarm (see its table)" >&2\n'
+        "done"
+    )
+
+
 def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbatch") -> str:
     """The sbatch script for ``settings`` (a bash script with ``#SBATCH`` lines)."""
     lines = [_HEADER.format(script=script_name, history=settings.history_path)]
@@ -208,6 +234,8 @@ def render_sbatch(settings: NightlySettings, *, script_name: str = "nightly.sbat
             decide_args="".join(f" {_q(a)}" for a in settings.decide_args),
             refresh="" if settings.reuse_controls else " --convergence-refresh",
             calibrate=_calibrate_step(settings.calibrate, _workdir(settings.pytest_args)),
+            selftest=_selftest_step(settings, _workdir(settings.pytest_args)),
+            power=' --power "$POWER"' if settings.selftest else "",
             experiments=" ".join(_q(e) for e in settings.experiments),
         )
     )

@@ -119,14 +119,6 @@ class SubRun:
     """Why it did not run or errored; the probe's module where known."""
 
 
-def _earliest(outcome: PairOutcome) -> tuple[int | None, str | None]:
-    failing = [v for v in outcome.verdicts if not v.passed and v.first_divergent_step is not None]
-    if not failing:
-        return None, None
-    first = min(failing, key=lambda v: v.first_divergent_step or 0)
-    return first.first_divergent_step, first.metric
-
-
 def attribute(
     pair: PairSpec,
     *,
@@ -172,7 +164,7 @@ def _run_one(
     except SpecError as exc:
         return SubRun(axes=keep, layout=layout, status="not run", note=exc.detail)
     outcome = run(candidate)
-    step, metric = _earliest(outcome)
+    step, metric = outcome.earliest_failure()
     note = (outcome.error or "")[:200] if outcome.status == "error" else ""
     if outcome.localisation and outcome.localisation.get("module"):
         note = f"first differing module {outcome.localisation['module']}"

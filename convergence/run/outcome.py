@@ -72,6 +72,19 @@ class PairOutcome:
     def passed(self) -> bool:
         return self.status == "passed"
 
+    def earliest_failure(self) -> tuple[int | None, str | None]:
+        """(first divergent step, metric) of the gating verdict that failed first; a failure
+        without a step (a missing curve) after those with one; (None, None) when none failed.
+        What a failure says in one line: attribution's isolating pairs, selftest's catches."""
+        failing = [v for v in self.verdicts if v.gate and not v.passed]
+        if not failing:
+            return None, None
+        first = min(
+            failing,
+            key=lambda v: (v.first_divergent_step is None, v.first_divergent_step or 0),
+        )
+        return first.first_divergent_step, first.metric
+
     def verdict(self, metric: str) -> MetricVerdict | None:
         for v in self.verdicts:
             if v.metric == metric:

@@ -19,13 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from convergence.preflight import check_pair, validate_devices
 from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import ParallelLayout
 from convergence.spec.pair import PairSpec
+from convergence.stats.band_share import band_share
 
 HOOKS = "convergence.selftest.bugs"
 
@@ -89,31 +88,16 @@ def planted(pair: PairSpec, bug: PlantedBug) -> PairSpec:
 
 
 def worst_share(outcome: PairOutcome) -> float | None:
-    """The largest |test - band centre| / band half-width over the gating verdicts' bands
-    (1 = at the tolerance): how close a correct layout came to failing."""
+    """The largest share of its tolerance over the gating verdicts' bands (1 = at the edge,
+    stats/band_share.py): how close a correct layout came to failing; None without a band."""
     if outcome.test is None:
         return None
-    worst: float | None = None
-    for verdict in outcome.verdicts:
-        band, curve = verdict.band, outcome.test.metrics.get(verdict.metric)
-        if not verdict.gate or band is None or curve is None:
-            continue
-        values = dict(zip(curve.steps.tolist(), curve.values.tolist(), strict=True))
-        for step, lower, upper in zip(band.steps, band.lower, band.upper, strict=True):
-            value, half = values.get(step), (upper - lower) / 2
-            if value is None or not np.isfinite(half) or half <= 0:
-                continue
-            share = abs(value - (upper + lower) / 2) / half
-            worst = share if worst is None else max(worst, share)
-    return worst
-
-
-def _caught(outcome: PairOutcome) -> tuple[int | None, str | None]:
-    failing = [v for v in outcome.verdicts if v.gate and not v.passed]
-    if not failing:
-        return None, None
-    first = min(failing, key=lambda v: v.first_divergent_step or 10**9)
-    return first.first_divergent_step, first.metric
+    shares = [
+        band_share(v.band, dict(zip(curve.steps.tolist(), curve.values.tolist(), strict=True)))
+        for v in outcome.verdicts
+        if v.gate and v.band is not None and (curve := outcome.test.metrics.get(v.metric))
+    ]
+    return max(shares) if shares else None
 
 
 def selftest(
@@ -175,7 +159,7 @@ def selftest(
                 continue
             outcome = run(candidate)
             ran += 1
-            step, metric = _caught(outcome)
+            step, metric = outcome.earliest_failure()
             if name == "(correct)":
                 share = worst_share(outcome)
                 status = {

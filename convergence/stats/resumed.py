@@ -35,6 +35,7 @@ import numpy as np
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import ComparisonRule, Method
+from convergence.stats.band_share import band_share
 from convergence.stats.paired_band import paired_tolerance
 from convergence.stats.registry import get_comparison
 from convergence.stats.types import Floats, Ints, MetricVerdict
@@ -44,21 +45,8 @@ RESUMED = "resumed"
 
 
 def _worst_ratio(verdict: MetricVerdict, test_values: dict[int, float]) -> float:
-    """Largest |test - band centre| / band half-width over the compared steps (0 without a
-    band): how much of its envelope the test used."""
-    band = verdict.band
-    if band is None:
-        return 0.0
-    worst = 0.0
-    for step, lower, upper in zip(band.steps, band.lower, band.upper, strict=True):
-        value = test_values.get(step)
-        if value is None:
-            continue
-        half = (upper - lower) / 2
-        gap = abs(value - (upper + lower) / 2)
-        ratio = float("inf") if np.isnan(value) else (gap / half if half > 0 else float(gap > 0))
-        worst = max(worst, ratio)
-    return min(worst, 1e300)  # JSON has no inf
+    """How much of its envelope the test used (0 without a band): stats/band_share.py."""
+    return 0.0 if verdict.band is None else band_share(verdict.band, test_values)
 
 
 #: The gap-level check: from GAP_MIN_STEPS steps after the resume on, the test's relative
