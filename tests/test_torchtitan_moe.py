@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -49,7 +50,13 @@ def _experiment() -> dict[str, object]:
 
 
 def _first_step(work: Path, job: str) -> dict[str, float]:
-    (log,) = (work / "runs").rglob(f"{job}-*/dump/convergence_steps.jsonl")
+    """Step 1 of a job's step log (runs/<file>_<pair>/<side>-<name>-<key>/: the one control
+    is under the first pair's folder)."""
+    (log,) = (
+        path
+        for path in (work / "runs").glob("*/*/dump/convergence_steps.jsonl")
+        if re.fullmatch(rf"{re.escape(job)}-[0-9a-f]+", path.parents[1].name)
+    )
     return json.loads(log.read_text().splitlines()[0])
 
 

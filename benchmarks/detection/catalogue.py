@@ -503,8 +503,16 @@ def _moe_bugs() -> tuple[Case, ...]:
             note="top-k outputs summed without the routing weights",
         ),
     )
+    # bf16 (twin regime): the per-part grad norm is what fails first for every one of them
+    # (measured, BENCHMARKS.md); early stopping ends the run before the loss would.
     bf16 = tuple(
-        replace(c, name=f"bf16-{c.name}", techniques={"param_dtype": "bfloat16"}, precision="bf16")
+        replace(
+            c,
+            name=f"bf16-{c.name}",
+            techniques={"param_dtype": "bfloat16"},
+            precision="bf16",
+            expect=("grad_norm_parts",),
+        )
         for c in fp32
     )
     return fp32 + bf16
