@@ -261,9 +261,10 @@ def test_shipped_experiments_validate_at_collection(path: Path) -> None:
     exp = load_checked(path, rootdir=ROOT)
     assert exp.pairs
     for pair in exp.pairs:
-        # GPU sizes are nightly; cpu.toml and resume.toml are the tiny CPU pairs CI trains
-        # for real.
-        assert pair.tier == ("ci" if path.name in ("cpu.toml", "resume.toml") else "nightly")
+        # GPU sizes are nightly; cpu.toml, resume.toml and moe.toml are the tiny CPU pairs CI
+        # trains for real.
+        ci = ("cpu.toml", "resume.toml", "moe.toml")
+        assert pair.tier == ("ci" if path.name in ci else "nightly")
         assert pair.control.backend == pair.test.backend == "torchtitan"
         assert BACKEND.tokens_per_step(pair.control) == BACKEND.tokens_per_step(pair.test)
 
@@ -430,3 +431,36 @@ def test_probe_always_is_accepted_for_torchtitan_at_collection(tmp_path: Path) -
     entry = BACKEND.train_entry(pair.test, Path("/d"), None) + probe_overrides(2)
     assert entry[:2] == ["-m", "convergence.backends.torchtitan.launch"]
     assert entry[-3:] == probe_overrides(2)
+
+
+DEEPSEEK = (("module", "deepseek_v3"), ("config", "deepseek_v3_debugmodel"))
+
+
+def test_ep_maps_to_torchtitans_expert_parallel_degree(tmp_path: Path) -> None:
+    j = job(ParallelLayout(dp_shard=2, ep=2), backend_options=DEEPSEEK)
+    BACKEND.preflight(j)
+    cfg = train_config(j, tmp_path / "dump", tmp_path / "seed")
+    assert cfg.parallelism.expert_parallel_degree == 2
+    assert cfg.parallelism.data_parallel_shard_degree == 2  # EP borrows ranks, adds none
+    # torchtitan refuses CUDA graphs with its all-to-all token dispatcher.
+    assert cfg.training.disable_cuda_graphs
+    # Without ep the command line is as it was (no expert degree word: same cache keys).
+    plain = BACKEND.argv(job(backend_options=DEEPSEEK))
+    assert not any("expert_parallel_degree" in word for word in plain)
+
+
+@pytest.mark.parametrize(
+    ("layout", "options", "says"),
+    [
+        (ParallelLayout(dp_shard=2, ep=2), (), "dense torchtitan model"),
+        (ParallelLayout(dp_shard=3, ep=3), DEEPSEEK, "does not divide the model's 8 experts"),
+    ],
+    ids=["dense-model", "experts-not-divisible"],
+)
+def test_impossible_torchtitan_ep_is_refused_with_key_and_fix(
+    layout: ParallelLayout, options: tuple[tuple[str, str], ...], says: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        BACKEND.preflight(job(layout, backend_options=options))
+    assert says in str(info.value) and info.value.key == "parallelism.ep"
+    assert info.value.fix

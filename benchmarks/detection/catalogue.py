@@ -443,3 +443,86 @@ def by_name(name: str) -> Case:
         if case.name == name:
             return case
     raise KeyError(f"no detection case {name!r}")
+
+
+# -- Mixture of experts: train_configs/moe_debug.toml, FSDP2 vs FSDP2 + EP2 (moe_bugs.py) -------
+
+MOE_STEPS = 20
+FSDP2_EP2 = {"dp_shard": 2, "ep": 2}
+_MOE = f"{PKG}.moe"
+
+
+def _moe_bugs() -> tuple[Case, ...]:
+    fp32 = (
+        Case(
+            name="moe-experts-grad-ep-x",
+            kind="bug",
+            parallelism=FSDP2_EP2,
+            hook=f"{_MOE}:experts_reduced_over_efsdp_only",
+            expect=("grad_norm_parts",),
+            note="experts' grad averaged over their FSDP group only (ep x)",
+        ),
+        Case(
+            name="moe-experts-grad-over-ep",
+            kind="bug",
+            parallelism=FSDP2_EP2,
+            hook=f"{_MOE}:experts_averaged_over_ep_too",
+            expect=("grad_norm_parts",),
+            note="experts' grad averaged over the EP group as well (1/ep)",
+        ),
+        Case(
+            name="moe-router-grad-not-reduced",
+            kind="bug",
+            parallelism=FSDP2_EP2,
+            hook=f"{_MOE}:router_grad_not_reduced",
+            expect=("grad_norm_parts",),
+            note="router rows stepped with their rank's own tokens' gradient (no DP reduction)",
+        ),
+        Case(
+            name="moe-aux-loss-local-tokens",
+            kind="bug",
+            parallelism=FSDP2_EP2,
+            hook=f"{_MOE}:aux_loss_from_local_tokens",
+            expect=("grad_norm_parts",),
+            note="balance loss pooled over the rank's tokens, not per sequence",
+        ),
+        Case(
+            name="moe-combine-dispatch-order",
+            kind="bug",
+            parallelism=FSDP2_EP2,
+            hook=f"{_MOE}:combine_with_dispatch_order",
+            expect=("loss",),
+            note="combine indexes with the dispatch permutation, not its inverse",
+        ),
+        Case(
+            name="moe-combine-unweighted",
+            kind="bug",
+            parallelism=FSDP2_EP2,
+            hook=f"{_MOE}:combine_without_weights",
+            expect=("loss",),
+            note="top-k outputs summed without the routing weights",
+        ),
+    )
+    # bf16 (twin regime): the per-part grad norm is what fails first for every one of them
+    # (measured, BENCHMARKS.md); early stopping ends the run before the loss would.
+    bf16 = tuple(
+        replace(
+            c,
+            name=f"bf16-{c.name}",
+            techniques={"param_dtype": "bfloat16"},
+            precision="bf16",
+            expect=("grad_norm_parts",),
+        )
+        for c in fp32
+    )
+    return fp32 + bf16
+
+
+MOE_BUGS: tuple[Case, ...] = _moe_bugs()
+
+
+def by_moe_name(name: str) -> Case:
+    for case in MOE_BUGS:
+        if case.name == name:
+            return case
+    raise KeyError(f"no MoE detection case {name!r}")

@@ -97,12 +97,18 @@ def job_overrides(job: JobSpec, local_batch_size: int | None) -> list[str]:
         flag("metrics.enable_tensorboard", True),
         "--metrics.log_freq=1",
     ]
+    if layout.ep > 1:
+        # EP borrows its ranks from dp_shard x cp, in torchtitan as in the built-in trainer.
+        # Only when set: a dense job's command line (and its cache key) stays as it was.
+        words.append(f"--parallelism.expert_parallel_degree={layout.ep}")
+    if layout.pp > 1 or layout.ep > 1:
+        # torchtitan 0.3.0 captures CUDA graphs by default and refuses them with PP, and with
+        # EP's all-to-all token dispatcher (it reads the split sizes on the host).
+        words.append(flag("training.disable_cuda_graphs", True))
     if job.local_batch_size is not None:
         words.append(f"--training.local_batch_size={job.local_batch_size}")
     if local_batch_size is not None:
         if layout.pp > 1:
-            # torchtitan 0.3.0 captures CUDA graphs by default and refuses them with PP.
-            words.append(flag("training.disable_cuda_graphs", True))
             # torchtitan splits the local batch into microbatches of this size.
             words.append(
                 "--parallelism.pipeline_parallel_microbatch_size="

@@ -144,15 +144,6 @@ class TorchtitanBackend:
                     key=f"backend_options.{key}",
                     fix=f"use one of {', '.join(OPTION_KEYS)}",
                 )
-        if job.layout.ep > 1:
-            raise SpecError(
-                f"parallelism.ep = {job.layout.ep}: expert parallelism is built for the "
-                "built-in trainer's MoE model; this backend does not pass it to torchtitan "
-                "(expert_parallel_degree) yet",
-                file=file,
-                key="parallelism.ep",
-                fix='run the MoE pair on the built-in backend (train_config = "moe_debug")',
-            )
         if job.hook:
             if job.hook_mode != "after":
                 raise SpecError(

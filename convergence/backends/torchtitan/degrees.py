@@ -60,3 +60,44 @@ def check_degrees(job: JobSpec, cfg: Any) -> None:
             key="parallelism.pp",
             fix="use fewer pipeline stages than the model has layers",
         )
+    check_experts(job, model)
+
+
+def moe_expert_counts(model: Any) -> list[int]:
+    """The routed experts of each MoE layer of torchtitan's model config (DeepSeek-V3, Qwen3,
+    gpt-oss, Kimi: a layer's ``moe.num_experts``); empty for a dense model."""
+    layers = getattr(model, "layers", None) or []
+    counts = []
+    for layer in layers:
+        moe = getattr(layer, "moe", None)
+        experts = getattr(moe, "num_experts", None)
+        if experts:
+            counts.append(int(experts))
+    return counts
+
+
+def check_experts(job: JobSpec, model: Any) -> None:
+    """``parallelism.ep`` (torchtitan's ``expert_parallel_degree``) against the model's MoE
+    layers: a dense model has no experts to shard, and every layer's experts must split into
+    ep whole groups."""
+    ep = job.layout.ep
+    if ep == 1:
+        return
+    counts = moe_expert_counts(model)
+    if not counts:
+        raise SpecError(
+            f"parallelism.ep = {ep} on a dense torchtitan model (no MoE layer): expert "
+            "parallelism shards the routed experts",
+            file=job.source,
+            key="parallelism.ep",
+            fix="drop ep, or use an MoE model (e.g. backend_options = { module = "
+            '"deepseek_v3", config = "deepseek_v3_debugmodel" })',
+        )
+    uneven = sorted({n for n in counts if n % ep})
+    if uneven:
+        raise SpecError(
+            f"ep = {ep} does not divide the model's {uneven[0]} experts per MoE layer",
+            file=job.source,
+            key="parallelism.ep",
+            fix=f"use an ep that divides {uneven[0]}",
+        )
