@@ -30,6 +30,7 @@ import resource
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,22 @@ def cases_for(
     return [as_bf16(c) for c in out] if precision == "bf16" else out
 
 
+def scaled_to(cases: list[Case], config: Path) -> list[Case]:
+    """The cases' own local batch (HSDP's 4: the debug config's 8 x 2 DP ranks / 4) scaled to
+    the config's, so that the tokens per optimizer step still equal the control's."""
+    local = tomllib.loads(config.read_text())["training"].get("local_batch_size", DEBUG_LOCAL)
+    return [
+        c
+        if c.local_batch_size is None or local == DEBUG_LOCAL
+        else dataclasses.replace(c, local_batch_size=c.local_batch_size * local // DEBUG_LOCAL)
+        for c in cases
+    ]
+
+
+#: The catalogue's local batch sizes are the debug config's (8 per DP rank).
+DEBUG_LOCAL = 8
+
+
 def rows_of(path: Path) -> list[dict[str, Any]]:
     rows = []
     for line in path.read_text().splitlines():
@@ -143,7 +160,7 @@ def collect_group(
     layouts: tuple[str, ...] = LAYOUTS,
     bug_names: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    cases = cases_for(seed, precision, bugs, layouts, bug_names)
+    cases = scaled_to(cases_for(seed, precision, bugs, layouts, bug_names), CONFIGS[config])
     out: dict[str, Any] = {
         "config": config,
         "seed": seed,

@@ -10,9 +10,10 @@ Rules (each applied to the same saved runs):
   every 10 steps where the pair has >= 100 steps (AUTO_MIN_STEPS; not at 60 steps);
 - ``today+a10``: today's rules with the anchored check every 10 steps at any length (what a
   60-step pair gets with ``anchor_every = 10``);
-- ``anchored-judge``: the candidate -- the trajectory rules judge the first EARLY steps only
-  (where the runs have not separated), the anchored check every 10 steps judges "same
-  function" over the whole run, the data fingerprint every step.
+- ``anchored-judge``: the candidate (convergence/stats/anchored.py judged_from_anchors) -- the
+  trajectory rules gate the first TRAJECTORY_HORIZON (10) steps only (where the runs have not
+  separated), the anchored check every 10 steps judges "same function" over the whole run,
+  the data fingerprint every step; ``anchored-judge/k<K>/e<N>``: its twin k and spacing.
 
 A pair is a false alarm when a correct layout fails (status "failed"); "unreliable" (today's
 health error) is counted apart. The rate's interval is Clopper-Pearson, 95 %, two-sided.
@@ -50,13 +51,15 @@ from convergence.metrics.jsonl import read_jsonl, read_part_norms
 from convergence.regimes import default_rules
 from convergence.spec.anchors import AUTO_EVERY, AUTO_MIN_STEPS
 from convergence.spec.pair import ComparisonRule
-from convergence.stats.anchored import anchored_verdict
+from convergence.stats.anchored import (
+    TRAJECTORY_HORIZON,
+    anchored_verdict,
+    judged_from_anchors,
+)
 from convergence.stats.health import unreliable_from, unreliable_reference
 from convergence.stats.registry import compare_all
 from convergence.stats.types import MetricVerdict
 
-#: The candidate's trajectory horizon: steps 1..EARLY are judged as trajectories.
-EARLY = 10
 RULES = ("old", "today", "today+a10", "anchored-judge")
 #: Not a rule to choose: today's rules with the anchors the runs were collected with (every
 #: 5), what the Runner itself judged then -- the re-judge is checked against it
@@ -193,6 +196,18 @@ class Judged:
     first: int | None
     by: str  # which verdict failed first ("-" when passed)
     anchor_shares: tuple[float, ...] = ()
+    trajectory_worst: float = math.nan
+    """The largest max |test - control| / tolerance of the gating trajectory verdicts (for
+    the anchored judge: over its first TRAJECTORY_HORIZON steps): the trajectories' margin."""
+
+
+def worst_ratio(verdicts: Sequence[MetricVerdict]) -> float:
+    ratios = [
+        float(v.details["max_ratio"])
+        for v in verdicts
+        if v.gate and v.metric not in ("anchored", "data_fingerprint") and "max_ratio" in v.details
+    ]
+    return max(ratios, default=math.nan)
 
 
 def trajectory_rules(regime: str, *, update: bool) -> tuple[ComparisonRule, ...]:
@@ -240,7 +255,9 @@ def judge_pair(group: Group, case: str, rule: str) -> Judged | None:
     if rule == "old":
         verdicts = compare_all(trajectory_rules(group.regime, update=False), controls, test)
         first, by = _first_failure(verdicts)
-        return Judged("failed" if by != "-" else "passed", first, by)
+        return Judged(
+            "failed" if by != "-" else "passed", first, by, trajectory_worst=worst_ratio(verdicts)
+        )
     rules = trajectory_rules(group.regime, update=True)
     if rule in ("today", "today+a10", "as-run"):
         verdicts = list(compare_all(rules, controls, test))
@@ -258,13 +275,13 @@ def judge_pair(group: Group, case: str, rule: str) -> Judged | None:
             shares = anchor_shares(group, rules, anchored, every)
         first, by = _first_failure(verdicts)
         if by == "-":
-            return Judged("passed", None, "-", shares)
+            return Judged("passed", None, "-", shares, worst_ratio(verdicts))
         found = unreliable_from(
             group.control.get("grad_norm"),
             [t["grad_norm"] for t in group.twins if "grad_norm" in t],
         )
         status = "unreliable" if unreliable_reference(verdicts, found) else "failed"
-        return Judged(status, first, by, shares)
+        return Judged(status, first, by, shares, worst_ratio(verdicts))
     if rule.startswith("anchored-judge"):
         # "anchored-judge[/k<K>][/e<N>]": the twin rules' one-step k set to K (ONE_STEP_K
         # otherwise; the parts' k follows it, PART_K_FACTOR x K), anchors every N (10)
@@ -274,27 +291,26 @@ def judge_pair(group: Group, case: str, rule: str) -> Judged | None:
             dataclasses.replace(r, z=options["k"]) if "k" in options and r.method == "twin" else r
             for r in rules
         )
-        early = [cut(c, EARLY) for c in controls]
-        trajectory = [r for r in rules if r.metric != "data_fingerprint"]
-        data = [r for r in rules if r.metric == "data_fingerprint"]
-        verdicts = [
-            *compare_all(trajectory, early, cut(test, EARLY)),
-            *compare_all(data, controls, test),
-        ]
+        verdicts = list(compare_all(rules, controls, test))
         shares = ()
         if anchored is not None:
-            verdicts.append(
-                anchored_verdict(
-                    one_step,
-                    controls,
-                    every_nth(anchored, every),
-                    every=every,
-                    anchored_twins=group.twins_every(every),
-                )
+            one = anchored_verdict(
+                one_step,
+                controls,
+                every_nth(anchored, every),
+                every=every,
+                anchored_twins=group.twins_every(every),
             )
+            # the library's own demotion of trajectory failures past its horizon
+            verdicts = [*judged_from_anchors(verdicts, one), one]
             shares = anchor_shares(group, one_step, anchored, every)
         first, by = _first_failure(verdicts)
-        return Judged("failed" if by != "-" else "passed", first, by, shares)
+        early = compare_all(
+            rules,
+            [cut(c, TRAJECTORY_HORIZON) for c in controls],
+            cut(test, TRAJECTORY_HORIZON),
+        )
+        return Judged("failed" if by != "-" else "passed", first, by, shares, worst_ratio(early))
     raise ValueError(rule)
 
 
@@ -356,17 +372,22 @@ def false_alarm_rows(groups: Sequence[Group], label: str) -> list[str]:
             low, high = clopper_pearson(k, n)
             configs = "".join(sorted({g.config for g in mine}))
             seeds = len({(g.config, g.seed) for g in mine})
+            traj = [j.trajectory_worst for j in judged if not math.isnan(j.trajectory_worst)]
+            shares = [s for j in judged for s in j.anchor_shares]
             out.append(
                 f"| {label} | {configs} ({seeds} control groups) | {precision} | {rule} | {n} | "
-                f"{k} | {k / n:.1%} | [{low:.1%}, {high:.1%}] | {u} |"
+                f"{k} | {k / n:.1%} | [{low:.1%}, {high:.1%}] | {u} | "
+                f"{max(traj) if traj else math.nan:.2g} | "
+                f"{max(shares) if shares else math.nan:.2g} |"
             )
     return out
 
 
 FALSE_ALARM_HEAD = [
     "| part | configs | precision | rule | n pairs | false alarms | rate | 95 % CI "
-    "(Clopper-Pearson) | unreliable (error, not counted) |",
-    "|---|---|---|---|---:|---:|---:|---|---:|",
+    "(Clopper-Pearson) | unreliable (error, not counted) | worst trajectory ratio | worst "
+    "anchor share |",
+    "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|",
 ]
 
 
@@ -433,10 +454,11 @@ def detection_rows(groups: Sequence[Group]) -> list[str]:
     return out
 
 
-DETECTION_HEAD = [
-    "| config | precision | seed | planted bug | starts at | " + " | ".join(RULES) + " |",
-    "|---|---|---:|---|---:|" + "---|" * len(RULES),
-]
+def detection_head() -> list[str]:
+    return [
+        "| config | precision | seed | planted bug | starts at | " + " | ".join(RULES) + " |",
+        "|---|---|---:|---|---:|" + "---|" * len(RULES),
+    ]
 
 
 def detection_summary(groups: Sequence[Group]) -> list[str]:
@@ -499,6 +521,7 @@ COST_HEAD = [
 
 
 def main() -> int:
+    global RULES
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
         "--held-back",
@@ -507,7 +530,14 @@ def main() -> int:
     )
     parser.add_argument("--folder", type=Path, default=CURVES)
     parser.add_argument("--pairs", action="store_true", help="one line per pair and rule")
+    parser.add_argument(
+        "--rules",
+        nargs="+",
+        help=f"rules to judge by (default {' '.join(RULES)}), e.g. anchored-judge/k3/e5",
+    )
     args = parser.parse_args()
+    if args.rules:
+        RULES = tuple(args.rules)
     tuning = load_all(TUNING, args.folder)
     envelope = [g for path in ENVELOPE for g in load_envelope(path)]
     held = load_all(HELD_BACK, args.folder) if args.held_back else []
@@ -538,7 +568,7 @@ def main() -> int:
         "\n".join([*SHARE_HEAD, *share_rows(tuning, "tuning"), *share_rows(held, "**held back**")])
     )
     print("\nPlanted bugs (first failing step, the verdict that failed first):\n")
-    print("\n".join([*DETECTION_HEAD, *detection_rows([*tuning, *held])]))
+    print("\n".join([*detection_head(), *detection_rows([*tuning, *held])]))
     print("\n| rule | bugs | caught | in the first quarter (late bugs: within 20 steps) |")
     print("|---|---:|---:|---:|")
     print("\n".join(detection_summary([*tuning, *held])))
