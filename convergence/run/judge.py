@@ -26,7 +26,7 @@ from convergence.calibration.select import Selection, in_force
 from convergence.metrics.curve import RunMetrics
 from convergence.run.outcome import PairStatus
 from convergence.spec.pair import PairSpec
-from convergence.stats.anchored import anchored_verdict
+from convergence.stats.anchored import anchored_verdict, judged_from_anchors
 from convergence.stats.provenance import with_golden_note
 from convergence.stats.registry import compare_all, get_comparison
 from convergence.stats.resumed import resumed_verdict
@@ -100,7 +100,9 @@ def judge(
                 every=pair.anchor_every,
                 anchored_twins=anchored_twins,
             )
-            verdicts = (*verdicts, one_step)
+            # Past the first steps the anchored check judges "same function" for the
+            # metrics it covers; their trajectories are reported (stats/anchored.py).
+            verdicts = (*judged_from_anchors(verdicts, one_step), one_step)
         if resumed and pair.test.resume is not None:
             after = resumed_verdict(
                 pair.rules, runs, test, at_step=pair.test.resume.at_step, resumed_twins=resumed
