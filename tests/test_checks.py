@@ -76,13 +76,16 @@ class FinalLossCheck:
         again = JobSpec(**{**vars(pair.test), "name": f"{pair.test.name}-again"})
         return (ExtraJob("again", "test", again, cacheable=False),)
 
-    def verdicts(self, pair: PairSpec, ran: Ran) -> tuple[MetricVerdict, ...]:
+    def verdicts(
+        self, pair: PairSpec, ran: Ran, verdicts: tuple[MetricVerdict, ...]
+    ) -> tuple[MetricVerdict, ...]:
         (again,) = ran.of(self.name, "again")
         control = float(ran.controls[0].metrics["loss"].values[-1])
         test = float(ran.test.metrics["loss"].values[-1])
         repeated = float(again.metrics["loss"].values[-1]) == test
         passed = abs(test - control) <= 1e-3 and repeated
         return (
+            *verdicts,
             MetricVerdict(
                 metric=self.name,
                 method="paired",

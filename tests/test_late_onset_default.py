@@ -30,7 +30,8 @@ from convergence.spec.pair import PairSpec  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("late-onset-default")
 
-START, STEPS = 50, AUTO_MIN_STEPS
+START, STEPS = 50, 100  # the "from step 50 of 100"
+assert STEPS >= AUTO_MIN_STEPS
 BUG = f"cp-rope-ignores-offset-from-{START}"
 
 

@@ -29,7 +29,7 @@ from convergence.spec.anchors import ANCHORS_DIR, auto_anchor_every
 from convergence.spec.errors import NotRunnableHere, RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
-from convergence.stats.anchored import ANCHORED, anchored_verdict
+from convergence.stats.anchored import ANCHORED, anchored_verdict, judged_from_anchors
 from convergence.stats.registry import get_comparison
 from convergence.stats.types import MetricVerdict
 
@@ -94,21 +94,24 @@ class AnchoredCheck:
             ]
         return tuple(jobs)
 
-    def verdicts(self, pair: PairSpec, ran: Ran) -> tuple[MetricVerdict, ...]:
+    def verdicts(
+        self, pair: PairSpec, ran: Ran, verdicts: tuple[MetricVerdict, ...]
+    ) -> tuple[MetricVerdict, ...]:
         anchored = ran.of(self.name, TEST)
         if not anchored:
-            return ()
+            return verdicts
         # Each part's grad norm is judged too: the control's parts beside its curves.
         controls = [with_part_norms(ran.controls[0]), *(c.metrics for c in ran.controls[1:])]
-        return (
-            anchored_verdict(
-                pair.rules,
-                controls,
-                with_part_norms(anchored[0]),
-                every=pair.anchor_every,
-                anchored_twins=[with_part_norms(t) for t in ran.of(self.name, TWINS)],
-            ),
+        one_step = anchored_verdict(
+            pair.rules,
+            controls,
+            with_part_norms(anchored[0]),
+            every=pair.anchor_every,
+            anchored_twins=[with_part_norms(t) for t in ran.of(self.name, TWINS)],
         )
+        # Past the first steps the anchored check judges "same function" for the metrics it
+        # covers; their trajectories are reported, not gated (stats/anchored.py).
+        return (*judged_from_anchors(verdicts, one_step), one_step)
 
     def probe(
         self, pair: PairSpec, verdicts: Sequence[MetricVerdict], ran: Ran

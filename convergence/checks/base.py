@@ -11,7 +11,8 @@ pair). For a pair the check applies to, it says:
 - how it changes the regime's control jobs (:meth:`Check.control_jobs`: e.g. save anchors);
 - the extra jobs it needs once the control group and the test ran (:meth:`Check.extra_jobs`);
 - its verdicts from all of that (:meth:`Check.verdicts`, made inside the one judge,
-  convergence/run/judge.py, under the pair's calibration);
+  convergence/run/judge.py, under the pair's calibration), and which of the verdicts before
+  it no longer gate because it judges them better;
 - where a failure is localised (:meth:`Check.probe`: the numerics probe from a checkpoint of
   its own, instead of a replay of the run from step 1) and whether the replay can work at all
   (:attr:`Check.replay_probe`).
@@ -128,8 +129,13 @@ class Check(Protocol):
         control's); SpecError where what they start from is missing."""
         ...
 
-    def verdicts(self, pair: PairSpec, ran: Ran) -> tuple[MetricVerdict, ...]:
-        """Its verdicts (none where its jobs did not run), under the judge's calibration."""
+    def verdicts(
+        self, pair: PairSpec, ran: Ran, verdicts: tuple[MetricVerdict, ...]
+    ) -> tuple[MetricVerdict, ...]:
+        """``verdicts`` (the rules' and the checks' before this one) with this check's added,
+        under the judge's calibration; ``verdicts`` as they are where its jobs did not run.
+        A check may also take a verdict it supersedes out of the gate, saying so in its
+        message (the anchored check: a trajectory's failure past its first steps)."""
         ...
 
     def probe(

@@ -68,10 +68,12 @@ class ResumedCheck:
             for job in again
         )
 
-    def verdicts(self, pair: PairSpec, ran: Ran) -> tuple[MetricVerdict, ...]:
+    def verdicts(
+        self, pair: PairSpec, ran: Ran, verdicts: tuple[MetricVerdict, ...]
+    ) -> tuple[MetricVerdict, ...]:
         twins = [side.metrics for side in ran.of(self.name, TWINS)]
         if not twins or pair.test.resume is None:
-            return ()
+            return verdicts
         runs = [side.metrics for side in ran.controls]
         if ran.upto is not None:
             runs = [{m: c.upto(ran.upto) for m, c in run.items()} for run in runs]
@@ -83,7 +85,7 @@ class ResumedCheck:
             at_step=pair.test.resume.at_step,
             resumed_twins=twins,
         )
-        return () if after is None else (after,)
+        return verdicts if after is None else (*verdicts, after)
 
     def probe(
         self, pair: PairSpec, verdicts: Sequence[MetricVerdict], ran: Ran

@@ -72,7 +72,7 @@ def judge(
         verdicts = compare_all(pair.rules, runs, test)
         if ran is not None:
             for check in checks_of(pair):
-                verdicts = (*verdicts, *check.verdicts(pair, ran))
+                verdicts = check.verdicts(pair, ran, verdicts)
     verdicts = with_calibration_note(verdicts, calibration)
     if pair.golden:
         verdicts = with_golden_note(Path(pair.golden), verdicts, test_meta or {})
