@@ -65,6 +65,9 @@ class FinalLossCheck:
     def applies(self, pair: PairSpec) -> bool:
         return pair.test.name.startswith("checked")
 
+    def trajectory_until(self, pair: PairSpec) -> int | None:
+        return None
+
     def refuse(self, pair: PairSpec, backends: Mapping[str, Backend], *, key: str) -> None:
         if pair.test.steps < 2:
             raise SpecError("final_loss needs 2 steps", file=pair.source, key=f"{key}.steps")

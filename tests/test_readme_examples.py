@@ -71,6 +71,7 @@ NOT_EXAMPLES = (
     "e2e.toml::",
     "convergence/        the library",
     "pair                rep",  # README's matrix
+    "layout     bug",  # README's selftest table
     "--8<--",  # a snippet of the pictures' run (docs/images, scripts/docs_images.py)
 )
 

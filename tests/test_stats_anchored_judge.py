@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from convergence.metrics.curve import Curve
-from convergence.run.judge import status_of
+from convergence.run.settle import status_of
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.anchored import TRAJECTORY_HORIZON, anchored_verdict, judged_from_anchors
 from convergence.stats.registry import compare_all

@@ -46,6 +46,19 @@ def test_paired_broken_run_decides_early() -> None:
     assert "3 consecutive" in monitor.decision.reason
 
 
+def test_past_last_step_only_a_nan_stops_the_test() -> None:
+    """Where a check judges the steps past ``last_step`` (the anchored check's horizon), a
+    trajectory's excursion there does not stop the test; a NaN loss still does."""
+    broken = paired_run(grad_scale=2.0)
+    monitor = SequentialMonitor(
+        default_rules("paired"), [paired_run()], min_step=5, patience=3, last_step=6
+    )
+    assert feed(monitor, broken) is None  # outside from step 5, but only 2 steps by step 6
+    monitor = SequentialMonitor(default_rules("paired"), [paired_run()], last_step=6)
+    assert not monitor.update(50, {"step": 50, "loss": 1.0}).decided
+    assert monitor.update(51, {"step": 51, "loss": float("inf")}).decided
+
+
 def test_nan_loss_decides_at_once() -> None:
     monitor = SequentialMonitor(default_rules("paired"), [paired_run()])
     assert not monitor.update(1, {"step": 1, "loss": 10.0}).decided

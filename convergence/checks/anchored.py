@@ -29,7 +29,12 @@ from convergence.spec.anchors import ANCHORS_DIR, auto_anchor_every
 from convergence.spec.errors import NotRunnableHere, RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
-from convergence.stats.anchored import ANCHORED, anchored_verdict, judged_from_anchors
+from convergence.stats.anchored import (
+    ANCHORED,
+    TRAJECTORY_HORIZON,
+    anchored_verdict,
+    judged_from_anchors,
+)
 from convergence.stats.registry import get_comparison
 from convergence.stats.types import MetricVerdict
 
@@ -46,6 +51,9 @@ class AnchoredCheck:
 
     def applies(self, pair: PairSpec) -> bool:
         return bool(pair.anchor_every)
+
+    def trajectory_until(self, pair: PairSpec) -> int | None:
+        return TRAJECTORY_HORIZON  # past it, judged_from_anchors (stats/anchored.py)
 
     def refuse(self, pair: PairSpec, backends: Mapping[str, Backend], *, key: str) -> None:
         for side, backend in backends.items():

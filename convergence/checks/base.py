@@ -114,6 +114,11 @@ class Check(Protocol):
         """Whether the pair (as it runs: :meth:`as_run`) has this check."""
         ...
 
+    def trajectory_until(self, pair: PairSpec) -> int | None:
+        """The last step at which the trajectories gate where this check runs (None: every
+        step): the early-stop monitor stops a test only on what the verdict would fail."""
+        ...
+
     def refuse(self, pair: PairSpec, backends: Mapping[str, Backend], *, key: str) -> None:
         """Raise SpecError (file, key, fix) when the check cannot run on this pair; called at
         collection for a pair it applies to. ``backends``: "control" and ``key`` (the test's

@@ -42,6 +42,9 @@ class ResumedCheck:
     def applies(self, pair: PairSpec) -> bool:
         return pair.test.resume is not None
 
+    def trajectory_until(self, pair: PairSpec) -> int | None:
+        return None
+
     def refuse(self, pair: PairSpec, backends: Mapping[str, Backend], *, key: str) -> None:
         check_resume(pair.test, file=pair.source, key=key)
 

@@ -137,7 +137,7 @@ class Runner:
             if unhealthy:
                 return _error(pair, control, None, unhealthy, started)
             control_runs = [c.metrics for c in controls]
-            test = self._test(pair, pair_dir, regime, control_runs, jobs)
+            test = self._test(pair, pair_dir, regime, control_runs, jobs, checks)
             for check in checks:  # each check's extra jobs, once the control group and test ran
                 asked = check.extra_jobs(pair, _ran(controls, test), jobs.backend(pair.control))
                 extra[check.name] = _run_extra(jobs, asked, pair_dir=pair_dir)
@@ -185,11 +185,14 @@ class Runner:
         regime: Regime,
         control_runs: Sequence[RunMetrics],
         jobs: JobRunner,
+        checks: Sequence[Check],
     ) -> SideOutcome:
-        """The test side, watched by the early-stop monitor where the pair stops early."""
+        """The test side, watched by the early-stop monitor where the pair stops early (on
+        the steps whose trajectories the verdict gates: the checks say until when)."""
         on_metrics = None
         if pair.early_stop and self.settings.early_stop:
             policy = regime.early_stop
+            until = [u for c in checks if (u := c.trajectory_until(pair)) is not None]
             # The launcher feeds each record to the monitor itself (no callback of ours
             # between them): it says when the test's failure is decided.
             on_metrics = SequentialMonitor(
@@ -197,6 +200,7 @@ class Runner:
                 control_runs,
                 key_map=jobs.backend(pair.test).record_keys(pair.test),
                 calibration=self.calibration,
+                last_step=min(until, default=None),
                 min_step=policy.min_step,
                 patience=policy.patience,
             ).decided_by

@@ -61,9 +61,14 @@ class SequentialMonitor:
         patience: int = DEFAULT_PATIENCE,
         key_map: Mapping[str, str] | None = None,
         calibration: Selection = DEFAULTS,
+        last_step: int | None = None,
     ) -> None:
         """``calibration``: the one the pair's verdict will use (run/judge.py), so that the
-        monitor stops a test only where that verdict would fail it."""
+        monitor stops a test only where that verdict would fail it. ``last_step``: past it a
+        metric's clear excursion no longer stops the test, because the verdict does not gate
+        on the trajectory there (a check judges those steps: the anchored check's horizon);
+        a non-finite loss stops it at any step."""
+        self.last_step = last_step
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience}")
         self.min_step = min_step
@@ -88,7 +93,7 @@ class SequentialMonitor:
         loss = values.get("loss")
         if loss is not None and not math.isfinite(loss):
             return self._decide("loss", step, f"loss is {loss} at step {step}")
-        if step < self.min_step:
+        if step < self.min_step or (self.last_step is not None and step > self.last_step):
             return self.decision
         for metric, check in self._checks.items():
             value = values.get(metric)
