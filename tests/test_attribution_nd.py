@@ -18,7 +18,7 @@ from convergence.run.outcome import PairOutcome
 from convergence.spec.pair import PairSpec
 from experiments import builtin_pair
 
-pytestmark = [pytest.mark.slow, pytest.mark.rounding]
+pytestmark = [pytest.mark.slow, pytest.mark.rounding, pytest.mark.xdist_group("attribution_nd")]
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).parent / "fixtures" / "hooks"

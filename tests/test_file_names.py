@@ -15,11 +15,13 @@ PACKAGES = ("convergence", "pytest_convergence")
 #: The repeated names that keep one meaning, and that meaning.
 SAME_MEANING = {
     "__main__.py": "a package's command-line entry (the trainer's, the CLI's)",
+    "anchored.py": "the anchored check: its description (checks/) and its statistics (stats/)",
     "anchors.py": "the anchored check: its spec key, its jobs, the trainer's saves and loads",
     "base.py": "the Protocol a pluggable part implements (Backend, Regime)",
     "options.py": "the option table, and the plugin's registration of it with pytest",
     "probe.py": "the numerics probe: the trainer's, torchtitan's, its jobs, its report section",
     "registry.py": "lookup of a pluggable part by name (backends, regimes, comparisons)",
+    "resumed.py": "the resumed check: its description (checks/) and its statistics (stats/)",
     "resume.py": "resuming a run: the spec key, the trainer, torchtitan, the jobs, the report",
     "stack.py": "the accelerator stack: in the cache key, and what a calibration is valid for",
     "types.py": "a package's data types and Protocols (launch requests; verdicts)",

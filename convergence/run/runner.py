@@ -255,7 +255,7 @@ class Runner:
         pair_dir: Path,
         regime: Regime,
         jobs: JobRunner,
-        checks: Sequence[Check],
+        checks: Sequence[Check] | None = None,
     ) -> list[SideOutcome]:
         """The control sides, ``pair.control`` first (``regime``: the pair's), run on ``jobs``."""
         if pair.golden:
@@ -267,7 +267,7 @@ class Runner:
             ]
         # The regime's control jobs: the control, and its twin or seed replicates.
         specs = regime.control_jobs(pair, jobs.backend(pair.control))
-        for check in checks:  # e.g. the anchored check's control saves its state
+        for check in checks_of(pair) if checks is None else checks:  # e.g. anchor saves
             specs = check.control_jobs(pair, specs)
         # Independent of each other: at once where the pool has room (run/together.py).
         sides = run_together(
