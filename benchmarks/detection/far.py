@@ -41,15 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _report
 
 from _report import machine
 from catalogue import ALL, Case, late_onset
+from envelope_configs import CONFIGS as ENVELOPE_CONFIGS
 from pairs import build_pairs
 
 from convergence.run.runner import Runner, RunSettings
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {
-    "a": HERE / "envelope" / "a_debug_synthetic.toml",
-    "b": HERE / "envelope" / "b_wide_gqa_text.toml",
-    "c": HERE / "envelope" / "c_long_lag_synthetic.toml",
+    **ENVELOPE_CONFIGS,  # a, b, c: the configs the twin envelope was tuned on
     "d": HERE / "far" / "d_deep_wide_heldback.toml",
     "e": HERE / "far" / "e_aggressive_lr_heldback.toml",
 }
