@@ -420,7 +420,7 @@ def test_bf16_torchtitan_pair_gets_the_twin_regime_at_collection(tmp_path: Path)
 def test_probe_always_is_accepted_for_torchtitan_at_collection(tmp_path: Path) -> None:
     """torchtitan jobs have the numerics probe (through the launcher wrapper), so a pair may
     ask for it on every run; its words reach the wrapper behind torchtitan's own."""
-    from convergence.run.probe import probe_overrides, wants_probe
+    from convergence.run.probe import wants_probe
 
     path = _tt_pair(
         tmp_path, {"probe": "always"}, local_batch_size=4, overrides={"training.seq_len": 64}
@@ -428,9 +428,10 @@ def test_probe_always_is_accepted_for_torchtitan_at_collection(tmp_path: Path) -
     (pair,) = load_checked(path, rootdir=tmp_path).pairs
     assert BACKEND.capabilities.probe and pair.probe_always
     assert wants_probe(pair, "passed") and wants_probe(pair, "failed")
-    entry = BACKEND.train_entry(pair.test, Path("/d"), None) + probe_overrides(2)
+    entry = BACKEND.train_entry(pair.test.asking(probe_step=2), Path("/d"), None)
     assert entry[:2] == ["-m", "convergence.backends.torchtitan.launch"]
-    assert entry[-3:] == probe_overrides(2)
+    assert "--convergence.probe_step=2" in entry and "--metrics.no-enable_tensorboard" in entry
+    assert not any(w.startswith("--probe.") for w in entry)  # the built-in trainer's words
 
 
 DEEPSEEK = (("module", "deepseek_v3"), ("config", "deepseek_v3_debugmodel"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,6 +119,7 @@ def _non_default_specs() -> PairOutcome:
     from convergence.spec.layout import ParallelLayout, Techniques
     from convergence.spec.pair import ComparisonRule, PairSpec
     from convergence.spec.resume import Resume
+    from convergence.spec.trainer_request import TrainerRequest
 
     job = JobSpec(
         name="t",
@@ -140,6 +142,7 @@ def _non_default_specs() -> PairOutcome:
             local_batch_size=1,
         ),
         device="cpu",
+        request=TrainerRequest(anchor_every=5),
     )
     pair = PairSpec(
         pair_id="e.toml::t",
@@ -168,9 +171,23 @@ def _non_default_specs() -> PairOutcome:
     return PairOutcome(pair=pair, status="error", control=None, test=None, error="x")
 
 
+def _as_saved(job: Any) -> Any:
+    """The job as a saved outcome holds it: its trainer request inside its overrides, as the
+    request travelled before it had a type (and as the run-cache key still hashes it)."""
+    from convergence.spec.trainer_request import TrainerRequest
+
+    overrides = (*job.overrides, *job.request.as_overrides())
+    return dataclasses.replace(job, overrides=overrides, request=TrainerRequest())
+
+
 def test_every_spec_field_survives_the_round_trip() -> None:
     o = _non_default_specs()
-    assert _roundtrip(o).pair == o.pair
+    pair = dataclasses.replace(
+        o.pair, control=_as_saved(o.pair.control), test=_as_saved(o.pair.test)
+    )
+    back = _roundtrip(o).pair
+    assert back == pair and ("checkpoint.anchor_every", "5") in back.test.overrides
+    assert back.test.identity() == o.pair.test.identity()  # the same key either way
 
 
 def test_an_outcome_saved_without_newer_fields_reads_with_their_defaults() -> None:

@@ -155,8 +155,11 @@ def test_two_jobs_and_one_curve(tmp_path: Path) -> None:
     ).pairs[0]
     before, after = phase_jobs(pair.test, tmp_path / "ckpt")
     assert before.layout == pair.test.layout and after.layout.tp == 2
-    assert ("checkpoint.save_at_step", "5") in before.overrides
-    assert ("checkpoint.resume_from", str(tmp_path / "ckpt")) in after.overrides
+    assert (before.request.save_at, before.request.save_folder) == (5, tmp_path / "ckpt")
+    assert after.request.resume_from == tmp_path / "ckpt" and not before.request.resume_from
+    # The request is keyed as the overrides it travelled as before it had a type.
+    assert ["checkpoint.save_at_step", "5"] in before.identity()["overrides"]
+    assert ["checkpoint.resume_from", str(tmp_path / "ckpt")] in after.identity()["overrides"]
     assert before.steps == after.steps == 12  # the LR schedule spans the whole run
     curve = joined(
         {"loss": Curve.from_pairs("loss", [(1, 3.0), (2, 2.0)])},

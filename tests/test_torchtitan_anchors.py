@@ -12,7 +12,6 @@ the command lines, and the DP-degree change torchtitan cannot load, refused at c
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -30,7 +29,6 @@ if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan
     )
 
 from convergence.backends.torchtitan.anchors import MANIFEST
-from convergence.backends.torchtitan.argv import STEP_LOG
 from convergence.backends.torchtitan.backend import TorchtitanBackend
 from convergence.backends.torchtitan.launch import split_argv
 from convergence.checks.anchored import AnchoredCheck, anchored_job
@@ -41,7 +39,7 @@ from convergence.preflight import check_pair
 from convergence.regimes import REGISTRY
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
-from convergence.spec.resume import RESUME_FROM
+from convergence.spec.run_dir import RunDir
 
 pytestmark = pytest.mark.xdist_group("torchtitan_anchors")
 
@@ -106,9 +104,7 @@ def test_the_anchor_keys_become_torchtitans_options(tmp_path: Path) -> None:
     assert (ckpt.enable, ckpt.folder, ckpt.load_only) == (True, str(folder), True)
     # The probe from anchor 8 (checks/anchored.py names it <anchors>/step8, the built-in
     # trainer's folder): torchtitan loads its step-8 from the anchors folder.
-    probe = dataclasses.replace(
-        pair.test, overrides=(*pair.test.overrides, (RESUME_FROM, str(folder / "step8")))
-    )
+    probe = pair.test.asking(resume_from=folder / "step8")
     ckpt = backend.effective_config(probe).checkpoint
     assert (ckpt.folder, ckpt.load_step, ckpt.load_only) == (str(folder), 8, True)
     seed = backend.seed_entry(control, tmp_path / "seed")  # the seed checkpoint: no anchors
@@ -130,8 +126,9 @@ def test_another_dp_degree_is_a_collection_error(tmp_path: Path) -> None:
 
 def metrics(run: Path) -> RunMetrics:
     """A job's curves from its run folder (torchtitan's TensorBoard and the wrapper's records)."""
-    out = read_tensorboard(run / "dump" / "tb")
-    out.update(read_jsonl(run / "dump" / STEP_LOG))
+    dump = RunDir(run).dump
+    out = read_tensorboard(dump.tensorboard)
+    out.update(read_jsonl(dump.step_log))
     return out
 
 

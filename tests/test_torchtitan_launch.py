@@ -45,13 +45,12 @@ def test_our_options_are_removed_before_torchtitan_parses() -> None:
 
 
 def test_probe_words_are_ours_and_booleans_move_before_the_subcommand() -> None:
-    """convergence/run/probe.py appends its words after the job's argv, i.e. after the
-    activation-checkpoint subcommand, in the built-in trainer's ``--key=true`` form."""
-    from convergence.run.probe import probe_overrides
-
+    """The probe is the wrapper's option; a ``--key=true|false`` word after the
+    activation-checkpoint subcommand becomes tyro's flag before it."""
     argv = ["--module", "llama3", "--training.steps=4", "activation-checkpoint:none"]
-    options, rest = split_argv([*argv, *probe_overrides(3)])
-    assert options.probe.enable and options.probe.step == 3
+    words = ["--convergence.probe_step=3", "--metrics.enable_tensorboard=false"]
+    options, rest = split_argv([*argv, *words])
+    assert options.probe_step == 3
     assert rest == [
         "--module",
         "llama3",
@@ -59,10 +58,10 @@ def test_probe_words_are_ours_and_booleans_move_before_the_subcommand() -> None:
         "--metrics.no-enable_tensorboard",
         "activation-checkpoint:none",
     ]
-    assert not split_argv(argv)[0].probe.enable
+    assert not split_argv(argv)[0].probe_step
     assert tyro_form(["--a.b=true", "x"]) == ["--a.b", "x"]
-    with pytest.raises(SystemExit, match="unknown probe option"):
-        split_argv(["--probe.stpe=2"])
+    with pytest.raises(SystemExit, match="unknown option"):
+        split_argv(["--convergence.probe_stpe=2"])
 
 
 def test_eager_attention_equals_flex_with_a_document_mask() -> None:

@@ -22,14 +22,14 @@ class Capabilities:
 
     resume: bool = False
     """A test side may checkpoint at step K and resume under another layout
-    (spec/resume.py, run/resume.py): the trainer reads ``--checkpoint.*`` as the built-in
-    one does."""
+    (spec/resume.py, run/resume.py): the backend turns the request's ``save_at`` and
+    ``resume_from`` (spec/trainer_request.py) into its trainer's words."""
     probe: bool = False
-    """The trainer has the numerics probe mode (``--probe.*``: run/probe.py)."""
+    """The trainer has the numerics probe mode (the request's ``probe_step``: run/probe.py)."""
     anchors: bool = False
     """The anchored check (checks/anchored.py): the control saves its whole state every N steps
-    (``--checkpoint.anchor_every``) and a job trains one step from each of those states
-    (``--checkpoint.anchored_from``)."""
+    (the request's ``anchor_every``) and a job trains one step from each of those states
+    (``anchored_from``)."""
     anchors_keep_dp: bool = False
     """The anchored job must keep the control's data-parallel degree: the trainer's data
     position cannot move onto another one when it loads an anchor (torchtitan's dataloader)."""

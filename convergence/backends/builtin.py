@@ -16,6 +16,7 @@ from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import LAYOUT_FIELDS, PP_DEFAULTED, PRECISION_DEFAULTS
 from convergence.spec.pp_schedules import TORCH_FLOORS as PP_TORCH_FLOORS
+from convergence.spec.run_dir import DumpDir
 from convergence.torch_info import older_than, torch_version
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 from convergence.trainer.config_checks import check_config
@@ -64,8 +65,20 @@ def job_overrides(job: JobSpec) -> list[str]:
     if job.hook:
         values["parallelism.hook"] = job.hook
         values["parallelism.hook_mode"] = job.hook_mode
-    # User overrides come last so they win over the spec-derived values.
-    return to_overrides(values) + [f"--{k}={v}" for k, v in job.overrides]
+    # User overrides come last so they win over the spec-derived values; then what the
+    # library asks of the trainer (its checkpoint keys are its words for the request).
+    return to_overrides(values) + [
+        f"--{k}={v}" for k, v in (*job.overrides, *job.request.as_overrides())
+    ]
+
+
+def probe_flags(job: JobSpec) -> list[str]:
+    """The request's numerics probe (none: no words). training.steps stays the job's: the LR
+    schedule of the replayed steps depends on it."""
+    step = job.request.probe_step
+    if not step:
+        return []
+    return ["--probe.enable=true", f"--probe.step={step}", "--metrics.enable_tensorboard=false"]
 
 
 class BuiltinBackend:
@@ -222,19 +235,19 @@ class BuiltinBackend:
         ]
         if seed_dir is not None:
             entry.append(f"--checkpoint.seed_checkpoint={seed_dir}")
-        return entry
+        return entry + probe_flags(job)
 
     def launches_itself(self, job: JobSpec) -> bool:
         return False
 
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
-        return dump_dir / "metrics.jsonl"
+        return DumpDir(dump_dir).metrics
 
     def metrics_format(self, job: JobSpec) -> str:
         return "jsonl"
 
     def stop_file(self, job: JobSpec, dump_dir: Path) -> Path | None:
-        return dump_dir / "STOP"
+        return DumpDir(dump_dir).stop
 
     def record_keys(self, job: JobSpec) -> dict[str, str] | None:
         return None
@@ -242,10 +255,10 @@ class BuiltinBackend:
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         # The JSONL holds exact float64 reprs; TensorBoard carries the same values for users.
 
-        return read_jsonl(dump_dir / "metrics.jsonl")
+        return read_jsonl(DumpDir(dump_dir).metrics)
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
-        path = dump_dir / "run_meta.json"
+        path = DumpDir(dump_dir).run_meta
         if not path.is_file():
             return {}
         try:

@@ -31,8 +31,10 @@ from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tags import TENSORBOARD_TAGS, resolve_map
 from convergence.metrics.tensorboard import read_tensorboard
+from convergence.spec import run_dir
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
+from convergence.spec.run_dir import DumpDir
 
 OPTION_KEYS = (
     "command",
@@ -249,6 +251,8 @@ class CommandBackend:
         raise NotImplementedError("the command backend makes no seed checkpoint")
 
     def train_entry(self, job: JobSpec, dump_dir: Path, seed_dir: Path | None) -> list[str]:
+        # Its Capabilities offer no part of a trainer request: collection refused any first.
+        assert job.request.empty, f"the command backend got a trainer request: {job.request}"
         values = placeholders(job, dump_dir)
         return [word.format(**values) for word in shlex.split(_options(job)["command"])]
 
@@ -256,13 +260,13 @@ class CommandBackend:
         options = _options(job)
         if self.metrics_format(job) == "tensorboard":
             return dump_dir / options.get("metrics_file", "")  # tailed live (tb_tail.py)
-        return dump_dir / options.get("metrics_file", "metrics.jsonl")
+        return dump_dir / options.get("metrics_file", run_dir.METRICS)
 
     def metrics_format(self, job: JobSpec) -> str:
         return "tensorboard" if _options(job).get("metrics") == "tensorboard" else "jsonl"
 
     def stop_file(self, job: JobSpec, dump_dir: Path) -> Path | None:
-        return dump_dir / "STOP"  # {dump_dir}/STOP: a trainer may honour it
+        return DumpDir(dump_dir).stop  # {dump_dir}/STOP: a trainer may honour it
 
     def record_keys(self, job: JobSpec) -> dict[str, str] | None:
         keys = _key_map(_options(job))
@@ -279,7 +283,7 @@ class CommandBackend:
             )
 
         return read_jsonl(
-            dump_dir / options.get("metrics_file", "metrics.jsonl"), key_map=key_map or None
+            dump_dir / options.get("metrics_file", run_dir.METRICS), key_map=key_map or None
         )
 
     def noise_twin(self, job: JobSpec) -> JobSpec | None:
@@ -289,7 +293,7 @@ class CommandBackend:
         return None
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:
-        path = dump_dir / "run_meta.json"
+        path = DumpDir(dump_dir).run_meta
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):

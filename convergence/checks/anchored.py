@@ -3,9 +3,9 @@
 one-step tolerance (convergence/stats/anchored.py: why it sees a late bug that a trajectory
 hides).
 
-    control job   + checkpoint.anchor_every=N: its state after every N-th step, in its dump
+    control job   + request anchor_every=N: its state after every N-th step, in its dump
                   folder (convergence/trainer/anchors.py); cached with the control's run
-    anchored job  the test's layout + checkpoint.anchored_from=<those anchors>: one step from
+    anchored job  the test's layout + request anchored_from=<those anchors>: one step from
                   each anchor (never cached: it is part of what is under test)
     twins         the twin regime's twins, one step from the same anchors (cached: they
                   start from the control's state), where a rule sizes its envelope from twins
@@ -25,10 +25,11 @@ from convergence.backends.registry import get_backend
 from convergence.checks.base import ExtraJob, ProbeRequest, Ran, SideRun
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_part_norms
-from convergence.spec.anchors import ANCHORS_DIR, auto_anchor_every
+from convergence.spec.anchors import auto_anchor_every
 from convergence.spec.errors import NotRunnableHere, RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
+from convergence.spec.run_dir import RunDir, anchor_path
 from convergence.stats.anchored import (
     ANCHORED,
     TRAJECTORY_HORIZON,
@@ -74,11 +75,7 @@ class AnchoredCheck:
         their state."""
         out = list(jobs)
         if out:
-            control = out[0]
-            out[0] = dataclasses.replace(
-                control,
-                overrides=(*control.overrides, ("checkpoint.anchor_every", str(pair.anchor_every))),
-            )
+            out[0] = out[0].asking(anchor_every=pair.anchor_every)
         return tuple(out)
 
     def extra_jobs(self, pair: PairSpec, ran: Ran, backend: Backend) -> tuple[ExtraJob, ...]:
@@ -138,7 +135,7 @@ class AnchoredCheck:
         return ProbeRequest(
             control=pair.control,
             test=pair.test,
-            checkpoint=anchor_folder(ran.controls[0]) / f"step{anchor}",
+            checkpoint=anchor_path(anchor_folder(ran.controls[0]), anchor),
             folder=f"anchor{anchor}",
             step=anchor + 1,
             head={"anchor_step": anchor},
@@ -199,22 +196,12 @@ def anchor_folder(control: SideRun) -> Path:
     """Where the control's run keeps its anchors."""
     if control.run_dir is None:
         raise RunFailed("the control has no run folder to take anchors from")
-    return control.run_dir / "dump" / ANCHORS_DIR
+    return RunDir(control.run_dir).dump.anchors
 
 
 def anchored_job(test: JobSpec, folder: Path) -> JobSpec:
-    """The test's layout, one logged step after each anchor in ``folder`` (no validation
-    pass: the control's anchored steps are compared on the training metrics)."""
-    return dataclasses.replace(
-        test,
-        name=f"{test.name}-anchored",
-        overrides=(
-            *test.overrides,
-            ("checkpoint.anchored_from", str(folder)),
-            ("metrics.log_freq", "1"),
-            ("metrics.val_every", "0"),
-        ),
-    )
+    """The test's layout, one logged step after each anchor in ``folder``."""
+    return dataclasses.replace(test, name=f"{test.name}-anchored").asking(anchored_from=folder)
 
 
 def with_part_norms(side: SideRun) -> RunMetrics:
@@ -223,7 +210,7 @@ def with_part_norms(side: SideRun) -> RunMetrics:
     part); a side without them, as it is."""
     if side.run_dir is None:
         return side.metrics
-    path = side.metrics_path or side.run_dir / "dump" / "metrics.jsonl"
+    path = side.metrics_path or RunDir(side.run_dir).dump.metrics
     parts = read_part_norms(path)
     return {**side.metrics, **parts} if parts else side.metrics
 

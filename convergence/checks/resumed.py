@@ -24,7 +24,6 @@ from convergence.regimes import get_regime, resumed_controls
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
-from convergence.spec.resume import RESUME_FROM
 from convergence.stats.resumed import RESUMED, resumed_verdict
 from convergence.stats.types import MetricVerdict
 
@@ -61,10 +60,8 @@ class ResumedCheck:
             ExtraJob(
                 TWINS,
                 "control",
-                dataclasses.replace(
-                    job,
-                    name=f"{job.name}-from-{checkpoint.name}",
-                    overrides=(*job.overrides, (RESUME_FROM, str(checkpoint))),
+                dataclasses.replace(job, name=f"{job.name}-from-{checkpoint.name}").asking(
+                    resume_from=checkpoint
                 ),
                 cacheable=False,
             )

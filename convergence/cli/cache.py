@@ -19,6 +19,7 @@ from pathlib import Path
 
 from convergence.cache.store import RunCache
 from convergence.spec.errors import SpecError
+from convergence.spec.run_dir import RunDir
 
 EXIT_OK, EXIT_FAILED = 0, 1
 DEFAULT_DIR = Path(".convergence") / "cache"
@@ -66,7 +67,7 @@ def _size(entry: Path) -> int:
 
 def _job_name(entry: Path) -> str:
     try:
-        job = json.loads((entry / "job.json").read_text())
+        job = json.loads(RunDir(entry).job_record.read_text())
     except (OSError, ValueError):
         return "seed checkpoint" if (entry / "seed").is_dir() else "?"
     return str(job.get("name") or job.get("job", {}).get("name", "?"))

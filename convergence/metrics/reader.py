@@ -23,10 +23,11 @@ from convergence.metrics.curve import RunMetrics
 from convergence.metrics.golden import load_golden
 from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tensorboard import read_tensorboard
+from convergence.spec import run_dir
 from convergence.spec.errors import SpecError
 
 #: Where a run folder of ours keeps its JSONL stream, in the order we look.
-RUN_JSONL = ("metrics.jsonl", "dump/metrics.jsonl")
+RUN_JSONL = (run_dir.METRICS, f"{run_dir.DUMP}/{run_dir.METRICS}")
 EVENT_PREFIX = "events.out.tfevents."
 ACCEPTED = (
     "a run folder (holding metrics.jsonl or dump/metrics.jsonl), a torchtitan dump or "

@@ -42,6 +42,7 @@ from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progres
 from convergence.run.outcome import SideOutcome
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.job import JobSpec
+from convergence.spec.run_dir import RunDir
 from convergence.torch_info import torch_version
 
 log = logging.getLogger(__name__)
@@ -408,9 +409,10 @@ class JobRunner:
     def _complete(entry: Path, job: JobSpec, backend: Backend) -> bool:
         """A cached run counts only if it holds what a run must: its metrics file and our job
         record (the cache verifies the files against the manifest; this, that they exist)."""
-        metrics = backend.metrics_path(job, entry / "dump")
+        folder = RunDir(entry)
+        metrics = backend.metrics_path(job, folder.dump.path)
         # exists(): a TensorBoard backend's metrics are a folder of event files.
-        if (entry / "job.json").is_file() and (metrics is None or metrics.exists()):
+        if folder.job_record.is_file() and (metrics is None or metrics.exists()):
             return True
         log.warning("run cache: entry %s lacks its metrics or job record; running again", entry)
         return False
@@ -434,12 +436,13 @@ class JobRunner:
     ) -> tuple[Path, JobResult]:
         run_dir = pair_dir / f"{side}-{slug(job.name)}-{key[:10]}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        dump = run_dir / "dump"
+        folder = RunDir(run_dir)
+        dump = folder.dump.path
         request = self.launch_request(
             f"{job.name} {side}",
             backend.train_entry(job, dump, seed_dir),
             nproc=job.world_size,
-            log_dir=run_dir / "logs",
+            log_dir=folder.logs,
             in_job_context=True,
             metrics_path=backend.metrics_path(job, dump),
             metrics_format=backend.metrics_format(job),
@@ -448,7 +451,7 @@ class JobRunner:
             direct=backend.launches_itself(job),
         )
         result = self.launch(request, job.world_size, on_metrics, device=job.device)
-        (run_dir / "job.json").write_text(
+        folder.job_record.write_text(
             json.dumps(
                 {
                     "job": job.identity(),
@@ -478,7 +481,7 @@ class JobRunner:
         cached: bool,
         result: JobResult | None = None,
     ) -> SideOutcome:
-        dump = run_dir / "dump"
+        dump = RunDir(run_dir).dump.path
         wall = result.wall_s if result else _recorded_wall(run_dir)
         return SideOutcome(
             job=job,
@@ -498,7 +501,7 @@ def _any_entry(entry: Path) -> bool:
 
 def _recorded(run_dir: Path, key: str) -> Any:
     try:
-        return json.loads((run_dir / "job.json").read_text()).get(key)
+        return json.loads(RunDir(run_dir).job_record.read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
 

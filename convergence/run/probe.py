@@ -1,8 +1,9 @@
 """Failure localisation: run the numerics probe on both sides of a pair and compare.
 
 When a paired pair fails (or always, for pairs with ``probe = "always"``), each side runs once
-more in probe mode -- same launcher, same device pool, same seed checkpoint, the run cache, overrides
-``--probe.enable=true --probe.step=S`` -- and the two probe.json files are compared
+more in probe mode -- same launcher, same device pool, same seed checkpoint, the run cache, its
+trainer asked for the probe of step S (``JobSpec.request``: the built-in trainer's
+``--probe.enable=true --probe.step=S``) -- and the two probe.json files are compared
 (convergence.run.probe_compare). The result becomes ``PairOutcome.localisation``.
 
 Two steps are probed, the second only when needed:
@@ -20,7 +21,6 @@ A probe never changes a verdict: whatever goes wrong here is recorded as
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -35,7 +35,7 @@ from convergence.run.jobs import JobRunner
 from convergence.run.probe_compare import compare_probe_files
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
-from convergence.spec.resume import RESUME_FROM
+from convergence.spec.run_dir import DumpDir, RunDir
 
 
 def wants_probe(pair: PairSpec, status: str) -> bool:
@@ -50,33 +50,29 @@ def wants_probe(pair: PairSpec, status: str) -> bool:
     return status == "failed" and get_regime(pair.regime).probe_on_failure and pair.probe_on_failure
 
 
-def probe_overrides(step: int) -> list[str]:
-    # training.steps stays the job's: the LR schedule of the replayed steps depends on it.
-    return ["--probe.enable=true", f"--probe.step={step}", "--metrics.enable_tensorboard=false"]
-
-
 def run_probe_job(
     side: str, job: JobSpec, probe_dir: Path, *, runner: JobRunner, step: int = 1
 ) -> Path:
     """Run ``job`` in probe mode through ``runner`` (its launcher, device pool and seed
     checkpoints); returns its probe.json (raises RuntimeError on failure)."""
-    from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
-
     backend = runner.backend(job)  # one with a probe mode (wants_probe)
     seed_dir = runner.prepare(job).seed_dir
-    dump = probe_dir / side / "dump"
+    folder = RunDir(probe_dir / side)
+    dump = folder.dump
+    # training.steps stays the job's: the LR schedule of the replayed steps depends on it.
+    probing = job.asking(probe_step=step)
     request = runner.launch_request(
         f"{job.name} probe",
-        [*backend.train_entry(job, dump, seed_dir), *probe_overrides(step)],
+        backend.train_entry(probing, dump.path, seed_dir),
         nproc=job.world_size,
-        log_dir=probe_dir / side / "logs",
+        log_dir=folder.logs,
         watch_idle=False,
     )
     result = runner.launch(request, job.world_size, device=job.device)
     if not result.ok:
         what = result.failure.message if result.failure else f"status {result.status}"
         raise RuntimeError(f"{side} probe job {job.name!r} {what} (logs: {result.log_dir})")
-    path = dump / PROBE_FILE
+    path = dump.probe
     if not path.is_file():
         raise RuntimeError(f"{side} probe job {job.name!r} wrote no {path}")
     return path
@@ -102,9 +98,7 @@ def probe_from_checkpoint(
         paths = [
             run_probe_job(
                 side,
-                dataclasses.replace(
-                    job, overrides=(*job.overrides, (RESUME_FROM, str(checkpoint)))
-                ),
+                job.asking(resume_from=checkpoint),
                 probe_dir,
                 runner=runner,
                 step=step,
@@ -129,15 +123,13 @@ def cached_probe(runner: JobRunner, side: str, job: JobSpec, probe_dir: Path, st
     The key extends the job's run-cache key, so a control shared by many pairs is probed
     once, and ``--refresh`` reprobes once per session as it reruns jobs.
     """
-    from convergence.trainer.probe import PROBE_FILE  # lazy: the trainer imports torch
-
     job_key = runner.prepare(job).key
     key = hashlib.sha256(json.dumps({"probe_step": step, "job": job_key}).encode()).hexdigest()
 
     def produce() -> Path:
         path = run_probe_job(side, job, probe_dir, runner=runner, step=step)
         side_dir = path.parent.parent
-        (side_dir / "job.json").write_text(
+        RunDir(side_dir).job_record.write_text(
             json.dumps(
                 {
                     "job": job.identity(),
@@ -153,8 +145,8 @@ def cached_probe(runner: JobRunner, side: str, job: JobSpec, probe_dir: Path, st
     return runner.cached_run(
         key,
         produce,
-        usable=lambda path: (path / "dump" / PROBE_FILE).is_file(),
-        read=lambda entry, cached: entry / "dump" / PROBE_FILE,
+        usable=lambda path: RunDir(path).dump.probe.is_file(),
+        read=lambda entry, cached: RunDir(entry).dump.probe,
     )
 
 
@@ -191,7 +183,7 @@ def replay_deviation(
     there is nothing to compare (e.g. log_freq skipped them all)."""
     worst: float | None = None
     for path, run in zip(probe_files, runs, strict=True):
-        replay, original = read_jsonl(path.parent / "metrics.jsonl").get("loss"), run.get("loss")
+        replay, original = read_jsonl(DumpDir(path.parent).metrics).get("loss"), run.get("loss")
         if replay is None or original is None:
             continue
         logged = dict(zip(original.steps.tolist(), original.values.tolist(), strict=True))

@@ -24,33 +24,21 @@ from convergence.run.jobs import JobRunner
 from convergence.run.outcome import SideOutcome
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
 
 #: Where the side's checkpoint goes, inside the pair's run folder.
 CHECKPOINT_DIR = "checkpoint"
 
 
 def phase_jobs(job: JobSpec, checkpoint: Path) -> tuple[JobSpec, JobSpec]:
-    """(the job up to the checkpoint, the job that resumes from it): the checkpoint keys as
-    overrides, after the user's own (the built-in trainer's keys; other backends translate
-    them: convergence.spec.resume)."""
+    """(the job up to the checkpoint, the job that resumes from it): each asks its trainer
+    for its part (convergence.spec.trainer_request; each backend says it in its own words)."""
     assert job.resume is not None
     at = job.resume.at_step
-    before = dataclasses.replace(
-        job,
-        name=f"{job.name}-to-step{at}",
-        resume=None,
-        overrides=(
-            *job.overrides,
-            (SAVE_AT_STEP, str(at)),
-            (SAVE_FOLDER, str(checkpoint)),
-        ),
+    before = dataclasses.replace(job, name=f"{job.name}-to-step{at}", resume=None).asking(
+        save_at=at, save_folder=checkpoint
     )
-    after = job.after_resume()
-    after = dataclasses.replace(
-        after,
-        name=f"{job.name}-resumed",
-        overrides=(*after.overrides, (RESUME_FROM, str(checkpoint))),
+    after = dataclasses.replace(job.after_resume(), name=f"{job.name}-resumed").asking(
+        resume_from=checkpoint
     )
     return before, after
 

@@ -15,11 +15,6 @@ from typing import Any
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 
-#: Where a control with anchors writes them, inside its dump folder (the trainer writes,
-#: convergence/checks/anchored.py reads; the run cache keeps them with the control's run).
-ANCHORS_DIR = "anchors"
-
-
 #: The automatic anchored check (the key absent): pairs of at least AUTO_MIN_STEPS steps get
 #: anchors every AUTO_EVERY steps, at most AUTO_MAX_ANCHORS of them (spacing steps //
 #: AUTO_MAX_ANCHORS beyond 1000 steps). Why: a bug that starts at step S shows at the first

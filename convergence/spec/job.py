@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args
 from convergence.spec.errors import SpecError
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.resume import Resume
+from convergence.spec.trainer_request import TrainerRequest
 
 HookMode = Literal["after", "replace_tp"]
 """How a hook meets the built-in parallelisation: after it, or applying TP in its place."""
@@ -53,6 +54,10 @@ class JobSpec:
     resume: Resume | None = None
     """Test sides only: stop after ``resume.at_step``, checkpoint, resume on ``resume.layout``
     (convergence.spec.resume); None: one uninterrupted job."""
+    request: TrainerRequest = field(default_factory=TrainerRequest)
+    """What the library asks of the trainer beyond training the job (save anchors, train from
+    them, checkpoint and stop, resume, probe: convergence.spec.trainer_request); set by run/
+    and checks/, never by an experiment file. Each backend turns it into its own command."""
     device: str = "auto"
     """``auto``: the session's devices (GPUs where torch sees them, else CPU); ``cpu``: on CPU
     slots with the GPUs hidden (set by the placement at collection, never by an experiment file:
@@ -145,6 +150,10 @@ class JobSpec:
             ),
         )
 
+    def asking(self, **parts: Any) -> JobSpec:
+        """The job with these parts added to its trainer request (TrainerRequest's fields)."""
+        return dataclasses.replace(self, request=dataclasses.replace(self.request, **parts))
+
     def override_dict(self) -> dict[str, str]:
         return dict(self.overrides)
 
@@ -160,9 +169,12 @@ class JobSpec:
             "local_batch_size": self.local_batch_size,
             "hook": self.hook,
             "hook_mode": self.hook_mode,
-            "overrides": [list(kv) for kv in self.overrides],
+            # The request as the overrides it was before it had a type, after the user's: the
+            # keys stay what they were (TrainerRequest.as_overrides).
+            "overrides": [list(kv) for kv in (*self.overrides, *self.request.as_overrides())],
             "backend_options": [list(kv) for kv in self.backend_options],
             # Only when set: the keys of jobs without a resume stay what they were.
             **({"resume": self.resume.to_dict()} if self.resume is not None else {}),
             **({"device": self.device} if self.device != "auto" else {}),
+            **({"probe_step": self.request.probe_step} if self.request.probe_step else {}),
         }

@@ -21,16 +21,6 @@ from convergence.spec.toml_io import check_keys, expect, expect_table, require_k
 RESUME_KEYS = ("at_step", "parallelism", "techniques", "local_batch_size")
 LAYOUT_KEYS = tuple(f.name for f in dataclasses.fields(ParallelLayout))
 
-# The overrides a resuming side's two jobs carry (convergence.run.resume.phase_jobs): the
-# built-in trainer reads them as they are; another backend that resumes (Capabilities.resume)
-# translates them into its trainer's own checkpointing words (torchtitan:
-# convergence/backends/torchtitan/resume.py).
-SAVE_AT_STEP = "checkpoint.save_at_step"
-"""Job 1: the optimizer step after which it checkpoints and stops."""
-SAVE_FOLDER = "checkpoint.save_folder"
-"""Job 1: the folder the checkpoint is written to."""
-RESUME_FROM = "checkpoint.resume_from"
-"""Job 2: the folder of the checkpoint it resumes from."""
 TECHNIQUE_KEYS = tuple(f.name for f in dataclasses.fields(Techniques))
 
 

@@ -21,12 +21,13 @@ from typing import Any
 from convergence.cache.key import hardware_fingerprint
 from convergence.metrics.golden import golden_metadata
 from convergence.metrics.reader import describe_source
+from convergence.spec import run_dir
 from convergence.stats.types import MetricVerdict
 
 #: Keys of ``metadata["environment"]`` whose difference can move a curve by itself.
 ENVIRONMENT_KEYS: tuple[str, ...] = ("torch", "cuda", "hardware")
 #: Where a run folder of ours keeps the trainer's own record (torch version, layout, config).
-RUN_META = ("run_meta.json", "dump/run_meta.json")
+RUN_META = (run_dir.RUN_META, f"{run_dir.DUMP}/{run_dir.RUN_META}")
 
 
 def golden_provenance(run_path: Path, *, source_kind: str = "") -> dict[str, Any]:

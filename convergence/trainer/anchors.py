@@ -24,7 +24,8 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from convergence.spec.anchors import ANCHORS_DIR
+from convergence.spec import run_dir
+from convergence.spec.run_dir import DumpDir
 from convergence.trainer import resume
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import BatchPlan
@@ -32,7 +33,7 @@ from convergence.trainer.data import BatchPlan
 
 def anchor_path(folder: str | Path, step: int) -> Path:
     """The checkpoint of the state after step ``step``."""
-    return Path(folder) / f"step{step}"
+    return run_dir.anchor_path(Path(folder), step)
 
 
 def saves_anchor(cfg: TrainConfig, step: int) -> bool:
@@ -47,10 +48,9 @@ def anchors_in(folder: str | Path) -> list[int]:
     last), ascending. None at all is an error naming the folder."""
     folder = Path(folder)
     steps = sorted(
-        int(path.name.removeprefix("step"))
+        step
         for path in (folder.iterdir() if folder.is_dir() else ())
-        if path.name.startswith("step")
-        and path.name.removeprefix("step").isdigit()
+        if (step := run_dir.anchor_step(path.name)) is not None
         and (path / resume.MANIFEST).is_file()
     )
     if not steps:
@@ -104,5 +104,5 @@ def load_anchor(
 
 def save_anchor(run: resume.Checkpointable, step: int, position: resume.RunPosition) -> None:
     """A control with anchor_every: the state after ``step`` (every rank calls it)."""
-    folder = Path(run.cfg.metrics.dump_folder) / ANCHORS_DIR
+    folder = DumpDir(Path(run.cfg.metrics.dump_folder)).anchors
     resume.save_training_checkpoint(anchor_path(folder, step), run, position.state_at(step))

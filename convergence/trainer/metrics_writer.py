@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from convergence.spec.run_dir import DumpDir
+
 RunStatus = Literal["running", "finished", "checkpointed", "stopped", "failed"]
 """run_meta.json's ``status``: still training, done, stopped after writing the training
 checkpoint (checkpoint.save_at_step), stopped early by the launcher (STOP file), or failed."""
@@ -35,17 +37,18 @@ TB_TAGS: dict[str, str] = {
 class MetricsWriter:
     def __init__(self, folder: str | Path, *, enabled: bool, tensorboard: bool) -> None:
         self.folder = Path(folder)
+        self.files = DumpDir(self.folder)
         self.enabled = enabled
         self._jsonl = None
         self._tb: Any = None
         if not enabled:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.folder / "metrics.jsonl", "a", encoding="utf-8")
+        self._jsonl = open(self.files.metrics, "a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.folder / "tb"))
+            self._tb = SummaryWriter(log_dir=str(self.files.tensorboard))
 
     def log(self, record: dict[str, float | int]) -> None:
         """One JSON line per logged step, flushed and fsynced: the launcher reads it live."""
@@ -68,9 +71,9 @@ class MetricsWriter:
         """run_meta.json, replaced atomically so a reader never sees half a file."""
         if not self.enabled:
             return
-        tmp = self.folder / "run_meta.json.tmp"
+        tmp = self.files.run_meta.with_name(self.files.run_meta.name + ".tmp")
         tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.folder / "run_meta.json")
+        os.replace(tmp, self.files.run_meta)
 
     def close(self) -> None:
         if self._jsonl is not None:

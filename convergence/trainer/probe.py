@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from convergence.spec.run_dir import DumpDir
 from convergence.trainer import pp_rules
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.engines import Engine
@@ -62,7 +63,6 @@ from convergence.trainer.parallelize import Meshes
 # Renamed in torch 2.13 (the old name still works, with a FutureWarning).
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-PROBE_FILE = "probe.json"
 PROBE_VERSION = 1
 
 #: FQN segments added by wrappers (activation checkpointing, torch.compile, FSDP1).
@@ -323,9 +323,9 @@ def run_probe(
         "modules": in_forward_order(all_modules, with_calls=True),
         "grads": in_forward_order(all_grads, with_calls=False),
     }
-    dump = Path(cfg.metrics.dump_folder)
-    dump.mkdir(parents=True, exist_ok=True)
-    tmp = dump / (PROBE_FILE + ".tmp")
+    dump = DumpDir(Path(cfg.metrics.dump_folder))
+    dump.path.mkdir(parents=True, exist_ok=True)
+    tmp = dump.probe.with_name(dump.probe.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(dump / PROBE_FILE)
+    tmp.replace(dump.probe)
     return "finished"

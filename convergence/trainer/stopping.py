@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from convergence.spec.run_dir import DumpDir
 from convergence.trainer import anchors, resume
 from convergence.trainer.metrics_writer import RunStatus
 
@@ -48,7 +49,7 @@ class SaveAndStop:
     def __init__(self, run: resume.Checkpointable, *, distributed: bool) -> None:
         self.run = run
         self.distributed = distributed
-        self.signal = StopSignal(Path(run.cfg.metrics.dump_folder) / "STOP")
+        self.signal = StopSignal(DumpDir(Path(run.cfg.metrics.dump_folder)).stop)
 
     def after(self, step: int, position: resume.RunPosition) -> RunStatus | None:
         """Save and stop steps after optimizer step `step` (the run at `position`): the

@@ -1,9 +1,10 @@
 """The anchored check for torchtitan jobs, through torchtitan's own DCP checkpointing.
 
-The control and the anchored job get the built-in trainer's keys (convergence/checks/anchored.py);
-here they become torchtitan's words and the launcher's:
+The control and the anchored job each ask their trainer for their part
+(convergence/checks/anchored.py: JobSpec.request); here the requests become torchtitan's words
+and the launcher's:
 
-    control   checkpoint.anchor_every=N
+    control   request anchor_every=N
               --checkpoint.enable --checkpoint.folder=<dump>/anchors --checkpoint.interval=N
               (torchtitan saves model, optimizer, LR schedulers, dataloader and train state
               after every N-th step, each rank its own shards), and the launcher
@@ -11,8 +12,8 @@ here they become torchtitan's words and the launcher's:
               folder holds, skips torchtitan's forced save of the last step (no step follows
               it to compare) and, after each save, rank 0 writes <folder>/MANIFEST: what the
               run trained for and the anchors written so far
-    anchored  checkpoint.anchored_from=F (+ the built-in trainer's metrics.val_every=0,
-              dropped: torchtitan has no such key, and the anchored loop validates nothing)
+    anchored  request anchored_from=F (torchtitan logs every step already, and the anchored
+              loop validates nothing)
               --checkpoint.enable --checkpoint.folder=F --checkpoint.load_only
               and the launcher (--convergence.anchored_from=F) checks the manifest, then
               replaces torchtitan's loop: for each anchor K, ``checkpointer.load(step=K)``
@@ -33,73 +34,46 @@ collection.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan import resume
 from convergence.backends.torchtitan.patches import pinned
-from convergence.spec.anchors import ANCHORS_DIR
+from convergence.spec.run_dir import DumpDir, anchor_of
+from convergence.spec.trainer_request import TrainerRequest
 
-#: The built-in trainer's keys (convergence/checks/anchored.py writes them into the overrides).
-ANCHOR_EVERY = "checkpoint.anchor_every"
-ANCHORED_FROM = "checkpoint.anchored_from"
-ANCHOR_KEYS = (ANCHOR_EVERY, ANCHORED_FROM)
-#: The anchored job's "no validation" in the built-in trainer's words; no torchtitan key.
-VAL_EVERY = "metrics.val_every"
 #: What the control trained for and its anchors so far (rank 0, in the anchors folder).
 MANIFEST = "convergence_anchors.json"
 
 
-def split_overrides(
-    overrides: Iterable[tuple[str, str]],
-) -> tuple[list[tuple[str, str]], dict[str, str]]:
-    """(the overrides torchtitan reads, the anchor keys by name). An anchored job's
-    ``metrics.val_every`` goes too (see the module docstring)."""
-    items = list(overrides)
-    anchored = any(key.lstrip("-") == ANCHORED_FROM for key, _ in items)
-    rest, keys = [], {}
-    for key, value in items:
-        name = key.lstrip("-")
-        if name in ANCHOR_KEYS:
-            keys[name] = value
-        elif not (anchored and name == VAL_EVERY):
-            rest.append((key, value))
-    return rest, keys
-
-
-def anchors_folder(dump_dir: Path) -> Path:
-    """Where a control keeps its anchors (the folder convergence/checks/anchored.py reads)."""
-    return dump_dir / ANCHORS_DIR
-
-
-def torchtitan_words(keys: dict[str, str], dump_dir: Path) -> list[str]:
-    """torchtitan's checkpoint options for the anchor keys (none: no words). They come after
-    the seed checkpoint's load words (argv.load_args), and win over them."""
-    if ANCHOR_EVERY in keys:
+def torchtitan_words(request: TrainerRequest, dump_dir: Path) -> list[str]:
+    """torchtitan's checkpoint options for the request's anchors (none: no words). They come
+    after the seed checkpoint's load words (argv.load_args), and win over them. A control
+    keeps its anchors where convergence/checks/anchored.py reads them (spec/run_dir.py)."""
+    if request.anchor_every:
         return [
             "--checkpoint.enable",
-            f"--checkpoint.folder={anchors_folder(dump_dir)}",  # absolute
-            f"--checkpoint.interval={keys[ANCHOR_EVERY]}",
+            f"--checkpoint.folder={DumpDir(dump_dir).anchors}",  # absolute
+            f"--checkpoint.interval={request.anchor_every}",
             "--checkpoint.no-load_only",
             # Keep every anchor: no purge thread.
             "--checkpoint.keep_latest_k=0",
         ]
-    if ANCHORED_FROM in keys:
+    if request.anchored_from is not None:
         return [
             "--checkpoint.enable",
-            f"--checkpoint.folder={keys[ANCHORED_FROM]}",
+            f"--checkpoint.folder={request.anchored_from}",
             "--checkpoint.load_only",  # load, never save: the anchors are the control's
         ]
     return []
 
 
-def launch_words(keys: dict[str, str]) -> list[str]:
+def launch_words(request: TrainerRequest) -> list[str]:
     """The launcher's options (convergence/backends/torchtitan/launch.py)."""
-    if ANCHOR_EVERY in keys:
-        return [f"--convergence.anchor_every={keys[ANCHOR_EVERY]}"]
-    if ANCHORED_FROM in keys:
-        return [f"--convergence.anchored_from={keys[ANCHORED_FROM]}"]
+    if request.anchor_every:
+        return [f"--convergence.anchor_every={request.anchor_every}"]
+    if request.anchored_from is not None:
+        return [f"--convergence.anchored_from={request.anchored_from}"]
     return []
 
 
@@ -209,14 +183,14 @@ def train_from_anchors(folder: str) -> None:
 
 @pinned(torchtitan="0.3", torch="2.13")
 def resume_from_anchor(path: str) -> None:
-    """The anchored check's probe (``checkpoint.resume_from=<anchors>/step<K>``,
-    resume.anchor_of): before torchtitan loads step-K of the anchors folder
-    (``--checkpoint.load_step``), the folder holds that anchor, of this run."""
+    """The anchored check's probe (request resume_from=<anchors>/step<K>, run_dir.anchor_of):
+    before torchtitan loads step-K of the anchors folder (``--checkpoint.load_step``), the
+    folder holds that anchor, of this run."""
     from torchtitan.trainer import Trainer
 
-    anchor = resume.anchor_of(path)
+    anchor = anchor_of(Path(path))
     assert anchor is not None
-    folder, step = anchor
+    folder, step = str(anchor[0]), anchor[1]
     train = Trainer.train
 
     def train_from_the_anchor(self: Any) -> None:

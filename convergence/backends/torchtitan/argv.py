@@ -10,6 +10,7 @@ from pathlib import Path
 from convergence.backends.torchtitan import anchors, resume
 from convergence.backends.torchtitan.assets import asset_paths
 from convergence.spec.job import JobSpec
+from convergence.spec.run_dir import DumpDir
 
 DEFAULT_MODULE = "llama3"
 DEFAULT_CONFIG = "llama3_debugmodel"
@@ -19,8 +20,6 @@ TRAIN_MODULE = "torchtitan.train"
 #: The entry point every job runs: torchtitan.train behind our wrapper (CPU workarounds,
 #: torch 2.13 fixes, hooks, per-step records; convergence/backends/torchtitan/launch.py).
 LAUNCH_MODULE = "convergence.backends.torchtitan.launch"
-#: Per-step records of the wrapper (data fingerprint, per-part grad norms), rank 0.
-STEP_LOG = "convergence_steps.jsonl"
 #: The wrapper's float64 norms as TensorBoard tags beside torchtitan's own -> our metric names.
 TB_TAGS = {
     "convergence/grad_norm": "grad_norm",
@@ -130,8 +129,7 @@ def build_argv(
     module, config = module_and_config(job)
     options = backend_options(job)
     hf_assets, dataset_path = asset_paths(job)
-    plain, anchor = anchors.split_overrides(job.overrides)
-    user, checkpoint = resume.split_overrides(k_v for k_v in plain if not _is_ac_key(k_v[0]))
+    user = [(k, v) for k, v in job.overrides if not _is_ac_key(k)]
     user_ac = [(k, v) for k, v in job.overrides if _is_ac_key(k)]
     return [
         "--module",
@@ -146,8 +144,10 @@ def build_argv(
         *extra,
         # User overrides come after the spec-derived words so they win.
         *(override_arg(k, v) for k, v in user),
-        *resume.torchtitan_words(checkpoint),  # a resuming side's phase (resume.py)
-        *anchors.torchtitan_words(anchor, dump_dir),  # the anchored check (anchors.py)
+        # What the library asks of the trainer (JobSpec.request), in torchtitan's words.
+        *resume.torchtitan_words(job.request),  # a resuming side's phase (resume.py)
+        *anchors.torchtitan_words(job.request, dump_dir),  # the anchored check (anchors.py)
+        *([flag("metrics.enable_tensorboard", False)] if job.request.probe_step else []),
         AC_SUBCOMMANDS[job.techniques.activation_checkpoint],
         *(override_arg(k, v) for k, v in user_ac),
     ]
@@ -155,10 +155,12 @@ def build_argv(
 
 def launch_options(job: JobSpec, dump_dir: Path) -> list[str]:
     """The wrapper's own words (convergence/backends/torchtitan/launch.py): its per-step
-    records, the user's hook, a resuming side's phase, the anchored check's part."""
-    words = [f"--convergence.log={dump_dir / STEP_LOG}"]
-    words += resume.launch_words(resume.split_overrides(job.overrides)[1])
-    words += anchors.launch_words(anchors.split_overrides(job.overrides)[1])
+    records, the user's hook, a resuming side's phase, the anchored check's part, the probe."""
+    words = [f"--convergence.log={DumpDir(dump_dir).step_log}"]
+    words += resume.launch_words(job.request)
+    words += anchors.launch_words(job.request)
+    if job.request.probe_step:
+        words.append(f"--convergence.probe_step={job.request.probe_step}")
     if job.hook:
         words += [f"--convergence.hook={job.hook}", f"--convergence.hook_mode={job.hook_mode}"]
     return words

@@ -12,12 +12,10 @@ from typing import Any
 
 from convergence.backends.base import Capabilities, CodeIdentity
 from convergence.backends.effective import once_per_job
-from convergence.backends.torchtitan import anchors
 from convergence.backends.torchtitan.argv import (
     LAUNCH_MODULE,
     OPTION_KEYS,
     PLACEHOLDER_DIR,
-    STEP_LOG,
     TB_TAGS,
     backend_options,
     build_argv,
@@ -35,7 +33,7 @@ from convergence.backends.torchtitan.assets import (
 from convergence.backends.torchtitan.config_parser import ParseError, blame, parse
 from convergence.backends.torchtitan.degrees import check_degrees
 from convergence.backends.torchtitan.patches import unsupported_releases
-from convergence.backends.torchtitan.resume import check_resume_layout, split_overrides
+from convergence.backends.torchtitan.resume import check_resume_layout
 from convergence.cache.key import sources_hash
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
@@ -45,6 +43,8 @@ from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES
+from convergence.spec.run_dir import DumpDir
+from convergence.spec.trainer_request import TrainerRequest
 
 
 def source_dir() -> Path:
@@ -310,7 +310,7 @@ class TorchtitanBackend:
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
         metrics = read_tensorboard(dump_dir / "tb")
-        steps = dump_dir / STEP_LOG
+        steps = DumpDir(dump_dir).step_log
         if steps.is_file():  # the wrapper's records, at full precision: they win
             metrics.update(read_jsonl(steps))
         return metrics
@@ -331,5 +331,5 @@ def _one_process(job: JobSpec) -> JobSpec:
         layout=ParallelLayout(),
         techniques=Techniques(),
         steps=1,
-        overrides=tuple(split_overrides(anchors.split_overrides(job.overrides)[0])[0]),
+        request=TrainerRequest(),
     )

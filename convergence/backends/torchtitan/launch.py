@@ -9,11 +9,10 @@ After torchtitan's parallelisation of each model part the user's hook is applied
 fingerprint and per-part gradient norms are logged (``--convergence.log``;
 convergence/backends/torchtitan/step_log.py).
 
-The numerics probe's words (``--probe.enable=true --probe.step=K``, what
-convergence/run/probe.py appends to a probing backend's train entry) are the wrapper's too
-(convergence/backends/torchtitan/probe.py), and a library override in the ``--key=true|false``
-form becomes tyro's flag, placed before the activation-checkpoint subcommand (tyro takes a
-parent's options only there).
+The numerics probe (``--convergence.probe_step=K``: a job's request, convergence/run/probe.py)
+is the wrapper's too (convergence/backends/torchtitan/probe.py), and a library override in the
+``--key=true|false`` form becomes tyro's flag, placed before the activation-checkpoint
+subcommand (tyro takes a parent's options only there).
 """
 
 from __future__ import annotations
@@ -22,16 +21,17 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan import anchors, patches, resume
 from convergence.backends.torchtitan.argv import flag
 from convergence.backends.torchtitan.model_parts import wrap_model_spec
-from convergence.backends.torchtitan.probe import ProbeOptions, install_probe
+from convergence.backends.torchtitan.probe import install_probe
 from convergence.backends.torchtitan.step_log import StepLog
+from convergence.spec.run_dir import anchor_of
 
 PREFIX = "--convergence."
-PROBE_PREFIX = "--probe."
 SUBCOMMAND_MARK = "activation-checkpoint:"
 
 
@@ -49,8 +49,8 @@ class LaunchOptions:
     """Only "after" exists for torchtitan jobs (the backend's preflight refuses others)."""
     log: str = ""
     """JSON-lines file (rank 0) for the data fingerprint and per-part gradient norms."""
-    probe: ProbeOptions = ProbeOptions()
-    """The numerics probe (``--probe.enable=true --probe.step=K``)."""
+    probe_step: int = 0
+    """The numerics probe in place of this step (0: none)."""
     stop_after: int = 0
     """A resuming side's job 1: stop after this step, torchtitan's checkpoint of it written
     (0: train to the end; convergence/backends/torchtitan/resume.py)."""
@@ -61,20 +61,6 @@ class LaunchOptions:
     convergence/backends/torchtitan/anchors.py)."""
     anchored_from: str = ""
     """The anchored job: the control's anchors folder, one step trained from each."""
-
-
-def probe_options(words: list[str]) -> ProbeOptions:
-    """``--probe.enable=true|false`` and ``--probe.step=K`` (the built-in trainer's form)."""
-    values = dict(word[len(PROBE_PREFIX) :].partition("=")[::2] for word in words)
-    unknown = set(values) - {"enable", "step"}
-    if unknown or values.get("enable", "true") not in ("true", "false"):
-        raise SystemExit(
-            f"the torchtitan launcher: unknown probe option in {words} (use "
-            f"{PROBE_PREFIX}enable=true|false, {PROBE_PREFIX}step=K)"
-        )
-    return ProbeOptions(
-        enable=values.get("enable", "true") == "true", step=int(values.get("step", "1"))
-    )
 
 
 def tyro_form(words: list[str]) -> list[str]:
@@ -96,12 +82,7 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
     """(our options, torchtitan's argv)."""
     ours: dict[str, Any] = {}
     rest: list[str] = []
-    probe = [word for word in argv if word.startswith(PROBE_PREFIX)]
-    if probe:
-        ours["probe"] = probe_options(probe)
     for word in argv:
-        if word.startswith(PROBE_PREFIX):
-            continue
         if not word.startswith(PREFIX):
             rest.append(word)
             continue
@@ -110,14 +91,14 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
             ours["cpu"] = True
         elif key in ("hook", "hook_mode", "log", "resume_from", "anchored_from") and sep:
             ours[key] = value
-        elif key in ("stop_after", "anchor_every") and sep and value.isdigit():
+        elif key in ("stop_after", "anchor_every", "probe_step") and sep and value.isdigit():
             ours[key] = int(value)
         else:
             raise SystemExit(
                 f"the torchtitan launcher: unknown option {word!r} (use "
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
                 f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR, "
-                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR)"
+                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR, {PREFIX}probe_step=K)"
             )
     return LaunchOptions(**ours), tyro_form(rest)
 
@@ -137,11 +118,11 @@ def install(options: LaunchOptions) -> None:
         patches.patch_attention()
     if options.log:
         patches.record_steps(StepLog(options.log))
-    if options.probe.enable:  # after record_steps: the probe sees the gradients first
-        install_probe(options.probe.step)
+    if options.probe_step:  # after record_steps: the probe sees the gradients first
+        install_probe(options.probe_step)
     if options.stop_after:
         resume.stop_after(options.stop_after)
-    if options.resume_from and resume.anchor_of(options.resume_from):
+    if options.resume_from and anchor_of(Path(options.resume_from)):
         anchors.resume_from_anchor(options.resume_from)  # the anchored check's probe
     elif options.resume_from:
         resume.resume_from(options.resume_from)

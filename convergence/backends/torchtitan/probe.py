@@ -1,9 +1,9 @@
 """The numerics probe for torchtitan jobs: the built-in trainer's probe (convergence/trainer/probe.py)
 inside torchtitan's own training loop, through the launcher wrapper.
 
-    torchrun ... -m convergence.backends.torchtitan.launch ... --probe.enable=true --probe.step=K
+    torchrun ... -m convergence.backends.torchtitan.launch --convergence.probe_step=K ...
 
-(the words convergence/run/probe.py appends to any probing backend's train entry). torchtitan
+(a job whose request asks for the probe of step K: convergence/run/probe.py). torchtitan
 trains steps 1..K-1 as usual from the job's seed checkpoint (a replay, as the built-in trainer
 does: the runs are deterministic); at step K the wrapper
 
@@ -34,16 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan.patches import pinned
-
-METRICS_FILE = "metrics.jsonl"  # what convergence.run.probe reads beside probe.json
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProbeOptions:
-    """``--probe.enable`` / ``--probe.step`` (the built-in trainer's names)."""
-
-    enable: bool = False
-    step: int = 1
+from convergence.spec.run_dir import DumpDir
 
 
 def float32(value: float) -> float:
@@ -159,7 +150,6 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
     import torch.distributed as dist
 
     from convergence.trainer.probe import (
-        PROBE_FILE,
         PROBE_VERSION,
         gather_over_stages,
         grad_sumsq,
@@ -193,15 +183,16 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
         "modules": in_forward_order([row for g in gathered for row in g[0]], with_calls=True),
         "grads": in_forward_order([row for g in gathered for row in g[1]], with_calls=False),
     }
-    dump = Path(config.dump_folder)
-    dump.mkdir(parents=True, exist_ok=True)
+    dump = DumpDir(Path(config.dump_folder))
+    dump.path.mkdir(parents=True, exist_ok=True)
     steps: dict[int, float] = next((g[3] for g in gathered if g[3]), {})
-    (dump / METRICS_FILE).write_text(
+    # The replayed losses, where convergence.run.probe reads them beside probe.json.
+    dump.metrics.write_text(
         "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in sorted(steps.items()))
     )
-    tmp = dump / (PROBE_FILE + ".tmp")
+    tmp = dump.probe.with_name(dump.probe.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(dump / PROBE_FILE)
+    tmp.replace(dump.probe)
 
 
 @pinned(torchtitan="0.3", torch="2.13")

@@ -1,15 +1,15 @@
 """Resume for torchtitan jobs, through torchtitan's own DCP checkpointing.
 
-A resuming test side is two jobs (convergence/run/resume.py); their overrides carry the
-checkpoint keys of convergence.spec.resume, which the built-in trainer reads as they are. Here
-they become torchtitan's words and the launcher's:
+A resuming test side is two jobs (convergence/run/resume.py), each asking its trainer for its
+part (convergence.spec.trainer_request). Here the requests become torchtitan's words and the
+launcher's:
 
-    job 1  checkpoint.save_at_step=K, checkpoint.save_folder=F
+    job 1  request save_at=K, save_folder=F
            --checkpoint.enable --checkpoint.folder=F --checkpoint.interval=K
            (torchtitan saves model, optimizer, LR schedulers, dataloader and train state --
            the step -- at step K, each rank its own shards), and the launcher stops the
            run after step K (--convergence.stop_after=K) and writes F/convergence_resume.json
-    job 2  checkpoint.resume_from=F
+    job 2  request resume_from=F
            --checkpoint.enable --checkpoint.folder=F --checkpoint.load_only
            torchtitan loads the latest step-N of F (its fault-tolerance branch: DCP reads
            the new layout's shards of every tensor, so FSDP2 -> FSDP2+TP2 reshards) and
@@ -29,51 +29,36 @@ functions: this module is read at collection.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan.patches import pinned
-from convergence.spec.anchors import ANCHORS_DIR
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
-from convergence.spec.resume import RESUME_FROM, SAVE_AT_STEP, SAVE_FOLDER
+from convergence.spec.run_dir import anchor_of
+from convergence.spec.trainer_request import TrainerRequest
 
-CHECKPOINT_KEYS = (SAVE_AT_STEP, SAVE_FOLDER, RESUME_FROM)
 #: What job 1 trained for (rank 0, beside torchtitan's step-K folder); job 2 checks it first.
 MANIFEST = "convergence_resume.json"
 #: Bumped when the manifest's contents change; a manifest of another format is refused.
 FORMAT = 1
 
 
-def split_overrides(
-    overrides: Iterable[tuple[str, str]],
-) -> tuple[list[tuple[str, str]], dict[str, str]]:
-    """(the overrides that are not checkpoint keys, the checkpoint keys by name)."""
-    rest, keys = [], {}
-    for key, value in overrides:
-        if key.lstrip("-") in CHECKPOINT_KEYS:
-            keys[key.lstrip("-")] = value
-        else:
-            rest.append((key, value))
-    return rest, keys
-
-
-def torchtitan_words(keys: dict[str, str]) -> list[str]:
-    """torchtitan's checkpoint options for a phase's checkpoint keys (none: no words). They
-    come after the seed checkpoint's load words (argv.load_args), and win over them."""
-    if SAVE_AT_STEP in keys:
+def torchtitan_words(request: TrainerRequest) -> list[str]:
+    """torchtitan's checkpoint options for a phase's request (none: no words). They come
+    after the seed checkpoint's load words (argv.load_args), and win over them."""
+    if request.save_at:
         return [
             "--checkpoint.enable",
-            f"--checkpoint.folder={keys[SAVE_FOLDER]}",  # absolute: not under dump_folder
-            f"--checkpoint.interval={keys[SAVE_AT_STEP]}",
+            f"--checkpoint.folder={request.save_folder}",  # absolute: not under dump_folder
+            f"--checkpoint.interval={request.save_at}",
             "--checkpoint.no-load_only",
             # A full checkpoint at step K (it is never the last step: 1 <= K < steps), and
             # no purge thread (keep every checkpoint: there is one).
             "--checkpoint.keep_latest_k=0",
         ]
-    if RESUME_FROM in keys:
-        anchor = anchor_of(keys[RESUME_FROM])
+    if request.resume_from is not None:
+        anchor = anchor_of(request.resume_from)
         if anchor is not None:  # the anchored check's probe: one of the control's anchors
             folder, step = anchor
             return [
@@ -84,29 +69,20 @@ def torchtitan_words(keys: dict[str, str]) -> list[str]:
             ]
         return [
             "--checkpoint.enable",
-            f"--checkpoint.folder={keys[RESUME_FROM]}",
+            f"--checkpoint.folder={request.resume_from}",
             "--checkpoint.load_only",  # load, never save: the checkpoint is job 1's
         ]
     return []
 
 
-def anchor_of(path: str) -> tuple[str, int] | None:
-    """(the anchors folder, K) when ``path`` names an anchor the way the library does for the
-    built-in trainer (``<dump>/anchors/step<K>``: convergence/checks/anchored.py probes from it);
-    torchtitan keeps it as ``step-K`` in that folder, loaded with ``--checkpoint.load_step``."""
-    where = Path(path)
-    number = where.name.removeprefix("step")
-    if where.parent.name != ANCHORS_DIR or not where.name.startswith("step"):
-        return None
-    return (str(where.parent), int(number)) if number.isdigit() else None
-
-
-def launch_words(keys: dict[str, str]) -> list[str]:
-    """The launcher's options for a phase (convergence/backends/torchtitan/launch.py)."""
-    if SAVE_AT_STEP in keys:
-        return [f"--convergence.stop_after={keys[SAVE_AT_STEP]}"]
-    if RESUME_FROM in keys:
-        return [f"--convergence.resume_from={keys[RESUME_FROM]}"]
+def launch_words(request: TrainerRequest) -> list[str]:
+    """The launcher's options for a phase (convergence/backends/torchtitan/launch.py). An
+    anchor to resume from (``<dump>/anchors/step<K>``, spec/run_dir.py: the anchored check's
+    probe) is torchtitan's ``step-K`` in that folder, loaded with ``--checkpoint.load_step``."""
+    if request.save_at:
+        return [f"--convergence.stop_after={request.save_at}"]
+    if request.resume_from is not None:
+        return [f"--convergence.resume_from={request.resume_from}"]
     return []
 
 

@@ -6,6 +6,7 @@ are written as strings (see :mod:`convergence.report.data.jsonable`) so the file
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -111,7 +112,14 @@ def _spec_from_json(cls: Any, data: Mapping[str, Any]) -> Any:
 
 
 def job_to_json(job: JobSpec) -> dict[str, Any]:
-    return _spec_to_json(job)
+    # The trainer request as the overrides it travelled as before it had a type (as the job's
+    # key holds it: TrainerRequest.as_overrides), so a saved outcome reads as it did; it is
+    # read back as overrides (a report only shows them; nothing reruns a saved job).
+    data = _spec_to_json(
+        dataclasses.replace(job, overrides=(*job.overrides, *job.request.as_overrides()))
+    )
+    data.pop("request")
+    return data
 
 
 def pair_to_json(pair: PairSpec) -> dict[str, Any]:
