@@ -27,6 +27,7 @@ from convergence.spec.experiment import (
     NO_TRAIN_CONFIG,
     TIERS,
     Experiment,
+    MissingTrainConfig,
     load_experiment,
     make_pair,
 )
@@ -35,6 +36,15 @@ from convergence.spec.pair import PairSpec
 
 if TYPE_CHECKING:
     from convergence.launch.pool import DeviceSet
+
+
+def ships_train_configs(backend: str) -> bool:
+    """Whether the shipped train configs are the backend called ``backend``'s (False where it
+    cannot be loaded)."""
+    try:
+        return get_backend(backend).capabilities.shipped_train_configs
+    except SpecError:
+        return False
 
 
 def twins_by_default(backend: str) -> bool:
@@ -72,7 +82,10 @@ def load_checked(
     ``steps``: the session's step override (``--convergence-steps``), checked against each
     pair's anchors and resume step here, before any job runs.
     """
-    experiment = load_experiment(path, rootdir=rootdir, regimes=REGIMES)
+    try:
+        experiment = load_experiment(path, rootdir=rootdir, regimes=REGIMES)
+    except MissingTrainConfig as exc:
+        raise exc.worded(shipped=ships_train_configs(exc.backend)) from None
     if modify is not None:
         pairs = tuple(modify(pair) or pair for pair in experiment.pairs)
         experiment = dataclasses.replace(experiment, pairs=pairs)

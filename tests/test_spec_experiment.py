@@ -380,3 +380,20 @@ def test_a_missing_torchtitan_train_config_names_a_torchtitan_fix(tmp_path: Path
     assert error.value.fix is not None
     assert 'train_config = "my_layouts.toml"' in error.value.fix
     assert "debug" not in error.value.fix
+
+
+def test_a_missing_builtin_train_config_names_the_shipped_configs(tmp_path: Path) -> None:
+    """The built-in trainer's own configs are the shipped ones (its Capabilities say so:
+    collection asks, spec/ cannot); a bare parse, knowing no backend, names none."""
+    doc = experiment_doc(
+        defaults={"train_config": "train_configs/nope.toml", "steps": 4},
+        control={"parallelism": {"dp_shard": 2}},
+        tests=[{"name": "t", "parallelism": {"dp_shard": 2, "tp": 2}}],
+    )
+    path = write(tmp_path, doc)
+    with pytest.raises(SpecError) as error:
+        load_checked(path, rootdir=tmp_path)
+    assert error.value.fix is not None and "name a shipped config: 'debug'" in error.value.fix
+    with pytest.raises(SpecError) as bare:
+        load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)
+    assert bare.value.fix is not None and "debug" not in bare.value.fix

@@ -41,6 +41,9 @@ class Capabilities:
     """The job runs on whatever device the pair's placement gives it (``--convergence-device``,
     GPU slots shared through gloo, CPU when GPUs are too few); False: the backend's own config
     decides its device, so its pairs are never moved (convergence/launch/placement.py)."""
+    shipped_train_configs: bool = False
+    """The shipped train configs (``convergence configs``) are this trainer's: a missing
+    ``train_config`` file's fix names them (spec/experiment.py MissingTrainConfig)."""
     needs_train_config: bool = True
     """A job must name a train config file (``train_config``)."""
     train_config_fix: str = (

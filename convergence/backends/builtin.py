@@ -89,6 +89,7 @@ class BuiltinBackend:
         anchors=True,
         twins_by_default=True,
         device_follows_placement=True,
+        shipped_train_configs=True,
         train_config_fix='set train_config = "debug" (a shipped config) in [defaults]',
     )
 

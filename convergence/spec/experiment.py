@@ -293,24 +293,54 @@ def _resolve_config(
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    # The shipped configs are the default backend's (the built-in trainer's): another backend
-    # (torchtitan: backend_options.module + config) only keys the run cache with this file, so
-    # its fix names the experiment itself, never a shipped config.
-    if backend == JobSpec.backend:
-        fix = "point it at an existing TOML, or name a shipped config: " + ", ".join(
-            map(repr, shipped)
+    raise MissingTrainConfig(text, candidates, backend=backend, file=file, key=key)
+
+
+class MissingTrainConfig(SpecError):
+    """A ``train_config`` path that does not exist. Its fix names the shipped configs only
+    where they are the job's trainer's (Capabilities.shipped_train_configs: the built-in
+    trainer's); another backend (torchtitan: backend_options.module + config) only keys the
+    run cache with this file, so its fix names the experiment itself (issue 36). spec/ is
+    below the backends: preflight.load_checked asks and words it (:meth:`worded`)."""
+
+    def __init__(
+        self,
+        text: str,
+        candidates: list[Path],
+        *,
+        backend: str,
+        file: str,
+        key: str,
+        shipped: bool = False,
+    ) -> None:
+        self.text, self.candidates, self.backend = text, candidates, backend
+        if shipped:
+            fix = "point it at an existing TOML, or name a shipped config: " + ", ".join(
+                map(repr, shipped_configs())
+            )
+        else:
+            fix = (
+                f"name an existing file, e.g. this experiment itself (train_config = "
+                f'"{Path(file).name}"), or drop train_config if the backend has its own config'
+            )
+        looked = ", ".join(str(c) for c in candidates)
+        super().__init__(
+            f"train config {text!r} does not exist (looked in {looked})",
+            file=file,
+            key=key,
+            fix=fix,
         )
-    else:
-        fix = (
-            f"name an existing file, e.g. this experiment itself (train_config = "
-            f'"{Path(file).name}"), or drop train_config if the backend has its own config'
+
+    def worded(self, *, shipped: bool) -> MissingTrainConfig:
+        """The same error, its fix naming the shipped configs or not."""
+        return MissingTrainConfig(
+            self.text,
+            self.candidates,
+            backend=self.backend,
+            file=self.file or "",
+            key=self.key or "",
+            shipped=shipped,
         )
-    raise SpecError(
-        f"train config {text!r} does not exist (looked in {', '.join(str(c) for c in candidates)})",
-        file=file,
-        key=key,
-        fix=fix,
-    )
 
 
 def _folders_up(start: Path, stop: Path) -> list[Path]:
