@@ -432,6 +432,11 @@ def test_probe_always_is_accepted_for_torchtitan_at_collection(tmp_path: Path) -
     assert entry[:2] == ["-m", "convergence.backends.torchtitan.launch"]
     assert "--convergence.probe_step=2" in entry and "--metrics.no-enable_tensorboard" in entry
     assert not any(w.startswith("--probe.") for w in entry)  # the built-in trainer's words
+    # The wrapper takes its option off; torchtitan's parser reads the rest.
+    from convergence.backends.torchtitan.launch import split_argv
+
+    assert split_argv(entry[2:])[0].probe_step == 2
+    assert not BACKEND.effective_config(pair.test.asking(probe_step=2)).metrics.enable_tensorboard
 
 
 DEEPSEEK = (("module", "deepseek_v3"), ("config", "deepseek_v3_debugmodel"))

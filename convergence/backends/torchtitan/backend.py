@@ -295,7 +295,7 @@ class TorchtitanBackend:
 
     # metrics
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
-        return dump_dir / "tb"  # tailed while the job runs (convergence.metrics.tb_tail)
+        return DumpDir(dump_dir).tensorboard  # tailed while the job runs (convergence.metrics.tb_tail)
 
     def metrics_format(self, job: JobSpec) -> str:
         return "tensorboard"
@@ -309,7 +309,7 @@ class TorchtitanBackend:
         return {**TB_TAGS, **TENSORBOARD_TAGS}
 
     def read_metrics(self, job: JobSpec, dump_dir: Path) -> RunMetrics:
-        metrics = read_tensorboard(dump_dir / "tb")
+        metrics = read_tensorboard(DumpDir(dump_dir).tensorboard)
         steps = DumpDir(dump_dir).step_log
         if steps.is_file():  # the wrapper's records, at full precision: they win
             metrics.update(read_jsonl(steps))
