@@ -295,7 +295,8 @@ class TorchtitanBackend:
 
     # metrics
     def metrics_path(self, job: JobSpec, dump_dir: Path) -> Path | None:
-        return DumpDir(dump_dir).tensorboard  # tailed while the job runs (convergence.metrics.tb_tail)
+        # Tailed while the job runs (convergence.metrics.tb_tail).
+        return DumpDir(dump_dir).tensorboard
 
     def metrics_format(self, job: JobSpec) -> str:
         return "tensorboard"
