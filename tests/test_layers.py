@@ -252,50 +252,50 @@ def test_lazy_imports_are_for_cost() -> None:
     )
 
 
-#: ``convergence/run`` in tiers, bottom to top: a run module imports run modules of its own
-#: tier or below. The job tier (jobs.py: cache, pool, launcher, seed checkpoint, job keys,
+#: ``convergence/run`` in levels, bottom to top: a run module imports run modules of its own
+#: level or below ("level", not "tier": a tier is the quick/ci/nightly selection). The job level (jobs.py: cache, pool, launcher, seed checkpoint, job keys,
 #: cached runs) knows nothing of pairs; the probe and a resuming side use it alone; the pair
-#: tier (runner.py: controls, monitoring, verdicts, golden, localisation) sits on top.
-RUN_TIERS: tuple[tuple[str, ...], ...] = (
+#: level (runner.py: controls, monitoring, verdicts, golden, localisation) sits on top.
+RUN_LEVELS: tuple[tuple[str, ...], ...] = (
     # what reports read; the one judge and the one status; jobs at once (together: no job
     # or pair of its own)
     ("outcome", "probe_compare", "judge", "settle", "together"),
-    ("jobs",),  # the job tier
-    ("probe", "resume"),  # users of the job tier alone
-    ("runner", "attribution"),  # the pair tier (attribution runs pairs through run_pair)
+    ("jobs",),  # the job level
+    ("probe", "resume"),  # users of the job level alone
+    ("runner", "attribution"),  # the pair level (attribution runs pairs through run_pair)
     ("session",),  # one Runner per session
 )
 
-#: Modules that run jobs but no pairs: they must not reach the pair tier, not even through
+#: Modules that run jobs but no pairs: they must not reach the pair level, not even through
 #: another module.
-JOB_TIER_USERS = (
+JOB_LEVEL_USERS = (
     "convergence.run.probe",
     "convergence.run.resume",
     "convergence.cli.ab",
 )
-PAIR_TIER = ("convergence.run.runner", "convergence.run.session")
+PAIR_LEVEL = ("convergence.run.runner", "convergence.run.session")
 
 
-def test_run_modules_go_down_its_tiers() -> None:
-    level = {f"convergence.run.{m}": i for i, tier in enumerate(RUN_TIERS) for m in tier}
+def test_run_modules_go_down_its_levels() -> None:
+    level = {f"convergence.run.{m}": i for i, level in enumerate(RUN_LEVELS) for m in level}
     inside = {m for m in MODULES if m.startswith("convergence.run.")}
-    assert inside == set(level), "give each module of convergence/run a tier in RUN_TIERS"
+    assert inside == set(level), "give each module of convergence/run a level in RUN_LEVELS"
     upward = [
         f"{module} imports {dep}"
         for module in inside
         for dep in _graph()[module]
         if dep in level and level[dep] > level[module]
     ]
-    assert upward == [], "run/ imports that climb a tier:\n" + "\n".join(sorted(upward))
+    assert upward == [], "run/ imports that climb a level:\n" + "\n".join(sorted(upward))
 
 
-def test_job_tier_users_never_reach_the_pair_tier() -> None:
+def test_job_level_users_never_reach_the_pair_level() -> None:
     graph = _graph()
-    for start in JOB_TIER_USERS:
+    for start in JOB_LEVEL_USERS:
         seen, todo = {start}, [start]
         while todo:
             for dep in graph[todo.pop()]:
                 if dep not in seen:
                     seen.add(dep)
                     todo.append(dep)
-        assert seen.isdisjoint(PAIR_TIER), f"{start} reaches {sorted(seen & set(PAIR_TIER))}"
+        assert seen.isdisjoint(PAIR_LEVEL), f"{start} reaches {sorted(seen & set(PAIR_LEVEL))}"

@@ -39,7 +39,7 @@ MORE: dict[str, tuple[int, str]] = {
     ),
     "run/jobs.py": (
         8,
-        "the pair tier (runner.py) on the job tier it holds: the pair's view of it "
+        "the pair level (runner.py) on the job level it holds: the pair's view of it "
         "(reporting_to, the pair's printer), the session's job settings on each side, the "
         "pair folder's name, each side's backend, the controls' and the test's runs",
     ),

@@ -1,4 +1,4 @@
-"""The job tier (convergence/run/jobs.py) on its own: a JobRunner runs a job through the real
+"""The job level (convergence/run/jobs.py) on its own: a JobRunner runs a job through the real
 launcher and the run cache with no pair, no rules and no verdict -- what the numerics probe,
 a resuming side and ``convergence ab`` build on. The job is a command-backend script started
 directly (no torchrun: the launcher runs it with this Python), so each run costs a Python
@@ -65,7 +65,7 @@ def test_prepare_works_a_job_out_once_per_session(tmp_path: Path) -> None:
 
 def test_the_job_tier_and_its_users_load_no_pair_tier() -> None:
     """At run time too (tests/test_layers.py checks the imports): the probe, a resuming side
-    and ``convergence ab`` never load the pair tier."""
+    and ``convergence ab`` never load the pair level."""
     code = (
         "import sys, convergence.run.jobs, convergence.run.probe, convergence.run.resume, "
         "convergence.cli.ab; print(sorted(m for m in sys.modules if m in "

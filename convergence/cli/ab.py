@@ -94,7 +94,7 @@ def run_ab(
 ) -> list[PairOutcome]:
     """One outcome per job: the candidate's run judged against the baseline's."""
 
-    # The job tier alone (run/jobs.py): each side's jobs run fresh, no probe; the verdicts
+    # The job level alone (run/jobs.py): each side's jobs run fresh, no probe; the verdicts
     # are the one judge's (run/judge.py), with this stack's calibration as for pytest.
     jobs = [
         apply_job_settings(job, settings)

@@ -17,7 +17,7 @@ back to CPU (skips instead). A CPU-only machine runs everything on CPU (``cuda``
 naming why).
 
 A job placed on CPU carries ``device = "cpu"`` (convergence.spec.job.JobSpec): part of its
-run-cache key, so a cached GPU control is never compared with a CPU test, and the job tier
+run-cache key, so a cached GPU control is never compared with a CPU test, and the job level
 leases its ranks from the CPU slots (convergence.run.jobs).
 """
 

@@ -1,10 +1,10 @@
-"""The job tier: one job from its spec to its curves, through the session's launcher,
+"""The job level: one job from its spec to its curves, through the session's launcher,
 device pool and run cache.
 
     JobSpec -> backend -> seed checkpoint -> run-cache key -> cached entry or fresh launch
             -> SideOutcome (metrics, meta, result)
 
-Nothing here knows about pairs, rules or verdicts: that is the pair tier (run/runner.py),
+Nothing here knows about pairs, rules or verdicts: that is the pair level (run/runner.py),
 which builds on this one and which this module never imports. The numerics probe
 (run/probe.py), a resuming side (run/resume.py) and ``convergence ab`` use this tier alone:
 :meth:`JobRunner.launch_request` (the one place a LaunchRequest is built),
@@ -140,7 +140,7 @@ class PreparedJob:
 
 
 class JobRunner:
-    """The job tier: the session's launcher, device pool and run cache, and the jobs run
+    """The job level: the session's launcher, device pool and run cache, and the jobs run
     through them (seed checkpoint, cache key, cached or fresh run).
 
     Building one costs device detection (imports torch on a CUDA or ROCm build), a sweep of the
@@ -176,18 +176,18 @@ class JobRunner:
         self._prepare_lock = threading.RLock()
 
     def reporting_to(self, on_progress: Callable[[Progress], None] | None) -> JobRunner:
-        """This job tier (the same launcher, pools, cache and prepared jobs) with its jobs'
+        """This job level (the same launcher, pools, cache and prepared jobs) with its jobs'
         progress going to ``on_progress`` (None: ``settings.on_progress``).
 
-        Why a view and not a setter: the pair tier gives each pair its own printer (the
-        plugin prints per test item) while the job tier lives for the session, and a pair's
+        Why a view and not a setter: the pair level gives each pair its own printer (the
+        plugin prints per test item) while the job level lives for the session, and a pair's
         control-side jobs run on threads of their own; a view per pair leaves nothing to reset.
         """
         view = copy.copy(self)  # shallow: every shared part stays the very same object
         view._on_progress = on_progress or self.settings.on_progress
         return view
 
-    # -- the public job API (run.probe, run.resume, ab, and the pair tier's Runner) -------
+    # -- the public job API (run.probe, run.resume, ab, and the pair level's Runner) -------
     @property
     def session_id(self) -> str:
         return self.settings.session_id

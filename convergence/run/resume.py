@@ -7,7 +7,7 @@
       control-side jobs loading the same checkpoint, steps K+1..N: the noise from the
       test's state at K -- the resumed check's (convergence/checks/resumed.py)
 
-Both jobs go through the job tier (run/jobs.py) like any test job (fresh, never from the run cache: a resume is
+Both jobs go through the job level (run/jobs.py) like any test job (fresh, never from the run cache: a resume is
 what is under test) and feed the same early-stop monitor; a job 1 stopped early ends the side
 there. A checkpoint that job 2 cannot use fails job 2 with the trainer's message naming the
 checkpoint (convergence/trainer/resume.py: ResumeError), never a fresh start.

@@ -1,4 +1,4 @@
-"""The pair tier: runs a pair end to end on the job tier (run/jobs.py) and judges it.
+"""The pair level: runs a pair end to end on the job level (run/jobs.py) and judges it.
 
     PairSpec -> controls (golden, or the regime's control jobs, cached) -> test (watched by
     the early-stop monitor) -> verdicts (with the session's noise floors) -> numerics probe on
@@ -9,7 +9,7 @@ Nothing here knows about pytest. The plugin and the CLI hold one Runner per sess
 A Runner holds the session's :class:`~convergence.run.jobs.JobRunner` (launcher, device pool,
 run cache, the public job API) and runs each pair on a view of it that reports to the pair's
 printer (``JobRunner.reporting_to``); modules that only run jobs (the probe, ``convergence ab``)
-use the job tier and never import this module.
+use the job level and never import this module.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def apply_settings(pair: PairSpec, settings: RunSettings) -> PairSpec:
 
 
 class Runner:
-    """The pair tier: runs pairs one at a time on the session's job tier (a pair's
+    """The pair level: runs pairs one at a time on the session's job level (a pair's
     control-side jobs at once, as the pool has room) and judges them.
 
     Build it once per session, like the JobRunner it holds (see there for the cost).
@@ -119,7 +119,7 @@ class Runner:
         )
 
     def _run_pair(self, pair: PairSpec, jobs: JobRunner) -> PairOutcome:
-        """``pair`` run on ``jobs`` (the job tier, reporting to this pair's printer)."""
+        """``pair`` run on ``jobs`` (the job level, reporting to this pair's printer)."""
         started = time.monotonic()
         # The session's settings, then what the checks set by themselves on the steps that
         # run (the automatic anchored check of a long pair).
