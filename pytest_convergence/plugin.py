@@ -96,6 +96,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     restore_sigterm()
+    state = config.stash.get(STATE_KEY, None)
+    if state is not None:
+        state.runner.close()  # the session's fork servers end with it
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:

@@ -1,18 +1,15 @@
-"""torchrun argv, environment, and parsing of torchrun's failure report (unit level)."""
+"""torchrun argv, environment, and parsing of torchrun's failure report (the adapter,
+launch/torchrun_report.py; unit level)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from convergence.launch.failure import (
-    diagnose,
-    error_file_traceback,
-    last_traceback,
-    parse_root_cause,
-    signal_name,
-)
+from convergence.launch.failure import diagnose, error_file_traceback, last_traceback
+from convergence.launch.rank_exits import signal_name
 from convergence.launch.torchrun import build_torchrun_argv, job_env
+from convergence.launch.torchrun_report import parse_root_cause
 from convergence.launch.types import LaunchRequest
 from convergence.launch.watch import record_loss
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from convergence.launch.forkserver import server_pids
 from convergence.preflight import load_checked
 from convergence.run.runner import Runner, RunSettings
 from experiments import builtin_pair, command_pair, fixture_command
@@ -89,7 +88,7 @@ def test_planted_bug_fails_with_first_divergent_step(
     # No process of the jobs outlives them (the session's warm-start servers live on by design;
     # whatever they forked for a job must not).
     me = psutil.Process()
-    servers = server_pids()
+    servers = runner.jobs.launcher.fork_servers.pids()  # type: ignore[attr-defined]
     assert not [
         c
         for c in me.children(recursive=True)

@@ -1,57 +1,30 @@
 """Why did a job fail: which rank, which signal, which traceback.
 
 Sources, best first (checked against torch 2.13):
-1. torchrun's "Root Cause (first observed failure)" block in the agent's output
-   (``<log_dir>/launcher.log``): global rank, local rank, exit code / signal, error file.
-2. The rank's torchelastic error file (``error.json``): torchrun sets
+1. How each rank ended (launch/rank_exits.py): the warm agent's structured result
+   (``<log_dir>/agent_result.json``: every rank's exit code and the first failure, exact), or
+   for a torchrun start its printed "Root Cause (first observed failure)" report, read into
+   the same shape by the adapter launch/torchrun_report.py.
+2. The rank's torchelastic error file (``error.json``): both starts set
    ``TORCHELASTIC_ERROR_FILE`` for every worker, but it is only written when the entrypoint is
    wrapped in ``torch.distributed.elastic.multiprocessing.errors.record``.
-3. The rank's own stderr, which ``--redirects 3`` puts in
-   ``<log_dir>/ranks/<run_id>/attempt_<n>/<local_rank>/stderr.log``: the last Python traceback.
+3. The rank's own stderr, ``<log_dir>/ranks/<run_id>/attempt_<n>/<local_rank>/stderr.log``
+   (torchrun's ``--redirects 3`` layout, which the warm agent keeps): the last Python
+   traceback.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import signal as _signal
-from dataclasses import dataclass
 from pathlib import Path
 
+from convergence.launch.rank_exits import RankExit, RankExits, read_result, signal_name
+from convergence.launch.torchrun_report import torchrun_exits
 from convergence.launch.types import FailureInfo
 
-_ROOT_CAUSE = "Root Cause (first observed failure):"
-_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)", re.M)
-_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(.*)$", re.M)
-_ERRFILE_RE = re.compile(r"^\s*error_file\s*:\s*(\S+)", re.M)
-_HOST_RE = re.compile(r"^\s*host\s*:\s*(\S+)", re.M)
-_SIGNAL_TEXT_RE = re.compile(r"\((SIG[A-Z0-9]+)\)")
-_ENTRY_SPLIT = re.compile(r"^\s*\[\d+\]:\s*$", re.M)
 _TRACEBACK_HEAD = "Traceback (most recent call last):"
 _TAIL_LINES = 40
-
-
-@dataclass(frozen=True, kw_only=True)
-class RootCause:
-    """The fields of torchrun's root-cause block."""
-
-    rank: int
-    local_rank: int
-    exitcode: int | None
-    error_file: Path | None
-    signal: str | None
-    host: str | None = None
-    """The node the rank ran on (torchrun's ``host :`` line)."""
-
-
-def signal_name(returncode: int | None) -> str | None:
-    """``-9`` -> ``"SIGKILL"``; None for a normal exit code."""
-    if returncode is None or returncode >= 0:
-        return None
-    try:
-        return _signal.Signals(-returncode).name
-    except ValueError:
-        return f"signal {-returncode}"
 
 
 def _read(path: Path) -> str:
@@ -61,55 +34,10 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _parse_entry(block: str) -> RootCause | None:
-    rank_m = _RANK_RE.search(block)
-    if rank_m is None:
-        return None
-    exit_m = _EXIT_RE.search(block)
-    exitcode = int(exit_m.group(1)) if exit_m else None
-    file_m = _ERRFILE_RE.search(block)
-    error_file = Path(file_m.group(1)) if file_m and file_m.group(1) != "<N/A>" else None
-    # Only the exitcode line: a traceback further down may mention any signal.
-    sig_m = _SIGNAL_TEXT_RE.search(exit_m.group(2)) if exit_m else None
-    sig = signal_name(exitcode) or (sig_m.group(1) if sig_m else None)
-    host_m = _HOST_RE.search(block)
-    return RootCause(
-        rank=int(rank_m.group(1)),
-        local_rank=int(rank_m.group(2)),
-        exitcode=exitcode,
-        error_file=error_file,
-        signal=sig,
-        host=host_m.group(1) if host_m else None,
-    )
-
-
-def parse_failures(agent_log: str) -> tuple[RootCause | None, list[RootCause]]:
-    """torchrun's root cause and every other failure of its last report."""
-    idx = agent_log.rfind(_ROOT_CAUSE)
-    if idx < 0:
-        return None, []
-    start = agent_log.rfind("Failures:", 0, idx)
-    others = (
-        [e for e in map(_parse_entry, _ENTRY_SPLIT.split(agent_log[start:idx])) if e is not None]
-        if start >= 0
-        else []
-    )
-    return _parse_entry(agent_log[idx:]), others
-
-
-def parse_root_cause(agent_log: str) -> RootCause | None:
-    """The rank that really failed first, from torchrun's last failure report.
-
-    torchrun's "first observed failure" compares timestamps in whole seconds, so a rank the
-    agent itself SIGTERMed after the real failure can tie and be named instead. A SIGTERMed
-    root cause therefore gives way to another failure that was not a SIGTERM.
-    """
-    cause, others = parse_failures(agent_log)
-    if cause is not None and cause.signal == "SIGTERM":
-        real = [o for o in others if o.signal != "SIGTERM"]
-        if real:
-            return min(real, key=lambda o: (o.error_file is None, o.rank))
-    return cause
+def rank_exits(log_dir: Path, agent_log: str) -> RankExits | None:
+    """How the job's ranks ended: the structured result when the start wrote one (warm),
+    else torchrun's printed report (the adapter), else None."""
+    return read_result(log_dir) or torchrun_exits(agent_log)
 
 
 _RANK_PREFIX = re.compile(r"^\[(?:default)?rank\d+\]:[ ]?", re.M)
@@ -146,7 +74,7 @@ def rank_stderr_files(log_dir: Path, local_rank: int) -> list[Path]:
     )
 
 
-def _rank_traceback(log_dir: Path, cause: RootCause) -> str:
+def _rank_traceback(log_dir: Path, cause: RankExit) -> str:
     if cause.error_file is not None:
         text = error_file_traceback(cause.error_file)
         if text:
@@ -195,10 +123,12 @@ def is_peer_gone(traceback: str) -> bool:
 
 
 def _first_own_failure(
-    log_dir: Path, cause: RootCause, tb: str, others: list[RootCause]
-) -> tuple[RootCause, str]:
-    """torchrun names one rank of those that exited in the same second; when it names one
-    that only lost its peer, blame a rank that failed by itself (e.g. raised in a hook)."""
+    log_dir: Path, cause: RankExit, tb: str, others: list[RankExit]
+) -> tuple[RankExit, str]:
+    """The first rank seen to fail may only have lost its peer (torchrun names one of those
+    that exited in the same second; a rank that raised may take longer to exit than the peer
+    that saw its socket close): then blame a rank that failed by itself (e.g. raised in a
+    hook)."""
     if cause.signal or not is_peer_gone(tb):
         return cause, tb
     for other in sorted(others, key=lambda o: o.rank):
@@ -215,10 +145,11 @@ def diagnose(
 ) -> FailureInfo:
     """Build the :class:`FailureInfo` of a job that exited unsuccessfully by itself."""
     agent_log = _read(log_dir / "launcher.log")
-    cause = None if direct else parse_root_cause(agent_log)
-    if cause is not None:
+    exits = None if direct else rank_exits(log_dir, agent_log)
+    cause = None if exits is None else exits.first_failure
+    if exits is not None and cause is not None:
         tb = _rank_traceback(log_dir, cause)
-        cause, tb = _first_own_failure(log_dir, cause, tb, parse_failures(agent_log)[1])
+        cause, tb = _first_own_failure(log_dir, cause, tb, exits.other_failures)
         if cause.signal:
             hint = " (out of memory?)" if cause.signal == "SIGKILL" else ""
             message = f"job {name!r}: rank {cause.rank} was killed by {cause.signal}{hint}"

@@ -1,4 +1,4 @@
-"""Warm starts: a per-session fork server, so a job costs its steps rather than its imports.
+"""Warm starts: a fork server per session, so a job costs its steps rather than its imports.
 
 A job run through torchrun pays, every time, the agent's ``import torch`` and each rank's imports
 of torch, torch.distributed, FSDP, DTensor, pipelining and ``torch._dynamo`` (~2-3 s of a 4.4 s
@@ -16,17 +16,16 @@ Processes::
                                                           ├─ rank 0  (``python -m ...`` of the
                                                           └─ rank 1   request, via runpy)
 
-The agent is torchrun's stand-in for one node, and leaves what torchrun leaves, so the rest of
-the launcher reads a warm job as it reads a torchrun job: it hosts the job's c10d store on
-127.0.0.1 (the ranks join it as torchrun's do: ``TORCHELASTIC_USE_AGENT_STORE``), gives each rank
-torchrun's environment, writes each rank's output to
+The agent is torchrun's stand-in for one node (launch/warm_agent.py): it hosts the job's c10d
+store on 127.0.0.1 (the ranks join it as torchrun's do: ``TORCHELASTIC_USE_AGENT_STORE``), gives
+each rank the environment a torch entry point expects of torchrun, writes each rank's output to
 ``<log_dir>/ranks/<id>_warm/attempt_0/<local_rank>/{stdout,stderr}.log``, ends the others when
-one rank fails, and prints torchrun's "Root Cause (first observed failure)" report
-(launch/failure.py reads it). A forked rank's ``/proc/<pid>/environ`` is its server's, so the
-agent also lists its ranks in ``<log_dir>/ranks/warm_ranks.json`` (launch/hang.py names a hung
-rank from it).
+one rank fails, and writes how each rank ended as JSON (launch/rank_exits.py; launch/failure.py
+reads it). A forked rank's ``/proc/<pid>/environ`` is its server's, so the agent also lists its
+ranks in ``<log_dir>/ranks/warm_ranks.json`` (launch/hang.py names a hung rank from it).
 
-Lifetimes: the launcher holds the server's stdin; when the launcher's process ends in any way,
+Lifetimes: a session owns its servers (launch/fork_servers.py: the run session closes them at
+its end). The launcher's process holds each server's stdin; when that process ends in any way,
 the pipe closes and the server ends its agents (SIGTERM, then SIGKILL) and exits. An agent dies
 with its server (parent-death SIGTERM) and its ranks with their agent (parent-death SIGKILL), so
 killing pytest outright leaves nothing. The launcher ends a job's tree by PID exactly as it ends
@@ -40,7 +39,6 @@ process would (``convergence ab`` runs another checkout through PYTHONPATH).
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import select
@@ -268,52 +266,6 @@ class ForkServer:
             os.rmdir(self._dir)
         except OSError:
             pass
-
-
-_servers: dict[tuple[str, tuple[tuple[str, str], ...]], ForkServer] = {}
-_servers_lock = threading.Lock()
-
-
-def server_for(python: str, env: Mapping[str, str], cwd: str) -> ForkServer:
-    """The session's server for jobs with this interpreter, folder and import environment
-    (started on first use; one per process, shared by every launcher in it)."""
-    key = (python, import_env_key(env, cwd))
-    with _servers_lock:
-        server = _servers.get(key)
-        if server is not None and server.alive:
-            return server
-        server_env = {k: v for k, v in env.items() if k.startswith(IMPORT_ENV_PREFIXES)}
-        # The server's own environment matters only for what it imports; each job's ranks get
-        # their whole environment from the job. PATH and HOME keep tools findable.
-        for var in ("PATH", "HOME", "TMPDIR", "USER", "LANG"):
-            if var in os.environ:
-                server_env.setdefault(var, os.environ[var])
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # what a look at it expects
-            if var in env:
-                server_env[var] = env[var]
-        server = ForkServer(python=python, env=server_env, cwd=cwd)
-        _servers[key] = server
-        return server
-
-
-def server_pids() -> set[int]:
-    """The live servers' own pids: they outlive jobs on purpose (one per session); what they
-    fork for a job (agent, ranks) must not."""
-    with _servers_lock:
-        return {server.proc.pid for server in _servers.values() if server.alive}
-
-
-def close_servers() -> None:
-    """End every server this process started (also at exit; a dead process's servers end by
-    themselves when their stdin pipe closes)."""
-    with _servers_lock:
-        servers = list(_servers.values())
-        _servers.clear()
-    for server in servers:
-        server.close()
-
-
-atexit.register(close_servers)
 
 
 # ------------------------------------------------------------------------------ server side

@@ -72,7 +72,8 @@ from convergence.launch.hang_probe import STEP_ENV
 from convergence.launch.hang_probe import describe as describe_probe
 from convergence.launch.pool import NODE_GPUS_ENV
 from convergence.launch.process_tree import DescendantTracker
-from convergence.launch.torchrun import LAUNCHER_LOG, LocalLauncher, build_torchrun_argv, job_env
+from convergence.launch.start import LAUNCHER_LOG
+from convergence.launch.torchrun import LocalLauncher, build_torchrun_argv, job_env
 from convergence.launch.types import FailureInfo, JobResult, LaunchRequest, OnMetrics, OnProgress
 from convergence.launch.watch import Verdict
 from convergence.spec.errors import SpecError

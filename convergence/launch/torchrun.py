@@ -17,19 +17,14 @@ to the first non-loopback interface).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
-import re
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
 
 from convergence.launch.cancel import check_cancelled
 from convergence.launch.failure import (
@@ -38,17 +33,21 @@ from convergence.launch.failure import (
     note_in_launcher_log,
     note_teardown_abort,
 )
-from convergence.launch.forkserver import (
-    RANKS_FILE,
-    ForkServer,
-    ForkServerError,
-    WarmJob,
-    close_servers,
-    server_for,
-    warm_entry_problem,
-)
+from convergence.launch.fork_servers import ForkServers, shared_fork_servers
+from convergence.launch.forkserver import RANKS_FILE, warm_entry_problem
 from convergence.launch.hang import describe_hang
 from convergence.launch.process_tree import DescendantTracker, kill_leftovers, terminate_tree
+from convergence.launch.rank_exits import RESULT_FILE
+from convergence.launch.start import (
+    LAUNCHER_LOG,
+    RANKS_DIR,
+    JobProcess,
+    StartFailed,
+    StartStrategy,
+)
+from convergence.launch.start import rdzv_id as _job_rdzv_id
+from convergence.launch.start_torchrun import TorchrunStart
+from convergence.launch.start_warm import WarmStart
 from convergence.launch.types import (
     FailureInfo,
     JobResult,
@@ -57,18 +56,10 @@ from convergence.launch.types import (
     OnProgress,
     Progress,
 )
-from convergence.launch.warm_agent import WarmJobSpec
 from convergence.launch.watch import JobWatch, Verdict
-from convergence.process_lifetime import child_dies_with_us
 
-LAUNCHER_LOG = "launcher.log"
-RANKS_DIR = "ranks"
 PIDS_FILE = "pids.json"
 """Written at the end of a job: the agent PID and every descendant PID seen (for audits)."""
-
-
-def _rdzv_id(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-")[:64] or "job"
 
 
 def torchrun_module(rdzv_endpoint: str) -> str:
@@ -112,7 +103,7 @@ def build_torchrun_argv(
         "--rdzv-endpoint",
         rdzv_endpoint,
         "--rdzv-id",
-        rdzv_id or _rdzv_id(request.name),
+        rdzv_id or _job_rdzv_id(request.name),
         "--log-dir",
         str(request.log_dir / RANKS_DIR),
         "--redirects",
@@ -172,22 +163,14 @@ def _write_pids(log_dir: Path, agent_pid: int, tracker: DescendantTracker) -> No
 
 STARTS = ("warm", "torchrun")
 """How a local job's processes start: ``warm`` forks the ranks from the session's fork server
-(launch/forkserver.py; the default), ``torchrun`` runs a torchrun agent per job."""
-
-
-class JobProcess(Protocol):
-    """The root of a running job as the supervisor sees it: a torchrun agent's ``Popen`` or a
-    warm agent's :class:`~convergence.launch.forkserver.WarmJob`."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
+(launch/start_warm.py; the default), ``torchrun`` runs a torchrun agent per job
+(launch/start_torchrun.py)."""
 
 
 class LocalLauncher:
     """The ``local`` launcher: a job's ranks on this machine, started warm (forked from the
-    session's fork server) or by torchrun (see the module docstrings)."""
+    session's fork server) or by torchrun (see the module docstrings); either way supervised
+    here, the same way."""
 
     name = "local"
     on_this_machine = True
@@ -199,6 +182,7 @@ class LocalLauncher:
         *,
         start: str = "warm",
         python: str = sys.executable,
+        fork_servers: ForkServers | None = None,
         poll_interval_s: float = 0.02,
         stop_grace_s: float = 30.0,
         kill_grace_s: float = 5.0,
@@ -213,6 +197,11 @@ class LocalLauncher:
         line: ``LocalLauncher(start="torchrun")`` is the ``torchrun`` launcher. A warm start's
         fallback keeps its ``local`` label (its launcher.log says why it used torchrun)."""
         self.python = python
+        self.fork_servers = fork_servers if fork_servers is not None else shared_fork_servers()
+        """Where warm starts fork from: the session's (it closes them at its end), else the
+        process's shared set (launch/fork_servers.py)."""
+        self.torchrun = TorchrunStart(argv=self.build_argv, env=self.job_env)
+        self.warm = WarmStart(python=python, env=self.job_env, servers=self.fork_servers)
         self.poll_interval_s = poll_interval_s
         self.track_interval_s = track_interval_s
         """How often the descendant list is refreshed (a /proc scan: the supervisor's main CPU
@@ -229,6 +218,10 @@ class LocalLauncher:
         job spanning nodes gets the plain :func:`job_env`."""
         return local_job_env(request) if self.on_this_machine else job_env(request)
 
+    def strategy(self, request: LaunchRequest) -> StartStrategy:
+        """How ``request`` starts: warm unless :meth:`warm_problem` says why not."""
+        return self.warm if self.warm_problem(request) is None else self.torchrun
+
     def launch(
         self,
         request: LaunchRequest,
@@ -238,45 +231,18 @@ class LocalLauncher:
     ) -> JobResult:
         check_cancelled(request.name)  # a group interrupted before this job started
         request.log_dir.mkdir(parents=True, exist_ok=True)
-        # One launch = one set of logs: an earlier attempt's rank logs or root-cause report in
-        # the same folder would be mistaken for this run's when diagnosing a failure.
+        # One launch = one set of logs: an earlier attempt's rank logs, structured result or
+        # root-cause report in the same folder would be mistaken for this run's.
         shutil.rmtree(request.log_dir / RANKS_DIR, ignore_errors=True)
+        (request.log_dir / RESULT_FILE).unlink(missing_ok=True)
         if request.stop_file is not None:
             request.stop_file.unlink(missing_ok=True)  # a stale one would stop us at step 1
-        warm = self.warm_problem(request) is None
-        argv = [self.python, *request.entry] if warm else self.build_argv(request)
         start = time.monotonic()
-        proc: JobProcess
-        with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
-            log.write(f"# argv: {argv!r}\n".encode())
-            if warm:
-                what = "1 process" if request.direct else f"{request.nproc} ranks"
-                log.write(f"# warm start: {what} forked (launch/forkserver.py)\n".encode())
-            log.flush()
-            if not warm:
-                proc = subprocess.Popen(
-                    argv,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=self.job_env(request),
-                    cwd=request.cwd,
-                    start_new_session=True,
-                    preexec_fn=child_dies_with_us(signal.SIGTERM),
-                )
-        if warm:
-            try:
-                proc = self._start_warm(request)
-            except ForkServerError as exc:
-                # A job must not fail because its start-up could not be shortened: say so in
-                # its log and start it the torchrun way.
-                note_in_launcher_log(request.log_dir, f"{exc}; starting with torchrun instead")
-                return LocalLauncher.launch(
-                    self._torchrun_twin(), request, on_metrics=on_metrics, on_progress=on_progress
-                )
+        strategy, proc = self._start(request)
         tracker = DescendantTracker(proc.pid)
         if on_progress is not None:  # the start-up is silent for seconds
             what = "1 process" if request.direct else f"{request.nproc} ranks"
+            warm = ", warm" if strategy.name == "warm" else ""
             on_progress(
                 Progress(
                     name=request.name,
@@ -284,7 +250,7 @@ class LocalLauncher:
                     total_steps=request.total_steps,
                     loss=None,
                     elapsed_s=0.0,
-                    note=f"starting ({what}, {self.label} launcher{', warm' if warm else ''})",
+                    note=f"starting ({what}, {self.label} launcher{warm})",
                 )
             )
         watch = JobWatch(
@@ -295,14 +261,14 @@ class LocalLauncher:
             progress_interval_s=self.progress_interval_s,
         )
         try:
-            status, returncode, failure = self._supervise(proc, tracker, watch)
+            status, returncode, failure = self._supervise(strategy, proc, tracker, watch)
         except BaseException as exc:
             # KeyboardInterrupt, a cancelled group (launch/cancel.py) or a raising callback:
             # end the tree, then let it propagate.
             tracker.poll()  # every rank in pids.json, even one born after the last scan
             kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
             if proc.returncode is None:
-                proc.returncode = _root_returncode(proc, kill.root_returncode)
+                proc.returncode = strategy.reaped_returncode(proc, kill.root_returncode)
             _write_pids(request.log_dir, proc.pid, tracker)
             why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             note_in_launcher_log(request.log_dir, f"the job was ended ({why})")
@@ -319,6 +285,20 @@ class LocalLauncher:
             failure=failure,
             last_step=watch.last_step,
         )
+
+    def _start(self, request: LaunchRequest) -> tuple[StartStrategy, JobProcess]:
+        """Start the job with its strategy; a warm start that fails (the fork server did not
+        start or answer) falls back to torchrun, its reason kept in the job's launcher.log."""
+        strategy = self.strategy(request)
+        try:
+            with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
+                return strategy, strategy.start(request, log)
+        except StartFailed as exc:
+            if strategy is self.torchrun:
+                raise
+            note_in_launcher_log(request.log_dir, f"{exc}; starting with torchrun instead")
+        with open(request.log_dir / LAUNCHER_LOG, "ab") as log:  # after the note
+            return self.torchrun, self.torchrun.start(request, log)
 
     def name_hung_rank(
         self, verdict: Verdict, tracker: DescendantTracker, request: LaunchRequest
@@ -339,46 +319,18 @@ class LocalLauncher:
             return "a direct command that is not forkable starts fresh (LaunchRequest.forkable)"
         return warm_entry_problem(request.entry)
 
-    def _server(self, request: LaunchRequest) -> ForkServer:
-        env = self.job_env(request)
-        return server_for(self.python, env, str(request.cwd or os.getcwd()))
-
-    def _start_warm(self, request: LaunchRequest) -> WarmJob:
-        env = self.job_env(request)
-        spec = WarmJobSpec(
-            name=request.name,
-            entry=list(request.entry),
-            nproc=request.nproc,
-            env=env,
-            cwd=str(request.cwd or os.getcwd()),
-            launcher_log=str(request.log_dir / LAUNCHER_LOG),
-            ranks_dir=str(request.log_dir / RANKS_DIR),
-            run_id=_rdzv_id(request.name),
-            direct=request.direct,
-        )
-        return self._server(request).start_job(spec)
-
-    def _torchrun_twin(self) -> LocalLauncher:
-        """This launcher with the torchrun start (the fallback when a warm start fails)."""
-        twin = copy.copy(self)
-        twin.start = "torchrun"
-        return twin
-
     def warm_up(self, request: LaunchRequest | None = None) -> tuple[float, float]:
         """Start the fork server now (a session's first warm job would); returns its start's
         wall and CPU seconds (0, 0 when one was already running)."""
-        probe = request or LaunchRequest(name="warm-up", entry=["-m", "x"], nproc=1, log_dir=Path())
-        before = time.monotonic()
-        server = self._server(probe)
-        fresh = time.monotonic() - before > 0.05
-        return (server.start_wall_s, server.start_cpu_s) if fresh else (0.0, 0.0)
+        return self.warm.warm_up(request)
 
     def close(self) -> None:
-        """End this process's fork servers (at exit they end anyway)."""
-        close_servers()
+        """End the fork servers this launcher's warm starts use (the session's, or the shared
+        set: either starts a server again if a later job needs one)."""
+        self.fork_servers.close()
 
     def _supervise(
-        self, proc: JobProcess, tracker: DescendantTracker, watch: JobWatch
+        self, strategy: StartStrategy, proc: JobProcess, tracker: DescendantTracker, watch: JobWatch
     ) -> tuple[str, int | None, FailureInfo | None]:
         verdict: Verdict | None = None
         stop_deadline: float | None = None
@@ -406,7 +358,7 @@ class LocalLauncher:
                 kill = terminate_tree(proc.pid, self.kill_grace_s, extra=tracker.processes)
                 # terminate_tree reaped the agent (waitpid); tell the Popen object so it does not
                 # wait again (it would read the status as 0) or warn that it is still running.
-                proc.returncode = _root_returncode(proc, kill.root_returncode)
+                proc.returncode = strategy.reaped_returncode(proc, kill.root_returncode)
                 if verdict.status == "ok" and verdict.failure is not None:  # ended, run kept
                     note_in_launcher_log(watch.request.log_dir, verdict.failure.message)
                 return verdict.status, proc.returncode, verdict.failure
@@ -436,14 +388,6 @@ class LocalLauncher:
                 note_teardown_abort(req.log_dir, failure, steps=req.total_steps),
             )
         return ("killed" if failure.signal else "failed"), returncode, failure
-
-
-def _root_returncode(proc: JobProcess, killed: int | None) -> int:
-    """The agent's exit status after terminate_tree: its own (our child), else what the fork
-    server reported for a warm agent, else -9."""
-    if killed is None and isinstance(proc, WarmJob):
-        killed = proc.wait_reported(2.0)
-    return killed if killed is not None else -9
 
 
 def _name_hung_rank(verdict: Verdict, tracker: DescendantTracker, log_dir: Path) -> Verdict:

@@ -2,9 +2,11 @@
 
 It runs in the forked child of the server (convergence/launch/forkserver.py explains the
 process tree) and does for one job what a one-node torchrun agent does, with the ranks forked
-instead of started: a c10d store on 127.0.0.1, torchrun's environment per rank, per-rank log
-files in torchrun's layout, the other ranks ended when one fails, and torchrun's failure
-report on its own stderr (the job's ``launcher.log``). A direct job (one process of ours, the
+instead of started: a c10d store on 127.0.0.1, torchrun's environment per rank (what a
+torch entry point reads: RANK, WORLD_SIZE, MASTER_PORT, ...), per-rank log files in torchrun's
+layout, and the other ranks ended when one fails. How each rank ended is written as JSON
+(launch/rank_exits.py: ``agent_result.json`` in the job's folder), which launch/failure.py
+reads first; the job's ``launcher.log`` gets one line for a reader. A direct job (one process of ours, the
 seed checkpoint: ``LaunchRequest.forkable``) has no ranks: the agent runs its command itself,
 with the job's environment, its output in ``launcher.log`` as a fresh process's would be.
 """
@@ -24,6 +26,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from convergence.dist_exit import run_and_exit
+from convergence.launch.rank_exits import (
+    RESULT_FILE,
+    RankExit,
+    RankExits,
+    signal_name,
+    write_result,
+)
 from convergence.phase_marks import mark, process_cpu_s
 from convergence.process_lifetime import die_with_parent
 
@@ -45,6 +54,8 @@ class WarmJobSpec:
     launcher_log: str
     ranks_dir: str
     run_id: str
+    result_file: str = ""
+    """Where the agent writes how each rank ended (launch/rank_exits.py); "" writes none."""
     direct: bool = False
     """A one-process command (LaunchRequest.direct, forkable): the agent runs it itself, with
     the job's environment only (no ranks, no store), as a fresh ``python <entry>`` would."""
@@ -128,10 +139,15 @@ def run_entry(entry: list[str]) -> int | None:
     return None
 
 
+def rank_folder(spec: WarmJobSpec, rank: int) -> Path:
+    """A rank's log folder, in torchrun's layout (launch/failure.py finds its stderr there)."""
+    return Path(spec.ranks_dir) / f"{spec.run_id}_warm" / "attempt_0" / str(rank)
+
+
 def _rank_main(spec: WarmJobSpec, rank: int, port: int, agent: int) -> NoReturn:
     """A forked rank: logs, environment, then the job's entry; never returns."""
     die_with_parent(signal.SIGKILL, expected_parent=agent)
-    folder = Path(spec.ranks_dir) / f"{spec.run_id}_warm" / "attempt_0" / str(rank)
+    folder = rank_folder(spec, rank)
     folder.mkdir(parents=True, exist_ok=True)
     _redirect(1, folder / "stdout.log")
     _redirect(2, folder / "stderr.log")
@@ -225,13 +241,16 @@ def _on_term(signum: int, frame: Any) -> None:
 
 def _wait_ranks(spec: WarmJobSpec, ranks: dict[int, int]) -> int:
     """Wait for every rank; when one fails, end the others (torchrun's policy). SIGTERM to the
-    agent ends the ranks (SIGTERM, then SIGKILL after a grace) and the agent."""
+    agent ends the ranks (SIGTERM, then SIGKILL after a grace) and the agent. How each rank
+    ended is written to ``spec.result_file`` (launch/rank_exits.py)."""
     signal.signal(signal.SIGTERM, _on_term)
     live = dict(ranks)
-    failures: list[tuple[float, int, int, int]] = []  # (time, rank, pid, exit code)
+    exits: dict[int, tuple[int, int]] = {}  # rank -> (pid, exit code), in the order reaped
     ending_at: float | None = None
+    ended: set[int] = set()  # ranks the agent signalled, before they exited by themselves
     while live:
         if _terminating and ending_at is None:
+            ended |= set(live.values())
             _signal(live, signal.SIGTERM)
             ending_at = time.monotonic()
         try:
@@ -246,16 +265,18 @@ def _wait_ranks(spec: WarmJobSpec, ranks: dict[int, int]) -> int:
         rank = live.pop(pid, None)
         if rank is None:
             continue
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            failures.append((time.time(), rank, pid, code))
-            if ending_at is None:
-                _signal(live, signal.SIGTERM)
-                ending_at = time.monotonic()
+        exits[rank] = (pid, os.waitstatus_to_exitcode(status))
+        if exits[rank][1] != 0 and ending_at is None:
+            ended |= set(live.values())
+            _signal(live, signal.SIGTERM)
+            ending_at = time.monotonic()
+    result = _rank_exits(spec, exits, ended)
+    if spec.result_file:
+        write_result(Path(spec.result_file), result)
     if _terminating:
         return 128 + signal.SIGTERM
-    if failures:
-        print(_report(spec, failures), file=sys.stderr, flush=True)
+    if result.first_failure is not None:
+        print(_summary(result), file=sys.stderr, flush=True)
         return 1
     return 0
 
@@ -268,41 +289,40 @@ def _signal(live: dict[int, int], sig: int) -> None:
             pass
 
 
-def _entry_text(when: float, spec: WarmJobSpec, rank: int, pid: int, code: int) -> str:
-    folder = Path(spec.ranks_dir) / f"{spec.run_id}_warm" / "attempt_0" / str(rank)
-    error_file = folder / "error.json"
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else ""
-        trace = f"Signal {-code} ({name}) received by PID {pid}"
-    else:
-        trace = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
-    return (
-        f"[{rank}]:\n"
-        f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(when))}\n"
-        f"  host      : {socket.gethostname()}\n"
-        f"  rank      : {rank} (local_rank: {rank})\n"
-        f"  exitcode  : {code} (pid: {pid})\n"
-        f"  error_file: {error_file if error_file.exists() else '<N/A>'}\n"
-        f"  traceback : {trace}\n"
+def _rank_exits(spec: WarmJobSpec, exits: dict[int, tuple[int, int]], ended: set[int]) -> RankExits:
+    """Every rank's end; the first failure is the first rank reaped with a non-zero exit code
+    that the agent had not ended itself."""
+    host = socket.gethostname()
+    ranks: list[RankExit] = []
+    for rank, (pid, code) in exits.items():  # the order reaped
+        error_file = rank_folder(spec, rank) / "error.json"
+        ranks.append(
+            RankExit(
+                rank=rank,
+                local_rank=rank,
+                pid=pid,
+                exitcode=code,
+                signal=signal_name(code),
+                error_file=error_file if error_file.exists() else None,
+                host=host,
+                ended_by_agent=rank in ended,
+            )
+        )
+    failed = [r for r in ranks if r.failed]
+    first = next((r for r in failed if not r.ended_by_agent), failed[0] if failed else None)
+    return RankExits(ranks=tuple(sorted(ranks, key=lambda r: r.rank)), first_failure=first)
+
+
+def _summary(result: RankExits) -> str:
+    """A reader's line in launcher.log (the launcher reads the JSON, not this)."""
+    first = result.first_failure
+    assert first is not None
+    how = ", ".join(
+        f"rank {r.rank} (pid {r.pid}) exit code {r.exitcode}"
+        + (" (ended by the agent)" if r.ended_by_agent else "")
+        for r in result.ranks
     )
-
-
-def _report(spec: WarmJobSpec, failures: list[tuple[float, int, int, int]]) -> str:
-    """torchrun's failure report (launch/failure.py parses it): the first failure observed is
-    the root cause, the others are listed above it."""
-    (first, *others) = failures
-    bar = "=" * 56
-    lines = [bar, f"{spec.entry[-1] if spec.entry else ''} FAILED", "-" * 56, "Failures:"]
-    if others:
-        lines += [
-            _entry_text(f[0], spec, *f[1:]).rstrip("\n") for f in sorted(others, key=lambda f: f[1])
-        ]
-    else:
-        lines.append("  <NO_OTHER_FAILURES>")
-    lines += [
-        "-" * 56,
-        "Root Cause (first observed failure):",
-        _entry_text(first[0], spec, *first[1:]).rstrip("\n"),
-    ]
-    lines.append(bar)
-    return "\n".join(lines)
+    return (
+        f"# warm agent: rank {first.rank} failed first (exit code {first.exitcode}); {how}; "
+        f"see {RESULT_FILE}"
+    )

@@ -35,6 +35,7 @@ from convergence.cache.key import cache_key, code_version, hardware_fingerprint
 from convergence.cache.stack import stack_fingerprint
 from convergence.cache.store import RunCache
 from convergence.launch.devices import session_devices
+from convergence.launch.fork_servers import ForkServers
 from convergence.launch.pool import DevicePool, default_cpu_slots
 from convergence.launch.slurm import SlurmLauncher
 from convergence.launch.torchrun import LocalLauncher
@@ -148,7 +149,13 @@ class JobRunner:
     process: each xdist worker has its own) and reuse it for every job.
     """
 
-    def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        *,
+        launcher: Launcher | None = None,
+        fork_servers: ForkServers | None = None,
+    ) -> None:
         self.settings = settings
         settings.work_dir.mkdir(parents=True, exist_ok=True)
         self.cache = RunCache(settings.cache_root)
@@ -167,7 +174,7 @@ class JobRunner:
             if device_set.kind == "gpu" and device_set.per_node is None
             else None
         )
-        self.launcher = launcher or _make_launcher(settings.launcher)
+        self.launcher = launcher or _make_launcher(settings.launcher, fork_servers)
         self._on_progress = settings.on_progress
         self._prepared: dict[JobSpec, PreparedJob] = {}
         self._backends: dict[str, Backend] = {}
@@ -523,11 +530,12 @@ def _hook_source_hash(hook: str | None) -> str | None:
     return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()
 
 
-def _make_launcher(name: str) -> Launcher:
+def _make_launcher(name: str, fork_servers: ForkServers | None = None) -> Launcher:
+    """``fork_servers``: the session's (it closes them); None: the process's shared set."""
     if name == "local":
-        return LocalLauncher()
+        return LocalLauncher(fork_servers=fork_servers)
     if name == "torchrun":
-        return LocalLauncher(start="torchrun")
+        return LocalLauncher(start="torchrun", fork_servers=fork_servers)
     if name == "slurm":
         return SlurmLauncher()
     raise SpecError(

@@ -25,6 +25,7 @@ from typing import Any
 from convergence.calibration.select import select_calibration
 from convergence.checks import Check, ExtraJob, Ran, SideRun, as_run, checks_of
 from convergence.checks.base import first_divergent_step
+from convergence.launch.fork_servers import ForkServers
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
@@ -72,9 +73,15 @@ class Runner:
     Build it once per session, like the JobRunner it holds (see there for the cost).
     """
 
-    def __init__(self, settings: RunSettings, *, launcher: Launcher | None = None) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        *,
+        launcher: Launcher | None = None,
+        fork_servers: ForkServers | None = None,
+    ) -> None:
         self.settings = settings
-        self.jobs = JobRunner(settings, launcher=launcher)
+        self.jobs = JobRunner(settings, launcher=launcher, fork_servers=fork_servers)
         # The calibration this session's verdicts use: the file for this stack, else the
         # shipped defaults (convergence/calibration/select.py); every verdict names it, and
         # the early-stop monitor is handed it too.

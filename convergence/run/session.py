@@ -4,12 +4,19 @@ The Runner holds what is costly to set up and right to share: device detection (
 torch), the device pool, the run cache (its constructor sweeps stale temporary folders) and
 the launcher (under Slurm, ``scontrol`` reads the allocation). It is built at the first pair,
 not before: a pytest session with no convergence items never pays for it.
+
+The session also owns its fork servers (launch/fork_servers.py: warm starts fork every job's
+ranks from them): they are started by its first warm job and ended by :meth:`SessionRunner.close`
+(the plugin closes the session at ``pytest_unconfigure``; ``with SessionRunner(...)`` closes it
+too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import TracebackType
 
+from convergence.launch.fork_servers import ForkServers
 from convergence.launch.types import Launcher, Progress
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
@@ -24,13 +31,33 @@ class SessionRunner:
         self.settings = settings
         self._launcher = launcher
         self._runner: Runner | None = None
+        self.fork_servers = ForkServers()
+        """This session's fork servers (none runs until a job starts warm)."""
 
     def runner(self) -> Runner:
         """The session's Runner, built on first use (raises CacheError when the cache cannot
         be opened; the next call tries again)."""
         if self._runner is None:
-            self._runner = Runner(self.settings, launcher=self._launcher)
+            self._runner = Runner(
+                self.settings, launcher=self._launcher, fork_servers=self.fork_servers
+            )
         return self._runner
+
+    def close(self) -> None:
+        """End the session's fork servers (and whatever they still run). A later pair would
+        start them again."""
+        self.fork_servers.close()
+
+    def __enter__(self) -> SessionRunner:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def run_pair(
         self, pair: PairSpec, *, on_progress: Callable[[Progress], None] | None = None
