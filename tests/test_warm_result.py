@@ -7,6 +7,7 @@ lifetime owned by the run session (launch/rank_exits.py, launch/fork_servers.py)
 - The failure reader takes the JSON before torchrun's text: a folder whose JSON and text
   disagree is read from the JSON (rank and exit code).
 - A closed session's fork server process is gone (by PID).
+- A warm start that cannot start falls back to torchrun, and the job's log says why.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from test_launch_argv_failure import SIGKILL_REPORT
 from test_launch_local import assert_no_survivors, make_request
 
 from convergence.launch.failure import diagnose
+from convergence.launch.fork_servers import ForkServers
 from convergence.launch.rank_exits import RESULT_FILE, RankExit, RankExits, read_result, to_json
+from convergence.launch.start_warm import WarmStart
 from convergence.launch.torchrun import LocalLauncher
 from convergence.run.jobs import RunSettings
 from convergence.run.session import SessionRunner
@@ -82,3 +85,16 @@ def test_a_closed_session_leaves_no_fork_server(tmp_path: Path) -> None:
     session.close()
     assert not psutil.pid_exists(pid), f"fork server {pid} outlived its session"
     assert session.fork_servers.pids() == set()
+
+
+def test_a_warm_start_that_fails_falls_back_to_torchrun_and_says_why(tmp_path: Path) -> None:
+    # A "python" that exits at once: the fork server never says it is ready.
+    launcher = LocalLauncher(start="warm")
+    launcher.warm = WarmStart(python="/bin/true", env=launcher.job_env, servers=ForkServers())
+    req = make_request(tmp_path, "ok", name="fallback", steps=2)
+    result = launcher.launch(req)
+    assert result.status == "ok", result
+    log = (req.log_dir / "launcher.log").read_text()
+    assert "the warm-start server did not start" in log and "starting with torchrun" in log, log
+    assert "loopback_torchrun" in log.split("starting with torchrun", 1)[1], log
+    assert not (req.log_dir / RESULT_FILE).exists()  # torchrun writes no structured result

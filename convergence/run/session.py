@@ -7,14 +7,13 @@ not before: a pytest session with no convergence items never pays for it.
 
 The session also owns its fork servers (launch/fork_servers.py: warm starts fork every job's
 ranks from them): they are started by its first warm job and ended by :meth:`SessionRunner.close`
-(the plugin closes the session at ``pytest_unconfigure``; ``with SessionRunner(...)`` closes it
-too).
+(the plugin closes the session at ``pytest_unconfigure``; a session never closed has them
+closed when it is collected or the interpreter exits: launch/fork_servers.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 
 from convergence.launch.fork_servers import ForkServers
 from convergence.launch.types import Launcher, Progress
@@ -47,17 +46,6 @@ class SessionRunner:
         """End the session's fork servers (and whatever they still run). A later pair would
         start them again."""
         self.fork_servers.close()
-
-    def __enter__(self) -> SessionRunner:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def run_pair(
         self, pair: PairSpec, *, on_progress: Callable[[Progress], None] | None = None
