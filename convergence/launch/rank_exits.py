@@ -48,7 +48,8 @@ class RankExit:
     """The node the rank ran on."""
     pid: int | None = None
     ended_by_agent: bool = False
-    """The agent ended it (SIGTERM) after another rank had failed: never the root cause."""
+    """The agent signalled it (SIGTERM) after another rank had failed or the job was ended:
+    never the root cause while a rank failed by itself."""
 
     @property
     def failed(self) -> bool:

@@ -319,7 +319,7 @@ def _summary(result: RankExits) -> str:
     assert first is not None
     how = ", ".join(
         f"rank {r.rank} (pid {r.pid}) exit code {r.exitcode}"
-        + (" (ended by the agent)" if r.ended_by_agent else "")
+        + (" (signalled by the agent)" if r.ended_by_agent else "")
         for r in result.ranks
     )
     return (
