@@ -8,6 +8,7 @@ lifetime owned by the run session (launch/rank_exits.py, launch/fork_servers.py)
   disagree is read from the JSON (rank and exit code).
 - A closed session's fork server process is gone (by PID).
 - A warm start that cannot start falls back to torchrun, and the job's log says why.
+- The plugin closes its session at pytest_unconfigure: the server is gone before pytest exits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 from pathlib import Path
 
 import psutil
+import pytest
 from test_launch_argv_failure import SIGKILL_REPORT
 from test_launch_local import assert_no_survivors, make_request
 
@@ -98,3 +100,44 @@ def test_a_warm_start_that_fails_falls_back_to_torchrun_and_says_why(tmp_path: P
     assert "the warm-start server did not start" in log and "starting with torchrun" in log, log
     assert "loopback_torchrun" in log.split("starting with torchrun", 1)[1], log
     assert not (req.log_dir / RESULT_FILE).exists()  # torchrun writes no structured result
+
+
+INNER_TEST = """
+from pathlib import Path
+
+from pytest_convergence.stash import get_state
+
+
+def test_the_session_starts_its_fork_server(pytestconfig):
+    session = get_state(pytestconfig).runner
+    session.runner().jobs.launcher.warm_up()
+    (pid,) = session.fork_servers.pids()
+    Path("server.pid").write_text(str(pid))
+"""
+
+INNER_CONFTEST = """
+from pathlib import Path
+
+import psutil
+import pytest
+import pytest
+
+
+@pytest.hookimpl(trylast=True)  # after the plugin's: is the server gone before pytest exits?
+def pytest_unconfigure(config):
+    pid = int(Path("server.pid").read_text())
+    Path("at_exit.txt").write_text("alive" if psutil.pid_exists(pid) else "gone")
+"""
+
+
+def test_the_plugin_ends_its_sessions_fork_server_at_unconfigure(
+    pytester: pytest.Pytester,
+) -> None:
+    # Checked from inside the pytest process, before it exits: once it has, the server would
+    # end anyway (its stdin pipe closes), which would prove nothing.
+    pytester.makeini("[pytest]\n")
+    pytester.makeconftest(INNER_CONFTEST)
+    pytester.makepyfile(test_inner=INNER_TEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    assert result.ret == 0, result.stdout.str()
+    assert (pytester.path / "at_exit.txt").read_text() == "gone"

@@ -1,4 +1,4 @@
-"""Launching jobs: torchrun (local) or srun+torchrun (Slurm), device pool, watchdog."""
+"""Launching jobs: local (warm or torchrun), Slurm (srun+torchrun), device pool, watchdog."""
 
 from __future__ import annotations
 
