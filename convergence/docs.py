@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from convergence.backends.registry import SHIPPED as SHIPPED_BACKENDS
+from convergence.checks import all_checks, pair_keys
 from convergence.options import OPTIONS, Option
 from convergence.regimes import REGISTRY
 from convergence.spec.experiment import (
@@ -157,21 +158,8 @@ def key_rows() -> list[KeyRow]:
             f"(default `on_failure`: a failed paired or twin pair is probed); `probe_on_failure "
             f'= false` is `probe = "off"`',
         ),
-        (
-            "",
-            ("anchor_every",),
-            "the anchored check (off unless set; built-in trainer and torchtitan, through its "
-            "own DCP checkpoints, the test keeping the control's DP degree): every N steps the "
-            "control saves its whole training state and the test layout trains one step from each; "
-            "each such step must match the control's own next step at the one-step tolerance "
-            "(twin pairs: sized by the twins' one step from the same states; a gap above half "
-            "of it at two consecutive anchors also fails; each part's grad norm, "
-            "`grad_norm/<part>`, is held to its own twin envelope at 2.5x the k), so a bug that "
-            "starts late is judged against one step of rounding, not a long run's drift. A "
-            "failure names the anchor step and the probe starts from it. Cost: one anchored "
-            "test job of `steps / N` steps, and per control group one checkpoint every N "
-            "steps plus one anchored job per twin",
-        ),
+        # The checks' own pair keys, documented by their check (convergence/checks/).
+        *(("", (key,), doc) for check in all_checks() for key, doc in check.keys.items()),
         (
             "test",
             ("resume",),
@@ -188,7 +176,7 @@ def key_rows() -> list[KeyRow]:
 COVERED: Mapping[str, tuple[str, ...]] = {
     "[experiment]": EXPERIMENT_KEYS,
     "job": JOB_KEYS,
-    "pair": PAIR_KEYS,
+    "pair": (*PAIR_KEYS, *pair_keys()),
     "parallelism": LAYOUT_KEYS,
     "techniques": TECHNIQUE_KEYS,
     "compare": RULE_KEYS,

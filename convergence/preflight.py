@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from convergence.backends import Backend, get_backend
 from convergence.backends.registry import not_importable
 from convergence.backends.tokens import batch_fix
-from convergence.checks import checks_of
+from convergence.checks import checks_of, pair_keys, validate_keys
 from convergence.launch.placement import FIX_MORE_DEVICES, NotPlaceable, place
 from convergence.regimes import REGISTRY, get_regime
 from convergence.spec.errors import NotRunnableHere, SpecError
@@ -83,13 +83,16 @@ def load_checked(
     pair's anchors and resume step here, before any job runs.
     """
     try:
-        experiment = load_experiment(path, rootdir=rootdir, regimes=REGIMES)
+        experiment = load_experiment(
+            path, rootdir=rootdir, regimes=REGIMES, checks_keys=pair_keys()
+        )
     except MissingTrainConfig as exc:
         raise exc.worded(shipped=ships_train_configs(exc.backend)) from None
     if modify is not None:
         pairs = tuple(modify(pair) or pair for pair in experiment.pairs)
         experiment = dataclasses.replace(experiment, pairs=pairs)
     for pair, key in zip(experiment.pairs, experiment.keys, strict=True):
+        validate_keys(pair, key=key, steps=steps if in_tier(pair, max_tier) else None)
         if in_tier(pair, max_tier):
             check_steps_override(pair, steps, key=key)
             try:
@@ -102,20 +105,12 @@ def load_checked(
 
 
 def check_steps_override(pair: PairSpec, steps: int | None, *, key: str) -> None:
-    """A session's ``--convergence-steps`` that leaves the pair's anchored check or resume
-    nothing to do is an error at collection: the file's own steps were checked when it was
-    parsed, the override only now (it used to surface after two jobs had run)."""
+    """A session's ``--convergence-steps`` that leaves the test's resume nothing to do is an
+    error at collection: the file's own steps were checked when it was parsed, the override
+    only now (it used to surface after two jobs had run). The checks' keys are checked against
+    it by the checks themselves (Check.validate: the anchored check's anchor_every)."""
     if steps is None:
         return
-    if pair.anchor_every and pair.anchor_every >= steps:
-        raise SpecError(
-            f"--convergence-steps {steps} leaves no anchor inside the run: the pair's "
-            f"anchor_every is {pair.anchor_every}",
-            file=pair.source,
-            key=f"{key}.anchor_every",
-            fix=f"run more than {pair.anchor_every} steps (--convergence-steps "
-            f"{pair.anchor_every + 1} or more), or deselect this pair",
-        )
     resume = pair.test.resume
     if resume is not None and resume.at_step >= steps:
         raise SpecError(
@@ -133,9 +128,10 @@ def make_checked_pair(
 ) -> PairSpec:
     """:func:`convergence.spec.experiment.make_pair`, then ``modify`` (as in
     :func:`load_checked`), then :func:`check_pair`."""
-    pair = make_pair(**kwargs, regimes=REGIMES)
+    pair = make_pair(**kwargs, regimes=REGIMES, checks_keys=pair_keys())
     if modify is not None:
         pair = modify(pair) or pair
+    validate_keys(pair, key=str(kwargs.get("key", "test")))
     check_pair(pair, key=str(kwargs.get("key", "test")))
     return pair
 

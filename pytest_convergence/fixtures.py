@@ -49,6 +49,7 @@ from typing import Any
 
 import pytest
 
+from convergence.checks import pair_keys
 from convergence.preflight import make_checked_pair, validate_devices
 from convergence.run.outcome import PairOutcome
 from convergence.spec.errors import NotRunnableHere, SpecError
@@ -91,9 +92,14 @@ class PairRunner:
         """The validated PairSpec the call would run (raises SpecError)."""
         source = str(self._node.path)
         defaults = {**marker_defaults(self._node), **job_kw}
-        check_keys(defaults, DEFAULTS_KEYS, file=source, path="convergence marker/keywords")
+        check_keys(
+            defaults,
+            (*DEFAULTS_KEYS, *pair_keys()),
+            file=source,
+            path="convergence marker/keywords",
+        )
         check_keys(control, JOB_KEYS, file=source, path="control")
-        check_keys(test, TEST_KEYS, file=source, path="test")
+        check_keys(test, (*TEST_KEYS, *pair_keys()), file=source, path="test")
         test_table = dict(test)
         if hook is not None:
             test_table["hook"] = hook

@@ -1,5 +1,6 @@
-"""The pair key ``anchor_every`` (the anchored check, issue 41): parsed once into PairSpec,
-bad values a collection error naming the file, the key and the fix."""
+"""The pair key ``anchor_every`` (the anchored check, issue 41): owned by its check
+(convergence/checks/anchored.py), kept on the pair as written, parsed by the check at
+collection; bad values a collection error naming the file, the key and the fix."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from convergence.checks.anchored import with_auto_anchors
+from convergence.checks.anchored import (
+    AUTO_EVERY,
+    AUTO_MAX_ANCHORS,
+    AUTO_MIN_STEPS,
+    anchor_spacing,
+    auto_anchor_every,
+)
+from convergence.preflight import load_checked
 from convergence.regimes import REGISTRY
-from convergence.spec.anchors import AUTO_EVERY, AUTO_MAX_ANCHORS, AUTO_MIN_STEPS, auto_anchor_every
 from convergence.spec.errors import SpecError
 from convergence.spec.experiment import load_experiment
 
@@ -37,19 +44,32 @@ parallelism = {{ dp_shard = 2, tp = 2 }}
 
 
 def _pair(path: Path):  # type: ignore[no-untyped-def]
-    (pair,) = load_experiment(path, rootdir=path.parent, regimes=REGISTRY).pairs
+    (pair,) = load_checked(path, rootdir=path.parent).pairs
     return pair
 
 
 def test_automatic_unless_set_and_read_from_defaults_or_the_test(tmp_path: Path) -> None:
     absent = _pair(_experiment(tmp_path))
-    assert absent.anchor_every == 0 and absent.anchor_auto  # chosen when the pair runs
+    assert absent.check_key("anchor_every") is None  # chosen when the pair runs
     off = _pair(_experiment(tmp_path, defaults_extra="anchor_every = 0"))
-    assert off.anchor_every == 0 and not off.anchor_auto
-    assert not _pair(_experiment(tmp_path, defaults_extra="anchor_every = 10")).anchor_auto
-    assert _pair(_experiment(tmp_path, defaults_extra="anchor_every = 10")).anchor_every == 10
+    assert off.check_keys == (("anchor_every", 0),) and anchor_spacing(off) == 0
+    assert _pair(_experiment(tmp_path, defaults_extra="anchor_every = 10")).check_keys == (
+        ("anchor_every", 10),
+    )
     both = _experiment(tmp_path, "anchor_every = 5", defaults_extra="anchor_every = 10")
-    assert _pair(both).anchor_every == 5
+    assert anchor_spacing(_pair(both)) == 5
+
+
+def test_the_spec_alone_does_not_know_the_key(tmp_path: Path) -> None:
+    """spec/ parses only the keys it is told of: the check's key is the checks' (the
+    registry's pair_keys(), which load_checked passes)."""
+    path = _experiment(tmp_path, "anchor_every = 10")
+    with pytest.raises(SpecError, match="anchor_every"):
+        load_experiment(path, rootdir=tmp_path, regimes=REGISTRY)
+    (pair,) = load_experiment(
+        path, rootdir=tmp_path, regimes=REGISTRY, checks_keys=("anchor_every",)
+    ).pairs
+    assert pair.check_key("anchor_every") == 10
 
 
 @pytest.mark.parametrize(
@@ -121,7 +141,6 @@ def test_a_probe_may_start_from_a_resume_checkpoint() -> None:
 def test_a_backend_without_anchored_steps_cannot_be_anchored(
     tmp_path: Path, backend: str, options: str
 ) -> None:
-    from convergence.preflight import load_checked
 
     path = tmp_path / "exp.toml"
     (tmp_path / "train.toml").write_text("")
@@ -198,13 +217,11 @@ def test_the_automatic_check_is_only_where_it_can_run(tmp_path: Path) -> None:
     path = tmp_path / "long.toml"
     path.write_text(long)
     pair = _pair(path)
-    assert with_auto_anchors(pair).anchor_every == AUTO_EVERY  # built-in trainer, 120 steps
-    assert with_auto_anchors(_pair(_experiment(tmp_path))).anchor_every == 0  # 40 steps
+    assert anchor_spacing(pair) == AUTO_EVERY  # built-in trainer, 120 steps
+    assert anchor_spacing(_pair(_experiment(tmp_path))) == 0  # 40 steps
     off = tmp_path / "off.toml"
     off.write_text(long.replace("steps = 120", "steps = 120\nanchor_every = 0"))
-    assert with_auto_anchors(_pair(off)).anchor_every == 0
+    assert anchor_spacing(_pair(off)) == 0
     # A command trainer has no anchors: no automatic check, and no error either.
-    command = dataclasses.replace(
-        pair, test=dataclasses.replace(pair.test, backend="command"), anchor_auto=True
-    )
-    assert with_auto_anchors(command).anchor_every == 0
+    command = dataclasses.replace(pair, test=dataclasses.replace(pair.test, backend="command"))
+    assert anchor_spacing(command) == 0

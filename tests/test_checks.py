@@ -59,8 +59,10 @@ class FinalLossCheck:
     name = "final_loss"
     replay_probe = True
 
-    def as_run(self, pair: PairSpec) -> PairSpec:
-        return pair
+    keys: Mapping[str, str] = {}
+
+    def validate(self, pair: PairSpec, *, key: str, steps: int | None) -> None:
+        return None
 
     def applies(self, pair: PairSpec) -> bool:
         return pair.test.name.startswith("checked")

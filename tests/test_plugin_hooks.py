@@ -75,7 +75,7 @@ import dataclasses
 
 def pytest_convergence_modify_pair(config, pair):
     # The command backend saves no anchors: preflight refuses anchor_every for it.
-    return dataclasses.replace(pair, anchor_every=2)
+    return dataclasses.replace(pair, check_keys=(("anchor_every", 2),))
 """
 
 

@@ -146,7 +146,7 @@ def test_a_passing_anchored_pair_says_so_in_the_matrix_and_report_md() -> None:
     }
     verdict = anchored_verdict(outcome.pair.rules, [control], anchored, every=10)
     assert verdict.passed and verdict.metric == "anchored", verdict
-    pair = dataclasses.replace(outcome.pair, anchor_every=10)
+    pair = dataclasses.replace(outcome.pair, check_keys=(("anchor_every", 10),))
     outcome = dataclasses.replace(outcome, pair=pair, verdicts=(*outcome.verdicts, verdict))
     (row,) = matrix_rows([outcome])
     assert row["verdict"] == "PASS +anchored", row

@@ -157,8 +157,7 @@ def _non_default_specs() -> PairOutcome:
         probe_on_failure=False,
         probe_always=True,
         golden="g.json",
-        anchor_every=25,
-        anchor_auto=True,
+        check_keys=(("anchor_every", 25),),
         extra=(("k", "v"),),
         placement="cpu: 4 rank(s) on CPU (gloo)",
     )

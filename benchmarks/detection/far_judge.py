@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # far
 
 from far import CURVES, HELD_BACK, TUNING
 
+from convergence.checks.anchored import AUTO_EVERY
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.metrics.jsonl import read_jsonl, read_part_norms
 from convergence.regimes import default_rules
-from convergence.spec.anchors import AUTO_EVERY
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.anchored import (
     TRAJECTORY_HORIZON,
@@ -62,7 +62,7 @@ from convergence.stats.types import MetricVerdict
 
 RULES = ("old", "today", "today+a10", "anchored-judge")
 #: "today": the automatic anchors' threshold as shipped when this benchmark began (5b1be20);
-#: the chosen rule lowered it (convergence/spec/anchors.py AUTO_MIN_STEPS).
+#: the chosen rule lowered it (convergence/checks/anchored.py AUTO_MIN_STEPS).
 TODAY_MIN_STEPS = 100
 #: Not a rule to choose: today's rules with the anchors the runs were collected with (every
 #: 5), what the Runner itself judged then -- the re-judge is checked against it

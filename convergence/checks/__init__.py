@@ -1,7 +1,7 @@
 """Checks as plug-ins: evidence beside a pair's rules (convergence/checks/base.py)."""
 
 from convergence.checks.base import Check, ExtraJob, ProbeRequest, Ran, SideRun
-from convergence.checks.registry import all_checks, as_run, checks_of
+from convergence.checks.registry import all_checks, checks_of, pair_keys, validate_keys
 
 __all__ = [
     "Check",
@@ -10,6 +10,7 @@ __all__ = [
     "Ran",
     "SideRun",
     "all_checks",
-    "as_run",
     "checks_of",
+    "pair_keys",
+    "validate_keys",
 ]

@@ -1,5 +1,5 @@
-"""The anchored check (pair key ``anchor_every``; automatic for long pairs:
-:func:`with_auto_anchors`): one test step from each of the control's saved states, judged at the
+"""The anchored check (pair key ``anchor_every``, owned and parsed here; automatic for long
+pairs: :func:`anchor_spacing`): one test step from each of the control's saved states, judged at the
 one-step tolerance (convergence/stats/anchored.py: why it sees a late bug that a trajectory
 hides).
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from convergence.backends.base import Backend
 from convergence.backends.registry import get_backend
 from convergence.checks.base import ExtraJob, ProbeRequest, Ran, SideRun
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_part_norms
-from convergence.spec.anchors import auto_anchor_every
 from convergence.spec.errors import NotRunnableHere, RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -41,17 +41,65 @@ from convergence.stats.types import MetricVerdict
 
 #: The roles of its extra jobs (Ran.extra).
 TEST, TWINS = "test", "twins"
+#: Its pair key.
+KEY = "anchor_every"
+
+#: The automatic anchored check (the key absent): pairs of at least AUTO_MIN_STEPS steps get
+#: anchors every AUTO_EVERY steps, at most AUTO_MAX_ANCHORS of them (spacing steps //
+#: AUTO_MAX_ANCHORS beyond 1000 steps). Why: a bug that starts at step S shows at the first
+#: anchor at or after S -- within AUTO_EVERY steps, and within 2 x AUTO_EVERY = 20 where the
+#: persistence rule needs a second anchor (stats/anchored.py) -- while the trajectory verdicts
+#: judge it against S steps of drift (a rotary bug from step 300 of 500 passed them). Where the
+#: check runs it is also the judge of "same function" past the first steps
+#: (stats/anchored.py TRAJECTORY_HORIZON), so AUTO_MIN_STEPS is where a chaotic run's
+#: trajectories can leave their band: a correct layout at an aggressive learning rate did at
+#: steps 8-34 of 80 (issue 47), so 50, not 100 (BENCHMARKS.md "False-alarm rate": the 60-step
+#: benchmark). Below AUTO_MIN_STEPS a late bug is a few steps from the start, where the
+#: trajectories have not separated yet and judge it themselves; and every shipped CI pair is
+#: shorter (<= 30 steps), so CI runs no extra job. The cost, per pair: one anchored job of
+#: steps / AUTO_EVERY one-step checks (twin regime: one per twin as well), measured in
+#: BENCHMARKS.md "Verdict V" and "False-alarm rate".
+AUTO_MIN_STEPS = 50
+AUTO_EVERY = 10
+AUTO_MAX_ANCHORS = 100
+
+#: The pair key's entry in the documentation's key table (convergence/docs.py).
+KEY_DOC = (
+    "the anchored check (built-in trainer and torchtitan, through its own DCP checkpoints, "
+    "the test keeping the control's DP degree; without the key automatic from "
+    f"{AUTO_MIN_STEPS} steps, every {AUTO_EVERY}; `0`: off): every N steps the control saves "
+    "its whole training state and the test layout trains one step from each; each such step "
+    "must match the control's own next step at the one-step tolerance (twin pairs: sized by "
+    "the twins' one step from the same states; a gap above half of it at two consecutive "
+    "anchors also fails; each part's grad norm, `grad_norm/<part>`, is held to its own twin "
+    "envelope at 2.5x the k), so a bug that starts late is judged against one step of "
+    "rounding, not a long run's drift. A failure names the anchor step and the probe starts "
+    "from it. Cost: one anchored test job of `steps / N` steps, and per control group one "
+    "checkpoint every N steps plus one anchored job per twin"
+)
 
 
 class AnchoredCheck:
     name = ANCHORED
     replay_probe = True
+    keys = {KEY: KEY_DOC}
 
-    def as_run(self, pair: PairSpec) -> PairSpec:
-        return with_auto_anchors(pair)
+    def validate(self, pair: PairSpec, *, key: str, steps: int | None) -> None:
+        every = parse_anchor_every(
+            pair.check_key(KEY), pair.test, golden=pair.golden, file=pair.source, key=key
+        )
+        if steps is not None and every and every >= steps:
+            raise SpecError(
+                f"--convergence-steps {steps} leaves no anchor inside the run: the pair's "
+                f"anchor_every is {every}",
+                file=pair.source,
+                key=f"{key}.{KEY}",
+                fix=f"run more than {every} steps (--convergence-steps {every + 1} or more), "
+                "or deselect this pair",
+            )
 
     def applies(self, pair: PairSpec) -> bool:
-        return bool(pair.anchor_every)
+        return anchor_spacing(pair) > 0
 
     def trajectory_until(self, pair: PairSpec) -> int | None:
         return TRAJECTORY_HORIZON  # past it, judged_from_anchors (stats/anchored.py)
@@ -75,19 +123,20 @@ class AnchoredCheck:
         their state."""
         out = list(jobs)
         if out:
-            out[0] = out[0].asking(anchor_every=pair.anchor_every)
+            out[0] = out[0].asking(anchor_every=anchor_spacing(pair))
         return tuple(out)
 
     def extra_jobs(self, pair: PairSpec, ran: Ran, backend: Backend) -> tuple[ExtraJob, ...]:
         control = ran.controls[0]
         folder = anchor_folder(control)
         if not folder.is_dir() or not any(folder.iterdir()):
+            every = anchor_spacing(pair)
             raise SpecError(  # e.g. --convergence-steps cut the run below anchor_every
-                f"anchor_every = {pair.anchor_every} left no anchor in the control's run of "
+                f"anchor_every = {every} left no anchor in the control's run of "
                 f"{control.job.steps} steps ({folder})",
                 file=pair.source,
-                key="anchor_every",
-                fix=f"run more than {pair.anchor_every} steps, or set a smaller anchor_every",
+                key=KEY,
+                fix=f"run more than {every} steps, or set a smaller anchor_every",
             )
         jobs = [ExtraJob(TEST, "test", anchored_job(pair.test, folder), cacheable=False)]
         if len(ran.controls) > 1 and any(
@@ -111,7 +160,7 @@ class AnchoredCheck:
             pair.rules,
             controls,
             with_part_norms(anchored[0]),
-            every=pair.anchor_every,
+            every=anchor_spacing(pair),
             anchored_twins=[with_part_norms(t) for t in ran.of(self.name, TWINS)],
         )
         # Past the first steps the anchored check judges "same function" for the metrics it
@@ -143,28 +192,31 @@ class AnchoredCheck:
         )
 
 
-def with_auto_anchors(pair: PairSpec) -> PairSpec:
-    """``pair`` with the automatic anchored check (``anchor_auto``: the experiment left
-    ``anchor_every`` out) where it can run: a control job (no golden curve), a test that does
-    not resume, both sides on one trainer that saves and loads anchors across their layouts;
-    the spacing from the test's steps (convergence.spec.anchors.auto_anchor_every). Called
-    on the pair as it runs, after the session's --convergence-steps."""
-    if not pair.anchor_auto or pair.golden or pair.test.resume is not None:
-        return pair
+def anchor_spacing(pair: PairSpec) -> int:
+    """The steps between the pair's anchors as it runs (0: no anchored check): ``anchor_every``
+    as written, or, where the experiment left it out, the automatic spacing from the test's
+    steps (:func:`auto_anchor_every`, after the session's --convergence-steps) where it can
+    run -- a control job (no golden curve), a test that does not resume, both sides on one
+    trainer that saves and loads anchors across their layouts."""
+    written = pair.check_key(KEY)
+    if written is not None:
+        return int(written)  # validated at collection (AnchoredCheck.validate)
+    if pair.golden or pair.test.resume is not None:
+        return 0
     every = auto_anchor_every(pair.test.steps)
     if every == 0 or every >= min(pair.test.steps, pair.control.steps):
-        return dataclasses.replace(pair, anchor_every=0)
+        return 0
     try:
         backends = {
             "control": get_backend(pair.control.backend),
             "test": get_backend(pair.test.backend),
         }
         if not all(b.capabilities.anchors for b in backends.values()):
-            return pair
+            return 0
         check_anchor_layouts(pair, backends, key="test")
     except (SpecError, NotRunnableHere):
-        return pair  # the automatic check is only where it can run; an explicit one says why
-    return dataclasses.replace(pair, anchor_every=every)
+        return 0  # the automatic check is only where it can run; an explicit one says why
+    return every
 
 
 def check_anchor_layouts(pair: PairSpec, backends: Mapping[str, Backend], *, key: str) -> None:
@@ -222,3 +274,50 @@ def anchored_failure(verdicts: Sequence[MetricVerdict]) -> int | None:
             step = v.details.get("anchor_step")
             return int(step) if isinstance(step, int) else None
     return None
+
+
+def auto_anchor_every(steps: int) -> int:
+    """The automatic anchor spacing of a run of ``steps`` steps (0: no anchors)."""
+    if steps < AUTO_MIN_STEPS:
+        return 0
+    return max(AUTO_EVERY, steps // AUTO_MAX_ANCHORS)
+
+
+def parse_anchor_every(value: Any, test: JobSpec, *, golden: Any, file: str, key: str) -> int:
+    """The pair's ``anchor_every`` as written (0 when absent -- then automatic:
+    :func:`anchor_spacing` -- or set to 0: off); SpecError with the fix for a bad one."""
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return 0
+    where = f"{key}.anchor_every"
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError(
+            f"anchor_every must be a positive integer (steps between anchors), got {value!r}",
+            file=file,
+            key=where,
+            fix="set anchor_every = N with 1 <= N < steps (e.g. 25 for a 500-step run), "
+            "0 to turn the anchored check off, or drop it for the automatic choice",
+        )
+    if value >= test.steps:
+        raise SpecError(
+            f"anchor_every = {value} leaves no anchor inside the run of {test.steps} steps",
+            file=file,
+            key=where,
+            fix=f"set anchor_every below {test.steps}",
+        )
+    if golden:
+        raise SpecError(
+            "anchor_every needs a control run to take its state from; a golden curve has none",
+            file=file,
+            key=where,
+            fix="drop anchor_every from a golden pair, or compare against a control job",
+        )
+    if test.resume is not None:
+        raise SpecError(
+            "anchor_every and resume on one test: the anchored steps need one test layout",
+            file=file,
+            key=where,
+            fix="put the anchored check on a test without resume (after a resume, the twin "
+            "regime already judges the steps against its twins resumed from the same "
+            "checkpoint: the 'resumed' verdict)",
+        )
+    return value

@@ -4,8 +4,10 @@ test's resume, against twins resumed from the same checkpoint), and whatever a t
 package adds under the entry-point group ``convergence.checks`` (convergence/checks/registry.py).
 
 A check *describes*; the Runner (convergence/run/runner.py) *does*, the same way for every
-check. It may set itself on a pair as it runs (:meth:`Check.as_run`: the automatic anchors of a long
-pair). For a pair the check applies to, it says:
+check. It owns its pair keys (:attr:`Check.keys`: the anchored check's ``anchor_every``), kept
+raw on the pair (``PairSpec.check_keys``) and parsed by :meth:`Check.validate` at collection.
+For a pair the check applies to (:meth:`Check.applies`: the anchored check also by itself, on
+a long pair), it says:
 
 - what it refuses at collection (:meth:`Check.refuse`: a SpecError naming file, key, fix);
 - how it changes the regime's control jobs (:meth:`Check.control_jobs`: e.g. save anchors);
@@ -105,13 +107,18 @@ class Check(Protocol):
     for this pair (a resuming test: the replay cannot resume); then only :meth:`probe` can
     localise its failure."""
 
-    def as_run(self, pair: PairSpec) -> PairSpec:
-        """The pair as it runs (after the session's settings) with what this check sets by
-        itself (the anchored check's automatic spacing on a long pair); else ``pair``."""
+    keys: Mapping[str, str]
+    """The pair keys it owns (experiment files, the marker), each with its entry in the
+    documentation's key table; {} for none."""
+
+    def validate(self, pair: PairSpec, *, key: str, steps: int | None) -> None:
+        """Raise SpecError (file, key, fix) for a bad value of its keys on ``pair`` (called at
+        collection for every pair; ``key``: the test's key in the experiment file),
+        ``steps``: the session's --convergence-steps where the pair will run (else None)."""
         ...
 
     def applies(self, pair: PairSpec) -> bool:
-        """Whether the pair (as it runs: :meth:`as_run`) has this check."""
+        """Whether the pair (as it runs: after the session's settings) has this check."""
         ...
 
     def trajectory_until(self, pair: PairSpec) -> int | None:

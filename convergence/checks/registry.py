@@ -48,8 +48,13 @@ def checks_of(pair: PairSpec) -> tuple[Check, ...]:
     return tuple(check for check in all_checks() if check.applies(pair))
 
 
-def as_run(pair: PairSpec) -> PairSpec:
-    """``pair`` as it runs: each check's automatic settings applied, in the checks' order."""
+def pair_keys() -> tuple[str, ...]:
+    """The pair keys the checks own (what experiment files and the marker may set beside the
+    spec's own keys: convergence.spec.experiment.load_experiment's ``checks_keys``)."""
+    return tuple(key for check in all_checks() for key in check.keys)
+
+
+def validate_keys(pair: PairSpec, *, key: str, steps: int | None = None) -> None:
+    """Each check's :meth:`~convergence.checks.base.Check.validate` on ``pair``."""
     for check in all_checks():
-        pair = check.as_run(pair)
-    return pair
+        check.validate(pair, key=key, steps=steps)

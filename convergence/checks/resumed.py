@@ -35,8 +35,10 @@ class ResumedCheck:
     name = RESUMED
     replay_probe = False  # the replay from step 1 cannot resume
 
-    def as_run(self, pair: PairSpec) -> PairSpec:
-        return pair
+    keys: Mapping[str, str] = {}  # its key is the test side's ``resume`` (spec/resume.py)
+
+    def validate(self, pair: PairSpec, *, key: str, steps: int | None) -> None:
+        return None
 
     def applies(self, pair: PairSpec) -> bool:
         return pair.test.resume is not None

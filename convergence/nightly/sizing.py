@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from convergence.backends import get_backend
+from convergence.checks import pair_keys
 from convergence.preflight import REGIMES
 from convergence.regimes import get_regime
 from convergence.spec.errors import SpecError
@@ -46,7 +47,9 @@ def largest_job(
     best: LargestJob | None = None
     for file in _experiment_files(paths):
         try:
-            experiment = load_experiment(file, rootdir=rootdir, regimes=REGIMES)
+            experiment = load_experiment(
+                file, rootdir=rootdir, regimes=REGIMES, checks_keys=pair_keys()
+            )
         except SpecError:
             continue  # pytest reports it at collection
         for pair in experiment.pairs:

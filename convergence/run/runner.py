@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.calibration.select import select_calibration
-from convergence.checks import Check, ExtraJob, Ran, SideRun, as_run, checks_of
+from convergence.checks import Check, ExtraJob, Ran, SideRun, checks_of
 from convergence.checks.base import first_divergent_step
 from convergence.launch.fork_servers import ForkServers
 from convergence.launch.types import Launcher, Progress
@@ -130,7 +130,7 @@ class Runner:
         started = time.monotonic()
         # The session's settings, then what the checks set by themselves on the steps that
         # run (the automatic anchored check of a long pair).
-        pair = as_run(apply_settings(pair, self.settings))
+        pair = apply_settings(pair, self.settings)
         pair_dir = self.settings.work_dir / "runs" / slug(pair.pair_id)
         checks = checks_of(pair)
         control: SideOutcome | None = None

@@ -18,13 +18,12 @@ import itertools
 import json
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast, get_args
 
 from convergence.configs import shipped_configs
-from convergence.spec.anchors import parse_anchor_every
 from convergence.spec.errors import SpecError
 from convergence.spec.job import HookMode, JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
@@ -65,7 +64,6 @@ PAIR_KEYS = (
     "tier",
     "probe_on_failure",
     "probe",
-    "anchor_every",
 )
 #: Values of the pair key ``probe``: when the numerics probe runs on both sides.
 PROBE_MODES = ("on_failure", "always", "off")
@@ -111,18 +109,23 @@ def declares_experiment(path: Path) -> bool:
     return _DECLARES.search(text) is not None
 
 
-def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Experiment:
+def load_experiment(
+    path: Path, *, rootdir: Path, regimes: RegimeTable, checks_keys: Sequence[str] = ()
+) -> Experiment:
     """Parse an experiment file (keys, types, values). Raises SpecError naming file, key and
     fix. The checks that need backends or devices are convergence.preflight's:
     ``preflight.load_checked`` is this plus them, what a caller about to run pairs wants.
-    ``regimes``: the registered regimes (convergence.regimes.REGISTRY)."""
+    ``regimes``: the registered regimes (convergence.regimes.REGISTRY). ``checks_keys``: the
+    pair keys the checks own (convergence.checks.pair_keys(): ``anchor_every``, ...), kept
+    raw on each pair (``PairSpec.check_keys``) for their check to parse; any other key is
+    unknown here."""
     file = str(path)
     data = read_toml(path)
     check_keys(data, TOP_KEYS, file=file, path="")
     meta = expect_table(data.get("experiment", {}), file=file, key="experiment")
     check_keys(meta, EXPERIMENT_KEYS, file=file, path="experiment")
     defaults = expect_table(data.get("defaults", {}), file=file, key="defaults")
-    check_keys(defaults, DEFAULTS_KEYS, file=file, path="defaults")
+    check_keys(defaults, (*DEFAULTS_KEYS, *checks_keys), file=file, path="defaults")
     if "tier" in meta:
         defaults.setdefault("tier", meta["tier"])
     if "control" not in data:
@@ -135,7 +138,7 @@ def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Exper
         )
     control = expect_table(data["control"], file=file, key="control")
     check_keys(control, JOB_KEYS, file=file, path="control")
-    tests = _tests(data, file)
+    tests = _tests(data, file, checks_keys=tuple(checks_keys))
     if not tests:
         raise SpecError(
             "no [[test]] or [[sweep]] entries",
@@ -166,6 +169,7 @@ def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Exper
                 rootdir=rootdir,
                 key=key,
                 regimes=regimes,
+                checks_keys=checks_keys,
             )
         )
         keys.append(key)
@@ -177,7 +181,9 @@ def load_experiment(path: Path, *, rootdir: Path, regimes: RegimeTable) -> Exper
     )
 
 
-def _tests(data: Mapping[str, Any], file: str) -> list[tuple[str, dict[str, Any]]]:
+def _tests(
+    data: Mapping[str, Any], file: str, *, checks_keys: tuple[str, ...]
+) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
     raw_tests = expect(
         data.get("test", []), list, file=file, key="test", what="an array of tables ([[test]])"
@@ -185,7 +191,7 @@ def _tests(data: Mapping[str, Any], file: str) -> list[tuple[str, dict[str, Any]
     for i, raw in enumerate(raw_tests):
         key = f"test[{i}]"
         test = expect_table(raw, file=file, key=key)
-        check_keys(test, TEST_KEYS, file=file, path=key)
+        check_keys(test, (*TEST_KEYS, *checks_keys), file=file, path=key)
         require_key(
             test,
             "name",
@@ -200,14 +206,21 @@ def _tests(data: Mapping[str, Any], file: str) -> list[tuple[str, dict[str, Any]
     )
     for i, raw in enumerate(raw_sweeps):
         out.extend(
-            _expand_sweep(expect_table(raw, file=file, key=f"sweep[{i}]"), f"sweep[{i}]", file)
+            _expand_sweep(
+                expect_table(raw, file=file, key=f"sweep[{i}]"),
+                f"sweep[{i}]",
+                file,
+                checks_keys=checks_keys,
+            )
         )
     return out
 
 
-def _expand_sweep(sweep: dict[str, Any], key: str, file: str) -> list[tuple[str, dict[str, Any]]]:
+def _expand_sweep(
+    sweep: dict[str, Any], key: str, file: str, *, checks_keys: tuple[str, ...]
+) -> list[tuple[str, dict[str, Any]]]:
     """A grid over parallelism/technique keys; the name is a template like ``tp{tp}-pp{pp}``."""
-    check_keys(sweep, SWEEP_KEYS, file=file, path=key)
+    check_keys(sweep, (*SWEEP_KEYS, *checks_keys), file=file, path=key)
     grid = expect_table(sweep.get("grid", {}), file=file, key=f"{key}.grid")
     if not grid:
         raise SpecError(
@@ -252,6 +265,16 @@ def _expand_sweep(sweep: dict[str, Any], key: str, file: str) -> list[tuple[str,
             ) from None
         out.append((f"{key}[{test['name']}]", test))
     return out
+
+
+def _frozen(value: Any) -> Any:
+    """A TOML value as a hashable one (a pair is a frozen, hashable value): lists become
+    tuples, tables tuples of (key, value)."""
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in value.items())
+    return value
 
 
 def _merge(defaults: Mapping[str, Any], side: Mapping[str, Any]) -> dict[str, Any]:
@@ -582,6 +605,7 @@ def make_pair(
     rootdir: Path,
     key: str = "test",
     regimes: RegimeTable,
+    checks_keys: Sequence[str] = (),
 ) -> PairSpec:
     """Build a PairSpec from experiment-file tables (or ready JobSpecs): the Python API.
     Parsed, not preflighted: see convergence.preflight (``make_checked_pair``).
@@ -592,9 +616,10 @@ def make_pair(
     test_table = dict(test) if isinstance(test, Mapping) else {}
     if compare:
         test_table["compare"] = {**test_table.get("compare", {}), **compare}
+    owned = (*PAIR_KEYS, *checks_keys)
     pair_conf = _merge(
-        {k: v for k, v in defaults.items() if k in PAIR_KEYS},
-        {k: v for k, v in test_table.items() if k in PAIR_KEYS},
+        {k: v for k, v in defaults.items() if k in owned},
+        {k: v for k, v in test_table.items() if k in owned},
     )
     job_defaults = {k: v for k, v in defaults.items() if k in JOB_KEYS}
     if isinstance(control, JobSpec):
@@ -642,14 +667,7 @@ def make_pair(
         probe_on_failure=bool(pair_conf.get("probe_on_failure", True)) and probe != "off",
         probe_always=probe == "always",
         golden=pair_conf.get("golden"),
-        anchor_every=parse_anchor_every(
-            pair_conf.get("anchor_every"),
-            test_job,
-            golden=pair_conf.get("golden"),
-            file=file,
-            key=key,
-        ),
-        anchor_auto="anchor_every" not in pair_conf,
+        check_keys=tuple((k, _frozen(pair_conf[k])) for k in checks_keys if k in pair_conf),
     )
     return pair
 

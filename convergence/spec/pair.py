@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
@@ -118,14 +118,12 @@ class PairSpec:
     ``probe = "always"``): the per-module table lands in the report."""
     golden: str | None = None
     """Optional golden curve file to compare the test against instead of a control run."""
-    anchor_every: int = 0
-    """Anchored check (experiment key ``anchor_every = N``; 0 = off): the control saves its
-    state every N steps and the test layout trains one step from each of those states, each
-    compared with the control's next step at the one-step tolerance (convergence/checks/anchored.py)."""
-    anchor_auto: bool = False
-    """The experiment left ``anchor_every`` out: the anchored check is chosen from the run's
-    steps (convergence.spec.anchors.auto_anchor_every) where both sides' trainer can take it,
-    at preflight, and again after the session's --convergence-steps."""
+    check_keys: tuple[tuple[str, Any], ...] = ()
+    """The pair keys a check owns (convergence/checks: ``Check.keys``, e.g. the anchored
+    check's ``anchor_every``), as the experiment wrote them; a key the experiment left out is
+    absent (the check decides what that means: automatic anchors on a long pair). Kept raw
+    here because spec/ sits below the checks: each check parses and refuses its own values at
+    collection (``Check.validate``), so adding a check adds no field, key list or parser here."""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     placement: str = ""
     """Where the pair's jobs run, as decided at collection (convergence.launch.placement:
@@ -134,6 +132,10 @@ class PairSpec:
     @property
     def name(self) -> str:
         return self.pair_id.split("::")[-1]
+
+    def check_key(self, name: str) -> Any:
+        """The value of a check's pair key, None where the experiment left it out."""
+        return dict(self.check_keys).get(name)
 
     def rule_for(self, metric: str) -> ComparisonRule | None:
         for rule in self.rules:

@@ -56,6 +56,7 @@ _TO_JSON: dict[str, Any] = {
     "test": lambda v: job_to_json(v),
     "rules": lambda v: [jsonable(asdict(r)) for r in v],
     "resume": lambda v: None if v is None else v.to_dict(),
+    "check_keys": lambda v: jsonable(dict(v)),
 }
 _FROM_JSON: dict[str, Any] = {
     "train_config": Path,
@@ -67,6 +68,7 @@ _FROM_JSON: dict[str, Any] = {
     "overrides": lambda v: _pairs(v),
     "backend_options": lambda v: _pairs(v),
     "extra": lambda v: _pairs(v),
+    "check_keys": lambda d: tuple((str(k), _hashable(v)) for k, v in d.items()),
     "steps": int,
     "seed": int,
     "replicates": int,
@@ -205,8 +207,17 @@ def _rule_from_json(data: Mapping[str, Any]) -> ComparisonRule:
 
 
 def pair_from_json(data: Mapping[str, Any]) -> PairSpec:
+    if "check_keys" not in data and data.get("anchor_auto") is False:
+        # Saved before the checks owned their keys: anchor_every was a field of the pair
+        # (anchor_auto False: as the experiment wrote it).
+        data = {**data, "check_keys": {"anchor_every": data.get("anchor_every", 0)}}
     pair: PairSpec = _spec_from_json(PairSpec, data)
     return pair
+
+
+def _hashable(value: Any) -> Any:
+    """A JSON value as the hashable one a pair holds (lists as tuples)."""
+    return tuple(map(_hashable, value)) if isinstance(value, list) else value
 
 
 def result_from_json(data: Mapping[str, Any] | None) -> JobResult | None:
