@@ -33,11 +33,18 @@ from experiments import write_experiment  # noqa: E402
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "ep2": {"dp_shard": 2, "ep": 2},
+    # TP without EP: what TP's own rounding does to the routing model (beside tp2-ep2).
+    "tp2": {"dp_shard": 2, "tp": 2},
     "tp2-ep2": {"dp_shard": 2, "tp": 2, "ep": 2},
     "pp2-ep2": {"dp_shard": 2, "pp": 2, "ep": 2},
     "fsdp4-ep2": {"dp_shard": 4, "ep": 2},
     "fsdp4-ep4": {"dp_shard": 4, "ep": 4},
+    "cp2-ep2": {"dp_shard": 2, "cp": 2, "ep": 2},
 }
+# What a layout needs on both sides of its pair: CP splits sequences, and the sequence-wise
+# balance loss needs whole ones (refused at collection: convergence/trainer/moe_rules.py), so a
+# CP pair runs without it -- the control too, or the two would train different objectives.
+NEEDS: dict[str, dict[str, Any]] = {"cp2-ep2": {"model.aux_loss_coeff": 0.0}}
 CONTROLS = {2: {"dp_shard": 2}, 4: {"dp_shard": 4}}
 
 
@@ -72,6 +79,13 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--out", type=Path, default=Path("moe_pairs.jsonl"))
     parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="work folder (default: a new temporary one); an earlier run's folder reuses "
+        "its cached control jobs, so more layouts of the same seeds cost only their tests",
+    )
+    parser.add_argument(
         "--noise",
         type=float,
         default=0.0,
@@ -92,12 +106,16 @@ def main() -> None:
             p for p in (hooks, os.environ.get("PYTHONPATH", "")) if p
         )
         sys.path.insert(0, hooks)
-    work = Path(tempfile.mkdtemp(prefix="moe_pairs_"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="moe_pairs_"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"work folder (--work to reuse its cached controls): {work}", flush=True)
     runner = Runner(RunSettings(work_dir=work / "work", idle_limit_s=600, wall_limit_s=3600))
     techniques = {"param_dtype": "bfloat16"} if args.precision == "bf16" else {}
     rows = []
-    for seed in args.seeds:
-        for name in args.tests:
+    # Layout-major: cut short, the file holds every seed of the first layouts rather than the
+    # first seeds of all (a control job is cached, so layouts sharing one pay for it once).
+    for name in args.tests:
+        for seed in args.seeds:
             test = LAYOUTS[name]
             control = CONTROLS[test["dp_shard"]]
             path = write_experiment(
@@ -108,6 +126,7 @@ def main() -> None:
                     "steps": args.steps,
                     "seed": seed,
                     "probe": "off",
+                    **({"overrides": NEEDS[name]} if name in NEEDS else {}),
                 },
                 control={
                     "name": f"fsdp{control['dp_shard']}",

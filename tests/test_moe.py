@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from docs_blocks import write_project
 from torch import nn
 
 from convergence.configs import shipped_config
@@ -202,6 +203,15 @@ def test_the_shipped_moe_experiment_loads() -> None:
     ep2 = pairs["fsdp2-ep2"]
     assert ep2.test.world_size == ep2.control.world_size == 2  # EP adds no ranks
     assert all(p.test.layout.ep == 2 and p.regime == "paired" for p in exp.pairs)
+
+
+def test_the_docs_first_moe_pair_loads_outside_this_repository(tmp_path: Path) -> None:
+    # docs/moe.md's first block is a whole experiment file a new user copies into their own
+    # repository: it must name its train config (a shipped one) and load there as it is.
+    (path,) = write_project(ROOT / "docs" / "moe.md", tmp_path)
+    (pair,) = load_checked(path, rootdir=tmp_path).pairs
+    assert pair.test.layout.ep == 2 and pair.control.layout.ep == 1
+    assert pair.test.world_size == pair.control.world_size == 2 and pair.regime == "paired"
 
 
 # ----------------------------------------------------------------------------------------------
