@@ -9,7 +9,8 @@
   group once more (tests/fixtures/hooks/planted_titan_moe_bugs.py): fails on the per-part
   grad norm at step 1, the experts' parts exactly ep = 2 times the control's, the router's not.
 
-The control is shared by both pairs (run cache): 3 jobs of 2 ranks, 4 steps each.
+The control is shared by both pairs (run cache): 3 jobs of 2 ranks, 1 step each (the shipped
+file's: past step 1 a legitimate routing flip can part the layouts, experiments/torchtitan/moe.toml).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def test_torchtitan_ep_pair_passes_and_a_planted_ep_bug_fails(
     )
     out = result.stdout.str()
     result.assert_outcomes(passed=1, failed=1)
-    assert len(lines) >= 3 * 4, lines  # torchtitan's own lines: 4 steps of each of 3 jobs
+    assert len(lines) >= 3, lines  # torchtitan's own lines: the step of each of 3 jobs
     outcomes = {
         o["pair"]["test"]["name"]: o
         for o in (json.loads(p.read_text()) for p in work.glob("sessions/*/*.outcome.json"))
