@@ -31,6 +31,7 @@ if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan
 from convergence.backends.torchtitan.anchors import MANIFEST
 from convergence.backends.torchtitan.backend import TorchtitanBackend
 from convergence.backends.torchtitan.launch import split_argv
+from convergence.checks import pair_keys
 from convergence.checks.anchored import AnchoredCheck, anchored_job
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.metrics.jsonl import read_jsonl
@@ -79,7 +80,8 @@ def test_the_anchor_keys_become_torchtitans_options(tmp_path: Path) -> None:
         tmp_path / "experiments" / "tt_anchors.toml",
         experiment([{"name": "tp2", "parallelism": {**SINGLE, "tp": 2}}]),
     )
-    pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
+    loaded = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY, checks_keys=pair_keys())
+    pair = loaded.pairs[0]
     check_pair(pair)  # collection accepts a torchtitan pair with anchor_every
     backend = TorchtitanBackend()
     control = AnchoredCheck().control_jobs(pair, [pair.control])[0]
@@ -116,7 +118,8 @@ def test_another_dp_degree_is_a_collection_error(tmp_path: Path) -> None:
         tmp_path / "experiments" / "tt_anchors.toml",
         experiment([{"name": "fsdp2", "parallelism": {"dp_shard": 2}}]),
     )
-    pair = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY).pairs[0]
+    loaded = load_experiment(path, rootdir=tmp_path, regimes=REGISTRY, checks_keys=pair_keys())
+    pair = loaded.pairs[0]
     with pytest.raises(SpecError) as info:
         check_pair(pair, key="test[0]")
     assert info.value.key == "test[0].anchor_every"
