@@ -92,7 +92,7 @@ def test_a_closed_session_leaves_no_fork_server(tmp_path: Path) -> None:
 def test_a_warm_start_that_fails_falls_back_to_torchrun_and_says_why(tmp_path: Path) -> None:
     # A "python" that exits at once: the fork server never says it is ready.
     launcher = LocalLauncher(start="warm")
-    launcher.warm = WarmStart(python="/bin/true", env=launcher.job_env, servers=ForkServers())
+    launcher.warm = WarmStart(python="/bin/true", servers=ForkServers())
     req = make_request(tmp_path, "ok", name="fallback", steps=2)
     result = launcher.launch(req)
     assert result.status == "ok", result

@@ -47,10 +47,14 @@ class StartStrategy(Protocol):
     name: str
     """``warm`` or ``torchrun``: the progress line and the launcher's log say it."""
 
-    def start(self, request: LaunchRequest, log: BinaryIO) -> JobProcess:
+    def start(
+        self, request: LaunchRequest, log: BinaryIO, *, argv: list[str], env: dict[str, str]
+    ) -> JobProcess:
         """Start ``request``'s processes; ``log`` is its fresh ``launcher.log``, where the
-        strategy writes what it starts (first line: ``# argv: [...]``). Raises
-        :class:`StartFailed` when it cannot."""
+        strategy writes what it starts (first line: ``# argv: [...]``). ``argv`` (the
+        torchrun command) and ``env`` are the launcher's, worked out before the start (a
+        subclass -- the Slurm launcher -- changes them), so a strategy never calls back into
+        the launcher that called it. Raises :class:`StartFailed` when it cannot."""
         ...
 
     def reaped_returncode(self, proc: JobProcess, killed: int | None) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from collections.abc import Callable
 from typing import BinaryIO
 
 from convergence.launch.start import JobProcess
@@ -20,17 +19,9 @@ class TorchrunStart:
 
     name = "torchrun"
 
-    def __init__(
-        self,
-        *,
-        argv: Callable[[LaunchRequest], list[str]],
-        env: Callable[[LaunchRequest], dict[str, str]],
-    ) -> None:
-        self._argv = argv
-        self._env = env
-
-    def start(self, request: LaunchRequest, log: BinaryIO) -> JobProcess:
-        argv = self._argv(request)
+    def start(
+        self, request: LaunchRequest, log: BinaryIO, *, argv: list[str], env: dict[str, str]
+    ) -> JobProcess:
         log.write(f"# argv: {argv!r}\n".encode())
         log.flush()
         # Its own session: the launcher ends the whole tree by PID (launch/process_tree.py);
@@ -40,7 +31,7 @@ class TorchrunStart:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self._env(request),
+            env=env,
             cwd=request.cwd,
             start_new_session=True,
             preexec_fn=child_dies_with_us(signal.SIGTERM),

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import BinaryIO
 
 from convergence.launch.fork_servers import ForkServers
@@ -26,24 +24,23 @@ class WarmStart:
         self,
         *,
         python: str,
-        env: Callable[[LaunchRequest], dict[str, str]],
         servers: ForkServers,
     ) -> None:
         self.python = python
-        self._env = env
         self.servers = servers
 
-    def server(self, request: LaunchRequest) -> ForkServer:
-        """The server for ``request``'s import environment (started now if there is none)."""
-        env = self._env(request)
+    def server(self, request: LaunchRequest, env: dict[str, str]) -> ForkServer:
+        """The server for ``request``'s import environment ``env`` (started now if there is
+        none)."""
         return self.servers.server_for(self.python, env, str(request.cwd or os.getcwd()))
 
-    def start(self, request: LaunchRequest, log: BinaryIO) -> JobProcess:
+    def start(
+        self, request: LaunchRequest, log: BinaryIO, *, argv: list[str], env: dict[str, str]
+    ) -> JobProcess:
         what = "1 process" if request.direct else f"{request.nproc} ranks"
         log.write(f"# argv: {[self.python, *request.entry]!r}\n".encode())
         log.write(f"# warm start: {what} forked (launch/forkserver.py)\n".encode())
         log.flush()  # the agent appends to the same file from now on
-        env = self._env(request)
         spec = WarmJobSpec(
             name=request.name,
             entry=list(request.entry),
@@ -57,7 +54,7 @@ class WarmStart:
             direct=request.direct,
         )
         try:
-            return self.server(request).start_job(spec)
+            return self.server(request, env).start_job(spec)
         except ForkServerError as exc:
             raise StartFailed(str(exc)) from exc
 
@@ -67,11 +64,10 @@ class WarmStart:
             killed = proc.wait_reported(2.0)
         return killed if killed is not None else -9
 
-    def warm_up(self, request: LaunchRequest | None = None) -> tuple[float, float]:
-        """Start the fork server now (a session's first warm job would); returns its start's
-        wall and CPU seconds (0, 0 when one was already running)."""
-        probe = request or LaunchRequest(name="warm-up", entry=["-m", "x"], nproc=1, log_dir=Path())
+    def warm_up(self, request: LaunchRequest, env: dict[str, str]) -> tuple[float, float]:
+        """Start the fork server for ``request`` (environment ``env``) now, as its first warm
+        job would; returns its start's wall and CPU seconds (0, 0 when one was running)."""
         before = time.monotonic()
-        server = self.server(probe)
+        server = self.server(request, env)
         fresh = time.monotonic() - before > 0.05
         return (server.start_wall_s, server.start_cpu_s) if fresh else (0.0, 0.0)

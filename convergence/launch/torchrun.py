@@ -200,8 +200,8 @@ class LocalLauncher:
         self.fork_servers = fork_servers if fork_servers is not None else shared_fork_servers()
         """Where warm starts fork from: the session's (it closes them at its end), else the
         process's shared set (launch/fork_servers.py)."""
-        self.torchrun = TorchrunStart(argv=self.build_argv, env=self.job_env)
-        self.warm = WarmStart(python=python, env=self.job_env, servers=self.fork_servers)
+        self.torchrun = TorchrunStart()
+        self.warm = WarmStart(python=python, servers=self.fork_servers)
         self.poll_interval_s = poll_interval_s
         self.track_interval_s = track_interval_s
         """How often the descendant list is refreshed (a /proc scan: the supervisor's main CPU
@@ -290,15 +290,16 @@ class LocalLauncher:
         """Start the job with its strategy; a warm start that fails (the fork server did not
         start or answer) falls back to torchrun, its reason kept in the job's launcher.log."""
         strategy = self.strategy(request)
+        argv, env = self.build_argv(request), self.job_env(request)
         try:
             with open(request.log_dir / LAUNCHER_LOG, "wb") as log:
-                return strategy, strategy.start(request, log)
+                return strategy, strategy.start(request, log, argv=argv, env=env)
         except StartFailed as exc:
             if strategy is self.torchrun:
                 raise
             note_in_launcher_log(request.log_dir, f"{exc}; starting with torchrun instead")
         with open(request.log_dir / LAUNCHER_LOG, "ab") as log:  # after the note
-            return self.torchrun, self.torchrun.start(request, log)
+            return self.torchrun, self.torchrun.start(request, log, argv=argv, env=env)
 
     def name_hung_rank(
         self, verdict: Verdict, tracker: DescendantTracker, request: LaunchRequest
@@ -322,7 +323,8 @@ class LocalLauncher:
     def warm_up(self, request: LaunchRequest | None = None) -> tuple[float, float]:
         """Start the fork server now (a session's first warm job would); returns its start's
         wall and CPU seconds (0, 0 when one was already running)."""
-        return self.warm.warm_up(request)
+        probe = request or LaunchRequest(name="warm-up", entry=["-m", "x"], nproc=1, log_dir=Path())
+        return self.warm.warm_up(probe, self.job_env(probe))
 
     def close(self) -> None:
         """End the fork servers this launcher's warm starts use (the session's, or the shared
