@@ -267,13 +267,13 @@ def _expand_sweep(
     return out
 
 
-def _frozen(value: Any) -> Any:
+def frozen_value(value: Any) -> Any:
     """A TOML value as a hashable one (a pair is a frozen, hashable value): lists become
     tuples, tables tuples of (key, value)."""
     if isinstance(value, list):
-        return tuple(_frozen(v) for v in value)
+        return tuple(frozen_value(v) for v in value)
     if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in value.items())
+        return tuple((k, frozen_value(v)) for k, v in value.items())
     return value
 
 
@@ -667,7 +667,7 @@ def make_pair(
         probe_on_failure=bool(pair_conf.get("probe_on_failure", True)) and probe != "off",
         probe_always=probe == "always",
         golden=pair_conf.get("golden"),
-        check_keys=tuple((k, _frozen(pair_conf[k])) for k in checks_keys if k in pair_conf),
+        check_keys=tuple((k, frozen_value(pair_conf[k])) for k in checks_keys if k in pair_conf),
     )
     return pair
 

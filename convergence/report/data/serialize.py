@@ -18,6 +18,7 @@ from convergence.launch.types import FailureInfo, JobResult
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.report.data.jsonable import jsonable, read_float, read_opt_float
 from convergence.run.outcome import PairOutcome, SideOutcome
+from convergence.spec.experiment import frozen_value
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pair import ComparisonRule, PairSpec
@@ -68,7 +69,7 @@ _FROM_JSON: dict[str, Any] = {
     "overrides": lambda v: _pairs(v),
     "backend_options": lambda v: _pairs(v),
     "extra": lambda v: _pairs(v),
-    "check_keys": lambda d: tuple((str(k), _hashable(v)) for k, v in d.items()),
+    "check_keys": lambda d: tuple((str(k), frozen_value(v)) for k, v in d.items()),
     "steps": int,
     "seed": int,
     "replicates": int,
@@ -213,11 +214,6 @@ def pair_from_json(data: Mapping[str, Any]) -> PairSpec:
         data = {**data, "check_keys": {"anchor_every": data.get("anchor_every", 0)}}
     pair: PairSpec = _spec_from_json(PairSpec, data)
     return pair
-
-
-def _hashable(value: Any) -> Any:
-    """A JSON value as the hashable one a pair holds (lists as tuples)."""
-    return tuple(map(_hashable, value)) if isinstance(value, list) else value
 
 
 def result_from_json(data: Mapping[str, Any] | None) -> JobResult | None:
