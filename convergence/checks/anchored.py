@@ -25,7 +25,7 @@ from convergence.backends.base import Backend
 from convergence.backends.registry import get_backend
 from convergence.checks.base import ExtraJob, ProbeRequest, Ran, SideRun
 from convergence.metrics.curve import RunMetrics
-from convergence.metrics.jsonl import read_part_norms
+from convergence.metrics.jsonl import PART_NORM_PREFIX, ROUTING_PREFIX, read_prefixed
 from convergence.spec.errors import NotRunnableHere, RunFailed, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.pair import PairSpec
@@ -257,14 +257,15 @@ def anchored_job(test: JobSpec, folder: Path) -> JobSpec:
 
 
 def with_part_norms(side: SideRun) -> RunMetrics:
-    """The side's metrics with its per-part grad norms (``grad_norm/<part>``) beside them,
-    read from its JSONL log where the trainer wrote them (stats/anchored.py judges each
-    part); a side without them, as it is."""
+    """The side's metrics with its per-part grad norms (``grad_norm/<part>``) and, for a
+    mixture-of-experts model, its routing counts (``moe_tokens/...``) beside them, read from
+    its JSONL log where the trainer wrote them (stats/anchored.py judges each part and tells
+    a routing flip); a side without them, as it is."""
     if side.run_dir is None:
         return side.metrics
     path = side.metrics_path or RunDir(side.run_dir).dump.metrics
-    parts = read_part_norms(path)
-    return {**side.metrics, **parts} if parts else side.metrics
+    extra = read_prefixed(path, PART_NORM_PREFIX, ROUTING_PREFIX)
+    return {**side.metrics, **extra} if extra else side.metrics
 
 
 def anchored_failure(verdicts: Sequence[MetricVerdict]) -> int | None:

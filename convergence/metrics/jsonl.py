@@ -49,12 +49,24 @@ def read_jsonl(path: Path, key_map: Mapping[str, str] | None = None) -> RunMetri
 #: backend's step log) writes beside ``grad_norm_parts``: ``grad_norm/attention.wq``, ...
 PART_NORM_PREFIX = "grad_norm/"
 
+#: The key prefix of a mixture-of-experts step's routing counts (the built-in trainer's
+#: ``moe_tokens/<layer>.<expert>``: token assignments per expert per layer of the global batch;
+#: convergence/trainer/moe.py), which the anchored check reads to tell a routing flip
+#: (convergence/stats/routing_flips.py).
+ROUTING_PREFIX = "moe_tokens/"
+
 
 def read_part_norms(path: Path) -> RunMetrics:
     """The per-part grad norm curves of a JSONL file (``grad_norm/<part>`` -> its Curve), for
     the anchored check, which judges each part (convergence/stats/anchored.py); none when the
     file has none or does not exist. Not part of :func:`read_jsonl`'s metrics: no rule
     compares a part on its own over a whole run."""
+    return read_prefixed(path, PART_NORM_PREFIX)
+
+
+def read_prefixed(path: Path, *prefixes: str) -> RunMetrics:
+    """The curves of a JSONL file whose keys start with one of ``prefixes`` (key -> its
+    Curve); none when the file has none or does not exist."""
     path = Path(path)
     if not path.is_file():
         return {}
@@ -65,7 +77,7 @@ def read_part_norms(path: Path) -> RunMetrics:
             continue
         for key, raw in record.items():
             value = _number(raw)
-            if key.startswith(PART_NORM_PREFIX) and value is not None:
+            if key.startswith(prefixes) and value is not None:
                 pairs.setdefault(key, []).append((step, value))
     return {key: Curve.from_pairs(key, values) for key, values in pairs.items()}
 

@@ -14,7 +14,8 @@ One verdict, ``anchored``, over every gating metric and anchor: it fails at the 
 where some metric leaves its one-step tolerance and names that anchor ("from the control's
 state at step 300 the test layout differs after one step: ..."). Twin rules also fail on a
 *persistent* smaller excess: the same metric outside half the envelope at two consecutive
-anchors (see PERSISTENT_FRACTION); the message then names the first anchor of that run. In
+anchors (see PERSISTENT_FRACTION), except at the anchors of a routing flip that the twins
+share (convergence/stats/routing_flips.py); the message then names the first anchor of that run. In
 the twin regime each part's grad norm (``grad_norm/<part>``) is judged too, against the same
 part of the anchored twins (see PART_K_FACTOR): a bug that moves one part hides in the mean
 over parts.
@@ -35,6 +36,7 @@ from convergence.spec.pair import ComparisonRule, Method
 from convergence.stats._common import Ints, align
 from convergence.stats.fingerprint import METRIC as FINGERPRINT
 from convergence.stats.registry import get_comparison
+from convergence.stats.routing_flips import flip_steps
 from convergence.stats.twin_envelope import ONE_STEP_K, AnchoredTwinTolerance
 from convergence.stats.types import MetricVerdict, Tolerance
 
@@ -120,6 +122,8 @@ class _Judged:
     """What the anchored verdict collects, metric by metric (the rules', then the parts')."""
 
     every: int
+    flips: frozenset[int] = frozenset()
+    """The flip anchors' steps (stats/routing_flips.py): no persistence rule there."""
     misses: list[_Miss] = dataclasses.field(default_factory=list)
     ratios: dict[str, float] = dataclasses.field(default_factory=dict)
     steps_seen: set[int] = dataclasses.field(default_factory=set)
@@ -154,7 +158,8 @@ class _Judged:
         if isinstance(tol, AnchoredTwinTolerance) and not name.startswith(PART_NORM_PREFIX):
             low = dataclasses.replace(tol, k=tol.k * PERSISTENT_FRACTION)
             low_limit = low.at(np.ones_like(pairs.steps), pairs.control)
-            for run in persistent_runs(pairs.steps, ~(diff <= low_limit), self.every):
+            above = ~(diff <= low_limit) & ~np.isin(pairs.steps, list(self.flips))
+            for run in persistent_runs(pairs.steps, above, self.every):
                 self.misses.extend(
                     _Miss(
                         step=int(pairs.steps[i]),
@@ -215,10 +220,13 @@ def anchored_verdict(
     (the regime's twins, one step from each anchor) size the one-step envelope; without them
     the twins' curves after the control do (their envelope at step 1). Where the runs hold
     per-part grad norms (``grad_norm/<part>``: convergence.metrics.jsonl.read_part_norms)
-    and ``grad_norm_parts`` gates under the twin rule, each part is judged too."""
+    and ``grad_norm_parts`` gates under the twin rule, each part is judged too. Where they
+    hold a mixture-of-experts model's routing counts (``moe_tokens/...``), the anchors of a
+    routing flip the twins share get no persistence rule (stats/routing_flips.py)."""
     gating = [r for r in rules if r.gate]
     method: Method = next((r.method for r in gating if r.metric == "loss"), "paired")
-    judged = _Judged(every=every)
+    flips = flip_steps(control_runs[0], anchored, anchored_twins) if control_runs else set()
+    judged = _Judged(every=every, flips=frozenset(flips))
     for rule in gating:
         controls = [run[rule.metric] for run in control_runs if rule.metric in run]
         test = anchored.get(rule.metric)
@@ -245,6 +253,7 @@ def anchored_verdict(
         "anchors": sorted(s - 1 for s in steps_seen),
         "max_ratio_by_metric": ratios,
         "tolerances": judged.described,
+        "flip_anchors": sorted(s - 1 for s in flips & steps_seen),
     }
     if count == 0:
         return MetricVerdict(
@@ -268,7 +277,7 @@ def anchored_verdict(
             tolerance=tolerance,
             message=f"anchored: from each of {count} control states (every {every} steps) the "
             f"test layout matches the control after one step ({worst:.2g}x of the one-step "
-            "tolerance at worst)",
+            f"tolerance at worst){_flips_said(details)}",
             details={**details, "max_ratio": worst},
         )
     first_step = min(m.step for m in misses)
@@ -297,6 +306,17 @@ def anchored_verdict(
             "anchors_failing": anchors_failing,
             "max_ratio": max(ratios.values()),
         },
+    )
+
+
+def _flips_said(details: dict[str, object]) -> str:
+    flips = details["flip_anchors"]
+    assert isinstance(flips, list)
+    if not flips:
+        return ""
+    return (
+        f"; {len(flips)} anchors with routing flips the twins share, judged without the "
+        "persistence rule"
     )
 
 
