@@ -99,7 +99,19 @@ def main() -> None:
         help="step at which the test side decides its nearest top-k tie the other way "
         "(tests/fixtures/hooks/moe_flip.py): one legitimate routing flip",
     )
+    parser.add_argument(
+        "--hook",
+        default="",
+        help="a planted bug on the test side, e.g. detection_bugs.late_onset:"
+        "moe_router_grad_not_reduced_from_50 (benchmarks/detection/ on the jobs' path)",
+    )
     args = parser.parse_args()
+    if args.hook:
+        detection = str(HERE / "detection")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (detection, os.environ.get("PYTHONPATH", "")) if p
+        )
+        sys.path.insert(0, detection)
     if args.flip_at:
         hooks = str(HERE.parent / "tests" / "fixtures" / "hooks")
         os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -118,9 +130,13 @@ def main() -> None:
         for seed in args.seeds:
             test = LAYOUTS[name]
             control = CONTROLS[test["dp_shard"]]
+            # A planted bug is a test of its own name, so its pair folder and experiment file
+            # sit beside the correct layout's (sharing its cached controls).
+            planted = args.hook.rpartition(":")[2].replace("_", "-")
+            tname = f"{name}-{planted}" if planted else name
             path = write_experiment(
                 work,
-                file=f"moe_{seed}_{name}.toml",
+                file=f"moe_{seed}_{tname}.toml",
                 defaults={
                     "train_config": "moe_debug",
                     "steps": args.steps,
@@ -135,7 +151,7 @@ def main() -> None:
                 },
                 tests=[
                     {
-                        "name": name,
+                        "name": tname,
                         "parallelism": test,
                         "techniques": techniques,
                         **(
@@ -148,6 +164,7 @@ def main() -> None:
                             if args.flip_at
                             else {}
                         ),
+                        **({"hook": args.hook} if args.hook else {}),
                     }
                 ],
             )
@@ -161,6 +178,7 @@ def main() -> None:
             }
             line = {
                 "pair": name
+                + (f"+{args.hook.rpartition(':')[2]}" if args.hook else "")
                 + (f"+noise{args.noise:.2g}" if args.noise else "")
                 + (f"+flip@{args.flip_at}" if args.flip_at else ""),
                 "seed": seed,

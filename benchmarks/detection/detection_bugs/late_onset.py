@@ -1,5 +1,6 @@
-"""Bugs that start late: the CP-rope, row-wise all-reduce and data-loader bugs, switched on at
-step S of the test side (issue 41).
+"""Bugs that start late: the CP-rope, row-wise all-reduce and data-loader bugs, and two MoE
+bugs (the experts' 1/ep twice, the router's gradient not reduced), switched on at step S of
+the test side (issue 41; the MoE ones for the anchored check's flip anchors, issue 49).
 
 A bug that acts from step 1 is caught while the correct curves are still close; one that starts
 at step 300 of a 500-step run meets curves that have long since drifted apart by legitimate
@@ -29,6 +30,7 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 from convergence.trainer import data as trainer_data
 from convergence.trainer.hooks import HookContext
 from convergence.trainer.step_clock import current_step
+from detection_bugs import moe as moe_bugs
 from detection_bugs.tensor_parallel import parallelize_with_layer1_wo
 
 Hook = Callable[[nn.Module, HookContext], None]
@@ -90,7 +92,49 @@ def _every_dp_rank_reads_rank0_shard(start: int) -> Hook:
     return apply
 
 
+def _moe_experts_averaged_over_ep_too(start: int) -> Hook:
+    def apply(model: nn.Module, ctx: HookContext) -> None:
+        """The experts' gradient averaged over the EP group once more from step S
+        (moe.experts_averaged_over_ep_too): their grad_scale, which each forward reads, set
+        before each forward by the step."""
+        for layer in moe_bugs._moe_layers(model):
+            if layer.ep_group is None:
+                continue
+            right, wrong = (
+                layer.experts.grad_scale,
+                layer.experts.grad_scale / layer.ep_group.size(),
+            )
+
+            def before_forward(module: nn.Module, args: Any, right=right, wrong=wrong) -> None:
+                module.grad_scale = wrong if current_step() >= start else right
+
+            layer.experts.register_forward_pre_hook(before_forward)
+
+    return apply
+
+
+def _moe_router_grad_not_reduced(start: int) -> Hook:
+    def apply(model: nn.Module, ctx: HookContext) -> None:
+        """Each rank steps the router rows it holds with its own tokens' gradient from step S
+        (moe.router_grad_not_reduced); the shipped router before it."""
+        shipped = {
+            id(layer.router.gate): layer.router.gate.forward
+            for layer in moe_bugs._moe_layers(model)
+        }
+        moe_bugs.router_grad_not_reduced(model, ctx)
+        for layer in moe_bugs._moe_layers(model):
+            gate = layer.router.gate
+            buggy, right = gate.forward, shipped[id(gate)]
+            gate.forward = lambda x, buggy=buggy, right=right: (  # type: ignore[method-assign]
+                buggy(x) if current_step() >= start else right(x)
+            )
+
+    return apply
+
+
 _FACTORIES: dict[str, Callable[[int], Hook]] = {
+    "moe_experts_averaged_over_ep_too": _moe_experts_averaged_over_ep_too,
+    "moe_router_grad_not_reduced": _moe_router_grad_not_reduced,
     "cp_rope_without_offset": _cp_rope_without_offset,
     "rowwise_output_not_reduced": _rowwise_output_not_reduced,
     "every_dp_rank_reads_rank0_shard": _every_dp_rank_reads_rank0_shard,
