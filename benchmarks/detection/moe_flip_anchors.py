@@ -45,12 +45,24 @@ def _job(folder: Path, prefix: str, *, anchored: bool) -> Path:
     return found[0]
 
 
+def _control_folder(folder: Path) -> Path:
+    """The pair folder holding the control group's jobs: this one, or (a planted bug's pair,
+    whose controls the cache served) a sibling of the same seed (``moe_<seed>_...``)."""
+    seed = folder.name.split("_")[1]
+    for candidate in [folder, *sorted(folder.parent.glob(f"moe_{seed}_*"))]:
+        if any(d.name.startswith("control-") for d in candidate.iterdir()):
+            return candidate
+    raise SystemExit(f"{folder}: no control jobs in it or beside it")
+
+
 def rejudge(folder: Path) -> list[str]:
+    tests_here = [d.name for d in folder.iterdir()]
+    folder_of_tests, folder = folder, _control_folder(folder)
     names = [d.name for d in folder.iterdir()]
     control_prefix = next(n for n in names if n.startswith("control-fsdp") and "twin" not in n)
     control_prefix = control_prefix.rsplit("-", 1)[0] + "-"
     tests = sorted(
-        {n.rsplit("-", 1)[0] for n in names if n.startswith("test-") and "-anchored-" not in n}
+        {n.rsplit("-", 1)[0] for n in tests_here if n.startswith("test-") and "-anchored-" not in n}
     )
     control = _metrics(_job(folder, control_prefix, anchored=False))
     twins = [
@@ -64,7 +76,7 @@ def rejudge(folder: Path) -> list[str]:
     rules = [r for r in default_rules("twin") if r.gate]
     rows = []
     for test in tests:
-        anchored = _metrics(_job(folder, f"{test}-", anchored=True))
+        anchored = _metrics(_job(folder_of_tests, f"{test}-", anchored=True))
         steps = anchored["loss"].steps.tolist()
         every = int(steps[1] - steps[0])
         moved = tokens_moved(control, anchored)
@@ -83,7 +95,7 @@ def rejudge(folder: Path) -> list[str]:
             return "pass" if v.passed else f"FAIL at anchor {v.details['anchor_step']}"
 
         rows.append(
-            f"| {folder.name.split('.toml')[0]} | {test.removeprefix('test-')} "
+            f"| {folder_of_tests.name.split('.toml')[0]} | {test.removeprefix('test-')} "
             f"| {' '.join(str(moved.get(s, '-')) for s in steps)} "
             f"| {' '.join(str(max(t.get(s, 0) for t in twin_moved)) for s in steps)} "
             f"| {len(flips)}/{len(steps)} | {worst:.2f} | {said(before)} | {said(today)} |"
