@@ -57,7 +57,7 @@ def row(case: Case, outcome: PairOutcome, wall_s: float, config: Path) -> dict[s
         if v.gate and not v.passed and v.metric != "anchored" and v.first_divergent_step
     ]
     anchored = outcome.verdict("anchored")
-    side = outcome.anchored
+    side = next((x for x in outcome.extra_sides if x.job.name.endswith("-anchored")), None)
     return {
         "case": case.name,
         "kind": case.kind,

@@ -44,6 +44,7 @@ from catalogue import ALL, Case, late_onset
 from envelope_configs import CONFIGS as ENVELOPE_CONFIGS
 from pairs import build_pairs
 
+from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
 
 HERE = Path(__file__).resolve().parent
@@ -134,6 +135,12 @@ def runs_in(work: Path) -> dict[str, Path]:
     return {p.parents[1].name: p for p in sorted((work / "runs").glob("*/*/dump/metrics.jsonl"))}
 
 
+def anchored_wall_s(outcome: PairOutcome) -> float | None:
+    """The anchored test job's wall time (the anchored check's extra side), None without."""
+    side = next((x for x in outcome.extra_sides if x.job.name.endswith("-anchored")), None)
+    return None if side is None else round(side.wall_s, 1)
+
+
 def children_cpu_s() -> float:
     """CPU seconds of every process this one started: the reaped ones (rusage) and the live
     descendants with what they reaped -- the job tier's forkserver reaps the jobs itself."""
@@ -195,9 +202,7 @@ def collect_group(
                 "jobs": new,
                 # each side's own wall time (the job tier's): the split of the pair's cost
                 "test_wall_s": None if outcome.test is None else round(outcome.test.wall_s, 1),
-                "anchored_wall_s": None
-                if outcome.anchored is None
-                else round(outcome.anchored.wall_s, 1),
+                "anchored_wall_s": anchored_wall_s(outcome),
                 "failing": [v.metric for v in outcome.verdicts if v.gate and not v.passed],
             }
             print(
