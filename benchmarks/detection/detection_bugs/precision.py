@@ -72,3 +72,39 @@ def stale_scales(model: nn.Module, ctx: HookContext) -> None:
 
     # trainer/precision.py looks the function up in torchao.float8 after each step.
     torchao.float8.precompute_float8_dynamic_scale_for_fsdp = once
+
+
+def inverted_weight_scale(model: nn.Module, ctx: HookContext) -> None:
+    """A scale applied inverted (multiply for divide) on one side of a matmul: the float8
+    weight's scale is multiplied into the product instead of divided out of it (the weight
+    operand's ``scale`` passed where the kernel takes its inverse, ``1 / scale``), so every
+    matmul with the weight -- the forward and the input's gradient -- comes out scale^2 times
+    too large (scale = 448 / amax(weight)); the weight's gradient matmul (gradient and
+    input, no weight) stays right. The recipe's sign slip in
+    ``addmm_float8_unwrapped``'s ``scale_b=b_inverse_scale``."""
+    from torchao.float8 import float8_ops
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    def inverted(op: object) -> object:
+        def call(aten_op: object, args: tuple[object, ...], kwargs: object = None) -> object:
+            b = args[1]
+            if isinstance(b, Float8TrainingTensor) and b._gemm_input_role is GemmInputRole.WEIGHT:
+                # The kernel divides by the scale it is given: give it 1 / scale, and the
+                # weight's scale is multiplied in.
+                b = Float8TrainingTensor(
+                    b._data,
+                    b._scale.reciprocal(),
+                    b._orig_dtype,
+                    b._linear_mm_config,
+                    b._gemm_input_role,
+                    b._axiswise_dim,
+                )
+            return op(aten_op, (args[0], b, *args[2:]), kwargs)  # type: ignore[operator]
+
+        return call
+
+    table = float8_ops.FLOAT8_OPS_TABLE
+    # Float8TrainingTensor.__torch_dispatch__ looks each op up in this table at each call.
+    for op in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
+        if op in table:
+            table[op] = inverted(table[op])
