@@ -39,7 +39,12 @@ def grads_e4m3(model: nn.Module, ctx: HookContext) -> None:
     """Gradients cast to the forward format (e4m3: 4 exponent bits) instead of e5m2 (5): the
     gradient of each converted matmul's output keeps 3 mantissa bits but loses half its
     exponent range, so with one scale per tensor its small entries (relative to the amax)
-    flush to zero -- the recipe's typo of ``float8_dtype`` for the backward casts."""
+    flush to zero -- the recipe's typo of ``float8_dtype`` for the backward casts.
+
+    Harmless on the debug model (BENCHMARKS.md, "Precision techniques"): its gradients span
+    less than e4m3's range, so it flushes 2-5 in 10,000 of their entries and its extra mantissa bit
+    halves the weight gradients' error against e5m2's; it is planted for models whose
+    gradients span more than 2^17 within one tensor, where it loses them."""
     import dataclasses
 
     from torchao.float8.config import Float8LinearConfig
