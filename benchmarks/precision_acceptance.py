@@ -1,11 +1,12 @@
 """False alarms and power of the margin regime on the built-in trainer (docs/precision.md).
 
     python benchmarks/precision_acceptance.py [--seeds 42 142 242] [--steps 40]
+        [--bugs-only | --correct-only | --only NAME ...]
 
 One pytest session over one experiment per base seed: a bf16 FSDP2 control (2 ranks, the
 debug model) against each correct recipe -- float8 tensorwise, rowwise, float8 all-gather,
-MXFP8, all emulated on CPU -- and a planted bug (detection_bugs.precision:local_amax_scale:
-every float8 amax 4x too small, the largest values saturate). Defaults of the margin regime
+MXFP8, all emulated on CPU -- and the planted bugs of detection_bugs/precision.py (local
+amax, e4m3 gradients, stale all-gather scales, the weight's scale inverted). Defaults of the margin regime
 (K = 3 replicate pairs at seeds s, s+1, s+2; margin 2 control seed std's; alpha 0.05; 4
 windows). A correct recipe that fails is a false alarm; a bug that does not fail is a miss.
 Prints one JSON line per pair (and appends it to --out) and a table for BENCHMARKS.md.
@@ -43,6 +44,10 @@ BUGS = {
         {"float8": "tensorwise", "float8_all_gather": True},
         "detection_bugs.precision:stale_scales",
     ),
+    "float8-inverted-weight-scale": (
+        {"float8": "tensorwise"},
+        "detection_bugs.precision:inverted_weight_scale",
+    ),
 }
 
 
@@ -53,9 +58,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("precision_acceptance.jsonl"))
     parser.add_argument("--bugs-only", action="store_true", help="only the planted bugs")
     parser.add_argument("--correct-only", action="store_true", help="only the correct recipes")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="only these recipes and bugs (by name)"
+    )
     args = parser.parse_args()
     correct = {} if args.bugs_only else CORRECT
     bugs = {} if args.correct_only else BUGS
+    if args.only:
+        unknown = set(args.only) - set(CORRECT) - set(BUGS)
+        if unknown:
+            parser.error(f"unknown names {sorted(unknown)}: choose from {[*CORRECT, *BUGS]}")
+        correct = {n: t for n, t in correct.items() if n in args.only}
+        bugs = {n: b for n, b in bugs.items() if n in args.only}
     with tempfile.TemporaryDirectory(prefix="precision-acceptance-") as tmp:
         root = Path(tmp)
         for seed in args.seeds:

@@ -144,6 +144,36 @@ def test_the_linears_are_converted_but_the_lm_head(overrides: list[str], kind: s
     assert converted == {n for n in linears if n != "output"}
 
 
+@needs_torchao
+def test_the_inverted_scale_bug_multiplies_the_weights_matmuls_by_its_scale_squared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The planted bug does what its docstring says (benchmarks/detection), in process: the
+    forward of a float8 linear comes out scale^2 too large, scale = 448 / amax(weight)."""
+    import torch
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig, float8_ops
+    from torchao.float8.float8_linear import Float8Linear
+
+    monkeypatch.syspath_prepend(str(DETECTION))
+    from detection_bugs.precision import inverted_weight_scale
+
+    for op in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
+        monkeypatch.setitem(float8_ops.FLOAT8_OPS_TABLE, op, float8_ops.FLOAT8_OPS_TABLE[op])
+    torch.manual_seed(0)
+    linear = Float8Linear.from_float(
+        nn.Linear(32, 32, bias=False),
+        config=Float8LinearConfig(emulate=True),  # tensorwise: the default recipe
+    )
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        right = linear(x)
+        inverted_weight_scale(linear, None)
+        wrong = linear(x)
+    scale = torch.finfo(torch.float8_e4m3fn).max / linear.weight.abs().max()
+    assert torch.allclose(wrong, right * scale**2, rtol=1e-3, atol=0)
+
+
 # -- without torchao ------------------------------------------------------------------------
 
 

@@ -39,7 +39,12 @@ def grads_e4m3(model: nn.Module, ctx: HookContext) -> None:
     """Gradients cast to the forward format (e4m3: 4 exponent bits) instead of e5m2 (5): the
     gradient of each converted matmul's output keeps 3 mantissa bits but loses half its
     exponent range, so with one scale per tensor its small entries (relative to the amax)
-    flush to zero -- the recipe's typo of ``float8_dtype`` for the backward casts."""
+    flush to zero -- the recipe's typo of ``float8_dtype`` for the backward casts.
+
+    Harmless on the debug model (BENCHMARKS.md, "Precision techniques"): its gradients span
+    less than e4m3's range, so it flushes 2-5 in 10,000 of their entries and its extra mantissa bit
+    halves the weight gradients' error against e5m2's; it is planted for models whose
+    gradients span more than 2^17 within one tensor, where it loses them."""
     import dataclasses
 
     from torchao.float8.config import Float8LinearConfig
@@ -72,3 +77,39 @@ def stale_scales(model: nn.Module, ctx: HookContext) -> None:
 
     # trainer/precision.py looks the function up in torchao.float8 after each step.
     torchao.float8.precompute_float8_dynamic_scale_for_fsdp = once
+
+
+def inverted_weight_scale(model: nn.Module, ctx: HookContext) -> None:
+    """A scale applied inverted (multiply for divide) on one side of a matmul: the float8
+    weight's scale is multiplied into the product instead of divided out of it (the weight
+    operand's ``scale`` passed where the kernel takes its inverse, ``1 / scale``), so every
+    matmul with the weight -- the forward and the input's gradient -- comes out scale^2 times
+    too large (scale = 448 / amax(weight)); the weight's gradient matmul (gradient and
+    input, no weight) stays right. The recipe's sign slip in
+    ``addmm_float8_unwrapped``'s ``scale_b=b_inverse_scale``."""
+    from torchao.float8 import float8_ops
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    def inverted(op: object) -> object:
+        def call(aten_op: object, args: tuple[object, ...], kwargs: object = None) -> object:
+            b = args[1]
+            if isinstance(b, Float8TrainingTensor) and b._gemm_input_role is GemmInputRole.WEIGHT:
+                # The kernel divides by the scale it is given: give it 1 / scale, and the
+                # weight's scale is multiplied in.
+                b = Float8TrainingTensor(
+                    b._data,
+                    b._scale.reciprocal(),
+                    b._orig_dtype,
+                    b._linear_mm_config,
+                    b._gemm_input_role,
+                    b._axiswise_dim,
+                )
+            return op(aten_op, (args[0], b, *args[2:]), kwargs)  # type: ignore[operator]
+
+        return call
+
+    table = float8_ops.FLOAT8_OPS_TABLE
+    # Float8TrainingTensor.__torch_dispatch__ looks each op up in this table at each call.
+    for op in (torch.ops.aten.mm.default, torch.ops.aten.matmul.default):
+        if op in table:
+            table[op] = inverted(table[op])
