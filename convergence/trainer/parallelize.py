@@ -208,17 +208,23 @@ def _single_sync_block_plan(sequence_parallel: bool) -> dict[str, object]:
     return block
 
 
+def shard_dim0(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """Every parameter of ``module`` (and its submodules) sharded on dim 0 over the mesh."""
+
+    def partition(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(submodule.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, mesh, [Shard(0)])
+            submodule.register_parameter(pname, nn.Parameter(sharded))
+
+    return distribute_module(module, device_mesh, partition)
+
+
 class BlockDiagonalParallel(ParallelStyle):
     """Every parameter of a "parallel" block sharded on dim 0, i.e. into whole slices (groups):
     each TP rank holds parallel_groups/tp slices and computes them with no communication."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(submodule.named_parameters(recurse=False)):
-                sharded = distribute_tensor(param, mesh, [Shard(0)])
-                submodule.register_parameter(pname, nn.Parameter(sharded))
-
-        return distribute_module(module, device_mesh, partition)
+        return shard_dim0(module, device_mesh)
 
 
 def block_tp_plan(
@@ -286,12 +292,7 @@ class ExpertParallel(ParallelStyle):
     rank holds n_experts/ep whole experts (GroupedExperts computes with its local shard)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def partition(name: str, submodule: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, param in list(submodule.named_parameters(recurse=False)):
-                sharded = distribute_tensor(param, mesh, [Shard(0)])
-                submodule.register_parameter(pname, nn.Parameter(sharded))
-
-        return distribute_module(module, device_mesh, partition)
+        return shard_dim0(module, device_mesh)
 
 
 def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
