@@ -192,28 +192,24 @@ def history_records(
     return records
 
 
+def _not_a_report(path: Path, message: str, *, key: str | None = None) -> SpecError:
+    return SpecError(
+        message,
+        file=str(path),
+        key=key,
+        fix="pass the report.json written by --convergence-report",
+    )
+
+
 def load_report(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise SpecError(
-            f"cannot read the report: {exc.strerror}",
-            file=str(path),
-            fix="pass the report.json written by --convergence-report",
-        ) from None
+        raise _not_a_report(path, f"cannot read the report: {exc.strerror}") from None
     except ValueError as exc:
-        raise SpecError(
-            f"not JSON: {exc}",
-            file=str(path),
-            fix="pass the report.json written by --convergence-report",
-        ) from None
+        raise _not_a_report(path, f"not JSON: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("pairs"), list):
-        raise SpecError(
-            "not a pytest-convergence report (no 'pairs' list)",
-            file=str(path),
-            key="pairs",
-            fix="pass the report.json written by --convergence-report",
-        )
+        raise _not_a_report(path, "not a pytest-convergence report (no 'pairs' list)", key="pairs")
     return data
 
 
