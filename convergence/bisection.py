@@ -246,7 +246,8 @@ def run_step(
             ),
             tree,
         )
-        outcome = SessionRunner(step_settings).run_pair(pair)
+        with SessionRunner(step_settings) as runner:  # its fork servers end with the step
+            outcome = runner.run_pair(pair)
     wall = time.monotonic() - started
     if outcome.status == "error" and outcome.control is None:
         return skipped(f"the pair cannot run: {(outcome.error or '').strip()}")

@@ -100,19 +100,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         for pair in pairs
     ]
     settings = cli_run_settings(values, on_progress=_ProgressLog())
-    runner = SessionRunner(settings)  # one device pool, run cache and launcher for all pairs
     outcomes = []
-    for pair in pairs:
-        _print_err(f"running {pair.pair_id} ...")
-        outcome = runner.run_pair(pair)
-        if attribution_on(asked=bool(values["attribute"]), tier=values["tier"]):
-            outcome = attribute_failed(
-                outcome, run=runner.run_pair, devices=devices, device_mode=values["device"]
-            )
-        _print_err(f"{pair.pair_id}: {outcome.status}")
-        if outcome.status == "error" and outcome.error:
-            _print_err(outcome.error)
-        outcomes.append(outcome)
+    # One device pool, run cache and launcher for all pairs; its fork servers end with it.
+    with SessionRunner(settings) as runner:
+        for pair in pairs:
+            _print_err(f"running {pair.pair_id} ...")
+            outcome = runner.run_pair(pair)
+            if attribution_on(asked=bool(values["attribute"]), tier=values["tier"]):
+                outcome = attribute_failed(
+                    outcome, run=runner.run_pair, devices=devices, device_mode=values["device"]
+                )
+            _print_err(f"{pair.pair_id}: {outcome.status}")
+            if outcome.status == "error" and outcome.error:
+                _print_err(outcome.error)
+            outcomes.append(outcome)
     print(render_summary(outcomes))
     if values["report"] is not None:
         write_report_folder(outcomes, values["report"], {"args": sys.argv[1:]})

@@ -47,12 +47,12 @@ def cmd_attribute(args: argparse.Namespace) -> int:
         )
     devices = session_devices(values["launcher"], values["devices"])
     pair = validate_devices(pair, available_devices=devices, device_mode=values["device"])
-    runner = SessionRunner(cli_run_settings(values))
-    print(f"running {pair.pair_id} ...", file=sys.stderr, flush=True)
-    outcome = runner.run_pair(pair)
-    outcome = attribute_failed(
-        outcome, run=runner.run_pair, devices=devices, device_mode=values["device"]
-    )
+    with SessionRunner(cli_run_settings(values)) as runner:
+        print(f"running {pair.pair_id} ...", file=sys.stderr, flush=True)
+        outcome = runner.run_pair(pair)
+        outcome = attribute_failed(
+            outcome, run=runner.run_pair, devices=devices, device_mode=values["device"]
+        )
     print(render_summary([outcome]))
     record: dict[str, Any] | None = outcome.attribution
     if record is not None:

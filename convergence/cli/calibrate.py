@@ -131,28 +131,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             print(f"calibration for stack {found.stack_hash} exists: {found.path}; nothing to do")
             return EXIT_OK
         print(found.note, file=sys.stderr)
-    runner = SessionRunner(settings)  # one device pool, run cache and launcher for both
     outcomes: dict[Precision, list[PairOutcome]] = {}
-    try:
-        source = read_source(args.source, rootdir=Path.cwd())
-        # Both experiments built (and checked) before anything runs.
-        pairs = {
-            precision: calibration_pairs(
-                source,
-                names,
-                precision,
-                steps=values["steps"],
-                seed=args.seed,
-                control=args.control,
-                rootdir=Path.cwd(),
-            )
-            for precision, names in layouts.items()
-        }
-        for precision, its_pairs in pairs.items():
-            outcomes[precision] = run_pairs(its_pairs, runner, on_start=_announce)
-    except (SpecError, RunFailed) as exc:
-        print(f"convergence calibrate: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    # One device pool, run cache and launcher for both; its fork servers end with it.
+    with SessionRunner(settings) as runner:
+        try:
+            source = read_source(args.source, rootdir=Path.cwd())
+            # Both experiments built (and checked) before anything runs.
+            pairs = {
+                precision: calibration_pairs(
+                    source,
+                    names,
+                    precision,
+                    steps=values["steps"],
+                    seed=args.seed,
+                    control=args.control,
+                    rootdir=Path.cwd(),
+                )
+                for precision, names in layouts.items()
+            }
+            for precision, its_pairs in pairs.items():
+                outcomes[precision] = run_pairs(its_pairs, runner, on_start=_announce)
+        except (SpecError, RunFailed) as exc:
+            print(f"convergence calibrate: {exc}", file=sys.stderr)
+            return EXIT_FAILED
     floors = measure(outcomes[FP32], outcomes[BF16], margin=args.margin)
     stack = current_stack()
     digest = stack_hash(stack)

@@ -47,22 +47,22 @@ def cmd_selftest(args: argparse.Namespace) -> int:
             fix="drop --tier (every pair of the file) or name a higher one",
         )
     devices = session_devices(values["launcher"], values["devices"])
-    runner = SessionRunner(cli_run_settings(values))
-    start = time.monotonic()
 
     def progress(row: dict[str, Any]) -> None:
         print(f"  {row['layout']} {row['bug']}: {row['status']}", file=sys.stderr, flush=True)
 
-    rows = selftest(
-        pairs,
-        run=runner.run_pair,
-        devices=devices,
-        device_mode=values["device"],
-        bugs=args.bugs.split(",") if args.bugs else None,
-        layouts=args.layouts.split(",") if args.layouts else None,
-        budget=args.budget,
-        on_row=progress,
-    )
+    with SessionRunner(cli_run_settings(values)) as runner:
+        start = time.monotonic()
+        rows = selftest(
+            pairs,
+            run=runner.run_pair,
+            devices=devices,
+            device_mode=values["device"],
+            bugs=args.bugs.split(",") if args.bugs else None,
+            layouts=args.layouts.split(",") if args.layouts else None,
+            budget=args.budget,
+            on_row=progress,
+        )
     wall = time.monotonic() - start
     print(render_table(rows, markdown=args.markdown), end="")
     missed = [r for r in rows if r["status"] in ("MISSED", "FALSE ALARM")]
