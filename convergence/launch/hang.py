@@ -193,12 +193,16 @@ def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
         return (
             f"every rank waits in a collective (stacks in {log_dir / 'ranks'})" if waiting else ""
         )
-    tail = ""
+    return "; ".join(outside) + waiting_tail(waiting) + f" (stacks in {log_dir / 'ranks'})"
+
+
+def waiting_tail(waiting: list[int]) -> str:
+    """What follows the ranks outside a collective: the ranks that wait in one ("" if none)."""
     if len(waiting) == 1:
-        tail = f"; rank {waiting[0]} waits in a collective"
-    elif waiting:
-        tail = f"; ranks {', '.join(map(str, waiting))} wait in collectives"
-    return "; ".join(outside) + tail + f" (stacks in {log_dir / 'ranks'})"
+        return f"; rank {waiting[0]} waits in a collective"
+    if waiting:
+        return f"; ranks {', '.join(map(str, waiting))} wait in collectives"
+    return ""
 
 
 def _local_rank(proc: psutil.Process) -> int | None:

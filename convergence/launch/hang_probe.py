@@ -33,6 +33,7 @@ from convergence.launch.hang import (
     rank_processes,
     rank_state,
     suspect_frame,
+    waiting_tail,
 )
 
 STEP_ENV = "CONVERGENCE_STEP"
@@ -118,12 +119,7 @@ def describe(reports: list[dict[str, object]]) -> str:
     waiting = [r for r, _, row in rows if row["state"] == "waiting"]
     if not outside:
         return "every rank waits in a collective" if waiting else ""
-    tail = ""
-    if len(waiting) == 1:
-        tail = f"; rank {waiting[0]} waits in a collective"
-    elif waiting:
-        tail = f"; ranks {', '.join(map(str, waiting))} wait in collectives"
-    return "; ".join(outside) + tail
+    return "; ".join(outside) + waiting_tail(waiting)
 
 
 def main(argv: list[str]) -> int:
