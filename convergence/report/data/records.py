@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
@@ -165,6 +165,12 @@ class PairRecord(TypedDict):
     """Only for a resuming test side (report/data/resume.py)."""
     attribution: NotRequired[dict[str, Any]]
     """Only for a failed N-D pair that was attributed (run/attribution.py)."""
+
+
+def not_compared(pairs: Sequence[PairRecord]) -> list[tuple[PairRecord, VerdictRecord]]:
+    """Every pair's verdicts that were not compared (a run did not log the metric), passed
+    pairs too: what the reports' not-compared section lists."""
+    return [(p, v) for p in pairs for v in p["verdicts"] if v.get("not_compared")]
 
 
 #: Resource metrics compared test vs control: (metric, summary used per run).

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 
-from convergence.report.data.records import PairRecord, ResourceRecord, SideRecord
+from convergence.report.data.records import PairRecord, ResourceRecord, SideRecord, not_compared
 from convergence.report.data.schema import ReportDocument
 from convergence.report.fmt import (
     NOT_COMPARED_TITLE,
@@ -122,9 +122,7 @@ def not_compared_html(pairs: Sequence[PairRecord]) -> str:
     items = [
         f'<li><code>{escape(p["name"])}</code>: <span class="warn">'
         f"{escape(v['metric'])} not compared</span> -- {escape(v['message'])}</li>"
-        for p in pairs
-        for v in p["verdicts"]
-        if v.get("not_compared")
+        for p, v in not_compared(pairs)
     ]
     return f"<h2>{escape(NOT_COMPARED_TITLE)}</h2><ul>{''.join(items)}</ul>" if items else ""
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from convergence.report.data.records import DivergenceRecord, PairRecord
+from convergence.report.data.records import DivergenceRecord, PairRecord, not_compared
 from convergence.report.data.resume import resumed_label
 from convergence.report.data.schema import ReportDocument
 from convergence.report.fmt import (
@@ -232,9 +232,7 @@ def not_compared_lines(pairs: Sequence[PairRecord]) -> list[str]:
     lines = [
         f"- {cell(p['name'])}: **{v['metric']}** ({v['method']}): not compared: "
         f"{text(v['message'])}"
-        for p in pairs
-        for v in p["verdicts"]
-        if v.get("not_compared")
+        for p, v in not_compared(pairs)
     ]
     return ["", f"## ⚠️ {NOT_COMPARED_TITLE}", "", *lines] if lines else []
 
