@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -246,7 +247,7 @@ def run_step(
             ),
             tree,
         )
-        with SessionRunner(step_settings) as runner:  # its fork servers end with the step
+        with closing(SessionRunner(step_settings)) as runner:  # its fork servers end with the step
             outcome = runner.run_pair(pair)
     wall = time.monotonic() - started
     if outcome.status == "error" and outcome.control is None:

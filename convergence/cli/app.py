@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = cli_run_settings(values, on_progress=_ProgressLog())
     outcomes = []
     # One device pool, run cache and launcher for all pairs; its fork servers end with it.
-    with SessionRunner(settings) as runner:
+    with closing(SessionRunner(settings)) as runner:
         for pair in pairs:
             _print_err(f"running {pair.pair_id} ...")
             outcome = runner.run_pair(pair)

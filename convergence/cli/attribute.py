@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ def cmd_attribute(args: argparse.Namespace) -> int:
         )
     devices = session_devices(values["launcher"], values["devices"])
     pair = validate_devices(pair, available_devices=devices, device_mode=values["device"])
-    with SessionRunner(cli_run_settings(values)) as runner:
+    with closing(SessionRunner(cli_run_settings(values))) as runner:
         print(f"running {pair.pair_id} ...", file=sys.stderr, flush=True)
         outcome = runner.run_pair(pair)
         outcome = attribute_failed(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
+from contextlib import closing
 from pathlib import Path
 
 from convergence.calibration.file import Calibration, default_path, write_calibration
@@ -133,7 +134,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(found.note, file=sys.stderr)
     outcomes: dict[Precision, list[PairOutcome]] = {}
     # One device pool, run cache and launcher for both; its fork servers end with it.
-    with SessionRunner(settings) as runner:
+    with closing(SessionRunner(settings)) as runner:
         try:
             source = read_source(args.source, rootdir=Path.cwd())
             # Both experiments built (and checked) before anything runs.

@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
     def progress(row: dict[str, Any]) -> None:
         print(f"  {row['layout']} {row['bug']}: {row['status']}", file=sys.stderr, flush=True)
 
-    with SessionRunner(cli_run_settings(values)) as runner:
+    with closing(SessionRunner(cli_run_settings(values))) as runner:
         start = time.monotonic()
         rows = selftest(
             pairs,

@@ -7,15 +7,14 @@ not before: a pytest session with no convergence items never pays for it.
 
 The session also owns its fork servers (launch/fork_servers.py: warm starts fork every job's
 ranks from them): they are started by its first warm job and ended by :meth:`SessionRunner.close`
-(the plugin closes the session at ``pytest_unconfigure``; a CLI command uses it as a context
-manager, so it closes when the command returns or raises; a session never closed has them
-closed when it is collected or the interpreter exits: launch/fork_servers.py).
+(the plugin closes the session at ``pytest_unconfigure``; a CLI command holds it in
+``contextlib.closing``, so it closes when the command returns or raises; a session never closed
+has them closed when it is collected or the interpreter exits: launch/fork_servers.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 
 from convergence.launch.fork_servers import ForkServers
 from convergence.launch.types import Launcher, Progress
@@ -48,19 +47,6 @@ class SessionRunner:
         """End the session's fork servers (and whatever they still run). A later pair would
         start them again."""
         self.fork_servers.close()
-
-    def __enter__(self) -> SessionRunner:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """``with SessionRunner(...) as runner:`` closes the session however the block ends
-        (a CLI command's pairs, a bisection step)."""
-        self.close()
 
     def run_pair(
         self, pair: PairSpec, *, on_progress: Callable[[Progress], None] | None = None
