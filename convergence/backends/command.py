@@ -35,6 +35,7 @@ from convergence.spec import run_dir
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.run_dir import DumpDir
+from convergence.spec.toml_io import shell_words
 
 OPTION_KEYS = (
     "command",
@@ -187,15 +188,13 @@ class CommandBackend:
                 fix='set backend_options = { command = "train.py --steps {steps} '
                 '--out {dump_dir}" }',
             )
-        try:
-            words = shlex.split(template)
-        except ValueError as exc:
-            raise SpecError(
-                f"cannot split the command: {exc}",
-                file=file,
-                key="backend_options.command",
-                fix="balance the quotes",
-            ) from None
+        words = shell_words(
+            template,
+            what="the command",
+            file=file,
+            key="backend_options.command",
+            fix="balance the quotes",
+        )
         for word in words:
             try:
                 word.format(**placeholders(job, Path("DUMP")))

@@ -37,6 +37,7 @@ from convergence.spec.toml_io import (
     expect_table,
     read_toml,
     require_key,
+    shell_words,
 )
 
 TIERS: tuple[Tier, ...] = get_args(Tier)
@@ -456,17 +457,13 @@ def _option_string(text: str, *, file: str, key: str) -> dict[str, str]:
     """``"--training.steps=10 --compile.enable --x.y 3"`` (a torchtitan-style option string,
     as written on a torchrun command line) -> {"training.steps": "10", "compile.enable":
     "true", "x.y": "3"}. Split like a shell would, but never run through one."""
-    import shlex
-
-    try:
-        words = shlex.split(text)
-    except ValueError as exc:
-        raise SpecError(
-            f"cannot split the option string: {exc}",
-            file=file,
-            key=key,
-            fix="quote values with spaces, e.g. '--job.description=\"a b\"'",
-        ) from None
+    words = shell_words(
+        text,
+        what="the option string",
+        file=file,
+        key=key,
+        fix="quote values with spaces, e.g. '--job.description=\"a b\"'",
+    )
     out: dict[str, str] = {}
     i = 0
     while i < len(words):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,6 +26,15 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise SpecError(
             f"not UTF-8 text: {exc}", file=str(path), fix="save the file as UTF-8"
         ) from None
+
+
+def shell_words(text: str, *, what: str, file: str, key: str, fix: str) -> list[str]:
+    """``text`` split as a shell would (never run through one); a SpecError naming ``what``
+    when it cannot be split (unbalanced quotes)."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise SpecError(f"cannot split {what}: {exc}", file=file, key=key, fix=fix) from None
 
 
 def check_keys(table: Mapping[str, Any], allowed: Iterable[str], *, file: str, path: str) -> None:
