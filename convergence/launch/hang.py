@@ -163,14 +163,7 @@ def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
     stopped = _stopped(ranks)
     if stopped:
         return "; ".join(stopped)
-    asked = []
-    for rank, proc in ranks.items():
-        if catches_signal(proc, signal.SIGUSR1):
-            try:
-                proc.send_signal(signal.SIGUSR1)
-                asked.append(rank)
-            except psutil.Error:
-                pass
+    asked = [rank for rank, proc in ranks.items() if ask_for_stacks(proc)]
     if not asked:
         return ""
     time.sleep(DUMP_WAIT_S)
@@ -194,6 +187,17 @@ def describe_hang(processes: Iterable[psutil.Process], log_dir: Path) -> str:
             f"every rank waits in a collective (stacks in {log_dir / 'ranks'})" if waiting else ""
         )
     return "; ".join(outside) + waiting_tail(waiting) + f" (stacks in {log_dir / 'ranks'})"
+
+
+def ask_for_stacks(proc: psutil.Process) -> bool:
+    """Signal a rank that has the stack-dump handler to dump its stacks; True if it was asked."""
+    if not catches_signal(proc, signal.SIGUSR1):
+        return False
+    try:
+        proc.send_signal(signal.SIGUSR1)
+    except psutil.Error:
+        return False
+    return True
 
 
 def waiting_tail(waiting: list[int]) -> str:

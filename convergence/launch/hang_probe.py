@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -28,7 +27,7 @@ import psutil
 
 from convergence.launch.hang import (
     DUMP_WAIT_S,
-    catches_signal,
+    ask_for_stacks,
     dumped_stacks,
     rank_processes,
     rank_state,
@@ -72,12 +71,8 @@ def probe(step: str) -> dict[str, object]:
             continue
         if state != "running":
             report.append({"rank": rank, "pid": proc.pid, "state": state, "where": None})
-        elif catches_signal(proc, signal.SIGUSR1):
-            try:
-                proc.send_signal(signal.SIGUSR1)
-                asked.append(rank)
-            except psutil.Error:
-                pass
+        elif ask_for_stacks(proc):
+            asked.append(rank)
     if asked:
         time.sleep(DUMP_WAIT_S)
     for rank in asked:
