@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import html
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from html import escape
 from pathlib import Path
 
@@ -84,3 +85,32 @@ def html_table(
         cls = f' class="{escape(row_class[i])}"' if row_class else ""
         body.append(f"<tr{cls}>{''.join(cells)}</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+@dataclass(frozen=True)
+class TitledTable:
+    """One table of a report.html section: its heading and plain-text cells (escaped when
+    written), with a CSS class per row where the section colours its rows."""
+
+    title: str
+    rows: Sequence[Sequence[str]]
+    row_class: Sequence[str] | None = None
+
+
+def html_tables_section(
+    title: str,
+    note: str,
+    header: Sequence[str],
+    right: Sequence[bool],
+    tables: Sequence[TitledTable],
+) -> str:
+    """A report.html section of plain-text tables under one header: an h2 with its note, then
+    an h3 and a table per entry (every text escaped here)."""
+    parts = [f'<h2>{escape(title)}</h2><p class="sub">{escape(note)}</p>']
+    for table in tables:
+        body = [[escape(c) for c in row] for row in table.rows]
+        parts.append(
+            f"<h3>{escape(table.title)}</h3>"
+            + html_table([escape(h) for h in header], body, right=right, row_class=table.row_class)
+        )
+    return "".join(parts)

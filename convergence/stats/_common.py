@@ -64,6 +64,22 @@ def failed(
     )
 
 
+def uncompared(
+    rule: ComparisonRule, message: str, *, passed: bool, gate: bool, not_compared: bool
+) -> MetricVerdict:
+    """A verdict on no compared step: the metric is missing from a side, or not logged by
+    both (``message`` says which, and the fix)."""
+    return MetricVerdict(
+        metric=rule.metric,
+        method=rule.method,
+        passed=passed,
+        gate=gate,
+        steps_compared=0,
+        not_compared=not_compared,
+        message=message,
+    )
+
+
 def worst(deviation: Floats, steps: Ints) -> tuple[float, int | None, int | None]:
     """(max deviation, its step, its index); NaN counts as the worst."""
     if deviation.size == 0:

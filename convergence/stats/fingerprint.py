@@ -16,7 +16,7 @@ import numpy as np
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule
-from convergence.stats._common import align, failed
+from convergence.stats._common import align, failed, uncompared
 from convergence.stats.types import MetricVerdict
 
 METRIC = "data_fingerprint"
@@ -64,12 +64,10 @@ def not_logged(rule: ComparisonRule) -> MetricVerdict:
         else "grad_norm/<part> per step, as the built-in trainer does"
     )
     fix = f'log it ({how}), or set compare.{rule.metric} = "off" to say it is not compared'
-    return MetricVerdict(
-        metric=rule.metric,
-        method=rule.method,
+    return uncompared(
+        rule,
+        f"{rule.metric}: not logged by both runs; {what} not compared: {fix}",
         passed=True,
         gate=False,
-        steps_compared=0,
         not_compared=rule.gate,
-        message=f"{rule.metric}: not logged by both runs; {what} not compared: {fix}",
     )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from convergence.metrics.curve import Curve, RunMetrics
 from convergence.spec.pair import METHODS, ComparisonRule
+from convergence.stats._common import uncompared
 from convergence.stats.allclose import AllClose
 from convergence.stats.exact import Exact
 from convergence.stats.fingerprint import METRIC as FINGERPRINT
@@ -97,31 +98,26 @@ def _missing(
     found = ", ".join(sorted(run)) or "nothing"
     fix = missing_fix(rule.metric)
     if rule.metric == "loss":
-        return MetricVerdict(
-            metric=rule.metric,
-            method=rule.method,
+        return uncompared(
+            rule,
+            f"loss: missing in the {side} run (found: {found}); cannot compare: {fix}",
             passed=False,
             gate=rule.gate,
-            steps_compared=0,
-            message=f"loss: missing in the {side} run (found: {found}); cannot compare: {fix}",
+            not_compared=False,
         )
     if rule.explicit and rule.gate:
-        return MetricVerdict(
-            metric=rule.metric,
-            method=rule.method,
+        return uncompared(
+            rule,
+            f"{rule.metric}: asked for in compare.{rule.metric} but missing in the {side} run "
+            f"(found: {found}): {fix}",
             passed=False,
             gate=True,
-            steps_compared=0,
             not_compared=True,
-            message=f"{rule.metric}: asked for in compare.{rule.metric} but "
-            f"missing in the {side} run (found: {found}): {fix}",
         )
-    return MetricVerdict(
-        metric=rule.metric,
-        method=rule.method,
+    return uncompared(
+        rule,
+        f"{rule.metric}: missing in the {side} run (found: {found}); not compared: {fix}",
         passed=False,
         gate=False,
-        steps_compared=0,
         not_compared=rule.gate,
-        message=f"{rule.metric}: missing in the {side} run (found: {found}); not compared: {fix}",
     )

@@ -17,14 +17,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from html import escape
 from pathlib import Path
 
 from convergence.report.data.records import PairRecord, ResourceRecord, RunFacts, SideRecord
 from convergence.report.data.schema import ReportDocument
 from convergence.report.figure import new_figure, save_png
 from convergence.report.fmt import VERDICTS, as_float, fmt_amount, fmt_pct
-from convergence.report.markup import html_img, html_table, md_cell, md_table
+from convergence.report.markup import (
+    TitledTable,
+    html_img,
+    html_tables_section,
+    md_cell,
+    md_table,
+)
 
 TITLE = "Reduced-communication blocks"
 PLOT_NAME = "comm_reduction.png"
@@ -237,20 +242,20 @@ def html_section(report: ReportDocument, plot_files: Mapping[str, Path]) -> str:
     found = tables(report["pairs"])
     if not found:
         return ""
-    parts = [f'<h2>{escape(TITLE)}</h2><p class="sub">{escape(NOTE)}</p>']
-    for t in found:
-        body = [[escape(c) for c in cells(row)] for row in t.rows]
-        parts.append(
-            f"<h3>{escape(Path(t.source).name)}</h3>"
-            + html_table([escape(h) for h in HEADER], body, right=RIGHT)
-        )
-    parts.append(
+    parts = [
+        html_tables_section(
+            TITLE,
+            NOTE,
+            HEADER,
+            RIGHT,
+            [TitledTable(Path(t.source).name, [cells(row) for row in t.rows]) for t in found],
+        ),
         html_img(
             (report.get("plots") or {}).get(PLOT_KEY),
             plot_files,
             "collectives per step vs validation loss and tokens/s",
-        )
-    )
+        ),
+    ]
     return "".join(parts)
 
 

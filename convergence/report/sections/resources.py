@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from html import escape
 from pathlib import Path
 
 from convergence.report.data.records import JsonFloat, PairRecord, ResourceRecord, SideRecord
@@ -27,7 +26,7 @@ from convergence.report.fmt import (
     fmt_pct,
     fmt_techniques,
 )
-from convergence.report.markup import html_table, md_cell, md_table
+from convergence.report.markup import TitledTable, html_tables_section, md_cell, md_table
 from convergence.spec.layout import Techniques
 
 HEADER: tuple[str, ...] = (
@@ -209,16 +208,13 @@ def html_section(pairs: Sequence[PairRecord]) -> str:
     found = tables(pairs)
     if not found:
         return ""
-    parts = [f'<h2>Resources</h2><p class="sub">{escape(NOTE)}</p>']
-    for found_table in found:
-        body = [[escape(c) for c in cells(row)] for row in found_table.rows]
-        parts.append(
-            f"<h3>{escape(title(found_table))}</h3>"
-            + html_table(
-                [escape(h) for h in HEADER],
-                body,
-                right=RIGHT,
-                row_class=[row.role for row in found_table.rows],
-            )
-        )
-    return "".join(parts)
+    return html_tables_section(
+        "Resources",
+        NOTE,
+        HEADER,
+        RIGHT,
+        [
+            TitledTable(title(t), [cells(row) for row in t.rows], [row.role for row in t.rows])
+            for t in found
+        ],
+    )
