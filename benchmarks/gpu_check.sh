@@ -17,6 +17,13 @@
 #   probe        benchmarks/gloo_cuda_probe.py: which collectives gloo runs on CUDA tensors
 #                (2 and 4 ranks sharing the GPU), each in its own subprocess
 #   fixedcost    benchmarks/job_fixed_cost.py (each job's fixed cost per phase), when present
+#   float8       experiments/precision/gpu.toml (nightly tier): bf16 vs float8 tensorwise,
+#                rowwise and all-gather with precision.kernels = "hardware" (the GPU's own
+#                float8 matmuls, never emulated), judged by the margin regime. Needs torchao:
+#                where it is not installed, a torchao wheel carried in .gpu-deps/ (made here by
+#                `pip download --no-deps -d .gpu-deps "torchao>=0.18,<0.19"`) is unpacked
+#                into the work folder and put on PYTHONPATH for this part (nothing installed);
+#                without either the pairs skip naming the install
 #
 # $OUT gets: results.md (the table, also printed), gloo_probe.json, sweep.json, reports of the
 # pytest parts (quickstart.json, experiments.json) and logs.tar.gz (every part's log, the
@@ -32,7 +39,7 @@ for arg in "$@"; do
     *) parts+=("$arg") ;;
   esac
 done
-PARTS=${parts[*]:-quickstart experiments torchtitan sweep probe fixedcost}
+PARTS=${parts[*]:-quickstart experiments torchtitan sweep probe fixedcost float8}
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -132,6 +139,17 @@ for p in $PARTS; do
           >"$LOGS/sweep.log" 2>&1
       ) & ;;
     probe) part probe 320 $PY benchmarks/gloo_cuda_probe.py "${PROBE[@]}" --json "$OUT/gloo_probe.json" & ;;
+    float8)
+      (
+        if ! $PY -c "import torchao" >/dev/null 2>&1; then
+          wheel=$(ls .gpu-deps/torchao-*.whl 2>/dev/null | head -1)
+          if [ -n "$wheel" ]; then
+            $PY -m zipfile -e "$wheel" "$WORK/pydeps" && export PYTHONPATH=$WORK/pydeps:$PYTHONPATH
+          fi
+        fi
+        pytest_part float8 "$LIMIT" -m convergence --convergence-tier nightly -rs \
+          experiments/precision/gpu.toml
+      ) & ;;
     fixedcost)
       if [ -f benchmarks/job_fixed_cost.py ]; then
         (cd benchmarks && part fixedcost 300 $PY job_fixed_cost.py "${FIXED[@]}" --no-append) &
@@ -163,7 +181,7 @@ PY
 summary() {  # the last line pytest or a benchmark prints about its outcome
   local log=$LOGS/$1.log
   case $1 in
-    quickstart | experiments | torchtitan) grep -E "^=+ .* in [0-9.]+s" "$log" | tail -1 | tr -d '=' ;;
+    quickstart | experiments | torchtitan | float8) grep -E "^=+ .* in [0-9.]+s" "$log" | tail -1 | tr -d '=' ;;
     sweep-*) grep -E "^false alarms" "$log" | tail -1 ;;
     probe) echo "OK cells: $(grep -o '| OK' "$log" | wc -l); FAIL cells: $(grep -o 'FAIL' "$log" | wc -l)" ;;
     fixedcost) tail -1 "$log" ;;
@@ -182,7 +200,7 @@ summary() {  # the last line pytest or a benchmark prints about its outcome
   done
   echo
   echo "logs naming a signal (SIGABRT/SIGSEGV/...; probe excluded): $(signals)"
-  for name in quickstart experiments torchtitan; do
+  for name in quickstart experiments torchtitan float8; do
     [ -f "$LOGS/$name.log" ] || continue
     echo
     echo "## $name: each item (pytest -rA) and where its pair ran"
@@ -206,7 +224,7 @@ summary() {  # the last line pytest or a benchmark prints about its outcome
 } >"$OUT/results.md"
 
 # Reports and the rank logs of failed jobs, into one tarball (the device returns few files).
-for name in quickstart experiments torchtitan; do
+for name in quickstart experiments torchtitan float8; do
   [ -f "$WORK/$name-report/report.json" ] && cp "$WORK/$name-report/report.json" "$OUT/$name.json"
   [ -f "$WORK/$name-report/report.md" ] && cp "$WORK/$name-report/report.md" "$LOGS/$name-report.md"
   [ -f "$WORK/$name-junit.xml" ] && cp "$WORK/$name-junit.xml" "$LOGS/"

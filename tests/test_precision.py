@@ -174,6 +174,29 @@ def test_the_inverted_scale_bug_multiplies_the_weights_matmuls_by_its_scale_squa
     assert torch.allclose(wrong, right * scale**2, rtol=1e-3, atol=0)
 
 
+# -- the GPU acceptance pairs on a machine without a GPU -------------------------------------
+
+
+def test_the_hardware_float8_pairs_skip_without_a_gpu_naming_the_key(tmp_path: Path) -> None:
+    """experiments/precision/gpu.toml (benchmarks/gpu_check.sh's float8 part) asks for the
+    GPU's own float8 kernels: here, where torch sees no GPU, each pair is skipped with the fix
+    (never trained on an emulated fallback and called a hardware result)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
+        + ["--convergence-workdir", str(tmp_path), "experiments/precision/gpu.toml"]
+        + ["-m", "convergence", "--convergence-tier", "nightly"],
+        cwd=ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "3 skipped" in out, out
+    assert out.count('with precision.kernels = "hardware" needs a GPU with float8') == 3, out
+
+
 # -- without torchao ------------------------------------------------------------------------
 
 
