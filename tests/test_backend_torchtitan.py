@@ -261,9 +261,9 @@ def test_shipped_experiments_validate_at_collection(path: Path) -> None:
     exp = load_checked(path, rootdir=ROOT)
     assert exp.pairs
     for pair in exp.pairs:
-        # GPU sizes are nightly; cpu.toml, resume.toml and moe.toml are the tiny CPU pairs CI
-        # trains for real.
-        ci = ("cpu.toml", "resume.toml", "moe.toml")
+        # GPU sizes are nightly; cpu.toml, resume.toml, moe.toml and precision.toml are the
+        # tiny CPU pairs CI trains for real.
+        ci = ("cpu.toml", "resume.toml", "moe.toml", "precision.toml")
         assert pair.tier == ("ci" if path.name in ci else "nightly")
         assert pair.control.backend == pair.test.backend == "torchtitan"
         assert BACKEND.tokens_per_step(pair.control) == BACKEND.tokens_per_step(pair.test)

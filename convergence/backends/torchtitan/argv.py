@@ -163,6 +163,10 @@ def launch_options(job: JobSpec, dump_dir: Path) -> list[str]:
         words.append(f"--convergence.probe_step={job.request.probe_step}")
     if job.hook:
         words += [f"--convergence.hook={job.hook}", f"--convergence.hook_mode={job.hook_mode}"]
+    if job.techniques.float8 != "none":  # torchtitan's own converters (converters.py)
+        words.append(f"--convergence.float8={job.techniques.float8}")
+    if job.techniques.mxfp8:
+        words.append("--convergence.mxfp8")
     return words
 
 

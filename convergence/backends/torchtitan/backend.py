@@ -31,6 +31,7 @@ from convergence.backends.torchtitan.assets import (
     entropy_floor,
 )
 from convergence.backends.torchtitan.config_parser import ParseError, blame, parse
+from convergence.backends.torchtitan.converters import refusal
 from convergence.backends.torchtitan.degrees import check_degrees
 from convergence.backends.torchtitan.patches import unsupported_releases
 from convergence.backends.torchtitan.resume import check_resume_layout
@@ -116,6 +117,32 @@ class TorchtitanBackend:
     def effective_config(self, job: JobSpec) -> Any:
         return parse(tuple(self.argv(job, extra=load_args(PLACEHOLDER_DIR))))
 
+    def _precision_preflight(self, job: JobSpec) -> None:
+        """float8 / MXFP8 go to torchtitan's own converters (converters.py): a combination
+        torchtitan 0.3.0 cannot train here is a skip with the reason (another device may run
+        it), all-gather an error of the file (no device runs it)."""
+        from convergence.torch_info import may_see_gpus
+        from convergence.trainer.precision_here import INSTALL, torchao_installed
+
+        t = job.techniques
+        if t.float8_all_gather:
+            raise SpecError(
+                "torchtitan 0.3.0's float8 converter has no float8 all-gather",
+                file=job.source,
+                key="techniques.float8_all_gather",
+                fix='remove it, or run the pair on the built-in trainer (backend = "builtin")',
+            )
+        if not torchao_installed():
+            raise NotRunnableHere(
+                "float8 / MXFP8 need torchao, which is not installed in this environment",
+                key="techniques",
+                fix=INSTALL,
+            )
+        gpu = may_see_gpus() and _cuda_available()
+        why = refusal(float8=t.float8, float8_all_gather=False, mxfp8=t.mxfp8, cpu=not gpu)
+        if why is not None:
+            raise NotRunnableHere(why, key="techniques", fix="run it where the recipe runs")
+
     def preflight(self, job: JobSpec) -> None:
         file = job.source
         refusal = unsupported_releases()
@@ -127,15 +154,7 @@ class TorchtitanBackend:
                 "convergence/backends/torchtitan/patches.py",
             )
         if job.techniques.numerics_changed:
-            # Not silently dropped: torchtitan's converters take these from its own config.
-            raise SpecError(
-                "techniques float8/float8_all_gather/mxfp8 are not yet passed to torchtitan's "
-                "converters by this backend",
-                file=file,
-                key="techniques",
-                fix='set torchtitan\'s own keys in overrides (e.g. "model.converters" and its '
-                'quantize section) and regime = "margin", or use the built-in trainer',
-            )
+            self._precision_preflight(job)
         for key in backend_options(job):
             if key not in OPTION_KEYS:
                 raise SpecError(
@@ -334,3 +353,10 @@ def _one_process(job: JobSpec) -> JobSpec:
         steps=1,
         request=TrainerRequest(),
     )
+
+
+def _cuda_available() -> bool:
+    """torch sees a GPU (asked only where :func:`may_see_gpus` cannot rule it out)."""
+    import torch
+
+    return bool(torch.cuda.is_available())

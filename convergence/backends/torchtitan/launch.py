@@ -26,6 +26,7 @@ from typing import Any
 
 from convergence.backends.torchtitan import anchors, patches, resume
 from convergence.backends.torchtitan.argv import flag
+from convergence.backends.torchtitan.converters import convert_model
 from convergence.backends.torchtitan.model_parts import wrap_model_spec
 from convergence.backends.torchtitan.probe import install_probe
 from convergence.backends.torchtitan.step_log import StepLog
@@ -61,6 +62,11 @@ class LaunchOptions:
     convergence/backends/torchtitan/anchors.py)."""
     anchored_from: str = ""
     """The anchored job: the control's anchors folder, one step trained from each."""
+    float8: str = ""
+    """The pair's ``techniques.float8`` as torchtitan's float8 converter ("": off;
+    convergence/backends/torchtitan/converters.py)."""
+    mxfp8: bool = False
+    """The pair's ``techniques.mxfp8`` as torchtitan's MXFP8 converter."""
 
 
 def tyro_form(words: list[str]) -> list[str]:
@@ -87,9 +93,9 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
             rest.append(word)
             continue
         key, sep, value = word[len(PREFIX) :].partition("=")
-        if key == "cpu":
-            ours["cpu"] = True
-        elif key in ("hook", "hook_mode", "log", "resume_from", "anchored_from") and sep:
+        if key in ("cpu", "mxfp8"):
+            ours[key] = True
+        elif key in ("hook", "hook_mode", "log", "resume_from", "anchored_from", "float8") and sep:
             ours[key] = value
         elif key in ("stop_after", "anchor_every", "probe_step") and sep and value.isdigit():
             ours[key] = int(value)
@@ -98,7 +104,8 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
                 f"the torchtitan launcher: unknown option {word!r} (use "
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
                 f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR, "
-                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR, {PREFIX}probe_step=K)"
+                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR, {PREFIX}probe_step=K, "
+                f"{PREFIX}float8=RECIPE, {PREFIX}mxfp8)"
             )
     return LaunchOptions(**ours), tyro_form(rest)
 
@@ -130,11 +137,14 @@ def install(options: LaunchOptions) -> None:
         anchors.save_anchors(options.anchor_every)
     if options.anchored_from:
         anchors.train_from_anchors(options.anchored_from)
-    patches.on_parsed_config(
-        lambda config: wrap_model_spec(
-            config, cpu=cpu, hook=options.hook, hook_mode=options.hook_mode
-        )
-    )
+
+    def on_config(config: Any) -> None:
+        # The converters first: they rewrite the model config that the wrapped
+        # parallelisation (and the user's hook) then sees built.
+        convert_model(config, float8=options.float8, mxfp8=options.mxfp8, cpu=cpu)
+        wrap_model_spec(config, cpu=cpu, hook=options.hook, hook_mode=options.hook_mode)
+
+    patches.on_parsed_config(on_config)
 
 
 def main(argv: list[str] | None = None, entry: Callable[[], None] | None = None) -> None:
