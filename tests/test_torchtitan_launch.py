@@ -104,7 +104,17 @@ def test_pipeline_schedules_take_microbatch_lists() -> None:
 def test_every_patch_names_its_releases_and_other_releases_are_refused() -> None:
     from convergence.backends.torchtitan import patches
 
-    assert {"patch_pipeline_step", "patch_attention", "record_steps"} <= set(patches.PATCHES)
+    # Version shims only: what a job adds is ConvergenceTrainer's (trainer_class.py), which
+    # is listed for the torchtitan release whose loop it follows.
+    assert set(patches.PATCHES) == {
+        "pick_cpu_device",
+        "patch_timeouts",
+        "patch_pipeline_step",
+        "patch_attention",
+        "force_sum_reduction",
+        "titan_main",
+        "ConvergenceTrainer",
+    }
     assert patches.unsupported_releases() is None  # this session's releases are the pinned ones
     assert patches.unsupported_releases({"torchtitan": "0.3.1.dev0", "torch": "2.13.1"}) is None
     assert patches.release("2.13.0+cpu") == (2, 13, 0)
@@ -113,4 +123,8 @@ def test_every_patch_names_its_releases_and_other_releases_are_refused() -> None
     assert refusal is not None
     assert "patch_attention is for torchtitan 0.3.x (installed: 0.4.0)" in refusal
     assert "torch 2.13.x" not in refusal  # torch is fine: only torchtitan is named
+    assert "ConvergenceTrainer is for torchtitan 0.3.x" in refusal
+    other_torch = patches.unsupported_releases({"torchtitan": "0.3.0", "torch": "2.14.0"})
+    assert other_torch is not None and "patch_pipeline_step is for torch 2.13.x" in other_torch
+    assert "ConvergenceTrainer" not in other_torch  # pinned to torchtitan's loop only
     assert "convergence/backends/torchtitan/patches.py" in refusal

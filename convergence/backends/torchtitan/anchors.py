@@ -27,8 +27,9 @@ What torchtitan 0.3 cannot load is refused at collection (the backend's ``Capabi
 ``anchors_keep_dp``): its dataloader keeps one position per data-parallel rank and refuses
 another DP degree at load, so the test keeps the control's DP degree (as a resume does).
 
-The launcher's side imports torch and torchtitan inside the functions: this module is read at
-collection.
+The launcher's side (``save_anchors``, ``train_from_anchors``, ``check_probe_anchor``: called by
+``ConvergenceTrainer.train``, convergence/backends/torchtitan/trainer_class.py) imports torch
+inside the functions: this module is read at collection.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan import resume
-from convergence.backends.torchtitan.patches import pinned
 from convergence.spec.run_dir import DumpDir, anchor_of
 from convergence.spec.trainer_request import TrainerRequest
 
@@ -124,78 +124,57 @@ def _manifest(trainer: Any, step: int) -> dict[str, Any]:
     )
 
 
-@pinned(torchtitan="0.3", torch="2.13")
-def save_anchors(every: int) -> None:
-    """The control: torchtitan saves after every ``every``-th step (``checkpoint.interval``)
-    but not after the last; rank 0 lists each anchor in the manifest once it is written."""
+def save_anchors(trainer: Any, every: int) -> None:
+    """The control, before torchtitan's loop: its checkpointer saves after every ``every``-th
+    step (``checkpoint.interval``) but not after the last; rank 0 lists each anchor in the
+    manifest once it is written. Always from the seed checkpoint: anchors a previous attempt
+    left are never loaded."""
     import torch.distributed as dist
-    from torchtitan.trainer import Trainer
 
-    train = Trainer.train
+    checkpointer = trainer.checkpointer
+    resume.from_the_seed(trainer)
+    save = checkpointer.save
+    folder = Path(checkpointer.folder)
+    written: list[int] = []
 
-    def train_saving_anchors(self: Any) -> None:
-        checkpointer = self.checkpointer
-        # Always the seed checkpoint: anchors a previous attempt left are never loaded.
-        checkpointer._find_load_step = lambda folder="": -1
-        save = checkpointer.save
-        folder = Path(checkpointer.folder)
-        written: list[int] = []
+    def save_anchor(curr_step: int, last_step: bool = False) -> bool:
+        if last_step or curr_step >= trainer.config.training.steps or curr_step % every:
+            return False
+        saved = bool(save(curr_step, last_step=False))
+        if saved and (not dist.is_initialized() or dist.get_rank() == 0):
+            written.append(curr_step)
+            record = {**_manifest(trainer, curr_step), "anchors": written}
+            (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
+        return saved
 
-        def save_anchor(curr_step: int, last_step: bool = False) -> bool:
-            if last_step or curr_step >= self.config.training.steps or curr_step % every:
-                return False
-            saved = bool(save(curr_step, last_step=False))
-            if saved and (not dist.is_initialized() or dist.get_rank() == 0):
-                written.append(curr_step)
-                record = {**_manifest(self, curr_step), "anchors": written}
-                (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
-            return saved
-
-        checkpointer.save = save_anchor
-        train(self)
-
-    Trainer.train = train_saving_anchors
+    # This trainer's checkpointer only (torchtitan 0.3 calls ``save`` after every step).
+    checkpointer.save = save_anchor
 
 
-@pinned(torchtitan="0.3", torch="2.13")
-def train_from_anchors(folder: str) -> None:
-    """The anchored job: torchtitan's training loop replaced by one step from each anchor
-    (the module docstring)."""
-    from torchtitan.trainer import Trainer
-
-    def train_from_each_anchor(self: Any) -> None:
-        anchors = check_anchors(folder, _manifest(self, 0))
-        for anchor in anchors:
-            self.checkpointer.load(step=anchor)  # model, optimizer, schedule, data, step
-            if self.step != anchor:
-                raise SystemExit(
-                    f"anchor {folder}/step-{anchor} loaded step {self.step}, not {anchor}"
-                )
-            self.step += 1
-            self.gc_handler.run(self.step)
-            # A fresh iterator: the dataloader goes on from the position it just loaded.
-            batches = self.batch_generator(self.dataloader)
-            self.train_step(batches)
-            batches.close()
-
-    Trainer.train = train_from_each_anchor
+def train_from_anchors(trainer: Any, folder: str) -> None:
+    """The anchored job, in place of torchtitan's loop: one step from each anchor (the module
+    docstring)."""
+    anchors = check_anchors(folder, _manifest(trainer, 0))
+    for anchor in anchors:
+        trainer.checkpointer.load(step=anchor)  # model, optimizer, schedule, data, step
+        if trainer.step != anchor:
+            raise SystemExit(
+                f"anchor {folder}/step-{anchor} loaded step {trainer.step}, not {anchor}"
+            )
+        trainer.step += 1
+        trainer.gc_handler.run(trainer.step)
+        # A fresh iterator: the dataloader goes on from the position it just loaded.
+        batches = trainer.batch_generator(trainer.dataloader)
+        trainer.train_step(batches)
+        batches.close()
 
 
-@pinned(torchtitan="0.3", torch="2.13")
-def resume_from_anchor(path: str) -> None:
-    """The anchored check's probe (request resume_from=<anchors>/step<K>, run_dir.anchor_of):
-    before torchtitan loads step-K of the anchors folder (``--checkpoint.load_step``), the
+def check_probe_anchor(trainer: Any, path: str) -> None:
+    """The anchored check's probe (request resume_from=<anchors>/step<K>, run_dir.anchor_of),
+    before torchtitan loads step-K of the anchors folder (``--checkpoint.load_step``): the
     folder holds that anchor, of this run."""
-    from torchtitan.trainer import Trainer
-
     anchor = anchor_of(Path(path))
     assert anchor is not None
     folder, step = str(anchor[0]), anchor[1]
-    train = Trainer.train
-
-    def train_from_the_anchor(self: Any) -> None:
-        if step not in check_anchors(folder, _manifest(self, 0)):
-            raise resume.cannot_serve(path, f"the control saved no anchor {step}", "probe from one")
-        train(self)
-
-    Trainer.train = train_from_the_anchor
+    if step not in check_anchors(folder, _manifest(trainer, 0)):
+        raise resume.cannot_serve(path, f"the control saved no anchor {step}", "probe from one")

@@ -1,7 +1,12 @@
-"""Every change the launcher makes to torchtitan's and torch's modules, each with the versions
-it is written for (``@pinned``; ``PATCHES`` lists them): the launcher and the backend's
-preflight refuse other releases with a message naming each patch and its releases. torchtitan is not forked: these
-module attributes are changed before its ``main()`` runs.
+"""The shims the launcher needs for the torch and torchtitan releases it runs, each with the
+versions it is written for (``@pinned``; ``PATCHES`` lists them): the launcher and the
+backend's preflight refuse other releases with a message naming each shim and its releases.
+torchtitan is not forked: these module attributes are changed before its trainer is imported.
+What a convergence job adds to torchtitan's training (per-step records, hooks, probe, resume,
+anchors) is no shim: it is ``ConvergenceTrainer``'s methods
+(convergence/backends/torchtitan/trainer_class.py), built by ``titan_main`` -- torchtitan 0.3's
+``main()`` with our trainer class (0.3 has no ``main(trainer_class)``); ``ConvergenceTrainer``
+itself is listed here for the torchtitan release whose loop it follows.
 
 Everywhere (GPU and CPU):
 
@@ -12,9 +17,8 @@ Everywhere (GPU and CPU):
   (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``) that torch 2.13's schedules do not
   take (they would split the lists again as model inputs): ``step`` gains that form
   (``patch_pipeline_step``).
-- the trainer's batches and gradients are observed for the per-step records
-  (``record_steps``), and each parsed config's model spec is wrapped (``on_parsed_config``)
-  for the user's hook (convergence/backends/torchtitan/model_parts.py).
+- torchtitan 0.3.0's ``main()`` builds ``type(config)._owner``: ``titan_main`` is that main
+  building ``ConvergenceTrainer`` (the config stays the one torchtitan parsed).
 
 On CPU only (when this rank sees no CUDA device, or with ``--convergence.cpu``;
 *for tests on CPU: numerics on GPU are torchtitan's own*):
@@ -38,42 +42,29 @@ axes, FSDP2 as usual).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
-
-
-class StepLog(Protocol):
-    """What record_steps feeds (step_log.StepLog). A Protocol, not an import: step_log needs
-    the trainer's torch modules, and this module is read at collection (unsupported_releases)."""
-
-    def on_batch(self, input_dict: Any, labels: Any) -> None: ...
-    def on_grads(self, named: Any, parallel_dims: Any, *, step: int) -> None: ...
-    def on_clipped(self, torchtitan_norm: float, named: Any) -> None: ...
-    def on_stepped(self, named: Any) -> None: ...
-    def tensorboard_extras(self) -> dict[str, float]: ...
-
-    record: dict[str, float | int]
-
+from typing import Any, TypeVar
 
 PatchFn = TypeVar("PatchFn", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
 class Pin:
-    """The releases a patch is written for: version prefixes ("0.3" is any 0.3.x)."""
+    """The releases a patch is written for: version prefixes ("0.3" is any 0.3.x; "": any)."""
 
     torchtitan: str
-    torch: str
+    torch: str = ""
 
 
 #: Every patch in this module -> the releases it is written for.
 PATCHES: dict[str, Pin] = {}
 
 
-def pinned(*, torchtitan: str, torch: str) -> Callable[[PatchFn], PatchFn]:
+def pinned(*, torchtitan: str, torch: str = "") -> Callable[[PatchFn], PatchFn]:
     """Register a patch with the torchtitan and torch releases it reaches into."""
 
     def register(fn: PatchFn) -> PatchFn:
@@ -116,6 +107,8 @@ def unsupported_releases(installed: dict[str, str] | None = None) -> str | None:
     wrong = []
     for patch, pin in PATCHES.items():
         for name, wanted in (("torchtitan", pin.torchtitan), ("torch", pin.torch)):
+            if not wanted:
+                continue
             have = installed.get(name)
             want = release(wanted)
             if have is not None and release(have)[: len(want)] != want:
@@ -318,77 +311,72 @@ def force_sum_reduction(model: Any) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-# -- the trainer: per-step records and parsed configs -------------------------------------------
+# -- torchtitan's main(), with our trainer class ------------------------------------------------
+
+#: The launcher's Trainer subclass (trainer_class.py, which imports torchtitan: not read here)
+#: overrides torchtitan 0.3's ``Trainer`` methods and relies on its loop: one
+#: ``forward_backward_step`` per accumulation step before it clips, ``checkpointer.save`` after
+#: every step, ``CheckpointManager._find_load_step``.
+PATCHES["ConvergenceTrainer"] = Pin(torchtitan="0.3")
 
 
-@pinned(torchtitan="0.3", torch="2.13")
-def record_steps(log: StepLog) -> None:
-    """Record each step's batches (``Trainer.batch_generator``), gradients (just before
-    torchtitan clips them, ``distributed.utils.clip_grad_norm_``, which returns the norm it
-    clipped with) and update (``OptimizersContainer.step``, which the loop calls right after
-    clipping), and add our norms to the scalars its TensorBoard logger writes."""
-    import torchtitan.distributed.utils as dist_utils
-    from torchtitan.components.metrics import TensorBoardLogger
-    from torchtitan.components.optimizer import OptimizersContainer
-    from torchtitan.trainer import Trainer
+@pinned(torchtitan="0.3")
+def titan_main(build: Callable[[Any], Any]) -> None:
+    """torchtitan 0.3.0's ``torchtitan.train.main`` with ``build(config)`` in place of its
+    ``config.build()``: the launcher's trainer class (convergence/backends/torchtitan/
+    trainer_class.py) built from the config torchtitan parsed, everything else as torchtitan's
+    own main does it (logging, structured logger, seed checkpoint, close, process group).
 
-    generator = Trainer.batch_generator
-
-    def batch_generator(self: Any, data_iterable: Any) -> Iterator[Any]:
-        for input_dict, labels in generator(self, data_iterable):
-            log.on_batch(input_dict, labels)
-            yield input_dict, labels
-
-    Trainer.batch_generator = batch_generator
-    clip = dist_utils.clip_grad_norm_
-    trainer_init = Trainer.__init__
-    named: list[Any] = []
-    trainers: list[Any] = []
-
-    def init(self: Any, config: Any) -> None:
-        trainer_init(self, config)
-        named.extend((n, p) for m in self.model_parts for n, p in m.named_parameters())
-        trainers.append(self)
-
-    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = trainers[-1]
-        log.on_grads(named, trainer.parallel_dims, step=trainer.step)
-        total = clip(parameters, *args, **kwargs)
-        log.on_clipped(float(total), named)
-        return total
-
-    container_step = OptimizersContainer.step
-
-    def optimizers_step(self: Any, closure: Any = None) -> Any:
-        out = container_step(self, closure)
-        log.on_stepped(named)
-        return out
-
-    Trainer.__init__ = init
-    dist_utils.clip_grad_norm_ = clip_grad_norm_
-    OptimizersContainer.step = optimizers_step
-    tensorboard_log = TensorBoardLogger.log
-
-    def log_with_ours(self: Any, metrics: dict[str, Any], step: int) -> None:
-        if "grad_norm" in metrics and log.record.get("step") == step:  # a training step's line
-            metrics = {**metrics, **log.tensorboard_extras()}
-        tensorboard_log(self, metrics, step)
-
-    TensorBoardLogger.log = log_with_ours
-
-
-@pinned(torchtitan="0.3", torch="2.13")
-def on_parsed_config(callback: Callable[[Any], None]) -> None:
-    """``callback(config)`` on every config torchtitan's ``ConfigManager`` parses that has a
-    model spec (before the trainer builds the model from it)."""
+    Why a copy of main() and not ``config.build()``: torchtitan 0.3.0 has no
+    ``main(trainer_class)`` and builds ``type(config)._owner`` -- the class whose nested
+    ``Config`` the config is. Our class given its own ``Config`` would need the parsed config
+    converted into it (a second config type whose ``to_dict`` and checkpoints torchtitan sees);
+    building our class here leaves the config exactly the one torchtitan parsed. A torchtitan
+    with ``main(trainer_class)`` replaces this function by that call."""
+    import torch
+    import torchtitan
     from torchtitan.config import ConfigManager
+    from torchtitan.observability import structured_logger as sl
+    from torchtitan.tools.logging import init_logger, logger
 
-    parse_args = ConfigManager.parse_args
-
-    def parse(self: Any, args: list[str] | None = None) -> Any:
-        config = parse_args(self, args)
-        if getattr(config, "model_spec", None) is not None:
-            callback(config)
-        return config
-
-    ConfigManager.parse_args = parse
+    init_logger()
+    logger.info(
+        "torchtitan version: %s (0.0.0 means __version__ is not defined correctly).",
+        torchtitan.__version__,
+    )
+    config = ConfigManager().parse_args()
+    sl.init_structured_logger(
+        source="training",
+        output_dir=config.dump_folder,
+        enable=config.debug.enable_structured_logging,
+    )
+    sl.log_trace_instant("structured_logger_started")
+    trainer = None
+    try:
+        if config.comm.mode == "local_tensor":
+            logger.info("Local tensor mode enabled - skipping training execution")
+            return
+        # What config.build() does: a shallow copy of the config, under the same trace span.
+        with sl.log_trace_span(f"{type(config).__qualname__}.build"):
+            trainer = build(dataclasses.replace(config))
+        if config.checkpoint.create_seed_checkpoint:
+            assert int(os.environ["WORLD_SIZE"]) == 1, (
+                "Must create seed checkpoint using a single device, to disable sharding."
+            )
+            assert config.checkpoint.enable, (
+                "Must enable checkpointing when creating a seed checkpoint."
+            )
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    except Exception:
+        if trainer:
+            trainer.close()
+        raise
+    else:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            with sl.log_trace_span("torch_distributed_teardown"):
+                torch.distributed.destroy_process_group()
+        logger.info("Process group destroyed")

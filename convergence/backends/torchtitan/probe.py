@@ -1,5 +1,7 @@
-"""The numerics probe for torchtitan jobs: the built-in trainer's probe (convergence/trainer/probe.py)
-inside torchtitan's own training loop, through the launcher wrapper.
+"""The numerics probe for torchtitan jobs: the built-in trainer's probe
+(convergence/trainer/probe.py) inside torchtitan's own training loop, through the launcher's
+trainer class (``ConvergenceTrainer``, convergence/backends/torchtitan/trainer_class.py, calls
+what is here).
 
     torchrun ... -m convergence.backends.torchtitan.launch --convergence.probe_step=K ...
 
@@ -12,10 +14,11 @@ does: the runs are deterministic); at step K the wrapper
    from replicated copies by comparing the TP ranks' bits; ``module_sumsq``),
 2. lets torchtitan run that step's forward and backward (all microbatches and accumulation
    steps: torchtitan's own data path, so a data bug shows too),
-3. just before torchtitan clips the gradients, removes the hooks and takes every gradient's
-   full norm (``grad_sumsq``), the step's global loss (torchtitan's per-rank "sum / global
-   tokens", summed over the loss mesh) and writes ``probe.json`` into the dump folder (global
-   rank 0, after gathering the pipeline stages), in the format run/probe_compare.py reads;
+3. once the step's last backward ran (torchtitan clips the gradients next), removes the
+   hooks and takes every gradient's full norm (``grad_sumsq``), the step's global loss
+   (torchtitan's per-rank "sum / global tokens", summed over the loss mesh) and writes
+   ``probe.json`` into the dump folder (global rank 0, after gathering the pipeline stages),
+   in the format run/probe_compare.py reads;
 4. ends the training loop after that step (``should_continue_training``: no exception, so
    torchtitan closes as after a normal run).
 
@@ -33,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from convergence.backends.torchtitan.patches import pinned
 from convergence.spec.run_dir import DumpDir
 
 
@@ -195,61 +197,7 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
     tmp.replace(dump.probe)
 
 
-@pinned(torchtitan="0.3", torch="2.13")
-def install_probe(step: int) -> TitanProbe:
-    """Patch torchtitan's trainer for a probe at optimizer step ``step`` (module docstring)."""
-    import torchtitan.distributed.utils as dist_utils
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.trainer import Trainer
-
-    probe = TitanProbe(step=step)
-    current: list[Any] = []  # the trainer (set at its first step)
-    train_step = Trainer.train_step
-
-    def probed_train_step(self: Any, data_iterator: Any) -> None:
-        current[:1] = [self]
-        if self.step != step:
-            train_step(self, data_iterator)
-            return
-        probe.recorder = recorder_class()(stage_chunks(self))
-        pause_during_inference(self, probe.recorder)
-        forward_backward = self.forward_backward_step
-
-        def recording(**kwargs: Any) -> Any:
-            loss = forward_backward(**kwargs)
-            probe.losses.append(loss.detach())
-            return loss
-
-        self.forward_backward_step = recording
-        try:
-            train_step(self, data_iterator)
-        finally:
-            del self.forward_backward_step
-            probe.recorder.remove()
-
-    clip = dist_utils.clip_grad_norm_
-
-    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-        trainer = current[0]
-        if trainer.step == step and not probe.done:
-            write_probe(probe, trainer)  # the gradients before torchtitan clips them
-            probe.done = True
-        return clip(*args, **kwargs)
-
-    log = MetricsProcessor.log
-
-    def log_replayed(self: Any, step_: int, global_avg_loss: float, *args: Any, **kw: Any) -> Any:
-        if current and step_ < step and holds_loss(current[0]):
-            probe.replayed[step_] = float32(float(global_avg_loss))
-        return log(self, step_, global_avg_loss, *args, **kw)
-
-    should_continue = Trainer.should_continue_training
-
-    def should_continue_training(self: Any) -> bool:
-        return not probe.done and should_continue(self)
-
-    Trainer.train_step = probed_train_step
-    dist_utils.clip_grad_norm_ = clip_grad_norm_
-    MetricsProcessor.log = log_replayed
-    Trainer.should_continue_training = should_continue_training
-    return probe
+def start_recording(probe: TitanProbe, trainer: Any) -> None:
+    """Step 1 of the module docstring, as torchtitan's step K begins."""
+    probe.recorder = recorder_class()(stage_chunks(trainer))
+    pause_during_inference(trainer, probe.recorder)

@@ -22,8 +22,9 @@ dataloader keeps one position per data-parallel rank and refuses another DP degr
 ("dp_degree is inconsistent before and after checkpoint, dataloader resharding is not
 supported yet", components/dataloader.py), so the DP degree must stay the same.
 
-The launcher's side (stop_after, resume_from) imports torch and torchtitan inside the
-functions: this module is read at collection.
+The launcher's side (``from_the_seed``, ``check_stopped``, ``check_resume``: called by
+``ConvergenceTrainer``, convergence/backends/torchtitan/trainer_class.py) imports torch inside
+the functions: this module is read at collection.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from convergence.backends.torchtitan.patches import pinned
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.run_dir import anchor_of
@@ -218,52 +218,40 @@ def global_batch(trainer: Any) -> int:
     return size if size > 0 else int(training.local_batch_size) * dp_degree(trainer)
 
 
-@pinned(torchtitan="0.3", torch="2.13")
-def stop_after(step: int) -> None:
-    """Job 1: train up to ``step`` (torchtitan saved it: ``checkpoint.interval``), then stop;
-    rank 0 writes the manifest beside the checkpoint. The LR schedule still spans the whole
-    run (``training.steps`` is unchanged). A checkpoint a previous attempt left in the folder
-    is never loaded: job 1 starts from the seed checkpoint, as the control does."""
+def from_the_seed(trainer: Any) -> None:
+    """Start from the seed checkpoint whatever the checkpoint folder holds (torchtitan 0.3
+    loads the latest ``step-N`` of its folder first): a checkpoint or an anchor a previous
+    attempt left there is never loaded."""
+    trainer.checkpointer._find_load_step = lambda folder="": -1  # this checkpointer only
+
+
+def check_stopped(trainer: Any, step: int) -> None:
+    """Job 1, after torchtitan's loop (``ConvergenceTrainer.should_continue_training`` ends it
+    after ``step``; torchtitan saved it: ``checkpoint.interval``): it stopped there, and rank 0
+    writes the manifest beside the checkpoint. The LR schedule still spans the whole run
+    (``training.steps`` is unchanged)."""
     import torch.distributed as dist
-    from torchtitan.trainer import Trainer
 
-    train = Trainer.train
-
-    def should_continue_training(self: Any) -> bool:
-        return bool(self.step < min(step, self.config.training.steps))
-
-    def train_to_the_checkpoint(self: Any) -> None:
-        self.checkpointer._find_load_step = lambda folder="": -1  # the seed checkpoint
-        train(self)
-        if self.step != step:
-            raise SystemExit(f"stopped at step {self.step}, not at the checkpoint's {step}")
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            record = manifest(
-                self.config,
-                step=step,
-                dp_degree=dp_degree(self),
-                global_batch_size=global_batch(self),
-            )
-            folder = Path(self.checkpointer.folder)
-            (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
-
-    Trainer.should_continue_training = should_continue_training
-    Trainer.train = train_to_the_checkpoint
-
-
-@pinned(torchtitan="0.3", torch="2.13")
-def resume_from(folder: str) -> None:
-    """Job 2: before torchtitan loads, ``folder`` must hold job 1's checkpoint of this run
-    (check_checkpoint)."""
-    from torchtitan.trainer import Trainer
-
-    train = Trainer.train
-
-    def train_from_the_checkpoint(self: Any) -> None:
-        wanted = manifest(
-            self.config, step=0, dp_degree=dp_degree(self), global_batch_size=global_batch(self)
+    if trainer.step != step:
+        raise SystemExit(f"stopped at step {trainer.step}, not at the checkpoint's {step}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        record = manifest(
+            trainer.config,
+            step=step,
+            dp_degree=dp_degree(trainer),
+            global_batch_size=global_batch(trainer),
         )
-        check_checkpoint(folder, wanted)
-        train(self)
+        folder = Path(trainer.checkpointer.folder)
+        (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
 
-    Trainer.train = train_from_the_checkpoint
+
+def check_resume(trainer: Any, folder: str) -> None:
+    """Job 2, before torchtitan loads: ``folder`` holds job 1's checkpoint of this run
+    (check_checkpoint)."""
+    wanted = manifest(
+        trainer.config,
+        step=0,
+        dp_degree=dp_degree(trainer),
+        global_batch_size=global_batch(trainer),
+    )
+    check_checkpoint(folder, wanted)

@@ -15,13 +15,16 @@ the built-in trainer's names and definitions (one JSON line per step, rank 0):
   and ``grad_norm_parts``, their geometric mean;
 - ``update_norm``, ``update_norm/<part>`` and ``update_norm_parts``: the norms of the
   parameters' change in the optimizer step (``convergence.trainer.optim.update_norms``: a copy
-  of each rank's shards after torchtitan clipped, against the shards after its optimizers
-  stepped) -- what the optimizer applied, after torchtitan's own clipping: a clipping bug (a
-  PP stage clipping with its local norm) leaves ``grad_norm`` right and shows here.
+  of each rank's shards taken once the step's gradients are complete -- clipping changes
+  gradients only -- against the shards after its optimizers stepped) -- what the optimizer
+  applied, after torchtitan's own clipping: a clipping bug (a PP stage clipping with its local
+  norm) leaves ``grad_norm`` right and shows here.
 
 The same norms go into torchtitan's TensorBoard folder as ``convergence/grad_norm``,
 ``convergence/grad_norm_parts`` and ``convergence/update_norm_parts`` (``TB_TAGS``), so a job
-followed live is judged on them too. The step's line is written once its optimizers stepped.
+followed live is judged on them too. The step's line is written at the end of its step.
+
+Who calls what, when: convergence/backends/torchtitan/trainer_class.py (``ConvergenceTrainer``).
 """
 
 from __future__ import annotations
@@ -49,17 +52,23 @@ class StepLog:
         self.path = Path(path)
         self.digest = 0
         self.parts: tuple[str, ...] | None = None
-        #: This step's record (every rank computes the same norms; rank 0 writes it).
+        #: This step's record (every rank computes the same norms; rank 0 writes it): its
+        #: gradients' and torchtitan's norm, then its update's.
         self.record: dict[str, float | int] = {}
-        #: This rank's parameter shards after clipping, before the optimizers step.
+        self.updates: dict[str, float] = {}
+        #: This rank's parameter shards before the optimizers step.
         self.before: list[Sharded] | None = None
+        #: The optimizers stepped since the record was made (its line is due).
+        self.stepped = False
         self.pp_group: Any = None
 
     def on_batch(self, input_dict: dict[str, Any], labels: Any) -> None:
         self.digest += sample_hash(input_dict["input"], labels)
 
     def on_grads(self, named: list[tuple[str, Any]], parallel_dims: Any, *, step: int) -> None:
-        """Before torchtitan clips optimizer step ``step``: its fingerprint and gradient norms."""
+        """Optimizer step ``step``'s gradients are complete (its last backward ran; torchtitan
+        clips next): its fingerprint and gradient norms, and one copy of this rank's parameter
+        shards as they are before the optimizers step (clipping changes gradients only)."""
         import torch
         import torch.distributed as dist
 
@@ -85,42 +94,54 @@ class StepLog:
                 for part, norm in zip(self.parts, part_norms.tolist(), strict=True)
             },
         }
-
-    def on_clipped(self, torchtitan_norm: float, named: list[tuple[str, Any]]) -> None:
-        """After torchtitan clipped with its own norm: its norm, and the parameters as they are
-        before the optimizers step (one copy of this rank's shards)."""
-        self.record["torchtitan_grad_norm"] = torchtitan_norm
+        self.updates = {}
+        self.stepped = False
         self.before = local_pieces(named)
 
     def on_stepped(self, named: list[tuple[str, Any]]) -> None:
-        """After torchtitan's optimizers stepped: the update's norms, then the step's line
-        (rank 0). Every rank calls it (the norms are collectives)."""
-        import torch.distributed as dist
-
+        """After torchtitan's optimizers stepped: the update's norms. Every rank calls it (the
+        norms are collectives)."""
         if self.before is None or self.parts is None:
-            return  # a step without our clipping record (none in torchtitan 0.3's loop)
+            return  # a step without our gradient record (none in torchtitan 0.3's loop)
         total, part_norms = update_norms(named, self.before, self.parts, self.pp_group)
         self.before = None
-        self.record.update(
-            {
-                "update_norm": float(total),
-                "update_norm_parts": parts_geomean(part_norms),
-                **{
-                    f"update_norm/{part}": float(norm)
-                    for part, norm in zip(self.parts, part_norms.tolist(), strict=True)
-                },
-            }
-        )
+        self.stepped = True
+        self.updates = {
+            "update_norm": float(total),
+            "update_norm_parts": parts_geomean(part_norms),
+            **{
+                f"update_norm/{part}": float(norm)
+                for part, norm in zip(self.parts, part_norms.tolist(), strict=True)
+            },
+        }
+
+    def on_metrics(self, step: int, torchtitan_norm: float) -> bool:
+        """torchtitan's metrics line of ``step`` (its ``grad_norm``: the norm it clipped with);
+        whether it is this record's step."""
+        if self.record.get("step") != step:
+            return False
+        self.record["torchtitan_grad_norm"] = torchtitan_norm
+        return True
+
+    def write(self) -> None:
+        """The step's line (rank 0), once its optimizers stepped; at the end of each step.
+        A step whose metrics line never came (torchtitan raises on a non-finite loss before
+        it logs) is written without ``torchtitan_grad_norm``."""
+        import torch.distributed as dist
+
+        if not self.stepped:
+            return
+        self.stepped = False
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         with self.path.open("a") as fh:
-            fh.write(json.dumps(self.record) + "\n")
+            # The gradients' keys, torchtitan's norm, then the update's (the line's order).
+            fh.write(json.dumps({**self.record, **self.updates}) + "\n")
 
     def tensorboard_extras(self) -> dict[str, float]:
         """This step's norms under ``TB_TAGS``' names."""
-        return {
-            tag: float(self.record[name]) for tag, name in TB_TAGS.items() if name in self.record
-        }
+        record = {**self.record, **self.updates}
+        return {tag: float(record[name]) for tag, name in TB_TAGS.items() if name in record}
 
 
 def model_parts(named: list[tuple[str, Any]], pp_group: Any) -> tuple[str, ...]:
