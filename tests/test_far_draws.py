@@ -53,8 +53,11 @@ def test_pseudo_pairs_of_a_saved_dense_run() -> None:
     group = _group()
     assert group.anchor_every == 1 and group.steps == 30
     pps = far_draws.pseudo_pairs(group)
-    # 29 anchors (1..29), a 30-step pair gets 2 (10, 20): series {k, k + 10}, k = 1..10
-    assert [p.anchors for p in pps] == [(k, k + 10) for k in range(1, 11)]
+    # 29 anchors (1..29), a 30-step pair gets 2 (10, 20): from anchor 10, {k, k + 10},
+    # k = 10..19; from anchor 1, k = 1..10
+    assert [p.anchors for p in pps] == [(k, k + 10) for k in range(10, 20)]
+    early = far_draws.pseudo_pairs(group, first=1)
+    assert [p.anchors for p in early] == [(k, k + 10) for k in range(1, 11)]
     assert all(p.passed for p in pps), [p.message for p in pps if not p.passed]
     shares = [s for p in pps for s in p.shares]
     assert len(shares) == 20 and all(0 <= s < 1 for s in shares)
@@ -71,10 +74,27 @@ def test_a_gap_planted_at_one_anchor_fails_only_its_series() -> None:
     anchored = dict(group.anchored[layout])
     loss = anchored["loss"]
     values = loss.values.copy()
-    values[loss.steps == 14] *= 1.01  # one step from anchor 13, far past the fp32 floor
+    values[loss.steps == 24] *= 1.01  # one step from anchor 23, far past the fp32 floor
     anchored["loss"] = Curve("loss", loss.steps, values)
     bad = dataclasses.replace(group, anchored={layout: anchored})
     verdicts = {p.anchors: p for p in far_draws.pseudo_pairs(bad)}
-    assert not verdicts[(3, 13)].passed
-    assert verdicts[(3, 13)].shares[1] > 1
-    assert all(p.passed for a, p in verdicts.items() if a != (3, 13))
+    assert not verdicts[(13, 23)].passed
+    assert verdicts[(13, 23)].shares[1] > 1
+    assert all(p.passed for a, p in verdicts.items() if a != (13, 23))
+
+
+def test_consecutive_shares_correlation() -> None:
+    rising = {a: float(a) for a in range(1, 30)}
+    assert far_draws.lag_correlation(rising, 1) == (pytest.approx(1.0), 28)
+    alternating = {a: float(a % 2) + a * 1e-6 for a in range(1, 30)}
+    assert far_draws.lag_correlation(alternating, 1)[0] < 0
+
+
+def test_the_series_at_the_judges_anchors_is_the_real_pairs_verdict() -> None:
+    # anchors 10 and 20 of the dense run are what the default judge gives a 30-step pair:
+    # the pseudo-pair there must be far_judge's (and so the Runner's) anchored judgement
+    group = _group()
+    mine = far_draws.judge_series(group, "fsdp2-tp2", (10, 20))
+    real = far_judge.judge_pair(group, "fsdp2-tp2", "anchored-judge")
+    assert real is not None and real.status == "passed" and mine.passed
+    assert mine.shares == pytest.approx(real.anchor_shares, rel=1e-12)
