@@ -64,7 +64,7 @@ def test_pseudo_pairs_of_a_saved_dense_run() -> None:
     rows = far_draws.draw_rows(pps)
     assert rows[0].split("|")[4].strip() == "20"  # one-step draws
     pair = far_draws.pair_rows(pps)[0].split("|")
-    assert pair[3].strip() == "10" and pair[5].strip() == "0"  # pseudo-pairs, alarms
+    assert pair[3].strip() == "10" and pair[5].strip() == "0 (0 / 0)"  # pseudo-pairs, alarms
     assert pair[7].strip() == f"{far_judge.clopper_pearson(0, 10)[1]:.2%}"
 
 

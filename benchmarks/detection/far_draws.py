@@ -234,6 +234,8 @@ def pair_rows(pps: Sequence[PseudoPair]) -> list[str]:
             if not these:
                 continue
             alarms = sum(not p.passed for p in these)
+            # outright: an anchor above its tolerance; else only the persistence rule failed it
+            outright = sum(not p.passed and max(p.shares) > 1 for p in these)
             upper = clopper_pearson(alarms, len(these))[1]
             worst = max(max(p.shares) for p in these)
             # the persistence rule's margin: the largest second-largest share of two
@@ -248,14 +250,16 @@ def pair_rows(pps: Sequence[PseudoPair]) -> list[str]:
             )
             said = f"{pers:.3g}" if precision == "bf16" else f"({pers:.3g}: no such rule)"
             out.append(
-                f"| {precision} | {layout} | {len(these)} | {len(these[0].anchors)} | {alarms} | "
+                f"| {precision} | {layout} | {len(these)} | {len(these[0].anchors)} | {alarms} "
+                f"({outright} / {alarms - outright}) | "
                 f"{alarms / len(these):.1%} | {upper:.2%} | {worst:.3g} | {said} |"
             )
     return out
 
 
 PAIR_HEAD = [
-    "| precision | layout | pseudo-pairs | anchors each | alarms | rate | per-pair rate, CP 95 % "
+    "| precision | layout | pseudo-pairs | anchors each | alarms (outright / persistence "
+    "only) | rate | per-pair rate, CP 95 % "
     "upper | worst share | worst min share of two consecutive anchors (bf16 persistence rule: "
     "> 0.5 on a metric fails) |",
     "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -308,7 +312,10 @@ def real_pair_rows(groups: Sequence[Group]) -> list[str]:
             for g in groups
             if g.precision == precision
             for case, pair in sorted(g.pairs.items())
-            if pair["kind"] == "correct" and (j := judge_pair(g, case, "anchored-judge"))
+            # a pair whose run was an error (e.g. a job killed) is no pair: left out
+            if pair["kind"] == "correct"
+            and pair["status"] != "error"
+            and (j := judge_pair(g, case, "anchored-judge"))
         ]
         if not judged:
             continue
@@ -340,7 +347,28 @@ def dense_groups(folder: Path = CURVES, configs: Sequence[str] = HELD_BACK) -> l
     return out
 
 
-def report(groups: Sequence[Group]) -> list[str]:
+def key(group: Group, layout: str) -> tuple[str, int, str, str]:
+    return group.config, group.seed, group.precision, layout
+
+
+def real_pair_lines(groups: Sequence[Group]) -> list[str]:
+    """The real pairs the default judge fails, one line each."""
+    out = []
+    for g in groups:
+        for case, pair in sorted(g.pairs.items()):
+            if pair["kind"] != "correct" or pair["status"] == "error":
+                continue
+            j = judge_pair(g, case, "anchored-judge")
+            if j is not None and j.status != "passed":
+                shares = ", ".join(f"{s:.2f}" for s in j.anchor_shares)
+                out.append(
+                    f"- {g.config}-{g.precision}-s{g.seed} {case}: {j.status} at step {j.first} "
+                    f"({j.by}); anchor shares at 10..50: {shares}"
+                )
+    return out
+
+
+def report(groups: Sequence[Group], alarms: bool = False) -> list[str]:
     pps = [p for g in groups for p in pseudo_pairs(g)]
     early = [p for g in groups for p in pseudo_pairs(g, first=1)]
     names = ", ".join(
@@ -374,13 +402,29 @@ def report(groups: Sequence[Group]) -> list[str]:
         *REAL_HEAD,
         *real_pair_rows(groups),
         "",
-        "Independence check (shares under one run-wide tolerance, pooled over runs):",
+        *real_pair_lines(groups),
+        "",
+        "Independence check (each run's shares under one run-wide tolerance; the rank "
+        "correlation within each run, not pooled):",
         "",
         *CORRELATION_HEAD,
         *correlation_rows(groups),
     ]
+    short = [
+        f"{g.config}-{g.precision}-s{g.seed} {layout} ({g.pairs[layout]['status']}: "
+        f"{len(anchors_of(g.anchored[layout])) if layout in g.anchored else 0} anchored steps)"
+        for g in groups
+        for layout, pair in sorted(g.pairs.items())
+        if pair["kind"] == "correct"
+        and not [p for p in pps if (p.config, p.seed, p.precision, p.layout) == key(g, layout)]
+    ]
+    if short:
+        lines += [
+            "",
+            "Left out (no whole series: the anchored run stopped short): " + "; ".join(short),
+        ]
     failing = [p for p in pps if not p.passed]
-    if failing:
+    if failing and alarms:
         lines += ["", "Alarms (pseudo-pairs from anchor 10):", ""]
         lines += [
             f"- {p.config}-{p.precision}-s{p.seed} {p.layout} anchors {list(p.anchors)}: "
@@ -401,13 +445,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--folder", type=Path, default=CURVES)
     parser.add_argument("--configs", nargs="+", default=list(HELD_BACK))
+    parser.add_argument("--alarms", action="store_true", help="list every pseudo-pair alarm")
     parser.add_argument("--write", action="store_true", help="replace the tables in BENCHMARKS.md")
     args = parser.parse_args()
     groups = dense_groups(args.folder, args.configs)
     if not groups:
         print(f"no group with an anchor at every step in {args.folder}")
         return 1
-    lines = report(groups)
+    lines = report(groups, alarms=args.alarms)
     print("\n".join(lines))
     if args.write:
         write(lines)
