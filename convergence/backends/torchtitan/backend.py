@@ -46,6 +46,8 @@ from convergence.spec.layout import ParallelLayout, Techniques
 from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES
 from convergence.spec.run_dir import DumpDir
 from convergence.spec.trainer_request import TrainerRequest
+from convergence.torch_info import may_see_gpus
+from convergence.trainer.precision_here import INSTALL, torchao_installed
 
 
 def source_dir() -> Path:
@@ -121,9 +123,6 @@ class TorchtitanBackend:
         """float8 / MXFP8 go to torchtitan's own converters (converters.py): a combination
         torchtitan 0.3.0 cannot train here is a skip with the reason (another device may run
         it), all-gather an error of the file (no device runs it)."""
-        from convergence.torch_info import may_see_gpus
-        from convergence.trainer.precision_here import INSTALL, torchao_installed
-
         t = job.techniques
         if t.float8_all_gather:
             raise SpecError(
