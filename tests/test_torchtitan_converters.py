@@ -5,7 +5,15 @@ the launcher's words for it. The converted run itself: experiments/torchtitan/pr
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+if not os.environ.get("CI"):  # in CI (.ci/run installs it) a missing torchtitan must fail
+    pytest.importorskip(
+        "torchtitan",
+        reason="torchtitan is not installed (pip install 'pytest-convergence[torchtitan]' triton)",
+    )
 
 from convergence.backends.torchtitan.converters import refusal
 from convergence.backends.torchtitan.launch import split_argv
