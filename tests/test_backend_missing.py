@@ -121,15 +121,17 @@ def test_torchtitan_0_3_needs_torch_2_13_exactly() -> None:
 
 
 def test_every_place_states_the_same_torch_for_torchtitan() -> None:
-    """The registry, every pinned patch, pyproject's extra and the refusal message say one
-    torch series (2.13.x): none can move without the others."""
+    """The registry, every patch pinned to a torch, pyproject's extra and the refusal message
+    say one torch series (2.13.x): none can move without the others. (The pins with no torch
+    -- the trainer subclass and torchtitan's main -- reach into torchtitan only.)"""
     from packaging.specifiers import SpecifierSet
 
     from convergence.backends.torchtitan import anchors, probe, resume  # noqa: F401 (pins)
     from convergence.backends.torchtitan.patches import PATCHES, unsupported_releases
 
     series = TORCH_SERIES["torchtitan"]["0.3"]
-    assert {pin.torch for pin in PATCHES.values()} == {series}, PATCHES
+    assert {pin.torch for pin in PATCHES.values() if pin.torch} == {series}, PATCHES
+    assert {pin.torchtitan for pin in PATCHES.values()} == {"0.3"}, PATCHES
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]

@@ -44,9 +44,11 @@ MORE: dict[str, tuple[int, str]] = {
         "pair folder's name, each side's backend, the controls' and the test's runs",
     ),
     "stats/_common.py": (
-        6,
+        8,
         "the comparisons' helper functions (incomplete, align, worst, first_true, the "
-        "per-step check and tolerance), one call each from stats/paired_band.py",
+        "per-step check and tolerance), one call each from stats/paired_band.py; and the "
+        "verdict on no compared step (uncompared) from stats/registry.py (a metric a run "
+        "does not log) and the fingerprint's alignment from stats/fingerprint.py",
     ),
     "launch/process_tree.py": (
         4,
