@@ -147,7 +147,7 @@ for p in $PARTS; do
             $PY -m zipfile -e "$wheel" "$WORK/pydeps" && export PYTHONPATH=$WORK/pydeps:$PYTHONPATH
           fi
         fi
-        pytest_part float8 "$LIMIT" -m convergence --convergence-tier nightly -rs \
+        pytest_part float8 "$LIMIT" -m convergence --convergence-tier nightly \
           experiments/precision/gpu.toml
       ) & ;;
     fixedcost)
