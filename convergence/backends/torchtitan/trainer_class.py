@@ -97,6 +97,8 @@ class ConvergenceTrainer(Trainer):  # type: ignore[misc]  # torchtitan: untyped 
             "resume_from": o.resume_from,
             "anchor_every": o.anchor_every,
             "anchored_from": o.anchored_from,
+            "float8": o.float8,
+            "mxfp8": o.mxfp8,
         }
         return [name for name, value in asked.items() if value] or ["none"]
 
@@ -127,18 +129,22 @@ class ConvergenceTrainer(Trainer):  # type: ignore[misc]  # torchtitan: untyped 
             return bool(self.step < min(stop, self.config.training.steps))
         return bool(super().should_continue_training())
 
+    def probing(self) -> TitanProbe | None:
+        """The probe, while the current step is the probed one and it is not written yet."""
+        probe = self.titan_probe
+        if probe is not None and self.step == probe.step and not probe.done:
+            return probe
+        return None
+
     def train_step(self, data_iterator: Iterator[Batch]) -> None:
         self.backwards_this_step = 0
-        probe = self.titan_probe
-        probed = probe is not None and self.step == probe.step and not probe.done
-        if probed:
-            assert probe is not None
+        probe = self.probing()
+        if probe is not None:
             start_recording(probe, self)
         try:
             super().train_step(data_iterator)
         finally:
-            if probed:
-                assert probe is not None
+            if probe is not None:
                 probe.recorder.remove()
             if self.step_log is not None:
                 self.step_log.write()
@@ -161,8 +167,8 @@ class ConvergenceTrainer(Trainer):  # type: ignore[misc]  # torchtitan: untyped 
         loss: torch.Tensor = super().forward_backward_step(
             input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
-        probe = self.titan_probe
-        if probe is not None and self.step == probe.step and not probe.done:
+        probe = self.probing()
+        if probe is not None:
             probe.losses.append(loss.detach())
         self.backwards_this_step += 1
         # torchtitan 0.3's train_step: one call per accumulation step, then it clips.
@@ -173,8 +179,8 @@ class ConvergenceTrainer(Trainer):  # type: ignore[misc]  # torchtitan: untyped 
     def gradients_complete(self) -> None:
         """The step's gradients as torchtitan is about to clip them: the probe first (it
         reads them, changes nothing), then the step log's norms."""
-        probe = self.titan_probe
-        if probe is not None and self.step == probe.step and not probe.done:
+        probe = self.probing()
+        if probe is not None:
             write_probe(probe, self)
             probe.done = True
         if self.step_log is not None:
