@@ -470,3 +470,13 @@ def test_impossible_torchtitan_ep_is_refused_with_key_and_fix(
         BACKEND.preflight(job(layout, backend_options=options))
     assert says in str(info.value) and info.value.key == "parallelism.ep"
     assert info.value.fix
+
+
+def test_float8_all_gather_is_refused_for_torchtitan_with_key_and_fix() -> None:
+    """torchtitan 0.3.0's float8 converter has no float8 all-gather: an error of the file (no
+    device runs it), not a skip (convergence/backends/torchtitan/converters.py)."""
+    tech = Techniques(param_dtype="bfloat16", float8="tensorwise", float8_all_gather=True)
+    with pytest.raises(SpecError) as info:
+        BACKEND.preflight(job(techniques=tech))
+    assert "no float8 all-gather" in str(info.value)
+    assert info.value.key == "techniques.float8_all_gather" and info.value.fix

@@ -20,23 +20,22 @@ from convergence.backends.torchtitan.launch import split_argv
 
 
 def test_cpu_runs_emulated_tensorwise_and_a_gpu_rowwise() -> None:
-    assert refusal(float8="tensorwise", float8_all_gather=False, mxfp8=False, cpu=True) is None
-    assert refusal(float8="rowwise", float8_all_gather=False, mxfp8=False, cpu=False) is None
+    assert refusal(float8="tensorwise", mxfp8=False, cpu=True) is None
+    assert refusal(float8="rowwise", mxfp8=False, cpu=False) is None
 
 
 @pytest.mark.parametrize(
-    ("float8", "all_gather", "mxfp8", "cpu", "says"),
+    ("float8", "mxfp8", "cpu", "says"),
     [
-        ("rowwise", False, False, True, "emulates tensorwise scaling only"),
-        ("tensorwise", False, False, False, "only row-wise float8 recipes on a GPU"),
-        ("tensorwise", True, False, True, "no float8 all-gather"),
-        ("none", False, True, True, "needs an SM100 GPU"),
+        ("rowwise", False, True, "emulates tensorwise scaling only"),
+        ("tensorwise", False, False, "only row-wise float8 recipes on a GPU"),
+        ("none", True, True, "needs an SM100 GPU"),
     ],
 )
 def test_a_recipe_torchtitan_would_silently_replace_is_refused(
-    float8: str, all_gather: bool, mxfp8: bool, cpu: bool, says: str
+    float8: str, mxfp8: bool, cpu: bool, says: str
 ) -> None:
-    why = refusal(float8=float8, float8_all_gather=all_gather, mxfp8=mxfp8, cpu=cpu)
+    why = refusal(float8=float8, mxfp8=mxfp8, cpu=cpu)
     assert why is not None and says in why
 
 

@@ -138,7 +138,7 @@ class TorchtitanBackend:
                 fix=INSTALL,
             )
         gpu = may_see_gpus() and _cuda_available()
-        why = refusal(float8=t.float8, float8_all_gather=False, mxfp8=t.mxfp8, cpu=not gpu)
+        why = refusal(float8=t.float8, mxfp8=t.mxfp8, cpu=not gpu)
         if why is not None:
             raise NotRunnableHere(why, key="techniques", fix="run it where the recipe runs")
 
