@@ -174,6 +174,24 @@ def test_the_inverted_scale_bug_multiplies_the_weights_matmuls_by_its_scale_squa
     assert torch.allclose(wrong, right * scale**2, rtol=1e-3, atol=0)
 
 
+def collect_shipped(tmp_path: Path, experiment: str, env: dict[str, str]) -> str:
+    """``pytest -m convergence`` (nightly tier) on a shipped precision experiment in a fresh
+    interpreter with ``env``; its output, after asserting that it exited 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
+        + ["--convergence-workdir", str(tmp_path), experiment]
+        + ["-m", "convergence", "--convergence-tier", "nightly"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    return out
+
+
 # -- the GPU acceptance pairs on a machine without a GPU -------------------------------------
 
 
@@ -181,18 +199,8 @@ def test_the_hardware_float8_pairs_skip_without_a_gpu_naming_the_key(tmp_path: P
     """experiments/precision/gpu.toml (benchmarks/gpu_check.sh's float8 part) asks for the
     GPU's own float8 kernels: here, where torch sees no GPU, each pair is skipped with the fix
     (never trained on an emulated fallback and called a hardware result)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
-        + ["--convergence-workdir", str(tmp_path), "experiments/precision/gpu.toml"]
-        + ["-m", "convergence", "--convergence-tier", "nightly"],
-        cwd=ROOT,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = collect_shipped(tmp_path, "experiments/precision/gpu.toml", env)
     assert "3 skipped" in out, out
     assert out.count('with precision.kernels = "hardware" needs a GPU with float8') == 3, out
 
@@ -205,18 +213,7 @@ def test_without_torchao_the_precision_pairs_skip_naming_the_install(tmp_path: P
     env["PYTHONPATH"] = os.pathsep.join(
         [str(FIXTURES / "no_torchao"), *filter(None, [env.get("PYTHONPATH")])]
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs"]
-        + ["--convergence-workdir", str(tmp_path), "experiments/precision/cpu.toml"]
-        + ["-m", "convergence", "--convergence-tier", "nightly"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out
+    out = collect_shipped(tmp_path, "experiments/precision/cpu.toml", env)
     assert "4 skipped" in out, out
     assert "needs torchao, which is not installed in this environment" in out, out
     assert 'pip install "pytest-convergence[precision]"' in out, out
