@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,26 +194,32 @@ def tail_fit(shares: Sequence[float]) -> tuple[float, float, float]:
     return expo, gpd, float(shape)
 
 
-def draw_rows(pps: Sequence[PseudoPair]) -> list[str]:
-    out = []
+def table_cells(pps: Sequence[PseudoPair]) -> Iterator[tuple[str, str, list[PseudoPair]]]:
+    """(precision, layout, its pseudo-pairs) for each row of the draw and pair tables: per
+    precision each layout, then all of them together."""
     for precision in ("fp32", "bf16"):
         mine = [p for p in pps if p.precision == precision]
-        layouts = sorted({p.layout for p in mine})
-        for layout in [*layouts, "all"]:
-            shares = [s for p in mine if layout in (p.layout, "all") for s in p.shares]
-            if not shares:
-                continue
-            over = sum(s > 1 for s in shares)
-            upper = clopper_pearson(over, len(shares))[1]
-            x = np.asarray(shares)
-            tail = " | ".join(f"{np.mean(x > t):.3g}" for t in TAIL_LEVELS)
-            expo, gpd, shape = tail_fit(shares)
-            runs = len({(p.config, p.seed) for p in mine if layout in (p.layout, "all")})
-            out.append(
-                f"| {precision} | {layout} | {runs} | "
-                f"{len(shares)} | {over} | {np.median(x):.3g} / {np.quantile(x, 0.99):.3g} / "
-                f"{x.max():.3g} | {upper:.2%} | {tail} | {expo:.2g} / {gpd:.2g} (xi {shape:.2f}) |"
-            )
+        for layout in [*sorted({p.layout for p in mine}), "all"]:
+            these = [p for p in mine if layout in (p.layout, "all")]
+            if these:
+                yield precision, layout, these
+
+
+def draw_rows(pps: Sequence[PseudoPair]) -> list[str]:
+    out = []
+    for precision, layout, these in table_cells(pps):
+        shares = [s for p in these for s in p.shares]
+        over = sum(s > 1 for s in shares)
+        upper = clopper_pearson(over, len(shares))[1]
+        x = np.asarray(shares)
+        tail = " | ".join(f"{np.mean(x > t):.3g}" for t in TAIL_LEVELS)
+        expo, gpd, shape = tail_fit(shares)
+        runs = len({(p.config, p.seed) for p in these})
+        out.append(
+            f"| {precision} | {layout} | {runs} | "
+            f"{len(shares)} | {over} | {np.median(x):.3g} / {np.quantile(x, 0.99):.3g} / "
+            f"{x.max():.3g} | {upper:.2%} | {tail} | {expo:.2g} / {gpd:.2g} (xi {shape:.2f}) |"
+        )
     return out
 
 
@@ -227,33 +233,24 @@ DRAW_HEAD = [
 
 def pair_rows(pps: Sequence[PseudoPair]) -> list[str]:
     out = []
-    for precision in ("fp32", "bf16"):
-        mine = [p for p in pps if p.precision == precision]
-        for layout in [*sorted({p.layout for p in mine}), "all"]:
-            these = [p for p in mine if layout in (p.layout, "all")]
-            if not these:
-                continue
-            alarms = sum(not p.passed for p in these)
-            # outright: an anchor above its tolerance; else only the persistence rule failed it
-            outright = sum(not p.passed and max(p.shares) > 1 for p in these)
-            upper = clopper_pearson(alarms, len(these))[1]
-            worst = max(max(p.shares) for p in these)
-            # the persistence rule's margin: the largest second-largest share of two
-            # consecutive anchors (both above 0.5 fails a twin rule's metric)
-            pers = max(
-                (
-                    min(a, b)
-                    for p in these
-                    for a, b in zip(p.shares[:-1], p.shares[1:], strict=True)
-                ),
-                default=0.0,
-            )
-            said = f"{pers:.3g}" if precision == "bf16" else f"({pers:.3g}: no such rule)"
-            out.append(
-                f"| {precision} | {layout} | {len(these)} | {len(these[0].anchors)} | {alarms} "
-                f"({outright} / {alarms - outright}) | "
-                f"{alarms / len(these):.1%} | {upper:.2%} | {worst:.3g} | {said} |"
-            )
+    for precision, layout, these in table_cells(pps):
+        alarms = sum(not p.passed for p in these)
+        # outright: an anchor above its tolerance; else only the persistence rule failed it
+        outright = sum(not p.passed and max(p.shares) > 1 for p in these)
+        upper = clopper_pearson(alarms, len(these))[1]
+        worst = max(max(p.shares) for p in these)
+        # the persistence rule's margin: the largest second-largest share of two
+        # consecutive anchors (both above 0.5 fails a twin rule's metric)
+        pers = max(
+            (min(a, b) for p in these for a, b in zip(p.shares[:-1], p.shares[1:], strict=True)),
+            default=0.0,
+        )
+        said = f"{pers:.3g}" if precision == "bf16" else f"({pers:.3g}: no such rule)"
+        out.append(
+            f"| {precision} | {layout} | {len(these)} | {len(these[0].anchors)} | {alarms} "
+            f"({outright} / {alarms - outright}) | "
+            f"{alarms / len(these):.1%} | {upper:.2%} | {worst:.3g} | {said} |"
+        )
     return out
 
 
