@@ -115,15 +115,6 @@ def check_anchors(folder: str, wanted: dict[str, Any]) -> list[int]:
     return anchors
 
 
-def _manifest(trainer: Any, step: int) -> dict[str, Any]:
-    return resume.manifest(
-        trainer.config,
-        step=step,
-        dp_degree=resume.dp_degree(trainer),
-        global_batch_size=resume.global_batch(trainer),
-    )
-
-
 def save_anchors(trainer: Any, every: int) -> None:
     """The control, before torchtitan's loop: its checkpointer saves after every ``every``-th
     step (``checkpoint.interval``) but not after the last; rank 0 lists each anchor in the
@@ -143,7 +134,7 @@ def save_anchors(trainer: Any, every: int) -> None:
         saved = bool(save(curr_step, last_step=False))
         if saved and (not dist.is_initialized() or dist.get_rank() == 0):
             written.append(curr_step)
-            record = {**_manifest(trainer, curr_step), "anchors": written}
+            record = {**resume.trainer_manifest(trainer, curr_step), "anchors": written}
             (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
         return saved
 
@@ -154,7 +145,7 @@ def save_anchors(trainer: Any, every: int) -> None:
 def train_from_anchors(trainer: Any, folder: str) -> None:
     """The anchored job, in place of torchtitan's loop: one step from each anchor (the module
     docstring)."""
-    anchors = check_anchors(folder, _manifest(trainer, 0))
+    anchors = check_anchors(folder, resume.trainer_manifest(trainer, 0))
     for anchor in anchors:
         trainer.checkpointer.load(step=anchor)  # model, optimizer, schedule, data, step
         if trainer.step != anchor:
@@ -176,5 +167,5 @@ def check_probe_anchor(trainer: Any, path: str) -> None:
     anchor = anchor_of(Path(path))
     assert anchor is not None
     folder, step = str(anchor[0]), anchor[1]
-    if step not in check_anchors(folder, _manifest(trainer, 0)):
+    if step not in check_anchors(folder, resume.trainer_manifest(trainer, 0)):
         raise resume.cannot_serve(path, f"the control saved no anchor {step}", "probe from one")

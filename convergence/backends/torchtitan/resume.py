@@ -225,6 +225,16 @@ def from_the_seed(trainer: Any) -> None:
     trainer.checkpointer._find_load_step = lambda folder="": -1  # this checkpointer only
 
 
+def trainer_manifest(trainer: Any, step: int) -> dict[str, Any]:
+    """:func:`manifest` of a running trainer (its config, DP degree and global batch)."""
+    return manifest(
+        trainer.config,
+        step=step,
+        dp_degree=dp_degree(trainer),
+        global_batch_size=global_batch(trainer),
+    )
+
+
 def check_stopped(trainer: Any, step: int) -> None:
     """Job 1, after torchtitan's loop (``ConvergenceTrainer.should_continue_training`` ends it
     after ``step``; torchtitan saved it: ``checkpoint.interval``): it stopped there, and rank 0
@@ -235,12 +245,7 @@ def check_stopped(trainer: Any, step: int) -> None:
     if trainer.step != step:
         raise SystemExit(f"stopped at step {trainer.step}, not at the checkpoint's {step}")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        record = manifest(
-            trainer.config,
-            step=step,
-            dp_degree=dp_degree(trainer),
-            global_batch_size=global_batch(trainer),
-        )
+        record = trainer_manifest(trainer, step)
         folder = Path(trainer.checkpointer.folder)
         (folder / MANIFEST).write_text(json.dumps(record, indent=1), encoding="utf-8")
 
@@ -248,10 +253,4 @@ def check_stopped(trainer: Any, step: int) -> None:
 def check_resume(trainer: Any, folder: str) -> None:
     """Job 2, before torchtitan loads: ``folder`` holds job 1's checkpoint of this run
     (check_checkpoint)."""
-    wanted = manifest(
-        trainer.config,
-        step=0,
-        dp_degree=dp_degree(trainer),
-        global_batch_size=global_batch(trainer),
-    )
-    check_checkpoint(folder, wanted)
+    check_checkpoint(folder, trainer_manifest(trainer, 0))
