@@ -46,6 +46,9 @@ class Capabilities:
     ``train_config`` file's fix names them (spec/experiment.py MissingTrainConfig)."""
     needs_train_config: bool = True
     """A job must name a train config file (``train_config``)."""
+    warm_imports: tuple[str, ...] = ()
+    """Modules the backend's ranks import that a warm start imports once, in a fork server of
+    their own (LaunchRequest.warm_imports); empty: the server's stack is all they need."""
     train_config_fix: str = (
         "set train_config to your trainer's config file (hashed into the run-cache key, so a "
         "changed config is never mistaken for a cached one)"

@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 
 from convergence.launch.forkserver import IMPORT_ENV_PREFIXES, ForkServer, import_env_key
 
-ServerKey = tuple[str, tuple[tuple[str, str], ...]]
+ServerKey = tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]]
 
 
 def _close_all(servers: dict[ServerKey, ForkServer], lock: threading.Lock) -> None:
@@ -43,10 +43,14 @@ class ForkServers:
         # Not a method: the finalizer must not hold the object it finalizes.
         self._finalizer = weakref.finalize(self, _close_all, self._servers, self._lock)
 
-    def server_for(self, python: str, env: Mapping[str, str], cwd: str) -> ForkServer:
-        """The server for jobs with this interpreter, folder and import environment (started
-        now when there is none, or the last one died)."""
-        key = (python, import_env_key(env, cwd))
+    def server_for(
+        self, python: str, env: Mapping[str, str], cwd: str, imports: Sequence[str] = ()
+    ) -> ForkServer:
+        """The server for jobs with this interpreter, folder, import environment and extra
+        ``imports`` (LaunchRequest.warm_imports), started now when there is none, or the last
+        one died. Jobs with other extra imports get another server: a builtin job's ranks
+        never inherit a module its fresh process would not have imported."""
+        key = (python, import_env_key(env, cwd), tuple(imports))
         with self._lock:
             server = self._servers.get(key)
             if server is not None and server.alive:
@@ -60,7 +64,7 @@ class ForkServers:
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # what a look at it expects
                 if var in env:
                     server_env[var] = env[var]
-            server = ForkServer(python=python, env=server_env, cwd=cwd)
+            server = ForkServer(python=python, env=server_env, cwd=cwd, imports=imports)
             self._servers[key] = server
             return server
 

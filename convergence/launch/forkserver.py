@@ -34,7 +34,9 @@ a torchrun tree (launch/process_tree.py): the agent forwards SIGTERM to its rank
 The import environment: a server is shared by the jobs whose working folder and import-time
 environment (:data:`IMPORT_ENV_PREFIXES`: PYTHONPATH, torch's and OpenMP's variables, ...)
 are the same; a job that differs gets its own server, so it imports exactly what a fresh
-process would (``convergence ab`` runs another checkout through PYTHONPATH).
+process would (``convergence ab`` runs another checkout through PYTHONPATH). A backend whose
+ranks import more than this stack (torchtitan) names those modules (``warm_imports``): its jobs
+get a server that imports them too, after the stack, and no other job shares that server.
 """
 
 from __future__ import annotations
@@ -172,7 +174,9 @@ class WarmJob:
 class ForkServer:
     """One server process (see the module docstring), started at construction."""
 
-    def __init__(self, *, python: str, env: Mapping[str, str], cwd: str) -> None:
+    def __init__(
+        self, *, python: str, env: Mapping[str, str], cwd: str, imports: Sequence[str] = ()
+    ) -> None:
         self._dir = tempfile.mkdtemp(prefix="convergence-warm-")
         self.socket_path = os.path.join(self._dir, "server.sock")
         self._stderr_path = os.path.join(self._dir, "server.log")
@@ -180,7 +184,7 @@ class ForkServer:
         with open(self._stderr_path, "wb") as err:
             # Its own session: a Ctrl-C in a terminal reaches pytest, which ends jobs in order.
             self.proc = subprocess.Popen(
-                [python, "-m", "convergence.launch.forkserver", self.socket_path],
+                [python, "-m", "convergence.launch.forkserver", self.socket_path, *imports],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -271,11 +275,18 @@ class ForkServer:
 # ------------------------------------------------------------------------------ server side
 
 
-def _import_stack() -> None:
+def _import_stack(extra: Sequence[str] = ()) -> None:
     import importlib
 
     for name in WARM_MODULES:
         importlib.import_module(name)
+    for name in extra:
+        # A backend's modules (LaunchRequest.warm_imports): one that does not import here is
+        # left to the ranks, which then fail with their own error, in their own log.
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 -- any import error: the ranks will say it
+            print(f"warm import {name} failed: {exc!r}", file=sys.stderr, flush=True)
 
 
 def _cuda_initialised() -> bool:
@@ -283,9 +294,9 @@ def _cuda_initialised() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def serve(socket_path: str) -> NoReturn:
+def serve(socket_path: str, extra_imports: Sequence[str] = ()) -> NoReturn:
     """The server's loop: fork an agent per request, report each agent's exit status."""
-    _import_stack()
+    _import_stack(extra_imports)
     import gc
 
     # Objects the imports made are never collected: the children's collections then do not
@@ -409,10 +420,13 @@ def _end_agents(agents: dict[int, socket.socket | None]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        print("usage: python -m convergence.launch.forkserver SOCKET_PATH", file=sys.stderr)
+    if len(sys.argv) < 2:
+        print(
+            "usage: python -m convergence.launch.forkserver SOCKET_PATH [MODULE ...]",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ class WarmStart:
     def server(self, request: LaunchRequest, env: dict[str, str]) -> ForkServer:
         """The server for ``request``'s import environment ``env`` (started now if there is
         none)."""
-        return self.servers.server_for(self.python, env, str(request.cwd or os.getcwd()))
+        return self.servers.server_for(
+            self.python, env, str(request.cwd or os.getcwd()), imports=request.warm_imports
+        )
 
     def start(
         self, request: LaunchRequest, log: BinaryIO, *, argv: list[str], env: dict[str, str]

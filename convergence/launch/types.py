@@ -52,6 +52,10 @@ class LaunchRequest:
     warm start, launch/forkserver.py): one of ours that runs in one process, the seed
     checkpoint. Other direct commands (a trainer that starts its own ranks) start as fresh
     processes: what they set before importing torch must still take effect."""
+    warm_imports: tuple[str, ...] = ()
+    """Modules the job's ranks import beyond the warm server's own (forkserver.WARM_MODULES),
+    imported once by a server of their own (Capabilities.warm_imports: torchtitan's stack costs
+    each rank ~3.5 CPU s more than ours). Ignored by a torchrun start."""
     hosts: tuple[str, ...] = ()
     """Nodes the device pool placed the job on (a Slurm allocation); empty: the launcher
     chooses (one machine, or the first nodes of the allocation)."""

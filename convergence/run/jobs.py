@@ -245,6 +245,7 @@ class JobRunner:
         total_steps: int | None = None,
         direct: bool = False,
         forkable: bool = False,
+        warm_imports: Sequence[str] = (),
     ) -> LaunchRequest:
         """The one place a LaunchRequest is built from the session's settings.
 
@@ -269,6 +270,7 @@ class JobRunner:
             env=dict(limits.job_env) if in_job_context else {},
             direct=direct,
             forkable=forkable,
+            warm_imports=tuple(warm_imports),
         )
 
     def launch(
@@ -363,6 +365,8 @@ class JobRunner:
                 direct=True,
                 forkable=True,  # one of our processes: a warm start where the launcher has one
                 watch_idle=False,
+                # The server its jobs fork from: no second one started for this process alone.
+                warm_imports=backend.capabilities.warm_imports,
             )
             result = self.launcher.launch(request)  # one process: no lease from the pool
             if not result.ok:
@@ -456,6 +460,7 @@ class JobRunner:
             stop_file=backend.stop_file(job, dump),
             total_steps=job.steps,
             direct=backend.launches_itself(job),
+            warm_imports=backend.capabilities.warm_imports,
         )
         result = self.launch(request, job.world_size, on_metrics, device=job.device)
         folder.job_record.write_text(

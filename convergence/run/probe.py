@@ -67,6 +67,7 @@ def run_probe_job(
         nproc=job.world_size,
         log_dir=folder.logs,
         watch_idle=False,
+        warm_imports=backend.capabilities.warm_imports,
     )
     result = runner.launch(request, job.world_size, device=job.device)
     if not result.ok:

@@ -80,6 +80,8 @@ class TorchtitanBackend:
         twins_by_default=True,
         needs_train_config=False,
         probe=True,
+        # torchtitan's imports, once per warm server rather than per rank (warm.py says when).
+        warm_imports=("convergence.backends.torchtitan.warm",),
     )
 
     def code_identity(self, job: JobSpec) -> CodeIdentity:
