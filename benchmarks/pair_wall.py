@@ -7,7 +7,10 @@ Each run is ``pytest -m convergence`` in a subprocess with a cold cache (a fresh
   fp32 pairs, one control job, 30 steps);
 - ``bf16 twin pair``: one pair of the twin regime (control FSDP(2) with bf16 params, test
   FSDP(2)+TP(2), 30 steps): its control, noise twin (FSDP(4)) and forward-noise twin are the
-  control-side jobs that issue 39 runs at once where the device pool has room.
+  control-side jobs that issue 39 runs at once where the device pool has room;
+- ``torchtitan``: experiments/torchtitan/cpu.toml at the ci tier (torchtitan 0.3.0 on CPU: one
+  control, FSDP2+TP2+SP and FSDP2+PP2 1F1B, 4 steps), where torchtitan is installed: what the
+  warm start's backend imports (``Capabilities.warm_imports``) save.
 
 ``before`` is a source tree of ``--before REV`` (``git archive``), ``after`` this checkout. Runs
 are interleaved (before, after, before, ...) per round so a drift of the machine's load hits
@@ -36,8 +39,14 @@ from pathlib import Path
 
 from _report import REPO, machine, write_section
 
-WORKLOADS = ("quickstart", "twin")
-TITLES = {"quickstart": "quick start (3 pairs)", "twin": "bf16 twin pair"}
+WORKLOADS = ("quickstart", "twin", "torchtitan")
+TITLES = {
+    "quickstart": "quick start (3 pairs)",
+    "twin": "bf16 twin pair",
+    "torchtitan": "torchtitan cpu.toml (2 pairs)",
+}
+#: What a workload adds to ``pytest -m convergence`` (run from the checkout).
+WORKLOAD_ARGS = {"torchtitan": ["--convergence-tier", "ci", "experiments/torchtitan/cpu.toml"]}
 
 TWIN_EXPERIMENT = """\
 [experiment]
@@ -77,7 +86,7 @@ def _children_cpu() -> float:
 
 def session(checkout: Path, workload: str, work: Path) -> dict[str, float | str]:
     """One cold-cache session of ``workload`` with ``checkout``'s code."""
-    if workload == "quickstart":
+    if workload in ("quickstart", "torchtitan"):
         cwd = checkout
     else:
         cwd = work / "project"
@@ -96,6 +105,7 @@ def session(checkout: Path, workload: str, work: Path) -> dict[str, float | str]
         "--convergence-workdir",
         str(work / "wd"),
         "-q",
+        *WORKLOAD_ARGS.get(workload, []),
     ]
     load = os.getloadavg()[0]
     cpu0, t0 = _children_cpu(), time.monotonic()
