@@ -351,3 +351,40 @@ COLLECTION_SIDE_RANK = ("convergence.rank.hooks", "convergence.rank.rounding_dra
 def test_rank_modules_the_collection_imports_load_no_costly_package() -> None:
     costly = {m: _third_party_at_top(m) & COSTLY for m in COLLECTION_SIDE_RANK}
     assert costly == {m: set() for m in COLLECTION_SIDE_RANK}
+
+
+#: What a trainer's rank imports that the run cache's code hash leaves out, and why: the key
+#: holds what these produce, not their code.
+NOT_HASHED = {
+    "spec": "parsed experiments: the key holds the job's identity and its train config text",
+    "configs": "the shipped train configs: the key holds the config's text",
+    "torch_info": "torch's version: in the key as the stack (cache/stack.py)",
+    "torchao_info": "torchao's version: in the key where a job converts (config_text)",
+    "phase_marks": "timestamps of a job's phases: no part of its result",
+    "process_lifetime": "parent-death signals: no part of its result",
+}
+
+#: The entry points of the trainers' ranks.
+RANK_ENTRIES = (
+    "convergence.trainer.train",
+    "convergence.backends.torchtitan.launch",
+    "convergence.backends.torchtitan.trainer_class",
+)
+
+
+def test_the_run_cache_hashes_the_code_the_trainers_run() -> None:
+    """A package the trainers import on their ranks decides what a run computes: the run
+    cache's code hash (cache/key.py RESULT_PACKAGES) covers it, or NOT_HASHED says why not. A
+    new rank-side package (rank/, when it moved out of trainer/) cannot fall out of the key."""
+    from convergence.cache.key import RESULT_PACKAGES
+
+    graph = _graph()
+    seen, todo = set(RANK_ENTRIES), list(RANK_ENTRIES)
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    units = {_unit(m) for m in seen} - {"convergence"}
+    assert units - set(RESULT_PACKAGES) - set(NOT_HASHED) == set()
+    assert set(NOT_HASHED) <= units, "NOT_HASHED names a package the ranks no longer import"
