@@ -1,7 +1,7 @@
-"""The numerics probe for torchtitan jobs: the built-in trainer's probe, with the same
-recorder and reductions (convergence/rank/probe_norms.py), inside torchtitan's own training loop, through the launcher's
-trainer class (``ConvergenceTrainer``, convergence/backends/torchtitan/trainer_class.py, calls
-what is here).
+"""The numerics probe for torchtitan jobs: the built-in trainer's probe, with the same recorder
+and reductions (convergence/rank/probe_norms.py), inside torchtitan's own training loop,
+through the launcher's trainer class (``ConvergenceTrainer``,
+convergence/backends/torchtitan/trainer_class.py, calls what is here).
 
     torchrun ... -m convergence.backends.torchtitan.launch --convergence.probe_step=K ...
 

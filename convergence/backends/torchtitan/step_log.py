@@ -1,10 +1,10 @@
 """The launcher's per-step records, from the batches and gradients torchtitan itself uses, with
 the built-in trainer's names and definitions (one JSON line per step, rank 0):
 
-- ``data_fingerprint``: the sum of ``convergence.rank.sample_hash.sample_hash`` over every sample
-  of the global batch, mod 2**48;
+- ``data_fingerprint``: the sum of ``convergence.rank.sample_hash.sample_hash`` over every
+  sample of the global batch, mod 2**48;
 - ``grad_norm``: the total gradient norm, summed in float64 from each rank's local shards
-  (``convergence.rank.norms.grad_norms``, the built-in trainer's own function), just before
+  (``convergence.rank.norms.grad_norms``, the built-in trainer's function too), just before
   torchtitan clips. torchtitan's own norm (``torch.nn.utils.get_total_norm``: a float32
   foreach norm whose summation order follows the shards) moves by ~2e-5 relative between a
   layout and its TP variant on the debug model, the size of a real bug's signal; the float64
