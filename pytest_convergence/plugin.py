@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from convergence.options import run_settings
+from convergence.rank.rounding_draw import ROUNDING_DRAW_ENV, RoundingDrawError, rounding_draw
 from convergence.run.session import SessionRunner
-from convergence.trainer.rounding_draw import ROUNDING_DRAW_ENV, RoundingDrawError, rounding_draw
 from pytest_convergence.collection import (
     MARKER_HELP,
     ConvergenceItem,
@@ -136,7 +136,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def session_rounding_draw() -> int:
-    """The session's emulated rounding draw (convergence/trainer/rounding_draw.py)."""
+    """The session's emulated rounding draw (convergence/rank/rounding_draw.py)."""
     try:
         return rounding_draw()
     except RoundingDrawError as exc:

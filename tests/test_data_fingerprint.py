@@ -17,11 +17,11 @@ import torch
 
 from convergence.metrics.curve import Curve
 from convergence.metrics.jsonl import read_jsonl
+from convergence.rank.sample_hash import FINGERPRINT_BITS, sample_hash
 from convergence.regimes import default_rules
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.fingerprint import compare_fingerprints
 from convergence.stats.registry import compare_all
-from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).

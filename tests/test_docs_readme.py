@@ -149,10 +149,11 @@ def test_guarantees_page_quotes_benchmarks_numbers() -> None:
 
 
 def test_hook_example_in_hooks_py_replaces_tp() -> None:
-    """Point 17: the worked example's hand-written TP plan must run in replace_tp mode."""
+    """Point 17: the worked example's hand-written TP plan (convergence/rank/hooks.py) must
+    run in replace_tp mode."""
     import ast
 
-    source = (REPO / "convergence" / "trainer" / "hooks.py").read_text(encoding="utf-8")
+    source = (REPO / "convergence" / "rank" / "hooks.py").read_text(encoding="utf-8")
     doc = ast.get_docstring(ast.parse(source)) or ""  # read, not imported: torch costs seconds
     example = doc.split("# experiments/my_tp.toml", 1)[1]
     assert 'hook_mode = "replace_tp"' in example.split("\n\n", 1)[0]

@@ -18,6 +18,8 @@ SAME_MEANING = {
     "anchored.py": "the anchored check: its description (checks/) and its statistics (stats/)",
     "anchors.py": "the anchored check: its spec key, its jobs, the trainer's saves and loads",
     "base.py": "the Protocol a pluggable part implements (Backend, Regime)",
+    "hooks.py": "the user's hook API: its home (rank/, both trainers) and its former path "
+    "(trainer/, re-exported for hooks written against it)",
     "options.py": "the option table, and the plugin's registration of it with pytest",
     "probe.py": "the numerics probe: the trainer's, torchtitan's, its jobs, its report section",
     "registry.py": "lookup of a pluggable part by name (backends, regimes, comparisons)",

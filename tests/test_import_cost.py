@@ -18,6 +18,7 @@ import pytest
 from convergence import torch_info
 from convergence.launch.pool import detect_devices
 from convergence.torch_info import torch_build, torch_version
+from experiments import builtin_pair
 
 REPO = Path(__file__).resolve().parents[1]
 COSTLY = ("torch", "scipy", "matplotlib", "tensorboard", "torchtitan")
@@ -68,6 +69,32 @@ def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> N
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "experiments/quickstart.toml::" in proc.stdout
+    loaded = _loaded_top_modules(proc.stdout)
+    assert loaded & set(COSTLY) == set(), proc.stdout
+
+
+def test_collecting_a_pair_with_a_hook_imports_no_torch(tmp_path: Path) -> None:
+    """The collection checks locate a pair's hook (convergence/rank/hooks.py find_hook_module,
+    the backend's preflight) without importing it, and without torch: the hook API's module
+    loads no torch at its top (it did while it lived in trainer/, ~2 s per pytest process)."""
+    build = torch_build()
+    if build is None or build.has_gpu:
+        pytest.skip("a GPU build asks torch how many GPUs it sees")
+    experiment = builtin_pair(tmp_path, tests=[{"name": "hooked", "hook": "planted_bugs:noop"}])
+    hooks = REPO / "tests" / "fixtures" / "hooks"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "-m", "convergence", "--collect-only", "-q"]
+        + ["-p", "no:cacheprovider", str(experiment)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "::hooked" in proc.stdout, proc.stdout
     loaded = _loaded_top_modules(proc.stdout)
     assert loaded & set(COSTLY) == set(), proc.stdout
 

@@ -24,8 +24,17 @@ PACKAGE = REPO / "convergence"
 #: units of its own layer or below; ``convergence`` itself is the package's __init__ (the
 #: version).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("convergence", "configs", "process_lifetime", "dist_exit", "torch_info", "phase_marks"),
+    (
+        "convergence",
+        "configs",
+        "process_lifetime",
+        "dist_exit",
+        "torch_info",
+        "torchao_info",
+        "phase_marks",
+    ),
     ("spec",),  # parsed experiments: stdlib, configs
+    ("rank",),  # what runs inside a training rank, for any trainer (both trainers use it)
     ("trainer",),  # the built-in trainer (runs under torchrun)
     ("metrics",),  # curves and their readers (JSONL, TensorBoard, golden)
     ("regimes",),  # paired / twin / seed: rules, control jobs, checks, policies
@@ -111,6 +120,19 @@ def _imports(module: str) -> tuple[tuple[str, int, bool], ...]:
             continue
         found.extend((name, node.lineno, id(node) in top) for name in names)
     return tuple(found)
+
+
+@cache
+def _typing_only(module: str) -> frozenset[int]:
+    """The lines of ``module``'s imports under ``TYPE_CHECKING``: a dependency, but no cost."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    return frozenset(
+        n.lineno
+        for node in tree.body
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+        if isinstance(n, (ast.Import, ast.ImportFrom))
+    )
 
 
 def _graph(*, top_only: bool = False) -> dict[str, set[str]]:
@@ -221,9 +243,9 @@ def _third_party_at_top(module: str, seen: set[str] | None = None) -> set[str]:
     parents = [".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)]
     for parent in parents:
         found |= _third_party_at_top(parent, seen)
-    for name, _, at_top in _imports(module):
-        if not at_top:
-            continue
+    for name, line, at_top in _imports(module):
+        if not at_top or line in _typing_only(module):
+            continue  # imported when run, or only by the type checker: no cost at import
         if name.startswith("convergence"):
             target = _resolve(name)
             if target:
@@ -299,3 +321,70 @@ def test_job_level_users_never_reach_the_pair_level() -> None:
                     seen.add(dep)
                     todo.append(dep)
         assert seen.isdisjoint(PAIR_LEVEL), f"{start} reaches {sorted(seen & set(PAIR_LEVEL))}"
+
+
+#: The torchtitan backend's modules, which run in its collection checks and on its ranks.
+TORCHTITAN = "convergence.backends.torchtitan"
+
+
+def test_the_torchtitan_backend_imports_nothing_of_the_builtin_trainer() -> None:
+    """What both trainers use lives in convergence/rank/ (sample hash, norms, the probe's
+    recorder, the hook API, the rounding draw, the meshes): torchtitan's launcher reaches into
+    no internal of the built-in trainer, lazily or for typing either."""
+    found = [
+        f"{m}:{line} {name}"
+        for m in MODULES
+        if m == TORCHTITAN or m.startswith(TORCHTITAN + ".")
+        for name, line, _ in _imports(m)
+        if name == "convergence.trainer" or name.startswith("convergence.trainer.")
+    ]
+    assert found == [], "move what both trainers use to convergence/rank/:\n" + "\n".join(found)
+
+
+#: Rank-side modules the pytest process imports (the backends' collection checks locate a
+#: hook with rank/hooks.py, the run cache hashes it; the plugin reads the rounding draw): the
+#: pytest process never imports torch (convergence/torch_info.py), so neither may they at
+#: their top.
+COLLECTION_SIDE_RANK = ("convergence.rank.hooks", "convergence.rank.rounding_draw")
+
+
+def test_rank_modules_the_collection_imports_load_no_costly_package() -> None:
+    costly = {m: _third_party_at_top(m) & COSTLY for m in COLLECTION_SIDE_RANK}
+    assert costly == {m: set() for m in COLLECTION_SIDE_RANK}
+
+
+#: What a trainer's rank imports that the run cache's code hash leaves out, and why: the key
+#: holds what these produce, not their code.
+NOT_HASHED = {
+    "spec": "parsed experiments: the key holds the job's identity and its train config text",
+    "configs": "the shipped train configs: the key holds the config's text",
+    "torch_info": "torch's version: in the key as the stack (cache/stack.py)",
+    "torchao_info": "torchao's version: in the key where a job converts (config_text)",
+    "phase_marks": "timestamps of a job's phases: no part of its result",
+    "process_lifetime": "parent-death signals: no part of its result",
+}
+
+#: The entry points of the trainers' ranks.
+RANK_ENTRIES = (
+    "convergence.trainer.train",
+    "convergence.backends.torchtitan.launch",
+    "convergence.backends.torchtitan.trainer_class",
+)
+
+
+def test_the_run_cache_hashes_the_code_the_trainers_run() -> None:
+    """A package the trainers import on their ranks decides what a run computes: the run
+    cache's code hash (cache/key.py RESULT_PACKAGES) covers it, or NOT_HASHED says why not. A
+    new rank-side package (rank/, when it moved out of trainer/) cannot fall out of the key."""
+    from convergence.cache.key import RESULT_PACKAGES
+
+    graph = _graph()
+    seen, todo = set(RANK_ENTRIES), list(RANK_ENTRIES)
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    units = {_unit(m) for m in seen} - {"convergence"}
+    assert units - set(RESULT_PACKAGES) - set(NOT_HASHED) == set()
+    assert set(NOT_HASHED) <= units, "NOT_HASHED names a package the ranks no longer import"

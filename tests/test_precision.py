@@ -336,7 +336,7 @@ def test_too_few_replicates_for_the_margin_read_inconclusive_with_the_number(
 
 
 def test_a_float8_jobs_cache_key_covers_torchaos_release() -> None:
-    from convergence.trainer.precision_here import torchao_version
+    from convergence.torchao_info import torchao_version
 
     backend = BuiltinBackend()
     plain = backend.config_text(job(Techniques(param_dtype="bfloat16"), dp_shard=2))

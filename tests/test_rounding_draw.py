@@ -1,4 +1,4 @@
-"""The emulated rounding draw (convergence/trainer/rounding_draw.py): a deterministic function
+"""The emulated rounding draw (convergence/rank/rounding_draw.py): a deterministic function
 of the numbers, one rounding step at most, another result for each draw."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from convergence.trainer.rounding_draw import (
+from convergence.rank.rounding_draw import (
     ROUNDING_DRAW_ENV,
     RoundingDrawError,
     apply_rounding_draw,

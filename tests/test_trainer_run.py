@@ -193,7 +193,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, RowwiseParallel, parallelize_module)
 
-from convergence.trainer.hooks import HookContext
+from convergence.rank.hooks import HookContext
 
 
 class _DoubleGrad(torch.autograd.Function):

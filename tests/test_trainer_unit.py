@@ -9,21 +9,19 @@ import numpy as np
 import pytest
 import torch
 
+from convergence.rank.hooks import load_hook
+from convergence.rank.norms import grad_norms, parameter_part, parts_geomean
 from convergence.spec.errors import SpecError
 from convergence.trainer.config import load_train_config
 from convergence.trainer.config_checks import check_config
 from convergence.trainer.data import TRAIN, VAL, BatchPlan, MarkovLanguage, build_source
-from convergence.trainer.hooks import load_hook
 from convergence.trainer.model import ModelArgs, build_model
 from convergence.trainer.optim import (
     clip_grads_,
     global_grad_norm,
-    grad_norms,
     lr_at,
     model_parts,
     optimizer_step,
-    parameter_part,
-    parts_geomean,
 )
 from experiments import builtin_pair
 
@@ -443,7 +441,20 @@ def test_load_hook_errors_name_the_key() -> None:
     with pytest.raises(SpecError, match="parallelism.hook") as info:
         load_hook("json:no_such_function")
     assert "no_such_function" in str(info.value)
-    assert callable(load_hook("convergence.trainer.hooks:apply_hook"))
+    assert callable(load_hook("convergence.rank.hooks:apply_hook"))
+
+
+def test_hooks_written_against_the_former_path_still_import() -> None:
+    """README's example and users' hooks import ``convergence.trainer.hooks``: the same
+    objects as convergence/rank/hooks.py, the hook API's home since both trainers use it."""
+    import convergence.rank.hooks as home
+    import convergence.trainer.hooks as former
+    from convergence.spec.job import HOOK_MODES
+
+    for name in former.__all__:
+        expected = HOOK_MODES if name == "HOOK_MODES" else getattr(home, name)
+        assert getattr(former, name) is expected, name
+    assert load_hook("convergence.trainer.hooks:apply_hook") is home.apply_hook
 
 
 def test_update_norms_are_the_norms_of_what_the_optimizer_applied() -> None:

@@ -12,16 +12,18 @@ from convergence.backends.base import Capabilities, CodeIdentity
 from convergence.backends.effective import once_per_job
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
+from convergence.rank.hooks import find_hook_module
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import LAYOUT_FIELDS, PP_DEFAULTED, PRECISION_DEFAULTS
 from convergence.spec.pp_schedules import TORCH_FLOORS as PP_TORCH_FLOORS
 from convergence.spec.run_dir import DumpDir
 from convergence.torch_info import older_than, torch_version
+from convergence.torchao_info import torchao_version
 from convergence.trainer.config import TrainConfig, load_train_config, to_overrides
 from convergence.trainer.config_checks import check_config
 from convergence.trainer.forward_noise import UNIT_ROUNDOFF
-from convergence.trainer.precision_here import check_precision_here, torchao_version
+from convergence.trainer.precision_here import check_precision_here
 from convergence.trainer.precision_here import enabled as precision_enabled
 
 TRAINER_MODULE = "convergence.trainer"
@@ -108,8 +110,6 @@ class BuiltinBackend:
 
     def preflight(self, job: JobSpec) -> None:
         if job.hook:  # located, not imported: see find_hook_module
-            from convergence.trainer.hooks import find_hook_module  # lazy: torch (~2 s)
-
             find_hook_module(job.hook, file=job.source, key="hook")
         cfg = self.effective_config(job)
         check_config(cfg, job.world_size)  # torch-free: see blocks.py

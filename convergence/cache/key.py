@@ -95,9 +95,10 @@ def sources_hash(root: Path) -> str:
 
 
 #: The parts of the package that decide what a run computes. Editing the statistics, the
-#: reports or the plugin must not throw away every cached control run; editing the trainer or
-#: how a job becomes a command must.
-RESULT_PACKAGES: tuple[str, ...] = ("trainer", "backends")
+#: reports or the plugin must not throw away every cached control run; editing the trainer,
+#: the rank-side code both trainers run (rank/: norms, sample hash, probe, hooks, rounding
+#: draw) or how a job becomes a command must (tests/test_layers.py: what the trainers import).
+RESULT_PACKAGES: tuple[str, ...] = ("trainer", "backends", "rank")
 
 
 @functools.lru_cache(maxsize=1)

@@ -63,7 +63,7 @@ NUMERICS_ENV: tuple[str, ...] = (
     "ONEDNN_MAX_CPU_ISA",
     # Gloo's allreduce algorithm (the CPU collectives of these tests).
     "GLOO_ALGORITHM",
-    # Another machine's rounding, emulated (convergence/trainer/rounding_draw.py).
+    # Another machine's rounding, emulated (convergence/rank/rounding_draw.py).
     "CONVERGENCE_ROUNDING_DRAW",
 )
 """Environment variables that change the numbers a run produces (set ones are keyed)."""

@@ -40,6 +40,7 @@ from convergence.launch.pool import DevicePool, default_cpu_slots
 from convergence.launch.slurm import SlurmLauncher
 from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import JobResult, Launcher, LaunchRequest, Progress
+from convergence.rank.hooks import locate_hook_module
 from convergence.run.outcome import SideOutcome
 from convergence.spec.errors import RunFailed, SpecError
 from convergence.spec.job import JobSpec
@@ -527,8 +528,6 @@ def _hook_source_hash(hook: str | None) -> str | None:
     imported (importlib.util.find_spec would import its parent packages here)."""
     if not hook:
         return None
-    from convergence.trainer.hooks import locate_hook_module  # lazy: torch
-
     spec = locate_hook_module(hook.split(":", 1)[0])
     if spec is None or not spec.origin or not os.path.isfile(spec.origin):
         return None

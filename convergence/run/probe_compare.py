@@ -6,7 +6,7 @@
 
 The result is ``PairOutcome.localisation``: scalar keys first (what a failure message prints),
 then the per-module and per-parameter tables (``modules``, ``parameters``) that the report
-renders as a table. See convergence.trainer.probe for what the numbers are.
+renders as a table. See convergence.rank.probe_norms for what the numbers are.
 
 Tolerance: both probes ran the same forward+backward on the same weights and samples; only
 the reduction order differs between layouts. Measured here in fp32 on CPU (DDP 2 vs FSDP 2 +

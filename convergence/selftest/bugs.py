@@ -1,5 +1,5 @@
 """The planted bugs ``convergence selftest`` puts on a user's layout: parallelism hooks
-(convergence/trainer/hooks.py) that are wrong on purpose, each the smallest form of a bug
+(convergence/rank/hooks.py) that are wrong on purpose, each the smallest form of a bug
 class that public reports show a loss curve can hide.
 
 They run on the trainer's ranks (imported there by the hook path
@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from convergence.rank.hooks import HookContext
 from convergence.trainer.config_checks import pp_microbatches
-from convergence.trainer.hooks import HookContext
 
 
 def _scale_logits_grad(model: nn.Module, factor: float) -> None:

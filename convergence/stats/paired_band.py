@@ -28,7 +28,7 @@ moves the total grad norm by only 2.7e-4 relative and leaves an Adam loss curve 
 (Adam's update is invariant to the gradient's scale), so the grad norm is the only witness.
 
 The per-part grad norm (``grad_norm_parts``: the geometric mean over the model's parts of each
-part's gradient norm, trainer/optim.py) has the grad norm's tolerance. Its noise is the parts'
+part's gradient norm, rank/norms.py) has the grad norm's tolerance. Its noise is the parts'
 reduction-order noise averaged: measured FSDP2 vs FSDP2+CP2 at steps 1-3, every part within
 1.2e-7 relative. It exists for bugs the total cannot see: a rotary offset dropped under CP moves
 the query/key gradients by 2e-3..9e-3 relative at step 1, the geometric mean by ~6e-4 (30x

@@ -185,7 +185,7 @@ class ParallelismConfig(Layout):
     reshard_after_forward: bool = True
     """FSDP: ZeRO-3 (True) or ZeRO-2-like (False)."""
     hook: str = ""
-    """"package.module:function" applied to the model on every rank (see convergence.trainer.hooks)."""
+    """"package.module:function" applied to the model on every rank (see convergence.rank.hooks)."""
     hook_mode: HookMode = "after"
     """"after": call the hook after the built-in parallelisation; "replace_tp": the hook applies
     tensor parallelism in place of the built-in TP plan (FSDP, AC, PP still built in)."""

@@ -25,7 +25,7 @@ Two sources:
   Measured (BENCHMARKS.md): on the debug model, 30 steps, neither option makes a rotary
   position bug under CP show in the loss earlier than on the plain chain (step 27-28 vs 16;
   copy_span 16: not at all): the tiny model does not learn positional attention that fast.
-  What catches it at step 1 is the per-part gradient norm (trainer/optim.py grad_norms).
+  What catches it at step 1 is the per-part gradient norm (rank/norms.py grad_norms).
 - "text": a local file, byte-level (vocab 256) or tokenised with a tokenizer.json file; windows
   of seq_len+1 tokens in a seeded order per epoch; the tail `val_fraction` is held out.
 
@@ -41,7 +41,6 @@ the verdict compares, and the probe sees the very batches the loop trained on.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,16 +50,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from convergence.rank.sample_hash import FINGERPRINT_BITS, sample_hash
 from convergence.spec.errors import SpecError
 from convergence.trainer.config import TrainConfig
 
 TRAIN, VAL = 0, 1
 #: Label of a position that carries no loss (padding): torch's cross_entropy default.
 IGNORE_INDEX = -100
-#: Per-sample hashes are this many bits, so a sum over 2**15 samples times 2**15 ranks still
-#: fits an int64 all-reduce without overflow, and the result (mod 2**48) is exact as a float64
-#: in metrics.jsonl.
-FINGERPRINT_BITS = 48
 #: Above this vocabulary the synthetic language uses sparse rows (this many successors each).
 DENSE_VOCAB_LIMIT = 1024
 SPARSE_SUCCESSORS = 64
@@ -404,20 +400,6 @@ class StepData:
     """Valid targets (!= IGNORE_INDEX) of the whole global batch, all ranks and microsteps."""
     fingerprint: int
     """Order-independent hash of the global batch's inputs and targets (FINGERPRINT_BITS)."""
-
-
-def sample_hash(inputs: torch.Tensor, targets: torch.Tensor) -> int:
-    """Sum over the rows of a per-sample 48-bit hash of its inputs and targets, mod 2**48.
-
-    A sum, so the same samples give the same value whichever rank or microstep holds them; a
-    sample read twice (or another sample read instead) changes it.
-    """
-    rows = torch.cat([inputs, targets], dim=1).cpu().numpy().astype("<i8")
-    total = 0
-    for row in rows:
-        digest = hashlib.blake2b(row.tobytes(), digest_size=8).digest()
-        total += int.from_bytes(digest, "little") >> (64 - FINGERPRINT_BITS)
-    return total % 2**FINGERPRINT_BITS
 
 
 def read_step(

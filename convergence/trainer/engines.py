@@ -17,16 +17,17 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from convergence.rank.hooks import HookFn
+from convergence.rank.meshes import Meshes
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer import pipeline as pl
 from convergence.trainer import precision
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.context_parallel import shard_sequence
 from convergence.trainer.data import VAL, BatchPlan, SampleSource, StepData, read_step
-from convergence.trainer.hooks import HookFn
 from convergence.trainer.loss import LossFn, TokenWeight, make_loss_fn
 from convergence.trainer.model import ModelArgs, Transformer, build_model
-from convergence.trainer.parallelize import Meshes, parallelize_chunk
+from convergence.trainer.parallelize import parallelize_chunk
 from convergence.trainer.world import average_over, data_group
 
 MicrostepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from convergence.rank.meshes import Meshes
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import BatchPlan
 from convergence.trainer.engines import Engine
 from convergence.trainer.model import ModelArgs
 from convergence.trainer.moe import set_aux_scale, step_routing, update_expert_bias
-from convergence.trainer.parallelize import Meshes
 
 
 @dataclass(kw_only=True)

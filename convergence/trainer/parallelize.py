@@ -19,8 +19,6 @@ Order of application to a chunk (still on the meta device, so nothing is allocat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -47,10 +45,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from convergence.rank.hooks import HookContext, HookFn, apply_hook
+from convergence.rank.meshes import Meshes
 from convergence.spec.layout import AXES
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.context_parallel import cp_position_offset, make_cp_sdpa
-from convergence.trainer.hooks import HookContext, HookFn, apply_hook
 from convergence.trainer.model import Transformer, TransformerBlock
 
 DTYPES: dict[str, torch.dtype] = {
@@ -58,28 +57,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class Meshes:
-    """The world mesh and the sub-meshes each parallelism uses (None when of degree 1)."""
-
-    world: DeviceMesh
-    tp: DeviceMesh | None
-    cp: DeviceMesh | None
-    pp: DeviceMesh | None
-    dp: DeviceMesh | None
-    """Mesh FSDP/DDP reduce gradients over: 1D, or 2D (dp_replicate, dp_shard_cp) for HSDP."""
-    dp_kind: str
-    """"none", "ddp", "fsdp" or "hsdp"."""
-    dp_cp: DeviceMesh
-    """Flattened dp_replicate x dp_shard x cp: the loss average."""
-    data: DeviceMesh
-    """Flattened dp_replicate x dp_shard: its local rank picks the samples."""
-    ep: DeviceMesh | None = None
-    """The EP group's mesh (the routed experts are sharded over it); None without EP."""
-    efsdp: DeviceMesh | None = None
-    """The experts' FSDP mesh under EP: the dp_shard*cp/ep ranks holding the same experts."""
 
 
 def build_meshes(cfg: TrainConfig, device_type: str) -> Meshes:

@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from convergence.spec.errors import SpecError
+from convergence.torchao_info import INSTALL, torchao_installed
 from convergence.trainer.config import TrainConfig
-from convergence.trainer.precision_here import INSTALL, enabled, torchao_installed
+from convergence.trainer.precision_here import enabled
 
 #: Compute capability from which torch has hardware float8 matmuls (Ada, Hopper) and MXFP8
 #: ones (Blackwell).

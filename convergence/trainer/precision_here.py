@@ -1,42 +1,20 @@
 """Whether this environment can run a config's precision techniques, asked without torch:
 the builtin backend's preflight (collection) makes a missing torchao, or a hardware-only
 recipe on a machine without a GPU, a skip naming the cause and the fix (NotRunnableHere),
-not a collection error; the trainer asks again at start (precision.py)."""
+not a collection error; the trainer asks again at start (precision.py). What is found of
+torchao itself, for both backends: convergence/torchao_info.py."""
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
-
 from convergence.spec.errors import NotRunnableHere
 from convergence.torch_info import may_see_gpus
+from convergence.torchao_info import INSTALL, TORCHAO_RANGE, torchao_installed, torchao_version
 from convergence.trainer.config import TrainConfig
-
-#: The supported torchao series (pyproject.toml's ``precision`` extra).
-TORCHAO_RANGE = ("0.18", "0.19")
-#: How to install it.
-INSTALL = (
-    'install the extra: pip install "pytest-convergence[precision]" (from a clone: pip '
-    'install -e ".[precision]"), i.e. torchao>=0.18,<0.19 next to your torch'
-)
 
 
 def enabled(cfg: TrainConfig) -> bool:
     """Whether the config converts any linear layer."""
     return cfg.precision.float8 != "none" or cfg.precision.mxfp8
-
-
-def torchao_installed() -> bool:
-    """torchao is importable (found, not imported: the pytest process stays torch-free)."""
-    return importlib.util.find_spec("torchao") is not None
-
-
-def torchao_version() -> str | None:
-    """The installed torchao's version (None: not installed, or a source checkout)."""
-    try:
-        return importlib.metadata.version("torchao")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _series(version: str) -> tuple[int, int]:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from convergence.rank.meshes import Meshes
+from convergence.rank.norms import parts_geomean
 from convergence.trainer import checkpoint as ckpt
 from convergence.trainer.comm_count import META_KEY, count_collectives
 from convergence.trainer.config import TrainConfig
@@ -23,8 +25,7 @@ from convergence.trainer.data import BatchPlan, SampleSource
 from convergence.trainer.engines import Engine, MicrostepFn
 from convergence.trainer.metrics_writer import MetricsWriter, RunStatus
 from convergence.trainer.model import ModelArgs, build_model, count_params
-from convergence.trainer.optim import StepNorms, parts_geomean
-from convergence.trainer.parallelize import Meshes
+from convergence.trainer.optim import StepNorms
 
 
 def is_logger(engine: Engine, meshes: Meshes | None) -> bool:
@@ -105,7 +106,7 @@ class RunRecord:
             "tokens_per_s": self.tokens_per_step / seconds,
             "peak_mem_mib": peak_mem,
             "wall_s": time.perf_counter() - self.start,
-            # < 2**48: exact as a JSON number / float64 (data.FINGERPRINT_BITS).
+            # < 2**48: exact as a JSON number / float64 (rank/sample_hash.py FINGERPRINT_BITS).
             "data_fingerprint": data_fingerprint,
         }
         if val_loss is not None:

@@ -21,6 +21,9 @@ import torch
 import torch.distributed as dist
 
 from convergence.phase_marks import mark
+from convergence.rank.hooks import load_hook
+from convergence.rank.meshes import Meshes
+from convergence.rank.rounding_draw import apply_rounding_draw, rounding_draw
 from convergence.spec.errors import SpecError
 from convergence.trainer import anchors, precision, resume
 from convergence.trainer import checkpoint as ckpt
@@ -29,15 +32,13 @@ from convergence.trainer.config_checks import check_config
 from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, build_source, read_step
 from convergence.trainer.engines import Engine, build_engine, microsteps, validation_loss
 from convergence.trainer.forward_noise import add_forward_noise
-from convergence.trainer.hooks import load_hook
 from convergence.trainer.metrics_writer import RunStatus
 from convergence.trainer.model import ModelArgs, build_model
 from convergence.trainer.moe_step import MoEStep
 from convergence.trainer.optim import build_optimizer, lr_at, model_parts, optimizer_step, set_lr
-from convergence.trainer.parallelize import Meshes, build_meshes
+from convergence.trainer.parallelize import build_meshes
 from convergence.trainer.probe import probe_step, run_probe
 from convergence.trainer.record import CollectiveCounter, RunRecord, is_logger, step_seconds
-from convergence.trainer.rounding_draw import apply_rounding_draw, rounding_draw
 from convergence.trainer.step_clock import set_step
 from convergence.trainer.stopping import SaveAndStop
 from convergence.trainer.world import (

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from convergence.process_lifetime import die_with_parent
+from convergence.rank.meshes import Meshes
 from convergence.spec.errors import SpecError
 from convergence.trainer.config import TrainConfig
-from convergence.trainer.parallelize import Meshes
 
 
 def pick_device(cfg: TrainConfig) -> torch.device:

@@ -40,6 +40,7 @@ from convergence.metrics.curve import RunMetrics
 from convergence.metrics.jsonl import read_jsonl
 from convergence.metrics.tags import TENSORBOARD_TAGS
 from convergence.metrics.tensorboard import read_tensorboard
+from convergence.rank.hooks import find_hook_module
 from convergence.spec.errors import NotRunnableHere, SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
@@ -47,7 +48,7 @@ from convergence.spec.pp_schedules import MULTI_STAGE_SCHEDULES
 from convergence.spec.run_dir import DumpDir
 from convergence.spec.trainer_request import TrainerRequest
 from convergence.torch_info import may_see_gpus
-from convergence.trainer.precision_here import INSTALL, torchao_installed
+from convergence.torchao_info import INSTALL, torchao_installed
 
 
 def source_dir() -> Path:
@@ -175,8 +176,6 @@ class TorchtitanBackend:
                     fix='use hook_mode = "after" (the default), or the built-in '
                     'backend for "replace_tp"',
                 )
-            from convergence.trainer.hooks import find_hook_module  # lazy: torch
-
             find_hook_module(job.hook, file=file, key="hook")
         try:
             self.base_config(job)  # module/config alone first: its error names that option

@@ -1,6 +1,6 @@
 """What the launcher adds to each model part after torchtitan's own parallelisation (TP,
 activation checkpointing, compile, FSDP): the CPU reduction setting, then the user's hook with
-the built-in trainer's ``HookContext`` (convergence/trainer/hooks.py)."""
+the ``HookContext`` both trainers give it (convergence/rank/hooks.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import functools
 from typing import Any
 
 from convergence.backends.torchtitan.patches import force_sum_reduction
-from convergence.trainer.hooks import HookContext, apply_hook, load_hook
-from convergence.trainer.rounding_draw import apply_rounding_draw, rounding_draw
+from convergence.rank.hooks import HookContext, apply_hook, load_hook
+from convergence.rank.rounding_draw import apply_rounding_draw, rounding_draw
 
 
 def hook_context(
     parallel_dims: Any, config: Any, *, mode: str, stage_index: int = 0, num_stages: int = 1
 ) -> HookContext:
-    """The built-in trainer's HookContext, filled from torchtitan's ParallelDims (mesh axis
+    """The hook's HookContext, filled from torchtitan's ParallelDims (mesh axis
     names are torchtitan's: "pp", "dp_replicate", "fsdp", "cp", "tp", ...)."""
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     dp_mesh = parallel_dims.get_optional_mesh(names) if parallel_dims.dp_enabled else None

@@ -1,7 +1,7 @@
-"""The numerics probe for torchtitan jobs: the built-in trainer's probe
-(convergence/trainer/probe.py) inside torchtitan's own training loop, through the launcher's
-trainer class (``ConvergenceTrainer``, convergence/backends/torchtitan/trainer_class.py, calls
-what is here).
+"""The numerics probe for torchtitan jobs: the built-in trainer's probe, with the same recorder
+and reductions (convergence/rank/probe_norms.py), inside torchtitan's own training loop,
+through the launcher's trainer class (``ConvergenceTrainer``,
+convergence/backends/torchtitan/trainer_class.py, calls what is here).
 
     torchrun ... -m convergence.backends.torchtitan.launch --convergence.probe_step=K ...
 
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from convergence.rank.meshes import Meshes
 from convergence.spec.run_dir import DumpDir
 
 
@@ -57,8 +58,8 @@ class TitanProbe:
 
 
 def recorder_class() -> Any:
-    """The built-in probe's ``OutputRecorder``, with its hooks paused while ``inferring``."""
-    from convergence.trainer.probe import OutputRecorder
+    """The probes' ``OutputRecorder``, with its hooks paused while ``inferring``."""
+    from convergence.rank.probe_norms import OutputRecorder  # lazy: torch
 
     class TitanRecorder(OutputRecorder):
         # torch 2.13's pipeline stages run each stage's forward once more at a schedule's first
@@ -100,11 +101,9 @@ def holds_loss(trainer: Any) -> bool:
     return not trainer.parallel_dims.pp_enabled or bool(trainer.pp_has_last_stage)
 
 
-def meshes_of(parallel_dims: Any) -> Any:
-    """torchtitan's ParallelDims as the built-in trainer's ``Meshes`` (what its probe reads:
-    tp, cp, pp, the loss mesh as dp x cp, the batch mesh as data)."""
-    from convergence.trainer.parallelize import Meshes
-
+def meshes_of(parallel_dims: Any) -> Meshes:
+    """torchtitan's ParallelDims as the probes' ``Meshes`` (what they read: tp, cp, pp, the
+    loss mesh as dp x cp, the batch mesh as data)."""
     optional = parallel_dims.get_optional_mesh
     return Meshes(
         world=parallel_dims.world_mesh,
@@ -129,7 +128,7 @@ def stage_chunks(trainer: Any) -> list[tuple[int, Any]]:
     ]
 
 
-def global_loss(trainer: Any, losses: list[Any], meshes: Any) -> float | None:
+def global_loss(trainer: Any, losses: list[Any], meshes: Meshes) -> float | None:
     """The step's loss over the global batch: each rank's "local sum / global tokens" summed
     over its accumulation steps and over the loss mesh (dp x cp); None where no rank of this
     pipeline stage holds it."""
@@ -151,7 +150,7 @@ def write_probe(probe: TitanProbe, trainer: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from convergence.trainer.probe import (
+    from convergence.rank.probe_norms import (  # lazy: torch
         PROBE_VERSION,
         gather_over_stages,
         grad_sumsq,

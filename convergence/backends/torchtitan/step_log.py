@@ -1,20 +1,20 @@
 """The launcher's per-step records, from the batches and gradients torchtitan itself uses, with
 the built-in trainer's names and definitions (one JSON line per step, rank 0):
 
-- ``data_fingerprint``: the sum of ``convergence.trainer.data.sample_hash`` over every sample
-  of the global batch, mod 2**48;
+- ``data_fingerprint``: the sum of ``convergence.rank.sample_hash.sample_hash`` over every
+  sample of the global batch, mod 2**48;
 - ``grad_norm``: the total gradient norm, summed in float64 from each rank's local shards
-  (``convergence.trainer.optim.grad_norms``, the built-in trainer's own function), just before
+  (``convergence.rank.norms.grad_norms``, the built-in trainer's function too), just before
   torchtitan clips. torchtitan's own norm (``torch.nn.utils.get_total_norm``: a float32
   foreach norm whose summation order follows the shards) moves by ~2e-5 relative between a
   layout and its TP variant on the debug model, the size of a real bug's signal; the float64
   sum moves by the gradients' own rounding only. torchtitan's value is kept as
   ``torchtitan_grad_norm`` (and in its TensorBoard and console lines, unchanged);
 - ``grad_norm/<part>`` per part of the model (``attention.wq``, ``feed_forward.w2``,
-  ``attention_norm``, ``tok_embeddings``, ...: ``convergence.trainer.optim.parameter_part``),
+  ``attention_norm``, ``tok_embeddings``, ...: ``convergence.rank.norms.parameter_part``),
   and ``grad_norm_parts``, their geometric mean;
 - ``update_norm``, ``update_norm/<part>`` and ``update_norm_parts``: the norms of the
-  parameters' change in the optimizer step (``convergence.trainer.optim.update_norms``: a copy
+  parameters' change in the optimizer step (``convergence.rank.norms.update_norms``: a copy
   of each rank's shards taken once the step's gradients are complete -- clipping changes
   gradients only -- against the shards after its optimizers stepped) -- what the optimizer
   applied, after torchtitan's own clipping: a clipping bug (a PP stage clipping with its local
@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from convergence.backends.torchtitan.argv import TB_TAGS
-from convergence.trainer.data import FINGERPRINT_BITS, sample_hash
-from convergence.trainer.optim import (
+from convergence.rank.norms import (
     Sharded,
     grad_norms,
     local_pieces,
@@ -43,6 +42,7 @@ from convergence.trainer.optim import (
     parts_geomean,
     update_norms,
 )
+from convergence.rank.sample_hash import FINGERPRINT_BITS, sample_hash
 
 
 class StepLog:

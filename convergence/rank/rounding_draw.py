@@ -13,8 +13,8 @@ draw is a *deterministic function of the numbers*, as another machine's kernels 
 that computed bitwise-equal values before still do (a cached control stays valid, a bitwise
 assertion between layouts with the same forward still holds), while every value that rounds
 on the edge lands on another side of it, differently for each ``N``. Unlike the forward-noise
-twin (forward_noise.py: one job's deliberate noise, a seeded stream) every job of the session
-gets the same function, so control, twins and test alike are "another machine".
+twin (trainer/forward_noise.py: one job's deliberate noise, a seeded stream) every job of the
+session gets the same function, so control, twins and test alike are "another machine".
 
 Under tensor parallelism an output may be a DTensor (a shard or a partial sum): its local
 part is perturbed, as another machine rounds each rank's partial products.
@@ -29,13 +29,14 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from convergence.trainer.forward_noise import UNIT_ROUNDOFF
-
 #: The environment variable that selects a draw (an integer >= 0; 0 or unset: none).
 ROUNDING_DRAW_ENV = "CONVERGENCE_ROUNDING_DRAW"
 
-#: Unit roundoff per floating dtype name: the forward-noise twin's table, plus float64.
-_UNIT_ROUNDOFF = {**UNIT_ROUNDOFF, "float64": 2.0**-53}
+#: The dtypes a draw perturbs, each by its unit roundoff (half its machine epsilon: 2**-24 for
+#: float32, 2**-8 for bfloat16, 2**-11 for float16, 2**-53 for float64, the values of the
+#: forward-noise twin's table, trainer/forward_noise.py, which this package sits below). Any
+#: other dtype (float8, integers) is left as is.
+_PERTURBED = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 # Two odd 32-bit constants (Knuth's multiplicative hash and a second large odd number): the
 # product of a value's bits with the first, offset by the draw times the second, scatters
@@ -71,9 +72,9 @@ def _perturb_values(values: Any, draw: int) -> Any:
     hash of each value's bits and ``draw``."""
     import torch
 
-    unit = _UNIT_ROUNDOFF.get(str(values.dtype).removeprefix("torch."))
-    if unit is None or values.numel() == 0:
+    if str(values.dtype).removeprefix("torch.") not in _PERTURBED or values.numel() == 0:
         return values
+    unit = torch.finfo(values.dtype).eps / 2  # a power of two: exactly the table's value
     wide = values.detach().float()
     bits = wide.view(torch.int32)
     mixed = bits * _MIX + (draw * _DRAW_OFFSET) % 2**31
