@@ -17,7 +17,7 @@ its cost: wall s, CPU s of the pair's job processes, jobs started).
 
 HELD_BACK configs (d, e) were written for this benchmark and kept out of every choice of the
 rule: their numbers were read once, after the rule was chosen on TUNING (BENCHMARKS.md
-"False-alarm rate").
+"False-alarm rate"); f likewise, after the twin's backward re-rounding (BENCHMARKS.md "tptwin").
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ CONFIGS = {
     **ENVELOPE_CONFIGS,  # a, b, c: the configs the twin envelope was tuned on
     "d": HERE / "far" / "d_deep_wide_heldback.toml",
     "e": HERE / "far" / "e_aggressive_lr_heldback.toml",
+    "f": HERE / "far" / "f_wide_ffn_shallow_heldback.toml",
 }
 TUNING = ("a", "b", "c")
-HELD_BACK = ("d", "e")
+HELD_BACK = ("d", "e", "f")
 CURVES = HERE / "far" / "curves"
 
 #: The cheap correct layouts (4 ranks each against the 2-rank FSDP2 control).

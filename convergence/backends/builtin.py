@@ -181,8 +181,9 @@ class BuiltinBackend:
 
     def forward_twin(self, job: JobSpec) -> JobSpec | None:
         """The job with its re-rounded linear outputs (wo, w2) perturbed by its compute dtype's
-        unit roundoff at each step (convergence/trainer/forward_noise.py); same layout, samples
-        and seed."""
+        unit roundoff at each step and its column-wise linears' input gradients (wq/wk/wv,
+        w1/w3, output) summed in two rounded halves as TP2 sums them
+        (convergence/trainer/forward_noise.py); same layout, samples and seed."""
         if job.techniques.param_dtype == "float32":
             # An fp32 forward re-rounds at 6e-8: the relative floor covers it, no job needed.
             return None

@@ -146,8 +146,10 @@ class TrainingConfig:
     """Deterministic algorithms and seeded RNGs."""
     forward_noise: float = 0.0
     """Relative amplitude of a seeded rounding-level perturbation of the outputs of the
-    linear layers another layout re-rounds (attention wo, FFN w2) (0 = off). Only the twin regime's forward-noise twin sets it
-    (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
+    linear layers another layout re-rounds in the forward (attention wo, FFN w2) (0 = off);
+    when set, the column-wise linears' input gradients (wq/wk/wv, w1/w3, output) are also
+    summed in two rounded halves, as TP2 sums them. Only the twin regime's forward-noise twin
+    sets it (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
     device: Device = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
 

@@ -1,4 +1,5 @@
-"""Rounding-level noise in the forward pass, for the twin regime's *forward-noise twin*.
+"""Rounding-level noise in the forward and backward pass, for the twin regime's
+*forward-noise twin*.
 
 Why: the DP noise twin (another FSDP degree) differs from its control only in the gradient
 reduction; its forward pass is bit-identical. A tensor- or context-parallel test also rounds
@@ -12,8 +13,19 @@ is the control itself, with the output of every linear layer that another layout
 of the forward at every step, the size of one re-rounding at the compute precision
 (``a`` = the dtype's unit roundoff, chosen by the backend).
 
-Only plain tensors are perturbed (a DTensor output under TP is left as it is: its shards
-already round in their own order).
+Tensor parallelism re-rounds the *backward* too: a column-wise linear's input gradient is a sum
+over the sharded output dimension, computed per rank, rounded to the compute dtype and summed by
+the all-reduce. The twin computes the input gradient of every such linear
+(``RE_ROUNDED_BACKWARD``) the way TP2's two ranks do: the two halves' partial products, each
+rounded, then added (``SplitInputGradient``; forward and weight gradient unchanged, bit for
+bit). Why this and not ``1 + a * xi`` on the input gradient: that noise, at the unit roundoff,
+left the twin's one-step gradient gaps where they were (config B: TP's per-part gaps stayed
+1.5-3x the twin's, 9 of 10 pseudo-pairs failing), where the split moved them to TP's (0.8-1.1x;
+2 of 10; BENCHMARKS.md, "tptwin"). Per element the split's gaps are heavy-tailed where the
+two halves cancel; why that matters this much more than the noise was not measured.
+
+Only plain tensors are perturbed (a DTensor under TP is left as it is: its shards already round
+in their own order).
 """
 
 from __future__ import annotations
@@ -28,6 +40,12 @@ from typing import Any
 #: power (BENCHMARKS.md, "Twin envelope on other models").
 RE_ROUNDED = frozenset({"wo", "w2"})
 
+#: The linear layers whose *input gradient* another layout re-rounds: the column-wise ones,
+#: whose input gradient tensor parallelism sums over ranks (each rank's share of the output
+#: dimension) in the backward -- the blocks' wq/wk/wv, w1/w3 and the output projection, which
+#: the built-in TP shards over the vocabulary (convergence/trainer/parallelize.py).
+RE_ROUNDED_BACKWARD = frozenset({"wq", "wk", "wv", "w1", "w3", "output"})
+
 #: Unit roundoff (half the spacing of the significand) per compute dtype: the amplitude the
 #: built-in backend gives its forward-noise twin.
 UNIT_ROUNDOFF: dict[str, float] = {
@@ -38,26 +56,67 @@ UNIT_ROUNDOFF: dict[str, float] = {
 
 
 def add_forward_noise(chunks: list[Any], amplitude: float, seed: int) -> int:
-    """Register the perturbation on the ``RE_ROUNDED`` linears of ``chunks``; returns how
-    many. torch is imported here, not at the top: the backend reads UNIT_ROUNDOFF at
-    collection, where torch is not loaded."""
+    """Perturb the ``RE_ROUNDED`` linears' outputs and split the ``RE_ROUNDED_BACKWARD``
+    linears' input gradients in ``chunks``; returns how many linears.
+    torch is imported here, not at the top: the backend reads UNIT_ROUNDOFF at collection,
+    where torch is not loaded."""
     import torch
     from torch import nn
     from torch.distributed.tensor import DTensor
 
     generator = torch.Generator().manual_seed(seed)
 
+    def noisy(tensor: Any, gen: Any) -> Any:
+        xi = torch.rand(tensor.shape, generator=gen, dtype=torch.float32)
+        factor = (1.0 + amplitude * (2.0 * xi - 1.0)).to(device=tensor.device)
+        return (tensor.float() * factor).to(tensor.dtype)
+
+    class SplitInputGradient(torch.autograd.Function):
+        """``x @ w.T`` whose input gradient is summed as two ranks of TP2 sum it: the two
+        halves of the output dimension each give a partial product, rounded to the compute
+        dtype, then added (the all-reduce) and rounded again."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Any, weight: Any) -> Any:
+            ctx.save_for_backward(x, weight)
+            return torch.nn.functional.linear(x, weight)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            x, weight = ctx.saved_tensors
+            half = weight.shape[0] // 2
+            grad_x = grad[..., :half] @ weight[:half] + grad[..., half:] @ weight[half:]
+            grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            return grad_x, grad_w
+
     def perturb(module: Any, inputs: Any, output: Any) -> Any:
         if not isinstance(output, torch.Tensor) or isinstance(output, DTensor):
             return None
-        xi = torch.rand(output.shape, generator=generator, dtype=torch.float32)
-        factor = (1.0 + amplitude * (2.0 * xi - 1.0)).to(device=output.device)
-        return (output.float() * factor).to(output.dtype)
+        return noisy(output, generator)
+
+    def split_forward(module: Any) -> Any:
+        def forward(x: Any) -> Any:
+            if (
+                isinstance(x, DTensor)
+                or isinstance(module.weight, DTensor)
+                or module.bias is not None
+            ):
+                return torch.nn.functional.linear(x, module.weight, module.bias)
+            return SplitInputGradient.apply(x, module.weight)
+
+        return forward
 
     count = 0
     for chunk in chunks:
         for name, module in chunk.named_modules():
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in RE_ROUNDED:
+            if not isinstance(module, nn.Linear):
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in RE_ROUNDED:
                 module.register_forward_hook(perturb)
+                count += 1
+            elif leaf in RE_ROUNDED_BACKWARD:
+                # An instance attribute: nn.Module's call (and FSDP2's hooks around it) finds it.
+                module.forward = split_forward(module)  # type: ignore[method-assign]
                 count += 1
     return count

@@ -249,7 +249,8 @@ class TorchtitanBackend:
     def forward_twin(self, control: JobSpec) -> JobSpec | None:
         """None: torchtitan has no setting that perturbs its forward at the rounding level, so
         its envelope is measured on the noise twin alone. A torchtitan build with such a knob
-        (a model hook multiplying linear outputs by 1 + u*xi, as
+        (model hooks multiplying the row-wise linears' outputs by 1 + u*xi and summing the
+        column-wise linears' input gradients in two rounded halves, as
         convergence/trainer/forward_noise.py does) would return the control with it set here."""
         return None
 
