@@ -38,6 +38,24 @@ def _loaded_top_modules(stdout: str) -> set[str]:
     return set(json.loads(line.removeprefix("MODULES=")))
 
 
+def _collect(
+    paths: list[str], env: dict[str, str]
+) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``pytest -m convergence --collect-only`` of ``paths`` under the probe, from the
+    repository (it must succeed); its output and the top-level packages it had loaded."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "-m", "convergence", "--collect-only", "-q"]
+        + ["-p", "no:cacheprovider", *paths],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, _loaded_top_modules(proc.stdout)
+
+
 @pytest.mark.parametrize("paths", [["experiments/quickstart.toml"], []], ids=["quickstart", "bare"])
 def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> None:
     """Named or bare (`testpaths`: the project's conftest skips test modules that hold no
@@ -48,28 +66,8 @@ def test_collect_only_of_the_quick_start_imports_no_torch(paths: list[str]) -> N
         # A GPU build must ask torch how many GPUs it sees: hide them, so that what is checked
         # is that nothing else in collection imports torch.
         env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PROBE,
-            "-m",
-            "convergence",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            *paths,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, loaded = _collect(paths, env)
     assert "experiments/quickstart.toml::" in proc.stdout
-    loaded = _loaded_top_modules(proc.stdout)
     assert loaded & set(COSTLY) == set(), proc.stdout
 
 
@@ -84,18 +82,8 @@ def test_collecting_a_pair_with_a_hook_imports_no_torch(tmp_path: Path) -> None:
     hooks = REPO / "tests" / "fixtures" / "hooks"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(hooks), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE, "-m", "convergence", "--collect-only", "-q"]
-        + ["-p", "no:cacheprovider", str(experiment)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, loaded = _collect([str(experiment)], env)
     assert "::hooked" in proc.stdout, proc.stdout
-    loaded = _loaded_top_modules(proc.stdout)
     assert loaded & set(COSTLY) == set(), proc.stdout
 
 
