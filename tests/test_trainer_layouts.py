@@ -1,7 +1,7 @@
 """Every layout of the built-in trainer reproduces the single-process run (real torchrun, gloo).
 
 Same seed checkpoint, same samples, fp32, deterministic: the step-1 loss and grad norm must
-match the single-process reference to 1e-5 relative, and the loss over 20 steps to 1e-4
+match the single-process reference to 1e-5 relative, and the loss over 10 steps to 1e-4
 absolute. Every layout reads 16 samples per optimizer step, as the reference does.
 """
 
@@ -21,10 +21,10 @@ pytestmark = pytest.mark.xdist_group("trainer_layouts")
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "train_configs" / "debug.toml"
-STEPS = 20
+STEPS = 10  # a layout bug shows from step 1; 10 steps keep the drift check at half the CPU of 20
 COMMON = [
     f"--training.steps={STEPS}",
-    "--metrics.val_every=10",
+    "--metrics.val_every=5",
     "--metrics.val_batches=1",
     "--metrics.enable_tensorboard=false",
 ]
