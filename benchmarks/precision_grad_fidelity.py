@@ -1,7 +1,7 @@
 """What e4m3 gradients (the planted bug detection_bugs.precision:grads_e4m3) lose against the
 recipe's e5m2, measured inside a float8 tensorwise run (docs/precision.md).
 
-    python benchmarks/precision_grad_fidelity.py [--seed 1000] [--steps 40]
+    python benchmarks/precision_grad_fidelity.py [--seed 1000] [--steps 40] [--set KEY=VALUE ...]
 
 One 2-rank job (the debug model, bf16 FSDP2, float8 tensorwise, emulated) with this module's
 :func:`measure` as its hook: at each step, each float8 linear's gradient of its output (in
@@ -9,7 +9,9 @@ high precision, before the backward's cast) is cast both ways with one scale per
 the recipe does, and compared with itself: the share of its nonzero entries flushed to zero,
 and the relative error of the weight gradient (gradient^T @ input) each cast gives. e4m3 has
 3 mantissa bits and 2^17.8 of range (448 down to 2^-9), e5m2 2 bits and 2^31.8: the question
-is whether on this model the lost range costs more than the extra bit gains.
+is whether on this model the lost range costs more than the extra bit gains. ``--set`` passes
+trainer overrides (``model.vocab_size=4096``, ``data.synthetic_concentration=0.01``) to both
+jobs, to ask the same question of other models and data.
 """
 
 from __future__ import annotations
@@ -64,7 +66,10 @@ def measure(model: nn.Module, ctx: object) -> None:
             row: dict[str, Any] = {"rank": rank, "module": name, "nonzero": int((g != 0).sum())}
             for tag, dtype in FORMATS.items():
                 q = cast(g, dtype)
-                row[f"flushed_{tag}"] = int(((q == 0) & (g != 0)).sum())
+                flushed = (q == 0) & (g != 0)
+                row[f"flushed_{tag}"] = int(flushed.sum())
+                # Entries are not all alike: the share of |g| lost says how much signal went.
+                row[f"flushed_mass_{tag}"] = float(g[flushed].abs().sum() / g.abs().sum())
                 row[f"weight_grad_error_{tag}"] = float((q.t() @ x - exact).norm() / exact.norm())
             with out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -77,6 +82,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="trainer overrides"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="precision-fidelity-") as tmp:
         root = Path(tmp)
@@ -87,6 +95,7 @@ def main() -> None:
         )
         seed = [f"--training.seed={args.seed}", f"--checkpoint.seed_checkpoint={root / 'seed'}"]
         trainer = ["-m", "convergence.trainer", "--config", str(CONFIG), *seed]
+        trainer += [f"--{kv}" for kv in args.set]
         subprocess.run(
             [
                 sys.executable,
@@ -126,10 +135,11 @@ def main() -> None:
         seen[row["rank"], row["module"]] += 1
         by_step[seen[row["rank"], row["module"]]].append(row)
     print(
-        "| step | flushed e4m3 | flushed e5m2 | weight-grad error e4m3 / e5m2 (median, max) "
+        "| step | flushed e4m3 | flushed e5m2 | abs(g) mass flushed e4m3 (max) "
+        "| weight-grad error e4m3 / e5m2 (median, max) "
         "| linears where e4m3 is worse |"
     )
-    print("|---:|---:|---:|---|---:|")
+    print("|---:|---:|---:|---:|---|---:|")
     for step in sorted({1, 2, args.steps // 4, args.steps // 2, args.steps} & set(by_step)):
         rs = by_step[step]
         nonzero = sum(r["nonzero"] for r in rs)
@@ -139,6 +149,7 @@ def main() -> None:
         print(
             f"| {step} | {sum(r['flushed_e4m3'] for r in rs) / nonzero:.1e} | "
             f"{sum(r['flushed_e5m2'] for r in rs) / nonzero:.1e} | "
+            f"{max(r['flushed_mass_e4m3'] for r in rs):.1e} | "
             f"{statistics.median(e4):.4f}, {max(e4):.4f} / {statistics.median(e5):.4f}, "
             f"{max(e5):.4f} | {worse} of {len(rs)} |"
         )
