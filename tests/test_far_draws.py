@@ -98,3 +98,23 @@ def test_the_series_at_the_judges_anchors_is_the_real_pairs_verdict() -> None:
     real = far_judge.judge_pair(group, "fsdp2-tp2", "anchored-judge")
     assert real is not None and real.status == "passed" and mine.passed
     assert mine.shares == pytest.approx(real.anchor_shares, rel=1e-12)
+
+
+def test_pp_and_hsdp_counted_as_one_layout() -> None:
+    def pp(layout: str, passed: bool, shares: tuple[float, ...]) -> far_draws.PseudoPair:
+        return far_draws.PseudoPair("e", 2, "fp32", layout, (10, 20), passed, shares, layout)
+
+    pps = [
+        pp("fsdp2-tp2", True, (0.1, 0.2)),
+        pp("fsdp2-pp2-1f1b", True, (0.3, 0.05)),
+        pp("hsdp2x2", False, (0.2, 1.5)),
+    ]
+    merged = far_draws.as_one(pps)
+    assert len(merged) == 2
+    one = next(p for p in merged if p.layout == "fsdp2-pp2-1f1b+hsdp2x2")
+    # one draw: fails if either fails, each anchor's share the larger
+    assert not one.passed and one.shares == (0.3, 1.5) and one.message == "hsdp2x2"
+    rows = [layout for _, layout, _ in far_draws.table_cells(pps)]
+    assert rows == ["fsdp2-pp2-1f1b", "fsdp2-tp2", "hsdp2x2", "all", far_draws.AS_ONE_ROW]
+    pair = far_draws.pair_rows(pps)[-1].split("|")
+    assert pair[3].strip() == "2" and pair[5].strip() == "1 (1 / 0)"

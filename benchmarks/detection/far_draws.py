@@ -194,15 +194,53 @@ def tail_fit(shares: Sequence[float]) -> tuple[float, float, float]:
     return expo, gpd, float(shape)
 
 
+#: Layouts whose one-step results are (nearly) the same draw: PP 1F1B and HSDP 2x2 agree at
+#: most anchors to the last bit and differ elsewhere by a float32 rounding or so (BENCHMARKS.md
+#: "dense anchors"): the stricter count takes them as one layout's draws.
+AS_ONE = ("fsdp2-pp2-1f1b", "hsdp2x2")
+AS_ONE_ROW = "all, PP 1F1B + HSDP as one"
+
+
+def as_one(pps: Sequence[PseudoPair], layouts: Sequence[str] = AS_ONE) -> list[PseudoPair]:
+    """The pseudo-pairs with those of ``layouts`` merged per (config, seed, precision, series):
+    one pseudo-pair that fails if any of them fails, each anchor's share the largest of theirs
+    (the conservative reading of "one draw")."""
+    out: list[PseudoPair] = []
+    merged: dict[tuple[str, int, str, tuple[int, ...]], list[PseudoPair]] = {}
+    for p in pps:
+        if p.layout in layouts:
+            merged.setdefault((p.config, p.seed, p.precision, p.anchors), []).append(p)
+        else:
+            out.append(p)
+    for (config, seed, precision, anchors), these in merged.items():
+        worst = min(these, key=lambda p: (p.passed, -max(p.shares)))
+        out.append(
+            PseudoPair(
+                config,
+                seed,
+                precision,
+                "+".join(sorted(p.layout for p in these)),
+                anchors,
+                all(p.passed for p in these),
+                tuple(max(s) for s in zip(*(p.shares for p in these), strict=True)),
+                worst.message,
+            )
+        )
+    return out
+
+
 def table_cells(pps: Sequence[PseudoPair]) -> Iterator[tuple[str, str, list[PseudoPair]]]:
     """(precision, layout, its pseudo-pairs) for each row of the draw and pair tables: per
-    precision each layout, then all of them together."""
+    precision each layout, then all of them together, then all with AS_ONE counted as one
+    layout (where more than one of them is there)."""
     for precision in ("fp32", "bf16"):
         mine = [p for p in pps if p.precision == precision]
         for layout in [*sorted({p.layout for p in mine}), "all"]:
             these = [p for p in mine if layout in (p.layout, "all")]
             if these:
                 yield precision, layout, these
+        if len({p.layout for p in mine} & set(AS_ONE)) > 1:
+            yield precision, AS_ONE_ROW, as_one(mine)
 
 
 def draw_rows(pps: Sequence[PseudoPair]) -> list[str]:
