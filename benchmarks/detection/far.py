@@ -53,9 +53,10 @@ CONFIGS = {
     "d": HERE / "far" / "d_deep_wide_heldback.toml",
     "e": HERE / "far" / "e_aggressive_lr_heldback.toml",
     "f": HERE / "far" / "f_wide_ffn_shallow_heldback.toml",
+    "g": HERE / "far" / "g_narrow_heads_text_heldback.toml",
 }
 TUNING = ("a", "b", "c")
-HELD_BACK = ("d", "e", "f")
+HELD_BACK = ("d", "e", "f", "g")
 CURVES = HERE / "far" / "curves"
 
 #: The cheap correct layouts (4 ranks each against the 2-rank FSDP2 control).
