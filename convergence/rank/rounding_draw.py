@@ -13,7 +13,7 @@ draw is a *deterministic function of the numbers*, as another machine's kernels 
 that computed bitwise-equal values before still do (a cached control stays valid, a bitwise
 assertion between layouts with the same forward still holds), while every value that rounds
 on the edge lands on another side of it, differently for each ``N``. Unlike the forward-noise
-twin (trainer/forward_noise.py: one job's deliberate noise, a seeded stream) every job of the
+twin (trainer/forward_noise.py: one job that rounds as TP2 does, on purpose) every job of the
 session gets the same function, so control, twins and test alike are "another machine".
 
 Under tensor parallelism an output may be a DTensor (a shard or a partial sum): its local

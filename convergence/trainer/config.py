@@ -145,11 +145,11 @@ class TrainingConfig:
     deterministic: bool = True
     """Deterministic algorithms and seeded RNGs."""
     forward_noise: float = 0.0
-    """Relative amplitude of a seeded rounding-level perturbation of the outputs of the
-    linear layers another layout re-rounds in the forward (attention wo, FFN w2) (0 = off);
-    when set, the column-wise linears' input gradients (wq/wk/wv, w1/w3, output) are also
-    summed in two rounded halves, as TP2 sums them. Only the twin regime's forward-noise twin
-    sets it (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
+    """Non-zero: this run is the forward-noise twin -- every split matmul of a tensor-parallel
+    layout (row-wise wo/w2, column-wise wq/wk/wv, w1/w3, output) computed in two rounded
+    halves summed as TP2's ranks sum them (0 = off). The built-in backend writes the compute
+    dtype's unit roundoff here, the size of the rounding the twin adds. Only the twin regime's
+    forward-noise twin sets it (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
     device: Device = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
 

@@ -1,53 +1,52 @@
-"""Rounding-level noise in the forward and backward pass, for the twin regime's
-*forward-noise twin*.
+"""TP2's rounding in the control's own layout, for the twin regime's *forward-noise twin*.
 
 Why: the DP noise twin (another FSDP degree) differs from its control only in the gradient
-reduction; its forward pass is bit-identical. A tensor- or context-parallel test also rounds
-its forward differently at every step (bf16 partial sums of every split matmul, attention
-accumulated per sequence chunk). That is a larger perturbation per step, which the run's chaos
-then grows at the same rate (BENCHMARKS.md, "Twin envelope on other models"), so an
-envelope measured on the DP twin alone is too narrow for those layouts. The forward-noise twin
-is the control itself, with the output of every linear layer that another layout re-rounds
-(``RE_ROUNDED``) multiplied by ``1 + a * xi``,
-``xi`` uniform in [-1, 1], fresh at each call from a seeded generator: a rounding-level change
-of the forward at every step, the size of one re-rounding at the compute precision
-(``a`` = the dtype's unit roundoff, chosen by the backend).
+reduction; its forward pass is bit-identical. A tensor-parallel test also rounds its forward
+and backward differently at every step: each rank's partial sums of every split matmul,
+rounded to the compute dtype, then added by the all-reduce. That is a larger perturbation per
+step, which the run's chaos then grows at the same rate (BENCHMARKS.md, "Twin envelope on other
+models"), so an envelope measured on the DP twin alone is too narrow for those layouts.
 
-Tensor parallelism re-rounds the *backward* too: a column-wise linear's input gradient is a sum
-over the sharded output dimension, computed per rank, rounded to the compute dtype and summed by
-the all-reduce. The twin computes the input gradient of every such linear
-(``RE_ROUNDED_BACKWARD``) the way TP2's two ranks do: the two halves' partial products, each
-rounded, then added (``SplitInputGradient``; forward and weight gradient unchanged, bit for
-bit). Why this and not ``1 + a * xi`` on the input gradient: that noise, at the unit roundoff,
-left the twin's one-step gradient gaps where they were (config B: TP's per-part gaps stayed
-1.5-3x the twin's, 9 of 10 pseudo-pairs failing), where the split moved them to TP's (0.8-1.1x;
-2 of 10; BENCHMARKS.md, "tptwin"). Per element the split's gaps are heavy-tailed where the
-two halves cancel; why that matters this much more than the noise was not measured.
+The forward-noise twin is the control itself computing every split matmul as TP2's two ranks
+do, in one process, with no communication:
 
-Only plain tensors are perturbed (a DTensor under TP is left as it is: its shards already round
-in their own order).
+- a row-wise linear (``RE_ROUNDED``: attention ``wo``, FFN ``w2``): the two halves of the input
+  dimension each give a partial output, rounded, then added (TP2's forward all-reduce);
+- a column-wise linear (``RE_ROUNDED_BACKWARD``: wq/wk/wv, w1/w3, the vocabulary-sharded
+  output): each half of the output dimension reads its own view of the input, so autograd sums
+  each rank's partial input gradients over all consumers of that input first (wq, wk and wv
+  read one normed input) and adds the two ranks' sums last -- TP2's one all-reduce of the
+  replicated input (convergence/trainer/parallelize.py ``_replicated_input``). Each output
+  element and each weight gradient is computed whole, as under TP.
+
+History, measured (BENCHMARKS.md "tptwin", "The bf16 TP false alarm"): the twin first
+multiplied the row-wise outputs by ``1 + u * xi`` (u the unit roundoff, xi uniform); a correct
+FSDP2+TP2 then left the anchored check's one-step tolerance in 58 % of the held-back
+pseudo-pairs -- its one-step gaps were heavy-tailed where the two halves cancel, which noise of
+a fixed relative size does not produce. Splitting each column-wise input gradient on its own
+cut that to 15 %; the split above, rounding in TP2's own association, reproduces a correct
+FSDP2+TP2's one step from an anchor bit for bit on this CPU (loss, every grad and update norm),
+so its gap is the twin's. Other TP degrees and TP+SP round alike but not identically.
+
+Only plain tensors are split (a DTensor under TP is left as it is: its shards already round in
+their own order).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-#: The linear layers whose outputs another layout re-rounds: the row-wise ones (attention
-#: output ``wo``, FFN down ``w2``), where tensor parallelism sums bf16 partial products over
-#: ranks and context parallelism feeds the attention it accumulated per sequence chunk. The
-#: column-wise ones (wq/wk/wv, w1/w3) compute every output element whole in any layout; a
-#: twin perturbing them too was 1.1-5x noisier than the layouts at the first steps and cost
-#: power (BENCHMARKS.md, "Twin envelope on other models").
+#: The row-wise linears, whose outputs TP sums over ranks: attention output ``wo``, FFN down
+#: ``w2`` (and context parallelism feeds ``wo`` the attention it accumulated per chunk).
 RE_ROUNDED = frozenset({"wo", "w2"})
 
-#: The linear layers whose *input gradient* another layout re-rounds: the column-wise ones,
-#: whose input gradient tensor parallelism sums over ranks (each rank's share of the output
-#: dimension) in the backward -- the blocks' wq/wk/wv, w1/w3 and the output projection, which
-#: the built-in TP shards over the vocabulary (convergence/trainer/parallelize.py).
+#: The column-wise linears, whose *input gradient* TP sums over ranks (each rank's share of the
+#: output dimension): the blocks' wq/wk/wv, w1/w3 and the output projection, which the built-in
+#: TP shards over the vocabulary (convergence/trainer/parallelize.py).
 RE_ROUNDED_BACKWARD = frozenset({"wq", "wk", "wv", "w1", "w3", "output"})
 
-#: Unit roundoff (half the spacing of the significand) per compute dtype: the amplitude the
-#: built-in backend gives its forward-noise twin.
+#: Unit roundoff (half the spacing of the significand) per compute dtype: the value the built-in
+#: backend writes into the twin's ``training.forward_noise`` (non-zero switches the twin on).
 UNIT_ROUNDOFF: dict[str, float] = {
     "float32": 2.0**-24,
     "bfloat16": 2.0**-8,
@@ -55,54 +54,50 @@ UNIT_ROUNDOFF: dict[str, float] = {
 }
 
 
-def add_forward_noise(chunks: list[Any], amplitude: float, seed: int) -> int:
-    """Perturb the ``RE_ROUNDED`` linears' outputs and split the ``RE_ROUNDED_BACKWARD``
-    linears' input gradients in ``chunks``; returns how many linears.
-    torch is imported here, not at the top: the backend reads UNIT_ROUNDOFF at collection,
-    where torch is not loaded."""
+def add_tp2_rounding(chunks: list[Any]) -> int:
+    """Make the ``RE_ROUNDED`` and ``RE_ROUNDED_BACKWARD`` linears in ``chunks`` round as TP2
+    does; returns how many linears. torch is imported here, not at the top: the backend reads
+    UNIT_ROUNDOFF at collection, where torch is not loaded."""
     import torch
     from torch import nn
     from torch.distributed.tensor import DTensor
 
-    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.functional.linear
+    # The last input a column-wise linear read, and its two views (one per TP2 rank): wq, wk
+    # and wv are called one after another on the same tensor, so one slot is enough.
+    last: list[Any] = [None, None, None]
 
-    def noisy(tensor: Any, gen: Any) -> Any:
-        xi = torch.rand(tensor.shape, generator=gen, dtype=torch.float32)
-        factor = (1.0 + amplitude * (2.0 * xi - 1.0)).to(device=tensor.device)
-        return (tensor.float() * factor).to(tensor.dtype)
+    def halves_of(x: Any) -> tuple[Any, Any]:
+        if last[0] is not x:
+            last[:] = [x, x.view_as(x), x.view_as(x)]
+        return last[1], last[2]
 
-    class SplitInputGradient(torch.autograd.Function):
-        """``x @ w.T`` whose input gradient is summed as two ranks of TP2 sum it: the two
-        halves of the output dimension each give a partial product, rounded to the compute
-        dtype, then added (the all-reduce) and rounded again."""
+    def plain(module: Any, x: Any) -> bool:
+        return not (
+            isinstance(x, DTensor) or isinstance(module.weight, DTensor) or module.bias is not None
+        )
 
-        @staticmethod
-        def forward(ctx: Any, x: Any, weight: Any) -> Any:
-            ctx.save_for_backward(x, weight)
-            return torch.nn.functional.linear(x, weight)
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            x, weight = ctx.saved_tensors
-            half = weight.shape[0] // 2
-            grad_x = grad[..., :half] @ weight[:half] + grad[..., half:] @ weight[half:]
-            grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            return grad_x, grad_w
-
-    def perturb(module: Any, inputs: Any, output: Any) -> Any:
-        if not isinstance(output, torch.Tensor) or isinstance(output, DTensor):
-            return None
-        return noisy(output, generator)
-
-    def split_forward(module: Any) -> Any:
+    def column_split(module: Any) -> Any:
         def forward(x: Any) -> Any:
-            if (
-                isinstance(x, DTensor)
-                or isinstance(module.weight, DTensor)
-                or module.bias is not None
-            ):
-                return torch.nn.functional.linear(x, module.weight, module.bias)
-            return SplitInputGradient.apply(x, module.weight)
+            if not plain(module, x):
+                return linear(x, module.weight, module.bias)
+            first, second = halves_of(x)
+            half = module.weight.shape[0] // 2
+            return torch.cat(
+                [linear(first, module.weight[:half]), linear(second, module.weight[half:])],
+                dim=-1,
+            )
+
+        return forward
+
+    def row_split(module: Any) -> Any:
+        def forward(x: Any) -> Any:
+            if not plain(module, x):
+                return linear(x, module.weight, module.bias)
+            half = module.weight.shape[1] // 2
+            return linear(x[..., :half], module.weight[:, :half]) + linear(
+                x[..., half:], module.weight[:, half:]
+            )
 
         return forward
 
@@ -112,11 +107,9 @@ def add_forward_noise(chunks: list[Any], amplitude: float, seed: int) -> int:
             if not isinstance(module, nn.Linear):
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            if leaf in RE_ROUNDED:
-                module.register_forward_hook(perturb)
-                count += 1
-            elif leaf in RE_ROUNDED_BACKWARD:
+            split = row_split if leaf in RE_ROUNDED else column_split
+            if leaf in RE_ROUNDED or leaf in RE_ROUNDED_BACKWARD:
                 # An instance attribute: nn.Module's call (and FSDP2's hooks around it) finds it.
-                module.forward = split_forward(module)  # type: ignore[method-assign]
+                module.forward = split(module)  # type: ignore[method-assign]
                 count += 1
     return count

@@ -1,0 +1,84 @@
+"""The forward-noise twin rounds as FSDP2+TP2 does (convergence/trainer/forward_noise.py): from
+the same seed checkpoint, in bf16, its first step -- the control's layout, two ranks, every
+split matmul computed in TP2's halves -- gives FSDP2+TP2's loss bit for bit and its grad norms
+to float64 summation order, while the plain control differs by bf16 rounding. This is what makes
+the twin's one-step gap a correct TP2's own (the anchored check, stats/anchored.py), not a
+stand-in of the same size. Real torchrun, gloo; not a `rounding` test: another rounding draw
+perturbs TP's partial sums where the twin has none (rank/rounding_draw.py), so the equality is
+this machine's kernels against themselves, which holds on any CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from convergence.trainer.forward_noise import UNIT_ROUNDOFF
+
+pytestmark = pytest.mark.xdist_group("tp2_twin")
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG = REPO / "train_configs" / "debug.toml"
+BF16 = ["--training.param_dtype=bfloat16", "--training.steps=2", "--metrics.val_every=0"]
+
+
+def first_step(
+    tmp: Path, name: str, nproc: int, overrides: list[str], seed: Path
+) -> dict[str, float]:
+    dump = tmp / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "convergence.trainer",
+        "--config",
+        str(DEBUG),
+        f"--metrics.dump_folder={dump}",
+        f"--checkpoint.seed_checkpoint={seed}",
+        "--metrics.enable_tensorboard=false",
+        *BF16,
+        *overrides,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("CONVERGENCE_ROUNDING_DRAW", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in rows if r.get("step") == 1)
+
+
+def test_the_twins_first_step_is_fsdp2_tp2s_bit_for_bit(tmp_path: Path) -> None:
+    seed = tmp_path / "seed"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "convergence.trainer",
+            "--config",
+            str(DEBUG),
+            "--checkpoint.create_seed_checkpoint=true",
+            f"--checkpoint.seed_checkpoint={seed}",
+        ],
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    u = UNIT_ROUNDOFF["bfloat16"]
+    fsdp = ["--parallelism.dp_shard=2"]
+    control = first_step(tmp_path, "control", 2, fsdp, seed)
+    twin = first_step(tmp_path, "twin", 2, [*fsdp, f"--training.forward_noise={u!r}"], seed)
+    tp2 = first_step(tmp_path, "tp2", 4, [*fsdp, "--parallelism.tp=2"], seed)
+    assert twin["loss"] == tp2["loss"], (twin["loss"], tp2["loss"])
+    assert control["loss"] != tp2["loss"]  # the rounding the twin adds is TP2's, and real
+    for metric in ("grad_norm", "grad_norm_parts"):
+        assert abs(twin[metric] - tp2[metric]) <= 1e-12 * abs(tp2[metric]), metric
+        assert abs(control[metric] - tp2[metric]) > 1e-6 * abs(tp2[metric]), metric
