@@ -24,6 +24,7 @@ pytestmark = pytest.mark.xdist_group("tp2_twin")
 REPO = Path(__file__).resolve().parents[1]
 DEBUG = REPO / "train_configs" / "debug.toml"
 BF16 = ["--training.param_dtype=bfloat16", "--training.steps=2", "--metrics.val_every=0"]
+FSDP = ["--parallelism.dp_shard=2"]
 
 
 def first_step(
@@ -54,21 +55,11 @@ def first_step(
     return next(r for r in rows if r.get("step") == 1)
 
 
-@pytest.mark.parametrize(
-    ("tp", "backward_too"),
-    [
-        pytest.param(["--parallelism.tp=2"], True, id="tp2"),
-        # Sequence parallelism also sums the norms' weight gradients over the sequence shards,
-        # which the twin does not split: its forward is TP2+SP's, its backward near it.
-        pytest.param(
-            ["--parallelism.tp=2", "--parallelism.sequence_parallel=true"], False, id="tp2-sp"
-        ),
-    ],
-)
-def test_the_twins_first_step_is_fsdp2_tp2s_bit_for_bit(
-    tmp_path: Path, tp: list[str], backward_too: bool
-) -> None:
-    seed = tmp_path / "seed"
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[str, float]]]:
+    """The seed checkpoint, and the first steps of the control and its forward-noise twin."""
+    tmp = tmp_path_factory.mktemp("tp2-twin")
+    seed = tmp / "seed"
     subprocess.run(
         [
             sys.executable,
@@ -86,10 +77,32 @@ def test_the_twins_first_step_is_fsdp2_tp2s_bit_for_bit(
         timeout=300,
     )
     u = UNIT_ROUNDOFF["bfloat16"]
-    fsdp = ["--parallelism.dp_shard=2"]
-    control = first_step(tmp_path, "control", 2, fsdp, seed)
-    twin = first_step(tmp_path, "twin", 2, [*fsdp, f"--training.forward_noise={u!r}"], seed)
-    tp2 = first_step(tmp_path, "tp2", 4, [*fsdp, *tp], seed)
+    return seed, {
+        "control": first_step(tmp, "control", 2, FSDP, seed),
+        "twin": first_step(tmp, "twin", 2, [*FSDP, f"--training.forward_noise={u!r}"], seed),
+    }
+
+
+@pytest.mark.parametrize(
+    ("tp", "backward_too"),
+    [
+        pytest.param(["--parallelism.tp=2"], True, id="tp2"),
+        # Sequence parallelism also sums the norms' weight gradients over the sequence shards,
+        # which the twin does not split: its forward is TP2+SP's, its backward near it.
+        pytest.param(
+            ["--parallelism.tp=2", "--parallelism.sequence_parallel=true"], False, id="tp2-sp"
+        ),
+    ],
+)
+def test_the_twins_first_step_is_fsdp2_tp2s_bit_for_bit(
+    shared: tuple[Path, dict[str, dict[str, float]]],
+    tmp_path: Path,
+    tp: list[str],
+    backward_too: bool,
+) -> None:
+    seed, runs = shared
+    control, twin = runs["control"], runs["twin"]
+    tp2 = first_step(tmp_path, "tp2", 4, [*FSDP, *tp], seed)
     assert twin["loss"] == tp2["loss"], (twin["loss"], tp2["loss"])
     assert control["loss"] != tp2["loss"]  # the rounding the twin adds is TP2's, and real
     for metric in ("grad_norm", "grad_norm_parts"):
