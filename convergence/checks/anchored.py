@@ -70,7 +70,7 @@ KEY_DOC = (
     f"{AUTO_MIN_STEPS} steps, every {AUTO_EVERY}; `0`: off): every N steps the control saves "
     "its whole training state and the test layout trains one step from each; each such step "
     "must match the control's own next step at the one-step tolerance (twin pairs: sized by "
-    "the twins' one step from the same states; a gap above half of it at two consecutive "
+    "the twins' one step from the same states; a gap above 3/4 of it at two consecutive "
     "anchors also fails; each part's grad norm, `grad_norm/<part>`, is held to its own twin "
     "envelope at 2.5x the k), so a bug that starts late is judged against one step of "
     "rounding, not a long run's drift. A failure names the anchor step and the probe starts "
