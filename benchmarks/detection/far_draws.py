@@ -45,7 +45,7 @@ from far_judge import Group, clopper_pearson, judge_pair, load, trajectory_rules
 
 from convergence.checks.anchored import AUTO_EVERY
 from convergence.metrics.curve import Curve, RunMetrics
-from convergence.stats.anchored import anchored_verdict
+from convergence.stats.anchored import PERSISTENT_FRACTION, anchored_verdict
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "BENCHMARKS.md"
@@ -296,7 +296,7 @@ PAIR_HEAD = [
     "| precision | layout | pseudo-pairs | anchors each | alarms (outright / persistence "
     "only) | rate | per-pair rate, CP 95 % "
     "upper | worst share | worst min share of two consecutive anchors (bf16 persistence rule: "
-    "> 0.5 on a metric fails) |",
+    f"> {PERSISTENT_FRACTION:g} on a metric fails) |",
     "|---|---|---:|---:|---:|---:|---:|---:|---:|",
 ]
 
