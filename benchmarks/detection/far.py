@@ -17,7 +17,8 @@ its cost: wall s, CPU s of the pair's job processes, jobs started).
 
 HELD_BACK configs (d, e) were written for this benchmark and kept out of every choice of the
 rule: their numbers were read once, after the rule was chosen on TUNING (BENCHMARKS.md
-"False-alarm rate"); f likewise, after the twin's backward re-rounding (BENCHMARKS.md "tptwin").
+"False-alarm rate"); f likewise, after the twin's backward re-rounding (BENCHMARKS.md "tptwin");
+g after the twin's TP2 rounding and the persistence level (BENCHMARKS.md "The TP2 twin").
 """
 
 from __future__ import annotations

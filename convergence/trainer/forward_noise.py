@@ -107,9 +107,13 @@ def add_tp2_rounding(chunks: list[Any]) -> int:
             if not isinstance(module, nn.Linear):
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            split = row_split if leaf in RE_ROUNDED else column_split
-            if leaf in RE_ROUNDED or leaf in RE_ROUNDED_BACKWARD:
-                # An instance attribute: nn.Module's call (and FSDP2's hooks around it) finds it.
-                module.forward = split(module)  # type: ignore[method-assign]
-                count += 1
+            if leaf in RE_ROUNDED:
+                split = row_split
+            elif leaf in RE_ROUNDED_BACKWARD:
+                split = column_split
+            else:
+                continue
+            # An instance attribute: nn.Module's call (and FSDP2's hooks around it) finds it.
+            module.forward = split(module)  # type: ignore[method-assign]
+            count += 1
     return count
