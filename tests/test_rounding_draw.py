@@ -55,3 +55,43 @@ def test_the_run_cache_keys_the_draw() -> None:
     from convergence.cache.stack import numerics_env
 
     assert numerics_env({ROUNDING_DRAW_ENV: "1"}) == {ROUNDING_DRAW_ENV: "1"}
+
+
+def test_ci_draw_reaches_the_rounding_tests_and_their_jobs_only(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """.ci/run's CONVERGENCE_ROUNDING_TESTS_DRAW: the project's conftest.py puts it in the
+    environment of the tests marked ``rounding`` (and so of the jobs they start), not of the
+    others, and leaves no trace after a test."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    pytester.makeconftest((root / "conftest.py").read_text(encoding="utf-8"))
+    pytester.makeini("[pytest]\nmarkers =\n    rounding: rounding-sensitive\n")
+    pytester.makepyfile(
+        test_draws=f"""
+        import os, subprocess, sys
+        import pytest
+
+        def job_draw():  # what a job started by the test sees
+            code = "import os; print(os.environ.get({ROUNDING_DRAW_ENV!r}, 'unset'))"
+            return subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+
+        def test_plain_before():
+            assert job_draw() == "unset"
+
+        @pytest.mark.rounding
+        def test_rounding():
+            assert os.environ[{ROUNDING_DRAW_ENV!r}] == "3" and job_draw() == "3"
+
+        def test_plain_after():
+            assert job_draw() == "unset"
+        """
+    )
+    monkeypatch.delenv(ROUNDING_DRAW_ENV, raising=False)
+    monkeypatch.setenv("CONVERGENCE_ROUNDING_TESTS_DRAW", "3")
+    pytester.runpytest("-p", "no:cacheprovider", "-p", "no:xdist").assert_outcomes(passed=3)
+    monkeypatch.delenv("CONVERGENCE_ROUNDING_TESTS_DRAW")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-p", "no:xdist")
+    result.assert_outcomes(passed=2, failed=1)  # without it, the rounding test runs at draw 0
