@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 
+# torch-free (the plugin imports it too): the variable a job's ranks read their draw from.
+from convergence.rank.rounding_draw import ROUNDING_DRAW_ENV
+
 # The plugin's own tests drive pytest in a temporary folder with `pytester`.
 pytest_plugins = ["pytester"]
 
@@ -84,7 +87,7 @@ def _rounding_tests_under_ci_draw(
     draw = os.environ.get(ROUNDING_TESTS_DRAW_ENV, "").strip()
     if draw and request.node.get_closest_marker("rounding") is not None:
         # The jobs a test starts (torchrun, warm ranks, pytester subprocesses) inherit it.
-        monkeypatch.setenv("CONVERGENCE_ROUNDING_DRAW", draw)
+        monkeypatch.setenv(ROUNDING_DRAW_ENV, draw)
 
 
 # `pytest -m convergence` (the quick start) selects experiment files and marked tests only, but
