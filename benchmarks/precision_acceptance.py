@@ -6,7 +6,8 @@
 One pytest session over one experiment per base seed: a bf16 FSDP2 control (2 ranks, the
 debug model) against each correct recipe -- float8 tensorwise, rowwise, float8 all-gather,
 MXFP8, all emulated on CPU -- and the planted bugs of detection_bugs/precision.py (local
-amax, e4m3 gradients, stale all-gather scales, the weight's scale inverted). Defaults of the margin regime
+amax, e4m3 gradients, e5m2-scaled gradients cast to e4m3, stale all-gather scales, the
+weight's scale inverted). Defaults of the margin regime
 (K = 3 replicate pairs at seeds s, s+1, s+2; margin 2 control seed std's; alpha 0.05; 4
 windows). A correct recipe that fails is a false alarm; a bug that does not fail is a miss.
 Prints one JSON line per pair (and appends it to --out) and a table for BENCHMARKS.md.
@@ -40,6 +41,10 @@ CORRECT = {
 BUGS = {
     "float8-local-amax": ({"float8": "tensorwise"}, "detection_bugs.precision:local_amax_scale"),
     "float8-grads-e4m3": ({"float8": "tensorwise"}, "detection_bugs.precision:grads_e4m3"),
+    "float8-grads-cast-e4m3": (
+        {"float8": "tensorwise"},
+        "detection_bugs.precision:grads_cast_e4m3",
+    ),
     "float8-stale-scales": (
         {"float8": "tensorwise", "float8_all_gather": True},
         "detection_bugs.precision:stale_scales",

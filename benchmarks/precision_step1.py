@@ -36,6 +36,10 @@ VARIANTS: dict[str, list[str]] = {
         "--precision.float8=tensorwise",
         "--parallelism.hook=detection_bugs.precision:grads_e4m3",
     ],
+    "bug:grads-cast-e4m3": [
+        "--precision.float8=tensorwise",
+        "--parallelism.hook=detection_bugs.precision:grads_cast_e4m3",
+    ],
     "bug:local-amax": [
         "--precision.float8=tensorwise",
         "--parallelism.hook=detection_bugs.precision:local_amax_scale",

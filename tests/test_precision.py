@@ -174,6 +174,64 @@ def test_the_inverted_scale_bug_multiplies_the_weights_matmuls_by_its_scale_squa
     assert torch.allclose(wrong, right * scale**2, rtol=1e-3, atol=0)
 
 
+@needs_torchao
+def test_the_mixed_cast_bug_saturates_the_gradients_above_amax_over_128(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The planted bug grads_cast_e4m3 (benchmarks/detection), in process on torchao's
+    emulated float8 linear: the forward is untouched, and the backward's output gradient is
+    scaled for e5m2 (57344 / amax) but cast to e4m3fn, so every entry above amax / 128
+    saturates -- the input's gradient is exactly the one from that clamped gradient, and
+    both gradients sit far further from high precision than correct float8's."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torchao.float8 import Float8LinearConfig, float8_linear
+    from torchao.float8.float8_linear import Float8Linear
+
+    monkeypatch.syspath_prepend(str(DETECTION))
+    from detection_bugs.precision import grads_cast_e4m3
+
+    # The hook patches this name; monkeypatch puts the original back after the test.
+    monkeypatch.setattr(
+        float8_linear, "hp_tensor_to_float8_dynamic", float8_linear.hp_tensor_to_float8_dynamic
+    )
+    torch.manual_seed(0)
+    high = nn.Linear(64, 64, bias=False)
+    linear = Float8Linear.from_float(
+        copy.deepcopy(high),
+        config=Float8LinearConfig(emulate=True),  # tensorwise, e5m2 grads
+    )
+    x, g = torch.randn(32, 64), torch.randn(32, 64)
+
+    def run(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        module.zero_grad()
+        inp = x.clone().requires_grad_(True)
+        out = module(inp)
+        out.backward(g)
+        assert inp.grad is not None and module.weight.grad is not None
+        return out.detach(), inp.grad, module.weight.grad.clone()
+
+    _, *exact = run(high)
+    right_out, *right = run(linear)
+    grads_cast_e4m3(linear, None)
+    wrong_out, *wrong = run(linear)
+
+    assert torch.equal(wrong_out, right_out)  # only the backward's e5m2 casts change
+    e5m2_scale = torch.finfo(torch.float8_e5m2).max / g.abs().max()
+    clamped = (g * e5m2_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() / e5m2_scale
+    assert (g.abs() > g.abs().max() / 128).float().mean() > 0.9  # nearly all of a Gaussian g
+    w = linear.weight.detach()
+    w_scale = torch.finfo(torch.float8_e4m3fn).max / w.abs().max()
+    w8 = (w * w_scale).to(torch.float8_e4m3fn).float() / w_scale
+    assert torch.allclose(wrong[0], clamped @ w8, rtol=1e-5, atol=1e-7)
+    for got, ok, hp in zip(wrong, right, exact, strict=True):
+        bug_error = ((got - hp).norm() / hp.norm()).item()
+        float8_error = ((ok - hp).norm() / hp.norm()).item()
+        assert bug_error > 0.5 and bug_error > 8 * float8_error, (bug_error, float8_error)
+
+
 def collect_shipped(tmp_path: Path, experiment: str, env: dict[str, str]) -> str:
     """``pytest -m convergence`` (nightly tier) on a shipped precision experiment in a fresh
     interpreter with ``env``; its output, after asserting that it exited 0."""

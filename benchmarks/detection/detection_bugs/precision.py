@@ -63,6 +63,76 @@ def grads_e4m3(model: nn.Module, ctx: HookContext) -> None:
         module.config = dataclasses.replace(config, **wrong)
 
 
+def grads_cast_e4m3(model: nn.Module, ctx: HookContext) -> None:
+    """The gradients' scale computed for e5m2 (the format the recipe asks for them:
+    ``amax_to_scale`` gives 57344 / amax) but the bits cast to e4m3fn (largest value 448): the
+    cast's format mixed up with the scale's -- e.g. a kernel that hard-codes the forward's
+    e4m3 while the scale follows ``cast_config_grad_output``. Each gradient is scaled so that
+    its amax lands on 57344, and ``to_fp8_saturated`` clamps everything above 448, i.e. every
+    entry of |g| above amax / 128 comes back as amax / 128: the large gradient entries of every
+    converted linear's backward (the input's and the weight's gradient matmuls) are clipped,
+    silently. Unlike ``grads_e4m3`` (a consistent e4m3 recipe: its scale is e4m3's) this is
+    not a format choice but a broken cast."""
+    from torchao.float8 import float8_linear
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_training_tensor import (
+        Float8TrainingTensor,
+        GemmInputRole,
+        LinearMMConfig,
+        hp_tensor_and_scale_to_float8,
+    )
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    right_cast = float8_linear.hp_tensor_to_float8_dynamic
+
+    # torchao 0.18's signature of hp_tensor_to_float8_dynamic (float8_scaling_utils.py).
+    def mixed_cast(
+        hp_tensor: torch.Tensor,
+        float8_dtype: torch.dtype,
+        linear_mm_config: LinearMMConfig,
+        reduce_amax: bool = False,
+        gemm_input_role: GemmInputRole = GemmInputRole.INPUT,
+        device_mesh: object = None,
+        scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE,
+        axiswise_dim: int | None = None,
+        round_scales_to_power_of_2: bool = False,
+    ) -> Float8TrainingTensor:
+        if float8_dtype is not torch.float8_e5m2:  # the forward's e4m3 casts stay right
+            return right_cast(
+                hp_tensor,
+                float8_dtype,
+                linear_mm_config,
+                reduce_amax,
+                gemm_input_role,
+                device_mesh,
+                scaling_granularity,
+                axiswise_dim,
+                round_scales_to_power_of_2,
+            )
+        scale = tensor_to_scale(
+            hp_tensor,
+            float8_dtype,  # the scale as for e5m2: 57344 / amax
+            reduce_amax,
+            device_mesh,
+            scaling_granularity,
+            axiswise_dim,
+            round_scales_to_power_of_2,
+        )
+        # ... the bits in e4m3fn. Downstream torchao reads the format from the bits
+        # (``_data.dtype``) and checks none against the config: the matmuls (emulated:
+        # ``_data.float() / _scale``; hardware: ``_scaled_mm`` takes e4m3 x e4m3) run on it.
+        return hp_tensor_and_scale_to_float8(
+            hp_tensor, scale, torch.float8_e4m3fn, linear_mm_config, gemm_input_role, axiswise_dim
+        )
+
+    # Float8Linear's backward (float8_linear.py, matmul_with_hp_or_float8_args.backward) looks
+    # the name up in its module at each call: the grad_output casts for the input's gradient
+    # and for the weight's gradient both go through it; only the backward asks for e5m2. The
+    # patch lives in this rank's process only: each job's ranks are fresh processes, so it
+    # never reaches another job (the control's ranks import an unpatched torchao).
+    float8_linear.hp_tensor_to_float8_dynamic = mixed_cast
+
+
 def stale_scales(model: nn.Module, ctx: HookContext) -> None:
     """With float8 all-gather, the weights' float8 scales computed once and not recomputed
     after the optimizer steps (``precompute_float8_dynamic_scale_for_fsdp`` called for the
