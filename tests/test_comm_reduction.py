@@ -9,14 +9,12 @@ exactly the collectives its design says (counted with CommDebugMode).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from trainer_jobs import metrics, run_job, run_trainer_job
 
 from convergence.metrics.curve import Curve
 from convergence.report.data import records
@@ -55,26 +53,7 @@ EXPECTED_12_LAYERS: dict[str, tuple[int, int]] = {
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("kinds") / "results.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(SCRIPT),
-        str(out),
-        "12",
-        *EXPECTED_12_LAYERS,
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_job(2, [str(SCRIPT), str(out), "12", *EXPECTED_12_LAYERS], out.parent / "logs", timeout=900)
     results: dict[str, Any] = json.loads(out.read_text())
     return results
 
@@ -285,37 +264,15 @@ MIXED = "--model.block_pattern=single_sync,parallel,parallel,standard"
 
 
 def _train(nproc: int, dump: Path, overrides: list[str]) -> list[dict[str, Any]]:
-    module = [
-        "-m",
-        "convergence.trainer",
+    args = [
         "--config",
         str(REPO / "train_configs" / "debug.toml"),
         f"--metrics.dump_folder={dump}",
         *TRAIN_COMMON,
         *overrides,
     ]
-    cmd = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *module,
-        ]
-        if nproc > 1
-        else [sys.executable, *module]
-    )
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    run_trainer_job(0 if nproc == 1 else nproc, args, dump / "logs", timeout=900)
+    return metrics(dump)
 
 
 @pytest.mark.slow

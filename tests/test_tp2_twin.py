@@ -3,20 +3,18 @@ the same seed checkpoint, in bf16, its first step -- the control's layout, two r
 split matmul computed in TP2's halves -- gives FSDP2+TP2's loss bit for bit and its grad norms
 to float64 summation order, while the plain control differs by bf16 rounding. This is what makes
 the twin's one-step gap a correct TP2's own (the anchored check, stats/anchored.py), not a
-stand-in of the same size. Real torchrun, gloo; not a `rounding` test: another rounding draw
+stand-in of the same size. Real ranks (started warm: tests/trainer_jobs.py), gloo; not a `rounding` test: another rounding draw
 perturbs TP's partial sums where the twin has none (rank/rounding_draw.py), so the equality is
 this machine's kernels against themselves, which holds on any CPU."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from trainer_jobs import metrics, run_trainer_job
 
+from convergence.rank.rounding_draw import ROUNDING_DRAW_ENV
 from convergence.trainer.forward_noise import UNIT_ROUNDOFF
 
 pytestmark = pytest.mark.xdist_group("tp2_twin")
@@ -31,14 +29,7 @@ def first_step(
     tmp: Path, name: str, nproc: int, overrides: list[str], seed: Path
 ) -> dict[str, float]:
     dump = tmp / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "convergence.trainer",
+    args = [
         "--config",
         str(DEBUG),
         f"--metrics.dump_folder={dump}",
@@ -47,12 +38,9 @@ def first_step(
         *BF16,
         *overrides,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("CONVERGENCE_ROUNDING_DRAW", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return next(r for r in rows if r.get("step") == 1)
+    # This machine's own rounding (draw 0), whatever draw the session runs under: see above.
+    run_trainer_job(nproc, args, dump / "logs", env={ROUNDING_DRAW_ENV: "0"})
+    return next(r for r in metrics(dump) if r.get("step") == 1)
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +48,13 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, di
     """The seed checkpoint, and the first steps of the control and its forward-noise twin."""
     tmp = tmp_path_factory.mktemp("tp2-twin")
     seed = tmp / "seed"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "convergence.trainer",
-            "--config",
-            str(DEBUG),
-            "--checkpoint.create_seed_checkpoint=true",
-            f"--checkpoint.seed_checkpoint={seed}",
-        ],
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    args = [
+        "--config",
+        str(DEBUG),
+        "--checkpoint.create_seed_checkpoint=true",
+        f"--checkpoint.seed_checkpoint={seed}",
+    ]
+    run_trainer_job(0, args, tmp / "seed-logs", timeout=300)
     u = UNIT_ROUNDOFF["bfloat16"]
     return seed, {
         "control": first_step(tmp, "control", 2, FSDP, seed),

@@ -1,4 +1,5 @@
-"""Every layout of the built-in trainer reproduces the single-process run (real torchrun, gloo).
+"""Every layout of the built-in trainer reproduces the single-process run (real ranks, gloo;
+started warm by the local launcher, as a pair's jobs are: tests/trainer_jobs.py).
 
 Same seed checkpoint, same samples, fp32, deterministic: the step-1 loss and grad norm must
 match the single-process reference to 1e-5 relative, and the loss over 10 steps to 1e-4
@@ -7,13 +8,10 @@ absolute. Every layout reads 16 samples per optimizer step, as the reference doe
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from trainer_jobs import metrics, run_trainer_job
 
 # Its module-scoped runs are shared by its tests: one xdist worker runs them all, so they
 # run once per session, not once per worker (tests/conftest.py: run sharing).
@@ -33,53 +31,23 @@ COMMON = [
 def run_trainer(
     nproc: int, dump: Path, overrides: list[str], timeout: float = 600
 ) -> list[dict[str, float]]:
-    """Run the trainer (torchrun when nproc > 1) and return its metrics.jsonl records."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    module = [
-        "-m",
-        "convergence.trainer",
-        "--config",
-        str(DEBUG),
-        f"--metrics.dump_folder={dump}",
-        *overrides,
-    ]
-    if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *module,
-        ]
-    else:
-        cmd = [sys.executable, *module]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = (dump / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    """Run the trainer (``nproc`` ranks; 1: a single plain process) and return its
+    metrics.jsonl records."""
+    args = ["--config", str(DEBUG), f"--metrics.dump_folder={dump}", *overrides]
+    run_trainer_job(0 if nproc == 1 else nproc, args, dump / "logs", timeout=timeout)
+    return metrics(dump)
 
 
 @pytest.fixture(scope="module")
 def seed_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("seed") / "ckpt"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "convergence.trainer",
-            "--config",
-            str(DEBUG),
-            "--checkpoint.create_seed_checkpoint=true",
-            f"--checkpoint.seed_checkpoint={folder}",
-        ],
-        cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    args = [
+        "--config",
+        str(DEBUG),
+        "--checkpoint.create_seed_checkpoint=true",
+        f"--checkpoint.seed_checkpoint={folder}",
+    ]
+    run_trainer_job(0, args, folder.parent / "logs", timeout=300)
     assert (folder / "sha256.txt").is_file()
     return folder
 

@@ -1,21 +1,20 @@
-"""Context parallel and pipeline parallel units, checked with real torchrun/gloo processes.
+"""Context parallel and pipeline parallel units, checked with real gloo ranks (started warm by
+the local launcher: tests/trainer_jobs.py).
 
-Each worker script under tests/fixtures/ppcp/ runs every check of its kind in ONE torchrun
-launch (process start-up dominates on 2 cores) and rank 0 writes the worst deviations from the
+Each worker script under tests/fixtures/ppcp/ runs every check of its kind in ONE launch
+(process start-up dominates on 2 cores) and rank 0 writes the worst deviations from the
 single-process reference as JSON; the tests below only read that JSON.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from trainer_jobs import run_job
 
 from convergence.trainer.config import ModelConfig
 from convergence.trainer.context_parallel import causal_mask_with_offset
@@ -39,26 +38,9 @@ REPO = Path(__file__).resolve().parents[1]
 def run_torchrun(
     script: str, nproc: int, out: Path, *args: str, timeout: float = 240
 ) -> dict[str, Any]:
-    """Launch `script` on `nproc` gloo ranks; return the JSON rank 0 wrote to `out`."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(FIXTURES / script),
-        str(out),
-        *args,
-    ]
-    proc = subprocess.run(
-        cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"{script} on {nproc} ranks failed (rc {proc.returncode}):\n"
-            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
+    """Launch `script` on `nproc` gloo ranks (started warm: tests/trainer_jobs.py); return the
+    JSON rank 0 wrote to `out`."""
+    run_job(nproc, [str(FIXTURES / script), str(out), *args], out.parent / "logs", timeout=timeout)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 

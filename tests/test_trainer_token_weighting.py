@@ -3,18 +3,15 @@
 With padded samples (`data.pad_fraction`: labels = ignore_index after a random cut), DP ranks,
 CP chunks and PP microbatches hold different numbers of valid tokens. A per-rank mean averaged
 over ranks would then differ from the single-process loss; the trainer's global token weighting
-(train.py, TokenWeight) must not. Real torchrun/gloo, a few steps of the debug model.
+(train.py, TokenWeight) must not. Real gloo ranks (started warm: tests/trainer_jobs.py), a few steps of the debug model.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from trainer_jobs import metrics, run_trainer_job
 
 from convergence.trainer.config import load_train_config
 from convergence.trainer.data import IGNORE_INDEX, TRAIN, BatchPlan, build_source
@@ -36,26 +33,9 @@ PADDED = [
 
 
 def run_trainer(nproc: int, dump: Path, overrides: list[str]) -> list[dict[str, float]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    module = [
-        "-m",
-        "convergence.trainer",
-        "--config",
-        str(DEBUG),
-        f"--metrics.dump_folder={dump}",
-        *PADDED,
-        *overrides,
-    ]
-    launch = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        if nproc > 1
-        else [sys.executable]
-    )
-    proc = subprocess.run(
-        [*launch, *module], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    args = ["--config", str(DEBUG), f"--metrics.dump_folder={dump}", *PADDED, *overrides]
+    run_trainer_job(0 if nproc == 1 else nproc, args, dump / "logs")
+    return metrics(dump)
 
 
 def test_padding_makes_ranks_hold_uneven_token_counts() -> None:
