@@ -239,6 +239,11 @@ class LocalLauncher:
             request.stop_file.unlink(missing_ok=True)  # a stale one would stop us at step 1
         start = time.monotonic()
         strategy, proc = self._start(request)
+        # The watchdog's clock starts once the job's processes exist: a warm start's first job
+        # also starts its fork server (torch imported, ~3 CPU s; far more on a loaded 2-core
+        # machine with several servers starting at once), which is not the job hanging. That
+        # start has its own deadline (launch/forkserver.py).
+        started = time.monotonic()
         tracker = DescendantTracker(proc.pid)
         if on_progress is not None:  # the start-up is silent for seconds
             what = "1 process" if request.direct else f"{request.nproc} ranks"
@@ -255,7 +260,7 @@ class LocalLauncher:
             )
         watch = JobWatch(
             request,
-            start=start,
+            start=started,
             on_metrics=on_metrics,
             on_progress=on_progress,
             progress_interval_s=self.progress_interval_s,
