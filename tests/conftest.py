@@ -52,13 +52,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True, scope="module")
 def _end_fork_servers() -> Iterator[None]:
     """After each module, end the fork servers its warm starts left in this process: the
-    process-wide set of launchers built without a session's (convergence/launch/fork_servers.py)
-    and tests/trainer_jobs.py's. Left running, they are children of the worker when a later
+    process-wide set of launchers built without a session's (convergence/launch/fork_servers.py;
+    tests/trainer_jobs.py's among them). Left running, they are children of the worker when a later
     module on it asserts that no process outlives its jobs (tests/test_runner_e2e.py)."""
     yield
     from convergence.launch.fork_servers import shared_fork_servers
 
     shared_fork_servers().close()
-    jobs = sys.modules.get("trainer_jobs")
-    if jobs is not None:
-        jobs.close_servers()

@@ -17,21 +17,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from convergence.launch.fork_servers import ForkServers
 from convergence.launch.torchrun import LocalLauncher
 from convergence.launch.types import LaunchRequest
 
 REPO = Path(__file__).resolve().parents[1]
 
-_servers = ForkServers()  # one per test process (an xdist worker); see close_servers
-_launcher = LocalLauncher(python=sys.executable, fork_servers=_servers)
-
-
-def close_servers() -> None:
-    """End this process's fork servers (tests/conftest.py: after each module that used them).
-    Left running, they would be children of the worker when a later module on it asserts that
-    no process outlives its jobs (tests/test_runner_e2e.py); the next job starts one again."""
-    _servers.close()
+# The process's shared fork servers (launch/fork_servers.py: a launcher built without a
+# session's): tests/conftest.py ends them after each module, the next job starts one again.
+_launcher = LocalLauncher(python=sys.executable)
 
 
 def run_job(
