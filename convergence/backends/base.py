@@ -46,6 +46,10 @@ class Capabilities:
     ``train_config`` file's fix names them (spec/experiment.py MissingTrainConfig)."""
     needs_train_config: bool = True
     """A job must name a train config file (``train_config``)."""
+    seed_is_a_job: bool = False
+    """The seed checkpoint is made by a one-rank distributed job (its ``seed_entry`` is a rank's
+    entry, started like a training job's ranks: forked from the warm server, or by torchrun);
+    False: ``seed_entry`` is one plain process of ours (no process group)."""
     warm_imports: tuple[str, ...] = ()
     """Modules the backend's ranks import that a warm start imports once, in a fork server of
     their own (LaunchRequest.warm_imports); empty: the server's stack is all they need."""

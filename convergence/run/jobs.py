@@ -363,8 +363,10 @@ class JobRunner:
                 backend.seed_entry(job, build / "seed"),
                 nproc=1,
                 log_dir=build / "logs",
-                direct=True,
-                forkable=True,  # one of our processes: a warm start where the launcher has one
+                # A rank of a one-rank job (torchtitan wants a process group), or one plain
+                # process of ours; both start forked from the warm server where there is one.
+                direct=not backend.capabilities.seed_is_a_job,
+                forkable=True,
                 watch_idle=False,
                 # The server its jobs fork from: no second one started for this process alone.
                 warm_imports=backend.capabilities.warm_imports,

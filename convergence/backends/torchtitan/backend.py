@@ -81,6 +81,7 @@ class TorchtitanBackend:
         twins_by_default=True,
         needs_train_config=False,
         probe=True,
+        seed_is_a_job=True,
         # torchtitan's imports, once per warm server rather than per rank (warm.py says when).
         warm_imports=("convergence.backends.torchtitan.warm",),
     )
@@ -284,12 +285,11 @@ class TorchtitanBackend:
     def seed_entry(self, job: JobSpec, seed_dir: Path) -> list[str]:
         ensure_assets(assets_root(job))
         single = _one_process(job)
-        # One process through torchrun: torchtitan reads WORLD_SIZE and wants a process group.
+        # A rank's entry (capabilities.seed_is_a_job): torchtitan reads WORLD_SIZE and wants a
+        # process group, so the launcher starts it as a one-rank job -- forked from the warm
+        # server with torchtitan imported (a torchrun of its own spawned a fresh rank that
+        # imported torch, torchao and torchtitan again: ~7 CPU s per session).
         return [
-            "-m",
-            "convergence.launch.loopback_torchrun",
-            "--standalone",
-            "--nproc-per-node=1",
             "-m",
             LAUNCH_MODULE,
             *build_argv(
