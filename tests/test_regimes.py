@@ -14,6 +14,7 @@ from convergence.metrics.curve import Curve
 from convergence.preflight import REGIMES
 from convergence.regimes import REGISTRY, get_regime
 from convergence.regimes.registry import SHIPPED
+from convergence.regimes.twin import forward_twin_degrees
 from convergence.spec.errors import SpecError
 from convergence.spec.job import JobSpec
 from convergence.spec.layout import ParallelLayout, Techniques
@@ -108,14 +109,27 @@ def test_the_seed_regime_needs_two_replicates_and_probes_nothing() -> None:
 
 
 class ForwardTwins(Twins):
-    def forward_twin(self, job: JobSpec) -> JobSpec | None:
-        return dataclasses.replace(job, name=f"{job.name}-fwd-twin")
+    def forward_twin(self, job: JobSpec, *, tp: int = 2) -> JobSpec | None:
+        return dataclasses.replace(job, name=f"{job.name}-fwd-twin-tp{tp}")
 
 
 def test_twin_regime_adds_the_forward_twin_and_the_twin_with_the_tests_numerics() -> None:
-    # A backend with forward_twin: the control, its noise twin, its forward-noise twin.
+    # A backend with forward_twin: the control, its noise twin, its forward-noise twin (as
+    # TP2), and for a TP4 test one more that rounds as TP4 (their noises add up).
     same = get_regime("twin").control_jobs(pair("twin"), ForwardTwins())
-    assert [j.name for j in same] == ["fsdp2", "fsdp2-twin", "fsdp2-fwd-twin"]
+    assert [j.name for j in same] == ["fsdp2", "fsdp2-twin", "fsdp2-fwd-twin-tp2"]
+    tp4 = dataclasses.replace(
+        CONTROL, name="t", layout=dataclasses.replace(CONTROL.layout, dp_shard=2, tp=4)
+    )
+    jobs = get_regime("twin").control_jobs(pair("twin", test=tp4), ForwardTwins())
+    assert [j.name for j in jobs][2:] == ["fsdp2-fwd-twin-tp2", "fsdp2-fwd-twin-tp4"]
+    assert [forward_twin_degrees(tp) for tp in (1, 2, 4, 6, 8)] == [
+        [2],
+        [2],
+        [2, 4],
+        [2, 4, 6],
+        [2, 4, 8],
+    ]
     # A test that reduces in bf16 against an fp32 control: the control run with the test's
     # numerics gets a noise twin too (noise from the noisier side); its layout is the control's.
     noisier = dataclasses.replace(

@@ -112,7 +112,13 @@ def test_the_forward_twin_is_the_control_with_rounding_level_forward_noise(tmp_p
     )
     assert dict(fwd.overrides)["training.forward_noise"] == repr(2.0**-8)
     cfg = backend.effective_config(fwd)  # type: ignore[attr-defined]
-    assert cfg.training.forward_noise == 2.0**-8
+    assert cfg.training.forward_noise == 2.0**-8 and cfg.training.forward_noise_tp == 2
+    # TP2 is the trainer's default: that twin carries no degree (its cache key is as before);
+    # a TP4 test's twin rounds in quarters, a job of its own.
+    assert "training.forward_noise_tp" not in dict(fwd.overrides)
+    fwd4 = backend.forward_twin(control, tp=4)
+    assert fwd4 is not None and fwd4.name == "fsdp2-fwd-twin-tp4"
+    assert backend.effective_config(fwd4).training.forward_noise_tp == 4  # type: ignore[attr-defined]
     # An fp32 forward re-rounds at the fp32 floor, which the relative floor covers: no job.
     fp32 = dataclasses.replace(pair.control, techniques=Techniques())
     assert backend.forward_twin(fp32) is None

@@ -88,3 +88,18 @@ def test_the_twins_first_step_is_fsdp2_tp2s_bit_for_bit(
         assert abs(control[metric] - tp2[metric]) > 1e-6 * abs(tp2[metric]), metric
         if backward_too:
             assert abs(twin[metric] - tp2[metric]) <= 1e-12 * abs(tp2[metric]), metric
+
+
+def test_a_tp4_tests_twin_rounds_in_quarters(
+    shared: tuple[Path, dict[str, dict[str, float]]], tmp_path: Path
+) -> None:
+    """The twin of a TP4 test (Backend.forward_twin(tp=4): ``training.forward_noise_tp``) is a
+    job of its own: its step is neither the control's nor the TP2 twin's (four rounded partial
+    sums per split matmul, not two), and within bf16 rounding of both."""
+    seed, runs = shared
+    u = UNIT_ROUNDOFF["bfloat16"]
+    noise = [f"--training.forward_noise={u!r}", "--training.forward_noise_tp=4"]
+    twin4 = first_step(tmp_path, "twin4", 2, [*FSDP, *noise], seed)
+    for other in ("control", "twin"):
+        assert twin4["loss"] != runs[other]["loss"], other
+        assert abs(twin4["loss"] - runs[other]["loss"]) < 8 * u * abs(runs[other]["loss"]), other

@@ -142,6 +142,12 @@ def cfg(*overrides: str):  # type: ignore[no-untyped-def]
             ">= 2 stages per rank",
         ),
         (["--parallelism.pp_schedule=Zero"], None, "parallelism.pp_schedule", "unknown schedule"),
+        (
+            ["--training.forward_noise_tp=1"],
+            None,
+            "training.forward_noise_tp",
+            "not a TP degree the twin can round as",
+        ),
     ],
 )
 def test_check_config_names_key_and_constraint(

@@ -157,11 +157,12 @@ class Backend(Protocol):
         """
         ...
 
-    def forward_twin(self, job: JobSpec) -> JobSpec | None:
+    def forward_twin(self, job: JobSpec, *, tp: int = 2) -> JobSpec | None:
         """The job's *forward-noise twin* (twin regime): ``job`` itself with its forward pass
-        perturbed at the compute precision's rounding level at every step (the built-in
-        trainer multiplies the attention and FFN output projections by 1 + u*xi, u the dtype's
-        unit roundoff).
+        rounded at every step as a tensor-parallel layout of ``tp`` ranks rounds it (the
+        built-in trainer computes each split matmul in ``tp`` rounded slices and adds them:
+        convergence/trainer/forward_noise.py). The regime asks for the test's TP degree where
+        it is above 2: TP4 rounds more than TP2 does.
 
         Why a second twin: the DP noise twin changes only the gradient reduction, while a
         tensor- or context-parallel test also rounds its forward differently at every step,

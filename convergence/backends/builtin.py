@@ -179,19 +179,21 @@ class BuiltinBackend:
             )
         return twin
 
-    def forward_twin(self, job: JobSpec) -> JobSpec | None:
-        """The job with its re-rounded linear outputs (wo, w2) perturbed by its compute dtype's
-        unit roundoff at each step and its column-wise linears' input gradients (wq/wk/wv,
-        w1/w3, output) summed in two rounded halves as TP2 sums them
-        (convergence/trainer/forward_noise.py); same layout, samples and seed."""
+    def forward_twin(self, job: JobSpec, *, tp: int = 2) -> JobSpec | None:
+        """The job with its row-wise linears' outputs (wo, w2) and its column-wise linears'
+        input gradients (wq/wk/wv, w1/w3, output) summed in ``tp`` rounded slices as TP's ranks
+        sum them (convergence/trainer/forward_noise.py); same layout, samples and seed."""
         if job.techniques.param_dtype == "float32":
             # An fp32 forward re-rounds at 6e-8: the relative floor covers it, no job needed.
             return None
         amplitude = UNIT_ROUNDOFF[job.techniques.param_dtype]
+        overrides = (*job.overrides, ("training.forward_noise", repr(amplitude)))
+        if tp > 2:  # TP2 is the trainer's default: its twin (and cache key) stays as it was
+            overrides = (*overrides, ("training.forward_noise_tp", str(tp)))
         twin = dataclasses.replace(
             job,
-            name=f"{job.name}-fwd-twin",
-            overrides=(*job.overrides, ("training.forward_noise", repr(amplitude))),
+            name=f"{job.name}-fwd-twin" + (f"-tp{tp}" if tp > 2 else ""),
+            overrides=overrides,
         )
         self.preflight(twin)
         return twin

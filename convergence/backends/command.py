@@ -288,7 +288,7 @@ class CommandBackend:
     def noise_twin(self, job: JobSpec) -> JobSpec | None:
         return None  # an arbitrary command has no settings to derive a twin from
 
-    def forward_twin(self, job: JobSpec) -> JobSpec | None:
+    def forward_twin(self, job: JobSpec, *, tp: int = 2) -> JobSpec | None:
         return None
 
     def read_meta(self, job: JobSpec, dump_dir: Path) -> dict[str, Any]:

@@ -32,8 +32,9 @@ class TwinSource(Protocol):
         ...
 
 
-#: Optional on a TwinSource (``getattr``): ``forward_twin(job) -> JobSpec | None``, the job with
-#: rounding-level noise in its forward pass (convergence.backends.base.Backend.forward_twin).
+#: Optional on a TwinSource (``getattr``): ``forward_twin(job, *, tp=2) -> JobSpec | None``, the
+#: job rounding its forward as TP of degree ``tp`` does (convergence.backends.base.Backend.
+#: forward_twin).
 FORWARD_TWIN = "forward_twin"
 
 

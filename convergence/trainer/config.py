@@ -146,10 +146,14 @@ class TrainingConfig:
     """Deterministic algorithms and seeded RNGs."""
     forward_noise: float = 0.0
     """Non-zero: this run is the forward-noise twin -- every split matmul of a tensor-parallel
-    layout (row-wise wo/w2, column-wise wq/wk/wv, w1/w3, output) computed in two rounded
-    halves summed as TP2's ranks sum them (0 = off). The built-in backend writes the compute
-    dtype's unit roundoff here, the size of the rounding the twin adds. Only the twin regime's
+    layout (row-wise wo/w2, column-wise wq/wk/wv, w1/w3, output) computed in rounded slices
+    summed as TP's ranks sum them (0 = off). The built-in backend writes the compute dtype's
+    unit roundoff here, the size of the rounding the twin adds. Only the twin regime's
     forward-noise twin sets it (Backend.forward_twin): see convergence/trainer/forward_noise.py."""
+    forward_noise_tp: int = 2
+    """With ``forward_noise``: the TP degree the twin rounds as (its slices per split matmul).
+    The twin regime adds twins of degree 4, 8, ... for a test of a larger TP degree
+    (convergence/regimes/twin.py ``forward_twin_degrees``)."""
     device: Device = "auto"
     """"auto" (cuda if available, else cpu), "cpu" or "cuda"."""
 

@@ -270,6 +270,12 @@ def _check_techniques(cfg: TrainConfig, fail: Fail) -> None:
             f"{train.forward_noise} is not a rounding-level amplitude",
             "use 0 (off) or a relative amplitude below 0.1 (bf16 rounding: 0.0039)",
         )
+    if train.forward_noise_tp < 2:
+        fail(
+            "training.forward_noise_tp",
+            f"{train.forward_noise_tp} is not a TP degree the twin can round as",
+            "use 2 (the default) or the test's TP degree",
+        )
     if ac.mode not in AC_MODES:
         fail(
             "activation_checkpoint.mode",

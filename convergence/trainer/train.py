@@ -31,7 +31,7 @@ from convergence.trainer.config import TrainConfig
 from convergence.trainer.config_checks import check_config
 from convergence.trainer.data import TRAIN, BatchPlan, SampleSource, build_source, read_step
 from convergence.trainer.engines import Engine, build_engine, microsteps, validation_loss
-from convergence.trainer.forward_noise import add_tp2_rounding
+from convergence.trainer.forward_noise import add_tp_rounding
 from convergence.trainer.metrics_writer import RunStatus
 from convergence.trainer.model import ModelArgs, build_model
 from convergence.trainer.moe_step import MoEStep
@@ -78,7 +78,8 @@ def train(cfg: TrainConfig) -> RunStatus:
     model_args = ModelArgs.from_config(cfg.model, seq_len=cfg.data.seq_len)
     engine = build_engine(cfg, model_args, meshes, hook, device)
     if cfg.training.forward_noise:
-        add_tp2_rounding(engine.chunks)  # the forward-noise twin (trainer/forward_noise.py)
+        # the forward-noise twin (trainer/forward_noise.py), rounding as TP of this degree
+        add_tp_rounding(engine.chunks, cfg.training.forward_noise_tp)
     # Another machine's rounding when the session asks for one (rounding_draw.py): the same
     # deterministic function of the numbers in every job, so the suite can find a test that
     # holds only for this machine's draw.

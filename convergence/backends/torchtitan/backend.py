@@ -247,7 +247,7 @@ class TorchtitanBackend:
             )
         return twin
 
-    def forward_twin(self, control: JobSpec) -> JobSpec | None:
+    def forward_twin(self, control: JobSpec, *, tp: int = 2) -> JobSpec | None:
         """None: torchtitan has no setting that perturbs its forward at the rounding level, so
         its envelope is measured on the noise twin alone. A torchtitan build with such a knob
         (model hooks multiplying the row-wise linears' outputs by 1 + u*xi and summing the
