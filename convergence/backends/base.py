@@ -161,8 +161,9 @@ class Backend(Protocol):
         """The job's *forward-noise twin* (twin regime): ``job`` itself with its forward pass
         rounded at every step as a tensor-parallel layout of ``tp`` ranks rounds it (the
         built-in trainer computes each split matmul in ``tp`` rounded slices and adds them:
-        convergence/trainer/forward_noise.py). The regime asks for the test's TP degree where
-        it is above 2: TP4 rounds more than TP2 does.
+        convergence/trainer/forward_noise.py). The regime asks for one twin per degree of
+        ``regimes.twin.forward_twin_degrees`` (TP2; for a TP4 test also TP4: the four partial
+        sums' order is the all-reduce's, which no one twin reproduces).
 
         Why a second twin: the DP noise twin changes only the gradient reduction, while a
         tensor- or context-parallel test also rounds its forward differently at every step,

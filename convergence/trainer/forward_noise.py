@@ -92,25 +92,30 @@ def add_tp_rounding(chunks: list[Any], parts: int = 2) -> int:
             isinstance(x, DTensor) or isinstance(module.weight, DTensor) or module.bias is not None
         )
 
+    # The slices are fixed once per linear: a weight's (global) shape does not change, sharded
+    # by FSDP2 between steps or not.
     def column_split(module: Any) -> Any:
+        slices = bounds(module.weight.shape[0])
+
         def forward(x: Any) -> Any:
             if not plain(module, x):
                 return linear(x, module.weight, module.bias)
             w = module.weight
             outs = [
-                linear(view, w[lo:hi])
-                for view, (lo, hi) in zip(views_of(x), bounds(w.shape[0]), strict=True)
+                linear(view, w[lo:hi]) for view, (lo, hi) in zip(views_of(x), slices, strict=True)
             ]
             return torch.cat(outs, dim=-1)
 
         return forward
 
     def row_split(module: Any) -> Any:
+        slices = bounds(module.weight.shape[1])
+
         def forward(x: Any) -> Any:
             if not plain(module, x):
                 return linear(x, module.weight, module.bias)
             w = module.weight
-            partials = [linear(x[..., lo:hi], w[:, lo:hi]) for lo, hi in bounds(w.shape[1])]
+            partials = [linear(x[..., lo:hi], w[:, lo:hi]) for lo, hi in slices]
             total = partials[0]
             for partial in partials[1:]:  # each rank's partial output rounded, then added
                 total = total + partial
