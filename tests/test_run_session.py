@@ -146,3 +146,24 @@ def test_a_run_failure_past_the_runner_is_an_error_with_its_message_not_a_bug(
     assert outcome.status == "error"
     assert outcome.error == "the trainer wrote no metrics file at /somewhere/metrics.jsonl"
     assert not list((tmp_path / "work").glob("runs/*/internal_error.txt"))
+
+
+def test_a_job_larger_than_the_pool_is_an_error_that_names_the_fix_not_a_bug(
+    tmp_path: Path,
+) -> None:
+    """A library caller (no plugin preflight in front) whose test needs more devices than
+    the pool has gets the pool's own message -- how many, and --convergence-devices -- as
+    the pair's error, not "internal error ... please report it"."""
+    path = command_pair(
+        tmp_path,
+        command="true {dump_dir}",
+        steps=STEPS,
+        tests=[{"name": "wide", "early_stop": False, "parallelism": {"tp": 2}}],
+    )
+    pair = load_checked(path, rootdir=ROOT).pairs[0]
+    runner = Runner(RunSettings(work_dir=tmp_path / "work", devices=1), launcher=FakeLauncher())
+    outcome = runner.run_pair(pair)
+    assert outcome.status == "error" and outcome.error is not None
+    assert "internal error" not in outcome.error
+    assert "needs 2" in outcome.error and "--convergence-devices 2" in outcome.error
+    assert not list((tmp_path / "work").glob("runs/*/internal_error.txt"))

@@ -46,6 +46,7 @@ from catalogue import ALL, Case, late_onset
 from envelope_configs import CONFIGS as ENVELOPE_CONFIGS
 from pairs import build_pairs
 
+from convergence.preflight import pair_jobs
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
 
@@ -57,9 +58,10 @@ CONFIGS = {
     "f": HERE / "far" / "f_wide_ffn_shallow_heldback.toml",
     "g": HERE / "far" / "g_narrow_heads_text_heldback.toml",
     "h": HERE / "far" / "h_tp4_heldback.toml",
+    "i": HERE / "far" / "i_tp8_heldback.toml",
 }
 TUNING = ("a", "b", "c")
-HELD_BACK = ("d", "e", "f", "g", "h")
+HELD_BACK = ("d", "e", "f", "g", "h", "i")
 CURVES = HERE / "far" / "curves"
 
 #: The cheap correct layouts (4 ranks each against the 2-rank FSDP2 control).
@@ -76,7 +78,12 @@ LATE_START = 30
 #: rounding the control's TP2 twin only approximates (issue 47's last gap). FSDP2 beside it
 #: (8 ranks): bf16 is applied through FSDP2's MixedPrecisionPolicy, so TP4 alone would be fp32.
 FSDP2_TP4 = {"dp_shard": 2, "tp": 4}
-EXTRA_LAYOUTS = (Case(name="fsdp2-tp4", kind="correct", parallelism=FSDP2_TP4),)
+#: TP over 8 ranks (16 with FSDP2): its control has three forward-noise twins (2, 4, 8).
+FSDP2_TP8 = {"dp_shard": 2, "tp": 8}
+EXTRA_LAYOUTS = (
+    Case(name="fsdp2-tp4", kind="correct", parallelism=FSDP2_TP4),
+    Case(name="fsdp2-tp8", kind="correct", parallelism=FSDP2_TP8),
+)
 #: The catalogue's row-wise all-reduce bug (from step 1 and from LATE_START) on FSDP2+TP4: a
 #: TP4 test's control has two forward-noise twins (regimes/twin.py), a wider tolerance.
 EXTRA_BUGS = tuple(
@@ -199,9 +206,15 @@ def collect_group(
         pairs = build_pairs(
             cases, work, steps=steps, config=CONFIGS[config], anchor_every=anchor_every
         )
+        # CPU slots for the largest job (FSDP2+TP8: 16 ranks; the detected pool is 8 here).
+        slots = max(job.world_size for p in pairs.values() for _, job in pair_jobs(p))
         runner = Runner(
             RunSettings(
-                work_dir=work / "work", early_stop=False, idle_limit_s=600, wall_limit_s=3600
+                work_dir=work / "work",
+                early_stop=False,
+                idle_limit_s=600,
+                wall_limit_s=3600,
+                devices=max(slots, 8),
             )
         )
         for case in cases:

@@ -26,6 +26,7 @@ from convergence.calibration.select import select_calibration
 from convergence.checks import Check, ExtraJob, Ran, SideRun, checks_of
 from convergence.checks.base import first_divergent_step
 from convergence.launch.fork_servers import ForkServers
+from convergence.launch.pool import PoolTooSmall
 from convergence.launch.types import Launcher, Progress
 from convergence.metrics.curve import RunMetrics
 from convergence.metrics.reader import read_run
@@ -99,7 +100,9 @@ class Runner:
         """
         try:
             return self._run_pair(pair, self.jobs.reporting_to(on_progress))
-        except RunFailed as exc:  # a run failure past _run_pair's own handling: not a bug
+        except (RunFailed, PoolTooSmall) as exc:
+            # A run failure past _run_pair's own handling, or a job larger than the pool (the
+            # plugin's preflight says so first; a library caller meets it here): not a bug.
             return PairOutcome(pair=pair, status="error", control=None, test=None, error=str(exc))
         except Exception as exc:  # noqa: BLE001 -- a bug of ours: still in the report, as an error
             return self._internal_error(pair, exc)
