@@ -46,6 +46,7 @@ from catalogue import ALL, Case, late_onset
 from envelope_configs import CONFIGS as ENVELOPE_CONFIGS
 from pairs import build_pairs
 
+from convergence.launch.pool import default_cpu_slots
 from convergence.preflight import pair_jobs
 from convergence.run.outcome import PairOutcome
 from convergence.run.runner import Runner, RunSettings
@@ -206,7 +207,7 @@ def collect_group(
         pairs = build_pairs(
             cases, work, steps=steps, config=CONFIGS[config], anchor_every=anchor_every
         )
-        # CPU slots for the largest job (FSDP2+TP8: 16 ranks; the detected pool is 8 here).
+        # The detected pool, unless the largest job needs more (FSDP2+TP8: 16 ranks).
         slots = max(job.world_size for p in pairs.values() for _, job in pair_jobs(p))
         runner = Runner(
             RunSettings(
@@ -214,7 +215,7 @@ def collect_group(
                 early_stop=False,
                 idle_limit_s=600,
                 wall_limit_s=3600,
-                devices=max(slots, 8),
+                devices=slots if slots > default_cpu_slots() else None,
             )
         )
         for case in cases:
