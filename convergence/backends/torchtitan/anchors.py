@@ -73,7 +73,9 @@ def launch_words(request: TrainerRequest) -> list[str]:
     if request.anchor_every:
         return [f"--convergence.anchor_every={request.anchor_every}"]
     if request.anchored_from is not None:
-        return [f"--convergence.anchored_from={request.anchored_from}"]
+        steps = request.anchored_steps
+        extra = [f"--convergence.anchored_steps={steps}"] if steps != 1 else []
+        return [f"--convergence.anchored_from={request.anchored_from}", *extra]
     return []
 
 
@@ -142,21 +144,25 @@ def save_anchors(trainer: Any, every: int) -> None:
     checkpointer.save = save_anchor
 
 
-def train_from_anchors(trainer: Any, folder: str) -> None:
+def train_from_anchors(trainer: Any, folder: str, steps_each: int = 1) -> None:
     """The anchored job, in place of torchtitan's loop: one step from each anchor (the module
-    docstring)."""
+    docstring), or ``steps_each`` steps, never past the next anchor nor the run's last step
+    (the twin regime's confirming step: convergence/checks/anchored.py)."""
     anchors = check_anchors(folder, resume.trainer_manifest(trainer, 0))
-    for anchor in anchors:
+    last = int(trainer.config.training.steps)
+    for i, anchor in enumerate(anchors):
         trainer.checkpointer.load(step=anchor)  # model, optimizer, schedule, data, step
         if trainer.step != anchor:
             raise SystemExit(
                 f"anchor {folder}/step-{anchor} loaded step {trainer.step}, not {anchor}"
             )
-        trainer.step += 1
-        trainer.gc_handler.run(trainer.step)
+        end = min(anchor + steps_each, last, *anchors[i + 1 : i + 2])
         # A fresh iterator: the dataloader goes on from the position it just loaded.
         batches = trainer.batch_generator(trainer.dataloader)
-        trainer.train_step(batches)
+        while trainer.step < end:
+            trainer.step += 1
+            trainer.gc_handler.run(trainer.step)
+            trainer.train_step(batches)
         batches.close()
 
 
