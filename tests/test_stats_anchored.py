@@ -238,6 +238,7 @@ def test_a_miss_that_the_confirming_step_repeats_fails_at_its_anchor() -> None:
     assert not v.passed
     assert v.details["anchor_step"] == 300 and v.first_divergent_step == 301
     assert v.details["spikes_not_repeated"] == []
+    assert "outside again at the confirming step" in v.message
 
 
 def test_a_confirming_step_outside_alone_is_no_failure() -> None:

@@ -357,6 +357,11 @@ def anchored_verdict(
     if len(at_first) > SAID_AT_MOST:
         said += f" and {len(at_first) - SAID_AT_MOST} more"
     anchors_failing = sorted({m.step - 1 for m in misses})
+    confirmed_said = (
+        " (the test is outside again at the confirming step, one step later)"
+        if head.step + 1 in judged.confirming_outside and not head.persistent
+        else ""
+    )
     return MetricVerdict(
         metric=ANCHORED,
         method=method,
@@ -369,7 +374,8 @@ def anchored_verdict(
         tolerance=tolerance,
         tolerance_at_max=head.tol,
         message=f"anchored: from the control's state at step {first_step - 1} the test layout "
-        f"differs after one step: {said}; {len(anchors_failing)} of {count} anchors differ",
+        f"differs after one step: {said}; {len(anchors_failing)} of {count} anchors differ"
+        f"{confirmed_said}",
         details={
             **details,
             "anchor_step": first_step - 1,
