@@ -15,7 +15,10 @@ Everything is judged by the library itself (convergence/stats/anchored.py
 with its own twins' steps from the same anchors (bf16: the twin tolerance is a maximum over a
 pair's anchors, so it must come from the series' own anchors, not from all 59), persistence
 rule included; an anchor's share is that verdict for the anchor alone under the series'
-tolerance (its largest |gap| / tolerance over metrics and parts).
+tolerance (its largest |gap| / tolerance over metrics and parts). In the twin regime each
+anchor's confirming step K+2 (stats/anchored.py CONFIRMING_STEP) is the dense run's step from
+the control's state K+1 -- a 2-step anchored job's K+2 starts from its own K+1 instead, one
+step of rounding away (``with_confirming``; BENCHMARKS.md "The confirming step" compares them).
 
     python benchmarks/detection/far_draws.py            # print the tables
     python benchmarks/detection/far_draws.py --write    # and replace them in BENCHMARKS.md
