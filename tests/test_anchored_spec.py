@@ -225,20 +225,3 @@ def test_the_automatic_check_is_only_where_it_can_run(tmp_path: Path) -> None:
     # A command trainer has no anchors: no automatic check, and no error either.
     command = dataclasses.replace(pair, test=dataclasses.replace(pair.test, backend="command"))
     assert anchor_spacing(command) == 0
-
-
-def test_the_confirming_step_travels_as_one_override_and_one_steps_jobs_keep_their_keys(
-    tmp_path: Path,
-) -> None:
-    """checks/anchored.py CONFIRM_STEPS: a twin pair's anchored jobs ask for 2 steps from each
-    anchor; a 1-step job's overrides (its cache key) are what they were before the key."""
-    from convergence.spec.trainer_request import TrainerRequest
-
-    one = TrainerRequest(anchored_from=tmp_path).as_overrides()
-    two = TrainerRequest(anchored_from=tmp_path, anchored_steps=2).as_overrides()
-    assert not any(k == "checkpoint.anchored_steps" for k, _ in one)
-    assert two == (*one, ("checkpoint.anchored_steps", "2"))
-    with pytest.raises(ValueError, match="anchored_steps goes with anchored_from"):
-        TrainerRequest(anchored_steps=2)
-    with pytest.raises(ValueError, match="anchored_steps must be an integer >= 1"):
-        TrainerRequest(anchored_from=tmp_path, anchored_steps=0)

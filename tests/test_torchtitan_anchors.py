@@ -201,30 +201,3 @@ def test_a_late_bug_fails_at_its_anchor_and_is_probed_there(
     manifests = list((work / "runs").rglob(f"anchors/{MANIFEST}"))
     assert manifests and json.loads(manifests[0].read_text())["anchors"] == [4, 8]
     assert sorted(p.name for p in manifests[0].parent.glob("step-*")) == ["step-4", "step-8"]
-
-
-def test_twin_pairs_train_a_confirming_step_from_each_anchor(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> None:
-    """The twin regime's anchored jobs (the test's and the twin's) train K+1 and K+2 from each
-    anchor (checks/anchored.py CONFIRM_STEPS): torchtitan's own loop, two steps per load."""
-    doc = experiment(
-        [{"name": "tp2", "parallelism": {**SINGLE, "tp": 2}}],
-        regime="twin",
-        steps=8,
-    )
-    result, lines, work = run_experiments(
-        pytester, monkeypatch, request, {"tt_anchors.toml": doc}, timeout=900
-    )
-    result.assert_outcomes(passed=1)
-    (outcome,) = (json.loads(p.read_text()) for p in work.glob("sessions/*/*.outcome.json"))
-    anchored = next(v for v in outcome["verdicts"] if v["metric"] == "anchored")
-    assert anchored["passed"] and anchored["details"]["anchors"] == [4], anchored
-    assert anchored["details"]["confirming_steps"] == 1, anchored
-    # torchtitan's own step lines: each anchored job (test and twin) trained steps 5 and 6.
-    jobs: dict[str, set[str]] = {}
-    for line in lines:
-        job = line.split(":")[0]
-        if "-anchored" in job and (step := re.search(r"step:\s+(\d+)", line)):
-            jobs.setdefault("twin" if "twin" in job else "test", set()).add(step[1])
-    assert jobs == {"test": {"5", "6"}, "twin": {"5", "6"}}, lines

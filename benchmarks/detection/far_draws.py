@@ -15,10 +15,7 @@ Everything is judged by the library itself (convergence/stats/anchored.py
 with its own twins' steps from the same anchors (bf16: the twin tolerance is a maximum over a
 pair's anchors, so it must come from the series' own anchors, not from all 59), persistence
 rule included; an anchor's share is that verdict for the anchor alone under the series'
-tolerance (its largest |gap| / tolerance over metrics and parts). In the twin regime each
-anchor's confirming step K+2 (stats/anchored.py CONFIRMING_STEP) is the dense run's step from
-the control's state K+1 -- a 2-step anchored job's K+2 starts from its own K+1 instead, one
-step of rounding away (``with_confirming``; BENCHMARKS.md "The confirming step" compares them).
+tolerance (its largest |gap| / tolerance over metrics and parts).
 
     python benchmarks/detection/far_draws.py            # print the tables
     python benchmarks/detection/far_draws.py --write    # and replace them in BENCHMARKS.md
@@ -95,16 +92,6 @@ def at_anchors(run: RunMetrics, anchors: Iterable[int]) -> RunMetrics:
     }
 
 
-def with_confirming(group: Group, anchors: Sequence[int]) -> list[int]:
-    """``anchors`` and, in the twin regime, each one's next anchor (whose step is the
-    confirming step K+2 of a 2-step anchored job, but from the control's state K+1), where
-    the dense run has it."""
-    if group.regime != "twin":
-        return list(anchors)
-    have = set(anchors_of(next(iter(group.anchored.values())))) if group.anchored else set()
-    return sorted({*anchors, *(a + 1 for a in anchors if a + 1 in have)})
-
-
 @dataclass(frozen=True)
 class PseudoPair:
     config: str
@@ -125,23 +112,13 @@ def judge_series(
     the twins' steps from the same anchors sizing the tolerance; and each anchor's share."""
     rules = trajectory_rules(group.regime, update=True)  # the gating rules the judge uses
     controls = [group.control, *group.twins]
-    # The twin regime's confirming step K+2 (stats/anchored.py CONFIRMING_STEP): here the
-    # dense anchored runs' step from the control's state K+1, for the test and the twins.
-    taken = with_confirming(group, anchors)
-    twins = [at_anchors(t, taken) for t in group.anchored_twins]
-    test = at_anchors(group.anchored[layout], taken)
-    verdict = anchored_verdict(
-        rules, controls, test, every=every, anchored_twins=twins, anchors=anchors
-    )
+    twins = [at_anchors(t, anchors) for t in group.anchored_twins]
+    test = at_anchors(group.anchored[layout], anchors)
+    verdict = anchored_verdict(rules, controls, test, every=every, anchored_twins=twins)
     shares = []
     for a in anchors:
         one = anchored_verdict(
-            rules,
-            controls,
-            at_anchors(test, [a]),
-            every=every,
-            anchored_twins=twins,
-            anchors=[a],
+            rules, controls, at_anchors(test, [a]), every=every, anchored_twins=twins
         )
         shares.append(float(one.details["max_ratio"]))
     return PseudoPair(
@@ -184,12 +161,7 @@ def run_wide_shares(group: Group, layout: str, every: int = AUTO_EVERY) -> dict[
     out = {}
     for a in anchors_of(test):
         v = anchored_verdict(
-            rules,
-            controls,
-            at_anchors(test, [a]),
-            every=every,
-            anchored_twins=group.anchored_twins,
-            anchors=[a],
+            rules, controls, at_anchors(test, [a]), every=every, anchored_twins=group.anchored_twins
         )
         out[a] = float(v.details["max_ratio"])
     return out

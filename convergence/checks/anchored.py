@@ -8,8 +8,7 @@ hides).
     anchored job  the test's layout + request anchored_from=<those anchors>: one step from
                   each anchor (never cached: it is part of what is under test)
     twins         the twin regime's twins, one step from the same anchors (cached: they
-                  start from the control's state), where a rule sizes its envelope from twins;
-                  there the test and the twins train CONFIRM_STEPS = 2 steps from each anchor
+                  start from the control's state), where a rule sizes its envelope from twins
 
 A failed anchored verdict is probed from the failing anchor itself (both layouts load it and
 probe the step after it) when the curves had not parted before it: no replay up to there.
@@ -64,12 +63,6 @@ AUTO_MIN_STEPS = 50
 AUTO_EVERY = 10
 AUTO_MAX_ANCHORS = 100
 
-#: The twin regime's anchored jobs (the test's and each twin's) train this many steps from
-#: each anchor: K+1, from the control's state, is judged; K+2 confirms an outright miss at
-#: K+1 and, for the twins, adds draws from the neighbouring state to the tolerance
-#: (stats/anchored.py CONFIRMING_STEP: why). The paired regime (fp32, no twins) keeps 1.
-CONFIRM_STEPS = 2
-
 #: The pair key's entry in the documentation's key table (convergence/docs.py).
 KEY_DOC = (
     "the anchored check (built-in trainer and torchtitan, through its own DCP checkpoints, "
@@ -77,14 +70,12 @@ KEY_DOC = (
     f"{AUTO_MIN_STEPS} steps, every {AUTO_EVERY}; `0`: off): every N steps the control saves "
     "its whole training state and the test layout trains one step from each; each such step "
     "must match the control's own next step at the one-step tolerance (twin pairs: sized by "
-    "the twins' steps from the same states; a gap above 3/4 of it at two consecutive "
+    "the twins' one step from the same states; a gap above 3/4 of it at two consecutive "
     "anchors also fails; each part's grad norm, `grad_norm/<part>`, is held to its own twin "
-    "envelope at 2.5x the k; the test and the twins train a second, confirming step from "
-    "each anchor, and a one-step miss that it does not repeat is a rounding spike, said, not "
-    "failed), so a bug that starts late is judged against one step of "
+    "envelope at 2.5x the k), so a bug that starts late is judged against one step of "
     "rounding, not a long run's drift. A failure names the anchor step and the probe starts "
     "from it. Cost: one anchored test job of `steps / N` steps, and per control group one "
-    "checkpoint every N steps plus one anchored job per twin (twin pairs: 2 steps per anchor)"
+    "checkpoint every N steps plus one anchored job per twin"
 )
 
 
@@ -147,14 +138,12 @@ class AnchoredCheck:
                 key=KEY,
                 fix=f"run more than {every} steps, or set a smaller anchor_every",
             )
-        twins = len(ran.controls) > 1 and any(
+        jobs = [ExtraJob(TEST, "test", anchored_job(pair.test, folder), cacheable=False)]
+        if len(ran.controls) > 1 and any(
             r.gate and get_comparison(r.method).anchored_twins for r in pair.rules
-        )
-        steps = CONFIRM_STEPS if twins else 1
-        jobs = [ExtraJob(TEST, "test", anchored_job(pair.test, folder, steps), cacheable=False)]
-        if twins:
+        ):
             jobs += [
-                ExtraJob(TWINS, "control", anchored_job(side.job, folder, steps), cacheable=True)
+                ExtraJob(TWINS, "control", anchored_job(side.job, folder), cacheable=True)
                 for side in ran.controls[1:]
             ]
         return tuple(jobs)
@@ -262,11 +251,9 @@ def anchor_folder(control: SideRun) -> Path:
     return RunDir(control.run_dir).dump.anchors
 
 
-def anchored_job(test: JobSpec, folder: Path, steps: int = 1) -> JobSpec:
-    """The test's layout, ``steps`` logged steps after each anchor in ``folder``."""
-    return dataclasses.replace(test, name=f"{test.name}-anchored").asking(
-        anchored_from=folder, anchored_steps=steps
-    )
+def anchored_job(test: JobSpec, folder: Path) -> JobSpec:
+    """The test's layout, one logged step after each anchor in ``folder``."""
+    return dataclasses.replace(test, name=f"{test.name}-anchored").asking(anchored_from=folder)
 
 
 def with_part_norms(side: SideRun) -> RunMetrics:

@@ -2,8 +2,7 @@
 
     anchor_every = N            save the whole training state after every N-th step
                                 (the anchored check's control: convergence/checks/anchored.py)
-    anchored_from = F           train one step from each anchor in F (the anchored job);
-    anchored_steps = m          m steps from each (the twin regime's confirming step: 2)
+    anchored_from = F           train one step from each anchor in F (the anchored job)
     save_at = K, save_folder = F
                                 checkpoint after step K into F and stop (a resuming side's
                                 job 1: convergence/run/resume.py)
@@ -32,9 +31,6 @@ class TrainerRequest:
     """Save an anchor (the whole training state) after every N-th step but the last (0: none)."""
     anchored_from: Path | None = None
     """The control's anchors folder: train one logged step from each anchor, nothing else."""
-    anchored_steps: int = 1
-    """With ``anchored_from``: the steps K+1..K+m trained from each anchor K (never past the
-    next anchor), each logged."""
     save_at: int = 0
     """Checkpoint after this optimizer step into ``save_folder`` and stop (0: train on)."""
     save_folder: Path | None = None
@@ -51,13 +47,6 @@ class TrainerRequest:
                 raise ValueError(f"TrainerRequest.{name} must be an integer >= 0, got {value!r}")
         if bool(self.save_at) != (self.save_folder is not None):
             raise ValueError("TrainerRequest: save_at and save_folder go together")
-        steps = self.anchored_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(
-                f"TrainerRequest.anchored_steps must be an integer >= 1, got {steps!r}"
-            )
-        if steps > 1 and self.anchored_from is None:
-            raise ValueError("TrainerRequest: anchored_steps goes with anchored_from")
         if self.anchor_every and self.anchored_from is not None:
             raise ValueError("TrainerRequest: a job saves anchors or trains from them, not both")
 
@@ -84,8 +73,6 @@ class TrainerRequest:
                 ("metrics.log_freq", "1"),
                 ("metrics.val_every", "0"),
             ]
-            if self.anchored_steps != 1:  # absent at 1: the one-step jobs keep their keys
-                out.append(("checkpoint.anchored_steps", str(self.anchored_steps)))
         if self.save_at:
             out += [
                 ("checkpoint.save_at_step", str(self.save_at)),

@@ -73,9 +73,7 @@ def launch_words(request: TrainerRequest) -> list[str]:
     if request.anchor_every:
         return [f"--convergence.anchor_every={request.anchor_every}"]
     if request.anchored_from is not None:
-        steps = request.anchored_steps
-        extra = [f"--convergence.anchored_steps={steps}"] if steps != 1 else []
-        return [f"--convergence.anchored_from={request.anchored_from}", *extra]
+        return [f"--convergence.anchored_from={request.anchored_from}"]
     return []
 
 
@@ -144,25 +142,21 @@ def save_anchors(trainer: Any, every: int) -> None:
     checkpointer.save = save_anchor
 
 
-def train_from_anchors(trainer: Any, folder: str, steps_each: int = 1) -> None:
+def train_from_anchors(trainer: Any, folder: str) -> None:
     """The anchored job, in place of torchtitan's loop: one step from each anchor (the module
-    docstring), or ``steps_each`` steps, never past the next anchor nor the run's last step
-    (the twin regime's confirming step: convergence/checks/anchored.py)."""
+    docstring)."""
     anchors = check_anchors(folder, resume.trainer_manifest(trainer, 0))
-    last = int(trainer.config.training.steps)
-    for i, anchor in enumerate(anchors):
+    for anchor in anchors:
         trainer.checkpointer.load(step=anchor)  # model, optimizer, schedule, data, step
         if trainer.step != anchor:
             raise SystemExit(
                 f"anchor {folder}/step-{anchor} loaded step {trainer.step}, not {anchor}"
             )
-        end = min(anchor + steps_each, last, *anchors[i + 1 : i + 2])
+        trainer.step += 1
+        trainer.gc_handler.run(trainer.step)
         # A fresh iterator: the dataloader goes on from the position it just loaded.
         batches = trainer.batch_generator(trainer.dataloader)
-        while trainer.step < end:
-            trainer.step += 1
-            trainer.gc_handler.run(trainer.step)
-            trainer.train_step(batches)
+        trainer.train_step(batches)
         batches.close()
 
 

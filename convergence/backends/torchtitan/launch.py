@@ -57,19 +57,14 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
             ours[key] = True
         elif key in ("hook", "hook_mode", "log", "resume_from", "anchored_from", "float8") and sep:
             ours[key] = value
-        elif (
-            key in ("stop_after", "anchor_every", "anchored_steps", "probe_step")
-            and sep
-            and value.isdigit()
-        ):
+        elif key in ("stop_after", "anchor_every", "probe_step") and sep and value.isdigit():
             ours[key] = int(value)
         else:
             raise SystemExit(
                 f"the torchtitan launcher: unknown option {word!r} (use "
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
                 f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR, "
-                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR, {PREFIX}anchored_steps=M, "
-                f"{PREFIX}probe_step=K)"
+                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR, {PREFIX}probe_step=K)"
             )
     return LaunchOptions(**ours), tyro_form(rest)
 

@@ -33,8 +33,6 @@ class LaunchOptions:
     convergence/backends/torchtitan/anchors.py)."""
     anchored_from: str = ""
     """The anchored job: the control's anchors folder, one step trained from each."""
-    anchored_steps: int = 1
-    """The anchored job: the steps trained from each anchor (never past the next one)."""
     float8: str = ""
     """The pair's ``techniques.float8`` as torchtitan's float8 converter ("": off;
     convergence/backends/torchtitan/converters.py)."""

@@ -107,7 +107,7 @@ class ConvergenceTrainer(Trainer):  # type: ignore[misc]  # torchtitan: untyped 
     def train(self) -> None:
         options = self.launch_options
         if options.anchored_from:
-            anchors.train_from_anchors(self, options.anchored_from, options.anchored_steps)
+            anchors.train_from_anchors(self, options.anchored_from)
             return
         if options.resume_from and anchor_of(Path(options.resume_from)):
             anchors.check_probe_anchor(self, options.resume_from)  # the anchored check's probe
