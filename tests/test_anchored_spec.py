@@ -108,6 +108,11 @@ def test_a_resuming_test_cannot_be_anchored(tmp_path: Path) -> None:
             "checkpoint.anchored_from",
         ),
         (["--checkpoint.anchored_steps=0"], "checkpoint.anchored_steps"),
+        (["--checkpoint.confirming_anchors=true"], "checkpoint.confirming_anchors"),
+        (
+            ["--checkpoint.anchor_every=1", "--checkpoint.confirming_anchors=true"],
+            "checkpoint.confirming_anchors",
+        ),
     ],
 )
 def test_the_trainer_refuses_anchor_keys_it_cannot_honour(overrides: list[str], key: str) -> None:
@@ -225,3 +230,53 @@ def test_the_automatic_check_is_only_where_it_can_run(tmp_path: Path) -> None:
     # A command trainer has no anchors: no automatic check, and no error either.
     command = dataclasses.replace(pair, test=dataclasses.replace(pair.test, backend="command"))
     assert anchor_spacing(command) == 0
+
+
+def test_twin_pairs_controls_save_confirming_anchors_paired_ones_do_not(tmp_path: Path) -> None:
+    """checks/anchored.py: where twins size the one-step tolerance (bf16: the twin regime) the
+    control also saves each anchor's next state (stats/anchored.py CONFIRMING_STEP); a paired
+    pair's control, and its cache key, are what they were; the twins save nothing."""
+    from convergence.backends.registry import get_backend
+    from convergence.checks.anchored import AnchoredCheck
+    from convergence.regimes import get_regime
+
+    for precision, extra, confirming in (
+        ("fp32", "", False),
+        ("bf16", 'techniques = { param_dtype = "bfloat16" }', True),
+    ):
+        folder = tmp_path / precision
+        folder.mkdir()
+        pair = _pair(_experiment(folder, defaults_extra=f"anchor_every = 10\n{extra}"))
+        jobs = get_regime(pair.regime).control_jobs(pair, get_backend(pair.control.backend))
+        out = AnchoredCheck().control_jobs(pair, jobs)
+        assert out[0].request.anchor_every == 10
+        assert out[0].request.confirming_anchors is confirming, precision
+        assert all(job.request.empty for job in out[1:]), precision
+        assert (len(out) > 1) is confirming  # the twins
+
+
+def test_confirming_anchors_travel_as_one_override_and_need_anchor_every(tmp_path: Path) -> None:
+    """The built-in trainer's ``checkpoint.confirming_anchors``: absent from a plain control's
+    overrides (its cache key unchanged), one override where asked; the trainer saves the
+    anchors' next steps too, never the last step."""
+    from convergence.spec.trainer_request import TrainerRequest
+    from convergence.trainer.anchors import saves_anchor
+    from convergence.trainer.config import load_train_config
+
+    plain = TrainerRequest(anchor_every=10).as_overrides()
+    assert plain == (("checkpoint.anchor_every", "10"),)
+    asked = TrainerRequest(anchor_every=10, confirming_anchors=True).as_overrides()
+    assert asked == (*plain, ("checkpoint.confirming_anchors", "true"))
+    with pytest.raises(ValueError, match="confirming_anchors goes with anchor_every"):
+        TrainerRequest(confirming_anchors=True)
+    cfg = load_train_config(
+        "debug",
+        [
+            "--training.steps=31",
+            "--checkpoint.anchor_every=10",
+            "--checkpoint.confirming_anchors=true",
+        ],
+    )
+    assert [s for s in range(1, 32) if saves_anchor(cfg, s)] == [10, 11, 20, 21, 30]
+    cfg = load_train_config("debug", ["--training.steps=31", "--checkpoint.anchor_every=10"])
+    assert [s for s in range(1, 32) if saves_anchor(cfg, s)] == [10, 20, 30]

@@ -4,13 +4,17 @@ outside 3/4 of it at two consecutive anchors -- naming the first anchor of the r
 isolated gap that size passes (a correct layout's large gaps are isolated draws). Paired rules
 (fp32) have no persistence rule. In the twin regime each part's grad norm (grad_norm/<part>)
 is judged too, against the same part of the anchored twins at PART_K_FACTOR x the rule's k,
-with no persistence rule."""
+with no persistence rule. Where the anchored jobs logged a confirming step K+2 (the twin
+regime: one step from the control's state K+1, a confirming anchor), an outright miss at K+1
+that K+2 does not repeat passes and is said; K+2 alone never fails; the twins' K+2 size the
+envelope."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
+import pytest
 
 from convergence.metrics.curve import Curve
 from convergence.spec.pair import ComparisonRule, Method
@@ -18,6 +22,7 @@ from convergence.stats.anchored import (
     ONE_STEP_K,
     PART_K_FACTOR,
     PERSISTENT_FRACTION,
+    AnchoredTwinTolerance,
     anchored_verdict,
     one_step_tolerance,
     persistent_runs,
@@ -190,3 +195,75 @@ def test_parts_are_judged_only_where_twins_size_them() -> None:
     assert not judged.passed and W1 in judged.message
     twins = [{k: v for k, v in t.items() if k != W1} for t in twins]
     assert anchored_verdict(rules, [control], test, every=EVERY, anchored_twins=twins).passed
+
+
+# -- the twin regime's confirming step (K+2: stats/anchored.py CONFIRMING_STEP) -------------
+
+ALL_STEPS = np.arange(1, 501, dtype=np.int64)
+ALL_CONTROL = 2.0 + 3.0 * np.exp(-ALL_STEPS / 100.0)
+# One step from each anchor K and from its confirming anchor K+1: steps K+1 and K+2.
+TWO = np.sort(np.concatenate([ANCHORS + 1, ANCHORS + 2]))
+
+
+def two_step_verdict(test_gap: dict[int, float], *, logged: np.ndarray = TWO) -> MetricVerdict:
+    """The twin verdict of anchored jobs with confirming anchors: the twins' relative gap 2e-4 at every step,
+    the test's ``test_gap`` (step -> multiple of the tolerance) where given, 0 elsewhere."""
+    rule = ComparisonRule(metric="loss", method="twin")
+    control = Curve("loss", ALL_STEPS.copy(), ALL_CONTROL.copy())
+    at = ALL_CONTROL[logged - 1]
+    twins = [Curve("loss", logged.copy(), at * (1 + 2e-4 * np.cos(logged)))]
+    tol = one_step_tolerance(rule, [control], twins)
+    assert tol is not None
+    limit = tol.at(np.ones_like(logged), at)
+    gaps = np.asarray([test_gap.get(int(s), 0.0) for s in logged])
+    test = Curve("loss", logged.copy(), at + gaps * limit)
+    return anchored_verdict(
+        [rule],
+        [{"loss": control}],
+        {"loss": test},
+        every=EVERY,
+        anchored_twins=[{"loss": twins[0]}],
+    )
+
+
+def test_a_lone_spike_that_the_confirming_step_does_not_repeat_passes_and_is_said() -> None:
+    v = two_step_verdict({301: 3.0})  # 3x the tolerance one step from anchor 300; K+2 inside
+    assert v.passed, v.message
+    assert v.details["spikes_not_repeated"] == [300]
+    assert v.details["max_ratio"] == pytest.approx(3.0, rel=1e-6)
+    assert "not repeated at the confirming step" in v.message and "anchor 300" in v.message
+    assert v.steps_compared == ANCHORS.size  # the confirming steps are not anchors of their own
+
+
+def test_a_miss_that_the_confirming_step_repeats_fails_at_its_anchor() -> None:
+    v = two_step_verdict({301: 3.0, 302: 1.5})
+    assert not v.passed
+    assert v.details["anchor_step"] == 300 and v.first_divergent_step == 301
+    assert v.details["spikes_not_repeated"] == []
+
+
+def test_a_confirming_step_outside_alone_is_no_failure() -> None:
+    # K+2 (from the confirming anchor K+1) only confirms a miss at K+1.
+    v = two_step_verdict({302: 5.0})
+    assert v.passed, v.message
+
+
+def test_without_a_confirming_step_an_outright_miss_stands() -> None:
+    v = two_step_verdict({301: 3.0}, logged=ANCHORS + 1)  # no confirming anchors (paired)
+    assert not v.passed and v.details["anchor_step"] == 300
+    assert v.details["confirming_steps"] == 0
+
+
+def test_a_persistent_gap_fails_whatever_its_confirming_steps_say() -> None:
+    v = two_step_verdict({301: 0.9, 326: 0.9})  # 0.9 > 3/4 at two consecutive anchors
+    assert not v.passed and v.details["anchor_step"] == 300
+
+
+def test_the_twins_confirming_steps_size_the_tolerance_beside_their_first() -> None:
+    rule = ComparisonRule(metric="loss", method="twin")
+    control = Curve("loss", ALL_STEPS.copy(), ALL_CONTROL.copy())
+    gaps = np.where(TWO % EVERY == 2, 1e-3, 1e-4)  # the twin's K+2 draws are the larger ones
+    twin = Curve("loss", TWO.copy(), ALL_CONTROL[TWO - 1] * (1 + gaps))
+    tol = one_step_tolerance(rule, [control], [twin])
+    assert isinstance(tol, AnchoredTwinTolerance)
+    assert tol.relative_noise == pytest.approx(1e-3, rel=1e-6)

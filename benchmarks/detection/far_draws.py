@@ -50,6 +50,9 @@ from convergence.stats.anchored import PERSISTENT_FRACTION, anchored_verdict
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "BENCHMARKS.md"
 BEGIN, END = "<!-- draws:generated:begin -->", "<!-- draws:generated:end -->"
+#: Whether the twins' confirming steps size the envelope beside their judged ones (``--envelope
+#: judged``: the judged steps only, for the comparison).
+TWINS_CONFIRMING_SIZE = True
 #: Shares above these are counted for the tail (0.5: the persistence rule's fraction).
 TAIL_LEVELS = (0.5, 0.75)
 #: The tail fit uses the draws above this quantile.
@@ -92,6 +95,16 @@ def at_anchors(run: RunMetrics, anchors: Iterable[int]) -> RunMetrics:
     }
 
 
+def with_confirming(group: Group, anchors: Sequence[int]) -> list[int]:
+    """``anchors`` and, in the twin regime, each one's next anchor (whose step is the
+    confirming step K+2 of a 2-step anchored job, but from the control's state K+1), where
+    the dense run has it."""
+    if group.regime != "twin":
+        return list(anchors)
+    have = set(anchors_of(next(iter(group.anchored.values())))) if group.anchored else set()
+    return sorted({*anchors, *(a + 1 for a in anchors if a + 1 in have)})
+
+
 @dataclass(frozen=True)
 class PseudoPair:
     config: str
@@ -112,13 +125,24 @@ def judge_series(
     the twins' steps from the same anchors sizing the tolerance; and each anchor's share."""
     rules = trajectory_rules(group.regime, update=True)  # the gating rules the judge uses
     controls = [group.control, *group.twins]
-    twins = [at_anchors(t, anchors) for t in group.anchored_twins]
-    test = at_anchors(group.anchored[layout], anchors)
-    verdict = anchored_verdict(rules, controls, test, every=every, anchored_twins=twins)
+    # The twin regime's confirming step K+2 (stats/anchored.py CONFIRMING_STEP): here the
+    # dense anchored runs' step from the control's state K+1, for the test and the twins.
+    taken = with_confirming(group, anchors)
+    sized = taken if TWINS_CONFIRMING_SIZE else anchors
+    twins = [at_anchors(t, sized) for t in group.anchored_twins]
+    test = at_anchors(group.anchored[layout], taken)
+    verdict = anchored_verdict(
+        rules, controls, test, every=every, anchored_twins=twins, anchors=anchors
+    )
     shares = []
     for a in anchors:
         one = anchored_verdict(
-            rules, controls, at_anchors(test, [a]), every=every, anchored_twins=twins
+            rules,
+            controls,
+            at_anchors(test, [a]),
+            every=every,
+            anchored_twins=twins,
+            anchors=[a],
         )
         shares.append(float(one.details["max_ratio"]))
     return PseudoPair(
@@ -161,7 +185,12 @@ def run_wide_shares(group: Group, layout: str, every: int = AUTO_EVERY) -> dict[
     out = {}
     for a in anchors_of(test):
         v = anchored_verdict(
-            rules, controls, at_anchors(test, [a]), every=every, anchored_twins=group.anchored_twins
+            rules,
+            controls,
+            at_anchors(test, [a]),
+            every=every,
+            anchored_twins=group.anchored_twins,
+            anchors=[a],
         )
         out[a] = float(v.details["max_ratio"])
     return out
@@ -482,7 +511,10 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=list(HELD_BACK))
     parser.add_argument("--alarms", action="store_true", help="list every pseudo-pair alarm")
     parser.add_argument("--write", action="store_true", help="replace the tables in BENCHMARKS.md")
+    parser.add_argument("--envelope", choices=("both", "judged"), default="both")
     args = parser.parse_args()
+    global TWINS_CONFIRMING_SIZE
+    TWINS_CONFIRMING_SIZE = args.envelope == "both"
     groups = dense_groups(args.folder, args.configs)
     if not groups:
         print(f"no group with an anchor at every step in {args.folder}")

@@ -52,6 +52,7 @@ from convergence.metrics.jsonl import read_jsonl, read_part_norms
 from convergence.regimes import default_rules
 from convergence.spec.pair import ComparisonRule
 from convergence.stats.anchored import (
+    CONFIRMING_STEP,
     TRAJECTORY_HORIZON,
     anchored_verdict,
     judged_from_anchors,
@@ -85,12 +86,18 @@ def cut(run: RunMetrics, upto: int) -> RunMetrics:
     return {m: c.upto(upto) for m, c in run.items()}
 
 
-def every_nth(run: RunMetrics, every: int) -> RunMetrics:
+def every_nth(run: RunMetrics, every: int, confirming: bool = False) -> RunMetrics:
     """An anchored run's steps after anchors at multiples of ``every`` only (the saved runs
-    anchor more densely: an anchor every 10 is a subset of an anchor every 5)."""
+    anchor more densely: an anchor every 10 is a subset of an anchor every 5); with
+    ``confirming`` (the twin regime) each anchor's confirming step K+2 too
+    (stats/anchored.py CONFIRMING_STEP) -- in a run with an anchor at every step, the step
+    from the control's state K+1: as a 2-step anchored job's K+2 but for the one step of
+    rounding its K+1 carries (the real pairs' own K+2: BENCHMARKS.md "The confirming step")."""
     out: RunMetrics = {}
     for m, c in run.items():
         keep = (c.steps - 1) % every == 0
+        if confirming and every > 1:
+            keep |= (c.steps - CONFIRMING_STEP) % every == 0
         out[m] = Curve(m, c.steps[keep], c.values[keep])
     return out
 
@@ -115,7 +122,7 @@ class Group:
     def twins_every(self, every: int) -> list[RunMetrics]:
         """The anchored twins' steps after the anchors ``every`` apart (their one-step noise
         is a maximum over the anchors: the spacing judged must be the spacing sized by)."""
-        return [every_nth(t, every) for t in self.anchored_twins]
+        return [every_nth(t, every, self.regime == "twin") for t in self.anchored_twins]
 
     @property
     def regime(self) -> str:
@@ -269,7 +276,7 @@ def judge_pair(group: Group, case: str, rule: str) -> Judged | None:
             every = group.anchor_every
         shares: tuple[float, ...] = ()
         if every and anchored is not None:
-            a = every_nth(anchored, every)
+            a = every_nth(anchored, every, group.regime == "twin")
             verdicts.append(
                 anchored_verdict(
                     rules, controls, a, every=every, anchored_twins=group.twins_every(every)
@@ -300,7 +307,7 @@ def judge_pair(group: Group, case: str, rule: str) -> Judged | None:
             one = anchored_verdict(
                 one_step,
                 controls,
-                every_nth(anchored, every),
+                every_nth(anchored, every, group.regime == "twin"),
                 every=every,
                 anchored_twins=group.twins_every(every),
             )

@@ -8,7 +8,9 @@ hides).
     anchored job  the test's layout + request anchored_from=<those anchors>: one step from
                   each anchor (never cached: it is part of what is under test)
     twins         the twin regime's twins, one step from the same anchors (cached: they
-                  start from the control's state), where a rule sizes its envelope from twins
+                  start from the control's state), where a rule sizes its envelope from twins;
+                  there the control also saves each anchor's next state K+1 (confirming
+                  anchors), and the test and the twins train one step from those too
 
 A failed anchored verdict is probed from the failing anchor itself (both layouts load it and
 probe the step after it) when the curves had not parted before it: no replay up to there.
@@ -72,10 +74,12 @@ KEY_DOC = (
     "must match the control's own next step at the one-step tolerance (twin pairs: sized by "
     "the twins' one step from the same states; a gap above 3/4 of it at two consecutive "
     "anchors also fails; each part's grad norm, `grad_norm/<part>`, is held to its own twin "
-    "envelope at 2.5x the k), so a bug that starts late is judged against one step of "
-    "rounding, not a long run's drift. A failure names the anchor step and the probe starts "
-    "from it. Cost: one anchored test job of `steps / N` steps, and per control group one "
-    "checkpoint every N steps plus one anchored job per twin"
+    "envelope at 2.5x the k; the control also saves each anchor's next state, and a miss "
+    "one step from an anchor fails only if one step from that next state misses too), so a "
+    "bug that starts late is judged against one step of rounding, not a long run's drift. A "
+    "failure names the anchor step and the probe starts from it. Cost: one anchored test job "
+    "of `steps / N` steps, and per control group one checkpoint every N steps plus one "
+    "anchored job per twin (twin pairs: twice the steps and checkpoints)"
 )
 
 
@@ -120,10 +124,13 @@ class AnchoredCheck:
 
     def control_jobs(self, pair: PairSpec, jobs: Sequence[JobSpec]) -> tuple[JobSpec, ...]:
         """Only the control saves anchors: the twins size the tolerance, nothing starts from
-        their state."""
+        their state. Where twins size it, the control saves each anchor's next state too
+        (confirming anchors: stats/anchored.py CONFIRMING_STEP)."""
         out = list(jobs)
         if out:
-            out[0] = out[0].asking(anchor_every=anchor_spacing(pair))
+            every = anchor_spacing(pair)
+            confirming = every > 1 and sized_by_twins(pair, len(out))
+            out[0] = out[0].asking(anchor_every=every, confirming_anchors=confirming)
         return tuple(out)
 
     def extra_jobs(self, pair: PairSpec, ran: Ran, backend: Backend) -> tuple[ExtraJob, ...]:
@@ -139,9 +146,7 @@ class AnchoredCheck:
                 fix=f"run more than {every} steps, or set a smaller anchor_every",
             )
         jobs = [ExtraJob(TEST, "test", anchored_job(pair.test, folder), cacheable=False)]
-        if len(ran.controls) > 1 and any(
-            r.gate and get_comparison(r.method).anchored_twins for r in pair.rules
-        ):
+        if sized_by_twins(pair, len(ran.controls)):
             jobs += [
                 ExtraJob(TWINS, "control", anchored_job(side.job, folder), cacheable=True)
                 for side in ran.controls[1:]
@@ -190,6 +195,14 @@ class AnchoredCheck:
             head={"anchor_step": anchor},
             failed=f"at anchor {anchor}",
         )
+
+
+def sized_by_twins(pair: PairSpec, controls: int) -> bool:
+    """Whether the pair's one-step tolerance comes from anchored twins: a control group with
+    twins (``controls`` > 1) and a gating rule whose method sizes its envelope from them."""
+    return controls > 1 and any(
+        r.gate and get_comparison(r.method).anchored_twins for r in pair.rules
+    )
 
 
 def anchor_spacing(pair: PairSpec) -> int:

@@ -2,6 +2,8 @@
 
     anchor_every = N            save the whole training state after every N-th step
                                 (the anchored check's control: convergence/checks/anchored.py)
+    confirming_anchors = True   with anchor_every: also after each anchor's next step K+1
+                                (the twin regime's confirming anchors: stats/anchored.py)
     anchored_from = F           train one step from each anchor in F (the anchored job)
     save_at = K, save_folder = F
                                 checkpoint after step K into F and stop (a resuming side's
@@ -29,6 +31,9 @@ class TrainerRequest:
 
     anchor_every: int = 0
     """Save an anchor (the whole training state) after every N-th step but the last (0: none)."""
+    confirming_anchors: bool = False
+    """With ``anchor_every``: also save the state after each anchor's next step K+1, so that
+    one step from it confirms (or not) an outright miss one step from K."""
     anchored_from: Path | None = None
     """The control's anchors folder: train one logged step from each anchor, nothing else."""
     save_at: int = 0
@@ -47,6 +52,8 @@ class TrainerRequest:
                 raise ValueError(f"TrainerRequest.{name} must be an integer >= 0, got {value!r}")
         if bool(self.save_at) != (self.save_folder is not None):
             raise ValueError("TrainerRequest: save_at and save_folder go together")
+        if self.confirming_anchors and not self.anchor_every:
+            raise ValueError("TrainerRequest: confirming_anchors goes with anchor_every")
         if self.anchor_every and self.anchored_from is not None:
             raise ValueError("TrainerRequest: a job saves anchors or trains from them, not both")
 
@@ -65,6 +72,8 @@ class TrainerRequest:
         out: list[tuple[str, str]] = []
         if self.anchor_every:
             out.append(("checkpoint.anchor_every", str(self.anchor_every)))
+        if self.confirming_anchors:  # absent otherwise: the plain controls keep their keys
+            out.append(("checkpoint.confirming_anchors", "true"))
         if self.anchored_from is not None:
             # One logged step after each anchor, no validation pass: the control's anchored
             # steps are compared on the training metrics.

@@ -8,7 +8,9 @@ bug's full one-step effect however late it starts. So:
 
     control job  (checkpoint.anchor_every = N): trains as usual and, after every N-th step K
                  (K < steps), writes a training checkpoint (convergence.trainer.resume: model,
-                 AdamW state, data and schedule position, RNG) to <dump>/anchors/step<K>
+                 AdamW state, data and schedule position, RNG) to <dump>/anchors/step<K>;
+                 with checkpoint.confirming_anchors also after each step K+1 (the twin
+                 regime's confirming anchors: convergence.stats.anchored CONFIRMING_STEP)
     anchored job (checkpoint.anchored_from = that folder), under the TEST layout: for each
                  anchor K, loads it (DCP reshards it onto this layout) and trains the steps
                  K+1..K+m (checkpoint.anchored_steps = m, 1 by default) on the same batches;
@@ -37,10 +39,15 @@ def anchor_path(folder: str | Path, step: int) -> Path:
 
 
 def saves_anchor(cfg: TrainConfig, step: int) -> bool:
-    """Whether the control writes an anchor after ``step`` (never after the last one: no step
-    follows it to compare)."""
+    """Whether the control writes an anchor after ``step``: every ``anchor_every``-th step
+    and, with ``confirming_anchors``, each one's next step too; never after the last one (no
+    step follows it to compare)."""
     every = cfg.checkpoint.anchor_every
-    return every > 0 and step % every == 0 and step < cfg.training.steps
+    if every <= 0 or step >= cfg.training.steps:
+        return False
+    # A confirming anchor: the state after the step that follows an anchor K (K >= every).
+    confirming = cfg.checkpoint.confirming_anchors and step > every and (step - 1) % every == 0
+    return step % every == 0 or confirming
 
 
 def anchors_in(folder: str | Path) -> list[int]:

@@ -250,6 +250,10 @@ class CheckpointConfig:
     """Anchors (convergence.trainer.anchors): also write a training checkpoint after every
     `anchor_every`-th step (before the last) into `<dump_folder>/anchors/step<K>`, and go on
     training. 0 = never."""
+    confirming_anchors: bool = False
+    """With `anchor_every`: also write the state after each anchor's next step K+1 (as
+    `anchors/step<K+1>`): the twin regime's confirming anchors (convergence.stats.anchored
+    CONFIRMING_STEP: one step from K+1 confirms, or not, an outright miss one step from K)."""
     anchored_from: str = ""
     """Anchored steps (convergence.trainer.anchors): for each anchor K in this folder (written
     by another job's `anchor_every`), load it under this job's layout and train the steps

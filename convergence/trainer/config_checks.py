@@ -354,6 +354,13 @@ def _check_resume(cfg: TrainConfig, fail: Fail) -> None:
         )
     if ckpt.anchor_every < 0:
         fail("checkpoint.anchor_every", "must be >= 0", "set it to N >= 1, or 0 for none")
+    if ckpt.confirming_anchors and ckpt.anchor_every < 2:
+        fail(
+            "checkpoint.confirming_anchors",
+            f"needs anchor_every >= 2 (got {ckpt.anchor_every}): it adds the state after each "
+            "anchor's next step",
+            "set checkpoint.anchor_every = N >= 2, or drop confirming_anchors",
+        )
     if ckpt.anchored_steps < 1:
         fail(
             "checkpoint.anchored_steps",

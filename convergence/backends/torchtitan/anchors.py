@@ -7,7 +7,8 @@ and the launcher's:
     control   request anchor_every=N
               --checkpoint.enable --checkpoint.folder=<dump>/anchors --checkpoint.interval=N
               (torchtitan saves model, optimizer, LR schedulers, dataloader and train state
-              after every N-th step, each rank its own shards), and the launcher
+              after every N-th step, each rank its own shards; with confirming_anchors also
+              after each one's next step: interval 1, the launcher keeps those), and the launcher
               (--convergence.anchor_every=N) starts from the seed checkpoint whatever the
               folder holds, skips torchtitan's forced save of the last step (no step follows
               it to compare) and, after each save, rank 0 writes <folder>/MANIFEST: what the
@@ -54,7 +55,9 @@ def torchtitan_words(request: TrainerRequest, dump_dir: Path) -> list[str]:
         return [
             "--checkpoint.enable",
             f"--checkpoint.folder={DumpDir(dump_dir).anchors}",  # absolute
-            f"--checkpoint.interval={request.anchor_every}",
+            # Confirming anchors need the steps K+1 too: torchtitan offers every step and
+            # save_anchors keeps the anchors' own.
+            f"--checkpoint.interval={1 if request.confirming_anchors else request.anchor_every}",
             "--checkpoint.no-load_only",
             # Keep every anchor: no purge thread.
             "--checkpoint.keep_latest_k=0",
@@ -71,7 +74,8 @@ def torchtitan_words(request: TrainerRequest, dump_dir: Path) -> list[str]:
 def launch_words(request: TrainerRequest) -> list[str]:
     """The launcher's options (convergence/backends/torchtitan/launch.py)."""
     if request.anchor_every:
-        return [f"--convergence.anchor_every={request.anchor_every}"]
+        confirming = ["--convergence.confirming_anchors"] if request.confirming_anchors else []
+        return [f"--convergence.anchor_every={request.anchor_every}", *confirming]
     if request.anchored_from is not None:
         return [f"--convergence.anchored_from={request.anchored_from}"]
     return []
@@ -115,9 +119,16 @@ def check_anchors(folder: str, wanted: dict[str, Any]) -> list[int]:
     return anchors
 
 
-def save_anchors(trainer: Any, every: int) -> None:
+def is_anchor(step: int, every: int, confirming: bool) -> bool:
+    """Whether the control saves after ``step``: every ``every``-th and, with ``confirming``,
+    each one's next step (the built-in trainer's rule: convergence/trainer/anchors.py)."""
+    return step % every == 0 or (confirming and step > every and (step - 1) % every == 0)
+
+
+def save_anchors(trainer: Any, every: int, confirming: bool = False) -> None:
     """The control, before torchtitan's loop: its checkpointer saves after every ``every``-th
-    step (``checkpoint.interval``) but not after the last; rank 0 lists each anchor in the
+    step (``checkpoint.interval``; with ``confirming``, each one's next step too: the twin
+    regime's confirming anchors) but not after the last; rank 0 lists each anchor in the
     manifest once it is written. Always from the seed checkpoint: anchors a previous attempt
     left are never loaded."""
     import torch.distributed as dist
@@ -129,7 +140,11 @@ def save_anchors(trainer: Any, every: int) -> None:
     written: list[int] = []
 
     def save_anchor(curr_step: int, last_step: bool = False) -> bool:
-        if last_step or curr_step >= trainer.config.training.steps or curr_step % every:
+        if (
+            last_step
+            or curr_step >= trainer.config.training.steps
+            or not is_anchor(curr_step, every, confirming)
+        ):
             return False
         saved = bool(save(curr_step, last_step=False))
         if saved and (not dist.is_initialized() or dist.get_rank() == 0):

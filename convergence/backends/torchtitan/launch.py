@@ -53,7 +53,7 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
             rest.append(word)
             continue
         key, sep, value = word[len(PREFIX) :].partition("=")
-        if key in ("cpu", "mxfp8"):
+        if key in ("cpu", "mxfp8", "confirming_anchors"):
             ours[key] = True
         elif key in ("hook", "hook_mode", "log", "resume_from", "anchored_from", "float8") and sep:
             ours[key] = value
@@ -64,7 +64,8 @@ def split_argv(argv: list[str]) -> tuple[LaunchOptions, list[str]]:
                 f"the torchtitan launcher: unknown option {word!r} (use "
                 f"{PREFIX}cpu, {PREFIX}hook=M:F, {PREFIX}hook_mode=after, "
                 f"{PREFIX}log=PATH, {PREFIX}stop_after=K, {PREFIX}resume_from=DIR, "
-                f"{PREFIX}anchor_every=N, {PREFIX}anchored_from=DIR, {PREFIX}probe_step=K)"
+                f"{PREFIX}anchor_every=N, {PREFIX}confirming_anchors, "
+                f"{PREFIX}anchored_from=DIR, {PREFIX}probe_step=K)"
             )
     return LaunchOptions(**ours), tyro_form(rest)
 

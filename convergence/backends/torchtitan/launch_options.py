@@ -31,6 +31,9 @@ class LaunchOptions:
     anchor_every: int = 0
     """The anchored check's control: save an anchor after every N-th step (0: none;
     convergence/backends/torchtitan/anchors.py)."""
+    confirming_anchors: bool = False
+    """With ``anchor_every``: also save after each anchor's next step (the twin regime's
+    confirming anchors)."""
     anchored_from: str = ""
     """The anchored job: the control's anchors folder, one step trained from each."""
     float8: str = ""

@@ -96,6 +96,7 @@ class ConvergenceTrainer(Trainer):  # type: ignore[misc]  # torchtitan: untyped 
             "stop_after": o.stop_after,
             "resume_from": o.resume_from,
             "anchor_every": o.anchor_every,
+            "confirming_anchors": o.confirming_anchors,
             "anchored_from": o.anchored_from,
             "float8": o.float8,
             "mxfp8": o.mxfp8,
@@ -114,7 +115,7 @@ class ConvergenceTrainer(Trainer):  # type: ignore[misc]  # torchtitan: untyped 
         elif options.resume_from:
             resume.check_resume(self, options.resume_from)
         if options.anchor_every:
-            anchors.save_anchors(self, options.anchor_every)
+            anchors.save_anchors(self, options.anchor_every, options.confirming_anchors)
         if options.stop_after:
             resume.from_the_seed(self)
         super().train()
