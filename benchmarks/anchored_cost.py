@@ -4,7 +4,9 @@ Runs the built-in trainer directly (stock ``torch.distributed.run``, one OpenMP 
 rank), the CPU seconds of each job being its whole process tree's (``RUSAGE_CHILDREN``):
 
     control            FSDP(2), N steps, no anchors (what every pair's control costs today)
-    control + anchors  the same with checkpoint.anchor_every = E (a checkpoint every E steps)
+    control + anchors  the same with checkpoint.anchor_every = E (a checkpoint every E steps);
+                       with --confirming, also with checkpoint.confirming_anchors (the twin
+                       regime's control: each anchor's next state too)
     anchored test      the test layout, one step from each anchor (checkpoint.anchored_from);
                        with --anchored-steps M, M steps from each (checkpoint.anchored_steps)
     test               the test layout's own N-step job, for scale
@@ -14,7 +16,7 @@ its pairs) the anchor saves and, in the twin regime, one anchored job per twin (
 anchored test job of the twin's layout).
 
     python benchmarks/anchored_cost.py --steps 500 --every 25 --precision bf16 \
-        [--anchored-steps 1 8]
+        [--anchored-steps 1 8] [--confirming]
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ def main() -> int:
         default=[1],
         help="steps from each anchor (checkpoint.anchored_steps): one anchored row per value",
     )
+    parser.add_argument(
+        "--confirming",
+        action="store_true",
+        help="also the twin regime's control with confirming anchors (each anchor's next "
+        "state) and the anchored test from all of them",
+    )
     args = parser.parse_args()
     common = [f"--training.steps={args.steps}"]
     if args.precision == "bf16":
@@ -113,6 +121,31 @@ def main() -> int:
             ),
             ("test (fsdp2-tp2)", 4, [*common, *test, f"--metrics.dump_folder={out / 't'}"]),
         ]
+        if args.confirming:
+            jobs += [
+                (
+                    "control + anchors + confirming anchors",
+                    2,
+                    [
+                        *common,
+                        *control,
+                        f"--metrics.dump_folder={out / 'cc'}",
+                        f"--checkpoint.anchor_every={args.every}",
+                        "--checkpoint.confirming_anchors=true",
+                    ],
+                ),
+                (
+                    "anchored test (fsdp2-tp2, one step from each anchor and confirming anchor)",
+                    4,
+                    [
+                        *common,
+                        *test,
+                        f"--metrics.dump_folder={out / 'ac'}",
+                        f"--checkpoint.anchored_from={out / 'cc' / 'anchors'}",
+                        "--metrics.val_every=0",
+                    ],
+                ),
+            ]
         for name, nproc, job_args in jobs:
             wall, cpu = run(nproc, job_args)
             rows.append((name, nproc, wall, cpu))

@@ -233,6 +233,7 @@ def test_a_lone_spike_that_the_confirming_step_does_not_repeat_passes_and_is_sai
     assert v.details["max_ratio"] == pytest.approx(3.0, rel=1e-6)
     assert "not repeated at the confirming step" in v.message and "anchor 300" in v.message
     assert v.steps_compared == ANCHORS.size  # the confirming steps are not anchors of their own
+    assert f"{ANCHORS.size} confirming states beside them" in v.message
 
 
 def test_a_miss_that_the_confirming_step_repeats_fails_at_its_anchor() -> None:

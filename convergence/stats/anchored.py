@@ -348,9 +348,10 @@ def anchored_verdict(
             gate=True,
             steps_compared=count,
             tolerance=tolerance,
-            message=f"anchored: from each of {count} control states (every {every} steps) the "
-            f"test layout matches the control after one step ({worst:.2g}x of the one-step "
-            f"tolerance at worst){_spikes_said(spikes)}{_flips_said(details)}",
+            message=f"anchored: from each of {count} control states (every {every} steps"
+            f"{_confirming_said(len(judged.confirming_seen))}) the test layout matches the "
+            f"control after one step ({worst:.2g}x of the one-step tolerance at worst)"
+            f"{_spikes_said(spikes)}{_flips_said(details)}",
             details={**details, "max_ratio": worst},
         )
     first_step = min(m.step for m in misses)
@@ -380,6 +381,10 @@ def anchored_verdict(
             "max_ratio": max(ratios.values()),
         },
     )
+
+
+def _confirming_said(confirming: int) -> str:
+    return f"; {confirming} confirming states beside them" if confirming else ""
 
 
 def _spikes_said(spikes: Sequence[int]) -> str:
