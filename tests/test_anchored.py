@@ -105,20 +105,20 @@ def test_a_twin_pair_saves_confirming_anchors_and_judges_one_step_from_each(
         name="fsdp2-cp2-bf16", kind="correct", parallelism=correct.parallelism, precision="bf16"
     )
     (tmp_path / "exp").mkdir()
-    pair = build_pairs([case], tmp_path / "exp", steps=25, anchor_every=EVERY)[case.name]
+    pair = build_pairs([case], tmp_path / "exp", steps=12, anchor_every=5)[case.name]
     runner = Runner(RunSettings(work_dir=tmp_path / "work", idle_limit_s=180, wall_limit_s=600))
     outcome = runner.run_pair(pair)
     assert outcome.status in ("passed", "failed"), outcome.error
     anchored_sides = [s for s in outcome.extra_sides if s.job.name.endswith("-anchored")]
     assert len(anchored_sides) >= 2, [s.job.name for s in outcome.extra_sides]  # test + twins
     for side in anchored_sides:
-        assert side.metrics["loss"].steps.tolist() == [11, 12, 21, 22], side.job.name
+        assert side.metrics["loss"].steps.tolist() == [6, 7, 11, 12], side.job.name
         assert side.job.request.anchored_from is not None
     assert outcome.control is not None and outcome.control.run_dir is not None
     assert outcome.control.job.request.confirming_anchors
     saved = sorted(p.name for p in (outcome.control.run_dir / "dump" / "anchors").iterdir())
-    assert saved == ["step10", "step11", "step20", "step21"], saved
+    assert saved == ["step10", "step11", "step5", "step6"], saved
     verdict = outcome.verdict("anchored")
-    assert verdict is not None and verdict.steps_compared == 2, verdict  # anchors 10 and 20
-    assert verdict.details["anchors"] == [10, 20]
+    assert verdict is not None and verdict.steps_compared == 2, verdict  # anchors 5 and 10
+    assert verdict.details["anchors"] == [5, 10]
     assert verdict.details["confirming_steps"] == 2, verdict.details
