@@ -116,7 +116,7 @@ def test_the_anchor_keys_become_torchtitans_options(tmp_path: Path) -> None:
 def test_confirming_anchors_save_every_anchors_next_step_too(tmp_path: Path) -> None:
     """The twin regime's control (checks/anchored.py): torchtitan offers a save after every
     step (interval 1) and the launcher keeps the anchors and their next steps."""
-    from convergence.backends.torchtitan.anchors import is_anchor
+    from convergence.spec.trainer_request import saves_anchor_after
 
     path = write_toml(
         tmp_path / "experiments" / "tt_anchors.toml",
@@ -128,8 +128,16 @@ def test_confirming_anchors_save_every_anchors_next_step_too(tmp_path: Path) -> 
     options = split_argv(backend.train_entry(control, tmp_path / "c", tmp_path / "seed")[2:])[0]
     assert (options.anchor_every, options.confirming_anchors) == (EVERY, True)
     assert backend.effective_config(control).checkpoint.interval == 1
-    assert [s for s in range(1, STEPS) if is_anchor(s, EVERY, True)] == [4, 5, 8, 9]
-    assert [s for s in range(1, STEPS) if is_anchor(s, EVERY, False)] == [4, 8]
+
+    def saved(confirming: bool) -> list[int]:
+        return [
+            s
+            for s in range(1, STEPS)
+            if saves_anchor_after(s, every=EVERY, confirming=confirming, steps=STEPS)
+        ]
+
+    assert saved(True) == [4, 5, 8, 9]
+    assert saved(False) == [4, 8]
 
 
 def test_another_dp_degree_is_a_collection_error(tmp_path: Path) -> None:

@@ -25,6 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def saves_anchor_after(step: int, *, every: int, confirming: bool, steps: int) -> bool:
+    """Whether a control asked for ``anchor_every = every`` (and ``confirming_anchors``) saves
+    its state after ``step`` of a ``steps``-step run: after every ``every``-th step and, with
+    ``confirming``, after each one's next step K+1 (K >= every); never after the last step (no
+    step follows it to compare). Each trainer's saves follow this one rule (the built-in
+    trainer: convergence/trainer/anchors.py; torchtitan: backends/torchtitan/anchors.py)."""
+    if every <= 0 or step >= steps:
+        return False
+    return step % every == 0 or (confirming and step > every and (step - 1) % every == 0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainerRequest:
     """The parts the library asks for; the default (empty) request asks nothing."""

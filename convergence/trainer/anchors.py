@@ -28,6 +28,7 @@ from pathlib import Path
 
 from convergence.spec import run_dir
 from convergence.spec.run_dir import DumpDir
+from convergence.spec.trainer_request import saves_anchor_after
 from convergence.trainer import resume
 from convergence.trainer.config import TrainConfig
 from convergence.trainer.data import BatchPlan
@@ -42,12 +43,13 @@ def saves_anchor(cfg: TrainConfig, step: int) -> bool:
     """Whether the control writes an anchor after ``step``: every ``anchor_every``-th step
     and, with ``confirming_anchors``, each one's next step too; never after the last one (no
     step follows it to compare)."""
-    every = cfg.checkpoint.anchor_every
-    if every <= 0 or step >= cfg.training.steps:
-        return False
-    # A confirming anchor: the state after the step that follows an anchor K (K >= every).
-    confirming = cfg.checkpoint.confirming_anchors and step > every and (step - 1) % every == 0
-    return step % every == 0 or confirming
+    ckpt = cfg.checkpoint
+    return saves_anchor_after(
+        step,
+        every=ckpt.anchor_every,
+        confirming=ckpt.confirming_anchors,
+        steps=cfg.training.steps,
+    )
 
 
 def anchors_in(folder: str | Path) -> list[int]:

@@ -41,7 +41,7 @@ from typing import Any
 
 from convergence.backends.torchtitan import resume
 from convergence.spec.run_dir import DumpDir, anchor_of
-from convergence.spec.trainer_request import TrainerRequest
+from convergence.spec.trainer_request import TrainerRequest, saves_anchor_after
 
 #: What the control trained for and its anchors so far (rank 0, in the anchors folder).
 MANIFEST = "convergence_anchors.json"
@@ -119,12 +119,6 @@ def check_anchors(folder: str, wanted: dict[str, Any]) -> list[int]:
     return anchors
 
 
-def is_anchor(step: int, every: int, confirming: bool) -> bool:
-    """Whether the control saves after ``step``: every ``every``-th and, with ``confirming``,
-    each one's next step (the built-in trainer's rule: convergence/trainer/anchors.py)."""
-    return step % every == 0 or (confirming and step > every and (step - 1) % every == 0)
-
-
 def save_anchors(trainer: Any, every: int, confirming: bool = False) -> None:
     """The control, before torchtitan's loop: its checkpointer saves after every ``every``-th
     step (``checkpoint.interval``; with ``confirming``, each one's next step too: the twin
@@ -140,10 +134,9 @@ def save_anchors(trainer: Any, every: int, confirming: bool = False) -> None:
     written: list[int] = []
 
     def save_anchor(curr_step: int, last_step: bool = False) -> bool:
-        if (
-            last_step
-            or curr_step >= trainer.config.training.steps
-            or not is_anchor(curr_step, every, confirming)
+        steps = int(trainer.config.training.steps)
+        if last_step or not saves_anchor_after(
+            curr_step, every=every, confirming=confirming, steps=steps
         ):
             return False
         saved = bool(save(curr_step, last_step=False))
